@@ -1,0 +1,5 @@
+import sys
+
+from jaxvllm.cli import main
+
+sys.exit(main())

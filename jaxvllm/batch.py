@@ -1,0 +1,32 @@
+"""The flat batch one engine step feeds to the model (built on the host with numpy)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class ModelInputs:
+    """T = padded token count, S = sequence rows (padded to a fixed count by the runner).
+
+    input_ids [T], positions [T]: the tokens computed this step and their positions.
+    slot_mapping [T]: cache slot (block_id * block_size + offset) each token's K/V goes
+        to; -1 for padding tokens.
+    query_start_loc [S+1]: sequence s owns tokens query_start_loc[s]:query_start_loc[s+1]
+        (padding sequences repeat the last value: zero tokens).
+    seq_lens [S]: context length of each sequence after this step (cached + new).
+    block_tables [S, max_blocks]: physical block ids of each sequence, in logical order.
+    logits_indices [R]: the token rows that get logits (the runner asks for each
+        sequence's last token, R = S; a test may ask for every row).
+    """
+
+    input_ids: jax.Array
+    positions: jax.Array
+    slot_mapping: jax.Array
+    query_start_loc: jax.Array
+    seq_lens: jax.Array
+    block_tables: jax.Array
+    logits_indices: jax.Array

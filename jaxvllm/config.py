@@ -1,0 +1,167 @@
+"""Model configuration: what the engine needs from a HF `config.json`, as a hashable dataclass.
+
+The dataclass is frozen and made of plain values so that it can be a static argument of
+`jax.jit`: one compiled step per (config, shape bucket).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+# Every architecture here is a Llama-family decoder; they differ only in the flags below.
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters (HF `rope_parameters`, or `rope_theta` + `rope_scaling`)."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def inv_freq(self, head_dim: int) -> np.ndarray:
+        """Inverse frequencies [head_dim // 2] in float32, as transformers computes them."""
+        exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim
+        inv_freq = (1.0 / (self.theta**exponents)).astype(np.float32)
+        if self.rope_type == "linear":
+            return inv_freq / np.float32(self.factor)
+        if self.rope_type == "llama3":
+            low_wavelen = self.original_max_position_embeddings / self.low_freq_factor
+            high_wavelen = self.original_max_position_embeddings / self.high_freq_factor
+            wavelen = 2 * math.pi / inv_freq
+            scaled = np.where(wavelen > low_wavelen, inv_freq / self.factor, inv_freq)
+            smooth = (self.original_max_position_embeddings / wavelen - self.low_freq_factor) / (
+                self.high_freq_factor - self.low_freq_factor
+            )
+            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+            medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+            return np.where(medium, smoothed, scaled).astype(np.float32)
+        return inv_freq
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    # Per layer: None = full causal attention, W = attend to the last W positions only.
+    sliding_windows: tuple[int | None, ...] = ()
+    dtype: str = "float32"  # the checkpoint's dtype, used by dtype="auto"
+    initializer_range: float = 0.02
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_params(self) -> int:
+        d, f, hd = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = d * hd * (2 * self.num_heads + 2 * self.num_kv_heads)
+        layer = attn + 3 * d * f + 2 * d
+        head = 0 if self.tie_word_embeddings else self.vocab_size * d
+        return self.vocab_size * d + self.num_layers * layer + d + head
+
+    @classmethod
+    def from_hf(cls, hf: Any) -> "ModelConfig":
+        """Build from a transformers `PretrainedConfig`; refuse what the models cannot run."""
+        archs = list(getattr(hf, "architectures", None) or [])
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {archs or '(none in config.json)'}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        act = getattr(hf, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"{arch}: hidden_act {act!r} is not supported (only 'silu')")
+        num_heads = hf.num_attention_heads
+        eos = getattr(hf, "eos_token_id", None)
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or "float32"
+        attention_bias = bool(getattr(hf, "attention_bias", False))
+        return cls(
+            architecture=arch,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // num_heads,
+            rms_norm_eps=hf.rms_norm_eps,
+            rope=_rope_from_hf(hf, arch),
+            max_position_embeddings=hf.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v bias and no o bias; Llama and Qwen3 follow `attention_bias`.
+            qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
+            o_bias=arch != "Qwen2ForCausalLM" and attention_bias,
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_windows=_sliding_windows_from_hf(hf, arch),
+            dtype=str(dtype).removeprefix("torch."),
+            initializer_range=getattr(hf, "initializer_range", 0.02),
+            bos_token_id=getattr(hf, "bos_token_id", None),
+            eos_token_ids=eos_ids,
+        )
+
+
+def _rope_from_hf(hf: Any, arch: str) -> RopeConfig:
+    # transformers 5 folds theta and scaling into `rope_parameters`; 4.x has them apart.
+    params = dict(getattr(hf, "rope_parameters", None) or {})
+    if not params:
+        params = dict(getattr(hf, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(hf, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in _SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"{arch}: rope type {rope_type!r} is not supported (supported: {', '.join(_SUPPORTED_ROPE_TYPES)})"
+        )
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"{arch}: partial_rotary_factor != 1 is not supported")
+    fields = {
+        "factor": params.get("factor", 1.0),
+        "low_freq_factor": params.get("low_freq_factor", 1.0),
+        "high_freq_factor": params.get("high_freq_factor", 4.0),
+        "original_max_position_embeddings": params.get(
+            "original_max_position_embeddings", hf.max_position_embeddings
+        ),
+    }
+    return RopeConfig(theta=float(params["rope_theta"]), rope_type=rope_type, **fields)
+
+
+def _sliding_windows_from_hf(hf: Any, arch: str) -> tuple[int | None, ...]:
+    n = hf.num_hidden_layers
+    window = getattr(hf, "sliding_window", None)
+    if arch == "MistralForCausalLM":
+        return (window,) * n
+    # Qwen2/Qwen3 say per layer which layers slide (transformers sets `layer_types`).
+    layer_types = getattr(hf, "layer_types", None) or ["full_attention"] * n
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and window is not None:
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    return (None,) * n

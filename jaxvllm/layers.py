@@ -1,0 +1,72 @@
+"""Building blocks of the decoder: norm, rotary embedding, MLP, and paged attention.
+
+Attention is where backends plug in: `attention_backend` picks the implementation of
+the same contract (see `pallas_kernels/ragged_paged_attention.py`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxvllm.batch import ModelInputs
+from jaxvllm.config import ModelConfig, RopeConfig
+from pallas_kernels import ragged_paged_attention_reference, write_kv_reference
+
+ATTENTION_BACKENDS = ("reference",)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis, computed in float32 and cast back, as transformers does."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, rope: RopeConfig) -> jax.Array:
+    """Rotate x [T, heads, head_dim] by its positions (HF's rotate-half convention)."""
+    head_dim = x.shape[-1]
+    inv_freq = jnp.asarray(rope.inv_freq(head_dim))
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, None, :]  # [T, 1, D]
+    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+    half = head_dim // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def paged_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    kv_cache: tuple[jax.Array, jax.Array],
+    inputs: ModelInputs,
+    *,
+    sm_scale: float,
+    sliding_window: int | None,
+    backend: str,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """Write this step's k/v into the cache, then attend; returns (out, new cache)."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose from {ATTENTION_BACKENDS}")
+    k_cache, v_cache = write_kv_reference(*kv_cache, k, v, inputs.slot_mapping)
+    out = ragged_paged_attention_reference(
+        q,
+        k_cache,
+        v_cache,
+        inputs.positions,
+        inputs.query_start_loc,
+        inputs.seq_lens,
+        inputs.block_tables,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+    )
+    return out, (k_cache, v_cache)
+
+
+def allocate_kv_caches(
+    cfg: ModelConfig, num_blocks: int, block_size: int, dtype
+) -> list[tuple[jax.Array, jax.Array]]:
+    """Zeroed per-layer (k_cache, v_cache), each [num_kv_heads, num_blocks, block_size, head_dim]."""
+    shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
+    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)]

@@ -1,0 +1,149 @@
+"""Load a local HF checkpoint (config.json + safetensors) into a params pytree of jax arrays."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from safetensors import SafetensorError, safe_open
+
+from jaxvllm.config import ModelConfig
+from jaxvllm.models import MODELS
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+_INDEX_FILE = "model.safetensors.index.json"
+
+
+def load_config(model: str | Path) -> ModelConfig:
+    """Read `config.json` with transformers' AutoConfig; never touches the network."""
+    from transformers import AutoConfig
+
+    path = Path(model)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {str(path)!r} does not exist (jaxvllm loads local checkpoints only)")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in {str(path)!r}")
+    try:
+        hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # transformers raises several types for a bad or unknown config
+        raise ValueError(f"cannot read {path / 'config.json'}: {e}") from e
+    return ModelConfig.from_hf(hf_config)
+
+
+def resolve_dtype(dtype: str, cfg: ModelConfig):
+    name = cfg.dtype if dtype == "auto" else dtype
+    if name not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; choose from 'auto', {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def load_model(
+    model: str | Path,
+    *,
+    dtype: str = "auto",
+    load_format: str = "auto",
+    seed: int = 0,
+) -> tuple[ModelConfig, dict]:
+    """Return (config, params) with params in `dtype` ("auto" = the checkpoint's dtype).
+
+    load_format "dummy" builds random weights from config.json alone, for benchmarks.
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format {load_format!r} is not supported; choose from {LOAD_FORMATS}")
+    cfg = load_config(model)
+    jdtype = resolve_dtype(dtype, cfg)
+    if load_format == "dummy":
+        return cfg, dummy_params(cfg, jdtype, seed)
+    return cfg, load_safetensors(Path(model), cfg, jdtype)
+
+
+def _tensor_files(path: Path) -> dict[str, Path]:
+    """Map each tensor name to its file, from the index (sharded) or the files' headers."""
+    index = path / _INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as e:
+            raise ValueError(f"{index} is not a valid safetensors index: {e}") from e
+        files = {name: path / file for name, file in weight_map.items()}
+        for file in sorted(set(files.values())):
+            if not file.is_file():
+                raise FileNotFoundError(f"{index} lists {file.name}, which is missing from {path}")
+        return files
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    files = {}
+    for file in shards:
+        with _open(file) as f:
+            files.update(dict.fromkeys(f.keys(), file))
+    return files
+
+
+def _open(file: Path):
+    try:
+        return safe_open(str(file), framework="flax")
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"cannot read safetensors file {file}: {e}") from e
+
+
+def load_safetensors(path: Path, cfg: ModelConfig, dtype) -> dict:
+    specs = MODELS[cfg.architecture].param_specs(cfg)
+    files = _tensor_files(path)
+    missing = [s.hf_name for s in specs if s.hf_name not in files]
+    if missing:
+        raise ValueError(f"checkpoint {path} is missing tensor(s): {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
+    by_file: dict[Path, list] = {}
+    for spec in specs:
+        by_file.setdefault(files[spec.hf_name], []).append(spec)
+    params: dict = {}
+    for file, file_specs in by_file.items():
+        with _open(file) as f:
+            for spec in file_specs:
+                try:
+                    shape = tuple(f.get_slice(spec.hf_name).get_shape())
+                    if shape != spec.hf_shape:
+                        raise ValueError(
+                            f"tensor {spec.hf_name} in {file.name} has shape {shape}, config.json implies {spec.hf_shape}"
+                        )
+                    array = f.get_tensor(spec.hf_name)
+                except SafetensorError as e:
+                    raise ValueError(f"cannot read tensor {spec.hf_name} from {file}: {e}") from e
+                _put(params, spec.path, jnp.asarray(array, dtype).reshape(spec.shape))
+    unused = set(files) - {s.hf_name for s in specs} - {"lm_head.weight"}
+    if unused:
+        logger.warning("ignoring %d tensor(s) not used by %s: %s", len(unused), cfg.architecture, sorted(unused)[:5])
+    return params
+
+
+def dummy_params(cfg: ModelConfig, dtype, seed: int = 0) -> dict:
+    """Random weights of the right shapes (normal with the config's initializer_range)."""
+    key = jax.random.key(seed)
+    params: dict = {}
+    for i, spec in enumerate(MODELS[cfg.architecture].param_specs(cfg)):
+        if spec.init == "normal":
+            value = jax.random.normal(jax.random.fold_in(key, i), spec.shape, dtype) * cfg.initializer_range
+        else:
+            value = (jnp.ones if spec.init == "ones" else jnp.zeros)(spec.shape, dtype)
+        _put(params, spec.path, value.astype(dtype))
+    return params
+
+
+def _put(params: dict, path: tuple, value) -> None:
+    """Set params[path] where int path parts index the list of layers."""
+    node = params
+    for part, nxt in zip(path[:-1], path[1:]):
+        if isinstance(part, str):
+            default = [] if isinstance(nxt, int) else {}
+            node = node.setdefault(part, default)
+        else:  # a layer index: layers are appended in order
+            while len(node) <= part:
+                node.append({})
+            node = node[part]
+    node[path[-1]] = value

@@ -1,0 +1,36 @@
+"""Write new K/V rows into the paged cache through a slot mapping.
+
+Layout: see `pallas_kernels/__init__.py` ([num_kv_heads, num_blocks, block_size, head_dim]).
+"""
+
+import jax
+import jax.numpy as jnp
+
+
+def write_kv_reference(
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    slot_mapping: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """Scatter `k`, `v` [T, num_kv_heads, head_dim] into slots `slot_mapping` [T].
+
+    A negative slot marks a padding row: it is dropped, never written (a plain
+    negative index would wrap around and clobber the last block). Under `jit` with the
+    caches donated, XLA updates them in place.
+    """
+    num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape
+    if k.shape != (slot_mapping.shape[0], num_kv_heads, head_dim) or v.shape != k.shape:
+        raise ValueError(
+            f"k/v must be [T={slot_mapping.shape[0]}, {num_kv_heads}, {head_dim}], got {k.shape} and {v.shape}"
+        )
+    num_slots = num_blocks * block_size
+    slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)  # out of range -> dropped
+
+    def write(cache, new):
+        flat = cache.reshape(num_kv_heads, num_slots, head_dim)
+        flat = flat.at[:, slots].set(new.swapaxes(0, 1).astype(cache.dtype), mode="drop")
+        return flat.reshape(cache.shape)
+
+    return write(k_cache, k), write(v_cache, v)

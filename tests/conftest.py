@@ -1,0 +1,51 @@
+"""Shared fixtures: tiny checkpoints of every architecture and their HF reference models."""
+
+import os
+from pathlib import Path
+
+import jax
+import pytest
+
+# Compiled step functions are cached across test runs (and across CI steps on one machine).
+jax.config.update("jax_compilation_cache_dir", os.path.expanduser("~/.cache/jaxvllm/jax"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tiny_dir):
+    """tiny_checkpoint(arch, **overrides) -> path; written once per distinct argument set."""
+    from weights.make_tiny import make_tiny
+
+    made: dict = {}
+
+    def get(arch: str, **kwargs) -> Path:
+        key = (arch, tuple(sorted(kwargs.items())))
+        if key not in made:
+            name = "-".join([arch] + [f"{k}={v}" for k, v in sorted(kwargs.items())])
+            made[key] = make_tiny(arch, tiny_dir / name, **kwargs)
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """hf_model(path) -> the transformers model in float32 on CPU, loaded once per path."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    loaded: dict = {}
+
+    def get(path: Path):
+        if path not in loaded:
+            loaded[path] = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        return loaded[path]
+
+    return get

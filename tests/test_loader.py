@@ -1,0 +1,195 @@
+"""Loader: sharded and single-file safetensors, dtypes, dummy weights, and clear errors."""
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from jaxvllm import SUPPORTED_ARCHITECTURES, load_model
+from jaxvllm.config import RopeConfig
+from jaxvllm.loader import load_config
+
+
+def copy_checkpoint(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def edit_config(path, **changes):
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_sharded_checkpoint_with_index(tiny_checkpoint):
+    single = tiny_checkpoint("qwen2")
+    sharded = tiny_checkpoint("qwen2", max_shard_size="40KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("*.safetensors"))) > 2
+    _, want = load_model(single)
+    _, got = load_model(sharded)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_sharded_without_index_reads_every_file(tiny_checkpoint, tmp_path):
+    path = copy_checkpoint(tiny_checkpoint("llama", max_shard_size="40KB"), tmp_path / "noindex")
+    (path / "model.safetensors.index.json").unlink()
+    _, got = load_model(path)
+    _, want = load_model(tiny_checkpoint("llama"))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_dtypes(tiny_checkpoint):
+    fp32 = tiny_checkpoint("llama")
+    bf16 = tiny_checkpoint("llama", dtype="bfloat16")
+    dtypes = lambda params: {x.dtype for x in jax.tree.leaves(params)}  # noqa: E731
+    assert dtypes(load_model(fp32)[1]) == {jnp.dtype(jnp.float32)}  # auto = the config's
+    assert dtypes(load_model(bf16)[1]) == {jnp.dtype(jnp.bfloat16)}
+    assert dtypes(load_model(fp32, dtype="bfloat16")[1]) == {jnp.dtype(jnp.bfloat16)}
+    assert dtypes(load_model(bf16, dtype="float32")[1]) == {jnp.dtype(jnp.float32)}
+    assert dtypes(load_model(fp32, dtype="float16")[1]) == {jnp.dtype(jnp.float16)}
+    # A bf16 file loaded as bf16 is bit-exact.
+    want = load_file(str(bf16 / "model.safetensors"))["model.embed_tokens.weight"].float().numpy()
+    got = load_model(bf16)[1]["embed"]
+    np.testing.assert_array_equal(np.asarray(got, np.float32), want)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_dummy_matches_real_shapes_without_weight_files(arch, tiny_checkpoint, tmp_path):
+    path = tiny_checkpoint(arch)
+    only_config = tmp_path / "config-only"
+    only_config.mkdir()
+    shutil.copy(path / "config.json", only_config)
+    _, real = load_model(path)
+    _, dummy = load_model(only_config, load_format="dummy", dtype="bfloat16")
+    assert jax.tree.structure(dummy) == jax.tree.structure(real)
+    for d, r in zip(jax.tree.leaves(dummy), jax.tree.leaves(real)):
+        assert d.shape == r.shape and d.dtype == jnp.bfloat16
+    again = load_model(only_config, load_format="dummy", dtype="bfloat16")[1]
+    np.testing.assert_array_equal(again["embed"], dummy["embed"])  # seeded
+    assert float(jnp.std(dummy["embed"].astype(jnp.float32))) == pytest.approx(0.1, rel=0.1)
+
+
+def test_qwen3_real_sized_dummy_config_is_accepted(tmp_path):
+    """The B1 benchmark model (Qwen3-0.6B shape) parses, with its real parameter count."""
+    from transformers import Qwen3Config
+
+    Qwen3Config(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+        max_position_embeddings=40960, architectures=["Qwen3ForCausalLM"],
+    ).save_pretrained(tmp_path)
+    cfg = load_config(tmp_path)
+    assert cfg.num_params == pytest.approx(596e6, rel=0.01)  # 0.6B with tied embeddings
+    assert cfg.qk_norm and cfg.head_dim == 128 and not cfg.qkv_bias
+
+
+def test_llama3_rope_matches_transformers():
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = LlamaConfig(
+        hidden_size=256, num_attention_heads=2, max_position_embeddings=131072,
+        rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                             high_freq_factor=4.0, original_max_position_embeddings=8192),
+    )
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
+    rope = RopeConfig(theta=500000.0, rope_type="llama3", factor=8.0, original_max_position_embeddings=8192)
+    np.testing.assert_allclose(rope.inv_freq(128), want.numpy(), rtol=1e-6)
+
+
+def test_missing_directory_and_config(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does-not-exist.*does not exist"):
+        load_model(tmp_path / "does-not-exist")
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_model(tmp_path)
+
+
+def test_unsupported_architecture_lists_supported(tiny_checkpoint, tmp_path):
+    path = copy_checkpoint(tiny_checkpoint("llama"), tmp_path / "gpt2")
+    edit_config(path, architectures=["GPT2LMHeadModel"])
+    with pytest.raises(ValueError, match="unsupported architecture.*GPT2LMHeadModel") as e:
+        load_model(path)
+    assert all(a in str(e.value) for a in SUPPORTED_ARCHITECTURES)
+
+
+def test_unsupported_rope_and_activation(tiny_checkpoint, tmp_path):
+    path = copy_checkpoint(tiny_checkpoint("llama"), tmp_path / "yarn")
+    edit_config(path, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0})
+    with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):
+        load_model(path)
+    edit_config(path, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, hidden_act="gelu")
+    with pytest.raises(ValueError, match="hidden_act 'gelu'"):
+        load_model(path)
+
+
+def test_missing_tensor_is_named(tiny_checkpoint, tmp_path):
+    path = copy_checkpoint(tiny_checkpoint("qwen3"), tmp_path / "missing")
+    tensors = load_file(str(path / "model.safetensors"))
+    del tensors["model.layers.1.self_attn.k_norm.weight"]
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing tensor\(s\): model\.layers\.1\.self_attn\.k_norm\.weight"):
+        load_model(path)
+
+
+def test_shape_mismatch_is_named(tiny_checkpoint, tmp_path):
+    path = copy_checkpoint(tiny_checkpoint("mistral"), tmp_path / "shape")
+    edit_config(path, intermediate_size=96)
+    with pytest.raises(ValueError, match=r"mlp\.\w+_proj\.weight in model\.safetensors has shape .* implies"):
+        load_model(path)
+
+
+def test_corrupt_safetensors_file_is_named(tiny_checkpoint, tmp_path):
+    path = copy_checkpoint(tiny_checkpoint("qwen2"), tmp_path / "corrupt")
+    (path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header")
+    with pytest.raises(ValueError, match="cannot read safetensors file .*model.safetensors"):
+        load_model(path)
+
+
+def test_truncated_safetensors_file_is_named(tiny_checkpoint, tmp_path):
+    path = copy_checkpoint(tiny_checkpoint("qwen2"), tmp_path / "truncated")
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="model.safetensors"):
+        load_model(path)
+
+
+def test_missing_shard_and_bad_index(tiny_checkpoint, tmp_path):
+    path = copy_checkpoint(tiny_checkpoint("qwen2", max_shard_size="40KB"), tmp_path / "shard")
+    shard = sorted(path.glob("*.safetensors"))[1]
+    shard.unlink()
+    with pytest.raises(FileNotFoundError, match=f"lists {shard.name}, which is missing"):
+        load_model(path)
+    (path / "model.safetensors.index.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not a valid safetensors index"):
+        load_model(path)
+
+
+def test_no_weight_files(tiny_checkpoint, tmp_path):
+    path = tmp_path / "empty"
+    path.mkdir()
+    shutil.copy(tiny_checkpoint("llama") / "config.json", path)
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors files"):
+        load_model(path)
+
+
+def test_bad_dtype_and_load_format(tiny_checkpoint):
+    path = tiny_checkpoint("llama")
+    with pytest.raises(ValueError, match="dtype 'int8' is not supported"):
+        load_model(path, dtype="int8")
+    with pytest.raises(ValueError, match="load_format 'pt' is not supported"):
+        load_model(path, load_format="pt")
+
+
+def test_torch_reference_files_are_float32(tiny_checkpoint):
+    """Guard for the parity tests: tiny checkpoints hold float32 weights."""
+    tensors = load_file(str(tiny_checkpoint("llama") / "model.safetensors"))
+    assert {t.dtype for t in tensors.values()} == {torch.float32}

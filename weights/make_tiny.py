@@ -1,0 +1,173 @@
+"""Write tiny random HF checkpoints (config, safetensors, tokenizer) with no downloads.
+
+Tests, notebooks and the quickstart use these so that every machine has a model:
+
+    python weights/make_tiny.py --arch qwen3 --out weights/tiny-qwen3
+    python weights/make_tiny.py --all --out weights/        # one folder per architecture
+
+or from Python (tests import it as `weights.make_tiny`):
+
+    from weights.make_tiny import make_tiny
+    path = make_tiny("llama", "/tmp/tiny-llama")
+
+The models are built with transformers (`from_config` + `save_pretrained`, so torch
+is needed here, not in the engine) and the tokenizer is a byte-level BPE trained on
+the spot, so any text encodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+# A tiny hidden size keeps CPU tests fast; head_dim 16 and a rope scaling / bias /
+# qk-norm per family exercise what differs between the architectures.
+_COMMON = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-6,
+    # Larger than the usual 0.02 so logits are spread out and greedy choices are
+    # not near-ties that float rounding could flip.
+    initializer_range=0.1,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+ARCHITECTURES: dict[str, dict] = {
+    # Llama 3 style: GQA (4 q heads, 2 kv heads), llama3 rope scaling, untied head.
+    "llama": dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        rope_parameters=dict(
+            rope_type="llama3",
+            rope_theta=500000.0,
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=64,
+        ),
+    ),
+    # Mistral: GQA, no window by default (tests set `sliding_window` to check it).
+    "mistral": dict(
+        architectures=["MistralForCausalLM"],
+        model_type="mistral",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        sliding_window=None,
+    ),
+    # Qwen2: bias on q/k/v, MHA, tied embeddings.
+    "qwen2": dict(
+        architectures=["Qwen2ForCausalLM"],
+        model_type="qwen2",
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        tie_word_embeddings=True,
+        rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+    ),
+    # Qwen3: RMSNorm on q and k, explicit head_dim larger than hidden/heads, GQA group 4.
+    "qwen3": dict(
+        architectures=["Qwen3ForCausalLM"],
+        model_type="qwen3",
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        tie_word_embeddings=True,
+    ),
+}
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "A paged KV cache stores keys and values in fixed-size blocks.",
+    "Continuous batching lets new requests join while others are decoding.",
+    "JAX compiles one executable per input shape, so the runner pads to buckets.",
+    "Once upon a time there was a small language model that lived on a CPU.",
+    "Hello, world! How are you today? I am fine, thank you.",
+    "def main():\n    print('hello')\n    return 0\n",
+    "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20",
+    "Ünïcödé text, emoji 🙂 and CJK 漢字 must also round-trip through bytes.",
+]
+
+
+def make_tokenizer(path: str | Path, vocab_size: int = 384):
+    """Train a byte-level BPE on a built-in corpus and save it as a HF fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>"]  # ids 0, 1, 2 as in the model config
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    )
+    fast.save_pretrained(str(path))
+    return fast
+
+
+def make_tiny(
+    arch: str,
+    path: str | Path,
+    *,
+    seed: int = 0,
+    dtype: str = "float32",
+    max_shard_size: str | None = None,
+    **overrides,
+) -> Path:
+    """Write a tiny random checkpoint of `arch` ("llama", "mistral", "qwen2", "qwen3").
+
+    `overrides` go into the transformers config (e.g. `sliding_window=8`);
+    `max_shard_size` (e.g. "30KB") writes several shards plus the index file.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose from {sorted(ARCHITECTURES)}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    kwargs = {**_COMMON, **ARCHITECTURES[arch], **overrides}
+    config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = model.to(getattr(torch, dtype)).eval()
+    save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(path), **save_kwargs)
+    tokenizer = make_tokenizer(path)
+    assert len(tokenizer) <= config.vocab_size
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", choices=sorted(ARCHITECTURES))
+    parser.add_argument("--all", action="store_true", help="write every architecture")
+    parser.add_argument("--out", required=True, help="checkpoint folder (with --all: parent folder)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.all == bool(args.arch):
+        parser.error("give exactly one of --arch or --all")
+    archs = sorted(ARCHITECTURES) if args.all else [args.arch]
+    for arch in archs:
+        out = Path(args.out) / f"tiny-{arch}" if args.all else Path(args.out)
+        make_tiny(arch, out, seed=args.seed, dtype=args.dtype)
+        print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
