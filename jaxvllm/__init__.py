@@ -1,8 +1,25 @@
 """jaxvllm: a vLLM-style LLM inference engine on JAX/XLA with Pallas kernels."""
 
 from jaxvllm.batch import ModelInputs
-from jaxvllm.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from jaxvllm.config import SUPPORTED_ARCHITECTURES, EngineConfig, ModelConfig
+from jaxvllm.engine import LLMEngine
+from jaxvllm.llm import LLM
 from jaxvllm.loader import load_model
+from jaxvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxvllm.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["ModelConfig", "ModelInputs", "SUPPORTED_ARCHITECTURES", "load_model", "__version__"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "LLMEngine",
+    "ModelConfig",
+    "ModelInputs",
+    "RequestMetrics",
+    "RequestOutput",
+    "SUPPORTED_ARCHITECTURES",
+    "SamplingParams",
+    "load_model",
+    "__version__",
+]

@@ -11,7 +11,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jaxvllm",
         description="jaxvllm: LLM inference on JAX/XLA. Use it from Python: "
-        "`from jaxvllm import load_model` (the LLM API and subcommands are being built).",
+        "`from jaxvllm import LLM, SamplingParams` (subcommands arrive with the CLI issue).",
     )
     parser.add_argument("--version", action="version", version=f"jaxvllm {jaxvllm.__version__}")
     return parser

@@ -7,7 +7,7 @@ The dataclass is frozen and made of plain values so that it can be a static argu
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -165,3 +165,24 @@ def _sliding_windows_from_hf(hf: Any, arch: str) -> tuple[int | None, ...]:
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and window is not None:
         return tuple(window if t == "sliding_attention" else None for t in layer_types)
     return (None,) * n
+
+
+@dataclass
+class EngineConfig:
+    """Everything `LLM(...)` takes; the names and defaults of vLLM's engine arguments."""
+
+    model: str
+    tokenizer: str | None = None  # default: the model's folder
+    dtype: str = "auto"
+    seed: int = 0
+    load_format: str = "auto"
+    max_model_len: int | None = None  # default: the config's max_position_embeddings
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+    attention_backend: str = "auto"
+    token_buckets: list[int] | None = field(default=None)

@@ -49,3 +49,20 @@ def hf_model():
         return loaded[path]
 
     return get
+
+
+class CompileCounter:
+    """Counts JAX traces (each new jitted shape or function) via jax.monitoring."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, name: str, duration: float, **kwargs) -> None:
+        if name == "/jax/core/compile/jaxpr_trace_duration":
+            self.count += 1
+
+
+@pytest.fixture(scope="session")
+def compile_counter() -> CompileCounter:
+    return CompileCounter()

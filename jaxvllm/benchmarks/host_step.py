@@ -1,0 +1,179 @@
+"""Host time per engine step with the device step stubbed out.
+
+At a few ms per decode step on an accelerator, Python on the host (scheduling,
+building the numpy batch, appending tokens and detokenizing) can become the
+bottleneck; this measures it for N decoding requests without loading a model:
+
+    python -m jaxvllm.benchmarks.host_step [--num-requests 256 1024] [--steps 50] [--json PATH]
+        [--output-len 1000]  # each request has already generated this many tokens
+
+The real Scheduler, ModelRunner.prepare and LLMEngine._output run; ModelRunner and
+LLMEngine are built with __new__ so that no model is loaded and nothing compiles, and
+the sampled tokens are random ids below the tiny test tokenizer's vocabulary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+from jaxvllm.engine import LLMEngine
+from jaxvllm.kv_cache_manager import KVCacheManager
+from jaxvllm.model_runner import ModelRunner, default_buckets
+from jaxvllm.request import Request
+from jaxvllm.sampling_params import SamplingParams
+from jaxvllm.scheduler import Scheduler, SchedulerConfig
+
+# "outputs" is detokenizing every running request into a RequestOutput, which a
+# streaming caller of `LLMEngine.step()` pays; `LLM.generate` (final_only) skips it.
+PARTS = ("schedule", "prepare", "update", "outputs", "total")
+VOCAB = 384  # make_tokenizer's default vocabulary
+MAX_MODEL_LEN = 4096
+BLOCK_SIZE = 16
+
+
+def make_tokenizer():
+    """The tiny byte-level BPE of the tests, trained into a temp dir (no download)."""
+    root = str(Path(__file__).resolve().parents[2])
+    if root not in sys.path:  # `weights/` is a folder of the repo, not an installed package
+        sys.path.insert(0, root)
+    from weights.make_tiny import make_tokenizer as make
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return make(tmp, vocab_size=VOCAB)
+
+
+def build(num_requests: int, prompt_len: int, output_len: int, tokenizer, rng: np.random.Generator):
+    """Scheduler with `num_requests` queued requests, a model-less runner and engine.
+
+    Each request starts with `output_len` tokens already generated (like a preempted
+    request being recomputed), since per-step output cost may grow with the output.
+    """
+    max_tokens = MAX_MODEL_LEN - prompt_len
+    blocks_per_seq = -(-MAX_MODEL_LEN // BLOCK_SIZE)
+    kv = KVCacheManager(num_requests * blocks_per_seq, BLOCK_SIZE)  # room for all: no preemption
+    max_batched = max(8192, num_requests)
+    scheduler = Scheduler(SchedulerConfig(num_requests, max_batched, MAX_MODEL_LEN), kv)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i in range(num_requests):
+        prompt = rng.integers(3, VOCAB, prompt_len).tolist()
+        request = Request(str(i), prompt, params, max_tokens=max_tokens, arrival_index=i)
+        request.token_ids += rng.integers(3, VOCAB, output_len).tolist()
+        scheduler.add_request(request)
+
+    runner = ModelRunner.__new__(ModelRunner)  # only what `prepare` reads
+    runner.config = SimpleNamespace(max_num_seqs=num_requests)
+    runner.block_size, runner.max_blocks_per_seq = BLOCK_SIZE, blocks_per_seq
+    runner.buckets = default_buckets(max_batched)
+    engine = LLMEngine.__new__(LLMEngine)  # only what `_output` reads
+    engine.tokenizer = tokenizer
+    return scheduler, runner, engine
+
+
+def prefill(scheduler: Scheduler, rng: np.random.Generator) -> int:
+    """Step (untimed) until every request is decoding; returns the number of steps."""
+    steps = 0
+    while len(scheduler.waiting) or any(r.num_tokens - r.num_computed_tokens > 1 for r in scheduler.running):
+        out = scheduler.schedule()
+        scheduler.update_from_output(out, rng.integers(0, VOCAB, len(out.scheduled), dtype=np.int32))
+        steps += 1
+    return steps
+
+
+def time_steps(scheduler, runner, engine, steps: int, rng, profile: cProfile.Profile | None = None) -> dict:
+    """Time `steps` decode steps part by part; returns {part: [seconds per step]}."""
+    n = len(scheduler.running)
+    sampled_all = rng.integers(0, VOCAB, (steps, n), dtype=np.int32)  # the stubbed device step
+    times = {p: [] for p in PARTS}
+    clock = time.perf_counter
+    if profile:
+        profile.enable()
+    for k in range(steps):
+        t0 = clock()
+        out = scheduler.schedule()
+        t1 = clock()
+        runner.prepare(out.scheduled)
+        t2 = clock()
+        updated = scheduler.update_from_output(out, sampled_all[k, : len(out.scheduled)])
+        t3 = clock()
+        outputs = [engine._output(r) for r in updated]
+        t4 = clock()
+        assert len(out.scheduled) == n == len(outputs), "every request should decode every step"
+        for part, dt in zip(PARTS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0)):
+            times[part].append(dt)
+    if profile:
+        profile.disable()
+    return times
+
+
+def summarize(times: dict, n: int) -> dict:
+    ms = {p: np.asarray(v) * 1e3 for p, v in times.items()}
+    figures = {
+        p: {"mean_ms": float(v.mean()), "p50_ms": float(np.percentile(v, 50)), "p90_ms": float(np.percentile(v, 90))}
+        for p, v in ms.items()
+    }
+    for p in PARTS:
+        figures[p]["us_per_request"] = figures[p]["mean_ms"] * 1e3 / n
+    return figures
+
+
+def run(num_requests: int, steps: int, prompt_len: int, output_len: int, tokenizer, seed: int = 0,
+        profile: cProfile.Profile | None = None) -> dict:
+    rng = np.random.default_rng(seed)
+    scheduler, runner, engine = build(num_requests, prompt_len, output_len, tokenizer, rng)
+    prefill_steps = prefill(scheduler, rng)
+    if len(scheduler.running) < num_requests:  # the first ones decode while the last ones prefill
+        raise ValueError(f"requests reached max_model_len ({MAX_MODEL_LEN}) during {prefill_steps} prefill "
+                         "steps; lower --prompt-len or --output-len")
+    times = time_steps(scheduler, runner, engine, steps, rng, profile)
+    return {"num_requests": num_requests, "steps": steps, "prompt_len": prompt_len, "output_len": output_len,
+            "prefill_steps": prefill_steps, "parts": summarize(times, num_requests)}
+
+
+def print_table(result: dict) -> None:
+    print(f"\n{result['num_requests']} decoding requests, {result['steps']} steps "
+          f"(prompt {result['prompt_len']}, output {result['output_len']}+, "
+          f"{result['prefill_steps']} prefill steps untimed)")
+    print(f"{'part':<16}{'mean ms':>10}{'p50 ms':>10}{'p90 ms':>10}{'us/request':>12}")
+    for part, f in result["parts"].items():
+        print(f"{part:<16}{f['mean_ms']:>10.3f}{f['p50_ms']:>10.3f}{f['p90_ms']:>10.3f}{f['us_per_request']:>12.2f}")
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--num-requests", type=int, nargs="+", default=[256, 1024])
+    ap.add_argument("--steps", type=int, default=50, help="timed decode steps")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=0, help="tokens each request has generated already")
+    ap.add_argument("--json", type=Path, help="write the figures here")
+    ap.add_argument("--profile", type=int, default=0, metavar="K", help="print the top K functions (cProfile)")
+    args = ap.parse_args(argv)
+    if args.steps < 1 or args.prompt_len < 1 or args.output_len < 0:
+        ap.error("--steps and --prompt-len must be >= 1, --output-len >= 0")
+    if args.prompt_len + args.output_len + args.steps > MAX_MODEL_LEN:
+        ap.error(f"prompt + output + steps must fit in max_model_len {MAX_MODEL_LEN}")
+
+    tokenizer = make_tokenizer()
+    results = []
+    for n in args.num_requests:
+        profile = cProfile.Profile() if args.profile else None
+        results.append(run(n, args.steps, args.prompt_len, args.output_len, tokenizer, profile=profile))
+        print_table(results[-1])
+        if profile:
+            pstats.Stats(profile).sort_stats("cumulative").print_stats(args.profile)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return results
+
+
+if __name__ == "__main__":
+    main()

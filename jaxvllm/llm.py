@@ -1,0 +1,103 @@
+"""`LLM`: vLLM's offline API (generate a batch of prompts) over `LLMEngine`."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Sequence
+
+import jax
+from tqdm.auto import tqdm
+
+from jaxvllm.config import EngineConfig
+from jaxvllm.engine import LLMEngine
+from jaxvllm.outputs import RequestOutput
+from jaxvllm.sampling_params import SamplingParams
+
+DEFAULT_COMPILATION_CACHE = os.path.join("~", ".cache", "jaxvllm", "jax")
+
+
+class LLM:
+    """An engine over a local checkpoint folder, e.g. `LLM("weights/tiny-qwen3")`.
+
+    Keyword arguments are vLLM's engine arguments (see `EngineConfig`). Construction loads
+    the weights, sizes and allocates the KV cache and compiles every token bucket; a
+    persistent JAX compilation cache (~/.cache/jaxvllm/jax unless you set
+    `jax_compilation_cache_dir`) makes the second start fast.
+    """
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        if jax.config.jax_compilation_cache_dir is None:  # the user's own setting wins
+            jax.config.update("jax_compilation_cache_dir", os.path.expanduser(DEFAULT_COMPILATION_CACHE))
+            # Small models compile in under JAX's default 1 s threshold; cache them too.
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        self.llm_engine = LLMEngine(EngineConfig(model=str(model), **kwargs))
+        self._request_counter = 0
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Complete every prompt; outputs come back in input order.
+
+        prompts: a str, {"prompt": str}, {"prompt_token_ids": [int]}, or a list of those.
+        sampling_params: one for all prompts or one per prompt. priority: one int per
+        prompt (lower runs first); giving it selects the priority scheduling policy.
+        Every prompt is validated before any is queued, so a bad one leaves the engine as it was.
+        """
+        engine = self.llm_engine
+        if engine.has_unfinished_requests():
+            raise RuntimeError("the engine has unfinished requests added by hand; finish or abort them first")
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else prompts
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be a str, a dict or a list of them, got {type(prompts).__name__}")
+        params = self._per_prompt(sampling_params, len(prompts), "sampling_params", SamplingParams())
+        priorities = self._per_prompt(priority, len(prompts), "priority", 0, one_for_all=False)
+
+        requests = [
+            engine.make_request(str(self._request_counter + i), p, sp, pr)
+            for i, (p, sp, pr) in enumerate(zip(prompts, params, priorities))
+        ]
+        self._request_counter += len(requests)
+        engine.scheduler.set_policy("priority" if priority is not None else self.llm_engine.config.scheduling_policy)
+        engine.add_requests(requests)
+        return self._run(requests, use_tqdm)
+
+    @staticmethod
+    def _per_prompt(value, n: int, name: str, default, one_for_all: bool = True) -> list:
+        if value is None:
+            return [default] * n
+        if one_for_all and not isinstance(value, (list, tuple)):
+            return [value] * n
+        if not isinstance(value, (list, tuple)) or len(value) != n:
+            raise ValueError(f"{name} must have one entry per prompt ({n})")
+        return list(value)
+
+    def _run(self, requests, use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        start, num_output_tokens = time.perf_counter(), 0
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step(final_only=True):
+                    num_output_tokens += len(output.outputs[0].token_ids)
+                    finished[output.request_id] = output
+                    bar.update(1)
+                bar.set_postfix_str(f"output {num_output_tokens / (time.perf_counter() - start):.1f} tok/s", refresh=False)
+        except BaseException:  # KeyboardInterrupt or a device error: leave the engine clean
+            engine.abort_request([r.request_id for r in requests])
+            raise
+        finally:
+            bar.close()
+        return [finished[r.request_id] for r in requests]
+
+    def stats(self) -> dict:
+        return self.llm_engine.stats()

@@ -1,0 +1,100 @@
+"""A request as the scheduler sees it: tokens so far and how many are in the KV cache."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+
+from jaxvllm.outputs import RequestMetrics
+from jaxvllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class Request:
+    """Prompt plus generated tokens; `num_computed_tokens` of them have K/V in the cache.
+
+    A request is prefilling while num_computed_tokens < num_tokens - 1 and decoding
+    after; there is no phase flag (vLLM V1): each step computes some of the missing tokens.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        prompt: str | None = None,
+        priority: int = 0,
+        max_tokens: int,
+        eos_token_ids: tuple[int, ...] = (),
+        arrival_index: int = 0,
+        seed: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)  # prompt + output, grows each decode step
+        self.params = params
+        self.priority = priority
+        self.max_tokens = max_tokens
+        self.eos_token_ids = () if params.ignore_eos else eos_token_ids
+        self.arrival_index = arrival_index  # FCFS order and priority tie-break
+        self.seed = params.seed if params.seed is not None else seed
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.metrics = RequestMetrics(arrival_time=time.time())
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        """Add a sampled token and set finish_reason when it ends the completion."""
+        self.token_ids.append(token_id)
+        if token_id in self.eos_token_ids:
+            self.finish_reason, self.stop_reason = "stop", None
+        elif token_id in self.params.stop_token_ids:
+            self.finish_reason, self.stop_reason = "stop", token_id
+        elif self.num_output_tokens >= self.max_tokens:
+            self.finish_reason = "length"
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: `num_new_tokens` tokens from position `start` on."""
+
+    request: Request
+    start: int  # num_computed_tokens before this step
+    num_new_tokens: int
+    block_ids: list[int]  # the request's physical blocks, in logical order
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the request's last token, so its logits give a new token."""
+        return self.start + self.num_new_tokens == self.request.num_tokens

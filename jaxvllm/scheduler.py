@@ -1,0 +1,223 @@
+"""Continuous-batching scheduler with vLLM V1 semantics.
+
+No prefill or decode phases: every step gives each request some of the tokens it is
+missing from the KV cache (`num_tokens - num_computed_tokens`) under a token budget
+(`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`); running requests first,
+then waiting ones; long prompts are cut into chunks. When blocks run out, a running
+request is preempted: blocks freed, `num_computed_tokens` reset, back to the waiting
+queue, recomputed later (its tokens so far are kept, so its output continues).
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass, field
+
+from jaxvllm.kv_cache_manager import KVCacheManager
+from jaxvllm.request import Request, RequestStatus, ScheduledRequest
+
+POLICIES = ("fcfs", "priority")
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"
+
+
+class WaitingQueue:
+    """Requests waiting for (re)admission, in a heap on (priority, arrival).
+
+    Under "fcfs" every priority counts as 0, so order is arrival: a preempted request
+    (which arrived before every request that has never run) is back at the front.
+    Under "priority" a lower value runs first, ties by arrival, as in vLLM.
+    """
+
+    def __init__(self, policy: str) -> None:
+        self._heap: list[tuple[int, int, Request]] = []
+        self.set_policy(policy)
+
+    def set_policy(self, policy: str) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling policy must be one of {POLICIES}, got {policy!r}")
+        self.policy = policy
+        self._heap = [self._entry(r) for _, _, r in self._heap]
+        heapq.heapify(self._heap)
+
+    def _entry(self, request: Request) -> tuple[int, int, Request]:
+        priority = request.priority if self.policy == "priority" else 0
+        return (priority, request.arrival_index, request)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self):
+        return (r for _, _, r in sorted(self._heap, key=lambda e: e[:2]))
+
+    def add(self, request: Request) -> None:
+        heapq.heappush(self._heap, self._entry(request))
+
+    def peek(self) -> Request:
+        return self._heap[0][2]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[2]
+
+    def remove(self, request: Request) -> None:
+        self._heap = [e for e in self._heap if e[2] is not request]
+        heapq.heapify(self._heap)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.waiting = WaitingQueue(config.policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- requests in and out ---------------------------------------------------------
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Refuse, before it is queued, a request that could never be scheduled."""
+        c = self.config
+        total = num_prompt_tokens + max_tokens
+        if total > c.max_model_len:
+            raise ValueError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
+                f"exceeds max_model_len ({c.max_model_len})"
+            )
+        need = self.kv.blocks_needed(total)
+        if need > self.kv.pool.num_blocks:
+            raise ValueError(
+                f"request needs {need} KV blocks but the cache has only {self.kv.pool.num_blocks}; "
+                f"raise num_gpu_blocks_override / gpu_memory_utilization or lower max_tokens"
+            )
+        if not c.enable_chunked_prefill and num_prompt_tokens > c.max_num_batched_tokens:
+            raise ValueError(
+                f"prompt ({num_prompt_tokens} tokens) exceeds max_num_batched_tokens "
+                f"({c.max_num_batched_tokens}) and chunked prefill is disabled"
+            )
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.check_fits(request.num_prompt_tokens, request.max_tokens)
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish(self, request: Request, reason: str) -> None:
+        """End a request (stopped, at its length, or aborted) and release its blocks."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.metrics.finished_time = time.time()
+        self.kv.free(request)
+        del self.requests[request.request_id]
+
+    def set_policy(self, policy: str) -> None:
+        self.config.policy = policy
+        self.waiting.set_policy(policy)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step --------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        c = self.config
+        out = SchedulerOutput()
+        budget = c.max_num_batched_tokens
+        scheduled: dict[str, ScheduledRequest] = {}
+
+        for request in list(self.running):
+            if budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:  # preempted as a victim this step
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while self.kv.allocate_slots(request, num_new) is None:
+                victim = self._pick_victim()
+                self._preempt(victim, out)
+                if victim.request_id in scheduled:  # the priority policy may pick one already scheduled
+                    budget += scheduled.pop(victim.request_id).num_new_tokens
+                if victim is request:
+                    break
+            else:
+                scheduled[request.request_id] = self._scheduled(request, num_new)
+                budget -= num_new
+
+        if not out.preempted:
+            while len(self.waiting) and len(self.running) < c.max_num_seqs and budget > 0:
+                request = self.waiting.peek()
+                num_new = request.num_tokens - request.num_computed_tokens
+                if not c.enable_chunked_prefill and num_new > budget:
+                    break
+                num_new = min(num_new, budget)
+                if self.kv.allocate_slots(request, num_new) is None:
+                    break
+                self.waiting.pop()
+                self.running.append(request)
+                request.status = RequestStatus.RUNNING
+                if request.metrics.first_scheduled_time is None:
+                    request.metrics.first_scheduled_time = time.time()
+                scheduled[request.request_id] = self._scheduled(request, num_new)
+                budget -= num_new
+
+        out.scheduled = list(scheduled.values())
+        for s in out.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+        return out
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        block_ids = self.kv.get_block_ids(request.request_id)
+        return ScheduledRequest(request, request.num_computed_tokens, num_new, block_ids)
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":  # lowest priority = largest value; ties: latest arrival
+            return max(self.running, key=lambda r: (r.priority, r.arrival_index))
+        return self.running[-1]
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add(request)
+        out.preempted.append(request)
+
+    def update_from_output(self, out: SchedulerOutput, sampled: list[int]) -> list[Request]:
+        """Append each sampling request's token, finish those that stop; returns requests with new tokens."""
+        updated = []
+        now = time.time()
+        for s, token in zip(out.scheduled, sampled):
+            request = s.request
+            if not s.samples or request.is_finished:  # a partial prefill chunk, or aborted meanwhile
+                continue
+            request.append_token(int(token))
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            if request.finish_reason is not None:
+                self.finish(request, request.finish_reason)
+            updated.append(request)
+        return updated

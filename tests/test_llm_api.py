@@ -1,0 +1,184 @@
+"""The vLLM-compatible surface: prompt forms, outputs, step-by-step engine use, bad input."""
+
+import pytest
+
+from jaxvllm import LLM, CompletionOutput, RequestOutput, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=5)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint):
+    return LLM(tiny_checkpoint("qwen3"), max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64,
+               token_buckets=[16, 64])
+
+
+def test_prompt_forms_and_outputs(llm):
+    tokenizer = llm.get_tokenizer()
+    ids = tokenizer("Hello, world").input_ids
+    outputs = llm.generate(["Hello, world", {"prompt": "Hello, world"}, {"prompt_token_ids": ids}], GREEDY,
+                           use_tqdm=False)
+    assert [type(o) for o in outputs] == [RequestOutput] * 3
+    a, b, c = outputs
+    assert a.prompt == b.prompt == "Hello, world" and c.prompt is None
+    assert a.prompt_token_ids == b.prompt_token_ids == c.prompt_token_ids == ids
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
+    out = a.outputs[0]
+    assert isinstance(out, CompletionOutput) and out.index == 0 and len(out.token_ids) == 5
+    assert out.text == tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    assert out.finish_reason == "length" and out.stop_reason is None
+    m = a.metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+    single = llm.generate("Hello, world", GREEDY, use_tqdm=False)
+    assert len(single) == 1 and single[0].outputs[0].token_ids == out.token_ids
+
+
+def test_per_prompt_params_stop_ids_and_ignore_eos(llm):
+    [ref] = llm.generate("The quick brown fox", GREEDY, use_tqdm=False)
+    tokens = ref.outputs[0].token_ids
+    stop = SamplingParams(temperature=0, max_tokens=5, stop_token_ids=[tokens[2]])
+    longer = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    a, b = llm.generate(["The quick brown fox"] * 2, [stop, longer], use_tqdm=False)
+    assert a.outputs[0].token_ids == tokens[: tokens.index(tokens[2]) + 1]
+    assert a.outputs[0].finish_reason == "stop" and a.outputs[0].stop_reason == tokens[2]
+    assert b.outputs[0].token_ids[:5] == tokens and len(b.outputs[0].token_ids) == 9
+    with pytest.raises(ValueError, match="one entry per prompt"):
+        llm.generate(["a", "b"], [GREEDY], use_tqdm=False)
+
+
+def test_eos_stops_unless_ignored(llm, tiny_checkpoint, tmp_path):
+    """A checkpoint whose config names, as EOS, a token the greedy completion reaches."""
+    import json
+    import shutil
+
+    [ref] = llm.generate("The quick brown fox", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    tokens = ref.outputs[0].token_ids
+    eos = tokens[3]
+    path = shutil.copytree(tiny_checkpoint("qwen3"), tmp_path / "eos")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "eos_token_id": [2, eos]}))
+    other = LLM(path, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, token_buckets=[16, 64])
+    assert set(other.llm_engine.eos_token_ids) == {2, eos}
+    [out] = other.generate("The quick brown fox", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert out.outputs[0].token_ids == tokens[: tokens.index(eos) + 1]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason is None
+    [ignored] = other.generate("The quick brown fox", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                               use_tqdm=False)
+    assert ignored.outputs[0].token_ids == tokens and ignored.outputs[0].finish_reason == "length"
+
+
+def test_seeded_sampling_is_batch_independent(llm):
+    params = SamplingParams(temperature=1.0, max_tokens=8, seed=1234)
+    [alone] = llm.generate("Once upon a time", params, use_tqdm=False)
+    others = [SamplingParams(temperature=0.7, max_tokens=8, seed=i) for i in range(7)]
+    batch = llm.generate(["Hello"] * 3 + ["Once upon a time"] + ["Hello, world"] * 4, others[:3] + [params] + others[3:],
+                         use_tqdm=False)
+    assert batch[3].outputs[0].token_ids == alone.outputs[0].token_ids
+    [other_seed] = llm.generate("Once upon a time", SamplingParams(temperature=1.0, max_tokens=8, seed=99),
+                                use_tqdm=False)
+    assert other_seed.outputs[0].token_ids != alone.outputs[0].token_ids
+    zero = SamplingParams(temperature=0, max_tokens=8, seed=5)
+    [greedy] = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert llm.generate("Once upon a time", zero, use_tqdm=False)[0].outputs[0].token_ids == greedy.outputs[0].token_ids
+
+
+def test_priority_generate(llm):
+    """Prompts of 60 tokens against a 64-token budget: one is admitted per step, lowest priority value first."""
+    prompts = [{"prompt_token_ids": [10 + i] * 60} for i in range(4)]
+    outs = llm.generate(prompts, GREEDY, priority=[2, 0, 3, 1], use_tqdm=False)
+    assert [o.prompt_token_ids[0] for o in outs] == [10, 11, 12, 13]  # input order
+    admitted = sorted(range(4), key=lambda i: outs[i].metrics.first_scheduled_time)
+    assert admitted == [1, 3, 0, 2]
+    fcfs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert sorted(range(4), key=lambda i: fcfs[i].metrics.first_scheduled_time) == [0, 1, 2, 3]
+    assert [o.outputs[0].token_ids for o in fcfs] == [o.outputs[0].token_ids for o in outs]
+    with pytest.raises(ValueError, match="one entry per prompt"):
+        llm.generate(["a", "b"], GREEDY, priority=[1], use_tqdm=False)
+
+
+def test_engine_step_by_step_and_abort(llm):
+    engine = llm.llm_engine
+    engine.add_request("x", "Hello, world", SamplingParams(temperature=0, max_tokens=6))
+    engine.add_request("y", {"prompt": "The quick brown fox"}, SamplingParams(temperature=0, max_tokens=30))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("x", "again")
+    seen = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen.setdefault(out.request_id, []).append(out)
+        if len(seen.get("y", [])) == 3 and "y" in engine.scheduler.requests:
+            [aborted] = engine.abort_request("y")
+            assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
+            assert len(aborted.outputs[0].token_ids) == 3
+    assert seen["x"][-1].finished and len(seen["x"][-1].outputs[0].token_ids) == 6
+    assert [len(o.outputs[0].token_ids) for o in seen["x"]] == [1, 2, 3, 4, 5, 6]
+    assert engine.abort_request(["y", "unknown"]) == []
+    assert llm.stats()["num_free_blocks"] == llm.stats()["num_gpu_blocks"]
+
+
+def test_generate_refuses_while_requests_added_by_hand(llm):
+    engine = llm.llm_engine
+    engine.add_request("z", "Hello", GREEDY)
+    with pytest.raises(RuntimeError, match="unfinished requests"):
+        llm.generate("Hello", GREEDY, use_tqdm=False)
+    engine.abort_request("z")
+
+
+@pytest.mark.parametrize(
+    "prompts, params, error, match",
+    [
+        ("x" * 400, GREEDY, ValueError, "exceeds max_model_len"),
+        ({"prompt_token_ids": list(range(3, 127))}, GREEDY, ValueError, r"\(124 tokens\) \+ max_tokens \(5\) = 129 exceeds max_model_len \(128\)"),
+        ("", GREEDY, ValueError, "prompt is empty"),
+        ({"prompt_token_ids": []}, GREEDY, ValueError, "prompt_token_ids is empty"),
+        ({"prompt_token_ids": [5, 10_000]}, GREEDY, ValueError, r"10000 is not an int in \[0, 512\)"),
+        ({"prompt_token_ids": "5 6"}, GREEDY, TypeError, "prompt_token_ids must be a list"),
+        ({"text": "hi"}, GREEDY, ValueError, r"unknown prompt key\(s\) \['text'\]"),
+        ({"prompt": "hi", "prompt_token_ids": [4]}, GREEDY, ValueError, "exactly one of"),
+        (123, GREEDY, TypeError, "prompts must be a str"),
+        (["ok", 5], GREEDY, TypeError, "a prompt must be a str or a dict, got int"),
+        ("ok", "greedy", TypeError, "sampling params must be SamplingParams"),
+        ("ok", SamplingParams(max_tokens=None), None, None),  # None = up to max_model_len: fine
+    ],
+)
+def test_bad_input_is_refused_and_engine_keeps_serving(llm, prompts, params, error, match):
+    [before] = llm.generate("Hello, world", GREEDY, use_tqdm=False)
+    if error is None:
+        [out] = llm.generate(prompts, params, use_tqdm=False)
+        assert out.finished
+    else:
+        with pytest.raises(error, match=match):
+            llm.generate(["Hello, world", prompts] if isinstance(prompts, dict) else prompts, params, use_tqdm=False)
+    stats = llm.stats()
+    assert stats["num_free_blocks"] == stats["num_gpu_blocks"] and not llm.llm_engine.has_unfinished_requests()
+    [after] = llm.generate("Hello, world", GREEDY, use_tqdm=False)
+    assert after.outputs[0].token_ids == before.outputs[0].token_ids
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(max_tokens=0), "max_tokens must be an int >= 1"),
+        (dict(max_tokens=2.5), "max_tokens must be an int >= 1"),
+        (dict(temperature=-0.1), "temperature must be a number >= 0"),
+        (dict(seed=-1), "seed must be an int"),
+        (dict(stop_token_ids=[-3]), "stop_token_ids must be non-negative"),
+    ],
+)
+def test_invalid_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_engine_arguments_are_checked(tiny_checkpoint):
+    path = tiny_checkpoint("qwen3")
+    with pytest.raises(ValueError, match="max_model_len 4096 exceeds the model's max_position_embeddings"):
+        LLM(path, max_model_len=4096)
+    with pytest.raises(ValueError, match="must be >= max_num_seqs"):
+        LLM(path, max_num_seqs=64, max_num_batched_tokens=32)
+    with pytest.raises(ValueError, match="largest token bucket"):
+        LLM(path, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, token_buckets=[16])
+    with pytest.raises(ValueError, match="attention_backend 'flash'"):
+        LLM(path, max_model_len=128, attention_backend="flash")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'max_num_sequences'"):
+        LLM(path, max_num_sequences=4)

@@ -1,0 +1,247 @@
+"""Scheduler and KV block manager without a model: a fake model samples deterministic tokens."""
+
+import hashlib
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jaxvllm.kv_cache_manager import BlockPool, KVCacheManager
+from jaxvllm.request import Request, RequestStatus
+from jaxvllm.sampling_params import SamplingParams
+from jaxvllm.scheduler import Scheduler, SchedulerConfig
+
+VOCAB = 1000
+
+
+def fake_token(request_id: str, index: int) -> int:
+    """The token a fake model 'samples' as output `index` of a request: the same after any preemption."""
+    return int.from_bytes(hashlib.sha256(f"{request_id}/{index}".encode()).digest()[:4], "little") % VOCAB
+
+
+def make_request(rid, prompt_len, max_tokens, arrival, priority=0, eos=()):
+    prompt = [fake_token(f"prompt-{rid}", i) for i in range(prompt_len)]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    return Request(str(rid), prompt, params, priority=priority, max_tokens=max_tokens,
+                   eos_token_ids=eos, arrival_index=arrival)
+
+
+def run_step(scheduler: Scheduler, check=None):
+    out = scheduler.schedule()
+    if check:
+        check(out)
+    sampled = [fake_token(s.request.request_id, s.request.num_output_tokens) for s in out.scheduled]
+    scheduler.update_from_output(out, sampled)
+    return out
+
+
+def make_scheduler(num_blocks=64, block_size=4, **kwargs):
+    config = SchedulerConfig(**{"max_model_len": 256, **kwargs})
+    return Scheduler(config, KVCacheManager(num_blocks, block_size))
+
+
+def check_blocks(scheduler: Scheduler):
+    """Every block is free or owned by exactly one live request, with a matching ref count."""
+    kv = scheduler.kv
+    owners = {}
+    for rid, blocks in kv.req_blocks.items():
+        assert rid in scheduler.requests, f"finished request {rid} still owns blocks"
+        for b in blocks:
+            assert b not in owners, f"block {b} owned by {owners[b]} and {rid}"
+            owners[b] = rid
+    free = set(kv.pool._free)
+    assert not free & set(owners), "a block is both free and owned"
+    assert len(free) + len(owners) == kv.pool.num_blocks, "a block leaked"
+    for b in range(kv.pool.num_blocks):
+        assert kv.pool.ref_counts[b] == (1 if b in owners else 0)
+    for r in scheduler.running:
+        assert len(kv.get_block_ids(r.request_id)) * kv.block_size >= r.num_computed_tokens
+
+
+def check_tokens(request: Request):
+    """Outputs are exactly the fake model's sequence: nothing lost or duplicated."""
+    assert request.output_token_ids == [fake_token(request.request_id, i) for i in range(request.num_output_tokens)]
+
+
+def test_chunked_prefill_cuts_long_prompts():
+    s = make_scheduler(max_num_batched_tokens=32, max_num_seqs=4)
+    s.add_request(make_request("a", 100, 3, 0))
+    chunks = [run_step(s).scheduled[0].num_new_tokens for _ in range(4)]
+    assert chunks == [32, 32, 32, 4]
+    r = s.requests["a"]
+    assert r.num_output_tokens == 1 and r.num_computed_tokens == 100
+    assert [run_step(s).scheduled[0].num_new_tokens for _ in range(2)] == [1, 1]
+    assert not s.has_unfinished_requests()
+    assert s.kv.num_free_blocks == 64
+
+
+def test_running_first_then_waiting_within_budget():
+    s = make_scheduler(max_num_batched_tokens=20, max_num_seqs=8)
+    s.add_request(make_request("a", 10, 5, 0))
+    run_step(s)
+    s.add_request(make_request("b", 30, 5, 1))
+    out = run_step(s)
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("b", 19)]
+
+
+def test_max_num_seqs_caps_running():
+    s = make_scheduler(max_num_batched_tokens=100, max_num_seqs=2)
+    for i in range(4):
+        s.add_request(make_request(i, 5, 5, i))
+    out = run_step(s)
+    assert len(out.scheduled) == 2 and len(s.waiting) == 2
+
+
+def test_fcfs_preempts_last_arrived_and_resumes_it_first():
+    # 6 blocks of 4 tokens; three requests of 7 prompt tokens (2 blocks each) fill the pool.
+    s = make_scheduler(num_blocks=6, max_num_batched_tokens=64, max_num_seqs=8)
+    for i in range(3):
+        s.add_request(make_request(i, 7, 6, i))
+    run_step(s)  # prefill 7 tokens each (2 blocks), sample an 8th
+    run_step(s)  # compute the 8th: the 2 blocks are full
+    out = run_step(s)  # a 9th token each needs 3 more blocks; none are free
+    assert [r.request_id for r in out.preempted] == ["2"]
+    assert s.waiting.peek().request_id == "2" and s.requests["2"].num_computed_tokens == 0
+    while s.has_unfinished_requests():
+        run_step(s)
+        check_blocks(s)
+    assert s.num_preemptions >= 1
+
+
+def test_priority_preempts_lowest_priority():
+    s = make_scheduler(num_blocks=6, max_num_batched_tokens=64, max_num_seqs=8, policy="priority")
+    s.add_request(make_request("low", 7, 6, 0, priority=5))
+    s.add_request(make_request("high", 7, 6, 1, priority=0))
+    s.add_request(make_request("mid", 7, 6, 2, priority=1))
+    run_step(s)
+    run_step(s)
+    out = run_step(s)
+    assert [r.request_id for r in out.preempted] == ["low"]
+    assert [x.request.request_id for x in out.scheduled] == ["high", "mid"]
+
+
+def test_priority_orders_admission():
+    s = make_scheduler(max_num_batched_tokens=64, max_num_seqs=1, policy="priority")
+    s.add_request(make_request("b", 4, 1, 0, priority=2))
+    s.add_request(make_request("a", 4, 1, 1, priority=1))
+    s.add_request(make_request("c", 4, 1, 2, priority=2))
+    order = [run_step(s).scheduled[0].request.request_id for _ in range(3)]
+    assert order == ["a", "b", "c"]
+
+
+def test_requests_that_can_never_fit_are_refused():
+    s = make_scheduler(num_blocks=8, block_size=4, max_model_len=64, max_num_batched_tokens=16,
+                       enable_chunked_prefill=False)
+    with pytest.raises(ValueError, match="exceeds max_model_len"):
+        s.add_request(make_request("a", 60, 5, 0))
+    with pytest.raises(ValueError, match="needs 10 KV blocks but the cache has only 8"):
+        s.add_request(make_request("b", 30, 10, 1))
+    with pytest.raises(ValueError, match="chunked prefill is disabled"):
+        s.add_request(make_request("c", 20, 1, 2))
+    assert not s.has_unfinished_requests()
+
+
+def test_stop_tokens_and_abort_free_blocks():
+    s = make_scheduler()
+    eos = fake_token("a", 2)
+    s.add_request(make_request("a", 5, 50, 0, eos=(eos,)))
+    s.add_request(make_request("b", 5, 50, 1))
+    while "a" in s.requests:
+        run_step(s)
+    assert s.kv.get_block_ids("a") == []
+    b = s.requests["b"]
+    s.finish(b, "abort")
+    assert b.finish_reason == "abort" and b.status == RequestStatus.FINISHED
+    assert s.kv.num_free_blocks == 64 and not s.has_unfinished_requests()
+
+
+def test_block_pool_free_order_and_double_free():
+    pool = BlockPool(4)
+    a = pool.allocate(3)
+    assert a == [0, 1, 2] and pool.num_free_blocks == 1
+    pool.free(a[::-1])
+    assert pool.allocate(4) == [3, 2, 1, 0]  # oldest free first: 3, then a's tail before its head
+    with pytest.raises(RuntimeError, match="asked for 1 blocks, 0 free"):
+        pool.allocate(1)
+    pool.free([0])
+    with pytest.raises(RuntimeError, match="freed more often"):
+        pool.free([0])
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 20), st.integers(0, 3)),
+        st.tuples(st.just("step"), st.integers(1, 4)),
+        st.tuples(st.just("abort"), st.integers(0, 30)),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ops=ops,
+    num_blocks=st.integers(4, 40),
+    budget=st.integers(8, 64),
+    max_num_seqs=st.integers(1, 8),
+    policy=st.sampled_from(["fcfs", "priority"]),
+    chunked=st.booleans(),
+)
+def test_random_add_step_abort(ops, num_blocks, budget, max_num_seqs, policy, chunked):
+    max_num_seqs = min(max_num_seqs, budget)
+    s = make_scheduler(num_blocks=num_blocks, block_size=4, max_model_len=64, max_num_batched_tokens=budget,
+                       max_num_seqs=max_num_seqs, policy=policy, enable_chunked_prefill=chunked)
+    added, ended = [], {}
+
+    def check(out):
+        assert out.num_tokens <= budget
+        assert len(out.scheduled) <= max_num_seqs
+        ids = [x.request.request_id for x in out.scheduled]
+        assert len(ids) == len(set(ids))
+        for x in out.scheduled:
+            assert x.num_new_tokens >= 1
+            assert x.start + x.num_new_tokens <= x.request.num_tokens
+            assert len(x.block_ids) * 4 >= x.start + x.num_new_tokens
+
+    def step():
+        out = run_step(s, check)
+        for r in list(added):
+            if r.is_finished and r.request_id not in ended:
+                ended[r.request_id] = r.finish_reason
+        check_blocks(s)
+        for r in added:
+            check_tokens(r)
+
+    for op in ops:
+        if op[0] == "add":
+            _, prompt_len, max_tokens, priority = op
+            r = make_request(f"r{len(added)}", prompt_len, max_tokens, len(added), priority)
+            too_big = (prompt_len + max_tokens > 64 or -(-(prompt_len + max_tokens) // 4) > num_blocks
+                       or (not chunked and prompt_len > budget))
+            if too_big:
+                with pytest.raises(ValueError):
+                    s.add_request(r)
+                continue
+            s.add_request(r)
+            added.append(r)
+        elif op[0] == "step":
+            for _ in range(op[1]):
+                step()
+        elif added:
+            r = added[op[1] % len(added)]
+            if not r.is_finished:
+                s.finish(r, "abort")
+                ended[r.request_id] = "abort"
+            check_blocks(s)
+
+    for _ in range(2000):  # everything left must finish: no deadlock
+        if not s.has_unfinished_requests():
+            break
+        step()
+    assert not s.has_unfinished_requests()
+    assert s.kv.num_free_blocks == num_blocks
+    for r in added:
+        assert r.is_finished
+        if ended.get(r.request_id) != "abort":
+            assert r.num_output_tokens == r.max_tokens and r.finish_reason == "length"
+        check_tokens(r)
