@@ -169,7 +169,9 @@ class Scheduler:
             while len(self.waiting) and len(self.running) < c.max_num_seqs and budget > 0:
                 request = self.waiting.peek()
                 num_new = request.num_tokens - request.num_computed_tokens
-                if not c.enable_chunked_prefill and num_new > budget:
+                # Without chunked prefill a prompt waits for a step with room for all of it; a
+                # preempted request's recompute (prompt + outputs) may exceed any budget, so it is chunked.
+                if not c.enable_chunked_prefill and num_new > budget and request.num_preemptions == 0:
                     break
                 num_new = min(num_new, budget)
                 if self.kv.allocate_slots(request, num_new) is None:
