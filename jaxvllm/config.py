@@ -183,6 +183,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     attention_backend: str = "auto"
     token_buckets: list[int] | None = field(default=None)

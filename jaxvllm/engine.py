@@ -18,7 +18,7 @@ from jaxvllm.scheduler import Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
 
-_PROMPT_KEYS = {"prompt", "prompt_token_ids"}
+_PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
 
 
 class LLMEngine:
@@ -39,7 +39,9 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
-        self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, config.block_size)
+        self.kv_cache_manager = KVCacheManager(
+            self.runner.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -54,17 +56,21 @@ class LLMEngine:
 
     # -- requests ----------------------------------------------------------------------
 
-    def tokenize_prompt(self, prompt: Any) -> tuple[str | None, list[int]]:
-        """A str, {"prompt": str} or {"prompt_token_ids": [int]} -> (text, token ids); raises on bad input."""
+    def tokenize_prompt(self, prompt: Any) -> tuple[str | None, list[int], str | None]:
+        """A str, or a dict with "prompt" (str) or "prompt_token_ids" (list of ints) and an
+        optional "cache_salt" -> (text, token ids, salt); raises on bad input."""
         if isinstance(prompt, dict):
             unknown = set(prompt) - _PROMPT_KEYS
             if unknown:
                 raise ValueError(f"unknown prompt key(s) {sorted(unknown)}; allowed: {sorted(_PROMPT_KEYS)}")
-            if len(prompt) != 1:
+            if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
                 raise ValueError("a prompt dict needs exactly one of 'prompt' or 'prompt_token_ids'")
+            salt = prompt.get("cache_salt")
+            if salt is not None and not isinstance(salt, str):
+                raise TypeError(f"cache_salt must be a str, got {type(salt).__name__}")
             if "prompt" in prompt:
-                return self.tokenize_prompt(prompt["prompt"])
-            return None, self._check_token_ids(prompt["prompt_token_ids"])
+                return (*self.tokenize_prompt(prompt["prompt"])[:2], salt)
+            return None, self._check_token_ids(prompt["prompt_token_ids"]), salt
         if not isinstance(prompt, str):
             raise TypeError(f"a prompt must be a str or a dict, got {type(prompt).__name__}")
         if not prompt:
@@ -72,7 +78,7 @@ class LLMEngine:
         token_ids = self.tokenizer(prompt).input_ids
         if not token_ids:
             raise ValueError(f"the prompt {prompt!r} encodes to no tokens")
-        return prompt, token_ids
+        return prompt, token_ids, None
 
     def _check_token_ids(self, token_ids: Any) -> list[int]:
         if not isinstance(token_ids, (list, tuple, np.ndarray)):
@@ -93,7 +99,7 @@ class LLMEngine:
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         if not isinstance(priority, int):
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
-        text, token_ids = self.tokenize_prompt(prompt)
+        text, token_ids, cache_salt = self.tokenize_prompt(prompt)
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = self.runner.max_model_len - len(token_ids)
@@ -107,7 +113,7 @@ class LLMEngine:
         return Request(
             str(request_id), token_ids, params, prompt=text, priority=priority, max_tokens=max_tokens,
             eos_token_ids=self.eos_token_ids, arrival_index=arrival,
-            seed=(self.config.seed * 1_000_003 + arrival) % 2**32,
+            seed=(self.config.seed * 1_000_003 + arrival) % 2**32, cache_salt=cache_salt,
         )
 
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None, priority: int = 0) -> None:
@@ -159,7 +165,7 @@ class LLMEngine:
             prompt_token_ids=request.prompt_token_ids,
             outputs=[completion],
             finished=request.is_finished,
-            num_cached_tokens=0,
+            num_cached_tokens=request.num_cached_tokens or 0,
             metrics=request.metrics,
         )
 
@@ -173,4 +179,11 @@ class LLMEngine:
             "warmup_seconds": self.runner.warmup_seconds,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
+            "prefix_cache_queries": self.kv_cache_manager.stats.queries,
+            "prefix_cache_hits": self.kv_cache_manager.stats.hits,
+            "prefix_cache_hit_rate": self.kv_cache_manager.stats.hit_rate,
         }
+
+    def reset_prefix_cache(self) -> bool:
+        self.kv_cache_manager.reset_prefix_cache()
+        return True

@@ -1,4 +1,5 @@
-"""Paged KV block bookkeeping on the host: which physical blocks each request owns.
+"""Paged KV block bookkeeping on the host: which physical blocks each request owns,
+and which full blocks hold known contents (automatic prefix caching, as in vLLM V1).
 
 The device cache itself is a fixed array of `num_blocks` blocks per layer (see
 `pallas_kernels/__init__.py`); this module only hands out block ids.
@@ -6,18 +7,37 @@ The device cache itself is a fixed array of `num_blocks` blocks per layer (see
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
 
 from jaxvllm.request import Request
+
+
+def hash_block(parent: bytes | None, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
+    """Content hash of one full block: sha256 over the parent block's hash, the token ids
+    and extra keys (the request's cache salt on its first block).
+
+    A full-width 256-bit cryptographic hash: an accidental collision, which would let a
+    request read another prefix's K/V, is as likely as guessing a sha256 preimage.
+    """
+    h = hashlib.sha256(parent if parent is not None else b"jaxvllm-root")
+    h.update(np.asarray(token_ids, np.int64).tobytes())
+    if extra:
+        h.update(len(extra).to_bytes(8, "little") + extra)
+    return h.digest()
 
 
 class BlockPool:
     """Fixed pool of block ids with reference counts and an O(1) free queue.
 
-    The free queue is an insertion-ordered dict: allocation pops the oldest free block,
-    freeing appends at the end, and (for prefix caching) a free block can be taken out
-    of the middle in O(1) when it is hit again. `block_hashes` is the hook for prefix
-    caching: the hash of a full block's contents, or None.
+    The free queue is an insertion-ordered dict, in eviction (LRU) order: allocation
+    pops the oldest free block, freeing appends at the end, and a cached free block that
+    is hit again is taken out of the middle in O(1). A freed block keeps its hash and
+    contents until it is popped for reuse.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -26,22 +46,40 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
         self.block_hashes: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}  # hash -> the block holding those contents
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
 
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
 
+    def free_blocks(self) -> list[int]:
+        """Free block ids in eviction order (next to be reused first)."""
+        return list(self._free)
+
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise RuntimeError(f"asked for {n} blocks, {len(self._free)} free")
         blocks = [self._free.popitem(last=False)[0] for _ in range(n)]
         for b in blocks:
+            self._evict(b)
             self.ref_counts[b] = 1
-            self.block_hashes[b] = None
         return blocks
 
-    def free(self, blocks: list[int]) -> None:
+    def _evict(self, block: int) -> None:
+        h = self.block_hashes[block]
+        if h is not None:
+            del self.cached[h]
+            self.block_hashes[block] = None
+
+    def touch(self, blocks: Sequence[int]) -> None:
+        """Take a reference on cached blocks; a free one leaves the free queue in O(1)."""
+        for b in blocks:
+            if self.ref_counts[b] == 0:
+                del self._free[b]
+            self.ref_counts[b] += 1
+
+    def free(self, blocks: Sequence[int]) -> None:
         """Drop one reference from each block; blocks reaching zero join the free queue in order."""
         for b in blocks:
             if self.ref_counts[b] <= 0:
@@ -50,14 +88,37 @@ class BlockPool:
             if self.ref_counts[b] == 0:
                 self._free[b] = None
 
+    def cache(self, block: int, block_hash: bytes) -> None:
+        """Register a full block's contents; the first block with given contents stays the one found."""
+        if block_hash not in self.cached and self.block_hashes[block] is None:
+            self.cached[block_hash] = block
+            self.block_hashes[block] = block_hash
+
+    def reset_prefix_cache(self) -> None:
+        self.cached.clear()
+        self.block_hashes = [None] * self.num_blocks
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt (+ output, on resume) tokens looked up
+    hits: int = 0  # of those, tokens found in cached blocks
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
 
 class KVCacheManager:
-    """Per-request block lists over a `BlockPool` (vLLM V1's KVCacheManager, without prefix caching yet)."""
+    """Per-request block lists over a `BlockPool`, sharing cached full blocks (vLLM V1's KVCacheManager)."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.req_blocks: dict[str, list[int]] = {}
+        self._num_registered: dict[str, int] = {}  # how many of a request's blocks are in the cache map
+        self.stats = PrefixCacheStats()
 
     @property
     def num_free_blocks(self) -> int:
@@ -66,24 +127,84 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> list[int] | None:
-        """Make room for `num_new_tokens` more tokens of `request`; None when blocks run out.
+    def block_hashes(self, request: Request) -> list[bytes]:
+        """Hashes of the request's full blocks, extended as tokens are appended (kept across preemption)."""
+        hashes, bs = request.block_hashes, self.block_size
+        for i in range(len(hashes), request.num_tokens // bs):
+            parent = hashes[-1] if hashes else None
+            extra = request.cache_salt.encode() if i == 0 and request.cache_salt else b""
+            hashes.append(hash_block(parent, request.token_ids[i * bs : (i + 1) * bs], extra))
+        return hashes
 
-        Returns the newly allocated block ids (possibly none); on None nothing changed.
+    def get_computed_blocks(self, request: Request) -> list[int]:
+        """The longest run of cached blocks that prefixes the request (nothing is taken yet).
+
+        At least the last token is left out, so that the step computes logits to sample from.
+        """
+        if not self.enable_prefix_caching or not request.use_prefix_cache:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for h in self.block_hashes(request)[:max_blocks]:
+            block = self.pool.cached.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()
+    ) -> list[int] | None:
+        """Make room for `num_new_tokens` more tokens of `request`, after `computed_blocks`
+        (cache hits, on admission); None when blocks run out, and then nothing changed.
+
+        Returns the newly allocated block ids. Blocks that this step fills are registered in
+        the prefix cache now: the engine is synchronous, so their K/V is written before
+        any later step can read them (a request admitted later in the same step reads
+        them in the same forward pass, after each layer's write).
         """
         blocks = self.req_blocks.setdefault(request.request_id, [])
-        total = request.num_computed_tokens + num_new_tokens
-        need = self.blocks_needed(total) - len(blocks)
-        if need > self.pool.num_free_blocks:
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        total = num_computed + num_new_tokens
+        need = self.blocks_needed(total) - len(blocks) - len(computed_blocks)
+        reviving = sum(1 for b in computed_blocks if self.pool.ref_counts[b] == 0)
+        if need > self.pool.num_free_blocks - reviving:
             return None
+        self.pool.touch(computed_blocks)
+        blocks.extend(computed_blocks)
         new = self.pool.allocate(need) if need > 0 else []
         blocks.extend(new)
+        if self.enable_prefix_caching and request.use_prefix_cache:
+            self._register_full_blocks(request, blocks, total // self.block_size)
         return new
 
+    def _register_full_blocks(self, request: Request, blocks: list[int], num_full: int) -> None:
+        start = self._num_registered.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        hashes = self.block_hashes(request)
+        for i in range(start, num_full):
+            self.pool.cache(blocks[i], hashes[i])
+        self._num_registered[request.request_id] = num_full
+
+    def record_prefix_hits(self, num_queried: int, num_hit: int) -> None:
+        if self.enable_prefix_caching:
+            self.stats.queries += num_queried
+            self.stats.hits += num_hit
+
     def free(self, request: Request) -> None:
-        """Release a request's blocks, tail first, so that its head blocks stay longest in a cache."""
+        """Release a request's blocks, tail first: its head blocks (the likeliest shared prefix)
+        stay cached longest."""
         blocks = self.req_blocks.pop(request.request_id, [])
+        self._num_registered.pop(request.request_id, None)
         self.pool.free(blocks[::-1])
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return self.req_blocks.get(request_id, [])
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block's contents (e.g. after changing weights); owners keep their blocks."""
+        self.pool.reset_prefix_cache()
+        for rid in self._num_registered:
+            self._num_registered[rid] = len(self.req_blocks.get(rid, []))  # don't re-register old blocks
+        self.stats = PrefixCacheStats()

@@ -101,3 +101,7 @@ class LLM:
 
     def stats(self) -> dict:
         return self.llm_engine.stats()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefix blocks (their memory stays with the KV pool)."""
+        return self.llm_engine.reset_prefix_cache()

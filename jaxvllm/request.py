@@ -36,6 +36,7 @@ class Request:
         eos_token_ids: tuple[int, ...] = (),
         arrival_index: int = 0,
         seed: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -48,6 +49,10 @@ class Request:
         self.arrival_index = arrival_index  # FCFS order and priority tie-break
         self.seed = params.seed if params.seed is not None else seed
         self.num_computed_tokens = 0
+        self.num_cached_tokens: int | None = None  # prefix-cache hit on first admission
+        self.cache_salt = cache_salt  # requests with different salts never share cached blocks
+        self.use_prefix_cache = True
+        self.block_hashes: list[bytes] = []  # of full blocks, filled by the KV cache manager
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None

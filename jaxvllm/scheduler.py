@@ -168,17 +168,24 @@ class Scheduler:
         if not out.preempted:
             while len(self.waiting) and len(self.running) < c.max_num_seqs and budget > 0:
                 request = self.waiting.peek()
-                num_new = request.num_tokens - request.num_computed_tokens
+                # Fresh and preempted requests start from whatever prefix is cached.
+                computed = self.kv.get_computed_blocks(request)
+                num_cached = len(computed) * self.kv.block_size
+                num_new = request.num_tokens - num_cached
                 # Without chunked prefill a prompt waits for a step with room for all of it; a
                 # preempted request's recompute (prompt + outputs) may exceed any budget, so it is chunked.
                 if not c.enable_chunked_prefill and num_new > budget and request.num_preemptions == 0:
                     break
                 num_new = min(num_new, budget)
-                if self.kv.allocate_slots(request, num_new) is None:
+                if self.kv.allocate_slots(request, num_new, computed) is None:
                     break
                 self.waiting.pop()
                 self.running.append(request)
                 request.status = RequestStatus.RUNNING
+                request.num_computed_tokens = num_cached
+                self.kv.record_prefix_hits(request.num_tokens, num_cached)
+                if request.num_cached_tokens is None:
+                    request.num_cached_tokens = num_cached
                 if request.metrics.first_scheduled_time is None:
                     request.metrics.first_scheduled_time = time.time()
                 scheduled[request.request_id] = self._scheduled(request, num_new)
