@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import numpy as np
@@ -11,7 +12,8 @@ import numpy as np
 from jaxvllm.config import EngineConfig
 from jaxvllm.kv_cache_manager import KVCacheManager
 from jaxvllm.model_runner import ModelRunner
-from jaxvllm.outputs import CompletionOutput, RequestOutput
+from jaxvllm.detokenizer import IncrementalDetokenizer
+from jaxvllm.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxvllm.request import Request
 from jaxvllm.sampling_params import SamplingParams
 from jaxvllm.scheduler import Scheduler, SchedulerConfig
@@ -19,6 +21,23 @@ from jaxvllm.scheduler import Scheduler, SchedulerConfig
 logger = logging.getLogger(__name__)
 
 _PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
+
+
+@dataclass
+class ParentRequest:
+    """A user's request: n > 1 completions are n scheduler requests sharing the prompt
+    (and, through the prefix cache, its KV blocks)."""
+
+    request_id: str
+    children: list[Request]
+
+    def __post_init__(self) -> None:
+        for child in self.children:
+            child.parent_id = self.request_id
+
+    @property
+    def finished(self) -> bool:
+        return all(c.is_finished for c in self.children)
 
 
 class LLMEngine:
@@ -53,10 +72,12 @@ class LLMEngine:
             self.kv_cache_manager,
         )
         self._arrivals = itertools.count()
+        self._parents: dict[str, ParentRequest] = {}
+        self._token_texts: dict[int, str] = {}
 
     # -- requests ----------------------------------------------------------------------
 
-    def tokenize_prompt(self, prompt: Any) -> tuple[str | None, list[int], str | None]:
+    def tokenize_prompt(self, prompt: Any, add_special_tokens: bool = True) -> tuple[str | None, list[int], str | None]:
         """A str, or a dict with "prompt" (str) or "prompt_token_ids" (list of ints) and an
         optional "cache_salt" -> (text, token ids, salt); raises on bad input."""
         if isinstance(prompt, dict):
@@ -69,13 +90,13 @@ class LLMEngine:
             if salt is not None and not isinstance(salt, str):
                 raise TypeError(f"cache_salt must be a str, got {type(salt).__name__}")
             if "prompt" in prompt:
-                return (*self.tokenize_prompt(prompt["prompt"])[:2], salt)
+                return (*self.tokenize_prompt(prompt["prompt"], add_special_tokens)[:2], salt)
             return None, self._check_token_ids(prompt["prompt_token_ids"]), salt
         if not isinstance(prompt, str):
             raise TypeError(f"a prompt must be a str or a dict, got {type(prompt).__name__}")
         if not prompt:
             raise ValueError("the prompt is empty")
-        token_ids = self.tokenizer(prompt).input_ids
+        token_ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
         if not token_ids:
             raise ValueError(f"the prompt {prompt!r} encodes to no tokens")
         return prompt, token_ids, None
@@ -92,14 +113,18 @@ class LLMEngine:
                 raise ValueError(f"prompt token id {t!r} is not an int in [0, {vocab})")
         return [int(t) for t in token_ids]
 
-    def make_request(self, request_id: str, prompt: Any, params: SamplingParams | None, priority: int = 0) -> Request:
-        """Validate everything about a request without queueing it."""
+    def make_requests(
+        self, request_id: str, prompt: Any, params: SamplingParams | None, priority: int = 0,
+        *, add_special_tokens: bool = True,
+    ) -> ParentRequest:
+        """Validate everything about a request (its n completions) without queueing it."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        if not isinstance(priority, int):
+        if not isinstance(priority, int) or isinstance(priority, bool):
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
-        text, token_ids, cache_salt = self.tokenize_prompt(prompt)
+        params.check_vocab(self.model_config.vocab_size)
+        text, token_ids, cache_salt = self.tokenize_prompt(prompt, add_special_tokens)
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = self.runner.max_model_len - len(token_ids)
@@ -109,29 +134,50 @@ class LLMEngine:
                     f"({self.runner.max_model_len})"
                 )
         self.scheduler.check_fits(len(token_ids), max_tokens)
-        arrival = next(self._arrivals)
-        return Request(
-            str(request_id), token_ids, params, prompt=text, priority=priority, max_tokens=max_tokens,
-            eos_token_ids=self.eos_token_ids, arrival_index=arrival,
-            seed=(self.config.seed * 1_000_003 + arrival) % 2**32, cache_salt=cache_salt,
-        )
+        request_id = str(request_id)
+        if request_id in self._parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        children = []
+        for index in range(params.n):
+            arrival = next(self._arrivals)
+            # Each completion has its own randomness: seed + index, or a seed drawn from the engine's.
+            seed = (params.seed + index) % 2**32 if params.seed is not None else (self.config.seed * 1_000_003 + arrival) % 2**32
+            child_id = request_id if params.n == 1 else f"{index}_{request_id}"
+            child = Request(
+                child_id, token_ids, params, prompt=text, priority=priority, max_tokens=max_tokens,
+                eos_token_ids=self.eos_token_ids, arrival_index=arrival, seed=seed, cache_salt=cache_salt,
+            )
+            if params.detokenize:
+                child.detokenizer = IncrementalDetokenizer(
+                    self.tokenizer, skip_special_tokens=params.skip_special_tokens, stop=params.stop_strings,
+                    include_stop_str_in_output=params.include_stop_str_in_output,
+                )
+            children.append(child)
+        return ParentRequest(request_id, children)
 
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None, priority: int = 0) -> None:
-        self.scheduler.add_request(self.make_request(request_id, prompt, params, priority))
+        self.add_parent(self.make_requests(request_id, prompt, params, priority))
 
-    def add_requests(self, requests: Iterable[Request]) -> None:
-        for request in requests:
-            self.scheduler.add_request(request)
+    def add_parent(self, parent: ParentRequest) -> None:
+        if parent.request_id in self._parents:
+            raise ValueError(f"request id {parent.request_id!r} is already in use")
+        for child in parent.children:
+            self.scheduler.add_request(child)
+        self._parents[parent.request_id] = parent
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Stop requests now and free their blocks; unknown or finished ids are ignored."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         outputs = []
         for rid in ids:
-            request = self.scheduler.requests.get(rid)
-            if request is not None:
-                self.scheduler.finish(request, "abort")
-                outputs.append(self._output(request))
+            parent = self._parents.pop(rid, None)
+            if parent is None:
+                continue
+            for child in parent.children:
+                if not child.is_finished:
+                    self.scheduler.finish(child, "abort")
+            self.runner.release(c.request_id for c in parent.children)
+            outputs.append(self._output(parent))
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -143,30 +189,112 @@ class LLMEngine:
         """Schedule, run the model once, and return the requests that got a new token.
 
         final_only: return only finished requests (what `LLM.generate` keeps), which
-        skips detokenizing every running request at every step.
+        skips building outputs for every running request at every step.
         """
         out = self.scheduler.schedule()
-        sampled = self.runner.execute(out.scheduled)
-        updated = self.scheduler.update_from_output(out, sampled)
-        return [self._output(r) for r in updated if r.is_finished or not final_only]
+        self.runner.release(r.request_id for r in out.preempted)
+        result = self.runner.execute(out.scheduled)
+        updated = self.scheduler.update_from_output(out, result.sampled)
+        self._record_logprobs(out.scheduled, result, set(map(id, updated)))
+        for request in updated:
+            if request.params.stop_strings:
+                self._detokenize(request)
+        self.runner.release(r.request_id for r in updated if r.is_finished)
 
-    def _output(self, request: Request) -> RequestOutput:
-        token_ids = request.output_token_ids
-        completion = CompletionOutput(
-            index=0,
-            text=self.tokenizer.decode(token_ids, skip_special_tokens=True),
-            token_ids=token_ids,
-            finish_reason=request.finish_reason if request.is_finished else None,
-            stop_reason=request.stop_reason,
-        )
+        outputs, seen = [], set()
+        for request in updated:
+            parent = self._parents.get(request.parent_id)
+            if parent is None or parent.request_id in seen:
+                continue
+            seen.add(parent.request_id)
+            if parent.finished:
+                del self._parents[parent.request_id]
+                outputs.append(self._output(parent))
+            elif not final_only:
+                outputs.append(self._output(parent))
+        return outputs
+
+    def _detokenize(self, request: Request) -> None:
+        """Bring the text up to date with the tokens; a stop string ends the completion.
+
+        Requests with stop strings are detokenized every step (to stop in time); others
+        only when their text is read, so `generate` decodes each completion once.
+        """
+        new = request.output_token_ids[request.num_detokenized :]
+        if request.detokenizer is None or not new:
+            return
+        request.num_detokenized += len(new)
+        stop = request.detokenizer.update(new)
+        if stop is None:
+            return
+        if not request.is_finished:
+            self.scheduler.finish(request, "stop")
+        request.finish_reason, request.stop_reason = "stop", stop
+
+    def _record_logprobs(self, scheduled, result, updated_ids: set[int]) -> None:
+        if result.logprobs is not None:
+            lp = result.logprobs
+            for i, s in enumerate(scheduled):
+                request = s.request
+                if request.logprobs is None or id(request) not in updated_ids:
+                    continue
+                token = request.token_ids[-1]
+                request.logprobs.append(self._logprob_dict(
+                    token, lp.token_logprob[i], lp.token_rank[i], lp.top_ids[i], lp.top_logprobs[i],
+                    request.params.logprobs,
+                ))
+                request.cumulative_logprob += float(lp.token_logprob[i])
+        if result.prompt_logprobs is not None:
+            lp = result.prompt_logprobs
+            for row, (i, pos) in enumerate(result.prompt_positions):
+                request = scheduled[i].request
+                request.prompt_logprobs[pos] = self._logprob_dict(
+                    request.prompt_token_ids[pos], lp.token_logprob[row], lp.token_rank[row], lp.top_ids[row],
+                    lp.top_logprobs[row], request.params.prompt_logprobs,
+                )
+
+    def _logprob_dict(self, token, logprob, rank, top_ids, top_logprobs, k) -> dict[int, Logprob]:
+        """vLLM's format: the chosen token first, then the top k (rank order)."""
+        decode = self._token_text
+        entry = {int(token): Logprob(float(logprob), int(rank), decode(int(token)))}
+        for j in range(k):
+            t = int(top_ids[j])
+            if t not in entry:
+                entry[t] = Logprob(float(top_logprobs[j]), j + 1, decode(t))
+        return entry
+
+    def _token_text(self, token_id: int) -> str:
+        """A token's text alone, cached: logprobs name up to 21 tokens per row per step."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def _output(self, parent: ParentRequest) -> RequestOutput:
+        for child in parent.children:
+            self._detokenize(child)
+        first = parent.children[0]
+        completions = [
+            CompletionOutput(
+                index=i,
+                text=child.detokenizer.text if child.detokenizer is not None else "",
+                token_ids=child.output_token_ids,
+                cumulative_logprob=child.cumulative_logprob,
+                logprobs=child.logprobs,
+                finish_reason=child.finish_reason if child.is_finished else None,
+                stop_reason=child.stop_reason,
+            )
+            for i, child in enumerate(parent.children)
+        ]
         return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[completion],
-            finished=request.is_finished,
-            num_cached_tokens=request.num_cached_tokens or 0,
-            metrics=request.metrics,
+            request_id=parent.request_id,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=completions,
+            finished=parent.finished,
+            num_cached_tokens=first.num_cached_tokens or 0,
+            metrics=first.metrics,
+            prompt_logprobs=first.prompt_logprobs,
         )
 
     def stats(self) -> dict:

@@ -47,28 +47,42 @@ class LLM:
     ) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in input order.
 
-        prompts: a str, {"prompt": str}, {"prompt_token_ids": [int]}, or a list of those.
-        sampling_params: one for all prompts or one per prompt. priority: one int per
-        prompt (lower runs first); giving it selects the priority scheduling policy.
-        Every prompt is validated before any is queued, so a bad one leaves the engine as it was.
+        prompts: a str, {"prompt": str}, {"prompt_token_ids": [int]} (either dict may carry
+        a "cache_salt"), or a list of those. sampling_params: one for all prompts or one
+        per prompt. priority: one int per prompt (lower runs first); giving it selects
+        the priority scheduling policy. Every prompt is validated before any is queued,
+        so a bad one leaves the engine as it was.
         """
-        engine = self.llm_engine
-        if engine.has_unfinished_requests():
-            raise RuntimeError("the engine has unfinished requests added by hand; finish or abort them first")
         prompts = [prompts] if isinstance(prompts, (str, dict)) else prompts
         if not isinstance(prompts, (list, tuple)):
             raise TypeError(f"prompts must be a str, a dict or a list of them, got {type(prompts).__name__}")
-        params = self._per_prompt(sampling_params, len(prompts), "sampling_params", SamplingParams())
-        priorities = self._per_prompt(priority, len(prompts), "priority", 0, one_for_all=False)
+        return self._run(prompts, sampling_params, priority, use_tqdm)
 
-        requests = [
-            engine.make_request(str(self._request_counter + i), p, sp, pr)
-            for i, (p, sp, pr) in enumerate(zip(prompts, params, priorities))
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} messages) or a
+        list of them, rendered with the tokenizer's chat template (or `chat_template`)."""
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise TypeError("messages must be a non-empty list of message dicts, or a list of such lists")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.get_tokenizer()
+        if chat_template is None and tokenizer.chat_template is None:
+            raise ValueError("the tokenizer has no chat template; pass chat_template=")
+        prompts = [
+            tokenizer.apply_chat_template(
+                list(conv), chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+            for conv in conversations
         ]
-        self._request_counter += len(requests)
-        engine.scheduler.set_policy("priority" if priority is not None else self.llm_engine.config.scheduling_policy)
-        engine.add_requests(requests)
-        return self._run(requests, use_tqdm)
+        # The template writes any BOS itself, so the rendered text is tokenized without special tokens.
+        return self._run(prompts, sampling_params, None, use_tqdm, add_special_tokens=False)
 
     @staticmethod
     def _per_prompt(value, n: int, name: str, default, one_for_all: bool = True) -> list:
@@ -80,15 +94,28 @@ class LLM:
             raise ValueError(f"{name} must have one entry per prompt ({n})")
         return list(value)
 
-    def _run(self, requests, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts, sampling_params, priority, use_tqdm: bool, add_special_tokens: bool = True):
         engine = self.llm_engine
+        if engine.has_unfinished_requests():
+            raise RuntimeError("the engine has unfinished requests added by hand; finish or abort them first")
+        params = self._per_prompt(sampling_params, len(prompts), "sampling_params", SamplingParams())
+        priorities = self._per_prompt(priority, len(prompts), "priority", 0, one_for_all=False)
+        requests = [
+            engine.make_requests(str(self._request_counter + i), p, sp, pr, add_special_tokens=add_special_tokens)
+            for i, (p, sp, pr) in enumerate(zip(prompts, params, priorities))
+        ]
+        self._request_counter += len(requests)
+        engine.scheduler.set_policy("priority" if priority is not None else engine.config.scheduling_policy)
+        for request in requests:
+            engine.add_parent(request)
+
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         start, num_output_tokens = time.perf_counter(), 0
         try:
             while engine.has_unfinished_requests():
                 for output in engine.step(final_only=True):
-                    num_output_tokens += len(output.outputs[0].token_ids)
+                    num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
                     finished[output.request_id] = output
                     bar.update(1)
                 bar.set_postfix_str(f"output {num_output_tokens / (time.perf_counter() - start):.1f} tok/s", refresh=False)

@@ -9,6 +9,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 from safetensors import SafetensorError, safe_open
+from tqdm.auto import tqdm
 
 from jaxvllm.config import ModelConfig
 from jaxvllm.models import MODELS
@@ -103,6 +104,7 @@ def load_safetensors(path: Path, cfg: ModelConfig, dtype) -> dict:
     for spec in specs:
         by_file.setdefault(files[spec.hf_name], []).append(spec)
     params: dict = {}
+    bar = tqdm(total=len(specs), desc="Loading safetensors", dynamic_ncols=True)
     for file, file_specs in by_file.items():
         with _open(file) as f:
             for spec in file_specs:
@@ -116,6 +118,8 @@ def load_safetensors(path: Path, cfg: ModelConfig, dtype) -> dict:
                 except SafetensorError as e:
                     raise ValueError(f"cannot read tensor {spec.hf_name} from {file}: {e}") from e
                 _put(params, spec.path, jnp.asarray(array, dtype).reshape(spec.shape))
+                bar.update(1)
+    bar.close()
     unused = set(files) - {s.hf_name for s in specs} - {"lm_head.weight"}
     if unused:
         logger.warning("ignoring %d tensor(s) not used by %s: %s", len(unused), cfg.architecture, sorted(unused)[:5])
@@ -126,7 +130,8 @@ def dummy_params(cfg: ModelConfig, dtype, seed: int = 0) -> dict:
     """Random weights of the right shapes (normal with the config's initializer_range)."""
     key = jax.random.key(seed)
     params: dict = {}
-    for i, spec in enumerate(MODELS[cfg.architecture].param_specs(cfg)):
+    specs = MODELS[cfg.architecture].param_specs(cfg)
+    for i, spec in enumerate(tqdm(specs, desc="Initializing dummy weights", dynamic_ncols=True)):
         if spec.init == "normal":
             value = jax.random.normal(jax.random.fold_in(key, i), spec.shape, dtype) * cfg.initializer_range
         else:

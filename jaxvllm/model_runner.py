@@ -6,20 +6,31 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from functools import partial
 from itertools import chain
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm.auto import tqdm
 
 from jaxvllm.batch import ModelInputs
 from jaxvllm.config import EngineConfig, ModelConfig
 from jaxvllm.layers import ATTENTION_BACKENDS, allocate_kv_caches
 from jaxvllm.loader import load_model, resolve_dtype
 from jaxvllm.models import MODELS
-from jaxvllm.request import ScheduledRequest
-from jaxvllm.sampler import SamplingTensors, sample
+from jaxvllm.request import Request, ScheduledRequest
+from jaxvllm.sampler import (
+    Logprobs,
+    SamplerState,
+    SamplingTensors,
+    compute_logprobs,
+    empty_logprobs,
+    init_state,
+    sample,
+    write_state_row,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +52,44 @@ def device_memory_stats() -> dict | None:
     return jax.devices()[0].memory_stats()
 
 
-def _step(params, kv_caches, inputs: ModelInputs, sampling: SamplingTensors, *, cfg: ModelConfig, backend: str):
-    logits, kv_caches = MODELS[cfg.architecture].forward(params, kv_caches, inputs, cfg, backend)
-    return sample(logits, sampling), kv_caches
+# Prompt logprobs need logits for every prompt row: computed this many rows at a time.
+PROMPT_LOGPROBS_CHUNK = 256
+
+
+@dataclass
+class RunnerOutput:
+    """What one step hands back to the host (numpy, rows = scheduled requests)."""
+
+    sampled: np.ndarray  # [n] int32
+    logprobs: Logprobs | None  # numpy fields, [n] rows; only when a row asked
+    prompt_logprobs: Logprobs | None  # numpy fields, one row per `prompt_positions` entry
+    prompt_positions: list[tuple[int, int]]  # (scheduled index, prompt position scored)
+
+
+def _prompt_logprobs(params, hidden, targets, cfg: ModelConfig) -> Logprobs:
+    """Logprobs of each row's next prompt token (`targets`, -1 = none), chunked over rows."""
+    model = MODELS[cfg.architecture]
+    rows = hidden.shape[0]
+    chunk = min(rows, PROMPT_LOGPROBS_CHUNK)
+    padded = -(-rows // chunk) * chunk
+    hidden = jnp.pad(hidden, ((0, padded - rows), (0, 0))).reshape(padded // chunk, chunk, -1)
+    ids = jnp.pad(jnp.maximum(targets, 0), (0, padded - rows)).reshape(padded // chunk, chunk)
+    out = jax.lax.map(lambda xs: compute_logprobs(model.compute_logits(params, xs[0], cfg), xs[1]), (hidden, ids))
+    return jax.tree.map(lambda x: x.reshape(padded, *x.shape[2:])[:rows], out)
+
+
+def _step(params, kv_caches, sampler_state, inputs: ModelInputs, sampling: SamplingTensors, prompt_targets,
+          *, cfg: ModelConfig, backend: str):
+    model = MODELS[cfg.architecture]
+    hidden, kv_caches = model.hidden_states(params, kv_caches, inputs, cfg, backend)
+    logits = model.compute_logits(params, hidden[inputs.logits_indices], cfg)
+    sampled, logprobs, sampler_state = sample(logits, sampling, sampler_state)
+    prompt_logprobs = jax.lax.cond(
+        jnp.any(prompt_targets >= 0),
+        lambda: _prompt_logprobs(params, hidden, prompt_targets, cfg),
+        lambda: empty_logprobs(hidden.shape[0]),
+    )
+    return sampled, logprobs, prompt_logprobs, kv_caches, sampler_state
 
 
 class ModelRunner:
@@ -72,7 +118,11 @@ class ModelRunner:
         self.backend = self._resolve_backend(c.attention_backend)
         self.block_size = c.block_size
         self.max_blocks_per_seq = -(-self.max_model_len // c.block_size)
-        self._step = jax.jit(partial(_step, cfg=self.cfg, backend=self.backend), donate_argnums=(1,))
+        self._step = jax.jit(partial(_step, cfg=self.cfg, backend=self.backend), donate_argnums=(1, 2))
+        self._write_row = jax.jit(write_state_row, donate_argnums=(0,))
+        self.sampler_state: SamplerState = init_state(c.max_num_seqs, self.cfg.vocab_size)
+        self._slots: dict[str, int] = {}  # request id -> its SamplerState row
+        self._free_slots = list(range(c.max_num_seqs))
         self.num_blocks = self._num_kv_blocks()
         self.kv_caches = allocate_kv_caches(self.cfg, self.num_blocks, c.block_size, self.dtype)
         self._log_kv_cache()
@@ -105,9 +155,10 @@ class ModelRunner:
             return max(self.max_blocks_per_seq, min(wanted, CPU_KV_CACHE_BYTES // self.bytes_per_block))
         # Profile: run the largest bucket with a one-sequence cache and measure the peak.
         probe = allocate_kv_caches(self.cfg, self.max_blocks_per_seq, self.block_size, self.dtype)
-        sampled, probe = self._step(self.params, probe, *self._dummy_batch(self.buckets[-1]))
-        jax.block_until_ready(sampled)
-        del probe
+        outputs = self._step(self.params, probe, self.sampler_state, *self._dummy_batch(self.buckets[-1]))
+        self.sampler_state = outputs[-1]
+        jax.block_until_ready(outputs)
+        del probe, outputs
         stats = device_memory_stats()
         peak = stats.get("peak_bytes_in_use", stats["bytes_in_use"])
         free = c.gpu_memory_utilization * stats["bytes_limit"] - peak
@@ -132,16 +183,20 @@ class ModelRunner:
     def warmup(self) -> float:
         """Compile every token bucket now, so that serving never compiles."""
         start = time.perf_counter()
-        for bucket in self.buckets:
-            sampled, self.kv_caches = self._step(self.params, self.kv_caches, *self._dummy_batch(bucket))
-        jax.block_until_ready(sampled)
+        for bucket in tqdm(self.buckets, desc="Compiling token buckets", dynamic_ncols=True):
+            *outputs, self.kv_caches, self.sampler_state = self._step(
+                self.params, self.kv_caches, self.sampler_state, *self._dummy_batch(bucket)
+            )
+        zeros = np.zeros(self.cfg.vocab_size)
+        self.sampler_state = self._write_row(self.sampler_state, 0, zeros, zeros > 0, zeros.astype(np.int32), zeros > 0)
+        jax.block_until_ready((outputs, self.sampler_state))
         seconds = time.perf_counter() - start
         logger.info("warm-up: compiled %d token buckets %s in %.1f s", len(self.buckets), self.buckets, seconds)
         return seconds
 
-    def _dummy_batch(self, num_tokens: int) -> tuple[ModelInputs, SamplingTensors]:
+    def _dummy_batch(self, num_tokens: int):
         """All-padding batch of a bucket's shape: writes nothing to the cache."""
-        return self.prepare([], num_tokens)
+        return self.prepare([], num_tokens)[:3]
 
     # -- one step ----------------------------------------------------------------------
 
@@ -185,23 +240,98 @@ class ModelRunner:
         logits_indices = np.zeros(rows, np.int32)
         logits_indices[:n] = query_start_loc[1 : n + 1] - 1
 
-        temperature = np.zeros(rows, np.float32)
-        seeds = np.zeros(rows, np.uint32)
-        output_index = np.zeros(rows, np.int32)
+        sampling = self._sampling_tensors(scheduled, rows)
+        prompt_targets = np.full(padded, -1, np.int32)
+        prompt_positions = []
         for i, s in enumerate(scheduled):
-            temperature[i] = s.request.params.temperature
-            seeds[i] = s.request.seed
-            output_index[i] = s.request.num_output_tokens
+            if s.request.params.prompt_logprobs is None:
+                continue
+            # The row of position p scores prompt token p + 1 (the first prompt token has none).
+            for pos in range(s.start, min(s.start + s.num_new_tokens, s.request.num_prompt_tokens - 1)):
+                row = int(query_start_loc[i]) + pos - s.start
+                prompt_targets[row] = s.request.prompt_token_ids[pos + 1]
+                prompt_positions.append((i, pos + 1, row))
         inputs = ModelInputs(input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables, logits_indices)
-        return inputs, SamplingTensors(temperature, seeds, output_index)
+        return inputs, sampling, prompt_targets, prompt_positions
 
-    def execute(self, scheduled: list[ScheduledRequest]) -> np.ndarray:
-        """Run one step; returns the sampled token of each scheduled row [n]."""
+    def _sampling_tensors(self, scheduled: list[ScheduledRequest], rows: int) -> SamplingTensors:
+        """Per-row sampling parameters; padding rows are greedy with neutral settings."""
+        n = len(scheduled)
+        floats = np.zeros((rows, 6), np.float32)
+        floats[:] = (0.0, 1.0, 0.0, 0.0, 0.0, 1.0)
+        ints = np.zeros((rows, 4), np.int64)
+        flags = np.zeros((rows, 4), bool)
+        if n:
+            floats[:n] = [s.request.sampling_floats for s in scheduled]
+            ints[:n] = [
+                (s.request.params.top_k, s.request.seed, s.request.num_output_tokens, self._slots.get(s.request.request_id, 0))
+                for s in scheduled
+            ]
+            flags[:n] = [
+                (s.request.uses_sampler_state, s.request.num_output_tokens < s.request.params.min_tokens,
+                 s.samples, s.samples and s.request.params.logprobs is not None)
+                for s in scheduled
+            ]
+        f, i, b = floats.T.copy(), ints.T.copy(), flags.T.copy()
+        return SamplingTensors(
+            temperature=f[0], top_p=f[1], min_p=f[2], presence_penalty=f[3], frequency_penalty=f[4],
+            repetition_penalty=f[5], top_k=i[0].astype(np.int32), seeds=i[1].astype(np.uint32),
+            output_index=i[2].astype(np.int32), slot=i[3].astype(np.int32),
+            use_state=b[0], suppress_stop=b[1], counts_sample=b[2], want_logprobs=b[3],
+        )
+
+    # -- per-request sampler state -------------------------------------------------------
+
+    def _admit(self, request: Request) -> None:
+        """Give a request that needs sampler state a slot, and write its rows once."""
+        if not request.uses_sampler_state or request.request_id in self._slots:
+            return
+        slot = self._free_slots.pop()
+        self._slots[request.request_id] = slot
+        params, vocab = request.params, self.cfg.vocab_size
+        bias = np.zeros(vocab, np.float32)
+        if params.allowed_token_ids is not None:
+            bias[:] = -np.inf
+            bias[params.allowed_token_ids] = 0.0
+        for token, value in (params.logit_bias or {}).items():
+            bias[token] += value
+        prompt_mask = np.zeros(vocab, bool)
+        prompt_mask[request.prompt_token_ids] = True
+        counts = np.bincount(np.asarray(request.output_token_ids, np.int64), minlength=vocab).astype(np.int32)
+        stop_mask = np.zeros(vocab, bool)
+        stop_mask[list(request.eos_token_ids) + params.stop_token_ids] = True
+        self.sampler_state = self._write_row(self.sampler_state, slot, bias, prompt_mask, counts, stop_mask)
+
+    def release(self, request_ids) -> None:
+        """Requests that left the running set (finished, aborted, preempted) give back their slot."""
+        for rid in request_ids:
+            slot = self._slots.pop(rid, None)
+            if slot is not None:
+                self._free_slots.append(slot)
+
+    # -- one step ----------------------------------------------------------------------
+
+    def execute(self, scheduled: list[ScheduledRequest]) -> RunnerOutput:
+        """Run one step: a token for each scheduled row; logprobs copied back only when asked."""
         if not scheduled:
-            return np.zeros(0, np.int32)
-        inputs, sampling = self.prepare(scheduled)
-        sampled, self.kv_caches = self._step(self.params, self.kv_caches, inputs, sampling)
-        return np.asarray(sampled)[: len(scheduled)]
+            return RunnerOutput(np.zeros(0, np.int32), None, None, [])
+        for s in scheduled:
+            self._admit(s.request)
+        inputs, sampling, prompt_targets, prompt_positions = self.prepare(scheduled)
+        sampled, logprobs, prompt_logprobs, self.kv_caches, self.sampler_state = self._step(
+            self.params, self.kv_caches, self.sampler_state, inputs, sampling, prompt_targets
+        )
+        n = len(scheduled)
+
+        def to_host(lp: Logprobs, rows) -> Logprobs:
+            return jax.tree.map(lambda x: np.asarray(x)[rows], lp)
+
+        return RunnerOutput(
+            sampled=np.asarray(sampled)[:n],
+            logprobs=to_host(logprobs, slice(0, n)) if sampling.want_logprobs.any() else None,
+            prompt_logprobs=to_host(prompt_logprobs, [r for _, _, r in prompt_positions]) if prompt_positions else None,
+            prompt_positions=[(i, pos) for i, pos, _ in prompt_positions],
+        )
 
     def num_compiled_buckets(self) -> int:
         return self._step._cache_size()

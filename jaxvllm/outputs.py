@@ -6,12 +6,21 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """vLLM's Logprob: a token's log-probability, its rank (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None  # "stop", "length", "abort" or None while running
     stop_reason: int | str | None = None  # the stop token id or string, None for EOS
 
@@ -38,4 +47,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
-    prompt_logprobs: list | None = field(default=None, repr=False)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = field(default=None, repr=False)

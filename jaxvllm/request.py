@@ -39,6 +39,7 @@ class Request:
         cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
+        self.parent_id = request_id  # the user's request id (differs for n > 1)
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)  # prompt + output, grows each decode step
@@ -47,12 +48,29 @@ class Request:
         self.max_tokens = max_tokens
         self.eos_token_ids = () if params.ignore_eos else eos_token_ids
         self.arrival_index = arrival_index  # FCFS order and priority tie-break
-        self.seed = params.seed if params.seed is not None else seed
+        self.seed = seed  # the engine derives it from params.seed (+ completion index) or its own seed
         self.num_computed_tokens = 0
         self.num_cached_tokens: int | None = None  # prefix-cache hit on first admission
         self.cache_salt = cache_salt  # requests with different salts never share cached blocks
-        self.use_prefix_cache = True
+        # Prompt logprobs need every prompt token computed, so such requests skip the cache (as vLLM).
+        self.use_prefix_cache = params.prompt_logprobs is None
         self.block_hashes: list[bytes] = []  # of full blocks, filled by the KV cache manager
+        # What the device sampler needs of the params, gathered once.
+        self.sampling_floats = (
+            params.temperature, params.top_p, params.min_p,
+            params.presence_penalty, params.frequency_penalty, params.repetition_penalty,
+        )
+        self.uses_sampler_state = bool(
+            params.uses_penalties or params.logit_bias or params.allowed_token_ids is not None or params.min_tokens
+        )
+        # Outputs beyond token ids, filled by the engine.
+        self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self.prompt_logprobs: list[dict | None] | None = (
+            [None] * len(self.prompt_token_ids) if params.prompt_logprobs is not None else None
+        )
+        self.detokenizer = None  # an IncrementalDetokenizer when params.detokenize
+        self.num_detokenized = 0  # output tokens the detokenizer has seen
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None

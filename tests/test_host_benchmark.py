@@ -17,13 +17,3 @@ def test_host_step_benchmark_writes_json(tmp_path, capsys):
     parts = result["parts"]
     assert parts["total"]["mean_ms"] >= parts["schedule"]["mean_ms"] + parts["prepare"]["mean_ms"] + parts["update"]["mean_ms"]
 
-
-def test_generate_vs_hf_benchmark(tmp_path):
-    from jaxvllm.benchmarks.generate_vs_hf import main as generate_vs_hf
-
-    path = tmp_path / "vs.json"
-    result = generate_vs_hf(["--num-prompts", "4", "--max-prompt-len", "20", "--max-tokens", "4",
-                             "--max-num-batched-tokens", "64", "--json", str(path)])
-    assert json.loads(path.read_text()) == result
-    assert result["identical_completions"] == 4
-    assert result["jaxvllm_generate_s"] > 0 and result["hf_sequential_s"] > 0 and result["speedup"] > 0

@@ -158,10 +158,10 @@ def test_bad_input_is_refused_and_engine_keeps_serving(llm, prompts, params, err
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(max_tokens=0), "max_tokens must be an int >= 1"),
-        (dict(max_tokens=2.5), "max_tokens must be an int >= 1"),
-        (dict(temperature=-0.1), "temperature must be a number >= 0"),
-        (dict(seed=-1), "seed must be an int"),
+        (dict(max_tokens=0), r"max_tokens must be in \[1, inf\], got 0"),
+        (dict(max_tokens=2.5), "max_tokens must be an int, got 2.5"),
+        (dict(temperature=-0.1), r"temperature must be in \[0.0, inf\], got -0.1"),
+        (dict(seed=-1), r"seed must be in \[0, 4294967295\]"),
         (dict(stop_token_ids=[-3]), "stop_token_ids must be non-negative"),
     ],
 )

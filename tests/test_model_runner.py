@@ -44,12 +44,13 @@ def test_kv_cache_cpu_default_and_override(tiny_checkpoint, caplog):
 
 def test_prepare_builds_the_flat_batch(tiny_checkpoint):
     runner = ModelRunner(EngineConfig(model=str(tiny_checkpoint("llama")), **SMALL))
-    params = SamplingParams(temperature=0.5, max_tokens=4, seed=9)
-    a = Request("a", list(range(10, 30)), params, max_tokens=4)  # 20 prompt tokens, 16 computed
-    b = Request("b", [7, 8, 9], params, max_tokens=4)
+    params = SamplingParams(temperature=0.5, max_tokens=4)
+    a = Request("a", list(range(10, 30)), params, max_tokens=4, seed=9)  # 20 prompt tokens, 16 computed
+    b = Request("b", [7, 8, 9], params, max_tokens=4, seed=9)
     b.token_ids.append(11)  # one output token so far, decoding
     batch = [ScheduledRequest(a, 16, 4, [3, 1]), ScheduledRequest(b, 3, 1, [2])]
-    inputs, sampling = runner.prepare(batch)
+    inputs, sampling, prompt_targets, prompt_positions = runner.prepare(batch)
+    assert (prompt_targets == -1).all() and prompt_positions == []
     np.testing.assert_array_equal(inputs.input_ids[:6], [26, 27, 28, 29, 11, 0])
     assert inputs.input_ids.shape == (32,)  # padded to the bucket
     np.testing.assert_array_equal(inputs.positions[:5], [16, 17, 18, 19, 3])
@@ -60,6 +61,8 @@ def test_prepare_builds_the_flat_batch(tiny_checkpoint):
     np.testing.assert_array_equal(inputs.block_tables[:2, :2], [[3, 1], [2, 0]])
     np.testing.assert_array_equal(inputs.logits_indices, [3, 4, 0, 0])
     np.testing.assert_array_equal(sampling.temperature, [0.5, 0.5, 0, 0])
+    np.testing.assert_array_equal(sampling.top_p, [1.0] * 4)
+    np.testing.assert_array_equal(sampling.counts_sample, [True, True, False, False])  # both chunks end the sequence
     np.testing.assert_array_equal(sampling.seeds[:2], [9, 9])
     np.testing.assert_array_equal(sampling.output_index[:2], [0, 1])
 

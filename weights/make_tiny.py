@@ -12,13 +12,16 @@ or from Python (tests import it as `weights.make_tiny`):
 
 The models are built with transformers (`from_config` + `save_pretrained`, so torch
 is needed here, not in the engine) and the tokenizer is a byte-level BPE trained on
-the spot, so any text encodes.
+the spot (`jaxvllm.dummy.make_tokenizer`, shared with `--model dummy:NAME`), so any
+text encodes.
 """
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+
+from jaxvllm.dummy import make_tokenizer  # one tokenizer for tiny checkpoints and dummy:NAME models
 
 # A tiny hidden size keeps CPU tests fast; head_dim 16 and a rope scaling / bias /
 # qk-norm per family exercise what differs between the architectures.
@@ -82,42 +85,6 @@ ARCHITECTURES: dict[str, dict] = {
         tie_word_embeddings=True,
     ),
 }
-
-_CORPUS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "A paged KV cache stores keys and values in fixed-size blocks.",
-    "Continuous batching lets new requests join while others are decoding.",
-    "JAX compiles one executable per input shape, so the runner pads to buckets.",
-    "Once upon a time there was a small language model that lived on a CPU.",
-    "Hello, world! How are you today? I am fine, thank you.",
-    "def main():\n    print('hello')\n    return 0\n",
-    "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20",
-    "Ünïcödé text, emoji 🙂 and CJK 漢字 must also round-trip through bytes.",
-]
-
-
-def make_tokenizer(path: str | Path, vocab_size: int = 384):
-    """Train a byte-level BPE on a built-in corpus and save it as a HF fast tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<pad>", "<s>", "</s>"]  # ids 0, 1, 2 as in the model config
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
-    )
-    fast.save_pretrained(str(path))
-    return fast
-
 
 def make_tiny(
     arch: str,

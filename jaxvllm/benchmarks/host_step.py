@@ -18,7 +18,6 @@ import argparse
 import cProfile
 import json
 import pstats
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,7 +25,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from jaxvllm.engine import LLMEngine
+from jaxvllm.detokenizer import IncrementalDetokenizer
+from jaxvllm.engine import LLMEngine, ParentRequest
 from jaxvllm.kv_cache_manager import KVCacheManager
 from jaxvllm.model_runner import ModelRunner, default_buckets
 from jaxvllm.request import Request
@@ -43,10 +43,7 @@ BLOCK_SIZE = 16
 
 def make_tokenizer():
     """The tiny byte-level BPE of the tests, trained into a temp dir (no download)."""
-    root = str(Path(__file__).resolve().parents[2])
-    if root not in sys.path:  # `weights/` is a folder of the repo, not an installed package
-        sys.path.insert(0, root)
-    from weights.make_tiny import make_tokenizer as make
+    from jaxvllm.dummy import make_tokenizer as make
 
     with tempfile.TemporaryDirectory() as tmp:
         return make(tmp, vocab_size=VOCAB)
@@ -64,19 +61,23 @@ def build(num_requests: int, prompt_len: int, output_len: int, tokenizer, rng: n
     max_batched = max(8192, num_requests)
     scheduler = Scheduler(SchedulerConfig(num_requests, max_batched, MAX_MODEL_LEN), kv)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    engine = LLMEngine.__new__(LLMEngine)  # only what `_output` / `_detokenize` read
+    engine.tokenizer, engine.scheduler = tokenizer, scheduler
+    parents = {}
     for i in range(num_requests):
         prompt = rng.integers(3, VOCAB, prompt_len).tolist()
         request = Request(str(i), prompt, params, max_tokens=max_tokens, arrival_index=i)
         request.token_ids += rng.integers(3, VOCAB, output_len).tolist()
+        request.detokenizer = IncrementalDetokenizer(tokenizer)
         scheduler.add_request(request)
+        parents[request.request_id] = ParentRequest(request.request_id, [request])
 
     runner = ModelRunner.__new__(ModelRunner)  # only what `prepare` reads
     runner.config = SimpleNamespace(max_num_seqs=num_requests)
     runner.block_size, runner.max_blocks_per_seq = BLOCK_SIZE, blocks_per_seq
     runner.buckets = default_buckets(max_batched)
-    engine = LLMEngine.__new__(LLMEngine)  # only what `_output` reads
-    engine.tokenizer = tokenizer
-    return scheduler, runner, engine
+    runner._slots = {}
+    return scheduler, runner, engine, parents
 
 
 def prefill(scheduler: Scheduler, rng: np.random.Generator) -> int:
@@ -89,7 +90,7 @@ def prefill(scheduler: Scheduler, rng: np.random.Generator) -> int:
     return steps
 
 
-def time_steps(scheduler, runner, engine, steps: int, rng, profile: cProfile.Profile | None = None) -> dict:
+def time_steps(scheduler, runner, engine, parents, steps: int, rng, profile: cProfile.Profile | None = None) -> dict:
     """Time `steps` decode steps part by part; returns {part: [seconds per step]}."""
     n = len(scheduler.running)
     sampled_all = rng.integers(0, VOCAB, (steps, n), dtype=np.int32)  # the stubbed device step
@@ -105,7 +106,7 @@ def time_steps(scheduler, runner, engine, steps: int, rng, profile: cProfile.Pro
         t2 = clock()
         updated = scheduler.update_from_output(out, sampled_all[k, : len(out.scheduled)])
         t3 = clock()
-        outputs = [engine._output(r) for r in updated]
+        outputs = [engine._output(parents[r.request_id]) for r in updated]
         t4 = clock()
         assert len(out.scheduled) == n == len(outputs), "every request should decode every step"
         for part, dt in zip(PARTS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0)):
@@ -129,12 +130,12 @@ def summarize(times: dict, n: int) -> dict:
 def run(num_requests: int, steps: int, prompt_len: int, output_len: int, tokenizer, seed: int = 0,
         profile: cProfile.Profile | None = None) -> dict:
     rng = np.random.default_rng(seed)
-    scheduler, runner, engine = build(num_requests, prompt_len, output_len, tokenizer, rng)
+    scheduler, runner, engine, parents = build(num_requests, prompt_len, output_len, tokenizer, rng)
     prefill_steps = prefill(scheduler, rng)
     if len(scheduler.running) < num_requests:  # the first ones decode while the last ones prefill
         raise ValueError(f"requests reached max_model_len ({MAX_MODEL_LEN}) during {prefill_steps} prefill "
                          "steps; lower --prompt-len or --output-len")
-    times = time_steps(scheduler, runner, engine, steps, rng, profile)
+    times = time_steps(scheduler, runner, engine, parents, steps, rng, profile)
     return {"num_requests": num_requests, "steps": steps, "prompt_len": prompt_len, "output_len": output_len,
             "prefill_steps": prefill_steps, "parts": summarize(times, num_requests)}
 

@@ -99,6 +99,32 @@ def _mlp(layer: dict, x, cfg: ModelConfig):
     return out + layer["down_bias"] if cfg.mlp_bias else out
 
 
+def hidden_states(
+    params: Params,
+    kv_caches: KVCaches,
+    inputs: ModelInputs,
+    cfg: ModelConfig,
+    attention_backend: str = "reference",
+) -> tuple[jax.Array, KVCaches]:
+    """Final-normed hidden states [T, hidden] of every token, and the new caches."""
+    x = params["embed"][inputs.input_ids]
+    new_caches = []
+    for i, layer in enumerate(params["layers"]):
+        h = rms_norm(x, layer["input_norm"], cfg.rms_norm_eps)
+        window = cfg.sliding_windows[i] if cfg.sliding_windows else None
+        h, cache = _attention_block(layer, h, kv_caches[i], inputs, cfg, window, attention_backend)
+        new_caches.append(cache)
+        x = x + h
+        x = x + _mlp(layer, rms_norm(x, layer["post_norm"], cfg.rms_norm_eps), cfg)
+    return rms_norm(x, params["norm"], cfg.rms_norm_eps), new_caches
+
+
+def compute_logits(params: Params, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """float32 logits [rows, vocab] of final-normed hidden rows."""
+    lm_head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
+    return jnp.einsum("sd,vd->sv", hidden, lm_head, preferred_element_type=jnp.float32)
+
+
 def forward(
     params: Params,
     kv_caches: KVCaches,
@@ -111,16 +137,5 @@ def forward(
     A pure function of (params, kv_caches, inputs): jit it with `cfg` and the backend
     static and the caches donated.
     """
-    x = params["embed"][inputs.input_ids]
-    new_caches = []
-    for i, layer in enumerate(params["layers"]):
-        h = rms_norm(x, layer["input_norm"], cfg.rms_norm_eps)
-        window = cfg.sliding_windows[i] if cfg.sliding_windows else None
-        h, cache = _attention_block(layer, h, kv_caches[i], inputs, cfg, window, attention_backend)
-        new_caches.append(cache)
-        x = x + h
-        x = x + _mlp(layer, rms_norm(x, layer["post_norm"], cfg.rms_norm_eps), cfg)
-    x = rms_norm(x[inputs.logits_indices], params["norm"], cfg.rms_norm_eps)
-    lm_head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
-    logits = jnp.einsum("sd,vd->sv", x, lm_head, preferred_element_type=jnp.float32)
-    return logits, new_caches
+    hidden, kv_caches = hidden_states(params, kv_caches, inputs, cfg, attention_backend)
+    return compute_logits(params, hidden[inputs.logits_indices], cfg), kv_caches

@@ -1,0 +1,116 @@
+"""jaxvllm on a benchmark request list, with the same interface as `hf_backend.HFBackend`.
+
+Construction (weights, KV cache, compiling every token bucket) is timed apart from
+the runs. A run can also split each engine step into host time (scheduling, building
+the numpy batch, appending tokens) and device time (the jitted step and the copy
+back), by wrapping the engine's and runner's methods on this one instance: the
+engine itself is not changed for it.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from jaxvllm.benchmarks.common import RunTimings
+from jaxvllm.benchmarks.datasets import BenchRequest
+from jaxvllm.llm import LLM
+from jaxvllm.sampling_params import SamplingParams
+
+
+@dataclass
+class StepTiming:
+    """Where the engine steps of a run spent their time (seconds, summed over steps)."""
+
+    steps: int = 0
+    step_seconds: float = 0.0  # LLMEngine.step, all of it
+    execute_seconds: float = 0.0  # ModelRunner.execute: prepare + device step + copy back
+    prepare_seconds: float = 0.0  # ModelRunner.prepare: the numpy batch (host)
+
+    @property
+    def device_seconds(self) -> float:
+        """The jitted step from dispatch to the sampled ids on the host (device + transfers)."""
+        return self.execute_seconds - self.prepare_seconds
+
+    @property
+    def host_seconds(self) -> float:
+        return self.step_seconds - self.device_seconds
+
+    def to_dict(self) -> dict[str, float]:
+        share = self.host_seconds / self.step_seconds if self.step_seconds else 0.0
+        mean_ms = 1e3 * self.step_seconds / self.steps if self.steps else 0.0
+        return {**asdict(self), "device_seconds": self.device_seconds, "host_seconds": self.host_seconds,
+                "host_share": share, "mean_step_ms": mean_ms}
+
+
+@contextmanager
+def time_steps(llm: LLM) -> Iterator[StepTiming]:
+    """Accumulate a StepTiming while inside; the instance's own methods come back on exit."""
+    timing = StepTiming()
+    engine, runner = llm.llm_engine, llm.llm_engine.runner
+
+    def timed(fn: Callable, field_name: str, count: bool = False) -> Callable:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                setattr(timing, field_name, getattr(timing, field_name) + time.perf_counter() - start)
+                timing.steps += count
+
+        return wrapper
+
+    patches = [(engine, "step", "step_seconds", True), (runner, "execute", "execute_seconds", False),
+               (runner, "prepare", "prepare_seconds", False)]
+    for obj, name, field_name, count in patches:
+        setattr(obj, name, timed(getattr(obj, name), field_name, count))
+    try:
+        yield timing
+    finally:
+        for obj, name, _, _ in patches:
+            delattr(obj, name)  # the class's method shows through again
+
+
+class JaxvllmBackend:
+    """An `LLM` built once (load and warm-up timed), then run on request lists."""
+
+    name = "jaxvllm"
+
+    def __init__(self, path: str, **engine_kwargs: Any) -> None:
+        start = time.perf_counter()
+        self.llm = LLM(path, **engine_kwargs)
+        self.init_seconds = time.perf_counter() - start
+        self.warmup_seconds = self.llm.stats()["warmup_seconds"]
+        self.load_seconds = self.init_seconds - self.warmup_seconds  # weights, KV cache, tokenizer
+        self.last_step_timing: StepTiming | None = None
+
+    def warmup(self, requests: list[BenchRequest]) -> float:
+        """Nothing to do: construction compiled every token bucket (see `warmup_seconds`)."""
+        return 0.0
+
+    def run(self, requests: list[BenchRequest], *, temperature: float = 0.0, use_tqdm: bool = True) -> RunTimings:
+        prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+        params = [SamplingParams(temperature=temperature, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+        with time_steps(self.llm) as timing:
+            start_wall, start = time.time(), time.perf_counter()
+            outputs = self.llm.generate(prompts, params, use_tqdm=use_tqdm)
+            elapsed = time.perf_counter() - start
+        self.last_step_timing = timing
+        ttft, e2e = [], []
+        for out in outputs:  # engine metrics are wall-clock (time.time) stamps
+            m = out.metrics
+            ttft.append(m.first_token_time - start_wall)
+            e2e.append(m.finished_time - start_wall)
+        return RunTimings(elapsed=elapsed, output_token_ids=[o.outputs[0].token_ids for o in outputs],
+                          ttft=ttft, e2e=e2e)
+
+    def stats(self) -> dict:
+        return self.llm.stats()
+
+    def close(self) -> None:
+        del self.llm
+        gc.collect()

@@ -1,0 +1,172 @@
+"""`jaxvllm bench throughput`: offline throughput on a request list, vLLM's flag names.
+
+All requests are given at once; the figure is tokens per second of the whole run,
+timed after the engine is built (weights, KV cache, compiled buckets), which is
+reported apart. With `--backend both`, HF transformers runs the same requests in
+the same process and the ratio jaxvllm / hf is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from jaxvllm.benchmarks import datasets as ds
+from jaxvllm.benchmarks.backends import make_backend
+from jaxvllm.benchmarks.common import RunTimings, add_bench_args, backend_names, environment, write_json
+from jaxvllm.dummy import ModelSource, resolve_model
+from jaxvllm.engine_args import add_engine_args, engine_kwargs
+from jaxvllm.loader import load_config
+
+DEFAULT_NUM_PROMPTS = 1000  # vLLM's
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_bench_args(parser)
+    group = parser.add_argument_group("dataset")
+    group.add_argument("--dataset", choices=ds.DATASETS, default="random",
+                       help="random: lengths around --input-len/--output-len; nanovllm: the B1 workload (256 "
+                            "requests, prompt and output lengths uniform in [100, 1024]); shared-prefix: "
+                            "--prefix-len shared tokens + --input-len own tokens per request")
+    group.add_argument("--num-prompts", type=int, default=None,
+                       help=f"number of requests (default {DEFAULT_NUM_PROMPTS}; nanovllm: {ds.NANOVLLM_NUM_PROMPTS})")
+    group.add_argument("--input-len", type=int, default=1024, help="prompt tokens (shared-prefix: after the prefix)")
+    group.add_argument("--output-len", type=int, default=128, help="generated tokens per request (EOS ignored)")
+    group.add_argument("--range-ratio", type=float, default=0.0,
+                       help="random: lengths uniform in [len * (1 - r), len * (1 + r)]")
+    group.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: tokens every prompt starts with")
+    group.add_argument("--compare-prefix-caching", action="store_true",
+                       help="run jaxvllm with prefix caching on, then off, and report computed prefill tokens "
+                            "and wall time of each")
+    add_engine_args(parser)
+
+
+def prompt_vocab_size(source: ModelSource, tokenizer: str | None) -> int:
+    """Random prompt ids stay within both the tokenizer's and the model's vocabularies."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer or source.path, local_files_only=True)
+    return min(len(tok), load_config(source.path).vocab_size)
+
+
+def make_requests(args: argparse.Namespace, vocab_size: int) -> list[ds.BenchRequest]:
+    n = args.num_prompts
+    if args.dataset == "nanovllm":
+        return ds.nanovllm_requests(vocab_size, num_prompts=n or ds.NANOVLLM_NUM_PROMPTS, seed=args.seed)
+    if args.dataset == "shared-prefix":
+        return ds.shared_prefix_requests(n or DEFAULT_NUM_PROMPTS, args.prefix_len, args.input_len, args.output_len,
+                                         vocab_size, seed=args.seed)
+    return ds.random_requests(n or DEFAULT_NUM_PROMPTS, args.input_len, args.output_len, vocab_size,
+                              range_ratio=args.range_ratio, seed=args.seed)
+
+
+def auto_max_model_len(dataset: str, requests: list[ds.BenchRequest], model_max: int) -> int:
+    """The longest request, so that no block table is wider than the work needs
+    (nanovllm: B1's 4096, where the model allows it)."""
+    needed = max(r.prompt_len + r.output_len for r in requests)
+    wanted = max(needed, ds.NANOVLLM_MAX_MODEL_LEN) if dataset == "nanovllm" else needed
+    return min(wanted, max(needed, model_max))
+
+
+def summarize(run: RunTimings, requests: list[ds.BenchRequest]) -> dict[str, Any]:
+    prompt_tokens = sum(r.prompt_len for r in requests)
+    output_tokens = run.num_output_tokens
+    return {
+        "elapsed_time": run.elapsed,
+        "num_requests": len(requests),
+        "total_prompt_tokens": prompt_tokens,
+        "total_output_tokens": output_tokens,
+        "total_num_tokens": prompt_tokens + output_tokens,
+        "requests_per_second": len(requests) / run.elapsed,
+        "tokens_per_second": (prompt_tokens + output_tokens) / run.elapsed,
+        "output_tokens_per_second": output_tokens / run.elapsed,
+    }
+
+
+_RATES = ("requests_per_second", "tokens_per_second", "output_tokens_per_second")
+
+
+def print_result(label: str, r: dict[str, Any]) -> None:
+    print(f"{label}: Throughput: {r['requests_per_second']:.2f} requests/s, {r['tokens_per_second']:.2f} total "
+          f"tokens/s, {r['output_tokens_per_second']:.2f} output tokens/s")
+    print(f"  {r['num_requests']} requests, {r['total_prompt_tokens']} prompt + {r['total_output_tokens']} output "
+          f"tokens in {r['elapsed_time']:.2f} s; load {r['load_seconds']:.2f} s and warm-up "
+          f"{r['warmup_seconds']:.2f} s not counted")
+    steps = r.get("step_timing")
+    if steps:
+        print(f"  host share of step time: {100 * steps['host_share']:.1f}% (host {steps['host_seconds']:.3f} s, "
+              f"device {steps['device_seconds']:.3f} s, {steps['steps']} steps of {steps['mean_step_ms']:.2f} ms)")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the benchmark the flags describe; print and return its figures (and write --output-json)."""
+    results: dict[str, dict[str, Any]] = {}
+    outputs: dict[str, list[list[int]]] = {}
+    hf_device = None
+    with resolve_model(args.model) as source:
+        requests = make_requests(args, prompt_vocab_size(source, args.tokenizer))
+        max_model_len = auto_max_model_len(args.dataset, requests, load_config(source.path).max_position_embeddings)
+        kwargs = engine_kwargs(args, source, seed=args.seed, max_model_len=max_model_len)
+        runs = [(name, name, kwargs) for name in backend_names(args.backend)]
+        if args.compare_prefix_caching:
+            if args.backend == "hf":
+                raise ValueError("--compare-prefix-caching needs the jaxvllm backend")
+            kwargs = {**kwargs, "enable_prefix_caching": True}
+            runs = [(key, name, kwargs) for key, name, _ in runs]
+            runs.append(("jaxvllm_no_prefix_caching", "jaxvllm", {**kwargs, "enable_prefix_caching": False}))
+        for key, name, run_kwargs in runs:
+            backend = make_backend(name, source, args, run_kwargs)
+            try:
+                backend.warmup(requests)
+                timings = backend.run(requests, temperature=args.temperature, use_tqdm=not args.disable_tqdm)
+                result = summarize(timings, requests)
+                result["load_seconds"] = backend.load_seconds
+                result["warmup_seconds"] = backend.warmup_seconds
+                if name == "hf":
+                    hf_device = backend.device_name
+                    result.update(mode=backend.mode_description, setup_seconds=timings.setup_seconds)
+                else:
+                    stats = backend.stats()
+                    result.update(step_timing=backend.last_step_timing.to_dict(), engine_stats=stats,
+                                  computed_prefill_tokens=result["total_prompt_tokens"] - stats["prefix_cache_hits"])
+            finally:
+                backend.close()
+            results[key] = result
+            outputs[key] = timings.output_token_ids
+            label = {"jaxvllm": "jaxvllm", "jaxvllm_no_prefix_caching": "jaxvllm, prefix caching off"}.get(key)
+            print_result(label or f"hf ({result['mode']})", result)
+
+    report: dict[str, Any] = {
+        "benchmark": "throughput",
+        "config": {"model": args.model, "dataset": args.dataset, "backend": args.backend,
+                   "num_prompts": len(requests), "input_len": args.input_len, "output_len": args.output_len,
+                   "range_ratio": args.range_ratio, "prefix_len": args.prefix_len, "seed": args.seed,
+                   "temperature": args.temperature, "hf_mode": args.hf_mode, "hf_batch_size": args.hf_batch_size,
+                   "engine_args": kwargs},
+        "results": results,
+    }
+    if args.compare_prefix_caching:
+        on, off = results["jaxvllm"], results["jaxvllm_no_prefix_caching"]
+        report["prefix_caching"] = {
+            "computed_prefill_tokens_on": on["computed_prefill_tokens"],
+            "computed_prefill_tokens_off": off["computed_prefill_tokens"],
+            "prefill_skipped": 1 - on["computed_prefill_tokens"] / off["computed_prefill_tokens"],
+            "elapsed_on": on["elapsed_time"], "elapsed_off": off["elapsed_time"],
+            "speedup": off["elapsed_time"] / on["elapsed_time"],
+        }
+        p = report["prefix_caching"]
+        print(f"prefix caching: {p['computed_prefill_tokens_on']} prefill tokens computed with it, "
+              f"{p['computed_prefill_tokens_off']} without ({100 * p['prefill_skipped']:.1f}% skipped); "
+              f"wall time {p['elapsed_on']:.2f} s vs {p['elapsed_off']:.2f} s ({p['speedup']:.2f}x)")
+    if "hf" in results:
+        ratio = {k: results["jaxvllm"][k] / results["hf"][k] for k in _RATES}
+        report["ratio"] = ratio
+        print(f"jaxvllm / hf: {ratio['requests_per_second']:.2f}x requests/s, {ratio['tokens_per_second']:.2f}x "
+              f"total tokens/s, {ratio['output_tokens_per_second']:.2f}x output tokens/s")
+        if args.temperature == 0 and not source.dummy:  # same weights: greedy completions should agree
+            same = sum(a == b for a, b in zip(outputs["jaxvllm"], outputs["hf"]))
+            report["identical_completions"] = same
+            print(f"identical greedy completions: {same}/{len(requests)}")
+    report["environment"] = environment(hf_device)
+    write_json(args.output_json, report)
+    return report

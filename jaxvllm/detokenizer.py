@@ -1,0 +1,273 @@
+"""Incremental detokenization with stop strings, on the host, for one completion.
+
+Decoding the whole completion after every sampled token costs O(length) per step, so
+a long completion would get slower to stream the longer it gets. Like vLLM, we decode
+a small window of recent tokens instead and keep the text as
+
+    committed text + text of the pending (not yet committed) tokens.
+
+The window is `ids[start:n]`; `ids[start:read]` is left context whose text
+(`prefix_text`) is already committed, so the new text is the window's text minus that
+prefix. The context makes position-dependent decoder rules act as in a decode of the
+whole completion: a Metaspace/SentencePiece decoder drops the leading space of the
+first token only, a ByteLevel decoder needs the lead byte of a character. Text is
+committed only when it does not end in U+FFFD: a partial UTF-8 character shows as
+U+FFFD (as `tokenizer.decode` shows it) and stays pending until it is complete. If
+new tokens change text of the context after all (clean_up_tokenization_spaces turns
+" ." into "."), the committed characters that differ are taken back.
+
+The result is exactly `tokenizer.decode(all_ids, skip_special_tokens=...)` after
+every update, for about one decode of at most ~16 tokens per update. The one case
+where the window grows with the output is a run of byte-fallback tokens (`<0xE6>`...):
+the ByteFallback decoder shows the whole run as U+FFFD once any byte of it is
+invalid, so nothing inside a run can be committed before the run ends.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from typing import Any
+
+# Tokens of left context kept in the window before the commit point. A ByteLevel
+# character is at most 4 bytes, so 4 tokens (>= 1 byte each) always include the lead
+# byte of a character that the commit point cuts into.
+_CONTEXT = 4
+# ... and, when the tokenizer may clean up tokenization spaces, at least this many
+# characters of it (if that takes at most `_SLIDE_AT` tokens).
+_CONTEXT_CHARS = 8
+# Once the committed part of the window holds more tokens than this, the window moves
+# up to the commit point (less `_CONTEXT`): one extra decode every few updates, and
+# windows of at most `_SLIDE_AT` + pending tokens.
+_SLIDE_AT = 10
+# When this many tokens are pending (text keeps ending in U+FFFD, e.g. invalid bytes),
+# look for an earlier point where the text is already final and commit up to it.
+_FORCE_AFTER = 6
+# Tokens after a forced commit point: a UTF-8 character needs at most 3 more bytes,
+# so with 3 tokens after it the decoder has settled everything before the point.
+_FORCE_KEEP = 3
+# Drop ids before the window once this many have piled up (memory stays bounded).
+_TRIM_AT = 1024
+# What the ByteFallback decoder reads as one byte: "<0x" + 2 digits (Rust's
+# u8::from_str_radix also takes a leading '+') + ">".
+_BYTE_TOKEN = re.compile(r"<0x[+0-9A-Fa-f][0-9A-Fa-f]>\Z")
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """The text of one completion, updated token by token, with vLLM stop strings.
+
+    `text` equals `tokenizer.decode(output_ids, skip_special_tokens=...)` after every
+    `update` until a stop string appears; then `text` is cut before the stop string
+    (after it with `include_stop_str_in_output`) and further `update` calls raise
+    RuntimeError, since tokens after the stop are not part of the completion.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        skip_special_tokens: bool = True,
+        stop: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+    ) -> None:
+        stop = (stop,) if isinstance(stop, str) else tuple(stop or ())  # vLLM also takes one string
+        for s in stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._stop = stop
+        self._max_stop_len = max((len(s) for s in stop), default=0)
+        self._include_stop = include_stop_str_in_output
+        # transformers may skip the cleanup for some models; a longer context is harmless.
+        self._cleanup = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
+
+        # Ids that decode to nothing wherever they are (skipped specials, ids past the
+        # vocabulary) are dropped on arrival: they would otherwise leave a window
+        # without real left context, and a long run of them would widen it.
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            self._id_to_token = backend.id_to_token
+            self._hidden: frozenset[int] = (
+                frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+                if skip_special_tokens else frozenset()
+            )
+            decoder = backend.decoder
+            self._byte_fallback = decoder is not None and b"ByteFallback" in decoder.__getstate__()
+        else:  # a slow (Python) tokenizer: be conservative about byte fallback
+            self._id_to_token = self._slow_id_to_token
+            self._hidden = frozenset(tokenizer.all_special_ids) if skip_special_tokens else frozenset()
+            self._byte_fallback = True
+
+        self._ids: list[int] = []  # decoder-visible output ids (older ones trimmed)
+        self._is_byte: list[bool] = []  # per id: a ByteFallback byte token
+        self._start = 0  # first id of the decode window
+        self._read = 0  # ids before this are committed
+        self._prefix_text = ""  # the window's text for ids[start:read]
+        self._chunks: list[str] = []  # committed text, in pieces (joined lazily)
+        self._committed_len = 0
+        self._tail = ""  # text of the pending ids ids[read:]
+        self._text: str | None = ""  # cached `text`; None when stale
+        self._stopped = False
+
+    # -- public ----------------------------------------------------------------------
+
+    @property
+    def text(self) -> str:
+        """The completion text so far. Joined on demand and cached until the next change,
+        so updates that nobody reads in between cost nothing here."""
+        if self._text is None:
+            committed = "".join(self._chunks)
+            # Two pieces: taking back a few characters then copies only the short one.
+            self._chunks = [committed[:-64], committed[-64:]] if committed else []
+            self._text = committed + self._tail
+        return self._text
+
+    def update(self, new_token_ids: Sequence[int]) -> str | None:
+        """Append output tokens (usually one per step); return the stop string if one now
+        appears in the text (then `text` is cut there and later calls are not allowed)."""
+        if self._stopped:
+            raise RuntimeError("a stop string was already found; the completion is over")
+        added = 0
+        for tid in new_token_ids:
+            tid = int(tid)
+            if tid in self._hidden:
+                continue
+            token = self._id_to_token(tid)
+            if token is None:  # past the vocabulary: decode ignores it
+                continue
+            self._ids.append(tid)
+            self._is_byte.append(self._byte_fallback and _BYTE_TOKEN.match(token) is not None)
+            added += 1
+        if not added:
+            return None  # decode ignores these ids: the text is unchanged
+
+        # Where the text may have changed: everything before is as it was.
+        changed_from = self._extend()
+        self._text = None
+        if self._stop:
+            return self._check_stop(changed_from)
+        return None
+
+    # -- internals -------------------------------------------------------------------
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+
+    def _slow_id_to_token(self, tid: int) -> str | None:
+        try:
+            return self._tokenizer.convert_ids_to_tokens(tid)
+        except (IndexError, KeyError, ValueError, OverflowError):
+            return None
+
+    def _extend(self) -> int:
+        """Decode the window after new ids arrived; commit what is final. Returns the
+        offset in `text` from which the text may differ from before."""
+        ids, n = self._ids, len(self._ids)
+        window_text = self._decode(ids[self._start:n])
+        prefix = self._prefix_text
+        if window_text.startswith(prefix):
+            keep = len(prefix)
+        else:
+            # The new tokens changed text of the context (e.g. clean_up_tokenization_spaces
+            # turns " ." into "."): take back the committed characters that differ.
+            keep = len(os.path.commonprefix([prefix, window_text]))
+            self._drop_committed(len(prefix) - keep)
+            self._prefix_text = prefix = prefix[:keep]
+        changed_from = self._committed_len
+        self._tail = window_text[keep:]
+
+        if not window_text.endswith(_REPLACEMENT) and not self._is_byte[-1]:
+            self._commit(n, window_text)
+        elif n - self._read > _FORCE_AFTER:
+            self._force_commit(window_text)
+        return changed_from
+
+    def _commit(self, read: int, read_text: str) -> None:
+        """Move the commit point to `read`, whose window text is `read_text` (a prefix of
+        the current window text that starts with `prefix_text`)."""
+        new = read_text[len(self._prefix_text):]
+        if new:
+            self._chunks.append(new)
+            self._committed_len += len(new)
+        self._tail = self._tail[len(new):]
+        self._read = read
+        self._prefix_text = read_text
+        if read - self._start > _SLIDE_AT:
+            # With clean_up_tokenization_spaces (" ' s" -> "'s") the context should
+            # also hold a few characters: the window's first token may lose its
+            # leading space (Metaspace), which changes how the cleanup reads the
+            # characters after it; those must stay before the commit point.
+            start = read - _CONTEXT
+            prefix = self._decode(self._ids[start:read])
+            while self._cleanup and len(prefix) < _CONTEXT_CHARS and start > 0 and read - start < _SLIDE_AT:
+                start = max(0, start - _CONTEXT)
+                prefix = self._decode(self._ids[start:read])
+            self._start, self._prefix_text = start, prefix
+            if self._start >= _TRIM_AT:
+                del self._ids[:self._start], self._is_byte[:self._start]
+                self._read -= self._start
+                self._start = 0
+
+    def _force_commit(self, window_text: str) -> None:
+        """The text has ended in U+FFFD for a while (invalid bytes): commit up to a
+        point a few tokens back whose text is already final, so the window stays small.
+
+        A point qualifies when it is not inside a byte-fallback run and the window's
+        text up to it is a prefix of the whole window's text (a cut inside a valid
+        character would show U+FFFD there instead of the character). Nothing qualifies
+        inside a long byte-fallback run: the window then grows until the run ends.
+        """
+        n, lo = len(self._ids), max(self._read, len(self._ids) - _FORCE_AFTER)
+        for cut in range(n - _FORCE_KEEP, lo, -1):
+            if self._is_byte[cut - 1]:
+                continue
+            cut_text = self._decode(self._ids[self._start:cut])
+            if len(cut_text) >= len(self._prefix_text) and window_text.startswith(cut_text):
+                self._commit(cut, cut_text)
+                return
+
+    def _drop_committed(self, count: int) -> None:
+        """Remove the last `count` characters of the committed text."""
+        count = min(count, self._committed_len)
+        self._committed_len -= count
+        while count:
+            last = self._chunks.pop()
+            if len(last) > count:
+                self._chunks.append(last[:-count])
+                break
+            count -= len(last)
+
+    def _recent_committed(self, count: int) -> str:
+        """The last `count` characters of the committed text (without joining it all)."""
+        parts, have = [], 0
+        for chunk in reversed(self._chunks):
+            if have >= count:
+                break
+            parts.append(chunk)
+            have += len(chunk)
+        joined = "".join(reversed(parts))
+        return joined[len(joined) - count:] if count else ""
+
+    def _check_stop(self, changed_from: int) -> str | None:
+        """Search the changed text (plus len(longest stop) - 1 characters before it) for
+        the stop strings; on a match cut the text and finish. The earliest match wins;
+        between matches at the same offset, the one listed first in `stop`."""
+        lo = max(0, changed_from - (self._max_stop_len - 1))
+        region = self._recent_committed(self._committed_len - lo) + self._tail
+        first, found = len(region), None
+        for s in self._stop:
+            # An occurrence must reach into the changed text: older ones were seen before.
+            i = region.find(s, max(0, changed_from - lo - len(s) + 1), first + len(s) - 1)
+            if i != -1 and i < first:
+                first, found = i, s
+        if found is None:
+            return None
+        end = lo + first + (len(found) if self._include_stop else 0)
+        text = ("".join(self._chunks) + self._tail)[:end]
+        self._chunks, self._committed_len, self._tail = [text], len(text), ""
+        self._text = text
+        self._stopped = True
+        return found

@@ -1,0 +1,183 @@
+"""Built-in model configs (`--model dummy:NAME`) and the small tokenizer they use.
+
+A benchmark or a first try of the command line should not need a checkpoint: a
+dummy model is a folder with only `config.json` and a tokenizer, which
+`LLM(folder, load_format="dummy")` fills with random weights and HF transformers
+builds with `from_config`. The tokenizer is a byte-level BPE trained on the spot
+from a built-in corpus (any text encodes; ids past its vocabulary decode to
+nothing), so nothing is ever downloaded. `weights/make_tiny.py` uses it too.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PREFIX = "dummy:"
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "A paged KV cache stores keys and values in fixed-size blocks.",
+    "Continuous batching lets new requests join while others are decoding.",
+    "JAX compiles one executable per input shape, so the runner pads to buckets.",
+    "Once upon a time there was a small language model that lived on a CPU.",
+    "Hello, world! How are you today? I am fine, thank you.",
+    "def main():\n    print('hello')\n    return 0\n",
+    "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20",
+    "Ünïcödé text, emoji 🙂 and CJK 漢字 must also round-trip through bytes.",
+]
+
+
+def make_tokenizer(path: str | Path, vocab_size: int = 384):
+    """Train a byte-level BPE on a built-in corpus and save it as a HF fast tokenizer.
+
+    Special tokens: <pad> = 0, <s> = 1, </s> = 2 (the tiny configs use these ids).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(str(path))
+    return fast
+
+
+# -- built-in configs -------------------------------------------------------------------
+
+
+def _tiny():
+    from transformers import Qwen3Config
+
+    # The size of the test checkpoints (weights/make_tiny.py "qwen3"): runs on any CPU.
+    return Qwen3Config(
+        architectures=["Qwen3ForCausalLM"], vocab_size=512, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+        max_position_embeddings=2048, rms_norm_eps=1e-6, initializer_range=0.1, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, dtype="float32",
+    )
+
+
+def _qwen3_0_6b():
+    from transformers import Qwen3Config
+
+    # Qwen/Qwen3-0.6B's config.json: the model of the B1 (nano-vllm) benchmark.
+    return Qwen3Config(
+        architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        bos_token_id=151643, eos_token_id=151645, dtype="bfloat16",
+    )
+
+
+def _llama3_8b():
+    from transformers import LlamaConfig
+
+    # meta-llama/Meta-Llama-3-8B's config.json.
+    return LlamaConfig(
+        architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+        rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        bos_token_id=128000, eos_token_id=128001, dtype="bfloat16",
+    )
+
+
+@dataclass(frozen=True)
+class DummyModel:
+    """A named HF config; `make_config` builds it (transformers is imported only then).
+
+    engine_defaults: `LLM(...)` arguments that fit the model's size better than the
+    engine's defaults (the command line applies them under the user's own flags).
+    """
+
+    name: str
+    description: str
+    make_config: Callable[[], Any]
+    engine_defaults: dict[str, Any] = field(default_factory=dict)
+
+
+DUMMY_MODELS: dict[str, DummyModel] = {
+    m.name: m
+    for m in (
+        # A CPU compiles and runs every token bucket at start-up: fewer, smaller ones.
+        DummyModel("tiny", "Qwen3, hidden 64, 2 layers, vocab 512: CPU-sized", _tiny,
+                   {"max_num_seqs": 64, "max_num_batched_tokens": 256}),
+        DummyModel("qwen3-0.6b", "Qwen3-0.6B architecture, bf16 (the B1 benchmark model)", _qwen3_0_6b,
+                   {"max_model_len": 4096}),  # B1's, rather than 40960
+        DummyModel("llama3-8b", "Llama-3-8B architecture, bf16", _llama3_8b),
+    )
+}
+
+
+def is_dummy(model: str) -> bool:
+    return str(model).startswith(PREFIX)
+
+
+def get_dummy(model: str) -> DummyModel:
+    """`dummy:NAME` (or NAME) -> its DummyModel; ValueError names the choices."""
+    name = str(model).removeprefix(PREFIX)
+    if name not in DUMMY_MODELS:
+        choices = ", ".join(PREFIX + n for n in DUMMY_MODELS)
+        raise ValueError(f"unknown dummy model {model!r}; built-in: {choices}")
+    return DUMMY_MODELS[name]
+
+
+def write_dummy_model(model: str, folder: str | Path) -> Path:
+    """Write config.json and the small tokenizer of `dummy:NAME` into `folder`; return it.
+
+    `LLM(folder, load_format="dummy")` then runs it with random weights.
+    """
+    spec = get_dummy(model)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    spec.make_config().save_pretrained(str(folder))
+    make_tokenizer(folder)
+    return folder
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a `--model` argument lives: a folder, and whether its weights are random."""
+
+    name: str  # what the user gave: a path or dummy:NAME
+    path: str  # a folder with config.json and a tokenizer
+    dummy: bool
+
+    @property
+    def load_format(self) -> str | None:
+        """What `LLM(..., load_format=)` needs; None: keep the engine's default."""
+        return "dummy" if self.dummy else None
+
+
+@contextmanager
+def resolve_model(model: str) -> Iterator[ModelSource]:
+    """`--model PATH` as is; `--model dummy:NAME` as a temporary folder, removed on exit.
+
+    Raises ValueError for an unknown dummy name and FileNotFoundError for a missing folder.
+    """
+    if not is_dummy(model):
+        if not Path(model).is_dir():
+            raise FileNotFoundError(
+                f"model directory {model!r} does not exist (jaxvllm loads local checkpoints only; "
+                f"built-in random models: {', '.join(PREFIX + n for n in DUMMY_MODELS)})"
+            )
+        yield ModelSource(model, str(model), dummy=False)
+        return
+    get_dummy(model)  # fail before making a folder
+    with tempfile.TemporaryDirectory(prefix="jaxvllm-dummy-") as tmp:
+        yield ModelSource(model, str(write_dummy_model(model, tmp)), dummy=True)

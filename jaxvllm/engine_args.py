@@ -1,0 +1,61 @@
+"""Engine flags of the command line (vLLM's names) and their mapping onto `LLM(...)` keyword args.
+
+Every flag defaults to None and only the flags a user sets are passed on, so that
+`EngineConfig`'s defaults stay the single source of defaults. A built-in dummy model
+may bring CPU-sized defaults of its own, under the user's flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from jaxvllm.config import EngineConfig
+from jaxvllm.dummy import ModelSource, get_dummy
+from jaxvllm.loader import DTYPES
+
+# flag name -> (type, help); the keyword argument is the flag with '_' for '-'.
+_VALUE_FLAGS: dict[str, tuple[type, str]] = {
+    "dtype": (str, "weights and KV cache dtype ('auto' = the checkpoint's)"),
+    "max-model-len": (int, "longest sequence (prompt + output); default: the model's max_position_embeddings"),
+    "max-num-seqs": (int, "most sequences in one step"),
+    "max-num-batched-tokens": (int, "most tokens in one step (also the largest compiled token bucket)"),
+    "block-size": (int, "tokens per KV cache block"),
+    "gpu-memory-utilization": (float, "share of device memory for weights, activations and KV cache"),
+    "num-gpu-blocks-override": (int, "number of KV cache blocks, instead of sizing them from device memory"),
+    "attention-backend": (str, "'auto', 'reference' or 'pallas' (where available)"),
+    "tokenizer": (str, "tokenizer folder (default: the model's)"),
+    "load-format": (str, "'auto', 'safetensors' or 'dummy' (random weights)"),
+}
+_BOOL_FLAGS: dict[str, str] = {
+    "enable-chunked-prefill": "cut long prompts into chunks that share steps with decoding requests",
+    "enable-prefix-caching": "reuse the KV cache blocks of prompt prefixes seen before",
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine arguments (LLM(...) keyword arguments)")
+    for flag, (kind, help_text) in _VALUE_FLAGS.items():
+        extra: dict[str, Any] = {"choices": ["auto", *DTYPES]} if flag == "dtype" else {}
+        group.add_argument(f"--{flag}", type=kind, default=None, help=help_text, **extra)
+    for flag, help_text in _BOOL_FLAGS.items():
+        group.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=None, help=help_text)
+
+
+def engine_kwargs(args: argparse.Namespace, source: ModelSource, **defaults: Any) -> dict[str, Any]:
+    """The `LLM(...)` keyword args: the user's flags over `defaults` over the dummy model's."""
+    kwargs: dict[str, Any] = dict(get_dummy(source.name).engine_defaults) if source.dummy else {}
+    kwargs.update({k: v for k, v in defaults.items() if v is not None})
+    for flag in (*_VALUE_FLAGS, *_BOOL_FLAGS):
+        value = getattr(args, flag.replace("-", "_"))
+        if value is not None:
+            kwargs[flag.replace("-", "_")] = value
+    if source.dummy:
+        if kwargs.get("load_format", "dummy") != "dummy":
+            raise ValueError(f"{source.name} has no weights to load: it needs load_format 'dummy'")
+        kwargs["load_format"] = "dummy"
+    try:
+        EngineConfig(model=source.path, **kwargs)
+    except TypeError as e:  # a flag this engine's EngineConfig does not know
+        raise ValueError(f"engine arguments {sorted(kwargs)}: {e}") from e
+    return kwargs

@@ -1,0 +1,119 @@
+"""The `jaxvllm` command: generate end to end on dummy:tiny, its output, and its errors.
+
+Engine flags are the same small shapes in every in-process run (and in test_bench*.py),
+so that the token buckets compile once per test session.
+"""
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxvllm.cli import main
+
+ROOT = Path(__file__).parent.parent
+# Two token buckets (16, 32), a 64-token context: compiles in seconds on a CPU.
+ENGINE = ["--max-model-len", "64", "--max-num-batched-tokens", "32", "--max-num-seqs", "8"]
+
+
+def generate(*args: str) -> int:
+    return main(["generate", "--model", "dummy:tiny", *ENGINE, "--disable-tqdm", *args])
+
+
+def test_no_command_prints_help(capsys):
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert "usage: jaxvllm" in out and "generate" in out and "bench" in out
+
+
+def test_generate_prints_completions(capsys):
+    assert generate("--prompt", "Hello, my name is", "--prompt", "Hi", "--max-tokens", "4", "--temperature", "0") == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Prompt: ")]
+    assert len(lines) == 2
+    assert lines[0].startswith("Prompt: 'Hello, my name is', Generated text: ")
+    assert lines[1].startswith("Prompt: 'Hi', Generated text: ")
+
+
+def test_generate_prompts_file_to_jsonl(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('"Hello, my name is"\n\n{"prompt": "Hello, my name is"}\n{"prompt_token_ids": [5, 6, 7]}\n')
+    out = tmp_path / "out" / "completions.jsonl"
+    code = generate("--prompts-file", str(prompts), "--prompt", "Hi", "--output", str(out),
+                    "--max-tokens", "5", "--temperature", "0", "--ignore-eos")
+    assert code == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["prompt"] for r in records] == ["Hi", "Hello, my name is", "Hello, my name is", None]
+    assert records[3]["prompt_token_ids"] == [5, 6, 7]
+    for r in records:
+        (completion,) = r["outputs"]
+        assert len(completion["token_ids"]) == 5 and completion["finish_reason"] == "length"
+        assert isinstance(completion["text"], str)
+    # Greedy: the same text as a bare string or as {"prompt": ...} gives the same tokens.
+    assert records[1]["outputs"][0]["token_ids"] == records[2]["outputs"][0]["token_ids"]
+
+
+@pytest.mark.parametrize("args", [
+    ["generate", "--model", "dummy:tiny", "--prompt", "x", "--temperature", "hot"],  # not a float
+    ["generate", "--model", "dummy:tiny", "--prompt", "x", "--dtype", "int8"],  # not a choice
+    ["generate", "--prompt", "x"],  # --model missing
+    ["generate", "--model", "dummy:tiny", "--no-such-flag"],
+    ["bench", "throughput", "--model", "dummy:tiny", "--dataset", "sharegpt"],
+    ["bench", "latency", "--model", "dummy:tiny", "--batch-size", "two"],
+    ["bench"],  # a benchmark is required
+])
+def test_bad_flags_are_argparse_errors(args, capsys):
+    assert main(args) == 2
+    assert "error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["generate", "--model", "/no/such/model", "--prompt", "x"], "does not exist"),
+    (["bench", "throughput", "--model", "/no/such/model"], "does not exist"),
+    (["bench", "latency", "--model", "/no/such/model"], "does not exist"),
+    (["generate", "--model", "dummy:gpt5", "--prompt", "x"], "unknown dummy model"),
+    (["generate", "--model", "dummy:tiny"], "no prompts"),
+    (["generate", "--model", "dummy:tiny", "--prompt", "x", "--temperature", "-1"], "temperature"),
+    (["generate", "--model", "dummy:tiny", "--prompt", "x", "--max-tokens", "0"], "max_tokens"),
+    (["generate", "--model", "dummy:tiny", "--prompt", "x", "--load-format", "safetensors"], "dummy"),
+    (["bench", "throughput", "--model", "dummy:tiny", "--num-prompts", "0"], "--num-prompts"),
+    (["bench", "latency", "--model", "dummy:tiny", "--num-iters", "0"], "--num-iters"),
+])
+def test_usage_errors_are_one_line_and_exit_2(args, message, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err and "Traceback" not in err, err
+    assert err.startswith("jaxvllm ")
+
+
+def test_missing_model_folder_exits_2_from_the_console(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "jaxvllm", "generate", "--model", str(tmp_path / "nope"),
+                             "--prompt", "x"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "does not exist" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_bad_prompts_file_line(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('"fine"\n[1, 2]\n')
+    assert generate("--prompts-file", str(prompts)) == 2
+    assert "p.jsonl:2" in capsys.readouterr().err
+
+
+def test_readme_first_command_runs():
+    """The README's first command line runs as written, from the console (`python -m jaxvllm`),
+    on dummy:tiny's own CPU-sized engine defaults."""
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"## Command line.*?```bash\n(.*?)```", readme, re.S).group(1)
+    command = block.strip().splitlines()[0]
+    assert command == 'jaxvllm generate --model dummy:tiny --prompt "Hello, my name is"'
+    argv = shlex.split(command)
+    result = subprocess.run([sys.executable, "-m", "jaxvllm", *argv[1:]], capture_output=True, text=True,
+                            timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("Prompt: 'Hello, my name is', Generated text: ")
+    # Progress bars on the long phases go to stderr.
+    assert "Compiling token buckets" in result.stderr and "Processed prompts" in result.stderr

@@ -1,0 +1,431 @@
+"""IncrementalDetokenizer: the text equals a full decode after every token, stop
+strings are found across token boundaries, and the work per token stays bounded.
+
+Two tokenizers, both built here with no download: the project's tiny byte-level BPE
+(GPT-2 / Llama 3 / Qwen style) and a SentencePiece-style Unigram with Metaspace and
+byte fallback (Llama 2 / Mistral style), where characters missing from the
+vocabulary are spelled as <0xNN> byte tokens, so partial UTF-8 shows up.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jaxvllm.detokenizer import IncrementalDetokenizer
+
+try:
+    from weights.make_tiny import make_tokenizer
+except ImportError:  # moved: it lives in jaxvllm.dummy
+    from jaxvllm.dummy import make_tokenizer
+
+TOKENIZERS = ["tiny", "sp"]
+SENTENCE = "The quick brown fox jumps over the lazy dog."
+# Text for the random streams and the long-run check: CJK and emoji, some of which
+# ("漢", "🙂") the SentencePiece vocabulary lacks, so they become byte tokens there.
+MIXED = "Hello, world! 漢字 and 日本語 🙂 text 🎉, how are you today ? 中文 ✨ fine . I 'm ' s ok"
+
+
+def _sentencepiece_tokenizer(cleanup: bool = False):
+    """A Unigram Metaspace tokenizer with byte fallback and a hand-written vocabulary
+    (deterministic, unlike a trained one): <unk> <s> </s>, the 256 byte tokens, then
+    pieces. `cleanup`: transformers' clean_up_tokenization_spaces (" ." -> "."), which
+    rewrites text before the newest token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "Hello", "world", "how", "are",
+             "you", "today", "text", "and", "fine", "日本語", "中文", "The"]
+    chars = sorted(set("abcdefghijklmnopqrstuvwxyzHTW.,!?'日本語中文字🎉✨"))
+    pieces = [("<unk>", 0.0), ("<s>", 0.0), ("</s>", 0.0)]
+    pieces += [(f"<0x{b:02X}>", 0.0) for b in range(256)]
+    pieces += [("▁", -2.0)] + [("▁" + w, -3.0) for w in words] + [(w, -4.0) for w in words]
+    pieces += [(c, -5.0) for c in chars if (c, -4.0) not in pieces]
+    tok = Tokenizer(models.Unigram(pieces, unk_id=0, byte_fallback=True))
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace()])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   clean_up_tokenization_spaces=cleanup)
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory):
+    return {
+        "tiny": make_tokenizer(tmp_path_factory.mktemp("tok")),
+        "sp": _sentencepiece_tokenizer(),
+        "sp_cleanup": _sentencepiece_tokenizer(cleanup=True),
+    }
+
+
+def _byte_token_ids(tok, char: str) -> list[int]:
+    """One token per UTF-8 byte of `char` (ByteLevel alphabet or <0xNN> tokens)."""
+    data = char.encode()
+    if tok.convert_tokens_to_ids("<0x00>") not in (None, tok.unk_token_id):
+        return [tok.convert_tokens_to_ids(f"<0x{b:02X}>") for b in data]
+    # GPT-2's bytes_to_unicode: printable bytes stand for themselves, the rest map past 255.
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return [tok.convert_tokens_to_ids(table[b]) for b in data]
+
+
+def _encode(tok, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False)
+
+
+def _feed(tok, ids, chunks=None, **kwargs):
+    """Feed ids (in the given chunk sizes, default one at a time); return the
+    detokenizer, the texts after each update and the first stop string returned."""
+    d = IncrementalDetokenizer(tok, **kwargs)
+    texts, i = [], 0
+    for size in chunks or [1] * len(ids):
+        stop = d.update(ids[i:i + size])
+        i += size
+        texts.append(d.text)
+        if stop is not None:
+            return d, texts, stop
+    return d, texts, None
+
+
+# -- text equals a full decode ------------------------------------------------------
+
+
+@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize("name", [*TOKENIZERS, "sp_cleanup"])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_text_equals_full_decode_after_every_update(tokenizers, name, skip, data):
+    tok = tokenizers[name]
+    vocab = len(tok)
+    text_ids = _encode(tok, MIXED)
+    byte_ids = sorted({i for c in "漢🙂é\x80\x7f" for i in _byte_token_ids(tok, c)})
+    piece = st.one_of(
+        st.lists(st.integers(0, vocab - 1), min_size=1, max_size=3),  # anything
+        st.lists(st.sampled_from(sorted(tok.all_special_ids)), min_size=1, max_size=3),
+        st.lists(st.sampled_from(byte_ids), min_size=1, max_size=5),  # partial or invalid UTF-8
+        st.integers(vocab, vocab + 100).map(lambda i: [i]),  # past the vocabulary: decodes to nothing
+        st.tuples(st.integers(0, len(text_ids) - 1), st.integers(1, 8)).map(lambda ab: text_ids[ab[0]:ab[0] + ab[1]]),
+    )
+    ids = [i for p in data.draw(st.lists(piece, min_size=1, max_size=40)) for i in p]
+    chunks, left = [], len(ids)
+    for size in data.draw(st.lists(st.integers(1, 3), min_size=len(ids), max_size=len(ids))):
+        if left <= 0:
+            break
+        chunks.append(min(size, left))
+        left -= size
+    d, texts, stop = _feed(tok, ids, chunks, skip_special_tokens=skip)
+    assert stop is None
+    done = 0
+    for size, text in zip(chunks, texts):
+        done += size
+        assert text == tok.decode(ids[:done], skip_special_tokens=skip), tok.convert_ids_to_tokens(ids[:done])
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_long_realistic_stream(tokenizers, name):
+    """A few hundred tokens of text with special tokens between sentences."""
+    tok = tokenizers[name]
+    ids = []
+    for k in range(12):
+        ids += _encode(tok, (MIXED + " " + SENTENCE + " ") * (1 + k % 2)) + [tok.eos_token_id, tok.bos_token_id]
+    for skip in (True, False):
+        d, texts, _ = _feed(tok, ids, skip_special_tokens=skip)
+        for n in range(1, len(ids) + 1, 7):
+            assert texts[n - 1] == tok.decode(ids[:n], skip_special_tokens=skip)
+        assert d.text == tok.decode(ids, skip_special_tokens=skip)
+
+
+@pytest.mark.parametrize("char", ["漢", "🙂"])
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_partial_utf8_shows_replacement_char_until_complete(tokenizers, name, char):
+    tok = tokenizers[name]
+    prefix = _encode(tok, "Hello")
+    d = IncrementalDetokenizer(tok)
+    d.update(prefix)
+    assert d.text == "Hello"
+    byte_ids = _byte_token_ids(tok, char)
+    assert len(byte_ids) == len(char.encode()) >= 3
+    for i, tid in enumerate(byte_ids):
+        assert d.update([tid]) is None
+        expected = tok.decode(prefix + byte_ids[:i + 1], skip_special_tokens=True)
+        assert d.text == expected
+        if i < len(byte_ids) - 1:
+            assert d.text.startswith("Hello") and d.text.endswith("\ufffd")
+    assert d.text == "Hello" + char
+    # More text after the completed character.
+    more = _encode(tok, " fine")
+    d.update(more)
+    assert d.text == tok.decode(prefix + byte_ids + more) == "Hello" + char + " fine"
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_special_tokens_and_unknown_ids(tokenizers, name):
+    tok = tokenizers[name]
+    hello = _encode(tok, "Hello world")
+    # Long runs of ids that decode to nothing: with skip_special_tokens they must not
+    # become the window's only left context (Metaspace would drop " world"'s space).
+    hidden = [tok.eos_token_id, len(tok) + 7, tok.bos_token_id] * 4
+    ids = [tok.bos_token_id] * 3 + hello + hidden + hello + hidden + hello[-1:]
+    for skip in (True, False):
+        d, texts, _ = _feed(tok, ids, skip_special_tokens=skip)
+        assert texts == [tok.decode(ids[:n], skip_special_tokens=skip) for n in range(1, len(ids) + 1)]
+    assert IncrementalDetokenizer(tok).text == ""
+
+
+def test_byte_fallback_run_turns_invalid(tokenizers):
+    """The ByteFallback decoder shows a whole run of byte tokens as U+FFFD (one per
+    byte) once any byte in it is invalid: committed characters of the run change."""
+    tok = tokenizers["sp"]
+    prefix = _encode(tok, "Hello")
+    run = _byte_token_ids(tok, "漢") * 8 + _byte_token_ids(tok, "🙂") * 2
+    lead = _byte_token_ids(tok, "漢")[:1]
+    ids = prefix + run + lead + _encode(tok, " fine") + run[:5]
+    d, texts, _ = _feed(tok, ids)
+    assert texts == [tok.decode(ids[:n], skip_special_tokens=True) for n in range(1, len(ids) + 1)]
+    assert texts[len(prefix) + len(run) - 1] == "Hello" + "漢" * 8 + "🙂" * 2
+    assert texts[len(prefix) + len(run)] == "Hello" + "\ufffd" * (len(run) + 1)
+
+
+@pytest.mark.parametrize("name", [*TOKENIZERS, "sp_cleanup"])
+def test_seeded_random_streams(tokenizers, name):
+    """Byte soup (lead, continuation and ASCII bytes), text, special tokens: long enough
+    streams that the window moves and commits are forced, checked at every update."""
+    import random
+
+    tok = tokenizers[name]
+    leads = [_byte_token_ids(tok, c)[0] for c in "é漢🙂"]
+    conts = sorted({i for c in "漢🙂" for i in _byte_token_ids(tok, c)[1:]})
+    ascii_ = _byte_token_ids(tok, "A") + _byte_token_ids(tok, " ")
+    text_ids = _encode(tok, MIXED)
+    for seed in range(40):
+        rng = random.Random(seed)
+        ids: list[int] = []
+        while len(ids) < 100:
+            r = rng.random()
+            if r < 0.5:
+                ids += rng.choices(leads + conts * 2 + ascii_, k=rng.randrange(1, 12))
+            elif r < 0.6:
+                ids += [rng.choice(sorted(tok.all_special_ids))] * rng.randrange(1, 6)
+            else:
+                i = rng.randrange(len(text_ids))
+                ids += text_ids[i:i + rng.randrange(1, 8)]
+        for skip in (True, False):
+            d = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+            i = 0
+            while i < len(ids):
+                size = rng.choice([1, 1, 2, 3])
+                d.update(ids[i:i + size])
+                i += size
+                assert d.text == tok.decode(ids[:i], skip_special_tokens=skip), (seed, skip, ids[:i])
+
+
+def test_cleanup_of_tokenization_spaces_near_the_window_start(tokenizers):
+    """clean_up_tokenization_spaces rewrites " ' s" as "'s" (through two replaces):
+    with one-character tokens the left context must still hold enough characters."""
+    import random
+
+    tok = tokenizers["sp_cleanup"]
+    pieces = [tok.convert_tokens_to_ids(p) for p in ["▁", "▁", "▁", "'", "'", "s", "m", ".", ",", "▁you"]]
+    for seed in range(30):
+        rng = random.Random(seed)
+        ids = rng.choices(pieces, k=80)
+        _, texts, _ = _feed(tok, ids)
+        assert texts == [tok.decode(ids[:n], skip_special_tokens=True) for n in range(1, len(ids) + 1)], seed
+
+
+# -- stop strings -------------------------------------------------------------------
+
+
+def test_stop_across_token_boundaries(tokenizers):
+    tok = tokenizers["tiny"]
+    ids = _encode(tok, SENTENCE)
+    d, texts, stop = _feed(tok, ids, stop=["brown fox"])
+    assert stop == "brown fox"
+    assert d.text == "The quick "
+    # Returned at the first update whose text contains it, not before.
+    first = next(n for n in range(1, len(ids) + 1) if "brown fox" in tok.decode(ids[:n]))
+    assert len(texts) == first
+    assert all("brown fox" not in t for t in texts[:-1])
+
+    d, _, stop = _feed(tok, ids, stop=["brown fox"], include_stop_str_in_output=True)
+    assert (stop, d.text) == ("brown fox", "The quick brown fox")
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_at_the_very_start(tokenizers, include):
+    tok = tokenizers["tiny"]
+    d, texts, stop = _feed(tok, _encode(tok, SENTENCE), stop=["The"], include_stop_str_in_output=include)
+    assert stop == "The" and len(texts) == 1
+    assert d.text == ("The" if include else "")
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_stop_inside_one_token_and_from_one_token_into_the_next(tokenizers, name):
+    tok = tokenizers[name]
+    ids = _encode(tok, SENTENCE)
+    # A token of 3+ characters and a stop string strictly inside it (not seen before).
+    for k in range(1, len(ids) - 1):
+        before = tok.decode(ids[:k])
+        token_text = tok.decode(ids[:k + 1])[len(before):]
+        inside = token_text.strip()[1:-1][:2]
+        if inside and inside not in before:
+            break
+    else:
+        pytest.fail("no token of 3+ characters")
+    start = len(before) + token_text.index(inside)
+    d, texts, stop = _feed(tok, ids, stop=[inside])
+    assert (stop, len(texts)) == (inside, k + 1)
+    assert d.text == SENTENCE[:start]
+    d, _, stop = _feed(tok, ids, stop=[inside], include_stop_str_in_output=True)
+    assert d.text == SENTENCE[:start + len(inside)]
+
+    # The last 2 characters of that token and the first 2 of the next one.
+    nxt = tok.decode(ids[:k + 2])[len(tok.decode(ids[:k + 1])):]
+    spanning = token_text[-2:] + nxt[:2]
+    where = SENTENCE.index(spanning)
+    d, texts, stop = _feed(tok, ids, stop=["zzz", spanning])
+    assert (stop, len(texts)) == (spanning, k + 2)
+    assert d.text == SENTENCE[:where]
+    d, _, _ = _feed(tok, ids, stop=[spanning], include_stop_str_in_output=True)
+    assert d.text == SENTENCE[:where + len(spanning)]
+
+
+def test_earliest_stop_in_the_text_wins(tokenizers):
+    tok = tokenizers["tiny"]
+    ids = _encode(tok, SENTENCE)
+    # Both appear within one update: "fox" comes first in the text though listed second.
+    d = IncrementalDetokenizer(tok, stop=["dog", "fox"])
+    assert d.update(ids) == "fox"
+    assert d.text == "The quick brown "
+    # Token by token, the earlier one is found first anyway.
+    d, _, stop = _feed(tok, ids, stop=["lazy", "quick"])
+    assert (stop, d.text) == ("quick", "The ")
+    # Overlapping stop strings completed by the same token: the one starting earlier.
+    d = IncrementalDetokenizer(tok, stop=["own fox", "brown f"], include_stop_str_in_output=True)
+    assert d.update(ids) == "brown f"
+    assert d.text == "The quick brown f"
+    # Matches at the same offset: the one listed first.
+    for stops in (["brown", "bro"], ["bro", "brown"]):
+        d = IncrementalDetokenizer(tok, stop=stops, include_stop_str_in_output=True)
+        assert d.update(ids) == stops[0]
+        assert d.text == "The quick " + stops[0]
+
+
+def test_stop_found_only_once_more_text_arrives(tokenizers):
+    """A stop string inside a partial UTF-8 character matches once the character is whole."""
+    tok = tokenizers["sp"]
+    prefix = _encode(tok, "Hello")
+    d = IncrementalDetokenizer(tok, stop=["o漢"], include_stop_str_in_output=True)
+    assert d.update(prefix) is None
+    byte_ids = _byte_token_ids(tok, "漢")
+    assert d.update(byte_ids[:1]) is None
+    assert d.update(byte_ids[1:2]) is None
+    assert d.text == "Hello\ufffd\ufffd"
+    assert d.update(byte_ids[2:]) == "o漢"
+    assert d.text == "Hello漢"
+
+
+def test_no_update_after_a_stop(tokenizers):
+    """After a stop string the completion is over: update raises, the text stays."""
+    tok = tokenizers["tiny"]
+    ids = _encode(tok, SENTENCE)
+    d, texts, stop = _feed(tok, ids, stop=["fox"])
+    assert stop == "fox"
+    with pytest.raises(RuntimeError):
+        d.update(ids[:1])
+    with pytest.raises(RuntimeError):
+        d.update([])
+    assert d.text == "The quick brown "
+
+
+@pytest.mark.parametrize("bad", [[""], ["ok", ""]])
+def test_empty_stop_string_is_rejected(tokenizers, bad):
+    with pytest.raises(ValueError):
+        IncrementalDetokenizer(tokenizers["tiny"], stop=bad)
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_stop_strings_match_a_search_of_the_full_text(tokenizers, name, data):
+    """Reference: decode everything after each update and search all of it."""
+    tok = tokenizers[name]
+    text_ids = _encode(tok, MIXED + " " + SENTENCE)
+    start = data.draw(st.integers(0, len(text_ids) - 1))
+    ids = text_ids[start:start + 30] + data.draw(st.lists(st.integers(0, len(tok) - 1), max_size=10))
+    full = tok.decode(ids, skip_special_tokens=True)
+    substring = st.tuples(st.integers(0, max(0, len(full) - 1)), st.integers(1, 6)).map(
+        lambda ab: full[ab[0]:ab[0] + ab[1]] or "x")
+    stops = data.draw(st.lists(st.one_of(substring, st.sampled_from(["o", "漢", "\ufffd", "🙂 t", "zz"])),
+                               min_size=1, max_size=3))
+    include = data.draw(st.booleans())
+    sizes = data.draw(st.lists(st.integers(1, 3), min_size=len(ids), max_size=len(ids)))
+    d = IncrementalDetokenizer(tok, stop=stops, include_stop_str_in_output=include)
+    done = 0
+    for size in sizes:
+        if done >= len(ids):
+            break
+        got = d.update(ids[done:done + size])
+        done += size
+        text = tok.decode(ids[:done], skip_special_tokens=True)
+        hits = [(text.find(s), order, s) for order, s in enumerate(stops) if s in text]
+        if not hits:
+            assert got is None and d.text == text
+            continue
+        at, _, expected = min(hits)
+        assert got == expected
+        assert d.text == text[:at + (len(expected) if include else 0)]
+        break
+
+
+# -- bounded work -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_work_per_update_is_bounded(tokenizers, name, monkeypatch):
+    """2000 tokens one at a time: every decode call sees a short window, and there is
+    about one call per update (no full re-decode)."""
+    tok = tokenizers[name]
+    lengths: list[int] = []
+    decode = tok.decode
+
+    def recording_decode(ids, *args, **kwargs):
+        lengths.append(len(ids))
+        return decode(ids, *args, **kwargs)
+
+    stream = []
+    while len(stream) < 2000:
+        stream += _encode(tok, MIXED + " " + SENTENCE) + [tok.eos_token_id]
+    stream = stream[:2000]
+    expected = decode(stream, skip_special_tokens=True)
+    monkeypatch.setattr(tok, "decode", recording_decode)
+    d = IncrementalDetokenizer(tok, stop=["never appears"])
+    for tid in stream:
+        d.update([tid])
+    monkeypatch.undo()
+    assert d.text == expected
+    assert max(lengths) < 20
+    assert len(lengths) < 1.5 * len(stream)
+
+
+def test_invalid_bytes_do_not_grow_the_window(tokenizers, monkeypatch):
+    """A byte-level stream of lone continuation bytes ends in U+FFFD at every step;
+    the detokenizer still commits text (a few tokens back), so windows stay short."""
+    tok = tokenizers["tiny"]
+    lengths: list[int] = []
+    decode = tok.decode
+    monkeypatch.setattr(tok, "decode", lambda ids, *a, **k: (lengths.append(len(ids)), decode(ids, *a, **k))[1])
+    cont = _byte_token_ids(tok, "漢")[1]  # 0xBC: never valid on its own
+    d = IncrementalDetokenizer(tok)
+    for _ in range(500):
+        d.update([cont])
+    monkeypatch.undo()
+    assert d.text == "\ufffd" * 500 == decode([cont] * 500)
+    assert max(lengths) < 20

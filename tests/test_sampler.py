@@ -1,0 +1,158 @@
+"""The device sampler on fixed logits: exact distributions, penalties vs transformers, masks, logprobs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from jaxvllm.sampler import SamplingTensors, apply_penalties, init_state, sample, write_state_row
+
+V = 12
+LOGITS = np.array([2.0, 1.5, 1.2, 1.0, 0.7, 0.5, 0.2, 0.0, -0.3, -0.8, -1.5, -3.0], np.float32)
+N = 20_000
+
+
+def tensors(n, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, presence=0.0, frequency=0.0, repetition=1.0,
+            seeds=None, use_state=False, suppress_stop=False, want_logprobs=False, output_index=0):
+    full = lambda v, dt: np.full(n, v, dt)  # noqa: E731
+    return SamplingTensors(
+        temperature=full(temperature, np.float32), top_k=full(top_k, np.int32), top_p=full(top_p, np.float32),
+        min_p=full(min_p, np.float32), presence_penalty=full(presence, np.float32),
+        frequency_penalty=full(frequency, np.float32), repetition_penalty=full(repetition, np.float32),
+        seeds=np.arange(n, dtype=np.uint32) if seeds is None else np.asarray(seeds, np.uint32),
+        output_index=full(output_index, np.int32), slot=np.zeros(n, np.int32), use_state=full(use_state, bool),
+        suppress_stop=full(suppress_stop, bool), counts_sample=full(True, bool), want_logprobs=full(want_logprobs, bool),
+    )
+
+
+sample_jit = jax.jit(sample)
+
+
+def exact(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
+    """The distribution the sampler must draw from: temperature, then min_p, top_k, top_p (vLLM's order)."""
+    x = LOGITS.astype(np.float64) / temperature
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    keep = p >= min_p * p.max()
+    if top_k > 0:
+        keep &= x >= np.sort(x[keep])[::-1][min(top_k, keep.sum()) - 1]
+    q = np.where(keep, p, 0) / np.where(keep, p, 0).sum()
+    order = np.argsort(-q, kind="stable")
+    mass_before = np.cumsum(q[order]) - q[order]
+    kept = order[mass_before < top_p]
+    out = np.zeros(V)
+    out[kept] = q[kept]
+    return out / out.sum()
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [dict(temperature=1.0), dict(temperature=0.5), dict(top_k=3), dict(top_p=0.6), dict(min_p=0.3),
+     dict(temperature=1.7, top_k=6, top_p=0.8, min_p=0.05)],
+)
+def test_empirical_distribution_matches_exact(settings):
+    """L1 distance bound by Bretagnolle-Huber-Carol: P(|p_hat - p|_1 >= eps) <= 2^V exp(-N eps^2 / 2).
+
+    With V = 12 and N = 20000, eps = 0.047 gives a false-failure probability below 1e-6.
+    """
+    logits = np.broadcast_to(LOGITS, (N, V))
+    state = init_state(1, V)
+    sampled, _, _ = sample_jit(logits, tensors(N, **settings), state)
+    counts = np.bincount(np.asarray(sampled), minlength=V)
+    want = exact(**settings)
+    eps = np.sqrt(2 * (V * np.log(2) + np.log(1e6)) / N)
+    assert eps < 0.048
+    assert np.abs(counts / N - want).sum() < eps, (counts / N, want)
+    assert np.all(counts[want == 0] == 0), "a filtered-out token was sampled"
+
+
+def test_greedy_top_k_1_and_seeds():
+    logits = np.broadcast_to(LOGITS, (64, V)).copy()
+    logits[:, 5] = LOGITS[0]  # a tie with token 0: argmax takes the lowest id, as torch does
+    state = init_state(1, V)
+    greedy, _, _ = sample_jit(logits, tensors(64, temperature=0.0), state)
+    assert (np.asarray(greedy) == 0).all()
+    topk1, _, _ = sample_jit(logits, tensors(64, temperature=1.3, top_k=1), state)
+    assert (np.asarray(topk1) == 0).all()
+    a, _, _ = sample_jit(logits, tensors(64, seeds=[7] * 64), state)
+    assert len(set(np.asarray(a).tolist())) == 1  # the same seed and position -> the same token
+    b, _, _ = sample_jit(logits, tensors(64, seeds=[7] * 64, output_index=1), state)
+    mixed_seeds, _, _ = sample_jit(logits, tensors(64), state)
+    assert len(set(np.asarray(mixed_seeds).tolist())) > 1
+    assert int(a[0]) == int(sample_jit(logits[:1], tensors(1, seeds=[7]), state)[0][0])  # batch-independent
+    del b
+
+
+def test_penalties_match_transformers():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(2, V)).astype(np.float32) * 3
+    prompt = [[1, 4, 4], [0, 2]]
+    output = [[4, 7, 7, 7], [2, 9]]
+    prompt_mask = np.zeros((2, V), bool)
+    counts = np.zeros((2, V), np.int32)
+    for r in range(2):
+        prompt_mask[r, prompt[r]] = True
+        np.add.at(counts[r], output[r], 1)
+    rep = np.array([1.3, 0.8], np.float32)
+    got = apply_penalties(jnp.asarray(logits), prompt_mask, counts, np.zeros(2, np.float32), np.zeros(2, np.float32), rep)
+    for r in range(2):
+        hf = RepetitionPenaltyLogitsProcessor(float(rep[r]))(torch.tensor([prompt[r] + output[r]]),
+                                                             torch.tensor(logits[r : r + 1]))
+        np.testing.assert_allclose(got[r], hf[0].numpy(), rtol=1e-6)
+    presence, frequency = np.array([0.5, -1.0], np.float32), np.array([0.25, 1.5], np.float32)
+    got = apply_penalties(jnp.asarray(logits), prompt_mask, counts, presence, frequency, np.ones(2, np.float32))
+    want = logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)  # vLLM's / OpenAI's formula
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def state_with_row(bias=None, prompt=(), outputs=(), stop=()):
+    state = init_state(2, V)
+    bias = np.zeros(V, np.float32) if bias is None else bias
+    prompt_mask = np.zeros(V, bool)
+    prompt_mask[list(prompt)] = True
+    counts = np.bincount(np.asarray(outputs, np.int64), minlength=V).astype(np.int32)
+    stop_mask = np.zeros(V, bool)
+    stop_mask[list(stop)] = True
+    return write_state_row(state, 1, bias, prompt_mask, counts, stop_mask)
+
+
+def test_state_rows_bias_allowed_min_tokens_and_counts():
+    logits = np.broadcast_to(LOGITS, (2, V)).copy()
+    t = tensors(2, temperature=0.0, use_state=True)
+    t.slot[:] = 1
+    bias = np.zeros(V, np.float32)
+    bias[9] = 10.0
+    sampled, _, state = sample_jit(logits, t, state_with_row(bias=bias))
+    assert np.asarray(sampled).tolist() == [9, 9]
+    assert int(state.output_counts[1, 9]) == 2  # the step counts what it sampled
+    allowed = np.full(V, -np.inf, np.float32)
+    allowed[[3, 6]] = 0.0
+    assert np.asarray(sample_jit(logits, t, state_with_row(bias=allowed))[0]).tolist() == [3, 3]
+    t.suppress_stop[:] = True  # below min_tokens: the stop ids (0 = EOS here) are masked
+    assert np.asarray(sample_jit(logits, t, state_with_row(stop=[0, 1]))[0]).tolist() == [2, 2]
+    t.suppress_stop[:] = False
+    assert np.asarray(sample_jit(logits, t, state_with_row(stop=[0, 1]))[0]).tolist() == [0, 0]
+    t.repetition_penalty[:] = 2.0  # token 0 seen in the prompt: 2.0 / 2 = 1.0 < 1.5
+    assert np.asarray(sample_jit(logits, t, state_with_row(prompt=[0]))[0]).tolist() == [1, 1]
+    t.use_state[0] = False  # a row without state is untouched
+    assert np.asarray(sample_jit(logits, t, state_with_row(prompt=[0]))[0]).tolist() == [0, 1]
+
+
+def test_logprobs_are_of_raw_logits_with_ranks():
+    logits = np.broadcast_to(LOGITS, (3, V)).copy()
+    t = tensors(3, temperature=0.0, want_logprobs=True, use_state=True)
+    t.slot[:] = 1
+    bias = np.zeros(V, np.float32)
+    bias[4] = 100.0  # changes the choice, not the reported logprobs
+    sampled, lp, _ = sample_jit(logits, t, state_with_row(bias=bias))
+    raw = np.asarray(jax.nn.log_softmax(jnp.asarray(LOGITS)))
+    assert np.asarray(sampled).tolist() == [4, 4, 4]
+    np.testing.assert_allclose(lp.token_logprob, raw[4], rtol=1e-6)
+    assert np.asarray(lp.token_rank).tolist() == [5, 5, 5]
+    np.testing.assert_array_equal(lp.top_ids[0, :V], np.argsort(-LOGITS, kind="stable"))
+    np.testing.assert_allclose(lp.top_logprobs[0, :V], np.sort(raw)[::-1], rtol=1e-6)
+    _, none, _ = sample_jit(logits, tensors(3, temperature=0.0), state_with_row())
+    assert not np.asarray(none.token_logprob).any()  # skipped when no row asks
