@@ -1,7 +1,10 @@
 """Building blocks of the decoder: norm, rotary embedding, MLP, and paged attention.
 
 Attention is where backends plug in: `attention_backend` picks the implementation of
-the same contract (see `pallas_kernels/ragged_paged_attention.py`).
+the same contract (see `pallas_kernels/ragged_paged_attention.py`): "reference" (plain
+jnp, any device) or "pallas" (the Pallas kernels: split-K decode kernel for 1-token
+sequences, ragged kernel for the rest, both in every step; compiled on GPU, interpret
+mode on CPU). The K/V write is XLA's scatter on the donated cache for both.
 """
 
 from __future__ import annotations
@@ -11,9 +14,9 @@ import jax.numpy as jnp
 
 from jaxvllm.batch import ModelInputs
 from jaxvllm.config import ModelConfig, RopeConfig
-from pallas_kernels import ragged_paged_attention_reference, write_kv_reference
+from pallas_kernels import mixed_paged_attention, ragged_paged_attention_reference, write_kv_reference
 
-ATTENTION_BACKENDS = ("reference",)
+ATTENTION_BACKENDS = ("reference", "pallas")
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -50,7 +53,8 @@ def paged_attention(
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose from {ATTENTION_BACKENDS}")
     k_cache, v_cache = write_kv_reference(*kv_cache, k, v, inputs.slot_mapping)
-    out = ragged_paged_attention_reference(
+    attend = mixed_paged_attention if backend == "pallas" else ragged_paged_attention_reference
+    out = attend(
         q,
         k_cache,
         v_cache,

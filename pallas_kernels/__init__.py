@@ -8,10 +8,30 @@ Token slot `s` lives at block `s // block_size`, offset `s % block_size`. Head-m
 each (head, block) page contiguous in memory, which is what a decode kernel that walks
 one KV head's pages wants to load, and it is the layout of JAX's own Pallas
 `paged_attention`, so the two can be benchmarked on the same arrays. Sharding the cache
-by KV heads (tensor parallelism) splits the leading axis.
+by KV heads (tensor parallelism) splits the leading axis. The kernels view one head's
+cache as [num_blocks * block_size, head_dim] rows (a free reshape) and look a key's row
+up as block_tables[s, j // block_size] * block_size + j % block_size, so block_size
+need not be a power of 2 nor divide the kernels' KV tile.
+
+Kernels (Pallas, Triton GPU backend; `interpret=True` by default on CPU):
+
+- `paged_decode_attention`: one query token per sequence, split-K (flash-decoding).
+- `ragged_paged_attention`: prefill, chunked prefill and mixed batches (query tiles).
+- `mixed_paged_attention`: the engine's `pallas` backend; 1-token sequences to the
+  decode kernel, the rest to the ragged kernel, one contract with the reference.
+- KV write: XLA's scatter (`write_kv_reference`) on the donated cache, in place.
 """
 
 from pallas_kernels.kv_cache_write import write_kv_reference
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
+from pallas_kernels.mixed_attention import mixed_paged_attention
+from pallas_kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_reference
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
 
-__all__ = ["ragged_paged_attention_reference", "write_kv_reference"]
+__all__ = [
+    "mixed_paged_attention",
+    "paged_decode_attention",
+    "paged_decode_attention_reference",
+    "ragged_paged_attention",
+    "ragged_paged_attention_reference",
+    "write_kv_reference",
+]

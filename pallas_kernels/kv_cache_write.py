@@ -1,6 +1,10 @@
 """Write new K/V rows into the paged cache through a slot mapping.
 
 Layout: see `pallas_kernels/__init__.py` ([num_kv_heads, num_blocks, block_size, head_dim]).
+
+Both attention backends use this XLA scatter, no Pallas kernel: under `jit` with the
+caches donated (the model runner donates them) XLA updates the buffers in place, so a
+step writes T rows per layer and never copies the cache, which is all a kernel could do.
 """
 
 import jax

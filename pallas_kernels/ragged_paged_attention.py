@@ -11,11 +11,41 @@ Layout: q [T, num_q_heads, head_dim]; k_cache / v_cache
 block_tables [S, max_blocks_per_seq] int32 of physical block ids in logical order.
 Query heads `h * G : (h + 1) * G` share KV head `h` (GQA group G = q heads / kv heads).
 
-This file holds the plain-jnp reference, the oracle for the Pallas kernels.
+This file holds the Pallas kernel (`ragged_paged_attention`) and the plain-jnp reference
+(`ragged_paged_attention_reference`), the kernel's oracle.
+
+Kernel: flash attention over query tiles of the flat token array. A tile is up to
+`block_q` consecutive query tokens of ONE sequence, times the G query heads of one KV
+head ([block_q * G, D] rows per dot). A small jnp step lists the tiles of every
+sequence (`_tile_metadata`); the grid is (tile, KV head) with a static upper bound on
+the tile count (cdiv(T, block_q) + S), idle tiles exiting at once. Each program walks
+its sequence's KV pages up to the causal limit of its last query with an online
+softmax; tiles wholly below the diagonal skip the mask. Positions of one sequence's
+query tokens are consecutive (the engine's chunks always are): the mask uses the
+tile's first position plus the row offset. Page ids are looked up per key inside the
+kernel (scalar prefetch is TPU-only), so any block_size works.
 """
+
+from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.common import (
+    LOG2_E,
+    MASK_VALUE,
+    MIN_DOT_DIM,
+    cdiv,
+    check_dtypes,
+    check_power_of_2,
+    next_power_of_2,
+    resolve_interpret,
+)
 
 
 def _check_shapes(q, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables):
@@ -86,3 +116,249 @@ def ragged_paged_attention_reference(
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("thgk,htkd->thgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+
+
+# -- Pallas kernel ------------------------------------------------------------------------
+
+# Per-tile metadata columns (int32 [num_tiles, 8]; 8 keeps the row a power of 2).
+_TOK, _NQ, _POS, _LEN, _BT = range(5)
+_META_COLS = 8
+
+
+def _ragged_kernel(
+    meta_ref,  # [8] int32          this tile: first token, query count (0 = idle), first position, seq_len, bt offset
+    q_ref,  # [T, G, D]             every token's query heads of this KV head
+    k_ref,  # [num_slots, D]        this KV head's cache, slot = block * block_size + offset
+    v_ref,  # [num_slots, D]
+    bt_ref,  # [S * max_blocks]     every block table, flattened
+    o_ref,  # [T, G, D]
+    *,
+    sm_scale: float,
+    block_size: int,
+    block_q: int,
+    block_h: int,
+    block_kv: int,
+    sliding_window: int | None,
+):
+    _, group, head_dim = q_ref.shape
+    tok0, num_q, pos0, seq_len, bt0 = (meta_ref[i] for i in (_TOK, _NQ, _POS, _LEN, _BT))
+
+    # Row r of the tile is query token r // block_h, query head r % block_h of the group.
+    rows = jnp.arange(block_q * block_h)
+    qi, g = lax.div(rows, block_h), lax.rem(rows, block_h)
+    row_ok = ((qi < num_q) & (g < group))[:, None]
+    dims = jnp.arange(head_dim)
+    index = ((tok0 + qi)[:, None], g[:, None], dims[None, :])
+    q = plgpu.load(q_ref.at[index], mask=row_ok, other=0)
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    scale = sm_scale * LOG2_E  # scores in base 2: exp2 is one instruction
+    q_pos = (pos0 + qi)[:, None]
+
+    hi = jnp.where(num_q > 0, jnp.minimum(seq_len, pos0 + num_q), 0)  # keys [lo, hi)
+    lo = jnp.int32(0) if sliding_window is None else jnp.maximum(pos0 - (sliding_window - 1), 0)
+    first_tile = lax.div(lo, block_kv)
+    end_tile = jnp.maximum(pl.cdiv(hi, block_kv), first_tile)
+    if sliding_window is None:
+        # Tiles whose keys are all <= the first query's position (and < seq_len): no mask.
+        full_end = jnp.clip(lax.div(jnp.minimum(pos0 + 1, seq_len), block_kv), first_tile, end_tile)
+    else:
+        full_end = first_tile
+    offsets = jnp.arange(block_kv)
+
+    def step(tile, carry, masked: bool):
+        acc, m_prev, l_prev = carry
+        keys = tile * block_kv + offsets
+        bt_index = bt0 + lax.div(keys, block_size)
+        if masked:
+            kv_ok = (keys >= lo) & (keys < hi)
+            page = plgpu.load(bt_ref.at[bt_index], mask=kv_ok, other=0)
+            load_mask = dict(mask=kv_ok[:, None], other=0)
+        else:
+            page = bt_ref[bt_index]
+            load_mask = {}
+        slots = (page * block_size + lax.rem(keys, block_size))[:, None]
+        k = plgpu.load(k_ref.at[slots, dims[None, :]], **load_mask)
+        s = plgpu.dot(q, k, trans_b=True, precision=precision) * scale  # [rows, block_kv] f32
+        if masked:
+            ok = kv_ok[None, :] & (keys[None, :] <= q_pos)
+            if sliding_window is not None:
+                ok &= keys[None, :] > q_pos - sliding_window
+            s = jnp.where(ok, s, MASK_VALUE)
+        m_next = jnp.maximum(m_prev, s.max(axis=1))
+        correction = jnp.exp2(m_prev - m_next)
+        p = jnp.exp2(s - m_next[:, None])
+        l_next = l_prev * correction + p.sum(axis=1)
+        v = plgpu.load(v_ref.at[slots, dims[None, :]], **load_mask)
+        acc = acc * correction[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
+        return acc, m_next, l_next
+
+    num_rows = block_q * block_h
+    carry = (
+        jnp.zeros((num_rows, head_dim), jnp.float32),
+        jnp.full((num_rows,), MASK_VALUE, jnp.float32),
+        jnp.zeros((num_rows,), jnp.float32),
+    )
+    carry = lax.fori_loop(first_tile, full_end, functools.partial(step, masked=False), carry)
+    acc, _, l = lax.fori_loop(full_end, end_tile, functools.partial(step, masked=True), carry)
+    out = acc / jnp.where(l == 0.0, 1.0, l)[:, None]
+    plgpu.store(o_ref.at[index], out.astype(o_ref.dtype), mask=row_ok)
+
+
+def _tile_metadata(
+    positions: jax.Array,
+    query_start_loc: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    num_tokens: int,
+    max_blocks: int,
+    block_q: int,
+    num_tiles: int,
+    min_query_len: int,
+) -> jax.Array:
+    """int32 [num_tiles, 8]: which tokens each grid tile computes (idle tiles: 0 queries).
+
+    Tiles are listed last first: the last tiles of a sequence see the most keys, and
+    starting the heaviest programs first shortens the tail of the grid.
+    """
+    num_seqs = seq_lens.shape[0]
+    starts = query_start_loc[:-1]
+    q_lens = query_start_loc[1:] - starts
+    tiles = jnp.where(q_lens >= min_query_len, (q_lens + block_q - 1) // block_q, 0)
+    ends = jnp.cumsum(tiles)
+    tile = ends[-1] - 1 - jnp.arange(num_tiles, dtype=jnp.int32)
+    live = tile >= 0
+    seq = jnp.minimum(jnp.searchsorted(ends, tile, side="right"), num_seqs - 1)
+    first_q = (tile - (ends - tiles)[seq]) * block_q
+    tok0 = starts[seq] + first_q
+    num_q = jnp.where(live, jnp.minimum(block_q, q_lens[seq] - first_q), 0)
+    pos0 = positions[jnp.clip(tok0, 0, num_tokens - 1)]
+    zeros = jnp.zeros_like(tok0)
+    cols = [tok0, num_q, pos0, seq_lens[seq], seq * max_blocks, zeros, zeros, zeros]
+    return jnp.stack([c.astype(jnp.int32) for c in cols], axis=1)
+
+
+def _call_triton(meta, q4, k_slots, v_slots, block_tables_flat, *, num_warps, num_stages, interpret, **kernel_args):
+    num_tokens, num_kv_heads, group, head_dim = q4.shape
+    num_slots = k_slots.shape[1]
+    num_tiles = meta.shape[0]
+    kernel = functools.partial(_ragged_kernel, **kernel_args)
+    qo_spec = pl.BlockSpec((num_tokens, None, group, head_dim), lambda i, h: (0, h, 0, 0))
+    kv_spec = pl.BlockSpec((None, num_slots, head_dim), lambda i, h: (h, 0, 0))
+    return pl.pallas_call(
+        kernel,
+        grid=(num_tiles, num_kv_heads),
+        in_specs=[
+            pl.BlockSpec((None, _META_COLS), lambda i, h: (i, 0)),
+            qo_spec,
+            kv_spec,
+            kv_spec,
+            pl.BlockSpec(block_tables_flat.shape, lambda i, h: (0,)),
+        ],
+        out_specs=qo_spec,
+        out_shape=jax.ShapeDtypeStruct(q4.shape, q4.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="jaxvllm_ragged_paged_attention",
+    )(meta, q4, k_slots, v_slots, block_tables_flat)
+
+
+def ragged_paged_attention_raw(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    positions: jax.Array,
+    query_start_loc: jax.Array,
+    seq_lens: jax.Array,
+    block_tables: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    min_query_len: int = 1,
+    block_q: int | None = None,
+    block_kv: int = 64,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """The kernel alone: rows of sequences with fewer than `min_query_len` query tokens,
+    and padding rows, are left UNWRITTEN (garbage). `ragged_paged_attention` zeroes them;
+    the mixed backend sends 1-token sequences to the decode kernel instead.
+    """
+    _check_shapes(q, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables)
+    check_dtypes(q, k_cache)
+    interpret = resolve_interpret(interpret)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, num_blocks, block_size, _ = k_cache.shape
+    num_seqs, max_blocks = block_tables.shape
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    if min_query_len < 1:
+        raise ValueError(f"min_query_len must be >= 1, got {min_query_len}")
+    group = num_q_heads // num_kv_heads
+    block_h = next_power_of_2(group)
+    if block_q is None:
+        block_q = max(1, 128 // block_h)
+    check_power_of_2("head_dim", head_dim, interpret)
+    check_power_of_2("block_q", block_q, False)
+    check_power_of_2("block_kv", block_kv, False)
+    if not interpret and min(block_q * block_h, block_kv, head_dim) < MIN_DOT_DIM:
+        raise ValueError(
+            f"compiled: block_q * G ({block_q * block_h}), block_kv ({block_kv}) and head_dim ({head_dim}) "
+            f"must be >= {MIN_DOT_DIM}"
+        )
+    if num_warps is None:
+        num_warps = 4 if head_dim <= 64 else 8
+
+    # Every sequence adds at most one partial tile.
+    num_tiles = max(1, cdiv(num_tokens, block_q) + min(num_seqs, num_tokens // min_query_len))
+    meta = _tile_metadata(
+        positions.astype(jnp.int32), query_start_loc.astype(jnp.int32), seq_lens.astype(jnp.int32),
+        num_tokens=num_tokens, max_blocks=max_blocks, block_q=block_q, num_tiles=num_tiles,
+        min_query_len=min_query_len,
+    )
+    num_slots = num_blocks * block_size
+    out = _call_triton(
+        meta,
+        q.reshape(num_tokens, num_kv_heads, group, head_dim),
+        k_cache.reshape(num_kv_heads, num_slots, head_dim),  # free: contiguous
+        v_cache.reshape(num_kv_heads, num_slots, head_dim),
+        block_tables.astype(jnp.int32).reshape(-1),
+        num_warps=num_warps,
+        num_stages=num_stages,
+        interpret=interpret,
+        sm_scale=float(sm_scale),
+        block_size=block_size,
+        block_q=block_q,
+        block_h=block_h,
+        block_kv=block_kv,
+        sliding_window=sliding_window,
+    )
+    return out.reshape(num_tokens, num_q_heads, head_dim)
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    positions: jax.Array,
+    query_start_loc: jax.Array,
+    seq_lens: jax.Array,
+    block_tables: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    **tuning,
+) -> jax.Array:
+    """The reference's contract on the Pallas kernel: [T, num_q_heads, head_dim] in q's dtype.
+
+    Padding rows (past `query_start_loc[-1]`) are zeros. `tuning`: block_q (query tokens
+    per tile, a power of 2; default 128 rows / G), block_kv (keys per inner step,
+    default 64), num_warps, num_stages, interpret (None: on CPU or with
+    `JAXVLLM_PALLAS_INTERPRET=1`).
+    """
+    out = ragged_paged_attention_raw(
+        q, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables,
+        sm_scale=sm_scale, sliding_window=sliding_window, **tuning,
+    )
+    live = jnp.arange(q.shape[0]) < query_start_loc[-1]
+    return jnp.where(live[:, None, None], out, 0).astype(q.dtype)

@@ -1,0 +1,406 @@
+"""Micro-benchmarks of the attention kernels, against their peers (DESIGN.md's K1, K2, B1 step).
+
+    python -m pallas_kernels.bench                 # the GPU shapes (needs a GPU)
+    python -m pallas_kernels.bench --small         # tiny shapes, interpret mode: CPU, < 1 minute
+    python -m pallas_kernels.bench --only k1 --json out.json
+
+K1, decode: KV bytes read per second of `paged_decode_attention` (its default split
+and the best of a small sweep), JAX's own Pallas `paged_attention` on the same arrays
+(the same [kv_heads, pages, page_size, head_dim] layout), the XLA reference, and an HBM
+copy of the same byte count (reported as bytes read + written per second).
+K2, prefill: causal TFLOP/s of `ragged_paged_attention` on a paged cache against
+`jax.nn.dot_product_attention(implementation="cudnn")` and JAX's Pallas Triton flash
+attention on unpaged data. Step: one decode step of a Qwen3-0.6B-shaped dummy model at
+256 sequences x 1024 context, for each attention backend.
+Figures go to stdout and to JSON (`--json PATH`, default $OUT/bench.json when $OUT is
+set). On CPU only ratios measured in one run mean anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from functools import partial
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.common import cdiv
+from pallas_kernels.paged_decode_attention import (
+    default_num_splits,
+    paged_decode_attention,
+    paged_decode_attention_reference,
+)
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
+
+FULL = dict(
+    k1=dict(q_heads=16, kv_heads=8, head_dim=128, block_size=16, shapes=[(64, 2048), (256, 1024), (256, 4096)],
+            # (num_splits, block_kv, num_warps); None = the default split
+            sweep=((1, 128, 4), (2, 128, 4), (4, 128, 4), (8, 128, 4), (None, 64, 4), (None, 128, 8))),
+    k2=dict(batch=4, seq_len=4096, q_heads=16, kv_heads=16, head_dim=128, block_size=16,
+            tiles=((None, 64), (None, 128), (64, 64))),  # (block_q tokens, block_kv); None = default
+    step=dict(model="qwen3-0.6b", num_seqs=256, context=1024, block_size=16),
+    iters=20,
+)
+SMALL = dict(
+    k1=dict(q_heads=4, kv_heads=2, head_dim=16, block_size=8, shapes=[(3, 40)], sweep=((1, 16, 4), (2, 16, 4))),
+    k2=dict(batch=2, seq_len=64, q_heads=2, kv_heads=2, head_dim=16, block_size=8, tiles=((16, 16),)),
+    step=dict(model="tiny", num_seqs=4, context=48, block_size=8),
+    iters=2,
+)
+DTYPE = jnp.bfloat16
+
+
+def time_fn(fn: Callable, *args, iters: int, warmup: int = 1) -> float:
+    """Median wall seconds of `fn(*args)` (compiled before timing)."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _attempt(results: dict, name: str, fn: Callable[[], dict]) -> None:
+    """Run one measurement; a failure is recorded (and printed), not fatal."""
+    try:
+        results[name] = fn()
+    except Exception as e:  # a peer missing on this JAX version, an unsupported backend, OOM
+        results[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
+        traceback.print_exc(limit=3)
+
+
+def _max_err(a, b) -> float:
+    return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+
+
+def paged_kv(key, num_kv_heads: int, lengths: list[int], block_size: int, head_dim: int, dtype=DTYPE,
+             spare_blocks: int = 8):
+    """Random caches [kv_heads, num_blocks, block_size, head_dim] and shuffled block tables [S, max_blocks]."""
+    blocks = [cdiv(n, block_size) for n in lengths]
+    max_blocks = max(blocks)
+    num_blocks = sum(blocks) + spare_blocks
+    k_key, v_key, p_key = jax.random.split(key, 3)
+    shape = (num_kv_heads, num_blocks, block_size, head_dim)
+    k_cache = jax.random.normal(k_key, shape, dtype)
+    v_cache = jax.random.normal(v_key, shape, dtype)
+    perm = np.asarray(jax.random.permutation(p_key, num_blocks))
+    tables = np.zeros((len(lengths), max_blocks), np.int32)
+    used = 0
+    for s, n in enumerate(blocks):
+        tables[s, :n] = perm[used : used + n]
+        used += n
+    return k_cache, v_cache, jnp.asarray(tables)
+
+
+# -- K1: decode --------------------------------------------------------------------------
+
+
+def bench_k1(cfg: dict, iters: int, interpret: bool) -> list[dict]:
+    rows = []
+    hq, hkv, d, bs = cfg["q_heads"], cfg["kv_heads"], cfg["head_dim"], cfg["block_size"]
+    for batch, context in cfg["shapes"]:
+        key = jax.random.key(batch * 100003 + context)
+        k_cache, v_cache, tables = paged_kv(key, hkv, [context] * batch, bs, d, spare_blocks=0)
+        q = jax.random.normal(jax.random.fold_in(key, 1), (batch, hq, d), DTYPE)
+        lens = jnp.full((batch,), context, jnp.int32)
+        kv_bytes = 2 * batch * context * hkv * d * jnp.dtype(DTYPE).itemsize
+        scale = d**-0.5
+        row: dict[str, Any] = {"batch": batch, "context": context, "kv_bytes": kv_bytes}
+        tbs = lambda t: kv_bytes / t / 1e12  # noqa: E731
+
+        ref_fn = jax.jit(partial(paged_decode_attention_reference, sm_scale=scale))
+        want = ref_fn(q, k_cache, v_cache, lens, tables)
+
+        def ours():
+            out: dict[str, Any] = {}
+            fn = jax.jit(partial(paged_decode_attention, sm_scale=scale, interpret=interpret))
+            got = fn(q, k_cache, v_cache, lens, tables)
+            out["max_abs_err_vs_reference"] = _max_err(got, want)
+            t = time_fn(fn, q, k_cache, v_cache, lens, tables, iters=iters)
+            max_tiles = cdiv(tables.shape[1] * bs, 128)
+            out.update(default_ms=t * 1e3, default_tb_s=tbs(t), default_num_splits=default_num_splits(batch, hkv, max_tiles))
+            sweep = {}
+            for splits, block_kv, warps in cfg["sweep"]:
+                f = jax.jit(partial(paged_decode_attention, sm_scale=scale, num_splits=splits,
+                                    block_kv=block_kv, num_warps=warps, interpret=interpret))
+                name = f"splits={splits},block_kv={block_kv},warps={warps}"
+                sweep[name] = tbs(time_fn(f, q, k_cache, v_cache, lens, tables, iters=iters))
+            best = max(sweep, key=sweep.get)
+            out.update(sweep_tb_s=sweep, best=best, best_tb_s=sweep[best])
+            return out
+
+        def jax_peer():
+            from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as jax_paged_attention
+
+            pages_per_seq = tables.shape[1]
+            k_splits = math.gcd(16, pages_per_seq)
+            fn = jax.jit(partial(jax_paged_attention, k_splits=k_splits, interpret=interpret,
+                                 pages_per_compute_block=min(8, pages_per_seq // k_splits)))
+            # JAX's kernel does not scale q: fold the softmax scale in.
+            qs = (q.astype(jnp.float32) * scale).astype(DTYPE)
+            got = fn(qs, k_cache, v_cache, tables, lens)
+            t = time_fn(fn, qs, k_cache, v_cache, tables, lens, iters=iters)
+            return {"ms": t * 1e3, "tb_s": tbs(t), "k_splits": k_splits, "max_abs_err_vs_reference": _max_err(got, want)}
+
+        def reference():
+            t = time_fn(ref_fn, q, k_cache, v_cache, lens, tables, iters=iters)
+            return {"ms": t * 1e3, "tb_s": tbs(t)}
+
+        def hbm_copy():
+            x = jnp.zeros((kv_bytes // 2,), jnp.bfloat16)
+            fn = jax.jit(lambda a: a + 1)
+            t = time_fn(fn, x, iters=iters)
+            return {"ms": t * 1e3, "read_plus_write_tb_s": 2 * kv_bytes / t / 1e12, "read_tb_s": tbs(t)}
+
+        _attempt(row, "pallas_decode", ours)
+        _attempt(row, "jax_pallas_paged_attention", jax_peer)
+        _attempt(row, "xla_reference", reference)
+        _attempt(row, "hbm_copy", hbm_copy)
+        rows.append(row)
+        print(f"K1 batch={batch} context={context}: {_summary(row)}", flush=True)
+        del k_cache, v_cache, want
+    return rows
+
+
+# -- K2: prefill -------------------------------------------------------------------------
+
+
+def bench_k2(cfg: dict, iters: int, interpret: bool) -> dict:
+    b, n, hq, hkv, d, bs = (cfg[k] for k in ("batch", "seq_len", "q_heads", "kv_heads", "head_dim", "block_size"))
+    key = jax.random.key(7)
+    k_cache, v_cache, tables = paged_kv(key, hkv, [n] * b, bs, d, spare_blocks=0)
+    q = jax.random.normal(jax.random.fold_in(key, 1), (b * n, hq, d), DTYPE)
+    positions = jnp.tile(jnp.arange(n, dtype=jnp.int32), b)
+    qsl = jnp.arange(b + 1, dtype=jnp.int32) * n
+    lens = jnp.full((b,), n, jnp.int32)
+    scale = d**-0.5
+    flops = 4 * b * hq * d * (n * (n + 1) // 2)  # causal: QK^T and PV over the visible keys
+    tflops = lambda t: flops / t / 1e12  # noqa: E731
+    result: dict[str, Any] = {"batch": b, "seq_len": n, "q_heads": hq, "kv_heads": hkv, "head_dim": d, "flops": flops}
+
+    # Unpaged copies of the same K/V: [b, n, kv_heads, d].
+    def unpaged(cache):
+        pages = cache[:, tables]  # [h, b, max_blocks, bs, d]
+        return pages.reshape(hkv, b, -1, d)[:, :, :n].transpose(1, 2, 0, 3)
+
+    k_dense, v_dense = unpaged(k_cache), unpaged(v_cache)
+    q_dense = q.reshape(b, n, hq, d)
+
+    def dense_xla():
+        fn = jax.jit(partial(jax.nn.dot_product_attention, is_causal=True, scale=scale, implementation="xla"))
+        return fn(q_dense, k_dense, v_dense).reshape(b * n, hq, d)
+
+    want = None
+
+    def cudnn():
+        nonlocal want
+        fn = jax.jit(partial(jax.nn.dot_product_attention, is_causal=True, scale=scale, implementation="cudnn"))
+        out = fn(q_dense, k_dense, v_dense)
+        want = out.reshape(b * n, hq, d)
+        t = time_fn(fn, q_dense, k_dense, v_dense, iters=iters)
+        return {"ms": t * 1e3, "tflop_s": tflops(t)}
+
+    if jax.default_backend() == "cpu":
+        result["cudnn"] = {"skipped": "no cuDNN on CPU"}
+    else:
+        _attempt(result, "cudnn", cudnn)
+    if want is None:  # no cuDNN (CPU): check against XLA's dense attention instead
+        want = dense_xla()
+
+    def ours():
+        out: dict[str, Any] = {}
+        sweep = {}
+        for block_q, block_kv in cfg["tiles"]:
+            fn = jax.jit(partial(ragged_paged_attention, sm_scale=scale, block_q=block_q, block_kv=block_kv,
+                                 interpret=interpret))
+            got = fn(q, k_cache, v_cache, positions, qsl, lens, tables)
+            name = f"block_q={block_q},block_kv={block_kv}"
+            out.setdefault("max_abs_err", {})[name] = _max_err(got, want)
+            sweep[name] = tflops(time_fn(fn, q, k_cache, v_cache, positions, qsl, lens, tables, iters=iters))
+        best = max(sweep, key=sweep.get)
+        out.update(sweep_tflop_s=sweep, best=best, best_tflop_s=sweep[best], default_tflop_s=next(iter(sweep.values())))
+        return out
+
+    def pallas_flash():
+        from jax.experimental.pallas.ops.gpu.attention import mha
+
+        kf = jnp.repeat(k_dense, hq // hkv, axis=2)
+        vf = jnp.repeat(v_dense, hq // hkv, axis=2)
+        fn = jax.jit(partial(mha, segment_ids=None, sm_scale=scale, causal=True, interpret=interpret))
+        t = time_fn(fn, q_dense, kf, vf, iters=iters)
+        return {"ms": t * 1e3, "tflop_s": tflops(t)}
+
+    def reference():
+        fn = jax.jit(partial(ragged_paged_attention_reference, sm_scale=scale))
+        t = time_fn(fn, q, k_cache, v_cache, positions, qsl, lens, tables, iters=max(1, iters // 4))
+        return {"ms": t * 1e3, "tflop_s": tflops(t)}
+
+    _attempt(result, "pallas_ragged", ours)
+    _attempt(result, "jax_pallas_flash_unpaged", pallas_flash)
+    if interpret:  # the reference gathers [heads, T, context, D]: far too big at the full shape
+        _attempt(result, "xla_reference", reference)
+    print(f"K2 {b}x{n}: {_summary(result)}", flush=True)
+    return result
+
+
+# -- engine step ---------------------------------------------------------------------------
+
+
+def count_cache_copies(compiled_text: str, cache_shape: tuple[int, ...], dtype) -> int:
+    """HLO `copy` instructions whose result has a KV cache's element count (should be 0)."""
+    import re
+
+    numel = math.prod(cache_shape)
+    count = 0
+    for m in re.finditer(r"= (\w+)\[([\d,]*)\][^=]*? copy\(", compiled_text):
+        dims = [int(x) for x in m.group(2).split(",") if x]
+        if dims and math.prod(dims) == numel:
+            count += 1
+    return count
+
+
+def bench_step(cfg: dict, iters: int, interpret: bool) -> dict:
+    from jaxvllm.batch import ModelInputs
+    from jaxvllm.config import ModelConfig
+    from jaxvllm.dummy import get_dummy
+    from jaxvllm.layers import allocate_kv_caches
+    from jaxvllm.loader import dummy_params
+    from jaxvllm.models.llama import forward
+
+    mcfg = ModelConfig.from_hf(get_dummy(cfg["model"]).make_config())
+    params = dummy_params(mcfg, DTYPE, seed=0)
+    s, ctx, bs = cfg["num_seqs"], cfg["context"], cfg["block_size"]
+    max_blocks = cdiv(ctx, bs)
+    num_blocks = s * max_blocks + 1
+    perm = np.random.default_rng(0).permutation(num_blocks)[: s * max_blocks].reshape(s, max_blocks)
+    pos = np.full(s, ctx - 1, np.int32)
+    i32 = lambda x: jnp.asarray(np.asarray(x, np.int32))  # noqa: E731
+    inputs = ModelInputs(
+        input_ids=i32(np.random.default_rng(1).integers(3, min(mcfg.vocab_size, 30000), s)),
+        positions=i32(pos),
+        slot_mapping=i32(perm[:, (ctx - 1) // bs] * bs + (ctx - 1) % bs),
+        query_start_loc=i32(np.arange(s + 1)),
+        seq_lens=i32(np.full(s, ctx)),
+        block_tables=i32(perm),
+        logits_indices=i32(np.arange(s)),
+    )
+    kv_bytes_per_step = 2 * mcfg.num_layers * s * ctx * mcfg.num_kv_heads * mcfg.head_dim * jnp.dtype(DTYPE).itemsize
+    result: dict[str, Any] = {"model": cfg["model"], "num_seqs": s, "context": ctx, "kv_bytes_per_step": kv_bytes_per_step}
+
+    def step_of(backend):
+        def step(params, caches, inputs):
+            logits, caches = forward(params, caches, inputs, mcfg, backend)
+            return jnp.argmax(logits, axis=-1), caches
+
+        return jax.jit(step, donate_argnums=(1,))
+
+    for backend in ("reference", "pallas"):
+        def run(backend=backend):
+            caches = allocate_kv_caches(mcfg, num_blocks, bs, DTYPE)
+            fn = step_of(backend)
+            compiled = fn.lower(params, caches, inputs).compile()
+            copies = count_cache_copies(compiled.as_text(), caches[0][0].shape, DTYPE)
+            times = []
+            for i in range(iters + 1):
+                start = time.perf_counter()
+                tokens, caches = fn(params, caches, inputs)
+                jax.block_until_ready(tokens)
+                if i:  # the first call may still load the executable
+                    times.append(time.perf_counter() - start)
+            t = statistics.median(times)
+            return {"step_ms": t * 1e3, "kv_tb_s": kv_bytes_per_step / t / 1e12, "cache_copies_in_hlo": copies,
+                    "tokens_head": np.asarray(tokens[:8]).tolist()}
+
+        _attempt(result, backend, run)
+    ref, pal = result.get("reference", {}), result.get("pallas", {})
+    if "tokens_head" in ref and "tokens_head" in pal:
+        result["greedy_tokens_equal_head"] = ref["tokens_head"] == pal["tokens_head"]
+    print(f"step {cfg['model']} {s}x{ctx}: {_summary(result)}", flush=True)
+    return result
+
+
+# -- driver --------------------------------------------------------------------------------
+
+
+def _summary(d: dict) -> str:
+    parts = []
+    for name, v in d.items():
+        if not isinstance(v, dict):
+            continue
+        if "error" in v:
+            parts.append(f"{name}=ERROR")
+            continue
+        for k in ("best_tb_s", "tb_s", "read_plus_write_tb_s", "best_tflop_s", "tflop_s", "step_ms"):
+            if k in v:
+                parts.append(f"{name} {k}={v[k]:.3g}")
+                break
+    return ", ".join(parts)
+
+
+def environment() -> dict:
+    import jaxlib
+
+    return {
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "backend": jax.default_backend(),
+        "devices": [str(d) for d in jax.devices()],
+        "device_kind": jax.devices()[0].device_kind,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="tiny shapes in interpret mode (runs on CPU)")
+    parser.add_argument("--only", default="k1,k2,step", help="comma-separated subset of k1,k2,step")
+    parser.add_argument("--iters", type=int, default=None, help="timed repetitions (median)")
+    parser.add_argument("--json", default=None, help="write results here (default $OUT/bench.json if $OUT is set)")
+    args = parser.parse_args(argv)
+
+    cfg = SMALL if args.small else FULL
+    iters = args.iters or cfg["iters"]
+    if not args.small and jax.default_backend() == "cpu":
+        parser.error("the full shapes need a GPU; use --small on CPU")
+    interpret = args.small and jax.default_backend() == "cpu"
+    wanted = {w.strip() for w in args.only.split(",") if w.strip()}
+    unknown = wanted - {"k1", "k2", "step"}
+    if unknown:
+        parser.error(f"unknown --only parts {sorted(unknown)}")
+
+    results: dict[str, Any] = {"small": args.small, "interpret": interpret, "iters": iters, "env": environment(),
+                               "config": {k: v for k, v in cfg.items() if k in wanted}}
+    path = args.json or (os.path.join(os.environ["OUT"], "bench.json") if os.environ.get("OUT") else None)
+    start = time.perf_counter()
+    # Decode first: it is what moves B1. The file is rewritten after each part, so a
+    # run cut short by a time limit still leaves what it measured.
+    for part, fn in (("k1", bench_k1), ("step", bench_step), ("k2", bench_k2)):
+        if part in wanted:
+            results[part] = fn(cfg[part], iters, interpret)
+            results["seconds"] = time.perf_counter() - start
+            _write(path, results)
+    if path:
+        print(f"wrote {path}")
+    return results
+
+
+def _write(path: str | None, results: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=2, default=str)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,74 @@
+"""What the Pallas kernels share: interpret-mode choice, the mask value, tile-size rules.
+
+The kernels are written for Pallas' Triton GPU backend (`jax.experimental.pallas` plus
+`jax.experimental.pallas.triton` for masked loads and stores). On a CPU they run in
+interpret mode, which executes the same kernel body with XLA, one grid step at a time:
+slow, but exact enough to test against the plain-jnp references.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import jax
+import numpy as np
+
+# Finite, so that a row whose keys are all masked in one KV tile never produces
+# inf - inf = NaN in the online softmax (the same choice as JAX's own Pallas ops).
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+
+INTERPRET_ENV = "JAXVLLM_PALLAS_INTERPRET"
+
+# tl.dot needs every dimension of its operands to be at least 16 on NVIDIA GPUs.
+MIN_DOT_DIM = 16
+
+
+def default_interpret() -> bool:
+    """Interpret unless the default backend is a GPU; `JAXVLLM_PALLAS_INTERPRET=0/1` overrides.
+
+    The override lets the GPU machine run the kernel tests compiled (=0), or debug a
+    kernel in interpret mode on a GPU (=1).
+    """
+    env = os.environ.get(INTERPRET_ENV, "").strip().lower()
+    if env in ("0", "false", "no", "off"):
+        return False
+    if env in ("1", "true", "yes", "on"):
+        return True
+    return jax.default_backend() not in ("gpu", "cuda", "rocm")
+
+
+def resolve_interpret(interpret: bool | None) -> bool:
+    return default_interpret() if interpret is None else bool(interpret)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def is_power_of_2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def check_power_of_2(name: str, value: int, interpret: bool) -> None:
+    """Triton tensors have power-of-2 sizes; interpret mode does not care."""
+    if not interpret and not is_power_of_2(value):
+        raise ValueError(f"{name} must be a power of 2 for the compiled Triton kernel, got {value}")
+
+
+KERNEL_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def check_dtypes(q, k_cache) -> None:
+    """tl.dot multiplies operands of one element type: q and the cache must agree."""
+    if q.dtype != k_cache.dtype:
+        raise ValueError(f"q dtype {q.dtype} != cache dtype {k_cache.dtype}")
+    if q.dtype.name not in KERNEL_DTYPES:
+        raise ValueError(f"dtype {q.dtype} is not supported; use one of {KERNEL_DTYPES}")
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)

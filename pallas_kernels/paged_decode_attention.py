@@ -1,0 +1,280 @@
+"""Paged decode attention: one query token per sequence, GQA, split-K (flash-decoding).
+
+Decode is a KV-bandwidth problem: every step reads each sequence's whole context once.
+The kernel reads each (sequence, KV head) context exactly once, for all G = q heads /
+kv heads query heads of that KV head together ([G, D] x [D, block_kv] dots), and splits
+the context into `num_splits` partitions so that a small batch still fills the GPU;
+a small jnp step then merges the partitions by log-sum-exp.
+
+Layout (see `pallas_kernels/__init__.py`):
+  q             [S, num_q_heads, head_dim]    query heads h*G .. h*G+G-1 share KV head h
+  k/v_cache     [num_kv_heads, num_blocks, block_size, head_dim]
+  seq_lens      [S] int32                     context length, the new token's K/V included
+  block_tables  [S, max_blocks] int32         physical block ids in logical order
+The query of sequence s sits at position `query_positions[s]` (default seq_lens - 1)
+and sees keys j with j <= position, j < seq_len (and j > position - sliding_window).
+A sequence with seq_len 0 (a padding row) gets zeros.
+
+Grid: (sequence, KV head, partition). Each program walks its share of the sequence's
+KV tiles (`block_kv` tokens, any number of pages) with an online softmax. Page ids are
+looked up per token inside the kernel (scalar prefetch of block tables exists on TPU
+only), so block_size need not divide block_kv. Written for Pallas' Triton backend; a
+Mosaic GPU variant would be another `_call_*` beside `_call_triton`, same wrapper.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.common import (
+    LN_2,
+    LOG2_E,
+    MASK_VALUE,
+    MIN_DOT_DIM,
+    cdiv,
+    check_dtypes,
+    check_power_of_2,
+    next_power_of_2,
+    resolve_interpret,
+)
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
+
+# Aim for this many programs (sequence x KV head x partition) so that a small batch
+# still keeps every SM of an H100/H200 (132 SMs) busy with a few programs each.
+TARGET_PROGRAMS = 1024
+MAX_SPLITS = 16
+
+
+def _decode_kernel(
+    q_ref,  # [G, D]          the G query heads of this KV head
+    k_ref,  # [num_slots, D]  this KV head's cache, slot = block * block_size + offset
+    v_ref,  # [num_slots, D]
+    bt_ref,  # [max_blocks]   this sequence's block table
+    len_ref,  # [1]           seq_len
+    pos_ref,  # [1]           query position
+    o_ref,  # [G, D] f32      partition output, normalized by the partition's softmax sum
+    m_ref,  # [G] f32         partition max score
+    l_ref,  # [G] f32         partition softmax sum (0: empty partition)
+    *,
+    sm_scale: float,
+    block_size: int,
+    block_kv: int,
+    block_h: int,
+    num_splits: int,
+    sliding_window: int | None,
+):
+    group, head_dim = q_ref.shape
+    split = pl.program_id(2)
+    seq_len = len_ref[0]
+    pos = pos_ref[0]
+    hi = jnp.minimum(seq_len, pos + 1)  # keys [lo, hi)
+    lo = jnp.int32(0) if sliding_window is None else jnp.maximum(pos - (sliding_window - 1), 0)
+
+    # This partition's share of the sequence's KV tiles, split evenly per sequence, so
+    # that short and long sequences alike use every partition.
+    first_tile = lax.div(lo, block_kv)
+    num_tiles = jnp.maximum(pl.cdiv(hi, block_kv) - first_tile, 0)
+    per_split = pl.cdiv(num_tiles, num_splits)
+    start = first_tile + split * per_split
+    stop = jnp.maximum(jnp.minimum(start + per_split, first_tile + num_tiles), start)
+
+    rows = jnp.arange(block_h)
+    dims = jnp.arange(head_dim)
+    row_ok = (rows < group)[:, None]
+    q = plgpu.load(q_ref.at[rows[:, None], dims[None, :]], mask=row_ok, other=0)
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    scale = sm_scale * LOG2_E  # scores in base 2: exp2 is one instruction
+    offsets = jnp.arange(block_kv)
+
+    def body(tile, carry):
+        acc, m_prev, l_prev = carry
+        keys = tile * block_kv + offsets
+        valid = (keys >= lo) & (keys < hi)
+        page = plgpu.load(bt_ref.at[lax.div(keys, block_size)], mask=valid, other=0)
+        slots = (page * block_size + lax.rem(keys, block_size))[:, None]
+        k = plgpu.load(k_ref.at[slots, dims[None, :]], mask=valid[:, None], other=0)
+        s = plgpu.dot(q, k, trans_b=True, precision=precision) * scale  # [block_h, block_kv] f32
+        s = jnp.where(valid[None, :], s, MASK_VALUE)
+        m_next = jnp.maximum(m_prev, s.max(axis=1))
+        correction = jnp.exp2(m_prev - m_next)
+        p = jnp.exp2(s - m_next[:, None])
+        l_next = l_prev * correction + p.sum(axis=1)
+        v = plgpu.load(v_ref.at[slots, dims[None, :]], mask=valid[:, None], other=0)
+        acc = acc * correction[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
+        return acc, m_next, l_next
+
+    init = (
+        jnp.zeros((block_h, head_dim), jnp.float32),
+        jnp.full((block_h,), MASK_VALUE, jnp.float32),
+        jnp.zeros((block_h,), jnp.float32),
+    )
+    acc, m, l = lax.fori_loop(start, stop, body, init)
+    out = acc / jnp.where(l == 0.0, 1.0, l)[:, None]
+    plgpu.store(o_ref.at[rows[:, None], dims[None, :]], out, mask=row_ok)
+    plgpu.store(m_ref.at[rows], m * LN_2, mask=rows < group)  # back to natural log for the combine
+    plgpu.store(l_ref.at[rows], l, mask=rows < group)
+
+
+def default_num_splits(num_seqs: int, num_kv_heads: int, max_tiles: int) -> int:
+    """Partitions per sequence: enough programs for the GPU, never more than KV tiles."""
+    want = next_power_of_2(cdiv(TARGET_PROGRAMS, max(num_seqs * num_kv_heads, 1)))
+    return max(1, min(want, MAX_SPLITS, max_tiles))
+
+
+def _call_triton(q4, k_slots, v_slots, block_tables, seq_lens, positions, *, num_splits, block_h,
+                 num_warps, num_stages, interpret, **kernel_args):
+    num_seqs, num_kv_heads, group, head_dim = q4.shape
+    num_slots = k_slots.shape[1]
+    max_blocks = block_tables.shape[1]
+    kernel = functools.partial(_decode_kernel, num_splits=num_splits, block_h=block_h, **kernel_args)
+    part = (num_seqs, num_kv_heads, num_splits, group)
+    return pl.pallas_call(
+        kernel,
+        grid=(num_seqs, num_kv_heads, num_splits),
+        in_specs=[
+            pl.BlockSpec((None, None, group, head_dim), lambda s, h, p: (s, h, 0, 0)),
+            pl.BlockSpec((None, num_slots, head_dim), lambda s, h, p: (h, 0, 0)),
+            pl.BlockSpec((None, num_slots, head_dim), lambda s, h, p: (h, 0, 0)),
+            pl.BlockSpec((None, max_blocks), lambda s, h, p: (s, 0)),
+            pl.BlockSpec((1,), lambda s, h, p: (s,)),
+            pl.BlockSpec((1,), lambda s, h, p: (s,)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, group, head_dim), lambda s, h, p: (s, h, p, 0, 0)),
+            pl.BlockSpec((None, None, None, group), lambda s, h, p: (s, h, p, 0)),
+            pl.BlockSpec((None, None, None, group), lambda s, h, p: (s, h, p, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((*part, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct(part, jnp.float32),
+            jax.ShapeDtypeStruct(part, jnp.float32),
+        ],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="jaxvllm_paged_decode_attention",
+    )(q4, k_slots, v_slots, block_tables, seq_lens, positions)
+
+
+def combine_partitions(o: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
+    """Merge split-K partitions [..., P, G, D] (each normalized by its own sum l) by log-sum-exp."""
+    live = l > 0.0
+    m_max = jnp.max(jnp.where(live, m, MASK_VALUE), axis=-2, keepdims=True)
+    weight = jnp.where(live, l * jnp.exp(m - m_max), 0.0)  # each partition's share of the total sum
+    total = weight.sum(axis=-2)
+    out = jnp.einsum("...pg,...pgd->...gd", weight, jnp.where(live[..., None], o, 0.0))
+    return out / jnp.where(total == 0.0, 1.0, total)[..., None]
+
+
+def paged_decode_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    seq_lens: jax.Array,
+    block_tables: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    query_positions: jax.Array | None = None,
+    num_splits: int | None = None,
+    block_kv: int = 128,
+    block_h: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """Decode attention [S, num_q_heads, head_dim] in q's dtype; layout in the module docstring.
+
+    num_splits: KV partitions per sequence (None: enough for ~1024 programs, at most 16).
+    block_kv: KV tokens per inner step (a power of 2). block_h: query rows of a dot,
+    G padded up (None: 16 compiled, for tl.dot's minimum; the next power of 2 of G in
+    interpret mode). interpret: None = on CPU (or `JAXVLLM_PALLAS_INTERPRET=1`).
+    """
+    interpret = resolve_interpret(interpret)
+    num_seqs, num_q_heads, head_dim = q.shape
+    num_kv_heads, num_blocks, block_size, cache_head_dim = k_cache.shape
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} differ")
+    if cache_head_dim != head_dim:
+        raise ValueError(f"q head_dim {head_dim} != cache head_dim {cache_head_dim}")
+    check_dtypes(q, k_cache)
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} q heads are not a multiple of {num_kv_heads} kv heads")
+    if seq_lens.shape != (num_seqs,) or block_tables.ndim != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(
+            f"q has {num_seqs} sequences but seq_lens is {seq_lens.shape} and block_tables {block_tables.shape}"
+        )
+    if query_positions is not None and query_positions.shape != (num_seqs,):
+        raise ValueError(f"query_positions must be [{num_seqs}], got {query_positions.shape}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    group = num_q_heads // num_kv_heads
+    if block_h is None:
+        block_h = next_power_of_2(group) if interpret else max(MIN_DOT_DIM, next_power_of_2(group))
+    if block_h < group:
+        raise ValueError(f"block_h {block_h} < {group} query heads per KV head")
+    check_power_of_2("head_dim", head_dim, interpret)
+    check_power_of_2("block_kv", block_kv, False)
+    check_power_of_2("block_h", block_h, False)
+    if not interpret and min(block_h, block_kv, head_dim) < MIN_DOT_DIM:
+        raise ValueError(
+            f"compiled: block_h ({block_h}), block_kv ({block_kv}) and head_dim ({head_dim}) must be >= {MIN_DOT_DIM}"
+        )
+    max_tiles = cdiv(block_tables.shape[1] * block_size, block_kv)
+    if num_splits is None:
+        num_splits = default_num_splits(num_seqs, num_kv_heads, max_tiles)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+
+    seq_lens = seq_lens.astype(jnp.int32)
+    positions = seq_lens - 1 if query_positions is None else query_positions.astype(jnp.int32)
+    num_slots = num_blocks * block_size
+    o, m, l = _call_triton(
+        q.reshape(num_seqs, num_kv_heads, group, head_dim),
+        k_cache.reshape(num_kv_heads, num_slots, head_dim),  # free: contiguous
+        v_cache.reshape(num_kv_heads, num_slots, head_dim),
+        block_tables.astype(jnp.int32),
+        seq_lens,
+        positions,
+        num_splits=num_splits,
+        block_h=block_h,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        interpret=interpret,
+        sm_scale=float(sm_scale),
+        block_size=block_size,
+        block_kv=block_kv,
+        sliding_window=sliding_window,
+    )
+    out = combine_partitions(o, m, l)  # [S, kv_heads, G, D]
+    return out.reshape(num_seqs, num_q_heads, head_dim).astype(q.dtype)
+
+
+def paged_decode_attention_reference(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    seq_lens: jax.Array,
+    block_tables: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    query_positions: jax.Array | None = None,
+) -> jax.Array:
+    """The decode contract through the ragged reference (one query token per sequence).
+
+    Rows with seq_len 0 are zeros, as in the kernel.
+    """
+    num_seqs = q.shape[0]
+    positions = seq_lens - 1 if query_positions is None else query_positions
+    out = ragged_paged_attention_reference(
+        q, k_cache, v_cache, jnp.maximum(positions, 0).astype(jnp.int32),
+        jnp.arange(num_seqs + 1, dtype=jnp.int32), seq_lens.astype(jnp.int32), block_tables,
+        sm_scale=sm_scale, sliding_window=sliding_window,
+    )
+    return jnp.where((seq_lens > 0)[:, None, None], out, 0).astype(q.dtype)

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# GPU check of the Pallas kernels: the kernel tests compiled (not interpreted), the engine
+# parity test, then the benchmark; under 8 minutes on one H200. Results go to $OUT
+# (default $TMPDIR/jaxvllm-gpu-check): env.log, kernels.log, engine.log, bench.log, bench.json, summary.txt.
+#
+#   scripts/gpu_check.sh            on the GPU machine (the project copied in, not installed)
+#   scripts/gpu_check.sh --small    anywhere: interpret-mode tests and `bench --small` (a CPU rehearsal)
+#   scripts/gpu_check.sh --dry-run  print what would run
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT" || exit 1
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+OUT="${OUT:-${TMPDIR:-/tmp}/jaxvllm-gpu-check}"
+PYTHON="${PYTHON:-python}"
+MODE=gpu
+DRY=0
+for arg in "$@"; do
+    case "$arg" in
+        --small) MODE=small ;;
+        --dry-run) DRY=1 ;;
+        -h | --help) sed -n 2,9p "$0"; exit 0 ;;
+        *) echo "unknown option: $arg (see --help)" >&2; exit 2 ;;
+    esac
+done
+
+if [ "$MODE" = gpu ]; then
+    export JAXVLLM_PALLAS_INTERPRET=0          # compiled Triton kernels in the tests too
+    export JAX_DEFAULT_MATMUL_PRECISION=highest # float32 parity tests: no TF32 in the XLA reference
+    BENCH_ARGS=()
+    LIMITS=(30 120 90 230)                      # env, kernel tests, engine test, bench: < 8 min
+else
+    BENCH_ARGS=(--small)
+    LIMITS=(60 300 300 300)
+fi
+
+[ "$DRY" = 1 ] || mkdir -p "$OUT"
+FAILED=0
+
+# run NAME LIMIT_SECONDS COMMAND...: log to $OUT/NAME.log, one line per step in summary.txt.
+run() {
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name (limit ${limit}s): $*"
+    [ "$DRY" = 1 ] && return 0
+    local start=$SECONDS rc
+    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+    rc=${PIPESTATUS[0]}
+    echo "== $name: exit $rc after $((SECONDS - start)) s"
+    echo "$name exit=$rc seconds=$((SECONDS - start))" >>"$OUT/summary.txt"
+    [ "$rc" = 0 ] || FAILED=1
+}
+
+[ "$DRY" = 1 ] || : >"$OUT/summary.txt"
+run env "${LIMITS[0]}" "$PYTHON" -c "import sys, jax; print(sys.version); print('jax', jax.__version__, jax.default_backend(), jax.devices())"
+
+if "$PYTHON" -c "import pytest" 2>/dev/null || [ "$DRY" = 1 ]; then
+    run kernels "${LIMITS[1]}" "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_kernels.py
+    run engine "${LIMITS[2]}" "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_pallas_engine.py
+else
+    echo "pytest is not installed: skipping the tests (the benchmark still checks the kernels against references)"
+    echo "tests skipped=no-pytest" >>"$OUT/summary.txt"
+fi
+
+run bench "${LIMITS[3]}" "$PYTHON" -m pallas_kernels.bench ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"} --json "$OUT/bench.json"
+
+[ "$DRY" = 1 ] || cat "$OUT/summary.txt"
+exit "$FAILED"
