@@ -191,6 +191,8 @@ class LLMEngine:
         final_only: return only finished requests (what `LLM.generate` keeps), which
         skips building outputs for every running request at every step.
         """
+        if self.runner.closed:
+            raise RuntimeError("this engine was shut down; create a new LLM")
         out = self.scheduler.schedule()
         self.runner.release(r.request_id for r in out.preempted)
         result = self.runner.execute(out.scheduled)
@@ -315,3 +317,8 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         self.kv_cache_manager.reset_prefix_cache()
         return True
+
+    def shutdown(self) -> None:
+        """Abort every request and free the device memory (weights, KV cache, sampler state)."""
+        self.abort_request(list(self._parents))
+        self.runner.close()

@@ -24,6 +24,9 @@ class LLM:
     the weights, sizes and allocates the KV cache and compiles every token bucket; a
     persistent JAX compilation cache (~/.cache/jaxvllm/jax unless you set
     `jax_compilation_cache_dir`) makes the second start fast.
+
+    `llm.shutdown()` frees the engine's device memory at once (weights, KV cache); so does
+    leaving a `with LLM(...) as llm:` block, or dropping the last reference (`del llm`).
     """
 
     def __init__(self, model: str, **kwargs: Any) -> None:
@@ -36,6 +39,29 @@ class LLM:
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    @property
+    def is_shutdown(self) -> bool:
+        return self.llm_engine.runner.closed
+
+    def shutdown(self) -> None:
+        """Free the device memory now (weights, KV cache, sampler state) and abort any request
+        added by hand. The LLM cannot generate afterwards (RuntimeError); the memory is freed
+        even where other references to this object remain (a notebook's output history, a
+        traceback). Calling it twice is harmless."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
+    def _check_open(self) -> None:
+        if self.is_shutdown:
+            raise RuntimeError("this LLM was shut down (LLM.shutdown()); create a new LLM to generate again")
 
     def generate(
         self,
@@ -53,6 +79,7 @@ class LLM:
         the priority scheduling policy. Every prompt is validated before any is queued,
         so a bad one leaves the engine as it was.
         """
+        self._check_open()
         prompts = [prompts] if isinstance(prompts, (str, dict)) else prompts
         if not isinstance(prompts, (list, tuple)):
             raise TypeError(f"prompts must be a str, a dict or a list of them, got {type(prompts).__name__}")
@@ -69,6 +96,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or a
         list of them, rendered with the tokenizer's chat template (or `chat_template`)."""
+        self._check_open()
         if not isinstance(messages, (list, tuple)) or not messages:
             raise TypeError("messages must be a non-empty list of message dicts, or a list of such lists")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
@@ -127,8 +155,10 @@ class LLM:
         return [finished[r.request_id] for r in requests]
 
     def stats(self) -> dict:
+        self._check_open()
         return self.llm_engine.stats()
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefix blocks (their memory stays with the KV pool)."""
+        self._check_open()
         return self.llm_engine.reset_prefix_cache()

@@ -130,8 +130,10 @@ class ModelRunner:
 
     @staticmethod
     def _resolve_backend(backend: str) -> str:
+        """Resolve "auto": the Pallas kernels on a GPU, the jnp reference elsewhere (on CPU
+        the kernels run in interpret mode only, for tests). "pallas" is allowed anywhere."""
         if backend == "auto":
-            return "reference"  # the Pallas backend arrives with the kernels issue
+            return "pallas" if jax.default_backend() in ("gpu", "cuda", "rocm") else "reference"
         if backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend {backend!r} is not available; choose from 'auto', {ATTENTION_BACKENDS}")
         return backend
@@ -335,3 +337,22 @@ class ModelRunner:
 
     def num_compiled_buckets(self) -> int:
         return self._step._cache_size()
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self.params is None
+
+    def close(self) -> None:
+        """Free the device memory now: weights, KV cache and sampler state are deleted
+        (even if something else still refers to this runner) and the compiled steps dropped.
+        The runner cannot run again; calling close twice is harmless."""
+        if self.closed:
+            return
+        for array in jax.tree.leaves((self.params, self.kv_caches, self.sampler_state)):
+            if isinstance(array, jax.Array) and not array.is_deleted():
+                array.delete()
+        self.params = self.kv_caches = self.sampler_state = None
+        self._step = self._write_row = None
+        self._slots.clear()

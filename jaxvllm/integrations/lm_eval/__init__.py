@@ -1,0 +1,305 @@
+"""The `jaxvllm` model for EleutherAI's lm-evaluation-harness (`pip install -e ".[eval]"`).
+
+Importing this module registers the model with lm-eval, so that from Python
+
+    import jaxvllm.integrations.lm_eval  # registers "jaxvllm"
+    import lm_eval
+    results = lm_eval.simple_evaluate(model="jaxvllm", model_args="pretrained=PATH,dtype=float32",
+                                      tasks=["hellaswag"])
+
+and from the shell (lm-eval finds models only in its registry, which holds no entry-point
+hook in lm-eval 0.4.13; this wrapper imports the module, then runs lm-eval's own command
+line with the same arguments):
+
+    python -m jaxvllm.integrations.lm_eval --model jaxvllm \\
+        --model_args pretrained=PATH,dtype=bfloat16,max_model_len=4096 --tasks hellaswag
+
+`model_args`: `pretrained` (a local checkpoint folder, or `dummy:NAME` for random weights),
+`max_length` (the token window scored at once, lm-eval's meaning; default max_model_len - 2,
+since the engine also needs room for the one token each scoring request generates),
+`max_gen_toks` (default 256), `add_bos_token`, `prefix_token_id`, and any `LLM(...)` engine
+argument (`dtype`, `max_model_len`, `max_num_seqs`, `max_num_batched_tokens`,
+`gpu_memory_utilization`, `attention_backend`, ...). lm-eval's `batch_size` and `device` are
+accepted and ignored: every request of a call goes to the engine at once, and its scheduler
+batches them (continuous batching within `max_num_seqs` / `max_num_batched_tokens`); JAX
+picks the device. From Python, `JaxvllmLM(llm=an_existing_LLM)` reuses a loaded engine.
+
+How each request type runs (all requests of one call in ONE `LLM.generate`):
+- loglikelihood: context and continuation are tokenized as lm-eval's HF model does (the
+  whole string encoded and split at the context's length, trailing spaces of the context
+  moved to the continuation); the prompt is context + continuation (left-truncated to
+  max_length + 1 tokens), generated with `max_tokens=1, prompt_logprobs=0`; the score is the
+  sum of the continuation tokens' prompt logprobs, greedy when each of them has rank 1.
+  Identical token sequences are scored once; past PROMPT_TOKENS_PER_CALL prompt tokens the
+  requests are split over several `generate` calls, which bounds the host memory of the outputs.
+- loglikelihood_rolling: lm-eval's rolling windows (`get_rolling_token_windows`, context 1),
+  each window a loglikelihood request as above, summed per document.
+- generate_until: the context left-truncated to max_length - max_gen_toks tokens,
+  `SamplingParams(temperature=0 unless the task samples, max_tokens=max_gen_toks,
+  stop=until + [EOS text])`, the text then cut at the first stop sequence as lm-eval does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import lm_eval.models  # noqa: F401  lm-eval's own models first: `get_model("hf")` must keep working
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+from jaxvllm.dummy import get_dummy, is_dummy, write_dummy_model
+from jaxvllm.llm import LLM
+from jaxvllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["JaxvllmLM"]
+
+# Loglikelihood requests go to the engine together, in one `LLM.generate` up to this many prompt
+# tokens (every position's logprob is a Python object until the call returns).
+PROMPT_TOKENS_PER_CALL = 1 << 19
+
+# Generation kwargs of lm-eval tasks that map onto SamplingParams as they are.
+_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams) if f.init} - {
+    "n", "max_tokens", "stop", "detokenize", "logprobs", "prompt_logprobs", "temperature",
+}
+
+
+@register_model("jaxvllm")
+class JaxvllmLM(TemplateLM):
+    """lm-eval's model interface over a jaxvllm `LLM` (see the module docstring)."""
+
+    _DEFAULT_MAX_GEN_TOKS = 256
+
+    def __init__(
+        self,
+        pretrained: str | None = None,
+        *,
+        llm: LLM | None = None,
+        max_length: int | None = None,
+        max_gen_toks: int = _DEFAULT_MAX_GEN_TOKS,
+        add_bos_token: bool | None = None,
+        prefix_token_id: int | None = None,
+        batch_size: Any = None,  # lm-eval's; the engine batches by itself
+        max_batch_size: Any = None,
+        device: Any = None,
+        **engine_kwargs: Any,
+    ) -> None:
+        super().__init__()
+        self._dummy_dir: tempfile.TemporaryDirectory | None = None
+        if llm is not None:
+            if pretrained is not None or engine_kwargs:
+                raise ValueError("give either llm= (an existing LLM) or pretrained= with engine arguments, not both")
+            self.llm, self._owns_llm = llm, False
+        else:
+            self.llm, self._owns_llm = self._make_llm(pretrained, max_length, engine_kwargs), True
+        self.tokenizer = self.llm.get_tokenizer()
+        self.max_model_len = self.llm.llm_engine.runner.max_model_len
+        self._max_length = max_length if max_length is not None else self.max_model_len - 2
+        if not 1 <= self._max_length <= self.max_model_len - 2:
+            raise ValueError(
+                f"max_length {self._max_length} must be in [1, max_model_len - 2 = {self.max_model_len - 2}] "
+                "(a scored window of max_length tokens is a prompt of max_length + 1 tokens plus one generated)"
+            )
+        self._max_gen_toks = int(max_gen_toks)
+        self.add_bos_token = add_bos_token
+        self.custom_prefix_token_id = prefix_token_id
+        self._device = device
+
+    def _make_llm(self, pretrained: str | None, max_length: int | None, engine_kwargs: dict[str, Any]) -> LLM:
+        if pretrained is None:
+            raise ValueError("model_args needs pretrained=PATH (a local checkpoint folder) or pretrained=dummy:NAME")
+        path, kwargs = str(pretrained), {}
+        if is_dummy(path):  # random weights over a built-in config, written to a folder kept with the model
+            spec = get_dummy(path)
+            self._dummy_dir = tempfile.TemporaryDirectory(prefix="jaxvllm-lm-eval-")
+            path = str(write_dummy_model(path, self._dummy_dir.name))
+            kwargs.update(spec.engine_defaults, load_format="dummy")
+        elif not Path(path).is_dir():
+            raise FileNotFoundError(f"pretrained={path!r} is not a folder (jaxvllm loads local checkpoints only)")
+        if max_length is not None and "max_model_len" not in engine_kwargs:
+            kwargs["max_model_len"] = int(max_length) + 2
+        kwargs.update(engine_kwargs)
+        return LLM(path, **kwargs)
+
+    # -- what lm-eval asks of a model -------------------------------------------------------
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        """What an empty context is replaced by (and rolling windows start with): BOS, else EOS."""
+        if self.custom_prefix_token_id is not None:
+            return self.custom_prefix_token_id
+        if self.tokenizer.bos_token_id is not None:
+            return self.tokenizer.bos_token_id
+        return self.tokenizer.eos_token_id
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def max_gen_toks(self) -> int:
+        return self._max_gen_toks
+
+    @property
+    def device(self) -> str:
+        import jax
+
+        return jax.default_backend()
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.tokenizer.name_or_path.replace("/", "__")
+
+    def get_model_info(self) -> dict[str, Any]:
+        runner = self.llm.llm_engine.runner
+        return {"model_num_parameters": runner.cfg.num_params, "model_dtype": np.dtype(runner.dtype).name,
+                "jaxvllm_max_model_len": self.max_model_len}
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return self.tokenizer.apply_chat_template(
+            chat_history, tokenize=False, add_generation_prompt=add_generation_prompt,
+            continue_final_message=not add_generation_prompt,
+        )
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
+                   **kwargs: Any) -> list[int]:
+        """As lm-eval's HF model: the tokenizer's own special tokens unless told (add_bos_token),
+        none when the string already starts with the prefix token's text."""
+        if add_special_tokens is None:
+            add_special_tokens = self.add_bos_token
+        if add_special_tokens is None and string.startswith(self.tokenizer.decode(self.prefix_token_id)):
+            add_special_tokens = False
+        special = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
+        ids = self.tokenizer.encode(string, **special)
+        return ids[-left_truncate_len:] if left_truncate_len else ids
+
+    def tok_decode(self, tokens: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
+
+    # -- loglikelihood ----------------------------------------------------------------------
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:
+        """[(cache key, context ids, continuation ids)] -> [(sum of continuation logprobs, greedy)]."""
+        windows = []
+        for _, context, continuation in requests:
+            if not context or not continuation:
+                raise ValueError("a loglikelihood request needs a non-empty context and continuation")
+            if len(continuation) > self.max_length:
+                raise ValueError(f"continuation of {len(continuation)} tokens exceeds max_length {self.max_length}")
+            # As lm-eval's HF model: a window of at most max_length + 1 tokens, cut from the left.
+            windows.append(((context + continuation)[-(self.max_length + 1):], len(continuation)))
+        scores = self._score_windows(windows, disable_tqdm)
+        for (key, _, _), answer in zip(requests, scores):
+            if key is not None:  # rolling windows come without a key; their sum is cached per document
+                self.cache_hook.add_partial("loglikelihood", key, answer)
+        return scores
+
+    def _score_windows(self, windows: list[tuple[list[int], int]], disable_tqdm: bool) -> list[tuple[float, bool]]:
+        """Score the last n tokens of each token list through prompt logprobs.
+
+        The distinct token lists go to the engine together, in one `generate` (several only
+        past PROMPT_TOKENS_PER_CALL prompt tokens, which bounds the host memory that the
+        per-position logprob dicts of the outputs take)."""
+        need: dict[tuple[int, ...], int] = {}  # distinct token list -> the most continuation tokens asked of it
+        for tokens, n in windows:
+            key = tuple(tokens)
+            need[key] = max(need.get(key, 0), n)
+        params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
+        scored: dict[tuple[int, ...], list[tuple[float, int]]] = {}  # per token: (logprob, rank), for the tail asked
+        keys = list(need)
+        start = 0
+        while start < len(keys):
+            end, total = start, 0
+            while end < len(keys) and (end == start or total + len(keys[end]) <= PROMPT_TOKENS_PER_CALL):
+                total += len(keys[end])
+                end += 1
+            chunk = keys[start:end]
+            outputs = self.llm.generate([{"prompt_token_ids": list(k)} for k in chunk], params,
+                                        use_tqdm=not disable_tqdm)
+            for key, out in zip(chunk, outputs):
+                lps = out.prompt_logprobs
+                scored[key] = [(lps[p][key[p]].logprob, lps[p][key[p]].rank) for p in range(len(key) - need[key], len(key))]
+            start = end
+        results = []
+        for tokens, n in windows:
+            tail = scored[tuple(tokens)][-n:]
+            results.append((sum(lp for lp, _ in tail), all(rank == 1 for _, rank in tail)))
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Perplexity-style scores: lm-eval's disjoint rolling windows of max_length tokens."""
+        windows, counts = [], []
+        for (string,) in [req.args for req in requests]:
+            doc = [
+                (None, *make_disjoint_window(w))
+                for w in get_rolling_token_windows(
+                    token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length, context_len=1,
+                )
+            ]
+            windows += doc
+            counts.append(len(doc))
+        scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)
+        results, start = [], 0
+        for req, count in zip(requests, counts):
+            total = sum((score for score, _ in scores[start : start + count]), 0.0)
+            start += count
+            results.append(total)
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
+        return results
+
+    # -- generation -------------------------------------------------------------------------
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
+        prompts, params, stops = [], [], []
+        for context, gen_kwargs in [req.args for req in requests]:
+            kwargs = dict(normalize_gen_kwargs(gen_kwargs, self.max_gen_toks))
+            until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+            max_gen_toks = int(kwargs.pop("max_gen_toks"))
+            kwargs.pop("do_sample", None)
+            temperature = float(kwargs.pop("temperature", 0.0))
+            max_ctx_len = self.max_length - max_gen_toks
+            if max_ctx_len < 1:
+                raise ValueError(f"max_gen_toks ({max_gen_toks}) leaves no room for a context in max_length "
+                                 f"({self.max_length}); raise max_model_len")
+            ids = self.tok_encode(context, left_truncate_len=max_ctx_len) or [self.prefix_token_id]
+            ignored = sorted(set(kwargs) - _SAMPLING_FIELDS)
+            if ignored:
+                logger.warning("jaxvllm: ignoring generation kwargs %s", ignored)
+            prompts.append({"prompt_token_ids": ids})
+            params.append(SamplingParams(
+                temperature=temperature, max_tokens=max_gen_toks, stop=[s for s in until if s] or None,
+                **{k: v for k, v in kwargs.items() if k in _SAMPLING_FIELDS},
+            ))
+            stops.append(until)
+        outputs = self.llm.generate(prompts, params, use_tqdm=not disable_tqdm)
+        results = []
+        for req, out, until in zip(requests, outputs, stops):
+            text = postprocess_generated_text(out.outputs[0].text, until, None)
+            results.append(text)
+            self.cache_hook.add_partial("generate_until", req.args, text)
+        return results
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Free the engine's device memory (only an engine this object built; not one passed as llm=)."""
+        if self._owns_llm:
+            self.llm.shutdown()
+        if self._dummy_dir is not None:
+            self._dummy_dir.cleanup()
+            self._dummy_dir = None

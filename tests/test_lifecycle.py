@@ -1,0 +1,122 @@
+"""Engine lifecycle in one process: shutdown, context manager, del, and a second LLM.
+
+A notebook keeps references around (its output history, the last traceback), so an LLM
+that is no longer wanted must be able to give its device memory back explicitly, and one
+that is dropped must not linger through reference cycles. "Memory" here is what JAX holds
+on the device: the count and total bytes of `jax.live_arrays()`.
+"""
+
+import gc
+import weakref
+
+import jax
+import pytest
+
+from jaxvllm import LLM, SamplingParams
+
+ENGINE_ARGS = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64)
+PROMPTS = ["Hello, my name is", {"prompt_token_ids": [5, 6, 7, 8]}]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, prompt_logprobs=1)
+
+
+def live_device_memory() -> tuple[int, int]:
+    """(number, total bytes) of the arrays JAX holds on its devices now."""
+    gc.collect()
+    arrays = jax.live_arrays()
+    return len(arrays), sum(a.nbytes for a in arrays)
+
+
+@pytest.fixture(scope="module")
+def path(tiny_checkpoint):
+    return str(tiny_checkpoint("qwen3"))
+
+
+def kv_cache_bytes(llm: LLM) -> int:
+    runner = llm.llm_engine.runner
+    return runner.num_blocks * runner.bytes_per_block
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_shutdown_frees_device_memory_even_while_referenced(path):
+    before = live_device_memory()
+    llm = LLM(path, **ENGINE_ARGS)
+    first = token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    during = live_device_memory()
+    assert during[1] >= before[1] + kv_cache_bytes(llm)  # the KV cache alone
+    history = [llm, llm.llm_engine, llm.llm_engine.runner]  # what a notebook's Out[] might hold
+
+    llm.shutdown()
+    assert live_device_memory() == before
+    assert llm.is_shutdown
+    llm.shutdown()  # twice: harmless
+
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.stats()
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.llm_engine.step()
+    del history
+
+    # A second LLM in the same process works and answers the same.
+    second = LLM(path, **ENGINE_ARGS)
+    assert token_ids(second.generate(PROMPTS, GREEDY, use_tqdm=False)) == first
+    second.shutdown()
+    assert live_device_memory() == before
+
+
+def test_shutdown_aborts_requests_added_by_hand(path):
+    before = live_device_memory()
+    llm = LLM(path, **ENGINE_ARGS)
+    llm.llm_engine.add_request("a", "Hello", SamplingParams(max_tokens=50))
+    llm.llm_engine.step()
+    assert llm.llm_engine.has_unfinished_requests()
+    llm.shutdown()
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert live_device_memory() == before
+
+
+def test_context_manager_frees_on_exit_and_on_error(path):
+    before = live_device_memory()
+    with LLM(path, **ENGINE_ARGS) as llm:
+        assert len(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == 2
+        assert live_device_memory()[1] > before[1]
+    assert llm.is_shutdown
+    assert live_device_memory() == before
+
+    with pytest.raises(ValueError, match="empty"):
+        with LLM(path, **ENGINE_ARGS) as llm:
+            llm.generate([""], use_tqdm=False)
+    assert live_device_memory() == before
+
+
+def test_del_frees_device_memory_without_cycles(path):
+    """Dropping the last reference frees the engine at once: nothing holds it in a cycle."""
+    before = live_device_memory()
+    llm = LLM(path, **ENGINE_ARGS)
+    llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    runner = weakref.ref(llm.llm_engine.runner)
+    gc.disable()  # refcounting alone must free it
+    try:
+        del llm
+        assert runner() is None
+        assert (len(jax.live_arrays()), sum(a.nbytes for a in jax.live_arrays())) == before
+    finally:
+        gc.enable()
+
+
+def test_second_llm_while_first_alive_then_replace(path):
+    """Two engines side by side are independent; rebinding the name frees the first."""
+    before = live_device_memory()
+    a = LLM(path, **ENGINE_ARGS)
+    one = live_device_memory()
+    b = LLM(path, **ENGINE_ARGS)
+    assert live_device_memory()[1] - one[1] == one[1] - before[1]  # two full sets, nothing shared
+    assert token_ids(a.generate(PROMPTS, GREEDY, use_tqdm=False)) == token_ids(b.generate(PROMPTS, GREEDY, use_tqdm=False))
+    a = LLM(path, **ENGINE_ARGS)  # the notebook habit: run the cell again
+    assert live_device_memory() == (2 * one[0] - before[0], 2 * one[1] - before[1])
+    del a, b
+    assert live_device_memory() == before

@@ -1,0 +1,279 @@
+"""lm-evaluation-harness: the `jaxvllm` model against lm-eval's own `hf` model, offline.
+
+Local tasks (YAML over JSON files written here) of every request type run through
+`lm_eval.simple_evaluate` on one tiny checkpoint with both backends in one process:
+multiple choice (loglikelihood, one context longer than max_length so both truncate),
+loglikelihood with greedy and non-greedy continuations, generation with stop sequences,
+and rolling loglikelihood over several windows. Per-request loglikelihoods agree within
+1e-3, generated texts and every accuracy are identical. Skipped only without the `eval`
+extra (lm-eval) or lm-eval's HF backend's accelerate.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+lm_eval = pytest.importorskip("lm_eval", reason="the eval extra is not installed: pip install -e '.[eval]'")
+pytest.importorskip("accelerate", reason="lm-eval's hf backend (the reference) needs accelerate (test extra)")
+
+from jaxvllm.llm import LLM  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+os.environ.update(OFFLINE)  # read by huggingface_hub / datasets when first imported
+
+MAX_LENGTH = 96  # both backends score windows of this many tokens (rolling windows, truncation)
+JAXVLLM_ARGS = f"dtype=float32,max_length={MAX_LENGTH},max_num_seqs=64,max_num_batched_tokens=256"
+HF_ARGS = f"dtype=float32,device=cpu,max_length={MAX_LENGTH}"
+TASKS = ["local_mc", "local_greedy", "local_gen", "local_roll"]
+WORDS = ("the quick brown fox jumps over lazy dog paged cache stores keys values in fixed size blocks "
+         "once upon a time there was small language model that lived on CPU hello world").split()
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    """No download, whatever was imported before: the flags are also read at import time."""
+    for key, value in OFFLINE.items():
+        monkeypatch.setenv(key, value)
+    import datasets.config
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if hasattr(datasets.config, name):
+            monkeypatch.setattr(datasets.config, name, True)
+
+
+def words(rng: random.Random, low: int, high: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high)))
+
+
+def greedy_docs(path: Path, rng: random.Random, hf_model) -> list[dict]:
+    """Contexts with their greedy 1-2 token continuation (per HF) where the text re-encodes to
+    the same tokens, each next to a random (non-greedy) one: `acc` of a loglikelihood task."""
+    import torch
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    model = hf_model(path)
+    docs = []
+    while len(docs) < 12:
+        context = words(rng, 2, 8)
+        ids = tok(context).input_ids
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=rng.randint(1, 2), do_sample=False,
+                                 pad_token_id=0)[0, len(ids):].tolist()
+        text = tok.decode(out)
+        if text.strip() == text and text.isprintable() and tok(context + text).input_ids == ids + out:
+            docs += [{"context": context, "target": text}, {"context": context, "target": " " + rng.choice(WORDS)}]
+    return docs
+
+
+def write_tasks(folder: Path, path: Path, hf_model) -> None:
+    rng = random.Random(0)
+    mc = [{"question": words(rng, 3, 12), "choices": [words(rng, 1, 4) for _ in range(4)], "answer": rng.randrange(4)}
+          for _ in range(16)]
+    mc[0]["question"] = words(rng, 120, 120)  # longer than max_length: truncated from the left
+    data = {
+        "mc": mc,
+        "greedy": greedy_docs(path, rng, hf_model),
+        "gen": [{"prompt": words(rng, 3, 10), "target": rng.choice(WORDS)} for _ in range(10)],
+        "roll": [{"text": words(rng, 5, 150)} for _ in range(5)],  # up to ~3 windows of MAX_LENGTH
+    }
+    for name, docs in data.items():
+        (folder / f"{name}.json").write_text(json.dumps(docs))
+
+    def task(name: str, body: str) -> None:
+        (folder / f"{name}.yaml").write_text(
+            f"task: local_{name}\ndataset_path: json\ndataset_kwargs:\n"
+            f"  data_files:\n    test: {folder / (name + '.json')}\n  cache_dir: {folder / 'hf-datasets'}\n"
+            f"test_split: test\n{body}"
+        )
+
+    task("mc", 'output_type: multiple_choice\ndoc_to_text: "Question: {{question}}\\nAnswer:"\n'
+               'doc_to_choice: "{{choices}}"\ndoc_to_target: answer\n'
+               "metric_list:\n  - metric: acc\n  - metric: acc_norm\n")
+    task("greedy", 'output_type: loglikelihood\ndoc_to_text: "{{context}}"\ndoc_to_target: "{{target}}"\n'
+                   'target_delimiter: ""\nmetric_list:\n  - metric: acc\n  - metric: perplexity\n')
+    task("gen", 'output_type: generate_until\ndoc_to_text: "{{prompt}}"\ndoc_to_target: "{{target}}"\n'
+                'generation_kwargs:\n  until: ["\\n", "."]\n  max_gen_toks: 12\n  do_sample: false\n'
+                "metric_list:\n  - metric: exact_match\n")
+    task("roll", 'output_type: loglikelihood_rolling\ndoc_to_text: ""\ndoc_to_target: "{{text}}"\n'
+                 "metric_list:\n  - metric: word_perplexity\n  - metric: bits_per_byte\n")
+
+
+@pytest.fixture(scope="module")
+def task_dir(tmp_path_factory, tiny_checkpoint, hf_model) -> Path:
+    folder = tmp_path_factory.mktemp("lm-eval-tasks")
+    write_tasks(folder, tiny_checkpoint("qwen3"), hf_model)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def runs(task_dir, tiny_checkpoint):
+    """Both backends on the same tasks in one process: results, samples, wall times and the
+    `LLM.generate` calls the jaxvllm model made."""
+    import datasets.config
+    import huggingface_hub.constants
+    from lm_eval.tasks import TaskManager
+
+    import lm_eval.models.huggingface  # noqa: F401  imported before the clocks, like the jaxvllm model
+
+    import jaxvllm.integrations.lm_eval  # noqa: F401  registers "jaxvllm"
+
+    path = tiny_checkpoint("qwen3")
+    saved = huggingface_hub.constants.HF_HUB_OFFLINE, getattr(datasets.config, "HF_HUB_OFFLINE", None)
+    huggingface_hub.constants.HF_HUB_OFFLINE = True  # module scope: the autouse fixture has not run yet
+    if saved[1] is not None:
+        datasets.config.HF_HUB_OFFLINE = True
+    calls: list[tuple[int, float]] = []  # (prompts, seconds) of each LLM.generate
+    original = LLM.generate
+
+    def counting_generate(self, prompts, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(self, prompts, *args, **kwargs)
+        finally:
+            calls.append((len(prompts), time.perf_counter() - start))
+
+    tasks = TaskManager(include_path=str(task_dir), include_defaults=False)  # only ours: no index of lm-eval's
+    out = {}
+    try:
+        LLM.generate = counting_generate
+        for name, args in (("jaxvllm", JAXVLLM_ARGS), ("hf", HF_ARGS)):
+            start = time.perf_counter()
+            result = lm_eval.simple_evaluate(
+                model=name, model_args=f"pretrained={path},{args}", tasks=TASKS, batch_size=16,
+                task_manager=tasks, log_samples=True, bootstrap_iters=0,
+            )
+            out[name] = result
+            out[f"{name}_seconds"] = time.perf_counter() - start
+    finally:
+        LLM.generate = original
+        huggingface_hub.constants.HF_HUB_OFFLINE = saved[0]
+        if saved[1] is not None:
+            datasets.config.HF_HUB_OFFLINE = saved[1]
+    out["generate_calls"] = [n for n, _ in calls]
+    print(f"\nlm-eval on {TASKS}, wall time of simple_evaluate (model load and warm-up included, task "
+          f"indexing not): jaxvllm {out['jaxvllm_seconds']:.2f} s (of which its {len(calls)} LLM.generate calls "
+          f"{sum(t for _, t in calls):.2f} s), hf {out['hf_seconds']:.2f} s")
+    return out
+
+
+def responses(run: dict, task: str) -> list:
+    return [r for sample in sorted(run["samples"][task], key=lambda s: s["doc_id"]) for r in sample["resps"]]
+
+
+def test_registered_with_lm_eval():
+    from lm_eval.api.registry import get_model
+
+    from jaxvllm.integrations.lm_eval import JaxvllmLM
+
+    assert get_model("jaxvllm") is JaxvllmLM
+    assert get_model("hf").__name__ == "HFLM"  # lm-eval's own models are still found
+
+
+def test_scoring_batches_dedupes_and_splits(tiny_checkpoint, monkeypatch):
+    """Distinct token lists in one generate (in several past PROMPT_TOKENS_PER_CALL, same scores);
+    an empty context scores after the prefix token; a long context is cut to max_length."""
+    from lm_eval.api.instance import Instance
+
+    import jaxvllm.integrations.lm_eval as integration
+
+    llm = LLM(str(tiny_checkpoint("qwen3")), max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64)
+    lm = integration.JaxvllmLM(llm=llm)
+    assert lm.max_length == 126
+    rng = random.Random(1)
+    pairs = [(words(rng, 2, 6), " " + words(rng, 1, 3)) for _ in range(6)]
+    pairs += [pairs[0], ("", "Hello world"), (words(rng, 200, 200), " fox")]
+    requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+    calls: list[int] = []
+    original = LLM.generate
+    monkeypatch.setattr(LLM, "generate", lambda self, prompts, *a, **k: calls.append(len(prompts)) or
+                        original(self, prompts, *a, **k))
+
+    once = lm.loglikelihood(requests, disable_tqdm=True)
+    assert calls == [len(pairs) - 1]  # the duplicate is scored once
+    assert once[6] == once[0] and all(score < 0 for score, _ in once)
+    monkeypatch.setattr(integration, "PROMPT_TOKENS_PER_CALL", 40)
+    split = lm.loglikelihood(requests, disable_tqdm=True)
+    assert len(calls) > 3
+    assert [g for _, g in split] == [g for _, g in once]
+    assert [s for s, _ in split] == pytest.approx([s for s, _ in once], abs=1e-5)
+
+    lm.shutdown()  # an LLM passed in belongs to the caller
+    assert not llm.is_shutdown
+    llm.shutdown()
+
+
+@pytest.mark.slow
+def test_loglikelihoods_match_hf(runs):
+    for task in ("local_mc", "local_greedy"):
+        ours, ref = responses(runs["jaxvllm"], task), responses(runs["hf"], task)
+        assert len(ours) == len(ref) > 0
+        for (a,), (b,) in zip(ours, ref):
+            assert a[0] == pytest.approx(b[0], abs=1e-3)
+            assert a[1] == b[1]  # is_greedy
+    greedy = [r[0][1] for r in responses(runs["jaxvllm"], "local_greedy")]
+    assert any(greedy) and not all(greedy)  # both kinds were scored
+
+
+@pytest.mark.slow
+def test_rolling_loglikelihoods_match_hf(runs):
+    ours, ref = responses(runs["jaxvllm"], "local_roll"), responses(runs["hf"], "local_roll")
+    assert len(ours) == 5
+    for (a,), (b,) in zip(ours, ref):
+        assert a == pytest.approx(b, abs=1e-3)
+
+
+@pytest.mark.slow
+def test_generations_match_hf(runs):
+    ours, ref = responses(runs["jaxvllm"], "local_gen"), responses(runs["hf"], "local_gen")
+    assert ours == ref and len(ours) == 10
+    assert all("\n" not in text and "." not in text for (text,) in ours)  # cut at the stop sequences
+
+
+@pytest.mark.slow
+def test_accuracies_identical(runs):
+    ours, ref = runs["jaxvllm"]["results"], runs["hf"]["results"]
+    for task, metric in (("local_mc", "acc,none"), ("local_mc", "acc_norm,none"), ("local_greedy", "acc,none"),
+                         ("local_gen", "exact_match,none")):
+        assert ours[task][metric] == ref[task][metric], (task, metric)
+    for task, metric in (("local_greedy", "perplexity,none"), ("local_roll", "word_perplexity,none"),
+                         ("local_roll", "bits_per_byte,none")):
+        assert ours[task][metric] == pytest.approx(ref[task][metric], rel=1e-4), (task, metric)
+
+
+@pytest.mark.slow
+def test_requests_are_batched_through_the_engine(runs):
+    """One `LLM.generate` per request type (loglikelihood, generate_until, rolling), not one per request."""
+    calls = runs["generate_calls"]
+    samples = runs["jaxvllm"]["samples"]
+    num_loglikelihood = sum(len(s["arguments"]) for task in ("local_mc", "local_greedy") for s in samples[task])
+    assert len(calls) == 3
+    assert num_loglikelihood // 2 < calls[0] <= num_loglikelihood  # at once (identical token lists scored once)
+    assert 10 in calls  # the generations
+
+
+@pytest.mark.slow
+def test_command_line_wrapper(task_dir, tiny_checkpoint, tmp_path):
+    """`python -m jaxvllm.integrations.lm_eval` is lm-eval's command line with `--model jaxvllm`."""
+    path = tiny_checkpoint("qwen3")
+    env = {**os.environ, **OFFLINE, "PYTHONPATH": str(REPO)}
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxvllm.integrations.lm_eval", "--model", "jaxvllm",
+         "--model_args", f"pretrained={path},{JAXVLLM_ARGS}", "--tasks", "local_mc,local_gen",
+         "--include_path", str(task_dir), "--limit", "4", "--output_path", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "local_mc" in result.stdout and "local_gen" in result.stdout and "acc" in result.stdout
+    assert list((tmp_path / "out").rglob("results_*.json"))
