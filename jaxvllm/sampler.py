@@ -92,7 +92,7 @@ def apply_penalties(logits, prompt_mask, output_counts, presence, frequency, rep
     return logits - frequency[:, None] * counts - presence[:, None] * (output_counts > 0)
 
 
-def _largest_true(pred, lo, hi, iters: int = 40):
+def _largest_true(pred, lo, hi, iters: int = 32):
     """Per row, bisect for the largest t in [lo, hi] with pred(t) (pred true below a threshold)."""
 
     def body(_, bounds):
@@ -110,27 +110,35 @@ def apply_top_k_top_p_min_p(logits, top_k, top_p, min_p):
     Thresholds come from bisection over values instead of a sort of the vocabulary
     (a few dozen masked reductions; XLA's sort is the slow part otherwise). Each
     threshold is snapped to an actual value, so tokens tied with the last one kept
-    are kept too.
+    are kept too. A filter that no row uses is skipped.
     """
-    vocab = logits.shape[-1]
-    probs = jax.nn.softmax(logits, axis=-1)
-    logits = jnp.where(probs < min_p[:, None] * probs.max(-1, keepdims=True), -jnp.inf, logits)
+    logits = jax.lax.cond(jnp.any(min_p > 0), _min_p, lambda x, _: x, logits, min_p)
+    logits = jax.lax.cond(jnp.any(top_k > 0), _top_k, lambda x, _: x, logits, top_k)
+    return jax.lax.cond(jnp.any(top_p < 1), _top_p, lambda x, _: x, logits, top_p)
 
-    # top_k: the k-th largest value, then keep values >= it.
+
+def _min_p(logits, min_p):
+    probs = jax.nn.softmax(logits, axis=-1)
+    return jnp.where(probs < min_p[:, None] * probs.max(-1, keepdims=True), -jnp.inf, logits)
+
+
+def _top_k(logits, top_k):
+    """Keep values >= the k-th largest (k <= 0: all)."""
+    vocab = logits.shape[-1]
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)[:, None]
-    finite = jnp.isfinite(logits)
-    lo = jnp.min(jnp.where(finite, logits, jnp.inf), axis=-1, keepdims=True)
+    lo = jnp.min(jnp.where(jnp.isfinite(logits), logits, jnp.inf), axis=-1, keepdims=True)
     hi = jnp.max(logits, axis=-1, keepdims=True)
     kth = _largest_true(lambda t: jnp.sum(logits >= t, axis=-1, keepdims=True) >= k, lo, hi)
     kth = jnp.min(jnp.where(logits >= kth, logits, jnp.inf), axis=-1, keepdims=True)
-    logits = jnp.where(logits < kth, -jnp.inf, logits)
+    return jnp.where(logits < kth, -jnp.inf, logits)
 
-    # top_p: keep a token when the mass of strictly more likely tokens is below p.
+
+def _top_p(logits, top_p):
+    """Keep a token when the mass of strictly more likely tokens is below p."""
     probs = jax.nn.softmax(logits, axis=-1)
     p = top_p[:, None]
-    zero = jnp.zeros_like(p)
     mass_above = lambda t: jnp.sum(jnp.where(probs > t, probs, 0.0), axis=-1, keepdims=True)  # noqa: E731
-    t = _largest_true(lambda t: mass_above(t) >= p, zero, probs.max(-1, keepdims=True))
+    t = _largest_true(lambda t: mass_above(t) >= p, jnp.zeros_like(p), probs.max(-1, keepdims=True))
     cutoff = jnp.min(jnp.where(probs > t, probs, jnp.inf), axis=-1, keepdims=True)
     cutoff = jnp.where(p >= 1.0, 0.0, cutoff)
     return jnp.where(probs < cutoff, -jnp.inf, logits)
@@ -178,8 +186,7 @@ def sample(
     def random(x):
         temperature = jnp.where(t.temperature > 0, t.temperature, 1.0)[:, None]
         x = x / temperature
-        filtered = jnp.any(t.top_k > 0) | jnp.any(t.top_p < 1) | jnp.any(t.min_p > 0)
-        x = jax.lax.cond(filtered, lambda y: apply_top_k_top_p_min_p(y, t.top_k, t.top_p, t.min_p), lambda y: y, x)
+        x = apply_top_k_top_p_min_p(x, t.top_k, t.top_p, t.min_p)
 
         def row_gumbel(seed, index):
             key = jax.random.fold_in(jax.random.key(seed), index)
