@@ -135,8 +135,6 @@ class LLMEngine:
                 )
         self.scheduler.check_fits(len(token_ids), max_tokens)
         request_id = str(request_id)
-        if request_id in self._parents:
-            raise ValueError(f"request id {request_id!r} is already in use")
         children = []
         for index in range(params.n):
             arrival = next(self._arrivals)
