@@ -10,7 +10,7 @@ import jax
 @jax.tree_util.register_dataclass
 @dataclass
 class ModelInputs:
-    """T = padded token count, S = sequence rows (padded to a fixed count by the runner).
+    """T = padded token count (a bucket), S = sequence rows (min(max_num_seqs, T), fixed per bucket).
 
     input_ids [T], positions [T]: the tokens computed this step and their positions.
     slot_mapping [T]: cache slot (block_id * block_size + offset) each token's K/V goes

@@ -202,6 +202,10 @@ class ModelRunner:
 
     # -- one step ----------------------------------------------------------------------
 
+    def rows_for(self, bucket: int) -> int:
+        """Sequence rows of a token bucket's batch (static per bucket)."""
+        return min(self.config.max_num_seqs, bucket)
+
     def bucket_for(self, num_tokens: int) -> int:
         for b in self.buckets:
             if b >= num_tokens:
@@ -210,13 +214,17 @@ class ModelRunner:
 
     def prepare(self, scheduled: list[ScheduledRequest], num_padded: int | None = None):
         """Host side: the flat numpy batch padded to a bucket, and the sampling rows."""
-        n, rows, bs = len(scheduled), self.config.max_num_seqs, self.block_size
-        if n > rows:
-            raise ValueError(f"{n} sequences scheduled, max_num_seqs is {rows}")
+        n, bs = len(scheduled), self.block_size
+        if n > self.config.max_num_seqs:
+            raise ValueError(f"{n} sequences scheduled, max_num_seqs is {self.config.max_num_seqs}")
         lens = np.fromiter((s.num_new_tokens for s in scheduled), np.int32, n)
         starts = np.fromiter((s.start for s in scheduled), np.int32, n)
         num_tokens = int(lens.sum())
         padded = num_padded or self.bucket_for(num_tokens)
+        # Every sequence brings at least one token, so a bucket of T tokens needs at most
+        # T sequence rows: small steps (latency, few long decodes) get fewer rows, hence
+        # fewer logits to compute and more split-K partitions per sequence.
+        rows = self.rows_for(padded)
 
         query_start_loc = np.full(rows + 1, num_tokens, np.int32)
         query_start_loc[0] = 0

@@ -72,3 +72,18 @@ def check_dtypes(q, k_cache) -> None:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+# Default tiles, checked on sm_90a by `python -m pallas_kernels.aot_check` (ptxas: no
+# spills, shared memory under 227 KiB). 16-bit inputs use tensor cores and keep a KV
+# tile of up to 32 KiB in registers; float32 (exact dots, no tensor cores, for parity
+# tests) spills beyond half that, and its tiles of 64 KiB overflow shared memory.
+def kv_tile_bytes(dtype) -> int:
+    return 16384 if np.dtype(dtype).itemsize >= 4 else 32768
+
+
+def default_block_kv(head_dim: int, dtype, most: int = 128) -> int:
+    """Keys per inner step: as many as fit `kv_tile_bytes`, a power of 2 in [16, most]."""
+    fit = kv_tile_bytes(dtype) // (head_dim * np.dtype(dtype).itemsize)
+    return max(MIN_DOT_DIM, min(most, 1 << max(int(fit).bit_length() - 1, 0)))
+

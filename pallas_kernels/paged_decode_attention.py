@@ -39,6 +39,7 @@ from pallas_kernels.common import (
     MIN_DOT_DIM,
     cdiv,
     check_dtypes,
+    default_block_kv,
     check_power_of_2,
     next_power_of_2,
     resolve_interpret,
@@ -182,7 +183,7 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     query_positions: jax.Array | None = None,
     num_splits: int | None = None,
-    block_kv: int = 128,
+    block_kv: int | None = None,
     block_h: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -191,7 +192,8 @@ def paged_decode_attention(
     """Decode attention [S, num_q_heads, head_dim] in q's dtype; layout in the module docstring.
 
     num_splits: KV partitions per sequence (None: enough for ~1024 programs, at most 16).
-    block_kv: KV tokens per inner step (a power of 2). block_h: query rows of a dot,
+    block_kv: KV tokens per inner step (a power of 2; None: 128 for 16-bit head_dim <= 128,
+    smaller for head_dim 256 and float32, see `default_block_kv`). block_h: query rows of a dot,
     G padded up (None: 16 compiled, for tl.dot's minimum; the next power of 2 of G in
     interpret mode). interpret: None = on CPU (or `JAXVLLM_PALLAS_INTERPRET=1`).
     """
@@ -218,6 +220,8 @@ def paged_decode_attention(
         block_h = next_power_of_2(group) if interpret else max(MIN_DOT_DIM, next_power_of_2(group))
     if block_h < group:
         raise ValueError(f"block_h {block_h} < {group} query heads per KV head")
+    if block_kv is None:  # interpret mode: one wide tile per step, whatever the dtype
+        block_kv = 128 if interpret else default_block_kv(head_dim, q.dtype)
     check_power_of_2("head_dim", head_dim, interpret)
     check_power_of_2("block_kv", block_kv, False)
     check_power_of_2("block_h", block_h, False)

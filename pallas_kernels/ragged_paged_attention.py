@@ -275,7 +275,7 @@ def ragged_paged_attention_raw(
     sliding_window: int | None = None,
     min_query_len: int = 1,
     block_q: int | None = None,
-    block_kv: int = 64,
+    block_kv: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
     interpret: bool | None = None,
@@ -296,8 +296,13 @@ def ragged_paged_attention_raw(
         raise ValueError(f"min_query_len must be >= 1, got {min_query_len}")
     group = num_q_heads // num_kv_heads
     block_h = next_power_of_2(group)
+    # Tensor cores take wide tiles; compiled float32 tiles stay small (common.kv_tile_bytes).
+    # Interpret mode runs grid steps one after another: wide tiles, fewer steps.
+    wide = q.dtype.itemsize < 4 or interpret
     if block_q is None:
-        block_q = max(1, 128 // block_h)
+        block_q = max(1, (128 if wide else MIN_DOT_DIM) // block_h)
+    if block_kv is None:
+        block_kv = 64 if wide else MIN_DOT_DIM
     check_power_of_2("head_dim", head_dim, interpret)
     check_power_of_2("block_q", block_q, False)
     check_power_of_2("block_kv", block_kv, False)
@@ -307,7 +312,7 @@ def ragged_paged_attention_raw(
             f"must be >= {MIN_DOT_DIM}"
         )
     if num_warps is None:
-        num_warps = 4 if head_dim <= 64 else 8
+        num_warps = 4 if wide and head_dim <= 64 else 8
 
     # Every sequence adds at most one partial tile.
     num_tiles = max(1, cdiv(num_tokens, block_q) + min(num_seqs, num_tokens // min_query_len))
@@ -352,8 +357,8 @@ def ragged_paged_attention(
     """The reference's contract on the Pallas kernel: [T, num_q_heads, head_dim] in q's dtype.
 
     Padding rows (past `query_start_loc[-1]`) are zeros. `tuning`: block_q (query tokens
-    per tile, a power of 2; default 128 rows / G), block_kv (keys per inner step,
-    default 64), num_warps, num_stages, interpret (None: on CPU or with
+    per tile, a power of 2; default 128 rows / G, 16 rows / G in float32), block_kv (keys
+    per inner step, default 64, 16 in float32), num_warps, num_stages, interpret (None: on CPU or with
     `JAXVLLM_PALLAS_INTERPRET=1`).
     """
     out = ragged_paged_attention_raw(

@@ -231,7 +231,7 @@ def test_ragged_checks_shapes():
 
 MIXED_BATCHES = {  # context, new, padding tokens, padding sequences
     "mixed": (RAGGED_CONTEXT, RAGGED_NEW, 3, 2),
-    # The runner keeps max_num_seqs rows even when the token bucket is smaller.
+    # More sequence rows than tokens: padding rows (the runner pads to min(max_num_seqs, T)).
     "decode-only-more-seqs-than-tokens": ([5, 1, 33, 16, 9], [1, 1, 1, 1, 1], 1, 6),
     "prefill-only": ([12, 7, 20], [12, 7, 3], 3, 2),
 }

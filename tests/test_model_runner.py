@@ -67,6 +67,22 @@ def test_prepare_builds_the_flat_batch(tiny_checkpoint):
     np.testing.assert_array_equal(sampling.output_index[:2], [0, 1])
 
 
+def test_sequence_rows_follow_the_token_bucket(tiny_checkpoint):
+    """A bucket of T tokens holds at most T sequences: small steps get min(max_num_seqs, T) rows."""
+    config = EngineConfig(model=str(tiny_checkpoint("llama")), max_model_len=64, max_num_seqs=24,
+                          max_num_batched_tokens=32, token_buckets=[16, 32])
+    runner = ModelRunner(config)
+    params = SamplingParams(max_tokens=4)
+    reqs = [Request(str(i), [5 + i] * 3, params, max_tokens=4) for i in range(20)]
+    small = runner.prepare([ScheduledRequest(r, 0, 3, [i]) for i, r in enumerate(reqs[:2])])[0]
+    assert small.input_ids.shape == (16,) and small.seq_lens.shape == (16,)
+    assert small.block_tables.shape == (16, 4) and small.query_start_loc.shape == (17,)
+    large = runner.prepare([ScheduledRequest(r, 2, 1, [i]) for i, r in enumerate(reqs)])[0]
+    assert large.input_ids.shape == (32,) and large.seq_lens.shape == (24,)
+    np.testing.assert_array_equal(large.seq_lens[:21], [3] * 20 + [0])
+    assert runner.rows_for(16) == 16 and runner.rows_for(32) == 24
+
+
 def test_missing_tokenizer_is_a_clear_error(tiny_checkpoint, tmp_path):
     path = tmp_path / "no-tokenizer"
     path.mkdir()

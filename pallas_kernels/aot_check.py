@@ -1,0 +1,309 @@
+"""Compile the kernels for an H100/H200 on a machine without a GPU (deviceless AOT).
+
+    scripts/gpu_aot_check.sh                      # makes the venv below, then runs this
+    JAX_PLATFORMS=cpu python -m pallas_kernels.aot_check [--quick] [--json PATH]
+
+Needs the CUDA PJRT plugin of the installed jaxlib and ptxas, but no GPU, driver or
+CUDA runtime: `pip install --no-deps jax-cuda12-plugin==V jax-cuda12-pjrt==V
+nvidia-cuda-nvcc-cu12` (V = jaxlib's version). XLA compiles each jitted kernel for a
+compile-only sm_90a device described by `TARGET_CONFIG`, Triton included, so this
+catches what interpret mode cannot: Triton compile errors, shared memory over the
+227 KiB per-block limit, register spills (`ptxas -v` on the PTX XLA dumps), and copies
+of the KV cache in the compiled engine step. It measures no speed: that needs the GPU
+(`scripts/gpu_check.sh`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.common import INTERPRET_ENV
+from pallas_kernels.paged_decode_attention import paged_decode_attention
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
+# stream_executor.GpuTargetConfigProto of an H200 (an H100's SM: 132 SMs, 227 KiB of
+# shared memory per block, 64 K registers); what XLA and Triton need to compile.
+TARGET_CONFIG = """
+gpu_device_info {
+  threads_per_block_limit: 1024  threads_per_warp: 32  shared_memory_per_block: 49152
+  shared_memory_per_core: 233472  threads_per_core_limit: 2048  core_count: 132
+  fpus_per_core: 128  block_dim_limit_x: 2147483647  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535  memory_bandwidth: 4800000000000  l2_cache_size: 52428800
+  clock_rate_ghz: 1.98  device_memory_size: 150323855360
+  shared_memory_per_block_optin: 232448  cuda_compute_capability { major: 9 minor: 0 }
+  registers_per_core_limit: 65536  registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 8 }
+runtime_version { major: 12 minor: 8 }
+device_description_str: "NVIDIA H200"
+"""
+
+KERNEL_PREFIX = "jaxvllm_"
+
+
+def compile_only_device() -> jax.Device:
+    """A device to compile for, backed by no hardware (needs the CUDA PJRT plugin)."""
+    from jax.experimental import topologies
+
+    topology = topologies.get_topology_desc("cuda", "cuda", topology="1x1x1", target_config=TARGET_CONFIG)
+    return topology.devices[0]
+
+
+def ptxas_path() -> str | None:
+    """ptxas from the nvidia-cuda-nvcc wheel, else from PATH."""
+    try:
+        import nvidia.cuda_nvcc
+
+        for root in nvidia.cuda_nvcc.__path__:
+            candidate = os.path.join(root, "bin", "ptxas")
+            if os.path.exists(candidate):
+                return candidate
+    except ImportError:
+        pass
+    return shutil.which("ptxas")
+
+
+@dataclass
+class KernelStats:
+    """What ptxas reports for one compiled Pallas kernel."""
+
+    name: str
+    registers: int
+    spill_bytes: int  # spill stores + loads; anything above 0 costs bandwidth
+    cp_async: bool  # loads pipelined through shared memory
+    mma: str  # tensor-core instruction used ("mma.sync", "wgmma" or "")
+
+
+def kernel_stats(ptx_file: str, ptxas: str) -> KernelStats:
+    text = open(ptx_file).read()
+    name = re.search(r"\.entry\s+(\w+)", text).group(1)
+    out = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx_file, "-o", os.devnull],
+                         capture_output=True, text=True, check=True).stderr
+    registers = int(re.search(r"Used (\d+) registers", out).group(1))
+    spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", out))
+    mma = "wgmma" if "wgmma" in text else "mma.sync" if "mma.sync" in text else ""
+    return KernelStats(name, registers, spills, "cp.async" in text, mma)
+
+
+@dataclass
+class Case:
+    """One configuration to compile: a jitted function and the shapes of its arguments."""
+
+    kind: str
+    params: dict
+    fn: Callable
+    args: list  # per argument: a (shape, dtype) pair, or a pytree of them / of ShapeDtypeStructs
+    result: dict = field(default_factory=dict)
+
+
+def compile_case(case: Case, device: jax.Device, ptxas: str | None) -> dict:
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    def on_device(x):
+        shape, dtype = (x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    def is_leaf(x) -> bool:
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return True
+        return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], tuple) and all(isinstance(d, int) for d in x[0])
+
+    specs = jax.tree.map(on_device, case.args, is_leaf=is_leaf)
+    with tempfile.TemporaryDirectory() as dump:
+        start = time.perf_counter()
+        try:
+            compiled = case.fn.trace(*specs).lower().compile(compiler_options={"xla_dump_to": dump})
+        except Exception as e:  # Triton or XLA refused it: the message says why
+            return {"ok": False, "error": f"{type(e).__name__}: {e}".splitlines()[0][:400]}
+        result: dict[str, Any] = {"ok": True, "compile_s": round(time.perf_counter() - start, 2)}
+        if ptxas:
+            kernels = []
+            for ptx in sorted(glob.glob(os.path.join(dump, "*.ptx"))):
+                if KERNEL_PREFIX in open(ptx).read():
+                    kernels.append(asdict(kernel_stats(ptx, ptxas)))
+            result["kernels"] = kernels
+        result["hlo"] = compiled.as_text()
+    return result
+
+
+# -- what to compile -------------------------------------------------------------------------
+
+
+def decode_case(group: int, head_dim: int, dtype, block_size: int = 16, window: int | None = None,
+                num_seqs: int = 64, context: int = 2048, kv_heads: int = 8, **tuning) -> Case:
+    blocks = num_seqs * context // block_size
+    fn = jax.jit(partial(paged_decode_attention, sm_scale=head_dim**-0.5, sliding_window=window,
+                         interpret=False, **tuning))
+    cache = ((kv_heads, blocks, block_size, head_dim), dtype)
+    args = [((num_seqs, kv_heads * group, head_dim), dtype), cache, cache, ((num_seqs,), jnp.int32),
+            ((num_seqs, context // block_size), jnp.int32)]
+    params = dict(group=group, head_dim=head_dim, dtype=jnp.dtype(dtype).name, block_size=block_size,
+                  window=window, num_seqs=num_seqs, context=context, **tuning)
+    return Case("decode", params, fn, args)
+
+
+def ragged_case(group: int, head_dim: int, dtype, block_size: int = 16, window: int | None = None,
+                num_tokens: int = 2048, num_seqs: int = 8, context: int = 4096, kv_heads: int = 8,
+                **tuning) -> Case:
+    blocks = num_seqs * context // block_size
+    fn = jax.jit(partial(ragged_paged_attention, sm_scale=head_dim**-0.5, sliding_window=window,
+                         interpret=False, **tuning))
+    cache = ((kv_heads, blocks, block_size, head_dim), dtype)
+    i32 = jnp.int32
+    args = [((num_tokens, kv_heads * group, head_dim), dtype), cache, cache, ((num_tokens,), i32),
+            ((num_seqs + 1,), i32), ((num_seqs,), i32), ((num_seqs, context // block_size), i32)]
+    params = dict(group=group, head_dim=head_dim, dtype=jnp.dtype(dtype).name, block_size=block_size,
+                  window=window, num_tokens=num_tokens, **tuning)
+    return Case("ragged", params, fn, args)
+
+
+def kernel_cases(quick: bool) -> list[Case]:
+    """The issue's kernel matrix: GQA groups 1-8, head_dim 64/128/256, both dtypes,
+    block_size 16-128, a sliding window, and the K1/K2 benchmark shapes."""
+    dtypes = (jnp.bfloat16, jnp.float32)
+    groups = (1, 2, 8) if quick else (1, 2, 4, 8)
+    cases = []
+    for dtype in dtypes:
+        for head_dim in (64, 128, 256):
+            for group in groups:
+                cases.append(decode_case(group, head_dim, dtype))
+                cases.append(ragged_case(group, head_dim, dtype))
+    for block_size in (32, 64, 128):
+        cases.append(decode_case(2, 128, jnp.bfloat16, block_size=block_size))
+        cases.append(ragged_case(2, 128, jnp.bfloat16, block_size=block_size))
+    cases.append(decode_case(4, 128, jnp.bfloat16, window=1000))
+    cases.append(ragged_case(4, 128, jnp.bfloat16, window=1000))
+    # K1 (q heads 16, kv heads 8) at its largest shape and K2 (4 x 4096, 16 heads, MHA).
+    cases.append(decode_case(2, 128, jnp.bfloat16, num_seqs=256, context=4096))
+    cases.append(ragged_case(1, 128, jnp.bfloat16, num_tokens=4 * 4096, num_seqs=4, context=4096, kv_heads=16))
+    return cases
+
+
+def engine_step_case(backend: str, model: str = "qwen3-0.6b", num_tokens: int = 256, num_seqs: int = 256,
+                     context: int = 1024, block_size: int = 16) -> Case:
+    """One model step with the caches donated, as the model runner compiles it."""
+    from jaxvllm.batch import ModelInputs
+    from jaxvllm.config import ModelConfig
+    from jaxvllm.dummy import get_dummy
+    from jaxvllm.loader import dummy_params
+    from jaxvllm.models.llama import forward
+
+    cfg = ModelConfig.from_hf(get_dummy(model).make_config())
+    dtype = jnp.bfloat16
+    params = jax.eval_shape(lambda: dummy_params(cfg, dtype))
+    max_blocks = context // block_size
+    cache = ((cfg.num_kv_heads, num_seqs * max_blocks, block_size, cfg.head_dim), dtype)
+
+    def step(params, caches, input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables):
+        inputs = ModelInputs(input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
+                             query_start_loc[1:] - 1)
+        logits, caches = forward(params, caches, inputs, cfg, backend)
+        return jnp.argmax(logits, axis=-1), caches
+
+    i32 = jnp.int32
+    args = [params, [(cache, cache)] * cfg.num_layers, ((num_tokens,), i32), ((num_tokens,), i32),
+            ((num_tokens,), i32), ((num_seqs + 1,), i32), ((num_seqs,), i32), ((num_seqs, max_blocks), i32)]
+    params_out = dict(backend=backend, model=model, num_tokens=num_tokens, num_seqs=num_seqs, context=context,
+                      cache_shape=list(cache[0]), num_layers=cfg.num_layers)
+    return Case("engine_step", params_out, jax.jit(step, donate_argnums=(1,)), args)
+
+
+def count_cache_copies(hlo: str, cache_shape: tuple[int, ...]) -> int:
+    """HLO `copy` instructions whose result has a KV cache's element count (should be 0)."""
+    numel = math.prod(cache_shape)
+    count = 0
+    for m in re.finditer(r"= \w+\[([\d,]*)\][^=]*? copy\(", hlo):
+        dims = [int(x) for x in m.group(1).split(",") if x]
+        if dims and math.prod(dims) == numel:
+            count += 1
+    return count
+
+
+def aliased_outputs(hlo: str) -> int:
+    """How many outputs reuse a donated input's buffer (`input_output_alias` entries)."""
+    header = hlo.split("\n", 1)[0]
+    return len(re.findall(r"\{[\d,\s]*\}: \(\d+, \{[\d,\s]*\}, (?:may|must)-alias\)", header))
+
+
+# -- driver ----------------------------------------------------------------------------------
+
+
+def problems(case: Case) -> list[str]:
+    """Why a compiled case is not good enough (empty: fine)."""
+    r = case.result
+    if not r.get("ok"):
+        return [r.get("error", "failed")]
+    found = [f"{k['name']} spills {k['spill_bytes']} bytes" for k in r.get("kernels", []) if k["spill_bytes"]]
+    if case.kind == "engine_step":
+        if r["cache_copies"]:
+            found.append(f"{r['cache_copies']} copies of a KV cache in the compiled step")
+        if r["aliased_outputs"] < 2 * case.params["num_layers"]:
+            found.append(f"only {r['aliased_outputs']} outputs alias donated caches")
+    return found
+
+
+def run(cases: list[Case], device: jax.Device, ptxas: str | None) -> None:
+    for case in cases:
+        case.result = compile_case(case, device, ptxas)
+        hlo = case.result.pop("hlo", "")
+        if case.kind == "engine_step" and case.result["ok"]:
+            case.result["cache_copies"] = count_cache_copies(hlo, tuple(case.params["cache_shape"]))
+            case.result["aliased_outputs"] = aliased_outputs(hlo)
+        case.result["problems"] = problems(case)
+        kernels = "; ".join(f"{k['name']}: {k['registers']} regs, {k['spill_bytes']} B spilled, {k['mma'] or 'no mma'}"
+                            f"{', cp.async' if k['cp_async'] else ''}" for k in case.result.get("kernels", []))
+        extra = ""
+        if "cache_copies" in case.result:
+            extra = f" cache copies={case.result['cache_copies']} aliased outputs={case.result['aliased_outputs']}"
+        status = "ok  " if not case.result["problems"] else "FAIL"
+        print(f"{status} {case.kind} {case.params}{extra} {kernels} {'; '.join(case.result['problems'])}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer GQA groups (about half the cases)")
+    parser.add_argument("--json", default=None, help="write results here (default $OUT/aot_check.json if $OUT is set)")
+    args = parser.parse_args(argv)
+    try:
+        device = compile_only_device()
+    except Exception as e:
+        print(f"no compile-only CUDA device ({type(e).__name__}: {e}); install the CUDA PJRT plugin "
+              "as the module docstring says", file=sys.stderr)
+        return 2
+    os.environ[INTERPRET_ENV] = "0"  # the engine step picks kernels by backend: compiled, not interpreted
+    ptxas = ptxas_path()
+    if ptxas is None:
+        print("ptxas not found (pip install nvidia-cuda-nvcc-cu12): no register or spill figures", file=sys.stderr)
+    cases = kernel_cases(args.quick) + [engine_step_case("pallas"), engine_step_case("reference")]
+    start = time.perf_counter()
+    run(cases, device, ptxas)
+    failed = [c for c in cases if c.result["problems"]]
+    print(f"{len(cases) - len(failed)}/{len(cases)} cases compiled cleanly for sm_90a "
+          f"in {time.perf_counter() - start:.0f} s")
+    path = args.json or (os.path.join(os.environ["OUT"], "aot_check.json") if os.environ.get("OUT") else None)
+    if path:
+        with open(path, "w") as f:
+            json.dump({"jax": jax.__version__, "cases": [dict(kind=c.kind, params=c.params, **c.result) for c in cases]},
+                      f, indent=2, default=str)
+        print(f"wrote {path}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
