@@ -66,6 +66,13 @@ def compile_only_device() -> jax.Device:
     return topology.devices[0]
 
 
+def target_mesh(device: jax.Device) -> jax.sharding.AbstractMesh:
+    """Names the GPU to Pallas' Triton lowering, which jax >= 0.11 otherwise looks for
+    among the attached devices (the CPU here)."""
+    abstract = jax.sharding.AbstractDevice(device_kind=device.device_kind, num_cores=None, platform="cuda")
+    return jax.sharding.AbstractMesh((1,), ("x",), abstract_device=abstract)
+
+
 def ptxas_path() -> str | None:
     """ptxas from the nvidia-cuda-nvcc wheel, else from PATH."""
     try:
@@ -89,6 +96,7 @@ class KernelStats:
     spill_bytes: int  # spill stores + loads; anything above 0 costs bandwidth
     cp_async: bool  # loads pipelined through shared memory
     mma: str  # tensor-core instruction used ("mma.sync", "wgmma" or "")
+    shared_memory: int | None = None  # bytes per program (from XLA's thunk dump; jax >= 0.11)
 
 
 def kernel_stats(ptx_file: str, ptxas: str) -> KernelStats:
@@ -100,6 +108,15 @@ def kernel_stats(ptx_file: str, ptxas: str) -> KernelStats:
     spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", out))
     mma = "wgmma" if "wgmma" in text else "mma.sync" if "mma.sync" in text else ""
     return KernelStats(name, registers, spills, "cp.async" in text, mma)
+
+
+def shared_memory_of_kernels(dump: str) -> dict[str, int]:
+    """Kernel name -> shared memory bytes, from XLA's thunk sequence dump (absent before jax 0.11)."""
+    found = {}
+    for path in glob.glob(os.path.join(dump, "*thunk_sequence.txt")):
+        for m in re.finditer(rf"({KERNEL_PREFIX}\w+) grid: .*? shared_memory: (\d+) bytes", open(path).read()):
+            found[m.group(1)] = max(found.get(m.group(1), 0), int(m.group(2)))
+    return found
 
 
 @dataclass
@@ -128,18 +145,30 @@ def compile_case(case: Case, device: jax.Device, ptxas: str | None) -> dict:
     with tempfile.TemporaryDirectory() as dump:
         start = time.perf_counter()
         try:
-            compiled = case.fn.trace(*specs).lower().compile(compiler_options={"xla_dump_to": dump})
+            with jax.sharding.use_abstract_mesh(target_mesh(device)):
+                lowered = case.fn.trace(*specs).lower()
+            compiled = lowered.compile(compiler_options={"xla_dump_to": dump})
+            if ptxas and not kernel_ptx(dump):
+                # XLA of jax >= 0.11 dumps PTX only with every emitter's IR (slow: ~10 s a case).
+                compiled = lowered.compile(compiler_options={"xla_dump_to": dump, "xla_dump_emitter_re": ".*"})
         except Exception as e:  # Triton or XLA refused it: the message says why
             return {"ok": False, "error": f"{type(e).__name__}: {e}".splitlines()[0][:400]}
         result: dict[str, Any] = {"ok": True, "compile_s": round(time.perf_counter() - start, 2)}
         if ptxas:
+            shared = shared_memory_of_kernels(dump)
             kernels = []
-            for ptx in sorted(glob.glob(os.path.join(dump, "*.ptx"))):
-                if KERNEL_PREFIX in open(ptx).read():
-                    kernels.append(asdict(kernel_stats(ptx, ptxas)))
+            for ptx in kernel_ptx(dump):
+                stats = kernel_stats(ptx, ptxas)
+                stats.shared_memory = shared.get(stats.name)
+                kernels.append(asdict(stats))
             result["kernels"] = kernels
         result["hlo"] = compiled.as_text()
     return result
+
+
+def kernel_ptx(dump: str) -> list[str]:
+    """The dumped PTX files that hold one of our kernels."""
+    return [p for p in sorted(glob.glob(os.path.join(dump, "*.ptx"))) if KERNEL_PREFIX in open(p).read()]
 
 
 # -- what to compile -------------------------------------------------------------------------
@@ -258,16 +287,25 @@ def problems(case: Case) -> list[str]:
     return found
 
 
+def describe(kernel: dict) -> str:
+    text = f"{kernel['name']}: {kernel['registers']} regs, {kernel['spill_bytes']} B spilled, {kernel['mma'] or 'no mma'}"
+    if kernel["cp_async"]:
+        text += ", cp.async"
+    if kernel["shared_memory"] is not None:
+        text += f", {kernel['shared_memory'] // 1024} KiB smem"
+    return text
+
+
 def run(cases: list[Case], device: jax.Device, ptxas: str | None) -> None:
     for case in cases:
-        case.result = compile_case(case, device, ptxas)
+        # The engine step holds the same kernels as the kernel cases: no second ptxas pass.
+        case.result = compile_case(case, device, None if case.kind == "engine_step" else ptxas)
         hlo = case.result.pop("hlo", "")
         if case.kind == "engine_step" and case.result["ok"]:
             case.result["cache_copies"] = count_cache_copies(hlo, tuple(case.params["cache_shape"]))
             case.result["aliased_outputs"] = aliased_outputs(hlo)
         case.result["problems"] = problems(case)
-        kernels = "; ".join(f"{k['name']}: {k['registers']} regs, {k['spill_bytes']} B spilled, {k['mma'] or 'no mma'}"
-                            f"{', cp.async' if k['cp_async'] else ''}" for k in case.result.get("kernels", []))
+        kernels = "; ".join(describe(k) for k in case.result.get("kernels", []))
         extra = ""
         if "cache_copies" in case.result:
             extra = f" cache copies={case.result['cache_copies']} aliased outputs={case.result['aliased_outputs']}"

@@ -1,10 +1,10 @@
 """The compiled (non-interpret) kernels lower to Triton IR for CUDA, checked on a CPU.
 
-`jax.export` with platforms=("cuda",) runs Pallas' Triton lowering on any host (it
-targets sm_90 when no GPU is present), so the GPU shapes, dtypes and tile sizes are
+`jax.export` with platforms=("cuda",) runs Pallas' Triton lowering on any host (for an
+abstract H200 when no GPU is present), so the GPU shapes, dtypes and tile sizes are
 checked here for what the lowering rejects: non-power-of-2 tensors, primitives without
-a Triton lowering, tl.dot shapes. What it cannot check is Triton's own compilation to
-PTX and the run on the GPU: scripts/gpu_check.sh does that.
+a Triton lowering, tl.dot shapes. Triton's own compilation to PTX is checked by
+scripts/gpu_aot_check.sh, the run on the GPU by scripts/gpu_check.sh.
 """
 
 from __future__ import annotations
@@ -23,8 +23,15 @@ TRITON_CALL = "__gpu$xla.gpu.triton"
 NO_CHECK = [export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
 
 
+# With no GPU attached, jax >= 0.11 asks which GPU Pallas' Triton lowering targets.
+H200 = jax.sharding.AbstractMesh(
+    (1,), ("x",), abstract_device=jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
+)
+
+
 def lower_for_cuda(fn, *args) -> str:
-    return export.export(jax.jit(fn), platforms=("cuda",), disabled_checks=NO_CHECK)(*args).mlir_module()
+    with jax.sharding.use_abstract_mesh(H200):
+        return export.export(jax.jit(fn), platforms=("cuda",), disabled_checks=NO_CHECK)(*args).mlir_module()
 
 
 def spec(*shape, dtype=jnp.int32):
