@@ -10,7 +10,8 @@ and the best of a small sweep), JAX's own Pallas `paged_attention` on the same a
 copy of the same byte count (reported as bytes read + written per second).
 K2, prefill: causal TFLOP/s of `ragged_paged_attention` on a paged cache against
 `jax.nn.dot_product_attention(implementation="cudnn")` and JAX's Pallas Triton flash
-attention on unpaged data. Step: one decode step of a Qwen3-0.6B-shaped dummy model at
+attention on unpaged data. KV write: XLA's scatter of a step's new K/V rows into the
+donated cache (time, and copies of the cache in the compiled HLO). Step: one decode step of a Qwen3-0.6B-shaped dummy model at
 256 sequences x 1024 context, for each attention backend.
 Figures go to stdout and to JSON (`--json PATH`, default $OUT/bench.json when $OUT is
 set). On CPU only ratios measured in one run mean anything.
@@ -34,12 +35,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.aot_check import count_cache_copies
 from pallas_kernels.common import cdiv
 from pallas_kernels.paged_decode_attention import (
     default_num_splits,
     paged_decode_attention,
     paged_decode_attention_reference,
 )
+from pallas_kernels.kv_cache_write import write_kv_reference
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
 
 FULL = dict(
@@ -49,12 +52,16 @@ FULL = dict(
     k2=dict(batch=4, seq_len=4096, q_heads=16, kv_heads=16, head_dim=128, block_size=16,
             tiles=((None, 64), (None, 128), (64, 64))),  # (block_q tokens, block_kv); None = default
     step=dict(model="qwen3-0.6b", num_seqs=256, context=1024, block_size=16),
+    # K/V rows written per step: a decode batch, a prefill bucket; into one layer's cache
+    # of Qwen3-0.6B's shape with 64k slots.
+    kv=dict(kv_heads=8, head_dim=128, num_slots=65536, block_size=16, tokens=[256, 8192]),
     iters=20,
 )
 SMALL = dict(
     k1=dict(q_heads=4, kv_heads=2, head_dim=16, block_size=8, shapes=[(3, 40)], sweep=((1, 16, 4), (2, 16, 4))),
     k2=dict(batch=2, seq_len=64, q_heads=2, kv_heads=2, head_dim=16, block_size=8, tiles=((16, 16),)),
     step=dict(model="tiny", num_seqs=4, context=48, block_size=8),
+    kv=dict(kv_heads=2, head_dim=16, num_slots=256, block_size=8, tokens=[16]),
     iters=2,
 )
 DTYPE = jnp.bfloat16
@@ -255,20 +262,46 @@ def bench_k2(cfg: dict, iters: int, interpret: bool) -> dict:
     return result
 
 
+# -- KV write ------------------------------------------------------------------------------
+
+
+def bench_kv(cfg: dict, iters: int, interpret: bool) -> list[dict]:
+    """XLA's scatter of T new K/V rows into donated caches (the engine's KV write): its time,
+    the bytes it writes per second, and whether the compiled update copies the cache."""
+    h, d, slots, bs = cfg["kv_heads"], cfg["head_dim"], cfg["num_slots"], cfg["block_size"]
+    rows = []
+    for tokens in cfg["tokens"]:
+        key = jax.random.key(tokens)
+        shape = (h, slots // bs, bs, d)
+        new_k = jax.random.normal(key, (tokens, h, d), DTYPE)
+        new_v = jax.random.normal(jax.random.fold_in(key, 1), (tokens, h, d), DTYPE)
+        # Scattered slots, the last ones padding (-1), as the runner pads a bucket.
+        slot_mapping = jax.random.permutation(jax.random.fold_in(key, 2), slots)[:tokens]
+        slot_mapping = jnp.where(jnp.arange(tokens) < tokens - tokens // 8, slot_mapping, -1).astype(jnp.int32)
+        written = 2 * (tokens - tokens // 8) * h * d * jnp.dtype(DTYPE).itemsize
+        row: dict[str, Any] = {"tokens": tokens, "bytes_written": written}
+
+        def run():
+            fn = jax.jit(write_kv_reference, donate_argnums=(0, 1))
+            caches = (jnp.zeros(shape, DTYPE), jnp.zeros(shape, DTYPE))
+            compiled = fn.lower(*caches, new_k, new_v, slot_mapping).compile()
+            copies = count_cache_copies(compiled.as_text(), shape)
+            times = []
+            for _ in range(iters + 1):
+                start = time.perf_counter()
+                caches = fn(*caches, new_k, new_v, slot_mapping)
+                jax.block_until_ready(caches)
+                times.append(time.perf_counter() - start)
+            t = statistics.median(times[1:])
+            return {"us": t * 1e6, "written_gb_s": written / t / 1e9, "cache_copies_in_hlo": copies}
+
+        _attempt(row, "xla_scatter", run)
+        rows.append(row)
+        print(f"KV write {tokens} tokens: {row['xla_scatter']}", flush=True)
+    return rows
+
+
 # -- engine step ---------------------------------------------------------------------------
-
-
-def count_cache_copies(compiled_text: str, cache_shape: tuple[int, ...], dtype) -> int:
-    """HLO `copy` instructions whose result has a KV cache's element count (should be 0)."""
-    import re
-
-    numel = math.prod(cache_shape)
-    count = 0
-    for m in re.finditer(r"= (\w+)\[([\d,]*)\][^=]*? copy\(", compiled_text):
-        dims = [int(x) for x in m.group(2).split(",") if x]
-        if dims and math.prod(dims) == numel:
-            count += 1
-    return count
 
 
 def bench_step(cfg: dict, iters: int, interpret: bool) -> dict:
@@ -311,7 +344,7 @@ def bench_step(cfg: dict, iters: int, interpret: bool) -> dict:
             caches = allocate_kv_caches(mcfg, num_blocks, bs, DTYPE)
             fn = step_of(backend)
             compiled = fn.lower(params, caches, inputs).compile()
-            copies = count_cache_copies(compiled.as_text(), caches[0][0].shape, DTYPE)
+            copies = count_cache_copies(compiled.as_text(), caches[0][0].shape)
             times = []
             for i in range(iters + 1):
                 start = time.perf_counter()
@@ -365,7 +398,7 @@ def environment() -> dict:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="tiny shapes in interpret mode (runs on CPU)")
-    parser.add_argument("--only", default="k1,k2,step", help="comma-separated subset of k1,k2,step")
+    parser.add_argument("--only", default="k1,k2,step,kv", help="comma-separated subset of k1,k2,step,kv")
     parser.add_argument("--iters", type=int, default=None, help="timed repetitions (median)")
     parser.add_argument("--json", default=None, help="write results here (default $OUT/bench.json if $OUT is set)")
     args = parser.parse_args(argv)
@@ -376,7 +409,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("the full shapes need a GPU; use --small on CPU")
     interpret = args.small and jax.default_backend() == "cpu"
     wanted = {w.strip() for w in args.only.split(",") if w.strip()}
-    unknown = wanted - {"k1", "k2", "step"}
+    unknown = wanted - {"k1", "k2", "step", "kv"}
     if unknown:
         parser.error(f"unknown --only parts {sorted(unknown)}")
 
@@ -386,7 +419,7 @@ def main(argv: list[str] | None = None) -> dict:
     start = time.perf_counter()
     # Decode first: it is what moves B1. The file is rewritten after each part, so a
     # run cut short by a time limit still leaves what it measured.
-    for part, fn in (("k1", bench_k1), ("step", bench_step), ("k2", bench_k2)):
+    for part, fn in (("k1", bench_k1), ("step", bench_step), ("k2", bench_k2), ("kv", bench_kv)):
         if part in wanted:
             results[part] = fn(cfg[part], iters, interpret)
             results["seconds"] = time.perf_counter() - start
