@@ -92,6 +92,39 @@ def _step(params, kv_caches, sampler_state, inputs: ModelInputs, sampling: Sampl
     return sampled, logprobs, prompt_logprobs, kv_caches, sampler_state
 
 
+def jit_step(cfg: ModelConfig, backend: str):
+    """The engine step as the runner compiles it: KV caches and sampler state donated."""
+    return jax.jit(partial(_step, cfg=cfg, backend=backend), donate_argnums=(1, 2))
+
+
+def sampling_tensors(scheduled: list[ScheduledRequest], rows: int, slots: dict[str, int]) -> SamplingTensors:
+    """Per-row sampling parameters (`slots`: request id -> SamplerState row); padding rows
+    are greedy with neutral settings."""
+    n = len(scheduled)
+    floats = np.zeros((rows, 6), np.float32)
+    floats[:] = (0.0, 1.0, 0.0, 0.0, 0.0, 1.0)
+    ints = np.zeros((rows, 4), np.int64)
+    flags = np.zeros((rows, 4), bool)
+    if n:
+        floats[:n] = [s.request.sampling_floats for s in scheduled]
+        ints[:n] = [
+            (s.request.params.top_k, s.request.seed, s.request.num_output_tokens, slots.get(s.request.request_id, 0))
+            for s in scheduled
+        ]
+        flags[:n] = [
+            (s.request.uses_sampler_state, s.request.num_output_tokens < s.request.params.min_tokens,
+             s.samples, s.samples and s.request.params.logprobs is not None)
+            for s in scheduled
+        ]
+    f, i, b = floats.T.copy(), ints.T.copy(), flags.T.copy()
+    return SamplingTensors(
+        temperature=f[0], top_p=f[1], min_p=f[2], presence_penalty=f[3], frequency_penalty=f[4],
+        repetition_penalty=f[5], top_k=i[0].astype(np.int32), seeds=i[1].astype(np.uint32),
+        output_index=i[2].astype(np.int32), slot=i[3].astype(np.int32),
+        use_state=b[0], suppress_stop=b[1], counts_sample=b[2], want_logprobs=b[3],
+    )
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = c = config
@@ -118,7 +151,7 @@ class ModelRunner:
         self.backend = self._resolve_backend(c.attention_backend)
         self.block_size = c.block_size
         self.max_blocks_per_seq = -(-self.max_model_len // c.block_size)
-        self._step = jax.jit(partial(_step, cfg=self.cfg, backend=self.backend), donate_argnums=(1, 2))
+        self._step = jit_step(self.cfg, self.backend)
         self._write_row = jax.jit(write_state_row, donate_argnums=(0,))
         self.sampler_state: SamplerState = init_state(c.max_num_seqs, self.cfg.vocab_size)
         self._slots: dict[str, int] = {}  # request id -> its SamplerState row
@@ -250,7 +283,7 @@ class ModelRunner:
         logits_indices = np.zeros(rows, np.int32)
         logits_indices[:n] = query_start_loc[1 : n + 1] - 1
 
-        sampling = self._sampling_tensors(scheduled, rows)
+        sampling = sampling_tensors(scheduled, rows, self._slots)
         prompt_targets = np.full(padded, -1, np.int32)
         prompt_positions = []
         for i, s in enumerate(scheduled):
@@ -263,32 +296,6 @@ class ModelRunner:
                 prompt_positions.append((i, pos + 1, row))
         inputs = ModelInputs(input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables, logits_indices)
         return inputs, sampling, prompt_targets, prompt_positions
-
-    def _sampling_tensors(self, scheduled: list[ScheduledRequest], rows: int) -> SamplingTensors:
-        """Per-row sampling parameters; padding rows are greedy with neutral settings."""
-        n = len(scheduled)
-        floats = np.zeros((rows, 6), np.float32)
-        floats[:] = (0.0, 1.0, 0.0, 0.0, 0.0, 1.0)
-        ints = np.zeros((rows, 4), np.int64)
-        flags = np.zeros((rows, 4), bool)
-        if n:
-            floats[:n] = [s.request.sampling_floats for s in scheduled]
-            ints[:n] = [
-                (s.request.params.top_k, s.request.seed, s.request.num_output_tokens, self._slots.get(s.request.request_id, 0))
-                for s in scheduled
-            ]
-            flags[:n] = [
-                (s.request.uses_sampler_state, s.request.num_output_tokens < s.request.params.min_tokens,
-                 s.samples, s.samples and s.request.params.logprobs is not None)
-                for s in scheduled
-            ]
-        f, i, b = floats.T.copy(), ints.T.copy(), flags.T.copy()
-        return SamplingTensors(
-            temperature=f[0], top_p=f[1], min_p=f[2], presence_penalty=f[3], frequency_penalty=f[4],
-            repetition_penalty=f[5], top_k=i[0].astype(np.int32), seeds=i[1].astype(np.uint32),
-            output_index=i[2].astype(np.int32), slot=i[3].astype(np.int32),
-            use_state=b[0], suppress_stop=b[1], counts_sample=b[2], want_logprobs=b[3],
-        )
 
     # -- per-request sampler state -------------------------------------------------------
 

@@ -56,6 +56,7 @@ device_description_str: "NVIDIA H200"
 """
 
 KERNEL_PREFIX = "jaxvllm_"
+STATE_ARRAYS = 4  # SamplerState's donated [max_num_seqs, vocab] arrays
 
 
 def compile_only_device() -> jax.Device:
@@ -218,48 +219,74 @@ def kernel_cases(quick: bool) -> list[Case]:
         cases.append(ragged_case(2, 128, jnp.bfloat16, block_size=block_size))
     cases.append(decode_case(4, 128, jnp.bfloat16, window=1000))
     cases.append(ragged_case(4, 128, jnp.bfloat16, window=1000))
-    # K1 (q heads 16, kv heads 8) at its largest shape and K2 (4 x 4096, 16 heads, MHA).
+    # K1 (q heads 16, kv heads 8) at its largest shape and K2 (4 x 4096, 16 heads, MHA),
+    # with every tuning the benchmark tries, so that a GPU session spends no time on one
+    # that does not compile.
+    from pallas_kernels.bench import FULL  # here, not at the top: bench imports this module
+
     cases.append(decode_case(2, 128, jnp.bfloat16, num_seqs=256, context=4096))
-    cases.append(ragged_case(1, 128, jnp.bfloat16, num_tokens=4 * 4096, num_seqs=4, context=4096, kv_heads=16))
+    for tuning in FULL["k1"]["sweep"]:
+        cases.append(decode_case(2, 128, jnp.bfloat16, **tuning))
+    for block_q, block_kv in FULL["k2"]["tiles"]:
+        cases.append(ragged_case(1, 128, jnp.bfloat16, num_tokens=4 * 4096, num_seqs=4, context=4096, kv_heads=16,
+                                 block_q=block_q, block_kv=block_kv))
     return cases
 
 
-def engine_step_case(backend: str, model: str = "qwen3-0.6b", num_tokens: int = 256, num_seqs: int = 256,
+def engine_step_case(backend: str, model: str = "qwen3-0.6b", num_tokens: int = 256, max_num_seqs: int = 256,
                      context: int = 1024, block_size: int = 16) -> Case:
-    """One model step with the caches donated, as the model runner compiles it."""
+    """The model runner's jitted step (model + sampler, caches and sampler state donated)
+    for a decode bucket of `num_tokens` sequences at `context` tokens each."""
     from jaxvllm.batch import ModelInputs
     from jaxvllm.config import ModelConfig
     from jaxvllm.dummy import get_dummy
     from jaxvllm.loader import dummy_params
-    from jaxvllm.models.llama import forward
+    from jaxvllm.model_runner import jit_step, sampling_tensors
+    from jaxvllm.sampler import init_state
 
     cfg = ModelConfig.from_hf(get_dummy(model).make_config())
     dtype = jnp.bfloat16
-    params = jax.eval_shape(lambda: dummy_params(cfg, dtype))
+    rows = min(max_num_seqs, num_tokens)  # as ModelRunner.rows_for
     max_blocks = context // block_size
-    cache = ((cfg.num_kv_heads, num_seqs * max_blocks, block_size, cfg.head_dim), dtype)
+    cache = jax.ShapeDtypeStruct((cfg.num_kv_heads, rows * max_blocks, block_size, cfg.head_dim), dtype)
 
-    def step(params, caches, input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables):
-        inputs = ModelInputs(input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
-                             query_start_loc[1:] - 1)
-        logits, caches = forward(params, caches, inputs, cfg, backend)
-        return jnp.argmax(logits, axis=-1), caches
+    def spec(shape, dtype=jnp.int32):
+        return jax.ShapeDtypeStruct(shape, dtype)
 
-    i32 = jnp.int32
-    args = [params, [(cache, cache)] * cfg.num_layers, ((num_tokens,), i32), ((num_tokens,), i32),
-            ((num_tokens,), i32), ((num_seqs + 1,), i32), ((num_seqs,), i32), ((num_seqs, max_blocks), i32)]
-    params_out = dict(backend=backend, model=model, num_tokens=num_tokens, num_seqs=num_seqs, context=context,
-                      cache_shape=list(cache[0]), num_layers=cfg.num_layers)
-    return Case("engine_step", params_out, jax.jit(step, donate_argnums=(1,)), args)
+    inputs = ModelInputs(spec((num_tokens,)), spec((num_tokens,)), spec((num_tokens,)), spec((rows + 1,)),
+                         spec((rows,)), spec((rows, max_blocks)), spec((rows,)))
+    args = [
+        jax.eval_shape(lambda: dummy_params(cfg, dtype)),
+        [(cache, cache)] * cfg.num_layers,
+        jax.eval_shape(lambda: init_state(max_num_seqs, cfg.vocab_size)),
+        inputs,
+        jax.tree.map(lambda x: spec(x.shape, x.dtype), sampling_tensors([], rows, {})),
+        spec((num_tokens,)),
+    ]
+    params = dict(backend=backend, model=model, num_tokens=num_tokens, context=context, num_layers=cfg.num_layers,
+                  cache_shape=list(cache.shape), state_shape=[max_num_seqs, cfg.vocab_size])
+    return Case("engine_step", params, jit_step(cfg, backend), args)
 
 
-def count_cache_copies(hlo: str, cache_shape: tuple[int, ...]) -> int:
-    """HLO `copy` instructions whose result has a KV cache's element count (should be 0)."""
-    numel = math.prod(cache_shape)
+def entry_computation(hlo: str) -> str:
+    """The ENTRY computation of an HLO module's text (where a donated buffer gets copied)."""
+    start = hlo.find("\nENTRY ")
+    if start < 0:
+        return hlo
+    end = hlo.find("\n}", start)
+    return hlo[start : end if end >= 0 else None]
+
+
+def count_cache_copies(hlo: str, shape: tuple[int, ...], dtype: str | None = None) -> int:
+    """`copy` instructions of the ENTRY computation whose result has `shape`'s element count
+    (and `dtype`, e.g. "bf16", when given): copies of a donated KV cache or sampler state
+    (should be 0). Copies inside called computations, such as a cond branch handing back
+    logits of the same size, are not the donated buffers and are not counted."""
+    numel = math.prod(shape)
     count = 0
-    for m in re.finditer(r"= \w+\[([\d,]*)\][^=]*? copy\(", hlo):
-        dims = [int(x) for x in m.group(1).split(",") if x]
-        if dims and math.prod(dims) == numel:
+    for m in re.finditer(r"= (\w+)\[([\d,]*)\][^=]*? copy\(", entry_computation(hlo)):
+        dims = [int(x) for x in m.group(2).split(",") if x]
+        if dims and math.prod(dims) == numel and dtype in (None, m.group(1)):
             count += 1
     return count
 
@@ -281,9 +308,10 @@ def problems(case: Case) -> list[str]:
     found = [f"{k['name']} spills {k['spill_bytes']} bytes" for k in r.get("kernels", []) if k["spill_bytes"]]
     if case.kind == "engine_step":
         if r["cache_copies"]:
-            found.append(f"{r['cache_copies']} copies of a KV cache in the compiled step")
-        if r["aliased_outputs"] < 2 * case.params["num_layers"]:
-            found.append(f"only {r['aliased_outputs']} outputs alias donated caches")
+            found.append(f"{r['cache_copies']} copies of a KV cache or sampler state in the compiled step")
+        donated = 2 * case.params["num_layers"] + STATE_ARRAYS
+        if r["aliased_outputs"] < donated:
+            found.append(f"only {r['aliased_outputs']} of {donated} donated buffers are updated in place")
     return found
 
 
@@ -302,7 +330,8 @@ def run(cases: list[Case], device: jax.Device, ptxas: str | None) -> None:
         case.result = compile_case(case, device, None if case.kind == "engine_step" else ptxas)
         hlo = case.result.pop("hlo", "")
         if case.kind == "engine_step" and case.result["ok"]:
-            case.result["cache_copies"] = count_cache_copies(hlo, tuple(case.params["cache_shape"]))
+            case.result["cache_copies"] = sum(
+                count_cache_copies(hlo, tuple(case.params[k])) for k in ("cache_shape", "state_shape"))
             case.result["aliased_outputs"] = aliased_outputs(hlo)
         case.result["problems"] = problems(case)
         kernels = "; ".join(describe(k) for k in case.result.get("kernels", []))
@@ -328,7 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     ptxas = ptxas_path()
     if ptxas is None:
         print("ptxas not found (pip install nvidia-cuda-nvcc-cu12): no register or spill figures", file=sys.stderr)
-    cases = kernel_cases(args.quick) + [engine_step_case("pallas"), engine_step_case("reference")]
+    # Engine steps: a small and the full decode bucket, a prefill bucket; the reference path once.
+    engine = [engine_step_case("pallas", num_tokens=t) for t in (16, 256, 2048)] + [engine_step_case("reference")]
+    cases = kernel_cases(args.quick) + engine
     start = time.perf_counter()
     run(cases, device, ptxas)
     failed = [c for c in cases if c.result["problems"]]

@@ -11,17 +11,25 @@ from pallas_kernels.common import default_block_kv
 
 HLO = """HloModule jit_step, input_output_alias={ {1}: (3, {}, may-alias), {2}: (4, {}, may-alias) }, entry_computation_layout={...}
 
+%branch {
+  %copy.9 = f32[4,100]{1,0} copy(%get-tuple-element.1)
+}
+
 ENTRY %main {
   %copy.1 = bf16[8,262144,128]{2,1,0} copy(%input_scatter_fusion.1), metadata={}
   %copy.2 = f32[128]{0} copy(%x), metadata={}
+  %copy.3 = s32[4,100]{1,0} copy(%p2), metadata={}
   %fusion = bf16[8,16384,16,128]{3,2,1,0} fusion(%p), kind=kLoop
 }
 """
 
 
-def test_counts_cache_copies_by_element_count():
+def test_counts_copies_of_donated_buffers_in_the_entry_computation():
     assert aot_check.count_cache_copies(HLO, (8, 16384, 16, 128)) == 1  # the flat view counts too
+    assert aot_check.count_cache_copies(HLO, (8, 16384, 16, 128), "bf16") == 1
+    assert aot_check.count_cache_copies(HLO, (8, 16384, 16, 128), "f32") == 0
     assert aot_check.count_cache_copies(HLO, (8, 16384, 16, 64)) == 0
+    assert aot_check.count_cache_copies(HLO, (4, 100)) == 1  # the branch's copy is not a donated buffer
 
 
 def test_counts_aliased_outputs():
@@ -41,9 +49,11 @@ def test_default_kv_tile_fits_registers(head_dim, dtype, want):
 def test_problems_name_spills_copies_and_errors():
     case = aot_check.Case("engine_step", {"num_layers": 2}, None, [])
     case.result = {"ok": True, "kernels": [dict(name="k", registers=255, spill_bytes=96, cp_async=True, mma="")],
-                   "cache_copies": 3, "aliased_outputs": 2}
-    assert aot_check.problems(case) == ["k spills 96 bytes", "3 copies of a KV cache in the compiled step",
-                                        "only 2 outputs alias donated caches"]
+                   "cache_copies": 3, "aliased_outputs": 4}
+    assert aot_check.problems(case) == [
+        "k spills 96 bytes", "3 copies of a KV cache or sampler state in the compiled step",
+        "only 4 of 8 donated buffers are updated in place",
+    ]
     case.result = {"ok": False, "error": "RESOURCE_EXHAUSTED: Shared memory size limit exceeded"}
     assert aot_check.problems(case) == ["RESOURCE_EXHAUSTED: Shared memory size limit exceeded"]
 
