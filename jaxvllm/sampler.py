@@ -107,41 +107,53 @@ def _largest_true(pred, lo, hi, iters: int = 32):
 def apply_top_k_top_p_min_p(logits, top_k, top_p, min_p):
     """Mask (to -inf) what min_p, then top_k, then top_p exclude, as vLLM orders them.
 
-    Thresholds come from bisection over values instead of a sort of the vocabulary
-    (a few dozen masked reductions; XLA's sort is the slow part otherwise). Each
-    threshold is snapped to an actual value, so tokens tied with the last one kept
-    are kept too. A filter that no row uses is skipped.
+    Each filter finds a per-row logit threshold (keep x >= threshold) under `lax.cond`,
+    skipped when no row uses it; one `where` then masks. The skipped branch hands back a
+    [rows, 1] -inf, not the logits: XLA copies whatever a cond branch passes through, and
+    a [rows, vocab] copy per filter cost more than the mask. min_p and top_k thresholds
+    compose by max (top_k's k-th largest of the min_p survivors is the overall k-th, or
+    min_p's own threshold when fewer than k survive); top_p reads the distribution left
+    by both. Thresholds are found by bisection over values instead of a sort of the
+    vocabulary (XLA's sort is the slow part otherwise) and snapped to an actual logit,
+    so tokens tied with the last one kept are kept too.
     """
-    logits = jax.lax.cond(jnp.any(min_p > 0), _min_p, lambda x, _: x, logits, min_p)
-    logits = jax.lax.cond(jnp.any(top_k > 0), _top_k, lambda x, _: x, logits, top_k)
-    return jax.lax.cond(jnp.any(top_p < 1), _top_p, lambda x, _: x, logits, top_p)
+    none = jnp.full((logits.shape[0], 1), -jnp.inf, logits.dtype)
+    skip = lambda *_: none  # noqa: E731
+    threshold = jax.lax.cond(jnp.any(min_p > 0), _min_p_threshold, skip, logits, min_p)
+    threshold = jnp.maximum(threshold, jax.lax.cond(jnp.any(top_k > 0), _top_k_threshold, skip, logits, top_k))
+    threshold = jnp.maximum(
+        threshold, jax.lax.cond(jnp.any(top_p < 1), _top_p_threshold, skip, logits, top_p, threshold)
+    )
+    return jnp.where(logits < threshold, -jnp.inf, logits)
 
 
-def _min_p(logits, min_p):
+def _min_p_threshold(logits, min_p):
+    """The smallest logit whose probability is >= min_p times the row's largest."""
     probs = jax.nn.softmax(logits, axis=-1)
-    return jnp.where(probs < min_p[:, None] * probs.max(-1, keepdims=True), -jnp.inf, logits)
+    keep = probs >= min_p[:, None] * probs.max(-1, keepdims=True)
+    return jnp.min(jnp.where(keep, logits, jnp.inf), axis=-1, keepdims=True)
 
 
-def _top_k(logits, top_k):
-    """Keep values >= the k-th largest (k <= 0: all)."""
+def _top_k_threshold(logits, top_k):
+    """The k-th largest value (k <= 0: all)."""
     vocab = logits.shape[-1]
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)[:, None]
     lo = jnp.min(jnp.where(jnp.isfinite(logits), logits, jnp.inf), axis=-1, keepdims=True)
     hi = jnp.max(logits, axis=-1, keepdims=True)
     kth = _largest_true(lambda t: jnp.sum(logits >= t, axis=-1, keepdims=True) >= k, lo, hi)
-    kth = jnp.min(jnp.where(logits >= kth, logits, jnp.inf), axis=-1, keepdims=True)
-    return jnp.where(logits < kth, -jnp.inf, logits)
+    return jnp.min(jnp.where(logits >= kth, logits, jnp.inf), axis=-1, keepdims=True)
 
 
-def _top_p(logits, top_p):
-    """Keep a token when the mass of strictly more likely tokens is below p."""
+def _top_p_threshold(logits, top_p, below):
+    """Keep a token when the mass of strictly more likely tokens is below p, in the
+    distribution left after masking logits under `below` (the earlier filters)."""
+    logits = jnp.where(logits < below, -jnp.inf, logits)
     probs = jax.nn.softmax(logits, axis=-1)
     p = top_p[:, None]
     mass_above = lambda t: jnp.sum(jnp.where(probs > t, probs, 0.0), axis=-1, keepdims=True)  # noqa: E731
     t = _largest_true(lambda t: mass_above(t) >= p, jnp.zeros_like(p), probs.max(-1, keepdims=True))
-    cutoff = jnp.min(jnp.where(probs > t, probs, jnp.inf), axis=-1, keepdims=True)
-    cutoff = jnp.where(p >= 1.0, 0.0, cutoff)
-    return jnp.where(probs < cutoff, -jnp.inf, logits)
+    cutoff = jnp.min(jnp.where(probs > t, logits, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(p >= 1.0, -jnp.inf, cutoff)
 
 
 def compute_logprobs(logits: jax.Array, token_ids: jax.Array) -> Logprobs:
