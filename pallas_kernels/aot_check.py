@@ -227,9 +227,9 @@ def kernel_cases(quick: bool) -> list[Case]:
     cases.append(decode_case(2, 128, jnp.bfloat16, num_seqs=256, context=4096))
     for tuning in FULL["k1"]["sweep"]:
         cases.append(decode_case(2, 128, jnp.bfloat16, **tuning))
-    for block_q, block_kv in FULL["k2"]["tiles"]:
+    for tuning in FULL["k2"]["tiles"]:
         cases.append(ragged_case(1, 128, jnp.bfloat16, num_tokens=4 * 4096, num_seqs=4, context=4096, kv_heads=16,
-                                 block_q=block_q, block_kv=block_kv))
+                                 **tuning))
     return cases
 
 

@@ -47,14 +47,16 @@ from pallas_kernels.ragged_paged_attention import ragged_paged_attention, ragged
 
 FULL = dict(
     k1=dict(q_heads=16, kv_heads=8, head_dim=128, block_size=16, shapes=[(64, 2048), (256, 1024), (256, 4096)],
-            # paged_decode_attention tunings tried beside the defaults (unset = default). The
-            # sm_90a compile (aot_check) shows ~1 KV tile of shared memory per program whatever
-            # num_stages, so latency is hidden by programs per SM: smaller tiles fit more.
+            # paged_decode_attention tunings tried beside the defaults (unset = default: a
+            # 64-key tile, num_stages=3). block_kv=128 with num_stages=2 was the default before
+            # the page ids were carried (no load in flight during a tile's dots).
             sweep=(dict(num_splits=1), dict(num_splits=2), dict(num_splits=4), dict(num_splits=8),
-                   dict(block_kv=64), dict(block_kv=64, num_stages=3), dict(block_kv=32, num_stages=4),
-                   dict(num_warps=8), dict(block_kv=64, num_splits=8))),
+                   dict(block_kv=128, num_stages=2), dict(block_kv=128, num_stages=3),
+                   dict(block_kv=32, num_stages=4), dict(num_stages=4), dict(num_warps=8))),
     k2=dict(batch=4, seq_len=4096, q_heads=16, kv_heads=16, head_dim=128, block_size=16,
-            tiles=((None, 64), (None, 128), (64, 64))),  # (block_q tokens, block_kv); None = default
+            # ragged_paged_attention tunings (the first is the default: 128 query rows, 64 keys,
+            # num_stages=3, 8 warps).
+            tiles=(dict(), dict(block_kv=128), dict(block_q=64), dict(num_stages=2), dict(num_stages=4))),
     step=dict(model="qwen3-0.6b", num_seqs=256, context=1024, block_size=16),
     # K/V rows written per step: a decode batch, a prefill bucket; into one layer's cache
     # of Qwen3-0.6B's shape with 64k slots.
@@ -64,7 +66,8 @@ FULL = dict(
 SMALL = dict(
     k1=dict(q_heads=4, kv_heads=2, head_dim=16, block_size=8, shapes=[(3, 40)],
             sweep=(dict(num_splits=1, block_kv=16), dict(num_splits=2, block_kv=16, num_warps=8))),
-    k2=dict(batch=2, seq_len=64, q_heads=2, kv_heads=2, head_dim=16, block_size=8, tiles=((16, 16),)),
+    k2=dict(batch=2, seq_len=64, q_heads=2, kv_heads=2, head_dim=16, block_size=8,
+            tiles=(dict(block_q=16, block_kv=16),)),
     step=dict(model="tiny", num_seqs=4, context=48, block_size=8),
     kv=dict(kv_heads=2, head_dim=16, num_slots=256, block_size=8, tokens=[16]),
     iters=2,
@@ -82,6 +85,10 @@ def time_fn(fn: Callable, *args, iters: int, warmup: int = 1) -> float:
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def tuning_name(tuning: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in tuning.items()) or "default"
 
 
 def _attempt(results: dict, name: str, fn: Callable[[], dict]) -> None:
@@ -146,7 +153,7 @@ def bench_k1(cfg: dict, iters: int, interpret: bool) -> list[dict]:
             sweep = {}
             for tuning in cfg["sweep"]:
                 f = jax.jit(partial(paged_decode_attention, sm_scale=scale, interpret=interpret, **tuning))
-                name = ",".join(f"{k}={v}" for k, v in tuning.items())
+                name = tuning_name(tuning)
                 sweep[name] = tbs(time_fn(f, q, k_cache, v_cache, lens, tables, iters=iters))
             best = max(sweep, key=sweep.get)
             out.update(sweep_tb_s=sweep, best=best, best_tb_s=sweep[best])
@@ -233,11 +240,10 @@ def bench_k2(cfg: dict, iters: int, interpret: bool) -> dict:
     def ours():
         out: dict[str, Any] = {}
         sweep = {}
-        for block_q, block_kv in cfg["tiles"]:
-            fn = jax.jit(partial(ragged_paged_attention, sm_scale=scale, block_q=block_q, block_kv=block_kv,
-                                 interpret=interpret))
+        for tuning in cfg["tiles"]:
+            fn = jax.jit(partial(ragged_paged_attention, sm_scale=scale, interpret=interpret, **tuning))
             got = fn(q, k_cache, v_cache, positions, qsl, lens, tables)
-            name = f"block_q={block_q},block_kv={block_kv}"
+            name = tuning_name(tuning)
             out.setdefault("max_abs_err", {})[name] = _max_err(got, want)
             sweep[name] = tflops(time_fn(fn, q, k_cache, v_cache, positions, qsl, lens, tables, iters=iters))
         best = max(sweep, key=sweep.get)

@@ -75,15 +75,19 @@ def cdiv(a: int, b: int) -> int:
 
 
 # Default tiles, checked on sm_90a by `python -m pallas_kernels.aot_check` (ptxas: no
-# spills, shared memory under 227 KiB). 16-bit inputs use tensor cores and keep a KV
-# tile of up to 32 KiB in registers; float32 (exact dots, no tensor cores, for parity
-# tests) spills beyond half that, and its tiles of 64 KiB overflow shared memory.
-def kv_tile_bytes(dtype) -> int:
-    return 16384 if np.dtype(dtype).itemsize >= 4 else 32768
+# spills, shared memory under 227 KiB). A 16 KiB K tile (64 keys of head_dim 128 in bf16)
+# with num_stages=3 keeps two K and two V tiles in flight per program and three programs
+# per SM; float32 (exact dots, no tensor cores, for parity tests) spills beyond that tile
+# and with a third stage.
+KV_TILE_BYTES = 16384
 
 
 def default_block_kv(head_dim: int, dtype, most: int = 128) -> int:
-    """Keys per inner step: as many as fit `kv_tile_bytes`, a power of 2 in [16, most]."""
-    fit = kv_tile_bytes(dtype) // (head_dim * np.dtype(dtype).itemsize)
+    """Keys per inner step: as many as fit KV_TILE_BYTES, a power of 2 in [16, most]."""
+    fit = KV_TILE_BYTES // (head_dim * np.dtype(dtype).itemsize)
     return max(MIN_DOT_DIM, min(most, 1 << max(int(fit).bit_length() - 1, 0)))
 
+
+def default_num_stages(dtype) -> int:
+    """Software-pipeline depth of the KV loop: 3 for 16-bit inputs, 2 for float32."""
+    return 2 if np.dtype(dtype).itemsize >= 4 else 3

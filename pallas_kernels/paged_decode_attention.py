@@ -18,7 +18,11 @@ A sequence with seq_len 0 (a padding row) gets zeros.
 Grid: (sequence, KV head, partition). Each program walks its share of the sequence's
 KV tiles (`block_kv` tokens, any number of pages) with an online softmax. Page ids are
 looked up per token inside the kernel (scalar prefetch of block tables exists on TPU
-only), so block_size need not divide block_kv. Written for Pallas' Triton backend; a
+only), so block_size need not divide block_kv. They are loaded one tile ahead and
+carried through the loop: a K/V address that depends on a load in the same iteration
+keeps Triton's pipeliner from keeping more than one tile in flight (seen in the sm_90a
+compile: shared memory stayed at one tile whatever num_stages), while carried ids let
+num_stages=3 load the next tiles during the current one's dots. Written for Pallas' Triton backend; a
 Mosaic GPU variant would be another `_call_*` beside `_call_triton`, same wrapper.
 """
 
@@ -40,6 +44,7 @@ from pallas_kernels.common import (
     cdiv,
     check_dtypes,
     default_block_kv,
+    default_num_stages,
     check_power_of_2,
     next_power_of_2,
     resolve_interpret,
@@ -93,13 +98,18 @@ def _decode_kernel(
     scale = sm_scale * LOG2_E  # scores in base 2: exp2 is one instruction
     offsets = jnp.arange(block_kv)
 
-    def body(tile, carry):
-        acc, m_prev, l_prev = carry
+    def pages_of(tile):
         keys = tile * block_kv + offsets
         valid = (keys >= lo) & (keys < hi)
-        page = plgpu.load(bt_ref.at[lax.div(keys, block_size)], mask=valid, other=0)
+        return plgpu.load(bt_ref.at[lax.div(keys, block_size)], mask=valid, other=0)
+
+    def body(tile, carry):
+        acc, m_prev, l_prev, page = carry
+        keys = tile * block_kv + offsets
+        valid = (keys >= lo) & (keys < hi)
         slots = (page * block_size + lax.rem(keys, block_size))[:, None]
         k = plgpu.load(k_ref.at[slots, dims[None, :]], mask=valid[:, None], other=0)
+        next_page = pages_of(tile + 1)
         s = plgpu.dot(q, k, trans_b=True, precision=precision) * scale  # [block_h, block_kv] f32
         s = jnp.where(valid[None, :], s, MASK_VALUE)
         m_next = jnp.maximum(m_prev, s.max(axis=1))
@@ -108,14 +118,15 @@ def _decode_kernel(
         l_next = l_prev * correction + p.sum(axis=1)
         v = plgpu.load(v_ref.at[slots, dims[None, :]], mask=valid[:, None], other=0)
         acc = acc * correction[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
-        return acc, m_next, l_next
+        return acc, m_next, l_next, next_page
 
     init = (
         jnp.zeros((block_h, head_dim), jnp.float32),
         jnp.full((block_h,), MASK_VALUE, jnp.float32),
         jnp.zeros((block_h,), jnp.float32),
+        pages_of(start),
     )
-    acc, m, l = lax.fori_loop(start, stop, body, init)
+    acc, m, l, _ = lax.fori_loop(start, stop, body, init)
     out = acc / jnp.where(l == 0.0, 1.0, l)[:, None]
     plgpu.store(o_ref.at[rows[:, None], dims[None, :]], out, mask=row_ok)
     plgpu.store(m_ref.at[rows], m * LN_2, mask=rows < group)  # back to natural log for the combine
@@ -186,14 +197,15 @@ def paged_decode_attention(
     block_kv: int | None = None,
     block_h: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:
     """Decode attention [S, num_q_heads, head_dim] in q's dtype; layout in the module docstring.
 
     num_splits: KV partitions per sequence (None: enough for ~1024 programs, at most 16).
-    block_kv: KV tokens per inner step (a power of 2; None: 128 for 16-bit head_dim <= 128,
-    smaller for head_dim 256 and float32, see `default_block_kv`). block_h: query rows of a dot,
+    block_kv: KV tokens per inner step (a power of 2; None: a 16 KiB tile, 64 keys of
+    head_dim 128 in bf16, see `default_block_kv`). num_stages: pipeline depth (None: 3 for
+    16-bit, 2 for float32). block_h: query rows of a dot,
     G padded up (None: 16 compiled, for tl.dot's minimum; the next power of 2 of G in
     interpret mode). interpret: None = on CPU (or `JAXVLLM_PALLAS_INTERPRET=1`).
     """
@@ -222,6 +234,8 @@ def paged_decode_attention(
         raise ValueError(f"block_h {block_h} < {group} query heads per KV head")
     if block_kv is None:  # interpret mode: one wide tile per step, whatever the dtype
         block_kv = 128 if interpret else default_block_kv(head_dim, q.dtype)
+    if num_stages is None:
+        num_stages = default_num_stages(q.dtype)
     check_power_of_2("head_dim", head_dim, interpret)
     check_power_of_2("block_kv", block_kv, False)
     check_power_of_2("block_h", block_h, False)

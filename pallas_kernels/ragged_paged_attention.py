@@ -20,7 +20,9 @@ head ([block_q * G, D] rows per dot). A small jnp step lists the tiles of every
 sequence (`_tile_metadata`); the grid is (tile, KV head) with a static upper bound on
 the tile count (cdiv(T, block_q) + S), idle tiles exiting at once. Each program walks
 its sequence's KV pages up to the causal limit of its last query with an online
-softmax; tiles wholly below the diagonal skip the mask. Positions of one sequence's
+softmax; tiles wholly below the diagonal skip the mask. Page ids are loaded one tile
+ahead and carried, so that Triton can pipeline the K/V loads (see the decode kernel's
+docstring). Positions of one sequence's
 query tokens are consecutive (the engine's chunks always are): the mask uses the
 tile's first position plus the row offset. Page ids are looked up per key inside the
 kernel (scalar prefetch is TPU-only), so any block_size works.
@@ -43,6 +45,8 @@ from pallas_kernels.common import (
     cdiv,
     check_dtypes,
     check_power_of_2,
+    default_block_kv,
+    default_num_stages,
     next_power_of_2,
     resolve_interpret,
 )
@@ -165,19 +169,22 @@ def _ragged_kernel(
         full_end = first_tile
     offsets = jnp.arange(block_kv)
 
-    def step(tile, carry, masked: bool):
-        acc, m_prev, l_prev = carry
+    def pages_of(tile):
         keys = tile * block_kv + offsets
-        bt_index = bt0 + lax.div(keys, block_size)
+        kv_ok = (keys >= lo) & (keys < hi)
+        return plgpu.load(bt_ref.at[bt0 + lax.div(keys, block_size)], mask=kv_ok, other=0)
+
+    def step(tile, carry, masked: bool):
+        acc, m_prev, l_prev, page = carry  # page ids of this tile, loaded one step ahead
+        keys = tile * block_kv + offsets
         if masked:
             kv_ok = (keys >= lo) & (keys < hi)
-            page = plgpu.load(bt_ref.at[bt_index], mask=kv_ok, other=0)
             load_mask = dict(mask=kv_ok[:, None], other=0)
         else:
-            page = bt_ref[bt_index]
             load_mask = {}
         slots = (page * block_size + lax.rem(keys, block_size))[:, None]
         k = plgpu.load(k_ref.at[slots, dims[None, :]], **load_mask)
+        next_page = pages_of(tile + 1)
         s = plgpu.dot(q, k, trans_b=True, precision=precision) * scale  # [rows, block_kv] f32
         if masked:
             ok = kv_ok[None, :] & (keys[None, :] <= q_pos)
@@ -190,16 +197,17 @@ def _ragged_kernel(
         l_next = l_prev * correction + p.sum(axis=1)
         v = plgpu.load(v_ref.at[slots, dims[None, :]], **load_mask)
         acc = acc * correction[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
-        return acc, m_next, l_next
+        return acc, m_next, l_next, next_page
 
     num_rows = block_q * block_h
     carry = (
         jnp.zeros((num_rows, head_dim), jnp.float32),
         jnp.full((num_rows,), MASK_VALUE, jnp.float32),
         jnp.zeros((num_rows,), jnp.float32),
+        pages_of(first_tile),
     )
     carry = lax.fori_loop(first_tile, full_end, functools.partial(step, masked=False), carry)
-    acc, _, l = lax.fori_loop(full_end, end_tile, functools.partial(step, masked=True), carry)
+    acc, _, l, _ = lax.fori_loop(full_end, end_tile, functools.partial(step, masked=True), carry)
     out = acc / jnp.where(l == 0.0, 1.0, l)[:, None]
     plgpu.store(o_ref.at[index], out.astype(o_ref.dtype), mask=row_ok)
 
@@ -277,7 +285,7 @@ def ragged_paged_attention_raw(
     block_q: int | None = None,
     block_kv: int | None = None,
     num_warps: int | None = None,
-    num_stages: int = 2,
+    num_stages: int | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:
     """The kernel alone: rows of sequences with fewer than `min_query_len` query tokens,
@@ -296,13 +304,13 @@ def ragged_paged_attention_raw(
         raise ValueError(f"min_query_len must be >= 1, got {min_query_len}")
     group = num_q_heads // num_kv_heads
     block_h = next_power_of_2(group)
-    # Tensor cores take wide tiles; compiled float32 tiles stay small (common.kv_tile_bytes).
+    # Tensor cores take wide tiles; compiled float32 tiles stay small (spills otherwise).
     # Interpret mode runs grid steps one after another: wide tiles, fewer steps.
     wide = q.dtype.itemsize < 4 or interpret
     if block_q is None:
         block_q = max(1, (128 if wide else MIN_DOT_DIM) // block_h)
-    if block_kv is None:
-        block_kv = 64 if wide else MIN_DOT_DIM
+    if block_kv is None:  # head_dim 256 in bf16: 32 keys, or three stages overflow shared memory
+        block_kv = 64 if interpret else default_block_kv(head_dim, q.dtype, most=64) if wide else MIN_DOT_DIM
     check_power_of_2("head_dim", head_dim, interpret)
     check_power_of_2("block_q", block_q, False)
     check_power_of_2("block_kv", block_kv, False)
@@ -313,6 +321,8 @@ def ragged_paged_attention_raw(
         )
     if num_warps is None:
         num_warps = 4 if wide and head_dim <= 64 else 8
+    if num_stages is None:
+        num_stages = default_num_stages(q.dtype)
 
     # Every sequence adds at most one partial tile.
     num_tiles = max(1, cdiv(num_tokens, block_q) + min(num_seqs, num_tokens // min_query_len))
@@ -358,7 +368,8 @@ def ragged_paged_attention(
 
     Padding rows (past `query_start_loc[-1]`) are zeros. `tuning`: block_q (query tokens
     per tile, a power of 2; default 128 rows / G, 16 rows / G in float32), block_kv (keys
-    per inner step, default 64, 16 in float32), num_warps, num_stages, interpret (None: on CPU or with
+    per inner step; default 64, 32 for head_dim 256, 16 in float32), num_warps,
+    num_stages (default 3, 2 in float32), interpret (None: on CPU or with
     `JAXVLLM_PALLAS_INTERPRET=1`).
     """
     out = ragged_paged_attention_raw(
