@@ -97,7 +97,7 @@ class KernelStats:
     spill_bytes: int  # spill stores + loads; anything above 0 costs bandwidth
     cp_async: bool  # loads pipelined through shared memory
     mma: str  # tensor-core instruction used ("mma.sync", "wgmma" or "")
-    shared_memory: int | None = None  # bytes per program (from XLA's thunk dump; jax >= 0.11)
+    shared_memory: int | None = None  # bytes per program, when XLA's thunk dump tells
 
 
 def kernel_stats(ptx_file: str, ptxas: str) -> KernelStats:
@@ -127,22 +127,14 @@ class Case:
     kind: str
     params: dict
     fn: Callable
-    args: list  # per argument: a (shape, dtype) pair, or a pytree of them / of ShapeDtypeStructs
+    args: list  # one pytree of ShapeDtypeStructs per argument
     result: dict = field(default_factory=dict)
 
 
 def compile_case(case: Case, device: jax.Device, ptxas: str | None) -> dict:
+    """Compile one case for `device`; kernel figures from the PTX XLA dumps on the way."""
     sharding = jax.sharding.SingleDeviceSharding(device)
-    def on_device(x):
-        shape, dtype = (x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-
-    def is_leaf(x) -> bool:
-        if isinstance(x, jax.ShapeDtypeStruct):
-            return True
-        return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], tuple) and all(isinstance(d, int) for d in x[0])
-
-    specs = jax.tree.map(on_device, case.args, is_leaf=is_leaf)
+    specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), case.args)
     with tempfile.TemporaryDirectory() as dump:
         start = time.perf_counter()
         try:
@@ -175,14 +167,18 @@ def kernel_ptx(dump: str) -> list[str]:
 # -- what to compile -------------------------------------------------------------------------
 
 
+def spec(shape: tuple[int, ...], dtype=jnp.int32) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
 def decode_case(group: int, head_dim: int, dtype, block_size: int = 16, window: int | None = None,
                 num_seqs: int = 64, context: int = 2048, kv_heads: int = 8, **tuning) -> Case:
     blocks = num_seqs * context // block_size
     fn = jax.jit(partial(paged_decode_attention, sm_scale=head_dim**-0.5, sliding_window=window,
                          interpret=False, **tuning))
-    cache = ((kv_heads, blocks, block_size, head_dim), dtype)
-    args = [((num_seqs, kv_heads * group, head_dim), dtype), cache, cache, ((num_seqs,), jnp.int32),
-            ((num_seqs, context // block_size), jnp.int32)]
+    cache = spec((kv_heads, blocks, block_size, head_dim), dtype)
+    args = [spec((num_seqs, kv_heads * group, head_dim), dtype), cache, cache, spec((num_seqs,)),
+            spec((num_seqs, context // block_size))]
     params = dict(group=group, head_dim=head_dim, dtype=jnp.dtype(dtype).name, block_size=block_size,
                   window=window, num_seqs=num_seqs, context=context, **tuning)
     return Case("decode", params, fn, args)
@@ -194,10 +190,9 @@ def ragged_case(group: int, head_dim: int, dtype, block_size: int = 16, window: 
     blocks = num_seqs * context // block_size
     fn = jax.jit(partial(ragged_paged_attention, sm_scale=head_dim**-0.5, sliding_window=window,
                          interpret=False, **tuning))
-    cache = ((kv_heads, blocks, block_size, head_dim), dtype)
-    i32 = jnp.int32
-    args = [((num_tokens, kv_heads * group, head_dim), dtype), cache, cache, ((num_tokens,), i32),
-            ((num_seqs + 1,), i32), ((num_seqs,), i32), ((num_seqs, context // block_size), i32)]
+    cache = spec((kv_heads, blocks, block_size, head_dim), dtype)
+    args = [spec((num_tokens, kv_heads * group, head_dim), dtype), cache, cache, spec((num_tokens,)),
+            spec((num_seqs + 1,)), spec((num_seqs,)), spec((num_seqs, context // block_size))]
     params = dict(group=group, head_dim=head_dim, dtype=jnp.dtype(dtype).name, block_size=block_size,
                   window=window, num_tokens=num_tokens, **tuning)
     return Case("ragged", params, fn, args)
@@ -248,11 +243,7 @@ def engine_step_case(backend: str, model: str = "qwen3-0.6b", num_tokens: int = 
     dtype = jnp.bfloat16
     rows = min(max_num_seqs, num_tokens)  # as ModelRunner.rows_for
     max_blocks = context // block_size
-    cache = jax.ShapeDtypeStruct((cfg.num_kv_heads, rows * max_blocks, block_size, cfg.head_dim), dtype)
-
-    def spec(shape, dtype=jnp.int32):
-        return jax.ShapeDtypeStruct(shape, dtype)
-
+    cache = spec((cfg.num_kv_heads, rows * max_blocks, block_size, cfg.head_dim), dtype)
     inputs = ModelInputs(spec((num_tokens,)), spec((num_tokens,)), spec((num_tokens,)), spec((rows + 1,)),
                          spec((rows,)), spec((rows, max_blocks)), spec((rows,)))
     args = [
