@@ -229,7 +229,7 @@ def kernel_cases(quick: bool) -> list[Case]:
 
 
 def engine_step_case(backend: str, model: str = "qwen3-0.6b", num_tokens: int = 256, max_num_seqs: int = 256,
-                     context: int = 1024, block_size: int = 16) -> Case:
+                     context: int = 1024, block_size: int = 16, dtype=jnp.bfloat16) -> Case:
     """The model runner's jitted step (model + sampler, caches and sampler state donated)
     for a decode bucket of `num_tokens` sequences at `context` tokens each."""
     from jaxvllm.batch import ModelInputs
@@ -240,7 +240,6 @@ def engine_step_case(backend: str, model: str = "qwen3-0.6b", num_tokens: int = 
     from jaxvllm.sampler import init_state
 
     cfg = ModelConfig.from_hf(get_dummy(model).make_config())
-    dtype = jnp.bfloat16
     rows = min(max_num_seqs, num_tokens)  # as ModelRunner.rows_for
     max_blocks = context // block_size
     cache = spec((cfg.num_kv_heads, rows * max_blocks, block_size, cfg.head_dim), dtype)
@@ -254,7 +253,8 @@ def engine_step_case(backend: str, model: str = "qwen3-0.6b", num_tokens: int = 
         jax.tree.map(lambda x: spec(x.shape, x.dtype), sampling_tensors([], rows, {})),
         spec((num_tokens,)),
     ]
-    params = dict(backend=backend, model=model, num_tokens=num_tokens, context=context, num_layers=cfg.num_layers,
+    params = dict(backend=backend, model=model, dtype=jnp.dtype(dtype).name, num_tokens=num_tokens, context=context,
+                  num_layers=cfg.num_layers,
                   cache_shape=list(cache.shape), state_shape=[max_num_seqs, cfg.vocab_size])
     return Case("engine_step", params, jit_step(cfg, backend), args)
 
@@ -352,8 +352,12 @@ def main(argv: list[str] | None = None) -> int:
     ptxas = ptxas_path()
     if ptxas is None:
         print("ptxas not found (pip install nvidia-cuda-nvcc-cu12): no register or spill figures", file=sys.stderr)
-    # Engine steps: a small and the full decode bucket, a prefill bucket; the reference path once.
-    engine = [engine_step_case("pallas", num_tokens=t) for t in (16, 256, 2048)] + [engine_step_case("reference")]
+    # Engine steps: a small and the full decode bucket, a prefill bucket; the reference path
+    # once; and the tiny float32 model that scripts/gpu_check.sh's engine parity test runs.
+    engine = [engine_step_case("pallas", num_tokens=t) for t in (16, 256, 2048)] + [
+        engine_step_case("reference"),
+        engine_step_case("pallas", model="tiny", num_tokens=64, max_num_seqs=8, context=256, dtype=jnp.float32),
+    ]
     cases = kernel_cases(args.quick) + engine
     start = time.perf_counter()
     run(cases, device, ptxas)
