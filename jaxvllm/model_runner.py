@@ -92,6 +92,12 @@ def _step(params, kv_caches, sampler_state, inputs: ModelInputs, sampling: Sampl
     return sampled, logprobs, prompt_logprobs, kv_caches, sampler_state
 
 
+def sequence_rows(max_num_seqs: int, bucket: int) -> int:
+    """Sequence rows of a token bucket's batch (static per bucket): every sequence brings
+    at least one token, so a bucket of T tokens never holds more than T sequences."""
+    return min(max_num_seqs, bucket)
+
+
 def jit_step(cfg: ModelConfig, backend: str):
     """The engine step as the runner compiles it: KV caches and sampler state donated."""
     return jax.jit(partial(_step, cfg=cfg, backend=backend), donate_argnums=(1, 2))
@@ -236,8 +242,7 @@ class ModelRunner:
     # -- one step ----------------------------------------------------------------------
 
     def rows_for(self, bucket: int) -> int:
-        """Sequence rows of a token bucket's batch (static per bucket)."""
-        return min(self.config.max_num_seqs, bucket)
+        return sequence_rows(self.config.max_num_seqs, bucket)
 
     def bucket_for(self, num_tokens: int) -> int:
         for b in self.buckets:
@@ -254,9 +259,8 @@ class ModelRunner:
         starts = np.fromiter((s.start for s in scheduled), np.int32, n)
         num_tokens = int(lens.sum())
         padded = num_padded or self.bucket_for(num_tokens)
-        # Every sequence brings at least one token, so a bucket of T tokens needs at most
-        # T sequence rows: small steps (latency, few long decodes) get fewer rows, hence
-        # fewer logits to compute and more split-K partitions per sequence.
+        # Small steps (latency, few long decodes) get fewer rows, hence fewer logits to
+        # compute and more split-K partitions per sequence.
         rows = self.rows_for(padded)
 
         query_start_loc = np.full(rows + 1, num_tokens, np.int32)

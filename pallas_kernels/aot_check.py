@@ -236,11 +236,11 @@ def engine_step_case(backend: str, model: str = "qwen3-0.6b", num_tokens: int = 
     from jaxvllm.config import ModelConfig
     from jaxvllm.dummy import get_dummy
     from jaxvllm.loader import dummy_params
-    from jaxvllm.model_runner import jit_step, sampling_tensors
+    from jaxvllm.model_runner import jit_step, sampling_tensors, sequence_rows
     from jaxvllm.sampler import init_state
 
     cfg = ModelConfig.from_hf(get_dummy(model).make_config())
-    rows = min(max_num_seqs, num_tokens)  # as ModelRunner.rows_for
+    rows = sequence_rows(max_num_seqs, num_tokens)
     max_blocks = context // block_size
     cache = spec((cfg.num_kv_heads, rows * max_blocks, block_size, cfg.head_dim), dtype)
     inputs = ModelInputs(spec((num_tokens,)), spec((num_tokens,)), spec((num_tokens,)), spec((rows + 1,)),

@@ -22,8 +22,9 @@ only), so block_size need not divide block_kv. They are loaded one tile ahead an
 carried through the loop: a K/V address that depends on a load in the same iteration
 keeps Triton's pipeliner from keeping more than one tile in flight (seen in the sm_90a
 compile: shared memory stayed at one tile whatever num_stages), while carried ids let
-num_stages=3 load the next tiles during the current one's dots. Written for Pallas' Triton backend; a
-Mosaic GPU variant would be another `_call_*` beside `_call_triton`, same wrapper.
+num_stages=3 load the next tiles during the current one's dots. Written for Pallas'
+Triton backend; a Mosaic GPU variant would be another `_call_*` beside `_call_triton`,
+same wrapper.
 """
 
 from __future__ import annotations
@@ -43,9 +44,9 @@ from pallas_kernels.common import (
     MIN_DOT_DIM,
     cdiv,
     check_dtypes,
+    check_power_of_2,
     default_block_kv,
     default_num_stages,
-    check_power_of_2,
     next_power_of_2,
     resolve_interpret,
 )

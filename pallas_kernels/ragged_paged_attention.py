@@ -20,12 +20,12 @@ head ([block_q * G, D] rows per dot). A small jnp step lists the tiles of every
 sequence (`_tile_metadata`); the grid is (tile, KV head) with a static upper bound on
 the tile count (cdiv(T, block_q) + S), idle tiles exiting at once. Each program walks
 its sequence's KV pages up to the causal limit of its last query with an online
-softmax; tiles wholly below the diagonal skip the mask. Page ids are loaded one tile
-ahead and carried, so that Triton can pipeline the K/V loads (see the decode kernel's
-docstring). Positions of one sequence's
+softmax; tiles wholly below the diagonal skip the mask. Positions of one sequence's
 query tokens are consecutive (the engine's chunks always are): the mask uses the
 tile's first position plus the row offset. Page ids are looked up per key inside the
-kernel (scalar prefetch is TPU-only), so any block_size works.
+kernel (scalar prefetch is TPU-only), so any block_size works; they are loaded one
+tile ahead and carried, so that Triton can pipeline the K/V loads (see the decode
+kernel's docstring).
 """
 
 from __future__ import annotations
@@ -309,8 +309,13 @@ def ragged_paged_attention_raw(
     wide = q.dtype.itemsize < 4 or interpret
     if block_q is None:
         block_q = max(1, (128 if wide else MIN_DOT_DIM) // block_h)
-    if block_kv is None:  # head_dim 256 in bf16: 32 keys, or three stages overflow shared memory
-        block_kv = 64 if interpret else default_block_kv(head_dim, q.dtype, most=64) if wide else MIN_DOT_DIM
+    if block_kv is None:
+        if interpret:
+            block_kv = 64
+        elif wide:  # head_dim 256 in bf16: 32 keys, or three stages overflow shared memory
+            block_kv = default_block_kv(head_dim, q.dtype, most=64)
+        else:
+            block_kv = MIN_DOT_DIM
     check_power_of_2("head_dim", head_dim, interpret)
     check_power_of_2("block_q", block_q, False)
     check_power_of_2("block_kv", block_kv, False)
