@@ -6,7 +6,7 @@ from jaxvllm.engine import LLMEngine
 from jaxvllm.llm import LLM
 from jaxvllm.loader import load_model
 from jaxvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from jaxvllm.sampling_params import SamplingParams
+from jaxvllm.sampling_params import RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "ModelInputs",
     "RequestMetrics",
     "RequestOutput",
+    "RequestOutputKind",
     "SUPPORTED_ARCHITECTURES",
     "SamplingParams",
     "load_model",

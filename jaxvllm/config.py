@@ -185,5 +185,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
+    # Schedule and dispatch step N+1 before reading step N's tokens (vLLM's async scheduling).
+    async_scheduling: bool = True
     attention_backend: str = "auto"
     token_buckets: list[int] | None = field(default=None)

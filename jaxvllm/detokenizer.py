@@ -88,6 +88,9 @@ class IncrementalDetokenizer:
         # vocabulary) are dropped on arrival: they would otherwise leave a window
         # without real left context, and a long run of them would widen it.
         backend = getattr(tokenizer, "backend_tokenizer", None)
+        # Without the cleanup, a fast tokenizer's decode is its backend's: call that
+        # directly (transformers' wrapper costs several times the decode itself).
+        self._backend_decode = backend.decode if backend is not None and not self._cleanup else None
         if backend is not None:
             self._id_to_token = backend.id_to_token
             self._hidden: frozenset[int] = (
@@ -154,6 +157,8 @@ class IncrementalDetokenizer:
     # -- internals -------------------------------------------------------------------
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend_decode is not None:
+            return self._backend_decode(ids, skip_special_tokens=self._skip_special_tokens)
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
 
     def _slow_id_to_token(self, tid: int) -> str | None:

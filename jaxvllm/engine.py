@@ -1,22 +1,29 @@
-"""LLMEngine: requests in, one scheduler + model step at a time, RequestOutputs out."""
+"""LLMEngine: requests in, one scheduler + model step at a time, RequestOutputs out.
+
+With async scheduling (the default, vLLM's `async_scheduling`) a step schedules and
+dispatches step N+1 before it reads step N's tokens, so that the host's scheduling,
+batch building and output processing run while the device computes: decoding requests
+take their next input id from step N's sampled ids on the device, and a token computed
+for a request that stopped meanwhile is dropped.
+"""
 
 from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import numpy as np
 
 from jaxvllm.config import EngineConfig
 from jaxvllm.kv_cache_manager import KVCacheManager
-from jaxvllm.model_runner import ModelRunner
 from jaxvllm.detokenizer import IncrementalDetokenizer
+from jaxvllm.model_runner import ModelRunner, PendingStep
 from jaxvllm.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxvllm.request import Request
-from jaxvllm.sampling_params import SamplingParams
-from jaxvllm.scheduler import Scheduler, SchedulerConfig
+from jaxvllm.sampling_params import RequestOutputKind, SamplingParams
+from jaxvllm.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -30,10 +37,14 @@ class ParentRequest:
 
     request_id: str
     children: list[Request]
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Per child, (tokens, characters of text) already returned: DELTA outputs start there.
+    sent: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for child in self.children:
             child.parent_id = self.request_id
+        self.sent = [(0, 0)] * len(self.children)
 
     @property
     def finished(self) -> bool:
@@ -71,6 +82,7 @@ class LLMEngine:
             ),
             self.kv_cache_manager,
         )
+        self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None  # async: the step not yet read
         self._arrivals = itertools.count()
         self._parents: dict[str, ParentRequest] = {}
         self._token_texts: dict[int, str] = {}
@@ -151,7 +163,7 @@ class LLMEngine:
                     include_stop_str_in_output=params.include_stop_str_in_output,
                 )
             children.append(child)
-        return ParentRequest(request_id, children)
+        return ParentRequest(request_id, children, params.output_kind)
 
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None, priority: int = 0) -> None:
         self.add_parent(self.make_requests(request_id, prompt, params, priority))
@@ -176,24 +188,34 @@ class LLMEngine:
                     self.scheduler.finish(child, "abort")
             self.runner.release(c.request_id for c in parent.children)
             outputs.append(self._output(parent))
+        if not self.scheduler.has_unfinished_requests():
+            self._in_flight = None  # its tokens are for aborted requests only: never read
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests to finish, or a dispatched step still to read."""
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     # -- one step ----------------------------------------------------------------------
 
-    def step(self, final_only: bool = False) -> list[RequestOutput]:
-        """Schedule, run the model once, and return the requests that got a new token.
-
-        final_only: return only finished requests (what `LLM.generate` keeps), which
-        skips building outputs for every running request at every step.
-        """
+    def step(self) -> list[RequestOutput]:
+        """Schedule and dispatch a step, read the tokens of the step before (async) or of
+        this one, and return outputs of the requests that got new tokens, as their
+        `output_kind` asks (FINAL_ONLY: only when finished)."""
         if self.runner.closed:
             raise RuntimeError("this engine was shut down; create a new LLM")
         out = self.scheduler.schedule()
         self.runner.release(r.request_id for r in out.preempted)
-        result = self.runner.execute(out.scheduled)
+        launched = (out, self.runner.execute(out.scheduled)) if out.scheduled else None
+        for s in out.scheduled:  # dispatched: what it writes may now be found by later steps
+            self.kv_cache_manager.cache_blocks(s.request, s.start + s.num_new_tokens)
+        if self.config.async_scheduling:
+            launched, self._in_flight = self._in_flight, launched
+        return self._process(*launched) if launched is not None else []
+
+    def _process(self, out: SchedulerOutput, pending: PendingStep) -> list[RequestOutput]:
+        """Read a step's tokens (waits for the device), append them, apply the stop checks."""
+        result = pending.result()
         updated = self.scheduler.update_from_output(out, result.sampled)
         self._record_logprobs(out.scheduled, result, set(map(id, updated)))
         for request in updated:
@@ -210,7 +232,7 @@ class LLMEngine:
             if parent.finished:
                 del self._parents[parent.request_id]
                 outputs.append(self._output(parent))
-            elif not final_only:
+            elif parent.output_kind != RequestOutputKind.FINAL_ONLY:
                 outputs.append(self._output(parent))
         return outputs
 
@@ -271,21 +293,32 @@ class LLMEngine:
         return text
 
     def _output(self, parent: ParentRequest) -> RequestOutput:
-        for child in parent.children:
+        """The parent's RequestOutput: everything so far, or (DELTA) what is new since the
+        last one. DELTA text holds back a trailing U+FFFD (an incomplete character the
+        next token may complete) until the completion finishes."""
+        delta = parent.output_kind == RequestOutputKind.DELTA
+        completions = []
+        for i, child in enumerate(parent.children):
             self._detokenize(child)
-        first = parent.children[0]
-        completions = [
-            CompletionOutput(
+            text = child.detokenizer.text if child.detokenizer is not None else ""
+            tokens, logprobs = child.output_token_ids, child.logprobs
+            if delta:
+                sent_tokens, sent_chars = parent.sent[i]
+                tokens = tokens[sent_tokens:]
+                logprobs = logprobs[sent_tokens:] if logprobs is not None else None
+                stable = text if child.is_finished else text.rstrip("\ufffd")
+                text = stable[sent_chars:]
+                parent.sent[i] = (sent_tokens + len(tokens), len(stable))
+            completions.append(CompletionOutput(
                 index=i,
-                text=child.detokenizer.text if child.detokenizer is not None else "",
-                token_ids=child.output_token_ids,
+                text=text,
+                token_ids=tokens,
                 cumulative_logprob=child.cumulative_logprob,
-                logprobs=child.logprobs,
+                logprobs=logprobs,
                 finish_reason=child.finish_reason if child.is_finished else None,
                 stop_reason=child.stop_reason,
-            )
-            for i, child in enumerate(parent.children)
-        ]
+            ))
+        first = parent.children[0]
         return RequestOutput(
             request_id=parent.request_id,
             prompt=first.prompt,
@@ -303,6 +336,9 @@ class LLMEngine:
             "num_free_blocks": self.kv_cache_manager.num_free_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_compiled_buckets": self.runner.num_compiled_buckets(),
+            "num_compiled_sampler_variants": self.runner.num_compiled_sampler_variants(),
+            "block_table_widths": list(self.runner.widths),
+            "async_scheduling": self.config.async_scheduling,
             "token_buckets": list(self.runner.buckets),
             "warmup_seconds": self.runner.warmup_seconds,
             "num_running": len(self.scheduler.running),

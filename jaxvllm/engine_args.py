@@ -30,6 +30,7 @@ _VALUE_FLAGS: dict[str, tuple[type, str]] = {
 _BOOL_FLAGS: dict[str, str] = {
     "enable-chunked-prefill": "cut long prompts into chunks that share steps with decoding requests",
     "enable-prefix-caching": "reuse the KV cache blocks of prompt prefixes seen before",
+    "async-scheduling": "schedule and dispatch each step before reading the last one's tokens",
 }
 
 

@@ -158,12 +158,13 @@ class KVCacheManager:
         """Make room for `num_new_tokens` more tokens of `request`, after `computed_blocks`
         (cache hits, on admission); None when blocks run out, and then nothing changed.
 
-        Returns the newly allocated block ids. Blocks that this step fills are registered in
-        the prefix cache now: the engine is synchronous, so their K/V is written before
-        any later step can read them (a request admitted later in the same step reads
-        them in the same forward pass, after each layer's write).
+        Returns the newly allocated block ids. Nothing enters the prefix cache here: the
+        step that writes the blocks may never run (the request may be preempted later in
+        the same schedule); `cache_blocks` registers them once it is dispatched.
         """
         blocks = self.req_blocks.setdefault(request.request_id, [])
+        if not computed_blocks and request.num_computed_tokens + num_new_tokens <= len(blocks) * self.block_size:
+            return []  # the common decode step: its token fits in the last block
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         total = num_computed + num_new_tokens
         need = self.blocks_needed(total) - len(blocks) - len(computed_blocks)
@@ -174,15 +175,21 @@ class KVCacheManager:
         blocks.extend(computed_blocks)
         new = self.pool.allocate(need) if need > 0 else []
         blocks.extend(new)
-        if self.enable_prefix_caching and request.use_prefix_cache:
-            self._register_full_blocks(request, blocks, total // self.block_size)
         return new
 
-    def _register_full_blocks(self, request: Request, blocks: list[int], num_full: int) -> None:
+    def cache_blocks(self, request: Request, num_computed: int) -> None:
+        """Register the request's blocks that are full once its first `num_computed` tokens
+        are in the cache: call it when the step computing them has been dispatched (device
+        order then puts their writes before any later step's reads). Only tokens known on
+        the host can be hashed; a block ending in a token still on the device waits for a
+        later call."""
+        if not self.enable_prefix_caching or not request.use_prefix_cache:
+            return
+        num_full = min(num_computed, request.num_tokens) // self.block_size
         start = self._num_registered.get(request.request_id, 0)
         if num_full <= start:
             return
-        hashes = self.block_hashes(request)
+        blocks, hashes = self.req_blocks[request.request_id], self.block_hashes(request)
         for i in range(start, num_full):
             self.pool.cache(blocks[i], hashes[i])
         self._num_registered[request.request_id] = num_full

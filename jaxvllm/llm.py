@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 from jaxvllm.config import EngineConfig
 from jaxvllm.engine import LLMEngine
 from jaxvllm.outputs import RequestOutput
-from jaxvllm.sampling_params import SamplingParams
+from jaxvllm.sampling_params import RequestOutputKind, SamplingParams
 
 DEFAULT_COMPILATION_CACHE = os.path.join("~", ".cache", "jaxvllm", "jax")
 
@@ -135,6 +135,7 @@ class LLM:
         self._request_counter += len(requests)
         engine.scheduler.set_policy("priority" if priority is not None else engine.config.scheduling_policy)
         for request in requests:
+            request.output_kind = RequestOutputKind.FINAL_ONLY  # generate keeps only the final outputs
             engine.add_parent(request)
 
         finished: dict[str, RequestOutput] = {}
@@ -142,7 +143,7 @@ class LLM:
         start, num_output_tokens = time.perf_counter(), 0
         try:
             while engine.has_unfinished_requests():
-                for output in engine.step(final_only=True):
+                for output in engine.step():
                     num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
                     finished[output.request_id] = output
                     bar.update(1)

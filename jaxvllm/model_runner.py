@@ -1,5 +1,11 @@
-"""Runs the model: owns params and the device KV cache, builds the padded flat batch,
-and calls ONE jitted step (model + sampler) per engine step, compiled per token bucket.
+"""Runs the model: owns params, the device KV cache and the persistent batch; builds each
+step's packed batch and dispatches its jitted functions without waiting for them.
+
+Per step: one host-to-device transfer (the packed batch), then the model forward
+(compiled per token bucket and block-table width), the sampler (compiled per row count
+and `SamplerFeatures`), and prompt logprobs only when a row asks. Nothing in them
+branches on device data. `execute` returns a `PendingStep`; the host reads its tokens
+when it needs them (after dispatching the next step, under async scheduling).
 """
 
 from __future__ import annotations
@@ -15,18 +21,19 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxvllm.batch import ModelInputs
 from jaxvllm.config import EngineConfig, ModelConfig
+from jaxvllm.input_batch import BatchLayout, InputBatch, block_table_widths
 from jaxvllm.layers import ATTENTION_BACKENDS, allocate_kv_caches
 from jaxvllm.loader import load_model, resolve_dtype
 from jaxvllm.models import MODELS
 from jaxvllm.request import Request, ScheduledRequest
 from jaxvllm.sampler import (
+    COMMON_FEATURES,
     Logprobs,
+    SamplerFeatures,
     SamplerState,
     SamplingTensors,
     compute_logprobs,
-    empty_logprobs,
     init_state,
     sample,
     write_state_row,
@@ -60,15 +67,67 @@ PROMPT_LOGPROBS_CHUNK = 256
 class RunnerOutput:
     """What one step hands back to the host (numpy, rows = scheduled requests)."""
 
-    sampled: np.ndarray  # [n] int32
+    sampled: np.ndarray  # [n] int32 (rows that do not sample hold junk)
     logprobs: Logprobs | None  # numpy fields, [n] rows; only when a row asked
     prompt_logprobs: Logprobs | None  # numpy fields, one row per `prompt_positions` entry
     prompt_positions: list[tuple[int, int]]  # (scheduled index, prompt position scored)
 
 
-def _prompt_logprobs(params, hidden, targets, cfg: ModelConfig) -> Logprobs:
-    """Logprobs of each row's next prompt token (`targets`, -1 = none), chunked over rows."""
+@dataclass
+class HostBatch:
+    """One step as the host built it: the packed buffer, its layout and sampler variant."""
+
+    layout: BatchLayout
+    packed: np.ndarray  # int32 [layout.size]
+    features: SamplerFeatures | None  # None: no row samples, the sampler is not run
+    num_scheduled: int
+    prompt_rows: list[int]  # token rows whose prompt logprobs are read back
+    prompt_positions: list[tuple[int, int]]  # (scheduled index, prompt position scored), per prompt row
+
+
+@dataclass
+class PendingStep:
+    """A dispatched step: device arrays not yet read. `result()` waits for the device."""
+
+    batch: HostBatch
+    sampled: jax.Array | None
+    logprobs: Logprobs | None
+    prompt_logprobs: Logprobs | None
+
+    def result(self) -> RunnerOutput:
+        n, b = self.batch.num_scheduled, self.batch
+        to_host = lambda lp, rows: jax.tree.map(lambda x: np.asarray(x)[rows], lp)  # noqa: E731
+        return RunnerOutput(
+            sampled=np.asarray(self.sampled)[:n] if self.sampled is not None else np.zeros(n, np.int32),
+            logprobs=to_host(self.logprobs, slice(0, n)) if self.logprobs is not None else None,
+            prompt_logprobs=to_host(self.prompt_logprobs, b.prompt_rows) if b.prompt_rows else None,
+            prompt_positions=b.prompt_positions,
+        )
+
+
+def _forward(params, kv_caches, packed, last_sampled, *, cfg: ModelConfig, backend: str, layout: BatchLayout):
+    """The model on one step's batch: float32 logits of the sampling rows, every token's
+    final hidden state (for prompt logprobs), and the updated caches."""
     model = MODELS[cfg.architecture]
+    inputs = layout.model_inputs(packed, last_sampled)
+    hidden, kv_caches = model.hidden_states(params, kv_caches, inputs, cfg, backend)
+    logits = model.compute_logits(params, hidden[inputs.logits_indices], cfg)
+    return logits, hidden, kv_caches
+
+
+def _sample(packed, logits, last_sampled, state, *, layout: BatchLayout, features: SamplerFeatures):
+    """Sample every row; record each sampling row's token at its persistent row of
+    `last_sampled`, where the next step's decode inputs are read from."""
+    t = layout.sampling(packed)
+    sampled, logprobs, state = sample(logits, t, state, features)
+    rows = jnp.where(t.counts_sample, t.slot, last_sampled.shape[0])  # other rows: dropped
+    return sampled, logprobs, last_sampled.at[rows].set(sampled, mode="drop"), state
+
+
+def _prompt_logprobs(params, hidden, packed, *, cfg: ModelConfig, layout: BatchLayout) -> Logprobs:
+    """Logprobs of each row's next prompt token (-1 = none), chunked over rows."""
+    model = MODELS[cfg.architecture]
+    targets = layout.prompt_targets(packed)
     rows = hidden.shape[0]
     chunk = min(rows, PROMPT_LOGPROBS_CHUNK)
     padded = -(-rows // chunk) * chunk
@@ -78,57 +137,25 @@ def _prompt_logprobs(params, hidden, targets, cfg: ModelConfig) -> Logprobs:
     return jax.tree.map(lambda x: x.reshape(padded, *x.shape[2:])[:rows], out)
 
 
-def _step(params, kv_caches, sampler_state, inputs: ModelInputs, sampling: SamplingTensors, prompt_targets,
-          *, cfg: ModelConfig, backend: str):
-    model = MODELS[cfg.architecture]
-    hidden, kv_caches = model.hidden_states(params, kv_caches, inputs, cfg, backend)
-    logits = model.compute_logits(params, hidden[inputs.logits_indices], cfg)
-    sampled, logprobs, sampler_state = sample(logits, sampling, sampler_state)
-    prompt_logprobs = jax.lax.cond(
-        jnp.any(prompt_targets >= 0),
-        lambda: _prompt_logprobs(params, hidden, prompt_targets, cfg),
-        lambda: empty_logprobs(hidden.shape[0]),
-    )
-    return sampled, logprobs, prompt_logprobs, kv_caches, sampler_state
-
-
 def sequence_rows(max_num_seqs: int, bucket: int) -> int:
     """Sequence rows of a token bucket's batch (static per bucket): every sequence brings
     at least one token, so a bucket of T tokens never holds more than T sequences."""
     return min(max_num_seqs, bucket)
 
 
-def jit_step(cfg: ModelConfig, backend: str):
-    """The engine step as the runner compiles it: KV caches and sampler state donated."""
-    return jax.jit(partial(_step, cfg=cfg, backend=backend), donate_argnums=(1, 2))
+def jit_forward(cfg: ModelConfig, backend: str):
+    """The model step as the runner compiles it, per layout: the KV caches donated."""
+    return jax.jit(partial(_forward, cfg=cfg, backend=backend), static_argnames="layout", donate_argnums=(1,))
 
 
-def sampling_tensors(scheduled: list[ScheduledRequest], rows: int, slots: dict[str, int]) -> SamplingTensors:
-    """Per-row sampling parameters (`slots`: request id -> SamplerState row); padding rows
-    are greedy with neutral settings."""
-    n = len(scheduled)
-    floats = np.zeros((rows, 6), np.float32)
-    floats[:] = (0.0, 1.0, 0.0, 0.0, 0.0, 1.0)
-    ints = np.zeros((rows, 4), np.int64)
-    flags = np.zeros((rows, 4), bool)
-    if n:
-        floats[:n] = [s.request.sampling_floats for s in scheduled]
-        ints[:n] = [
-            (s.request.params.top_k, s.request.seed, s.request.num_output_tokens, slots.get(s.request.request_id, 0))
-            for s in scheduled
-        ]
-        flags[:n] = [
-            (s.request.uses_sampler_state, s.request.num_output_tokens < s.request.params.min_tokens,
-             s.samples, s.samples and s.request.params.logprobs is not None)
-            for s in scheduled
-        ]
-    f, i, b = floats.T.copy(), ints.T.copy(), flags.T.copy()
-    return SamplingTensors(
-        temperature=f[0], top_p=f[1], min_p=f[2], presence_penalty=f[3], frequency_penalty=f[4],
-        repetition_penalty=f[5], top_k=i[0].astype(np.int32), seeds=i[1].astype(np.uint32),
-        output_index=i[2].astype(np.int32), slot=i[3].astype(np.int32),
-        use_state=b[0], suppress_stop=b[1], counts_sample=b[2], want_logprobs=b[3],
-    )
+def jit_sampler():
+    """The sampler as the runner compiles it, per (layout, features): the last sampled
+    tokens and the sampler state donated."""
+    return jax.jit(_sample, static_argnames=("layout", "features"), donate_argnums=(2, 3))
+
+
+def jit_prompt_logprobs(cfg: ModelConfig):
+    return jax.jit(partial(_prompt_logprobs, cfg=cfg), static_argnames="layout")
 
 
 class ModelRunner:
@@ -157,11 +184,15 @@ class ModelRunner:
         self.backend = self._resolve_backend(c.attention_backend)
         self.block_size = c.block_size
         self.max_blocks_per_seq = -(-self.max_model_len // c.block_size)
-        self._step = jit_step(self.cfg, self.backend)
+        self.widths = block_table_widths(self.max_blocks_per_seq)
+        self.input_batch = InputBatch(c.max_num_seqs, self.max_blocks_per_seq)
+        self._forward = jit_forward(self.cfg, self.backend)
+        self._sampler = jit_sampler()
+        self._prompt_logprobs = jit_prompt_logprobs(self.cfg)
         self._write_row = jax.jit(write_state_row, donate_argnums=(0,))
         self.sampler_state: SamplerState = init_state(c.max_num_seqs, self.cfg.vocab_size)
-        self._slots: dict[str, int] = {}  # request id -> its SamplerState row
-        self._free_slots = list(range(c.max_num_seqs))
+        # Each persistent row's last sampled token: where decode inputs come from under async scheduling.
+        self.last_sampled = jnp.zeros(c.max_num_seqs, jnp.int32)
         self.num_blocks = self._num_kv_blocks()
         self.kv_caches = allocate_kv_caches(self.cfg, self.num_blocks, c.block_size, self.dtype)
         self._log_kv_cache()
@@ -194,12 +225,11 @@ class ModelRunner:
         if not stats or "bytes_limit" not in stats:  # CPU: enough for every sequence, within a fixed budget
             wanted = c.max_num_seqs * self.max_blocks_per_seq
             return max(self.max_blocks_per_seq, min(wanted, CPU_KV_CACHE_BYTES // self.bytes_per_block))
-        # Profile: run the largest bucket with a one-sequence cache and measure the peak.
+        # Profile: run the largest step with a one-sequence cache and measure the peak.
         probe = allocate_kv_caches(self.cfg, self.max_blocks_per_seq, self.block_size, self.dtype)
-        outputs = self._step(self.params, probe, self.sampler_state, *self._dummy_batch(self.buckets[-1]))
-        self.sampler_state = outputs[-1]
-        jax.block_until_ready(outputs)
-        del probe, outputs
+        self.launch(self.padding_batch(self.buckets[-1], self.widths[-1], COMMON_FEATURES[-1]), probe)
+        jax.block_until_ready((self.last_sampled, self.sampler_state))
+        del probe
         stats = device_memory_stats()
         peak = stats.get("peak_bytes_in_use", stats["bytes_in_use"])
         free = c.gpu_memory_utilization * stats["bytes_limit"] - peak
@@ -222,24 +252,32 @@ class ModelRunner:
     # -- compile -----------------------------------------------------------------------
 
     def warmup(self) -> float:
-        """Compile every token bucket now, so that serving never compiles."""
+        """Compile, before serving, the forward of every token bucket and block-table width
+        and the common sampler variants of every row count (greedy, temperature,
+        temperature + top-k/top-p); rarer sampler variants compile when first used."""
         start = time.perf_counter()
-        for bucket in tqdm(self.buckets, desc="Compiling token buckets", dynamic_ncols=True):
-            *outputs, self.kv_caches, self.sampler_state = self._step(
-                self.params, self.kv_caches, self.sampler_state, *self._dummy_batch(bucket)
-            )
+        shapes = [(b, w) for b in self.buckets for w in self.widths]
+        for bucket, width in tqdm(shapes, desc="Compiling token buckets", dynamic_ncols=True):
+            self.launch(self.padding_batch(bucket, width, None))
+        for rows in sorted({self.rows_for(b) for b in self.buckets}):
+            bucket = next(b for b in self.buckets if self.rows_for(b) == rows)
+            for features in COMMON_FEATURES:
+                self.launch(self.padding_batch(bucket, self.widths[0], features))
         zeros = np.zeros(self.cfg.vocab_size)
         self.sampler_state = self._write_row(self.sampler_state, 0, zeros, zeros > 0, zeros.astype(np.int32), zeros > 0)
-        jax.block_until_ready((outputs, self.sampler_state))
+        jax.block_until_ready((self.kv_caches, self.last_sampled, self.sampler_state))
         seconds = time.perf_counter() - start
-        logger.info("warm-up: compiled %d token buckets %s in %.1f s", len(self.buckets), self.buckets, seconds)
+        logger.info("warm-up: compiled %d token buckets %s x %d block-table widths %s and %d sampler variants "
+                    "in %.1f s", len(self.buckets), self.buckets, len(self.widths), self.widths,
+                    self.num_compiled_sampler_variants(), seconds)
         return seconds
 
-    def _dummy_batch(self, num_tokens: int):
-        """All-padding batch of a bucket's shape: writes nothing to the cache."""
-        return self.prepare([], num_tokens)[:3]
+    def padding_batch(self, bucket: int, width: int, features: SamplerFeatures | None) -> HostBatch:
+        """An all-padding batch of a bucket's shape: writes nothing to the cache."""
+        layout = BatchLayout(bucket, self.rows_for(bucket), width)
+        return HostBatch(layout, layout.empty()[0], features, 0, [], [])
 
-    # -- one step ----------------------------------------------------------------------
+    # -- one step: host side -------------------------------------------------------------
 
     def rows_for(self, bucket: int) -> int:
         return sequence_rows(self.config.max_num_seqs, bucket)
@@ -250,65 +288,97 @@ class ModelRunner:
                 return b
         raise ValueError(f"{num_tokens} tokens exceed the largest bucket {self.buckets[-1]}")
 
-    def prepare(self, scheduled: list[ScheduledRequest], num_padded: int | None = None):
-        """Host side: the flat numpy batch padded to a bucket, and the sampling rows."""
-        n, bs = len(scheduled), self.block_size
+    def width_for(self, num_blocks: int) -> int:
+        return next(w for w in self.widths if w >= num_blocks)
+
+    def prepare(self, scheduled: list[ScheduledRequest]) -> HostBatch:
+        """Host side of a step: admit new requests to the persistent batch, then fill one
+        packed buffer from its rows (numpy gathers) and the few per-step values."""
+        n, bs, ib = len(scheduled), self.block_size, self.input_batch
         if n > self.config.max_num_seqs:
             raise ValueError(f"{n} sequences scheduled, max_num_seqs is {self.config.max_num_seqs}")
-        lens = np.fromiter((s.num_new_tokens for s in scheduled), np.int32, n)
-        starts = np.fromiter((s.start for s in scheduled), np.int32, n)
-        num_tokens = int(lens.sum())
-        padded = num_padded or self.bucket_for(num_tokens)
-        # Small steps (latency, few long decodes) get fewer rows, hence fewer logits to
-        # compute and more split-K partitions per sequence.
-        rows = self.rows_for(padded)
-
-        query_start_loc = np.full(rows + 1, num_tokens, np.int32)
-        query_start_loc[0] = 0
-        np.cumsum(lens, out=query_start_loc[1 : n + 1])
-        seq_of_token = np.repeat(np.arange(n, dtype=np.int32), lens)
-        token_pos = np.arange(num_tokens, dtype=np.int32) - query_start_loc[seq_of_token] + starts[seq_of_token]
-
-        block_tables = np.zeros((rows, self.max_blocks_per_seq), np.int32)
+        per_row = []  # (row, start, num_new_tokens, samples) of each scheduled request
+        pending = []  # scheduled index of rows whose last input token is still on the device
+        host_tokens = []
+        row_of = ib.row_of
         for i, s in enumerate(scheduled):
-            block_tables[i, : len(s.block_ids)] = s.block_ids
+            request = s.request
+            row = row_of.get(request.request_id)
+            if row is None:
+                row = self._admit(request)
+            ib.set_blocks(row, s.block_ids)
+            start = s.start
+            end = start + s.num_new_tokens
+            per_row.append((row, start, s.num_new_tokens, s.samples))
+            known = len(request.token_ids)
+            if end > known:  # the last token was sampled by the step before
+                pending.append(i)
+                end = known
+            if end > start:
+                host_tokens.append(request.token_ids[start:end])
+        rows, starts, lens, samples = np.array(per_row, np.int32).reshape(n, 4).T
+        samples = samples.astype(bool)
 
-        input_ids = np.zeros(padded, np.int32)
-        input_ids[:num_tokens] = np.fromiter(
-            chain.from_iterable(s.request.token_ids[s.start : s.start + s.num_new_tokens] for s in scheduled),
-            np.int32, num_tokens,
-        )
-        positions = np.zeros(padded, np.int32)
-        positions[:num_tokens] = token_pos
-        slot_mapping = np.full(padded, -1, np.int32)
-        slot_mapping[:num_tokens] = block_tables[seq_of_token, token_pos // bs] * bs + token_pos % bs
-        seq_lens = np.zeros(rows, np.int32)
-        seq_lens[:n] = starts + lens
-        logits_indices = np.zeros(rows, np.int32)
-        logits_indices[:n] = query_start_loc[1 : n + 1] - 1
+        num_tokens = int(lens.sum())
+        bucket = self.bucket_for(num_tokens)
+        max_blocks = max(max(ib.num_blocks[r] for r, *_ in per_row), 1) if n else 1
+        layout = BatchLayout(bucket, self.rows_for(bucket), self.width_for(max_blocks))
+        packed, v = layout.empty()
 
-        sampling = sampling_tensors(scheduled, rows, self._slots)
-        prompt_targets = np.full(padded, -1, np.int32)
-        prompt_positions = []
+        qsl = v["query_start_loc"]
+        qsl[n + 1 :] = num_tokens
+        np.cumsum(lens, out=qsl[1 : n + 1])
+        last = qsl[1 : n + 1] - 1  # each sequence's last token row
+        seq_of_token = np.repeat(np.arange(n, dtype=np.int32), lens)
+        token_pos = np.arange(num_tokens, dtype=np.int32) - qsl[seq_of_token] + starts[seq_of_token]
+        v["positions"][:num_tokens] = token_pos
+        tables = ib.block_table[rows, : layout.width]
+        v["block_tables"][:n] = tables
+        v["slot_mapping"][:num_tokens] = tables[seq_of_token, token_pos // bs] * bs + token_pos % bs
+        v["seq_lens"][:n] = starts + lens
+        v["logits_indices"][:n] = last
+
+        ids = v["input_ids"][:num_tokens]
+        flat = np.fromiter(chain.from_iterable(host_tokens), np.int32)
+        if pending:  # those tokens come from the device's last sampled ids, at the request's row
+            v["prev_row"][last[pending]] = rows[pending]
+            from_host = np.ones(num_tokens, bool)
+            from_host[last[pending]] = False
+            ids[from_host] = flat
+        else:
+            ids[:] = flat
+
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "top_k", "seeds"):
+            v[name][:n] = getattr(ib, name)[rows]
+        output_index = starts + lens - ib.num_prompt_tokens[rows]  # outputs before the one sampled
+        v["output_index"][:n] = output_index
+        v["slot"][:n] = rows
+        v["use_state"][:n] = ib.use_state[rows]
+        v["suppress_stop"][:n] = output_index < ib.min_tokens[rows]
+        v["counts_sample"][:n] = samples
+        v["want_logprobs"][:n] = samples & ib.want_logprobs[rows]
+        features = SamplerFeatures.of(layout_tensors(v, n), samples) if samples.any() else None
+
+        prompt_rows, prompt_positions = [], []
         for i, s in enumerate(scheduled):
             if s.request.params.prompt_logprobs is None:
                 continue
             # The row of position p scores prompt token p + 1 (the first prompt token has none).
             for pos in range(s.start, min(s.start + s.num_new_tokens, s.request.num_prompt_tokens - 1)):
-                row = int(query_start_loc[i]) + pos - s.start
-                prompt_targets[row] = s.request.prompt_token_ids[pos + 1]
-                prompt_positions.append((i, pos + 1, row))
-        inputs = ModelInputs(input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables, logits_indices)
-        return inputs, sampling, prompt_targets, prompt_positions
+                row = int(qsl[i]) + pos - s.start
+                v["prompt_targets"][row] = s.request.prompt_token_ids[pos + 1]
+                prompt_rows.append(row)
+                prompt_positions.append((i, pos + 1))
+        return HostBatch(layout, packed, features, n, prompt_rows, prompt_positions)
 
-    # -- per-request sampler state -------------------------------------------------------
+    # -- persistent rows -------------------------------------------------------------------
 
-    def _admit(self, request: Request) -> None:
-        """Give a request that needs sampler state a slot, and write its rows once."""
-        if not request.uses_sampler_state or request.request_id in self._slots:
-            return
-        slot = self._free_slots.pop()
-        self._slots[request.request_id] = slot
+    def _admit(self, request: Request) -> int:
+        """Give a request its persistent row; write its sampler state row when it uses one."""
+        row = self.input_batch.add(request)
+        if not request.uses_sampler_state:
+            return row
         params, vocab = request.params, self.cfg.vocab_size
         bias = np.zeros(vocab, np.float32)
         if params.allowed_token_ids is not None:
@@ -321,41 +391,48 @@ class ModelRunner:
         counts = np.bincount(np.asarray(request.output_token_ids, np.int64), minlength=vocab).astype(np.int32)
         stop_mask = np.zeros(vocab, bool)
         stop_mask[list(request.eos_token_ids) + params.stop_token_ids] = True
-        self.sampler_state = self._write_row(self.sampler_state, slot, bias, prompt_mask, counts, stop_mask)
+        self.sampler_state = self._write_row(self.sampler_state, row, bias, prompt_mask, counts, stop_mask)
+        return row
 
     def release(self, request_ids) -> None:
-        """Requests that left the running set (finished, aborted, preempted) give back their slot."""
+        """Requests that left the running set (finished, aborted, preempted) give back their row."""
         for rid in request_ids:
-            slot = self._slots.pop(rid, None)
-            if slot is not None:
-                self._free_slots.append(slot)
+            self.input_batch.remove(rid)
 
-    # -- one step ----------------------------------------------------------------------
+    # -- one step: device side ---------------------------------------------------------------
 
-    def execute(self, scheduled: list[ScheduledRequest]) -> RunnerOutput:
-        """Run one step: a token for each scheduled row; logprobs copied back only when asked."""
-        if not scheduled:
-            return RunnerOutput(np.zeros(0, np.int32), None, None, [])
-        for s in scheduled:
-            self._admit(s.request)
-        inputs, sampling, prompt_targets, prompt_positions = self.prepare(scheduled)
-        sampled, logprobs, prompt_logprobs, self.kv_caches, self.sampler_state = self._step(
-            self.params, self.kv_caches, self.sampler_state, inputs, sampling, prompt_targets
+    def execute(self, scheduled: list[ScheduledRequest]) -> PendingStep:
+        """Build and dispatch one step; nothing here waits for the device."""
+        return self.launch(self.prepare(scheduled))
+
+    def launch(self, batch: HostBatch, kv_caches=None) -> PendingStep:
+        """Dispatch a built step: one transfer, the forward, the sampler, prompt logprobs if asked.
+        (`kv_caches`: a probe cache for the memory profile instead of the engine's.)"""
+        layout = batch.layout
+        packed = jax.device_put(batch.packed)
+        logits, hidden, caches = self._forward(
+            self.params, self.kv_caches if kv_caches is None else kv_caches, packed, self.last_sampled, layout=layout
         )
-        n = len(scheduled)
-
-        def to_host(lp: Logprobs, rows) -> Logprobs:
-            return jax.tree.map(lambda x: np.asarray(x)[rows], lp)
-
-        return RunnerOutput(
-            sampled=np.asarray(sampled)[:n],
-            logprobs=to_host(logprobs, slice(0, n)) if sampling.want_logprobs.any() else None,
-            prompt_logprobs=to_host(prompt_logprobs, [r for _, _, r in prompt_positions]) if prompt_positions else None,
-            prompt_positions=[(i, pos) for i, pos, _ in prompt_positions],
-        )
+        if kv_caches is None:
+            self.kv_caches = caches
+        sampled = logprobs = prompt_logprobs = None
+        if batch.features is not None:
+            state = self.sampler_state if batch.features.state else None
+            sampled, logprobs, self.last_sampled, state = self._sampler(
+                packed, logits, self.last_sampled, state, layout=layout, features=batch.features
+            )
+            if batch.features.state:
+                self.sampler_state = state
+        if batch.prompt_rows:
+            prompt_logprobs = self._prompt_logprobs(self.params, hidden, packed, layout=layout)
+        return PendingStep(batch, sampled, logprobs, prompt_logprobs)
 
     def num_compiled_buckets(self) -> int:
-        return self._step._cache_size()
+        """Compiled forward shapes (token bucket x block-table width)."""
+        return self._forward._cache_size()
+
+    def num_compiled_sampler_variants(self) -> int:
+        return self._sampler._cache_size()
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -369,9 +446,14 @@ class ModelRunner:
         The runner cannot run again; calling close twice is harmless."""
         if self.closed:
             return
-        for array in jax.tree.leaves((self.params, self.kv_caches, self.sampler_state)):
+        for array in jax.tree.leaves((self.params, self.kv_caches, self.sampler_state, self.last_sampled)):
             if isinstance(array, jax.Array) and not array.is_deleted():
                 array.delete()
-        self.params = self.kv_caches = self.sampler_state = None
-        self._step = self._write_row = None
-        self._slots.clear()
+        self.params = self.kv_caches = self.sampler_state = self.last_sampled = None
+        self._forward = self._sampler = self._prompt_logprobs = self._write_row = None
+        self.input_batch = None
+
+
+def layout_tensors(views: dict[str, np.ndarray], n: int) -> SamplingTensors:
+    """The first n sampling rows of a host buffer's views, for `SamplerFeatures.of`."""
+    return SamplingTensors(**{k: views[k][:n] for k in SamplingTensors.__dataclass_fields__})

@@ -47,9 +47,12 @@ class Request:
         self.priority = priority
         self.max_tokens = max_tokens
         self.eos_token_ids = () if params.ignore_eos else eos_token_ids
+        self._stop_ids = frozenset(self.eos_token_ids) | frozenset(params.stop_token_ids)
         self.arrival_index = arrival_index  # FCFS order and priority tie-break
         self.seed = seed  # the engine derives it from params.seed (+ completion index) or its own seed
         self.num_computed_tokens = 0
+        # Tokens sampled on the device but not yet appended here (async scheduling: at most 1).
+        self.num_pending = 0
         self.num_cached_tokens: int | None = None  # prefix-cache hit on first admission
         self.cache_salt = cache_salt  # requests with different salts never share cached blocks
         # Prompt logprobs need every prompt token computed, so such requests skip the cache (as vLLM).
@@ -100,24 +103,30 @@ class Request:
     def append_token(self, token_id: int) -> None:
         """Add a sampled token and set finish_reason when it ends the completion."""
         self.token_ids.append(token_id)
-        if token_id in self.eos_token_ids:
-            self.finish_reason, self.stop_reason = "stop", None
-        elif token_id in self.params.stop_token_ids:
-            self.finish_reason, self.stop_reason = "stop", token_id
-        elif self.num_output_tokens >= self.max_tokens:
+        if token_id in self._stop_ids:
+            self.finish_reason = "stop"
+            self.stop_reason = None if token_id in self.eos_token_ids else token_id
+        elif len(self.token_ids) - len(self.prompt_token_ids) >= self.max_tokens:
             self.finish_reason = "length"
 
 
 @dataclass
 class ScheduledRequest:
-    """One request's share of a step: `num_new_tokens` tokens from position `start` on."""
+    """One request's share of a step: `num_new_tokens` tokens from position `start` on.
+
+    The last of them may be a token still on the device (sampled by the step before,
+    `request.num_pending`): the runner takes it from there.
+    """
 
     request: Request
     start: int  # num_computed_tokens before this step
     num_new_tokens: int
     block_ids: list[int]  # the request's physical blocks, in logical order
+    # Whether this chunk reaches the request's last token, so its logits give a new
+    # token (fixed when scheduled, before the token is counted as pending).
+    samples: bool | None = None
 
-    @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the request's last token, so its logits give a new token."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+    def __post_init__(self) -> None:
+        if self.samples is None:
+            r = self.request
+            self.samples = self.start + self.num_new_tokens == r.num_tokens + r.num_pending

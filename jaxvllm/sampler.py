@@ -1,4 +1,10 @@
-"""On-device sampling for the whole batch inside the jitted step.
+"""On-device sampling of one step's rows, as its own jitted function.
+
+The sampler is compiled per (row count, `SamplerFeatures`): every choice that depends on
+the batch (any row sampling at random, which filters, penalties, logprobs) is made on
+the host, where the batch is built, and selects a compiled variant. No per-step
+executable branches on device data: on XLA:GPU a `lax.cond` copies its predicate to
+the host and blocks until the stream reaches it, which would stall the engine loop.
 
 Randomness is per request: the key of a row is fold_in(key(seed), output_index), so a
 request's tokens depend only on its own seed and position, never on which other
@@ -6,10 +12,9 @@ requests share the batch, their order, or a preemption in between.
 
 Per-request state that is as wide as the vocabulary (logit bias / allowed tokens,
 prompt tokens and output counts for penalties, stop ids masked by min_tokens) lives on
-the device in `SamplerState`, one row per slot: the host writes a row once when a
-request is admitted (`write_state_row`) and the step counts each sampled token, so no
-vocabulary-sized array crosses to the device per step. Each optional stage sits under a
-`lax.cond` on "does any row use it", so a plain batch pays for none of them.
+the device in `SamplerState`, one row per persistent batch row: the host writes a row
+once when a request is admitted (`write_state_row`) and the sampler counts each sampled
+token, so no vocabulary-sized array crosses to the device per step.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxvllm.sampling_params import MAX_LOGPROBS
 
@@ -35,18 +41,57 @@ class SamplingTensors:
     frequency_penalty: jax.Array  # float32
     repetition_penalty: jax.Array  # float32
     seeds: jax.Array  # uint32
-    output_index: jax.Array  # int32: tokens generated so far
-    slot: jax.Array  # int32: the request's SamplerState row
+    output_index: jax.Array  # int32: tokens generated before this one
+    slot: jax.Array  # int32: the request's persistent row (SamplerState row); padding: out of range
     use_state: jax.Array  # bool: bias / penalties / min_tokens apply
     suppress_stop: jax.Array  # bool: below min_tokens, stop ids are masked
     counts_sample: jax.Array  # bool: the sample is appended to the request (update its counts)
     want_logprobs: jax.Array  # bool
 
 
+@dataclass(frozen=True)
+class SamplerFeatures:
+    """What a batch's rows use; each flag compiles its stage in, or leaves it out."""
+
+    random: bool = False  # some row samples (temperature > 0 and top_k != 1); else argmax only
+    min_p: bool = False
+    top_k: bool = False
+    top_p: bool = False
+    state: bool = False  # logit bias / allowed ids / min_tokens / penalties
+    logprobs: bool = False
+
+    @classmethod
+    def of(cls, t: SamplingTensors, rows: np.ndarray) -> "SamplerFeatures":
+        """The features of host (numpy) tensors, over the rows that sample (`rows`, a bool mask)."""
+        random = rows & (t.temperature > 0) & (t.top_k != 1)
+        any_random = bool(random.any())
+        return cls(
+            random=any_random,
+            min_p=any_random and bool((random & (t.min_p > 0)).any()),
+            top_k=any_random and bool((random & (t.top_k > 0)).any()),
+            top_p=any_random and bool((random & (t.top_p < 1)).any()),
+            state=bool((rows & t.use_state).any()),
+            logprobs=bool((rows & t.want_logprobs).any()),
+        )
+
+    @property
+    def name(self) -> str:
+        on = [f for f in ("random", "min_p", "top_k", "top_p", "state", "logprobs") if getattr(self, f)]
+        return "+".join(on) or "greedy"
+
+
+# Compiled in the warm-up for every row count: what most batches use.
+COMMON_FEATURES = (
+    SamplerFeatures(),
+    SamplerFeatures(random=True),
+    SamplerFeatures(random=True, top_k=True, top_p=True),
+)
+
+
 @jax.tree_util.register_dataclass
 @dataclass
 class SamplerState:
-    """[slots, vocab] rows of per-request sampling state (donated, updated in place)."""
+    """[rows, vocab] per-request sampling state (donated, updated in place)."""
 
     bias: jax.Array  # float32: logit_bias, and -inf outside allowed_token_ids
     prompt_mask: jax.Array  # bool: token occurs in the prompt (repetition penalty)
@@ -65,15 +110,15 @@ class Logprobs:
     top_logprobs: jax.Array  # [rows, MAX_LOGPROBS] float32
 
 
-def init_state(num_slots: int, vocab_size: int) -> SamplerState:
-    shape = (num_slots, vocab_size)
+def init_state(num_rows: int, vocab_size: int) -> SamplerState:
+    shape = (num_rows, vocab_size)
     return SamplerState(
         jnp.zeros(shape, jnp.float32), jnp.zeros(shape, bool), jnp.zeros(shape, jnp.int32), jnp.zeros(shape, bool)
     )
 
 
 def write_state_row(state: SamplerState, slot, bias, prompt_mask, output_counts, stop_mask) -> SamplerState:
-    """Set one slot's rows (jit with the state donated)."""
+    """Set one row (jit with the state donated)."""
     return SamplerState(
         state.bias.at[slot].set(bias),
         state.prompt_mask.at[slot].set(prompt_mask),
@@ -93,7 +138,8 @@ def apply_penalties(logits, prompt_mask, output_counts, presence, frequency, rep
 
 
 def _largest_true(pred, lo, hi, iters: int = 32):
-    """Per row, bisect for the largest t in [lo, hi] with pred(t) (pred true below a threshold)."""
+    """Per row, bisect for the largest t in [lo, hi] with pred(t) (pred true below a threshold).
+    A fixed trip count: XLA knows it, so the loop never asks the host."""
 
     def body(_, bounds):
         lo, hi = bounds
@@ -104,26 +150,24 @@ def _largest_true(pred, lo, hi, iters: int = 32):
     return jax.lax.fori_loop(0, iters, body, (lo, hi))[0]
 
 
-def apply_top_k_top_p_min_p(logits, top_k, top_p, min_p):
+def apply_top_k_top_p_min_p(logits, top_k, top_p, min_p, features: SamplerFeatures):
     """Mask (to -inf) what min_p, then top_k, then top_p exclude, as vLLM orders them.
 
-    Each filter finds a per-row logit threshold (keep x >= threshold) under `lax.cond`,
-    skipped when no row uses it; one `where` then masks. The skipped branch hands back a
-    [rows, 1] -inf, not the logits: XLA copies whatever a cond branch passes through, and
-    a [rows, vocab] copy per filter cost more than the mask. min_p and top_k thresholds
-    compose by max (top_k's k-th largest of the min_p survivors is the overall k-th, or
-    min_p's own threshold when fewer than k survive); top_p reads the distribution left
-    by both. Thresholds are found by bisection over values instead of a sort of the
-    vocabulary (XLA's sort is the slow part otherwise) and snapped to an actual logit,
-    so tokens tied with the last one kept are kept too.
+    Each filter in `features` finds a per-row logit threshold (keep x >= threshold); one
+    `where` then masks. min_p and top_k thresholds compose by max (top_k's k-th largest
+    of the min_p survivors is the overall k-th, or min_p's own threshold when fewer than
+    k survive); top_p reads the distribution left by both. Thresholds are found by
+    bisection over values instead of a sort of the vocabulary (XLA's sort is the slow
+    part otherwise) and snapped to an actual logit, so tokens tied with the last one
+    kept are kept too. Rows with a filter off get a threshold of -inf from it.
     """
-    none = jnp.full((logits.shape[0], 1), -jnp.inf, logits.dtype)
-    skip = lambda *_: none  # noqa: E731
-    threshold = jax.lax.cond(jnp.any(min_p > 0), _min_p_threshold, skip, logits, min_p)
-    threshold = jnp.maximum(threshold, jax.lax.cond(jnp.any(top_k > 0), _top_k_threshold, skip, logits, top_k))
-    threshold = jnp.maximum(
-        threshold, jax.lax.cond(jnp.any(top_p < 1), _top_p_threshold, skip, logits, top_p, threshold)
-    )
+    threshold = jnp.full((logits.shape[0], 1), -jnp.inf, logits.dtype)
+    if features.min_p:
+        threshold = jnp.maximum(threshold, _min_p_threshold(logits, min_p))
+    if features.top_k:
+        threshold = jnp.maximum(threshold, _top_k_threshold(logits, top_k))
+    if features.top_p:
+        threshold = jnp.maximum(threshold, _top_p_threshold(logits, top_p, threshold))
     return jnp.where(logits < threshold, -jnp.inf, logits)
 
 
@@ -169,36 +213,26 @@ def compute_logprobs(logits: jax.Array, token_ids: jax.Array) -> Logprobs:
     return Logprobs(token_lp, rank, top_ids.astype(jnp.int32), top_lp)
 
 
-def empty_logprobs(rows: int) -> Logprobs:
-    return Logprobs(
-        jnp.zeros(rows, jnp.float32), jnp.zeros(rows, jnp.int32),
-        jnp.zeros((rows, MAX_LOGPROBS), jnp.int32), jnp.zeros((rows, MAX_LOGPROBS), jnp.float32),
-    )
-
-
 def sample(
-    logits: jax.Array, t: SamplingTensors, state: SamplerState
-) -> tuple[jax.Array, Logprobs, SamplerState]:
-    """Token ids [S] from float32 logits [S, vocab]; logprobs of the raw logits; new state."""
+    logits: jax.Array, t: SamplingTensors, state: SamplerState | None, features: SamplerFeatures
+) -> tuple[jax.Array, Logprobs | None, SamplerState | None]:
+    """Token ids [S] from float32 logits [S, vocab]; logprobs of the raw logits when
+    `features.logprobs`; the new state when `features.state` (else `state` is unused)."""
     raw = logits
-    use = t.use_state[:, None]
-
-    def with_state(x):
-        x = x + jnp.where(use, state.bias[t.slot], 0.0)
+    if features.state:
+        use = t.use_state[:, None]
+        x = logits + jnp.where(use, state.bias[t.slot], 0.0)
         x = jnp.where(use & t.suppress_stop[:, None] & state.stop_mask[t.slot], -jnp.inf, x)
         penalized = apply_penalties(
             x, state.prompt_mask[t.slot], state.output_counts[t.slot],
             t.presence_penalty, t.frequency_penalty, t.repetition_penalty,
         )
-        return jnp.where(use, penalized, x)
+        logits = jnp.where(use, penalized, x)
+    sampled = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # ties -> lowest id, as torch.argmax
 
-    logits = jax.lax.cond(jnp.any(t.use_state), with_state, lambda x: x, logits)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # ties -> lowest id, as torch.argmax
-
-    def random(x):
+    if features.random:
         temperature = jnp.where(t.temperature > 0, t.temperature, 1.0)[:, None]
-        x = x / temperature
-        x = apply_top_k_top_p_min_p(x, t.top_k, t.top_p, t.min_p)
+        x = apply_top_k_top_p_min_p(logits / temperature, t.top_k, t.top_p, t.min_p, features)
 
         def row_gumbel(seed, index):
             key = jax.random.fold_in(jax.random.key(seed), index)
@@ -206,15 +240,13 @@ def sample(
 
         gumbel = jax.vmap(row_gumbel)(t.seeds, t.output_index)
         # Gumbel-max: argmax(x + G) is a sample of softmax(x).
-        sampled = jnp.argmax(x + gumbel, axis=-1).astype(jnp.int32)
+        random = jnp.argmax(x + gumbel, axis=-1).astype(jnp.int32)
         # top_k = 1 is greedy, ties included (thresholds by value would keep tied tokens).
-        return jnp.where((t.temperature > 0) & (t.top_k != 1), sampled, greedy)
+        sampled = jnp.where((t.temperature > 0) & (t.top_k != 1), random, sampled)
 
-    sampled = jax.lax.cond(jnp.any(t.temperature > 0), random, lambda x: greedy, logits)
-
-    counts = state.output_counts.at[t.slot, sampled].add((t.use_state & t.counts_sample).astype(jnp.int32))
-    state = SamplerState(state.bias, state.prompt_mask, counts, state.stop_mask)
-    logprobs = jax.lax.cond(
-        jnp.any(t.want_logprobs), lambda: compute_logprobs(raw, sampled), lambda: empty_logprobs(raw.shape[0])
-    )
+    if features.state:
+        add = (t.use_state & t.counts_sample).astype(jnp.int32)
+        counts = state.output_counts.at[t.slot, sampled].add(add, mode="drop")
+        state = SamplerState(state.bias, state.prompt_mask, counts, state.stop_mask)
+    logprobs = compute_logprobs(raw, sampled) if features.logprobs else None
     return sampled, logprobs, state

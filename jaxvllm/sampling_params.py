@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 # Like vLLM's default `max_logprobs`: the top-k logprobs arrays have this fixed width on device.
 MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.Enum):
+    """What `LLMEngine.step()` returns for a request (vLLM's names)."""
+
+    CUMULATIVE = 0  # everything so far, at every step with a new token
+    DELTA = 1  # only what is new since the last output
+    FINAL_ONLY = 2  # one output, when the request finishes
 
 
 @dataclass
@@ -38,10 +47,13 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, low=1)
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         _check_number("temperature", self.temperature, low=0.0)
         _check_number("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
         _check_int("top_k", self.top_k, low=-1)

@@ -148,12 +148,16 @@ class Scheduler:
         budget = c.max_num_batched_tokens
         scheduled: dict[str, ScheduledRequest] = {}
 
+        running = RequestStatus.RUNNING
         for request in list(self.running):
             if budget <= 0:
                 break
-            if request.status != RequestStatus.RUNNING:  # preempted as a victim this step
+            if request.status is not running:  # preempted as a victim this step
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_tokens = len(request.token_ids) + request.num_pending
+            if request.num_pending and num_tokens >= request.num_prompt_tokens + request.max_tokens:
+                continue  # its last token is on the device: nothing more to compute
+            num_new = min(num_tokens - request.num_computed_tokens, budget)
             while self.kv.allocate_slots(request, num_new) is None:
                 victim = self._pick_victim()
                 self._preempt(victim, out)
@@ -168,6 +172,8 @@ class Scheduler:
         if not out.preempted:
             while len(self.waiting) and len(self.running) < c.max_num_seqs and budget > 0:
                 request = self.waiting.peek()
+                if request.num_pending:  # preempted with a token in flight: it joins once that is here
+                    break
                 # Fresh and preempted requests start from whatever prefix is cached.
                 computed = self.kv.get_computed_blocks(request)
                 num_cached = len(computed) * self.kv.block_size
@@ -194,11 +200,13 @@ class Scheduler:
         out.scheduled = list(scheduled.values())
         for s in out.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
+            s.request.num_pending += s.samples
         return out
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
-        block_ids = self.kv.get_block_ids(request.request_id)
-        return ScheduledRequest(request, request.num_computed_tokens, num_new, block_ids)
+        start = request.num_computed_tokens
+        samples = start + num_new == request.num_tokens + request.num_pending
+        return ScheduledRequest(request, start, num_new, self.kv.req_blocks[request.request_id], samples)
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":  # lowest priority = largest value; ties: latest arrival
@@ -216,14 +224,23 @@ class Scheduler:
         out.preempted.append(request)
 
     def update_from_output(self, out: SchedulerOutput, sampled: list[int]) -> list[Request]:
-        """Append each sampling request's token, finish those that stop; returns requests with new tokens."""
+        """Append each sampling request's token, finish those that stop; returns requests with new tokens.
+
+        Under async scheduling this runs after the next step was dispatched: a token of a
+        request that finished meanwhile (stopped by its previous token, or aborted) is
+        dropped. A request preempted meanwhile keeps its token (its recompute includes it).
+        """
         updated = []
         now = time.time()
-        for s, token in zip(out.scheduled, sampled):
-            request = s.request
-            if not s.samples or request.is_finished:  # a partial prefill chunk, or aborted meanwhile
+        finished = RequestStatus.FINISHED
+        for s, token in zip(out.scheduled, sampled.tolist() if hasattr(sampled, "tolist") else sampled):
+            if not s.samples:  # a partial prefill chunk
                 continue
-            request.append_token(int(token))
+            request = s.request
+            request.num_pending -= 1
+            if request.status is finished:
+                continue
+            request.append_token(token)
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             if request.finish_reason is not None:

@@ -1,6 +1,6 @@
 """Compile the kernels for an H100/H200 on a machine without a GPU (deviceless AOT).
 
-    scripts/gpu_aot_check.sh                      # makes the venv below, then runs this
+    scripts/gpu_aot_check.sh                      # installs the plugin below, runs this and the engine's check
     JAX_PLATFORMS=cpu python -m pallas_kernels.aot_check [--quick] [--json PATH]
 
 Needs the CUDA PJRT plugin of the installed jaxlib and ptxas, but no GPU, driver or
@@ -8,17 +8,17 @@ CUDA runtime: `pip install --no-deps jax-cuda12-plugin==V jax-cuda12-pjrt==V
 nvidia-cuda-nvcc-cu12` (V = jaxlib's version). XLA compiles each jitted kernel for a
 compile-only sm_90a device described by `TARGET_CONFIG`, Triton included, so this
 catches what interpret mode cannot: Triton compile errors, shared memory over the
-227 KiB per-block limit, register spills in 16-bit kernels (`ptxas -v` on the PTX XLA
-dumps), and copies of the KV cache or sampler state in the compiled engine step. It measures no speed: that needs the GPU
-(`scripts/gpu_check.sh`).
+227 KiB per-block limit, and register spills in 16-bit kernels (`ptxas -v` on the PTX
+XLA dumps). It measures no speed: that needs the GPU (`scripts/gpu_check.sh`).
+The driver (`check`) is generic: jaxvllm's `python -m jaxvllm.benchmarks.aot_engine`
+runs it on the engine step, for copies of donated buffers; this package imports nothing
+from jaxvllm.
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
-import json
-import math
 import os
 import re
 import shutil
@@ -33,6 +33,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.bench import FULL, json_path, write_json
 from pallas_kernels.common import INTERPRET_ENV
 from pallas_kernels.paged_decode_attention import paged_decode_attention
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
@@ -56,7 +57,6 @@ device_description_str: "NVIDIA H200"
 """
 
 KERNEL_PREFIX = "jaxvllm_"
-STATE_ARRAYS = 4  # SamplerState's donated [max_num_seqs, vocab] arrays
 
 
 def compile_only_device() -> jax.Device:
@@ -217,8 +217,6 @@ def kernel_cases(quick: bool) -> list[Case]:
     # K1 (q heads 16, kv heads 8) at its largest shape and K2 (4 x 4096, 16 heads, MHA),
     # with every tuning the benchmark tries, so that a GPU session spends no time on one
     # that does not compile.
-    from pallas_kernels.bench import FULL  # here, not at the top: bench imports this module
-
     cases.append(decode_case(2, 128, jnp.bfloat16, num_seqs=256, context=4096))
     for tuning in FULL["k1"]["sweep"]:
         cases.append(decode_case(2, 128, jnp.bfloat16, **tuning))
@@ -226,66 +224,6 @@ def kernel_cases(quick: bool) -> list[Case]:
         cases.append(ragged_case(1, 128, jnp.bfloat16, num_tokens=4 * 4096, num_seqs=4, context=4096, kv_heads=16,
                                  **tuning))
     return cases
-
-
-def engine_step_case(backend: str, model: str = "qwen3-0.6b", num_tokens: int = 256, max_num_seqs: int = 256,
-                     context: int = 1024, block_size: int = 16, dtype=jnp.bfloat16) -> Case:
-    """The model runner's jitted step (model + sampler, caches and sampler state donated)
-    for a decode bucket of `num_tokens` sequences at `context` tokens each."""
-    from jaxvllm.batch import ModelInputs
-    from jaxvllm.config import ModelConfig
-    from jaxvllm.dummy import get_dummy
-    from jaxvllm.loader import dummy_params
-    from jaxvllm.model_runner import jit_step, sampling_tensors, sequence_rows
-    from jaxvllm.sampler import init_state
-
-    cfg = ModelConfig.from_hf(get_dummy(model).make_config())
-    rows = sequence_rows(max_num_seqs, num_tokens)
-    max_blocks = context // block_size
-    cache = spec((cfg.num_kv_heads, rows * max_blocks, block_size, cfg.head_dim), dtype)
-    inputs = ModelInputs(spec((num_tokens,)), spec((num_tokens,)), spec((num_tokens,)), spec((rows + 1,)),
-                         spec((rows,)), spec((rows, max_blocks)), spec((rows,)))
-    args = [
-        jax.eval_shape(lambda: dummy_params(cfg, dtype)),
-        [(cache, cache)] * cfg.num_layers,
-        jax.eval_shape(lambda: init_state(max_num_seqs, cfg.vocab_size)),
-        inputs,
-        jax.tree.map(lambda x: spec(x.shape, x.dtype), sampling_tensors([], rows, {})),
-        spec((num_tokens,)),
-    ]
-    params = dict(backend=backend, model=model, dtype=jnp.dtype(dtype).name, num_tokens=num_tokens, context=context,
-                  num_layers=cfg.num_layers,
-                  cache_shape=list(cache.shape), state_shape=[max_num_seqs, cfg.vocab_size])
-    return Case("engine_step", params, jit_step(cfg, backend), args)
-
-
-def entry_computation(hlo: str) -> str:
-    """The ENTRY computation of an HLO module's text (where a donated buffer gets copied)."""
-    start = hlo.find("\nENTRY ")
-    if start < 0:
-        return hlo
-    end = hlo.find("\n}", start)
-    return hlo[start : end if end >= 0 else None]
-
-
-def count_cache_copies(hlo: str, shape: tuple[int, ...], dtype: str | None = None) -> int:
-    """`copy` instructions of the ENTRY computation whose result has `shape`'s element count
-    (and `dtype`, e.g. "bf16", when given): copies of a donated KV cache or sampler state
-    (should be 0). Copies inside called computations, such as a cond branch handing back
-    logits of the same size, are not the donated buffers and are not counted."""
-    numel = math.prod(shape)
-    count = 0
-    for m in re.finditer(r"= (\w+)\[([\d,]*)\][^=]*? copy\(", entry_computation(hlo)):
-        dims = [int(x) for x in m.group(2).split(",") if x]
-        if dims and math.prod(dims) == numel and dtype in (None, m.group(1)):
-            count += 1
-    return count
-
-
-def aliased_outputs(hlo: str) -> int:
-    """How many outputs reuse a donated input's buffer (`input_output_alias` entries)."""
-    header = hlo.split("\n", 1)[0]
-    return len(re.findall(r"\{[\d,\s]*\}: \(\d+, \{[\d,\s]*\}, (?:may|must)-alias\)", header))
 
 
 # -- driver ----------------------------------------------------------------------------------
@@ -298,16 +236,9 @@ def problems(case: Case) -> list[str]:
         return [r.get("error", "failed")]
     # Spills fail the 16-bit kernels only: float32 ones (exact dots, for parity tests) are
     # not a speed path, and ptxas spills a few bytes there in some Triton versions.
-    found = []
-    if case.params.get("dtype") != "float32":
-        found += [f"{k['name']} spills {k['spill_bytes']} bytes" for k in r.get("kernels", []) if k["spill_bytes"]]
-    if case.kind == "engine_step":
-        if r["cache_copies"]:
-            found.append(f"{r['cache_copies']} copies of a KV cache or sampler state in the compiled step")
-        donated = 2 * case.params["num_layers"] + STATE_ARRAYS
-        if r["aliased_outputs"] < donated:
-            found.append(f"only {r['aliased_outputs']} of {donated} donated buffers are updated in place")
-    return found
+    if case.params.get("dtype") == "float32":
+        return []
+    return [f"{k['name']} spills {k['spill_bytes']} bytes" for k in r.get("kernels", []) if k["spill_bytes"]]
 
 
 def describe(kernel: dict) -> str:
@@ -319,58 +250,60 @@ def describe(kernel: dict) -> str:
     return text
 
 
-def run(cases: list[Case], device: jax.Device, ptxas: str | None) -> None:
+Inspect = Callable[[Case, str], dict]  # (case, optimized HLO text) -> figures for its result
+
+
+def run(cases: list[Case], device: jax.Device, ptxas: str | None, inspect: Inspect | None = None,
+        judge: Callable[[Case], list[str]] = problems) -> None:
+    """Compile each case into `case.result` and print a line for it: `inspect` adds
+    figures read off its HLO (the HLO itself is too big to keep), `judge` its problems."""
     for case in cases:
-        # The engine step holds the same kernels as the kernel cases: no second ptxas pass.
-        case.result = compile_case(case, device, None if case.kind == "engine_step" else ptxas)
+        case.result = compile_case(case, device, ptxas)
         hlo = case.result.pop("hlo", "")
-        if case.kind == "engine_step" and case.result["ok"]:
-            case.result["cache_copies"] = sum(
-                count_cache_copies(hlo, tuple(case.params[k])) for k in ("cache_shape", "state_shape"))
-            case.result["aliased_outputs"] = aliased_outputs(hlo)
-        case.result["problems"] = problems(case)
+        figures = inspect(case, hlo) if inspect and case.result["ok"] else {}
+        case.result.update(figures)
+        case.result["problems"] = judge(case)
         kernels = "; ".join(describe(k) for k in case.result.get("kernels", []))
-        extra = ""
-        if "cache_copies" in case.result:
-            extra = f" cache copies={case.result['cache_copies']} aliased outputs={case.result['aliased_outputs']}"
+        extra = "".join(f" {k}={v}" for k, v in figures.items())
         status = "ok  " if not case.result["problems"] else "FAIL"
         print(f"{status} {case.kind} {case.params}{extra} {kernels} {'; '.join(case.result['problems'])}", flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer GQA groups (about half the cases)")
-    parser.add_argument("--json", default=None, help="write results here (default $OUT/aot_check.json if $OUT is set)")
+def check(argv: list[str] | None, doc: str, name: str, make_cases: Callable[[bool], list[Case]], *,
+          use_ptxas: bool = True, inspect: Inspect | None = None,
+          judge: Callable[[Case], list[str]] = problems) -> int:
+    """The command line of a deviceless check: `make_cases(quick)` compiled for sm_90a,
+    results to $OUT/`name`.json. Exit 0 all clean, 1 a case failed, 2 no CUDA plugin."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer cases (kernels: fewer GQA groups, about half)")
+    parser.add_argument("--json", default=None, help=f"write results here (default $OUT/{name}.json if $OUT is set)")
     args = parser.parse_args(argv)
     try:
         device = compile_only_device()
     except Exception as e:
         print(f"no compile-only CUDA device ({type(e).__name__}: {e}); install the CUDA PJRT plugin "
-              "as the module docstring says", file=sys.stderr)
+              "as pallas_kernels/aot_check.py's docstring says", file=sys.stderr)
         return 2
-    os.environ[INTERPRET_ENV] = "0"  # the engine step picks kernels by backend: compiled, not interpreted
-    ptxas = ptxas_path()
-    if ptxas is None:
+    os.environ[INTERPRET_ENV] = "0"  # for a GPU: kernels that pick by backend are compiled, not interpreted
+    ptxas = ptxas_path() if use_ptxas else None
+    if use_ptxas and ptxas is None:
         print("ptxas not found (pip install nvidia-cuda-nvcc-cu12): no register or spill figures", file=sys.stderr)
-    # Engine steps: a small and the full decode bucket, a prefill bucket; the reference path
-    # once; and the tiny float32 model that scripts/gpu_check.sh's engine parity test runs.
-    engine = [engine_step_case("pallas", num_tokens=t) for t in (16, 256, 2048)] + [
-        engine_step_case("reference"),
-        engine_step_case("pallas", model="tiny", num_tokens=64, max_num_seqs=8, context=256, dtype=jnp.float32),
-    ]
-    cases = kernel_cases(args.quick) + engine
+    cases = make_cases(args.quick)
     start = time.perf_counter()
-    run(cases, device, ptxas)
+    run(cases, device, ptxas, inspect, judge)
     failed = [c for c in cases if c.result["problems"]]
     print(f"{len(cases) - len(failed)}/{len(cases)} cases compiled cleanly for sm_90a "
           f"in {time.perf_counter() - start:.0f} s")
-    path = args.json or (os.path.join(os.environ["OUT"], "aot_check.json") if os.environ.get("OUT") else None)
+    path = json_path(args.json, f"{name}.json")
     if path:
-        with open(path, "w") as f:
-            json.dump({"jax": jax.__version__, "cases": [dict(kind=c.kind, params=c.params, **c.result) for c in cases]},
-                      f, indent=2, default=str)
+        write_json(path, {"jax": jax.__version__,
+                          "cases": [dict(kind=c.kind, params=c.params, **c.result) for c in cases]})
         print(f"wrote {path}")
     return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return check(argv, __doc__, "aot_check", kernel_cases)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Micro-benchmarks of the attention kernels, against their peers (DESIGN.md's K1, K2, B1 step).
+"""Micro-benchmarks of the attention kernels, against their peers (DESIGN.md's K1, K2).
 
     python -m pallas_kernels.bench                 # the GPU shapes (needs a GPU)
     python -m pallas_kernels.bench --small         # tiny shapes, interpret mode: CPU, < 1 minute
@@ -11,8 +11,9 @@ copy of the same byte count (reported as bytes read + written per second).
 K2, prefill: causal TFLOP/s of `ragged_paged_attention` on a paged cache against
 `jax.nn.dot_product_attention(implementation="cudnn")` and JAX's Pallas Triton flash
 attention on unpaged data. KV write: XLA's scatter of a step's new K/V rows into the
-donated cache (time, and copies of the cache in the compiled HLO). Step: one decode step of a Qwen3-0.6B-shaped dummy model at
-256 sequences x 1024 context, for each attention backend.
+donated cache (time, and copies of the cache in the compiled HLO). A whole model step
+on each attention backend is jaxvllm's (`python -m jaxvllm.benchmarks.engine_step`):
+this package imports nothing from jaxvllm.
 Figures go to stdout and to JSON (`--json PATH`, default $OUT/bench.json when $OUT is
 set). On CPU only ratios measured in one run mean anything.
 """
@@ -35,14 +36,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.aot_check import count_cache_copies
 from pallas_kernels.common import cdiv, default_block_kv
+from pallas_kernels.hlo import count_cache_copies
+from pallas_kernels.kv_cache_write import write_kv_reference
 from pallas_kernels.paged_decode_attention import (
     default_num_splits,
     paged_decode_attention,
     paged_decode_attention_reference,
 )
-from pallas_kernels.kv_cache_write import write_kv_reference
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
 
 FULL = dict(
@@ -57,7 +58,6 @@ FULL = dict(
             # ragged_paged_attention tunings (the first is the default: 128 query rows, 64 keys,
             # num_stages=3, 8 warps).
             tiles=(dict(), dict(block_kv=128), dict(block_q=64), dict(num_stages=2), dict(num_stages=4))),
-    step=dict(model="qwen3-0.6b", num_seqs=256, context=1024, block_size=16),
     # K/V rows written per step: a decode batch, a prefill bucket; into one layer's cache
     # of Qwen3-0.6B's shape with 64k slots.
     kv=dict(kv_heads=8, head_dim=128, num_slots=65536, block_size=16, tokens=[256, 8192]),
@@ -68,7 +68,6 @@ SMALL = dict(
             sweep=(dict(num_splits=1, block_kv=16), dict(num_splits=2, block_kv=16, num_warps=8))),
     k2=dict(batch=2, seq_len=64, q_heads=2, kv_heads=2, head_dim=16, block_size=8,
             tiles=(dict(block_q=16, block_kv=16),)),
-    step=dict(model="tiny", num_seqs=4, context=48, block_size=8),
     kv=dict(kv_heads=2, head_dim=16, num_slots=256, block_size=8, tokens=[16]),
     iters=2,
 )
@@ -91,7 +90,7 @@ def tuning_name(tuning: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in tuning.items()) or "default"
 
 
-def _attempt(results: dict, name: str, fn: Callable[[], dict]) -> None:
+def attempt(results: dict, name: str, fn: Callable[[], dict]) -> None:
     """Run one measurement; a failure is recorded (and printed), not fatal."""
     try:
         results[name] = fn()
@@ -182,12 +181,12 @@ def bench_k1(cfg: dict, iters: int, interpret: bool) -> list[dict]:
             t = time_fn(fn, x, iters=iters)
             return {"ms": t * 1e3, "read_plus_write_tb_s": 2 * kv_bytes / t / 1e12, "read_tb_s": tbs(t)}
 
-        _attempt(row, "pallas_decode", ours)
-        _attempt(row, "jax_pallas_paged_attention", jax_peer)
-        _attempt(row, "xla_reference", reference)
-        _attempt(row, "hbm_copy", hbm_copy)
+        attempt(row, "pallas_decode", ours)
+        attempt(row, "jax_pallas_paged_attention", jax_peer)
+        attempt(row, "xla_reference", reference)
+        attempt(row, "hbm_copy", hbm_copy)
         rows.append(row)
-        print(f"K1 batch={batch} context={context}: {_summary(row)}", flush=True)
+        print(f"K1 batch={batch} context={context}: {summary(row)}", flush=True)
         del k_cache, v_cache, want
     return rows
 
@@ -233,7 +232,7 @@ def bench_k2(cfg: dict, iters: int, interpret: bool) -> dict:
     if jax.default_backend() == "cpu":
         result["cudnn"] = {"skipped": "no cuDNN on CPU"}
     else:
-        _attempt(result, "cudnn", cudnn)
+        attempt(result, "cudnn", cudnn)
     if want is None:  # no cuDNN (CPU): check against XLA's dense attention instead
         want = dense_xla()
 
@@ -264,11 +263,11 @@ def bench_k2(cfg: dict, iters: int, interpret: bool) -> dict:
         t = time_fn(fn, q, k_cache, v_cache, positions, qsl, lens, tables, iters=max(1, iters // 4))
         return {"ms": t * 1e3, "tflop_s": tflops(t)}
 
-    _attempt(result, "pallas_ragged", ours)
-    _attempt(result, "jax_pallas_flash_unpaged", pallas_flash)
+    attempt(result, "pallas_ragged", ours)
+    attempt(result, "jax_pallas_flash_unpaged", pallas_flash)
     if interpret:  # the reference gathers [heads, T, context, D]: far too big at the full shape
-        _attempt(result, "xla_reference", reference)
-    print(f"K2 {b}x{n}: {_summary(result)}", flush=True)
+        attempt(result, "xla_reference", reference)
+    print(f"K2 {b}x{n}: {summary(result)}", flush=True)
     return result
 
 
@@ -305,79 +304,17 @@ def bench_kv(cfg: dict, iters: int, interpret: bool) -> list[dict]:
             t = statistics.median(times[1:])
             return {"us": t * 1e6, "written_gb_s": written / t / 1e9, "cache_copies_in_hlo": copies}
 
-        _attempt(row, "xla_scatter", run)
+        attempt(row, "xla_scatter", run)
         rows.append(row)
         print(f"KV write {tokens} tokens: {row['xla_scatter']}", flush=True)
     return rows
 
 
-# -- engine step ---------------------------------------------------------------------------
-
-
-def bench_step(cfg: dict, iters: int, interpret: bool) -> dict:
-    from jaxvllm.batch import ModelInputs
-    from jaxvllm.config import ModelConfig
-    from jaxvllm.dummy import get_dummy
-    from jaxvllm.layers import allocate_kv_caches
-    from jaxvllm.loader import dummy_params
-    from jaxvllm.models.llama import forward
-
-    mcfg = ModelConfig.from_hf(get_dummy(cfg["model"]).make_config())
-    params = dummy_params(mcfg, DTYPE, seed=0)
-    s, ctx, bs = cfg["num_seqs"], cfg["context"], cfg["block_size"]
-    max_blocks = cdiv(ctx, bs)
-    num_blocks = s * max_blocks + 1
-    perm = np.random.default_rng(0).permutation(num_blocks)[: s * max_blocks].reshape(s, max_blocks)
-    pos = np.full(s, ctx - 1, np.int32)
-    i32 = lambda x: jnp.asarray(np.asarray(x, np.int32))  # noqa: E731
-    inputs = ModelInputs(
-        input_ids=i32(np.random.default_rng(1).integers(3, min(mcfg.vocab_size, 30000), s)),
-        positions=i32(pos),
-        slot_mapping=i32(perm[:, (ctx - 1) // bs] * bs + (ctx - 1) % bs),
-        query_start_loc=i32(np.arange(s + 1)),
-        seq_lens=i32(np.full(s, ctx)),
-        block_tables=i32(perm),
-        logits_indices=i32(np.arange(s)),
-    )
-    kv_bytes_per_step = 2 * mcfg.num_layers * s * ctx * mcfg.num_kv_heads * mcfg.head_dim * jnp.dtype(DTYPE).itemsize
-    result: dict[str, Any] = {"model": cfg["model"], "num_seqs": s, "context": ctx, "kv_bytes_per_step": kv_bytes_per_step}
-
-    def step_of(backend):
-        def step(params, caches, inputs):
-            logits, caches = forward(params, caches, inputs, mcfg, backend)
-            return jnp.argmax(logits, axis=-1), caches
-
-        return jax.jit(step, donate_argnums=(1,))
-
-    for backend in ("reference", "pallas"):
-        def run(backend=backend):
-            caches = allocate_kv_caches(mcfg, num_blocks, bs, DTYPE)
-            fn = step_of(backend)
-            compiled = fn.lower(params, caches, inputs).compile()
-            copies = count_cache_copies(compiled.as_text(), caches[0][0].shape)
-            times = []
-            for i in range(iters + 1):
-                start = time.perf_counter()
-                tokens, caches = fn(params, caches, inputs)
-                jax.block_until_ready(tokens)
-                if i:  # the first call may still load the executable
-                    times.append(time.perf_counter() - start)
-            t = statistics.median(times)
-            return {"step_ms": t * 1e3, "kv_tb_s": kv_bytes_per_step / t / 1e12, "cache_copies_in_hlo": copies,
-                    "tokens_head": np.asarray(tokens[:8]).tolist()}
-
-        _attempt(result, backend, run)
-    ref, pal = result.get("reference", {}), result.get("pallas", {})
-    if "tokens_head" in ref and "tokens_head" in pal:
-        result["greedy_tokens_equal_head"] = ref["tokens_head"] == pal["tokens_head"]
-    print(f"step {cfg['model']} {s}x{ctx}: {_summary(result)}", flush=True)
-    return result
-
-
 # -- driver --------------------------------------------------------------------------------
 
 
-def _summary(d: dict) -> str:
+def summary(d: dict) -> str:
+    """One line of headline figures, one per measurement in `d`."""
     parts = []
     for name, v in d.items():
         if not isinstance(v, dict):
@@ -405,10 +342,13 @@ def environment() -> dict:
     }
 
 
+PARTS = {"k1": bench_k1, "k2": bench_k2, "kv": bench_kv}  # in the order they run: decode first
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="tiny shapes in interpret mode (runs on CPU)")
-    parser.add_argument("--only", default="k1,k2,step,kv", help="comma-separated subset of k1,k2,step,kv")
+    parser.add_argument("--only", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     parser.add_argument("--iters", type=int, default=None, help="timed repetitions (median)")
     parser.add_argument("--json", default=None, help="write results here (default $OUT/bench.json if $OUT is set)")
     args = parser.parse_args(argv)
@@ -419,27 +359,32 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("the full shapes need a GPU; use --small on CPU")
     interpret = args.small and jax.default_backend() == "cpu"
     wanted = {w.strip() for w in args.only.split(",") if w.strip()}
-    unknown = wanted - {"k1", "k2", "step", "kv"}
+    unknown = wanted - set(PARTS)
     if unknown:
         parser.error(f"unknown --only parts {sorted(unknown)}")
 
     results: dict[str, Any] = {"small": args.small, "interpret": interpret, "iters": iters, "env": environment(),
                                "config": {k: v for k, v in cfg.items() if k in wanted}}
-    path = args.json or (os.path.join(os.environ["OUT"], "bench.json") if os.environ.get("OUT") else None)
+    path = json_path(args.json, "bench.json")
     start = time.perf_counter()
-    # Decode first: it is what moves B1. The file is rewritten after each part, so a
-    # run cut short by a time limit still leaves what it measured.
-    for part, fn in (("k1", bench_k1), ("step", bench_step), ("k2", bench_k2), ("kv", bench_kv)):
+    # The file is rewritten after each part, so a run cut short by a time limit still
+    # leaves what it measured.
+    for part, fn in PARTS.items():
         if part in wanted:
             results[part] = fn(cfg[part], iters, interpret)
             results["seconds"] = time.perf_counter() - start
-            _write(path, results)
+            write_json(path, results)
     if path:
         print(f"wrote {path}")
     return results
 
 
-def _write(path: str | None, results: dict) -> None:
+def json_path(given: str | None, name: str) -> str | None:
+    """`--json`'s value, else $OUT/`name` when $OUT is set (the GPU scripts collect $OUT)."""
+    return given or (os.path.join(os.environ["OUT"], name) if os.environ.get("OUT") else None)
+
+
+def write_json(path: str | None, results: dict) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(results, f, indent=2, default=str)

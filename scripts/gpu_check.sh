@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # GPU check of the Pallas kernels: the kernel tests compiled (not interpreted), the engine
-# parity test, then the benchmark; under 8 minutes on one H200. Results go to $OUT
-# (default $TMPDIR/jaxvllm-gpu-check): env.log, kernels.log, engine.log, bench.log, bench.json, summary.txt.
+# parity test, the kernel benchmark, then the engine step benchmark; under 8 minutes on one
+# H200. Results go to $OUT (default $TMPDIR/jaxvllm-gpu-check): a NAME.log per step (env,
+# kernels, engine, bench, engine_step), bench.json, engine_step.json, summary.txt.
 #
 #   scripts/gpu_check.sh            on the GPU machine (the project copied in, not installed)
-#   scripts/gpu_check.sh --small    anywhere: interpret-mode tests and `bench --small` (a CPU rehearsal)
+#   scripts/gpu_check.sh --small    anywhere: interpret-mode tests, benchmarks --small (a CPU rehearsal)
 #   scripts/gpu_check.sh --dry-run  print what would run
 set -uo pipefail
 
@@ -28,10 +29,10 @@ if [ "$MODE" = gpu ]; then
     export JAXVLLM_PALLAS_INTERPRET=0          # compiled Triton kernels in the tests too
     export JAX_DEFAULT_MATMUL_PRECISION=highest # float32 parity tests: no TF32 in the XLA reference
     BENCH_ARGS=()
-    LIMITS=(30 120 90 230)                      # env, kernel tests, engine test, bench: < 8 min
+    LIMITS=(30 120 90 160 70)                   # env, kernel tests, engine test, bench, engine step: < 8 min
 else
     BENCH_ARGS=(--small)
-    LIMITS=(60 300 300 300)
+    LIMITS=(60 300 300 300 300)
 fi
 
 [ "$DRY" = 1 ] || mkdir -p "$OUT"
@@ -63,6 +64,8 @@ else
 fi
 
 run bench "${LIMITS[3]}" "$PYTHON" -m pallas_kernels.bench ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"} --json "$OUT/bench.json"
+run engine_step "${LIMITS[4]}" "$PYTHON" -m jaxvllm.benchmarks.engine_step ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"} \
+    --json "$OUT/engine_step.json"
 
 [ "$DRY" = 1 ] || cat "$OUT/summary.txt"
 exit "$FAILED"

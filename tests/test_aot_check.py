@@ -1,18 +1,32 @@
-"""The deviceless sm_90a check's own logic (the compiling itself runs in .ci/run,
-through scripts/gpu_aot_check.sh, with the CUDA plugin outside this environment)."""
+"""The deviceless sm_90a checks' own logic, kernels (pallas_kernels.aot_check) and engine
+step (jaxvllm.benchmarks.aot_engine); the compiling itself runs in .ci/run, through
+scripts/gpu_aot_check.sh, with the CUDA plugin outside this environment."""
 
 from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
 
 import jax.numpy as jnp
 import pytest
 
+from jaxvllm.benchmarks import aot_engine
 from pallas_kernels import aot_check
 from pallas_kernels.common import default_block_kv
+from pallas_kernels.hlo import count_cache_copies
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_aot_check.sh"
 
 HLO = """HloModule jit_step, input_output_alias={ {1}: (3, {}, may-alias), {2}: (4, {}, may-alias) }, entry_computation_layout={...}
 
 %branch {
   %copy.9 = f32[4,100]{1,0} copy(%get-tuple-element.1)
+}
+
+%body {
+  %conditional.3 = (f32[4,100]{1,0}) conditional(%p0, %a, %b), true_computation=%branch, false_computation=%branch
 }
 
 ENTRY %main {
@@ -25,16 +39,18 @@ ENTRY %main {
 
 
 def test_counts_copies_of_donated_buffers_in_the_entry_computation():
-    assert aot_check.count_cache_copies(HLO, (8, 16384, 16, 128)) == 1  # the flat view counts too
-    assert aot_check.count_cache_copies(HLO, (8, 16384, 16, 128), "bf16") == 1
-    assert aot_check.count_cache_copies(HLO, (8, 16384, 16, 128), "f32") == 0
-    assert aot_check.count_cache_copies(HLO, (8, 16384, 16, 64)) == 0
-    assert aot_check.count_cache_copies(HLO, (4, 100)) == 1  # the branch's copy is not a donated buffer
+    assert count_cache_copies(HLO, (8, 16384, 16, 128)) == 1  # the flat view counts too
+    assert count_cache_copies(HLO, (8, 16384, 16, 128), "bf16") == 1
+    assert count_cache_copies(HLO, (8, 16384, 16, 128), "f32") == 0
+    assert count_cache_copies(HLO, (8, 16384, 16, 64)) == 0
+    assert count_cache_copies(HLO, (4, 100)) == 1  # the branch's copy is not a donated buffer
 
 
-def test_counts_aliased_outputs():
-    assert aot_check.aliased_outputs(HLO) == 2
-    assert aot_check.aliased_outputs("HloModule jit_f, entry_computation_layout={()->f32[]}\n") == 0
+def test_counts_aliased_outputs_and_conditionals():
+    assert aot_engine.aliased_outputs(HLO) == 2
+    assert aot_engine.aliased_outputs("HloModule jit_f, entry_computation_layout={()->f32[]}\n") == 0
+    assert aot_engine.conditionals(HLO) == 1  # in any computation, not only ENTRY
+    assert aot_engine.conditionals(HLO.replace(" conditional(", " tuple(")) == 0
 
 
 @pytest.mark.parametrize("head_dim,dtype,want", [
@@ -46,19 +62,33 @@ def test_default_kv_tile_fits_registers(head_dim, dtype, want):
     assert default_block_kv(head_dim, dtype) == want
 
 
-def test_problems_name_spills_copies_and_errors():
-    case = aot_check.Case("engine_step", {"num_layers": 2}, None, [])
-    case.result = {"ok": True, "kernels": [dict(name="k", registers=255, spill_bytes=96, cp_async=True, mma="")],
-                   "cache_copies": 3, "aliased_outputs": 4}
-    assert aot_check.problems(case) == [
-        "k spills 96 bytes", "3 copies of a KV cache or sampler state in the compiled step",
-        "only 4 of 8 donated buffers are updated in place",
-    ]
+def test_problems_name_spills_and_errors():
+    case = aot_check.Case("ragged", {"dtype": "bfloat16"}, None, [])
     case.result = {"ok": False, "error": "RESOURCE_EXHAUSTED: Shared memory size limit exceeded"}
     assert aot_check.problems(case) == ["RESOURCE_EXHAUSTED: Shared memory size limit exceeded"]
     spilled = {"ok": True, "kernels": [dict(name="k", registers=255, spill_bytes=8, cp_async=True, mma="")]}
-    assert aot_check.problems(aot_check.Case("ragged", {"dtype": "bfloat16"}, None, [], dict(spilled)))
+    assert aot_check.problems(aot_check.Case("ragged", {"dtype": "bfloat16"}, None, [], dict(spilled))) == [
+        "k spills 8 bytes"]
     assert not aot_check.problems(aot_check.Case("ragged", {"dtype": "float32"}, None, [], dict(spilled)))
+
+
+def test_engine_problems_name_copies_aliasing_and_conditionals():
+    case = aot_check.Case("engine_step", {"donated": 8}, None, [])
+    case.result = {"ok": True, "kernels": [dict(name="k", registers=255, spill_bytes=96, cp_async=True, mma="")],
+                   "cache_copies": 3, "aliased_outputs": 4, "conditionals": 2}
+    assert aot_engine.problems(case) == [
+        "k spills 96 bytes", "3 copies of a KV cache or sampler state in the compiled step",
+        "only 4 of 8 donated buffers are updated in place", "2 conditionals in the compiled step (a host sync each)",
+    ]
+    case.result = {"ok": True, "cache_copies": 0, "aliased_outputs": 8, "conditionals": 0}
+    assert aot_engine.problems(case) == []
+    case.result = {"ok": False, "error": "XlaRuntimeError: boom"}
+    assert aot_engine.problems(case) == ["XlaRuntimeError: boom"]
+
+
+def test_engine_inspect_reads_the_donated_shapes_off_the_case():
+    case = aot_check.Case("engine_step", {"cache_shape": [8, 16384, 16, 128], "state_shape": [4, 100]}, None, [])
+    assert aot_engine.inspect(case, HLO) == {"cache_copies": 2, "aliased_outputs": 2, "conditionals": 1}
 
 
 def test_cases_cover_the_issue_matrix():
@@ -71,10 +101,35 @@ def test_cases_cover_the_issue_matrix():
     assert any(p["window"] for p in decode)
 
 
-def test_main_without_the_cuda_plugin_exits_2(monkeypatch, capsys):
+@pytest.mark.parametrize("main", [aot_check.main, aot_engine.main])
+def test_main_without_the_cuda_plugin_exits_2(main, monkeypatch, capsys):
     def no_device():
         raise RuntimeError("topology not implemented for cuda")
 
     monkeypatch.setattr(aot_check, "compile_only_device", no_device)
-    assert aot_check.main([]) == 2
+    assert main(["--quick"]) == 2
     assert "CUDA PJRT plugin" in capsys.readouterr().err
+
+
+# Stands in for $PYTHON: `-c` snippets (jaxlib's version, "is the plugin installed") succeed,
+# `-m MODULE ARGS` is logged and exits with $KERNELS_RC or $ENGINE_RC.
+FAKE_PYTHON = """#!/usr/bin/env bash
+[ "$1" = -c ] && { echo 0.0; exit 0; }
+shift; echo "$*" >>"$LOG"
+[ "$1" = pallas_kernels.aot_check ] && exit "$KERNELS_RC" || exit "$ENGINE_RC"
+"""
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+@pytest.mark.parametrize("kernels,engine,want", [(0, 0, 0), (1, 0, 1), (0, 1, 1), (2, 0, 2), (0, 2, 2)])
+def test_gpu_aot_check_script_runs_both_checks(tmp_path, kernels, engine, want):
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    log = tmp_path / "log"
+    env = dict(os.environ, PYTHON=str(fake), LOG=str(log), KERNELS_RC=str(kernels), ENGINE_RC=str(engine))
+    run = subprocess.run(["bash", str(SCRIPT), "--quick", "--json", "out.json"], env=env, capture_output=True)
+    assert run.returncode == want
+    expected = ["pallas_kernels.aot_check --quick --json out.json",
+                "jaxvllm.benchmarks.aot_engine --quick --json out_engine.json"]
+    assert log.read_text().splitlines() == expected[: 1 if kernels == 2 else 2]

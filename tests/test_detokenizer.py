@@ -395,17 +395,18 @@ def test_work_per_update_is_bounded(tokenizers, name, monkeypatch):
     tok = tokenizers[name]
     lengths: list[int] = []
     decode = tok.decode
+    window_decode = IncrementalDetokenizer._decode
 
-    def recording_decode(ids, *args, **kwargs):
+    def recording_decode(self, ids):
         lengths.append(len(ids))
-        return decode(ids, *args, **kwargs)
+        return window_decode(self, ids)
 
     stream = []
     while len(stream) < 2000:
         stream += _encode(tok, MIXED + " " + SENTENCE) + [tok.eos_token_id]
     stream = stream[:2000]
     expected = decode(stream, skip_special_tokens=True)
-    monkeypatch.setattr(tok, "decode", recording_decode)
+    monkeypatch.setattr(IncrementalDetokenizer, "_decode", recording_decode)
     d = IncrementalDetokenizer(tok, stop=["never appears"])
     for tid in stream:
         d.update([tid])
@@ -420,8 +421,8 @@ def test_invalid_bytes_do_not_grow_the_window(tokenizers, monkeypatch):
     the detokenizer still commits text (a few tokens back), so windows stay short."""
     tok = tokenizers["tiny"]
     lengths: list[int] = []
-    decode = tok.decode
-    monkeypatch.setattr(tok, "decode", lambda ids, *a, **k: (lengths.append(len(ids)), decode(ids, *a, **k))[1])
+    decode, window_decode = tok.decode, IncrementalDetokenizer._decode
+    monkeypatch.setattr(IncrementalDetokenizer, "_decode", lambda self, ids: (lengths.append(len(ids)), window_decode(self, ids))[1])
     cont = _byte_token_ids(tok, "漢")[1]  # 0xBC: never valid on its own
     d = IncrementalDetokenizer(tok)
     for _ in range(500):

@@ -1,4 +1,5 @@
-"""The kernel benchmark (`python -m pallas_kernels.bench --small`) and scripts/gpu_check.sh, on CPU."""
+"""The GPU benchmarks' CPU rehearsals (`python -m pallas_kernels.bench --small`,
+`python -m jaxvllm.benchmarks.engine_step --small`) and scripts/gpu_check.sh's plan."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from jaxvllm.benchmarks import engine_step
 from pallas_kernels import bench
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,16 +29,25 @@ def test_bench_small_runs_and_checks_the_kernels(tmp_path, monkeypatch):
     assert "error" not in k1["xla_reference"] and "error" not in k1["hbm_copy"]
     ragged = results["k2"]["pallas_ragged"]
     assert max(ragged["max_abs_err"].values()) < 0.05 and ragged["best_tflop_s"] > 0
-    step = results["step"]
-    assert step["reference"]["step_ms"] > 0 and step["pallas"]["step_ms"] > 0
-    assert step["greedy_tokens_equal_head"]
     (kv,) = results["kv"]
     assert kv["xla_scatter"]["us"] > 0 and kv["xla_scatter"]["cache_copies_in_hlo"] == 0
+    assert "step" not in results
 
 
-def test_bench_refuses_full_shapes_on_cpu(capsys):
+def test_engine_step_small_runs_both_backends(tmp_path, monkeypatch):
+    monkeypatch.setenv("OUT", str(tmp_path))  # the default JSON path
+    results = engine_step.main(["--small", "--iters", "1"])
+    step = json.loads((tmp_path / "engine_step.json").read_text())["step"]
+    assert step == json.loads(json.dumps(results["step"], default=str))
+    for backend in ("reference", "pallas"):
+        assert step[backend]["step_ms"] > 0 and step[backend]["cache_copies_in_hlo"] == 0
+    assert step["greedy_tokens_equal_head"]
+
+
+@pytest.mark.parametrize("main", [bench.main, engine_step.main])
+def test_benchmarks_refuse_full_shapes_on_cpu(main, capsys):
     with pytest.raises(SystemExit):
-        bench.main([])
+        main([])
     assert "--small" in capsys.readouterr().err
 
 
@@ -46,8 +57,9 @@ def test_gpu_check_script_parses_and_plans():
     out = subprocess.run(["bash", str(GPU_CHECK), "--dry-run"], check=True, capture_output=True, text=True).stdout
     assert "tests/test_kernels.py" in out and "tests/test_pallas_engine.py" in out
     assert "pallas_kernels.bench --json" in out
+    assert "jaxvllm.benchmarks.engine_step --json" in out and "engine_step.json" in out
     small = subprocess.run(["bash", str(GPU_CHECK), "--small", "--dry-run"], check=True, capture_output=True,
                            text=True).stdout
-    assert "pallas_kernels.bench --small" in small
+    assert "pallas_kernels.bench --small" in small and "jaxvllm.benchmarks.engine_step --small" in small
     bad = subprocess.run(["bash", str(GPU_CHECK), "--bogus"], capture_output=True, text=True)
     assert bad.returncode == 2

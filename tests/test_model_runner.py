@@ -7,7 +7,9 @@ import pytest
 
 import jaxvllm.model_runner as model_runner
 from jaxvllm import LLM, EngineConfig
+from jaxvllm.input_batch import BatchLayout, block_table_widths
 from jaxvllm.model_runner import ModelRunner, default_buckets
+from jaxvllm.sampler import SamplerFeatures
 from jaxvllm.request import Request, ScheduledRequest
 from jaxvllm.sampling_params import SamplingParams
 
@@ -38,33 +40,65 @@ def test_kv_cache_cpu_default_and_override(tiny_checkpoint, caplog):
         runner = ModelRunner(EngineConfig(model=path, **SMALL))
     assert runner.num_blocks == 4 * 4  # every sequence at max_model_len: 4 seqs x 4 blocks
     assert "KV cache: 16 blocks x 16 tokens = 256 tokens" in caplog.text
-    assert "warm-up: compiled 1 token buckets [32]" in caplog.text
+    assert "warm-up: compiled 1 token buckets [32] x 1 block-table widths [4] and 3 sampler variants" in caplog.text
     assert ModelRunner(EngineConfig(model=path, num_gpu_blocks_override=7, **SMALL)).num_blocks == 7
 
 
-def test_prepare_builds_the_flat_batch(tiny_checkpoint):
+def test_prepare_builds_the_packed_batch(tiny_checkpoint):
     runner = ModelRunner(EngineConfig(model=str(tiny_checkpoint("llama")), **SMALL))
     params = SamplingParams(temperature=0.5, max_tokens=4)
     a = Request("a", list(range(10, 30)), params, max_tokens=4, seed=9)  # 20 prompt tokens, 16 computed
     b = Request("b", [7, 8, 9], params, max_tokens=4, seed=9)
     b.token_ids.append(11)  # one output token so far, decoding
-    batch = [ScheduledRequest(a, 16, 4, [3, 1]), ScheduledRequest(b, 3, 1, [2])]
-    inputs, sampling, prompt_targets, prompt_positions = runner.prepare(batch)
-    assert (prompt_targets == -1).all() and prompt_positions == []
-    np.testing.assert_array_equal(inputs.input_ids[:6], [26, 27, 28, 29, 11, 0])
-    assert inputs.input_ids.shape == (32,)  # padded to the bucket
-    np.testing.assert_array_equal(inputs.positions[:5], [16, 17, 18, 19, 3])
-    np.testing.assert_array_equal(inputs.slot_mapping[:6], [1 * 16 + 0, 17, 18, 19, 2 * 16 + 3, -1])
-    assert (inputs.slot_mapping[5:] == -1).all()
-    np.testing.assert_array_equal(inputs.query_start_loc, [0, 4, 5, 5, 5])
-    np.testing.assert_array_equal(inputs.seq_lens, [20, 4, 0, 0])
-    np.testing.assert_array_equal(inputs.block_tables[:2, :2], [[3, 1], [2, 0]])
-    np.testing.assert_array_equal(inputs.logits_indices, [3, 4, 0, 0])
-    np.testing.assert_array_equal(sampling.temperature, [0.5, 0.5, 0, 0])
-    np.testing.assert_array_equal(sampling.top_p, [1.0] * 4)
-    np.testing.assert_array_equal(sampling.counts_sample, [True, True, False, False])  # both chunks end the sequence
-    np.testing.assert_array_equal(sampling.seeds[:2], [9, 9])
-    np.testing.assert_array_equal(sampling.output_index[:2], [0, 1])
+    batch = runner.prepare([ScheduledRequest(a, 16, 4, [3, 1]), ScheduledRequest(b, 3, 1, [2])])
+    assert batch.layout == BatchLayout(num_tokens=32, num_rows=4, width=4)  # padded to the bucket
+    assert batch.packed.shape == (batch.layout.size,) and batch.packed.dtype == np.int32  # one transfer
+    assert batch.features == SamplerFeatures(random=True) and batch.prompt_rows == []
+    v = batch.layout.views(batch.packed)
+    assert (v["prompt_targets"] == -1).all() and (v["prev_row"] == -1).all()
+    np.testing.assert_array_equal(v["input_ids"][:6], [26, 27, 28, 29, 11, 0])
+    np.testing.assert_array_equal(v["positions"][:5], [16, 17, 18, 19, 3])
+    np.testing.assert_array_equal(v["slot_mapping"][:6], [1 * 16 + 0, 17, 18, 19, 2 * 16 + 3, -1])
+    assert (v["slot_mapping"][5:] == -1).all()
+    np.testing.assert_array_equal(v["query_start_loc"], [0, 4, 5, 5, 5])
+    np.testing.assert_array_equal(v["seq_lens"], [20, 4, 0, 0])
+    np.testing.assert_array_equal(v["block_tables"][:2, :2], [[3, 1], [2, 0]])
+    np.testing.assert_array_equal(v["logits_indices"], [3, 4, 0, 0])
+    np.testing.assert_array_equal(v["temperature"], [0.5, 0.5, 0, 0])
+    np.testing.assert_array_equal(v["top_p"], [1.0] * 4)
+    np.testing.assert_array_equal(v["counts_sample"], [True, True, False, False])  # both chunks end the sequence
+    np.testing.assert_array_equal(v["seeds"][:2], [9, 9])
+    np.testing.assert_array_equal(v["output_index"][:2], [0, 1])
+    rows = [runner.input_batch.row_of[r] for r in "ab"]
+    np.testing.assert_array_equal(v["slot"][:2], rows)
+
+    # Next step: both new tokens are still on the device; a got a third block. Rows persist.
+    a.num_pending = b.num_pending = 1
+    batch = runner.prepare([ScheduledRequest(a, 20, 1, [3, 1, 5]), ScheduledRequest(b, 4, 1, [2])])
+    v = batch.layout.views(batch.packed)
+    assert runner.input_batch.row_of == dict(zip("ab", rows))
+    np.testing.assert_array_equal(v["block_tables"][:2, :3], [[3, 1, 5], [2, 0, 0]])
+    np.testing.assert_array_equal(v["prev_row"][:3], [*rows, -1])  # inputs: each row's last sample
+    a.token_ids.append(40)  # a's first output reached the host (synchronous scheduling)
+    a.num_pending = 0
+    batch = runner.prepare([ScheduledRequest(a, 20, 1, [3, 1, 5]), ScheduledRequest(b, 4, 1, [2])])
+    np.testing.assert_array_equal(batch.layout.views(batch.packed)["input_ids"][:2], [40, 0])
+    runner.release(["a"])
+    assert "a" not in runner.input_batch.row_of and len(runner.input_batch) == 1
+
+
+def test_block_table_width_follows_the_longest_request(tiny_checkpoint):
+    assert block_table_widths(4) == [4] and block_table_widths(64) == [16, 64]
+    assert block_table_widths(2560) == [40, 160, 640, 2560]
+    runner = ModelRunner(EngineConfig(model=str(tiny_checkpoint("llama")), max_model_len=1024, max_num_seqs=4,
+                                      max_num_batched_tokens=32, token_buckets=[32]))
+    assert runner.widths == [16, 64] and runner.num_compiled_buckets() == 2  # both widths warmed up
+    params = SamplingParams(max_tokens=4)
+    short = Request("s", [5] * 3, params, max_tokens=4)
+    assert runner.prepare([ScheduledRequest(short, 0, 3, [0])]).layout.width == 16
+    long = Request("l", [5] * 300, params, max_tokens=4)
+    blocks = list(range(1, 20))
+    assert runner.prepare([ScheduledRequest(long, 290, 10, blocks)]).layout.width == 64
 
 
 def test_sequence_rows_follow_the_token_bucket(tiny_checkpoint):
@@ -74,12 +108,12 @@ def test_sequence_rows_follow_the_token_bucket(tiny_checkpoint):
     runner = ModelRunner(config)
     params = SamplingParams(max_tokens=4)
     reqs = [Request(str(i), [5 + i] * 3, params, max_tokens=4) for i in range(20)]
-    small = runner.prepare([ScheduledRequest(r, 0, 3, [i]) for i, r in enumerate(reqs[:2])])[0]
-    assert small.input_ids.shape == (16,) and small.seq_lens.shape == (16,)
-    assert small.block_tables.shape == (16, 4) and small.query_start_loc.shape == (17,)
-    large = runner.prepare([ScheduledRequest(r, 2, 1, [i]) for i, r in enumerate(reqs)])[0]
-    assert large.input_ids.shape == (32,) and large.seq_lens.shape == (24,)
-    np.testing.assert_array_equal(large.seq_lens[:21], [3] * 20 + [0])
+    small = runner.prepare([ScheduledRequest(r, 0, 3, [i]) for i, r in enumerate(reqs[:2])])
+    assert small.layout == BatchLayout(16, 16, 4)
+    runner.release(r.request_id for r in reqs[:2])
+    large = runner.prepare([ScheduledRequest(r, 2, 1, [i]) for i, r in enumerate(reqs)])
+    assert large.layout == BatchLayout(32, 24, 4)
+    np.testing.assert_array_equal(large.layout.views(large.packed)["seq_lens"][:21], [3] * 20 + [0])
     assert runner.rows_for(16) == 16 and runner.rows_for(32) == 24
 
 

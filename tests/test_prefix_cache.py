@@ -22,10 +22,12 @@ def request_with(rid, tokens, max_tokens=3, arrival=0, salt=None):
 
 
 def admit(kv: KVCacheManager, request, num_new=None):
-    """What the scheduler does on admission; returns the number of cached tokens."""
+    """What the scheduler (admission) and the engine (dispatch) do; returns the number of cached tokens."""
     computed = kv.get_computed_blocks(request)
     cached = len(computed) * kv.block_size
-    assert kv.allocate_slots(request, num_new or request.num_tokens - cached, computed) is not None
+    num_new = num_new or request.num_tokens - cached
+    assert kv.allocate_slots(request, num_new, computed) is not None
+    kv.cache_blocks(request, cached + num_new)
     request.num_computed_tokens = cached
     return cached
 
@@ -134,60 +136,93 @@ def test_block_pool_touch_counts():
 
 
 class FakeKV:
-    """Which token's K/V each slot holds; a request's context read through its block table must be its tokens."""
+    """Which token's K/V each slot holds; a request's context read through its block table must be its tokens.
+
+    `run` is the device executing a dispatched step, in dispatch order. A token still on
+    the device (async scheduling) is the one the fake model samples there.
+    """
 
     def __init__(self):
         self.slots = {}
+
+    @staticmethod
+    def token(request, pos: int) -> int:
+        if pos < request.num_tokens:
+            return request.token_ids[pos]
+        return fake_token(request.request_id, pos - request.num_prompt_tokens)
 
     def run(self, scheduler: Scheduler, out):
         bs = scheduler.kv.block_size
         for x in out.scheduled:
             for pos in range(x.start, x.start + x.num_new_tokens):
-                self.slots[(x.block_ids[pos // bs], pos % bs)] = x.request.token_ids[pos]
+                self.slots[(x.block_ids[pos // bs], pos % bs)] = self.token(x.request, pos)
         for x in out.scheduled:  # attention reads every earlier position, cached or computed now
             end = x.start + x.num_new_tokens
             context = [self.slots.get((x.block_ids[p // bs], p % bs)) for p in range(end)]
-            assert context == x.request.token_ids[:end], f"{x.request.request_id} would read wrong K/V"
+            want = [self.token(x.request, p) for p in range(end)]
+            assert context == want, f"{x.request.request_id} would read wrong K/V"
+        # What the device samples for each row that samples.
+        return [fake_token(x.request.request_id, x.start + x.num_new_tokens - x.request.num_prompt_tokens)
+                for x in out.scheduled]
+
+
+def run_like_the_engine(s: Scheduler, kv_store: FakeKV, added, aborts, async_scheduling: bool):
+    """LLMEngine.step's order: schedule, dispatch (the fake device runs), cache the blocks
+    written, then read this step's tokens, or (async) the step before's."""
+    in_flight = None
+    for step in range(3000):
+        if not s.has_unfinished_requests() and in_flight is None:
+            break
+        if step in aborts and added:
+            victim = added[step % len(added)]
+            if not victim.is_finished:
+                s.finish(victim, "abort")
+        out = s.schedule()
+        launched = (out, kv_store.run(s, out)) if out.scheduled else None
+        for x in out.scheduled:
+            s.kv.cache_blocks(x.request, x.start + x.num_new_tokens)
+        if async_scheduling:
+            launched, in_flight = in_flight, launched
+        if launched:
+            s.update_from_output(*launched)
+        check_blocks(s)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    prompts=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 14), st.integers(1, 8)), min_size=1, max_size=14),
+    prompts=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 14), st.integers(1, 8), st.integers(0, 2)),
+                     min_size=1, max_size=14),
     num_blocks=st.integers(6, 30),
     budget=st.integers(8, 40),
     max_num_seqs=st.integers(1, 6),
     aborts=st.lists(st.integers(0, 20), max_size=3),
+    policy=st.sampled_from(["fcfs", "priority"]),
+    async_scheduling=st.booleans(),
 )
-def test_random_shared_prefix_workloads(prompts, num_blocks, budget, max_num_seqs, aborts):
+def test_random_shared_prefix_workloads(prompts, num_blocks, budget, max_num_seqs, aborts, policy, async_scheduling):
+    """No request ever reads K/V that was not written for its tokens: prefix caching,
+    preemption (both policies), aborts, chunked prefill, with and without async scheduling."""
     prefixes = [[fake_token("prefix", p * 100 + i) for i in range(12)] for p in range(4)]
     runs = {}
     for caching in (True, False):
         s = Scheduler(SchedulerConfig(max_num_seqs=min(max_num_seqs, budget), max_num_batched_tokens=budget,
-                                      max_model_len=64), KVCacheManager(num_blocks, BS, enable_prefix_caching=caching))
+                                      max_model_len=64, policy=policy),
+                      KVCacheManager(num_blocks, BS, enable_prefix_caching=caching))
         kv_store, added = FakeKV(), []
-        for i, (p, suffix, max_tokens) in enumerate(prompts):
+        for i, (p, suffix, max_tokens, priority) in enumerate(prompts):
             r = request_with(f"r{i}", prefixes[p][: 4 + suffix % 9] + [fake_token(f"sfx{i}", j) for j in range(suffix)],
                              max_tokens, arrival=i)
+            r.priority = priority
             try:
                 s.add_request(r)
                 added.append(r)
             except ValueError:
                 continue
-        for step in range(3000):
-            if not s.has_unfinished_requests():
-                break
-            if step in aborts and added:
-                victim = added[step % len(added)]
-                if not victim.is_finished:
-                    s.finish(victim, "abort")
-            out = s.schedule()
-            kv_store.run(s, out)
-            s.update_from_output(out, [fake_token(x.request.request_id, x.request.num_output_tokens)
-                                       for x in out.scheduled])
-            check_blocks(s)
+        run_like_the_engine(s, kv_store, added, aborts, async_scheduling)
         assert not s.has_unfinished_requests() and s.kv.num_free_blocks == num_blocks
         for r in added:
             check_tokens(r)
+            assert r.num_pending == 0
         runs[caching] = {r.request_id: r.output_token_ids for r in added if r.finish_reason != "abort"}
     # Aborts land at a step number, so they may catch different requests with and without caching.
     both = runs[True].keys() & runs[False].keys()

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from jaxvllm.sampler import SamplingTensors, apply_penalties, init_state, sample, write_state_row
+from jaxvllm.sampler import SamplerFeatures, SamplingTensors, apply_penalties, init_state, sample, write_state_row
 
 V = 12
 LOGITS = np.array([2.0, 1.5, 1.2, 1.0, 0.7, 0.5, 0.2, 0.0, -0.3, -0.8, -1.5, -3.0], np.float32)
@@ -26,7 +26,38 @@ def tensors(n, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, presence=0.0, 
     )
 
 
-sample_jit = jax.jit(sample)
+_sample = jax.jit(sample, static_argnames="features")
+
+
+def sample_jit(logits, t, state):
+    """The sampler variant the runner would pick for these (all sampling) rows."""
+    return _sample(logits, t, state, features=SamplerFeatures.of(t, np.ones(len(t.temperature), bool)))
+
+
+def test_features_follow_the_rows_that_sample():
+    t = tensors(3, temperature=0.0)
+    rows = np.array([True, True, False])
+    assert SamplerFeatures.of(t, rows) == SamplerFeatures()
+    t.temperature[2], t.top_p[2], t.want_logprobs[2] = 1.0, 0.5, True  # a row that does not sample
+    assert SamplerFeatures.of(t, rows) == SamplerFeatures()
+    t.temperature[0], t.top_k[0] = 0.7, 1  # top_k = 1 is greedy
+    assert SamplerFeatures.of(t, rows) == SamplerFeatures()
+    t.top_k[0], t.min_p[1], t.use_state[1] = 5, 0.1, True  # min_p of a greedy row: not needed
+    assert SamplerFeatures.of(t, rows) == SamplerFeatures(random=True, top_k=True, state=True)
+    assert SamplerFeatures.of(t, rows).name == "random+top_k+state"
+
+
+def test_compiled_variants_have_no_conditionals_and_static_loops():
+    """Every choice is made on the host: no `conditional` (on XLA:GPU its predicate is
+    copied to the host, stalling the stream) and only loops of known trip count."""
+    everything = SamplerFeatures(random=True, min_p=True, top_k=True, top_p=True, state=True, logprobs=True)
+    for features in (SamplerFeatures(), everything):
+        hlo = _sample.lower(np.zeros((4, V), np.float32), tensors(4), init_state(4, V), features=features)
+        text = hlo.compile().as_text()
+        assert " conditional(" not in text
+        for line in text.splitlines():
+            if " while(" in line:
+                assert "known_trip_count" in line, line
 
 
 def exact(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
@@ -155,4 +186,4 @@ def test_logprobs_are_of_raw_logits_with_ranks():
     np.testing.assert_array_equal(lp.top_ids[0, :V], np.argsort(-LOGITS, kind="stable"))
     np.testing.assert_allclose(lp.top_logprobs[0, :V], np.sort(raw)[::-1], rtol=1e-6)
     _, none, _ = sample_jit(logits, tensors(3, temperature=0.0), state_with_row())
-    assert not np.asarray(none.token_logprob).any()  # skipped when no row asks
+    assert none is None  # not computed when no row asks

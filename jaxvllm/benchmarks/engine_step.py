@@ -1,0 +1,116 @@
+"""One decode step of a dummy model on each attention backend, timed on the same inputs.
+
+    python -m jaxvllm.benchmarks.engine_step            # Qwen3-0.6B-shaped, 256 x 1024 (needs a GPU)
+    python -m jaxvllm.benchmarks.engine_step --small    # the tiny model, kernels interpreted: CPU
+    python -m jaxvllm.benchmarks.engine_step --json out.json
+
+The model forward plus a greedy argmax, KV caches donated, for the `reference` and
+`pallas` backends: step time, KV bytes read per second, copies of the cache in the
+compiled HLO (should be 0), and whether the two backends' greedy tokens agree. It
+complements `python -m pallas_kernels.bench` (the kernels alone), whose helpers it
+uses; it lives here because the kernel package imports nothing from jaxvllm.
+Figures go to stdout and to JSON (`--json PATH`, default $OUT/engine_step.json when
+$OUT is set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxvllm.batch import ModelInputs
+from jaxvllm.config import ModelConfig
+from jaxvllm.dummy import get_dummy
+from jaxvllm.layers import allocate_kv_caches
+from jaxvllm.loader import dummy_params
+from jaxvllm.models.llama import forward
+from pallas_kernels.bench import DTYPE, attempt, environment, json_path, summary, write_json
+from pallas_kernels.common import cdiv
+from pallas_kernels.hlo import count_cache_copies
+
+FULL = dict(model="qwen3-0.6b", num_seqs=256, context=1024, block_size=16, iters=20)
+SMALL = dict(model="tiny", num_seqs=4, context=48, block_size=8, iters=2)
+
+
+def bench_step(cfg: dict, iters: int) -> dict:
+    mcfg = ModelConfig.from_hf(get_dummy(cfg["model"]).make_config())
+    params = dummy_params(mcfg, DTYPE, seed=0)
+    s, ctx, bs = cfg["num_seqs"], cfg["context"], cfg["block_size"]
+    max_blocks = cdiv(ctx, bs)
+    num_blocks = s * max_blocks + 1
+    perm = np.random.default_rng(0).permutation(num_blocks)[: s * max_blocks].reshape(s, max_blocks)
+    pos = np.full(s, ctx - 1, np.int32)
+    i32 = lambda x: jnp.asarray(np.asarray(x, np.int32))  # noqa: E731
+    inputs = ModelInputs(
+        input_ids=i32(np.random.default_rng(1).integers(3, min(mcfg.vocab_size, 30000), s)),
+        positions=i32(pos),
+        slot_mapping=i32(perm[:, (ctx - 1) // bs] * bs + (ctx - 1) % bs),
+        query_start_loc=i32(np.arange(s + 1)),
+        seq_lens=i32(np.full(s, ctx)),
+        block_tables=i32(perm),
+        logits_indices=i32(np.arange(s)),
+    )
+    kv_bytes_per_step = 2 * mcfg.num_layers * s * ctx * mcfg.num_kv_heads * mcfg.head_dim * jnp.dtype(DTYPE).itemsize
+    result: dict[str, Any] = {"model": cfg["model"], "num_seqs": s, "context": ctx, "kv_bytes_per_step": kv_bytes_per_step}
+
+    def step_of(backend):
+        def step(params, caches, inputs):
+            logits, caches = forward(params, caches, inputs, mcfg, backend)
+            return jnp.argmax(logits, axis=-1), caches
+
+        return jax.jit(step, donate_argnums=(1,))
+
+    for backend in ("reference", "pallas"):
+        def run(backend=backend):
+            caches = allocate_kv_caches(mcfg, num_blocks, bs, DTYPE)
+            fn = step_of(backend)
+            compiled = fn.lower(params, caches, inputs).compile()
+            copies = count_cache_copies(compiled.as_text(), caches[0][0].shape)
+            # Not bench.time_fn: the donated caches must be handed from one call to the next.
+            times = []
+            for i in range(iters + 1):
+                start = time.perf_counter()
+                tokens, caches = fn(params, caches, inputs)
+                jax.block_until_ready(tokens)
+                if i:  # the first call may still load the executable
+                    times.append(time.perf_counter() - start)
+            t = statistics.median(times)
+            return {"step_ms": t * 1e3, "kv_tb_s": kv_bytes_per_step / t / 1e12, "cache_copies_in_hlo": copies,
+                    "tokens_head": np.asarray(tokens[:8]).tolist()}
+
+        attempt(result, backend, run)
+    ref, pal = result.get("reference", {}), result.get("pallas", {})
+    if "tokens_head" in ref and "tokens_head" in pal:
+        result["greedy_tokens_equal_head"] = ref["tokens_head"] == pal["tokens_head"]
+    print(f"step {cfg['model']} {s}x{ctx}: {summary(result)}", flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="the tiny model, kernels interpreted (runs on CPU)")
+    parser.add_argument("--iters", type=int, default=None, help="timed repetitions (median)")
+    parser.add_argument("--json", default=None, help="write results here (default $OUT/engine_step.json if $OUT is set)")
+    args = parser.parse_args(argv)
+
+    cfg = SMALL if args.small else FULL
+    if not args.small and jax.default_backend() == "cpu":
+        parser.error("the full shapes need a GPU; use --small on CPU")
+    iters = args.iters or cfg["iters"]
+    results = {"small": args.small, "iters": iters, "env": environment(), "config": cfg, "step": bench_step(cfg, iters)}
+    path = json_path(args.json, "engine_step.json")
+    if path:
+        write_json(path, results)
+        print(f"wrote {path}")
+    return results
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,198 @@
+"""The host side of one step's batch: per-request rows that persist across steps, and
+the packed int32 buffer that carries a step's batch to the device in one transfer.
+
+`InputBatch` (vLLM's persistent batch) keeps, per running request, a row of numpy
+arrays: block table, sampling parameters, seed. A row is written when the request is
+admitted and when it gets a new block, and freed when it finishes or is preempted; a
+step gathers the rows it schedules with numpy indexing instead of rebuilding them from
+Python objects. The row number is also the request's row of the device `SamplerState`
+and of the device buffer of last sampled tokens.
+
+`BatchLayout` is the static shape of a step (T tokens, S sequence rows, W block-table
+columns): every field of the batch, model inputs and sampling tensors alike, has a
+fixed place in one int32 vector (floats and uint32 seeds bitcast), so that the host
+fills it with numpy and ships it with one `device_put`, and the jitted functions slice
+it back apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxvllm.batch import ModelInputs
+from jaxvllm.request import Request
+from jaxvllm.sampler import SamplingTensors
+
+# (field, length: "T" tokens, "S" rows, "S+1", "SW" block table) in packing order.
+_FIELDS = (
+    ("input_ids", "T"),  # host-known token ids (0 where prev_row says where to look)
+    ("prev_row", "T"),  # >= 0: take the id from the device's last sampled tokens at this row
+    ("positions", "T"),
+    ("slot_mapping", "T"),
+    ("prompt_targets", "T"),  # the next prompt token scored at this row, -1 = none
+    ("query_start_loc", "S+1"),
+    ("seq_lens", "S"),
+    ("logits_indices", "S"),
+    ("block_tables", "SW"),
+    # sampling rows
+    ("temperature", "S"),
+    ("top_p", "S"),
+    ("min_p", "S"),
+    ("presence_penalty", "S"),
+    ("frequency_penalty", "S"),
+    ("repetition_penalty", "S"),
+    ("top_k", "S"),
+    ("seeds", "S"),
+    ("output_index", "S"),
+    ("slot", "S"),
+    ("use_state", "S"),
+    ("suppress_stop", "S"),
+    ("counts_sample", "S"),
+    ("want_logprobs", "S"),
+)
+_FLOATS = {"temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"}
+_BOOLS = {"use_state", "suppress_stop", "counts_sample", "want_logprobs"}
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Where each field lives in a step's packed int32 vector (a static jit argument)."""
+
+    num_tokens: int  # T, the token bucket
+    num_rows: int  # S
+    width: int  # W, block-table columns
+
+    @cached_property
+    def spans(self) -> dict[str, tuple[int, int]]:
+        sizes = {"T": self.num_tokens, "S": self.num_rows, "S+1": self.num_rows + 1,
+                 "SW": self.num_rows * self.width}
+        spans, start = {}, 0
+        for name, kind in _FIELDS:
+            spans[name] = (start, start + sizes[kind])
+            start += sizes[kind]
+        return spans
+
+    @property
+    def size(self) -> int:
+        return self.spans[_FIELDS[-1][0]][1]
+
+    def empty(self) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """A fresh all-padding buffer and its field views.
+
+        Padding is neutral: no K/V written (slot -1), greedy, no state (slot 0 with
+        use_state off). A fresh buffer every step: the device may still read the last
+        one (on CPU, a device_put may alias host memory).
+        """
+        packed = np.zeros(self.size, np.int32)
+        views = self.views(packed)
+        for name in ("prev_row", "slot_mapping", "prompt_targets"):
+            views[name][:] = -1
+        views["top_p"][:] = 1.0
+        views["repetition_penalty"][:] = 1.0
+        return packed, views
+
+    def views(self, packed: np.ndarray) -> dict[str, np.ndarray]:
+        """Writable numpy views of a host buffer's fields (bool fields as int32 0/1)."""
+        floats = packed.view(np.float32)
+        views = {name: (floats if name in _FLOATS else packed)[a:b] for name, (a, b) in self.spans.items()}
+        views["seeds"] = views["seeds"].view(np.uint32)
+        views["block_tables"] = views["block_tables"].reshape(self.num_rows, self.width)
+        return views
+
+    def _field(self, packed: jax.Array, name: str) -> jax.Array:
+        a, b = self.spans[name]
+        x = packed[a:b]
+        if name in _FLOATS:
+            return jax.lax.bitcast_convert_type(x, jnp.float32)
+        if name == "seeds":
+            return jax.lax.bitcast_convert_type(x, jnp.uint32)
+        if name in _BOOLS:
+            return x != 0
+        if name == "block_tables":
+            return x.reshape(self.num_rows, self.width)
+        return x
+
+    def model_inputs(self, packed: jax.Array, last_sampled: jax.Array) -> ModelInputs:
+        """On the device: the model's inputs, with ids still in flight taken from `last_sampled`."""
+        f = lambda name: self._field(packed, name)  # noqa: E731
+        prev = f("prev_row")
+        input_ids = jnp.where(prev >= 0, last_sampled[jnp.maximum(prev, 0)], f("input_ids"))
+        return ModelInputs(input_ids, f("positions"), f("slot_mapping"), f("query_start_loc"), f("seq_lens"),
+                           f("block_tables"), f("logits_indices"))
+
+    def prompt_targets(self, packed: jax.Array) -> jax.Array:
+        return self._field(packed, "prompt_targets")
+
+    def sampling(self, packed: jax.Array) -> SamplingTensors:
+        return SamplingTensors(**{k: self._field(packed, k) for k in SamplingTensors.__dataclass_fields__})
+
+
+def block_table_widths(max_blocks: int, smallest: int = 16, factor: int = 4) -> list[int]:
+    """Block-table widths a step may take: `max_blocks`, then down by `factor` while at least
+    `smallest`. A step's table is as wide as the first width that holds its longest request,
+    so short contexts neither upload nor (reference backend) gather `max_model_len` columns."""
+    widths = [max_blocks]
+    while widths[0] // factor >= smallest:
+        widths.insert(0, -(-widths[0] // factor))
+    return widths
+
+
+class InputBatch:
+    """Rows of per-request step inputs that persist while a request runs."""
+
+    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.block_table = np.zeros((max_num_seqs, max_blocks_per_seq), np.int32)
+        self.num_blocks = [0] * max_num_seqs  # block_table columns filled, per row
+        self.temperature = np.zeros(max_num_seqs, np.float32)
+        self.top_p = np.ones(max_num_seqs, np.float32)
+        self.min_p = np.zeros(max_num_seqs, np.float32)
+        self.presence_penalty = np.zeros(max_num_seqs, np.float32)
+        self.frequency_penalty = np.zeros(max_num_seqs, np.float32)
+        self.repetition_penalty = np.ones(max_num_seqs, np.float32)
+        self.top_k = np.zeros(max_num_seqs, np.int32)
+        self.seeds = np.zeros(max_num_seqs, np.uint32)
+        self.min_tokens = np.zeros(max_num_seqs, np.int32)
+        self.num_prompt_tokens = np.zeros(max_num_seqs, np.int32)
+        self.use_state = np.zeros(max_num_seqs, bool)
+        self.want_logprobs = np.zeros(max_num_seqs, bool)
+        self.row_of: dict[str, int] = {}
+        self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self.row_of)
+
+    def add(self, request: Request) -> int:
+        """Give a request a row and write its parameters there; returns the row."""
+        if not self._free_rows:
+            raise RuntimeError(f"more than max_num_seqs ({self.max_num_seqs}) requests are running")
+        row = self._free_rows.pop()
+        self.row_of[request.request_id] = row
+        p = request.params
+        (self.temperature[row], self.top_p[row], self.min_p[row], self.presence_penalty[row],
+         self.frequency_penalty[row], self.repetition_penalty[row]) = request.sampling_floats
+        self.top_k[row] = p.top_k
+        self.seeds[row] = request.seed
+        self.min_tokens[row] = p.min_tokens
+        self.num_prompt_tokens[row] = request.num_prompt_tokens
+        self.use_state[row] = request.uses_sampler_state
+        self.want_logprobs[row] = p.logprobs is not None
+        self.num_blocks[row] = 0
+        return row
+
+    def remove(self, request_id: str) -> None:
+        row = self.row_of.pop(request_id, None)
+        if row is not None:
+            self._free_rows.append(row)
+
+    def set_blocks(self, row: int, block_ids: list[int]) -> None:
+        """Bring a row's block table up to date (blocks are only ever appended while it runs)."""
+        known = self.num_blocks[row]
+        if len(block_ids) != known:
+            self.block_table[row, known : len(block_ids)] = block_ids[known:]
+            self.num_blocks[row] = len(block_ids)

@@ -1,0 +1,35 @@
+"""Copies of donated buffers in XLA's optimized HLO text.
+
+A donated buffer (a KV cache) is updated in place only when XLA can alias it to an
+output; otherwise the ENTRY computation copies it first, which costs its full size in
+memory traffic on every call. The kernel benchmark counts these copies for the KV write,
+and jaxvllm's engine AOT check for the whole engine step.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+
+def entry_computation(hlo: str) -> str:
+    """The ENTRY computation of an HLO module's text (where a donated buffer gets copied)."""
+    start = hlo.find("\nENTRY ")
+    if start < 0:
+        return hlo
+    end = hlo.find("\n}", start)
+    return hlo[start : end if end >= 0 else None]
+
+
+def count_cache_copies(hlo: str, shape: tuple[int, ...], dtype: str | None = None) -> int:
+    """`copy` instructions of the ENTRY computation whose result has `shape`'s element count
+    (and `dtype`, e.g. "bf16", when given): copies of a donated KV cache or sampler state
+    (should be 0). Copies inside called computations, such as a cond branch handing back
+    logits of the same size, are not the donated buffers and are not counted."""
+    numel = math.prod(shape)
+    count = 0
+    for m in re.finditer(r"= (\w+)\[([\d,]*)\][^=]*? copy\(", entry_computation(hlo)):
+        dims = [int(x) for x in m.group(2).split(",") if x]
+        if dims and math.prod(dims) == numel and dtype in (None, m.group(1)):
+            count += 1
+    return count
