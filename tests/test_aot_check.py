@@ -87,8 +87,12 @@ def test_engine_problems_name_copies_aliasing_and_conditionals():
 
 
 def test_engine_inspect_reads_the_donated_shapes_off_the_case():
-    case = aot_check.Case("engine_step", {"cache_shape": [8, 16384, 16, 128], "state_shape": [4, 100]}, None, [])
-    assert aot_engine.inspect(case, HLO) == {"cache_copies": 2, "aliased_outputs": 2, "conditionals": 1}
+    case = aot_check.Case("engine_step", {"copy_shapes": [[8, 16384, 16, 128], [4, 100]]}, None, [])
+    assert aot_engine.inspect(case, HLO) == {"cache_copies": 2, "aliased_outputs": 2, "conditionals": 1,
+                                             "unbounded_loops": 0}
+    loops = "%w = (s32[]) while(%t), condition=%c, body=%b\n%k = (s32[]) while(%t), condition=%c, body=%b, " \
+            'backend_config={"known_trip_count":{"n":"32"}}\n'
+    assert aot_engine.unbounded_loops(loops) == 1
 
 
 def test_cases_cover_the_issue_matrix():

@@ -7,7 +7,8 @@ from jaxvllm.benchmarks.host_step import PARTS, main
 
 def test_host_step_benchmark_writes_json(tmp_path, capsys):
     path = tmp_path / "host.json"
-    main(["--num-requests", "32", "--steps", "3", "--prompt-len", "64", "--output-len", "8", "--json", str(path)])
+    main(["--num-requests", "32", "--steps", "3", "--prompt-len", "64", "--output-len", "8", "--device-ms", "4",
+          "--json", str(path)])
     assert "outputs" in capsys.readouterr().out
     (result,) = json.loads(path.read_text())
     assert result["num_requests"] == 32 and result["steps"] == 3 and result["prefill_steps"] >= 1
@@ -17,3 +18,8 @@ def test_host_step_benchmark_writes_json(tmp_path, capsys):
     parts = result["parts"]
     assert parts["total"]["mean_ms"] >= parts["schedule"]["mean_ms"] + parts["prepare"]["mean_ms"] + parts["update"]["mean_ms"]
 
+    pipe = result["pipelining"]
+    (row,) = pipe["rows"]
+    assert row["device_ms"] == 4 and pipe["host_ms_sync"] > 0 and pipe["host_ms_async"] > 0
+    # With a 4 ms device and ~1 ms of host work, a synchronous step costs both, an async one about the device's.
+    assert row["sync_wall_ms"] >= 4 and row["async_wall_ms"] >= 4 * 0.95

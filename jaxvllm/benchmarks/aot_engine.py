@@ -1,4 +1,4 @@
-"""Compile the engine step for an H100/H200 on a machine without a GPU (deviceless AOT).
+"""Compile the engine's per-step executables (forward, sampler) for an H100/H200 on a machine without a GPU (deviceless AOT).
 
     scripts/gpu_aot_check.sh                      # the kernels' check, then this one
     JAX_PLATFORMS=cpu python -m jaxvllm.benchmarks.aot_engine [--quick] [--json PATH]
@@ -9,7 +9,8 @@ The same compile-only sm_90a device and CUDA PJRT plugin as `pallas_kernels.aot_
   memory traffic on every step;
 - updates fewer donated buffers in place (input_output_alias) than it was given;
 - holds a `conditional`: XLA's GPU runtime copies each predicate to the host and waits
-  for it, a device-to-host sync in the middle of every step.
+  for it, a device-to-host sync in the middle of every step;
+- holds a `while` loop whose trip count XLA does not know (a sync per iteration).
 The step's kernels are the kernel check's own cases, so there is no second ptxas pass.
 """
 
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import re
 import sys
+from functools import partial
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -30,46 +33,53 @@ from pallas_kernels.hlo import count_cache_copies
 STATE_ARRAYS = 4  # SamplerState's donated [max_num_seqs, vocab] arrays
 
 
-def engine_step_case(backend: str, model: str = "qwen3-0.6b", num_tokens: int = 256, max_num_seqs: int = 256,
-                     context: int = 1024, block_size: int = 16, dtype=jnp.bfloat16) -> Case:
-    """The model runner's jitted step (model + sampler, caches and sampler state donated)
-    for a bucket of `num_tokens` tokens, one sequence each, at `context` tokens.
+def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int = 256, max_num_seqs: int = 256,
+                      context: int = 1024, block_size: int = 16, dtype=jnp.bfloat16,
+                      sampler: tuple[str, ...] = ("greedy", "all")) -> list[Case]:
+    """The model runner's per-step executables for a bucket of `num_tokens` tokens, one
+    sequence each at `context` tokens: the forward (KV caches donated) and the sampler
+    (last sampled ids and sampler state donated) with no feature, or every one, on.
 
     The only code here that knows the runner's API (imported here, so that the rest of
-    the module does not depend on it): params name the donated buffers (`cache_shape`,
-    `state_shape`, `donated`) for `inspect` and `problems`."""
-    from jaxvllm.batch import ModelInputs
-    from jaxvllm.model_runner import jit_step, sampling_tensors, sequence_rows
-    from jaxvllm.sampler import init_state
+    the module does not depend on it): params name the donated buffers (`copy_shapes`,
+    `donated`) for `inspect` and `problems`."""
+    from jaxvllm.input_batch import BatchLayout
+    from jaxvllm.model_runner import jit_forward, jit_sampler, sequence_rows
+    from jaxvllm.sampler import SamplerFeatures, init_state
 
     cfg = ModelConfig.from_hf(get_dummy(model).make_config())
     rows = sequence_rows(max_num_seqs, num_tokens)
-    max_blocks = context // block_size
-    cache = spec((cfg.num_kv_heads, rows * max_blocks, block_size, cfg.head_dim), dtype)
-    inputs = ModelInputs(spec((num_tokens,)), spec((num_tokens,)), spec((num_tokens,)), spec((rows + 1,)),
-                         spec((rows,)), spec((rows, max_blocks)), spec((rows,)))
-    args = [
-        jax.eval_shape(lambda: dummy_params(cfg, dtype)),
-        [(cache, cache)] * cfg.num_layers,
-        jax.eval_shape(lambda: init_state(max_num_seqs, cfg.vocab_size)),
-        inputs,
-        jax.tree.map(lambda x: spec(x.shape, x.dtype), sampling_tensors([], rows, {})),
-        spec((num_tokens,)),
-    ]
-    params = dict(backend=backend, model=model, dtype=jnp.dtype(dtype).name, num_tokens=num_tokens, context=context,
-                  num_layers=cfg.num_layers, cache_shape=list(cache.shape),
-                  state_shape=[max_num_seqs, cfg.vocab_size], donated=2 * cfg.num_layers + STATE_ARRAYS)
-    return Case("engine_step", params, jit_step(cfg, backend), args)
+    layout = BatchLayout(num_tokens, rows, context // block_size)
+    cache = spec((cfg.num_kv_heads, rows * layout.width, block_size, cfg.head_dim), dtype)
+    packed, last_sampled = spec((layout.size,)), spec((max_num_seqs,))
+    common = dict(backend=backend, model=model, dtype=jnp.dtype(dtype).name, num_tokens=num_tokens, context=context)
+    forward = jit_forward(cfg, backend)
+    cases = [Case("engine_forward", dict(common, num_layers=cfg.num_layers, copy_shapes=[list(cache.shape)],
+                                         donated=2 * cfg.num_layers),
+                  SimpleNamespace(trace=partial(forward.trace, layout=layout)),
+                  [jax.eval_shape(lambda: dummy_params(cfg, dtype)), [(cache, cache)] * cfg.num_layers, packed,
+                   last_sampled])]
+    everything = SamplerFeatures(random=True, min_p=True, top_k=True, top_p=True, state=True, logprobs=True)
+    for name in sampler:
+        features = everything if name == "all" else SamplerFeatures()
+        state = jax.eval_shape(lambda: init_state(max_num_seqs, cfg.vocab_size)) if features.state else None
+        cases.append(Case("engine_sampler", dict(common, features=features.name,
+                                                 copy_shapes=[[max_num_seqs, cfg.vocab_size]] if state else [],
+                                                 donated=1 + (STATE_ARRAYS if state else 0)),
+                          SimpleNamespace(trace=partial(jit_sampler().trace, layout=layout, features=features)),
+                          [packed, spec((rows, cfg.vocab_size), jnp.float32), last_sampled, state]))
+    return cases
 
 
 def engine_cases(quick: bool = False) -> list[Case]:
     """A small and the full decode bucket, a prefill bucket; the reference path once; and
     the tiny float32 model that scripts/gpu_check.sh's engine parity test runs. Few
     enough that `quick` keeps them all."""
-    return [engine_step_case("pallas", num_tokens=t) for t in (16, 256, 2048)] + [
-        engine_step_case("reference"),
-        engine_step_case("pallas", model="tiny", num_tokens=64, max_num_seqs=8, context=256, dtype=jnp.float32),
-    ]
+    cases = [c for t in (16, 256, 2048) for c in engine_step_cases("pallas", num_tokens=t, sampler=("all",))]
+    cases += engine_step_cases("reference", sampler=("greedy",))
+    cases += engine_step_cases("pallas", model="tiny", num_tokens=64, max_num_seqs=8, context=256, dtype=jnp.float32,
+                               sampler=())
+    return cases
 
 
 def aliased_outputs(hlo: str) -> int:
@@ -83,11 +93,17 @@ def conditionals(hlo_text: str) -> int:
     return hlo_text.count(" conditional(")
 
 
+def unbounded_loops(hlo_text: str) -> int:
+    """`while` ops whose trip count XLA does not know: the GPU runtime then copies the loop
+    condition to the host on every iteration."""
+    return sum(1 for line in hlo_text.splitlines() if " while(" in line and "known_trip_count" not in line)
+
+
 def inspect(case: Case, hlo: str) -> dict:
     """The compiled step's figures that `problems` judges."""
-    shapes = (case.params["cache_shape"], case.params["state_shape"])
-    return {"cache_copies": sum(count_cache_copies(hlo, tuple(s)) for s in shapes),
-            "aliased_outputs": aliased_outputs(hlo), "conditionals": conditionals(hlo)}
+    return {"cache_copies": sum(count_cache_copies(hlo, tuple(s)) for s in case.params["copy_shapes"]),
+            "aliased_outputs": aliased_outputs(hlo), "conditionals": conditionals(hlo),
+            "unbounded_loops": unbounded_loops(hlo)}
 
 
 def problems(case: Case) -> list[str]:
@@ -102,6 +118,8 @@ def problems(case: Case) -> list[str]:
         found.append(f"only {r['aliased_outputs']} of {case.params['donated']} donated buffers are updated in place")
     if r["conditionals"]:
         found.append(f"{r['conditionals']} conditionals in the compiled step (a host sync each)")
+    if r.get("unbounded_loops"):
+        found.append(f"{r['unbounded_loops']} while loops without a known trip count (a host sync per iteration)")
     return found
 
 

@@ -1,10 +1,11 @@
 """jaxvllm on a benchmark request list, with the same interface as `hf_backend.HFBackend`.
 
 Construction (weights, KV cache, compiling every token bucket) is timed apart from
-the runs. A run can also split each engine step into host time (scheduling, building
-the numpy batch, appending tokens) and device time (the jitted step and the copy
-back), by wrapping the engine's and runner's methods on this one instance: the
-engine itself is not changed for it.
+the runs. A run can also split each engine step into the time the host spends waiting
+for the device's tokens and the rest (scheduling, building the numpy batch, appending
+tokens, detokenizing), by wrapping the engine's and runner's methods on this one
+instance: the engine itself is not changed for it. With async scheduling the host's
+work overlaps the device's; the host waits only when it is ahead.
 """
 
 from __future__ import annotations
@@ -28,23 +29,19 @@ class StepTiming:
 
     steps: int = 0
     step_seconds: float = 0.0  # LLMEngine.step, all of it
-    execute_seconds: float = 0.0  # ModelRunner.execute: prepare + device step + copy back
-    prepare_seconds: float = 0.0  # ModelRunner.prepare: the numpy batch (host)
-
-    @property
-    def device_seconds(self) -> float:
-        """The jitted step from dispatch to the sampled ids on the host (device + transfers)."""
-        return self.execute_seconds - self.prepare_seconds
+    prepare_seconds: float = 0.0  # ModelRunner.prepare: the packed batch (host)
+    wait_seconds: float = 0.0  # blocked on a step's tokens (the device was busy meanwhile)
 
     @property
     def host_seconds(self) -> float:
-        return self.step_seconds - self.device_seconds
+        """Host work: the step time the host did not spend waiting for the device."""
+        return self.step_seconds - self.wait_seconds
 
     def to_dict(self) -> dict[str, float]:
         share = self.host_seconds / self.step_seconds if self.step_seconds else 0.0
         mean_ms = 1e3 * self.step_seconds / self.steps if self.steps else 0.0
-        return {**asdict(self), "device_seconds": self.device_seconds, "host_seconds": self.host_seconds,
-                "host_share": share, "mean_step_ms": mean_ms}
+        return {**asdict(self), "host_seconds": self.host_seconds, "host_share": share,
+                "wait_share": 1.0 - share if self.step_seconds else 0.0, "mean_step_ms": mean_ms}
 
 
 @contextmanager
@@ -64,14 +61,20 @@ def time_steps(llm: LLM) -> Iterator[StepTiming]:
 
         return wrapper
 
-    patches = [(engine, "step", "step_seconds", True), (runner, "execute", "execute_seconds", False),
-               (runner, "prepare", "prepare_seconds", False)]
+    def execute(*args: Any, **kwargs: Any):  # the step's PendingStep: time the wait for its results
+        pending = execute_method(*args, **kwargs)
+        pending.result = timed(pending.result, "wait_seconds")
+        return pending
+
+    execute_method = runner.execute
+    patches = [(engine, "step", "step_seconds", True), (runner, "prepare", "prepare_seconds", False)]
     for obj, name, field_name, count in patches:
         setattr(obj, name, timed(getattr(obj, name), field_name, count))
+    runner.execute = execute
     try:
         yield timing
     finally:
-        for obj, name, _, _ in patches:
+        for obj, name in [(o, n) for o, n, _, _ in patches] + [(runner, "execute")]:
             delattr(obj, name)  # the class's method shows through again
 
 

@@ -95,7 +95,8 @@ def print_result(label: str, r: dict[str, Any]) -> None:
     steps = r.get("step_timing")
     if steps:
         print(f"  host share of step time: {100 * steps['host_share']:.1f}% (host {steps['host_seconds']:.3f} s, "
-              f"device {steps['device_seconds']:.3f} s, {steps['steps']} steps of {steps['mean_step_ms']:.2f} ms)")
+              f"waiting for the device {steps['wait_seconds']:.3f} s, {steps['steps']} steps of "
+              f"{steps['mean_step_ms']:.2f} ms)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
