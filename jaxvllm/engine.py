@@ -207,8 +207,6 @@ class LLMEngine:
         out = self.scheduler.schedule()
         self.runner.release(r.request_id for r in out.preempted)
         launched = (out, self.runner.execute(out.scheduled)) if out.scheduled else None
-        for s in out.scheduled:  # dispatched: what it writes may now be found by later steps
-            self.kv_cache_manager.cache_blocks(s.request, s.start + s.num_new_tokens)
         if self.config.async_scheduling:
             launched, self._in_flight = self._in_flight, launched
         return self._process(*launched) if launched is not None else []

@@ -160,7 +160,7 @@ class KVCacheManager:
 
         Returns the newly allocated block ids. Nothing enters the prefix cache here: the
         step that writes the blocks may never run (the request may be preempted later in
-        the same schedule); `cache_blocks` registers them once it is dispatched.
+        the same schedule); `cache_blocks` registers them once that is settled.
         """
         blocks = self.req_blocks.setdefault(request.request_id, [])
         if not computed_blocks and request.num_computed_tokens + num_new_tokens <= len(blocks) * self.block_size:
@@ -179,10 +179,11 @@ class KVCacheManager:
 
     def cache_blocks(self, request: Request, num_computed: int) -> None:
         """Register the request's blocks that are full once its first `num_computed` tokens
-        are in the cache: call it when the step computing them has been dispatched (device
-        order then puts their writes before any later step's reads). Only tokens known on
-        the host can be hashed; a block ending in a token still on the device waits for a
-        later call."""
+        are in the cache: call it once the step computing them is certain to run (the
+        scheduler does, for each request it schedules, once no more preemption can take
+        it out of the step). Device order then puts their writes before any later step's
+        reads. Only tokens known on the host can be hashed; a block ending in a token
+        still on the device waits for a later call."""
         if not self.enable_prefix_caching or not request.use_prefix_cache:
             return
         num_full = min(num_computed, request.num_tokens) // self.block_size

@@ -151,7 +151,8 @@ def jit_forward(cfg: ModelConfig, backend: str):
 def jit_sampler():
     """The sampler as the runner compiles it, per (layout, features): the last sampled
     tokens and the sampler state donated."""
-    return jax.jit(_sample, static_argnames=("layout", "features"), donate_argnums=(2, 3))
+    # partial: a function of its own, so that each runner counts only its own variants
+    return jax.jit(partial(_sample), static_argnames=("layout", "features"), donate_argnums=(2, 3))
 
 
 def jit_prompt_logprobs(cfg: ModelConfig):
@@ -297,31 +298,35 @@ class ModelRunner:
         n, bs, ib = len(scheduled), self.block_size, self.input_batch
         if n > self.config.max_num_seqs:
             raise ValueError(f"{n} sequences scheduled, max_num_seqs is {self.config.max_num_seqs}")
-        per_row = []  # (row, start, num_new_tokens, samples) of each scheduled request
+        rows, starts, lens, samples = [], [], [], []
         pending = []  # scheduled index of rows whose last input token is still on the device
         host_tokens = []
-        row_of = ib.row_of
+        row_of, num_blocks = ib.row_of, ib.num_blocks
         for i, s in enumerate(scheduled):
             request = s.request
             row = row_of.get(request.request_id)
             if row is None:
                 row = self._admit(request)
-            ib.set_blocks(row, s.block_ids)
-            start = s.start
-            end = start + s.num_new_tokens
-            per_row.append((row, start, s.num_new_tokens, s.samples))
-            known = len(request.token_ids)
-            if end > known:  # the last token was sampled by the step before
+            if len(s.block_ids) != num_blocks[row]:
+                ib.set_blocks(row, s.block_ids)
+            start, num_new = s.start, s.num_new_tokens
+            rows.append(row)
+            starts.append(start)
+            lens.append(num_new)
+            samples.append(s.samples)
+            end = start + num_new
+            token_ids = request.token_ids
+            if end > len(token_ids):  # the last token was sampled by the step before
                 pending.append(i)
-                end = known
+                end = len(token_ids)
             if end > start:
-                host_tokens.append(request.token_ids[start:end])
-        rows, starts, lens, samples = np.array(per_row, np.int32).reshape(n, 4).T
-        samples = samples.astype(bool)
+                host_tokens.append(token_ids[start:end])
+        max_blocks = max(map(num_blocks.__getitem__, rows), default=1)
+        rows, starts, lens = (np.array(x, np.int32) for x in (rows, starts, lens))
+        samples = np.array(samples, bool)
 
         num_tokens = int(lens.sum())
         bucket = self.bucket_for(num_tokens)
-        max_blocks = max(max(ib.num_blocks[r] for r, *_ in per_row), 1) if n else 1
         layout = BatchLayout(bucket, self.rows_for(bucket), self.width_for(max_blocks))
         packed, v = layout.empty()
 

@@ -110,7 +110,7 @@ class Request:
             self.finish_reason = "length"
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step: `num_new_tokens` tokens from position `start` on.
 

@@ -169,6 +169,11 @@ class Scheduler:
                 scheduled[request.request_id] = self._scheduled(request, num_new)
                 budget -= num_new
 
+        # Victims are out; the requests still scheduled will run this step, so their blocks
+        # can be found from now on (a victim's, never written, are never registered).
+        for scheduled_request in scheduled.values():
+            self.kv.cache_blocks(scheduled_request.request, scheduled_request.start + scheduled_request.num_new_tokens)
+
         if not out.preempted:
             while len(self.waiting) and len(self.running) < c.max_num_seqs and budget > 0:
                 request = self.waiting.peek()
@@ -185,6 +190,10 @@ class Scheduler:
                 num_new = min(num_new, budget)
                 if self.kv.allocate_slots(request, num_new, computed) is None:
                     break
+                # Nothing is preempted once admissions start, so this step will write these
+                # blocks: a request admitted next with the same prefix shares them in the
+                # same forward pass (each layer writes its K/V before attention reads it).
+                self.kv.cache_blocks(request, num_cached + num_new)
                 self.waiting.pop()
                 self.running.append(request)
                 request.status = RequestStatus.RUNNING

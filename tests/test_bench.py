@@ -142,3 +142,14 @@ def test_throughput_compares_prefix_caching(tmp_path):
     assert p["elapsed_on"] > 0 and p["elapsed_off"] > 0 and p["speedup"] > 0
     on, off = report["results"]["jaxvllm"], report["results"]["jaxvllm_no_prefix_caching"]
     assert on["engine_stats"]["prefix_cache_hits"] == 7 * 32 and off["engine_stats"]["prefix_cache_hits"] == 0
+
+
+def test_throughput_compares_async_scheduling(tmp_path):
+    """Async scheduling on, then off, in one run: the same greedy completions, and both rates."""
+    report = bench("throughput", tmp_path, "--model", "dummy:tiny", "--dataset", "random", "--input-len", "16",
+                   "--output-len", "8", "--num-prompts", "8", "--compare-async-scheduling")
+    a = report["async_scheduling"]
+    assert a["identical_completions"] == 8
+    assert a["output_tokens_per_second_on"] > 0 and a["output_tokens_per_second_off"] > 0 and a["speedup"] > 0
+    assert report["results"]["jaxvllm"]["engine_stats"]["async_scheduling"] is True
+    assert report["results"]["jaxvllm_sync"]["engine_stats"]["async_scheduling"] is False

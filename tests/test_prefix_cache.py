@@ -167,8 +167,8 @@ class FakeKV:
 
 
 def run_like_the_engine(s: Scheduler, kv_store: FakeKV, added, aborts, async_scheduling: bool):
-    """LLMEngine.step's order: schedule, dispatch (the fake device runs), cache the blocks
-    written, then read this step's tokens, or (async) the step before's."""
+    """LLMEngine.step's order: schedule, dispatch (the fake device runs), then read this
+    step's tokens, or (async) the step before's."""
     in_flight = None
     for step in range(3000):
         if not s.has_unfinished_requests() and in_flight is None:
@@ -179,8 +179,6 @@ def run_like_the_engine(s: Scheduler, kv_store: FakeKV, added, aborts, async_sch
                 s.finish(victim, "abort")
         out = s.schedule()
         launched = (out, kv_store.run(s, out)) if out.scheduled else None
-        for x in out.scheduled:
-            s.kv.cache_blocks(x.request, x.start + x.num_new_tokens)
         if async_scheduling:
             launched, in_flight = in_flight, launched
         if launched:

@@ -38,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--compare-prefix-caching", action="store_true",
                        help="run jaxvllm with prefix caching on, then off, and report computed prefill tokens "
                             "and wall time of each")
+    group.add_argument("--compare-async-scheduling", action="store_true",
+                       help="run jaxvllm with async scheduling on, then off, and report output tokens/s of each")
     add_engine_args(parser)
 
 
@@ -84,6 +86,11 @@ def summarize(run: RunTimings, requests: list[ds.BenchRequest]) -> dict[str, Any
 
 
 _RATES = ("requests_per_second", "tokens_per_second", "output_tokens_per_second")
+# --compare-X flag -> (the engine option it turns off in a second jaxvllm run, that run's key, its label)
+_COMPARISONS = {
+    "compare_prefix_caching": ("enable_prefix_caching", "jaxvllm_no_prefix_caching", "prefix caching off"),
+    "compare_async_scheduling": ("async_scheduling", "jaxvllm_sync", "async scheduling off"),
+}
 
 
 def print_result(label: str, r: dict[str, Any]) -> None:
@@ -109,12 +116,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         max_model_len = auto_max_model_len(args.dataset, requests, load_config(source.path).max_position_embeddings)
         kwargs = engine_kwargs(args, source, seed=args.seed, max_model_len=max_model_len)
         runs = [(name, name, kwargs) for name in backend_names(args.backend)]
-        if args.compare_prefix_caching:
+        for flag, (option, key, _) in _COMPARISONS.items():  # a second jaxvllm run with the option off
+            if not getattr(args, flag):
+                continue
             if args.backend == "hf":
-                raise ValueError("--compare-prefix-caching needs the jaxvllm backend")
-            kwargs = {**kwargs, "enable_prefix_caching": True}
-            runs = [(key, name, kwargs) for key, name, _ in runs]
-            runs.append(("jaxvllm_no_prefix_caching", "jaxvllm", {**kwargs, "enable_prefix_caching": False}))
+                raise ValueError(f"--{flag.replace('_', '-')} needs the jaxvllm backend")
+            kwargs = {**kwargs, option: True}
+            runs = [(k, name, kwargs if name == "jaxvllm" else kw) for k, name, kw in runs]
+            runs.append((key, "jaxvllm", {**kwargs, option: False}))
         for key, name, run_kwargs in runs:
             backend = make_backend(name, source, args, run_kwargs)
             try:
@@ -134,7 +143,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 backend.close()
             results[key] = result
             outputs[key] = timings.output_token_ids
-            label = {"jaxvllm": "jaxvllm", "jaxvllm_no_prefix_caching": "jaxvllm, prefix caching off"}.get(key)
+            label = {"jaxvllm": "jaxvllm", **{k: f"jaxvllm, {what}" for _, k, what in _COMPARISONS.values()}}.get(key)
             print_result(label or f"hf ({result['mode']})", result)
 
     report: dict[str, Any] = {
@@ -159,6 +168,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"prefix caching: {p['computed_prefill_tokens_on']} prefill tokens computed with it, "
               f"{p['computed_prefill_tokens_off']} without ({100 * p['prefill_skipped']:.1f}% skipped); "
               f"wall time {p['elapsed_on']:.2f} s vs {p['elapsed_off']:.2f} s ({p['speedup']:.2f}x)")
+    if args.compare_async_scheduling:
+        on, off = results["jaxvllm"], results["jaxvllm_sync"]
+        same = sum(a == b for a, b in zip(outputs["jaxvllm"], outputs["jaxvllm_sync"]))
+        report["async_scheduling"] = {
+            "output_tokens_per_second_on": on["output_tokens_per_second"],
+            "output_tokens_per_second_off": off["output_tokens_per_second"],
+            "speedup": on["output_tokens_per_second"] / off["output_tokens_per_second"],
+            "host_share_on": on["step_timing"]["host_share"], "host_share_off": off["step_timing"]["host_share"],
+            "identical_completions": same,
+        }
+        a = report["async_scheduling"]
+        print(f"async scheduling: {a['output_tokens_per_second_on']:.1f} vs {a['output_tokens_per_second_off']:.1f} "
+              f"output tokens/s ({a['speedup']:.2f}x); identical completions {same}/{len(requests)}")
     if "hf" in results:
         ratio = {k: results["jaxvllm"][k] / results["hf"][k] for k in _RATES}
         report["ratio"] = ratio
