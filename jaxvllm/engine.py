@@ -292,21 +292,22 @@ class LLMEngine:
 
     def _output(self, parent: ParentRequest) -> RequestOutput:
         """The parent's RequestOutput: everything so far, or (DELTA) what is new since the
-        last one. DELTA text holds back a trailing U+FFFD (an incomplete character the
-        next token may complete) until the completion finishes."""
+        last one. Until a completion finishes its text holds back a trailing U+FFFD (the
+        start of a character the next token may complete), as vLLM's does."""
         delta = parent.output_kind == RequestOutputKind.DELTA
         completions = []
         for i, child in enumerate(parent.children):
             self._detokenize(child)
             text = child.detokenizer.text if child.detokenizer is not None else ""
+            if not child.is_finished:
+                text = text.rstrip("\ufffd")
             tokens, logprobs = child.output_token_ids, child.logprobs
             if delta:
                 sent_tokens, sent_chars = parent.sent[i]
                 tokens = tokens[sent_tokens:]
                 logprobs = logprobs[sent_tokens:] if logprobs is not None else None
-                stable = text if child.is_finished else text.rstrip("\ufffd")
-                text = stable[sent_chars:]
-                parent.sent[i] = (sent_tokens + len(tokens), len(stable))
+                parent.sent[i] = (sent_tokens + len(tokens), len(text))
+                text = text[sent_chars:]
             completions.append(CompletionOutput(
                 index=i,
                 text=text,

@@ -28,18 +28,10 @@ from jaxvllm.batch import ModelInputs
 from jaxvllm.request import Request
 from jaxvllm.sampler import SamplingTensors
 
-# (field, length: "T" tokens, "S" rows, "S+1", "SW" block table) in packing order.
-_FIELDS = (
-    ("input_ids", "T"),  # host-known token ids (0 where prev_row says where to look)
-    ("prev_row", "T"),  # >= 0: take the id from the device's last sampled tokens at this row
-    ("positions", "T"),
-    ("slot_mapping", "T"),
-    ("prompt_targets", "T"),  # the next prompt token scored at this row, -1 = none
-    ("query_start_loc", "S+1"),
-    ("seq_lens", "S"),
-    ("logits_indices", "S"),
-    ("block_tables", "SW"),
-    # sampling rows
+# (field, length: "T" tokens, "S" rows, "S+1", "SW" block table) in packing order. The
+# sampling rows come first, so that their offsets depend on S alone: the forward hands
+# the sampler that prefix, and the sampler compiles per row count, not per bucket/width.
+_SAMPLING_FIELDS = (
     ("temperature", "S"),
     ("top_p", "S"),
     ("min_p", "S"),
@@ -54,6 +46,17 @@ _FIELDS = (
     ("suppress_stop", "S"),
     ("counts_sample", "S"),
     ("want_logprobs", "S"),
+)
+_FIELDS = _SAMPLING_FIELDS + (
+    ("query_start_loc", "S+1"),
+    ("seq_lens", "S"),
+    ("logits_indices", "S"),
+    ("input_ids", "T"),  # host-known token ids (0 where prev_row says where to look)
+    ("prev_row", "T"),  # >= 0: take the id from the device's last sampled tokens at this row
+    ("positions", "T"),
+    ("slot_mapping", "T"),
+    ("prompt_targets", "T"),  # the next prompt token scored at this row, -1 = none
+    ("block_tables", "SW"),
 )
 _FLOATS = {"temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"}
 _BOOLS = {"use_state", "suppress_stop", "counts_sample", "want_logprobs"}
@@ -80,6 +83,17 @@ class BatchLayout:
     @property
     def size(self) -> int:
         return self.spans[_FIELDS[-1][0]][1]
+
+    @property
+    def sampling_size(self) -> int:
+        """Length of the sampling rows' prefix of the packed vector."""
+        return len(_SAMPLING_FIELDS) * self.num_rows
+
+    @classmethod
+    def rows_only(cls, num_rows: int) -> "BatchLayout":
+        """A layout that reads just the sampling rows (the prefix every layout with
+        `num_rows` rows shares)."""
+        return cls(0, num_rows, 0)
 
     def empty(self) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """A fresh all-padding buffer and its field views.

@@ -107,18 +107,20 @@ class PendingStep:
 
 def _forward(params, kv_caches, packed, last_sampled, *, cfg: ModelConfig, backend: str, layout: BatchLayout):
     """The model on one step's batch: float32 logits of the sampling rows, every token's
-    final hidden state (for prompt logprobs), and the updated caches."""
+    final hidden state (for prompt logprobs), the batch's sampling prefix (for the
+    sampler, which then compiles per row count only), and the updated caches."""
     model = MODELS[cfg.architecture]
     inputs = layout.model_inputs(packed, last_sampled)
     hidden, kv_caches = model.hidden_states(params, kv_caches, inputs, cfg, backend)
     logits = model.compute_logits(params, hidden[inputs.logits_indices], cfg)
-    return logits, hidden, kv_caches
+    return logits, hidden, packed[: layout.sampling_size], kv_caches
 
 
-def _sample(packed, logits, last_sampled, state, *, layout: BatchLayout, features: SamplerFeatures):
-    """Sample every row; record each sampling row's token at its persistent row of
-    `last_sampled`, where the next step's decode inputs are read from."""
-    t = layout.sampling(packed)
+def _sample(sampling_rows, logits, last_sampled, state, *, num_rows: int, features: SamplerFeatures):
+    """Sample every row (`sampling_rows`: the packed batch's sampling prefix); record each
+    sampling row's token at its persistent row of `last_sampled`, where the next step's
+    decode inputs are read from."""
+    t = BatchLayout.rows_only(num_rows).sampling(sampling_rows)
     sampled, logprobs, state = sample(logits, t, state, features)
     rows = jnp.where(t.counts_sample, t.slot, last_sampled.shape[0])  # other rows: dropped
     return sampled, logprobs, last_sampled.at[rows].set(sampled, mode="drop"), state
@@ -149,10 +151,10 @@ def jit_forward(cfg: ModelConfig, backend: str):
 
 
 def jit_sampler():
-    """The sampler as the runner compiles it, per (layout, features): the last sampled
+    """The sampler as the runner compiles it, per (row count, features): the last sampled
     tokens and the sampler state donated."""
     # partial: a function of its own, so that each runner counts only its own variants
-    return jax.jit(partial(_sample), static_argnames=("layout", "features"), donate_argnums=(2, 3))
+    return jax.jit(partial(_sample), static_argnames=("num_rows", "features"), donate_argnums=(2, 3))
 
 
 def jit_prompt_logprobs(cfg: ModelConfig):
@@ -415,7 +417,7 @@ class ModelRunner:
         (`kv_caches`: a probe cache for the memory profile instead of the engine's.)"""
         layout = batch.layout
         packed = jax.device_put(batch.packed)
-        logits, hidden, caches = self._forward(
+        logits, hidden, sampling_rows, caches = self._forward(
             self.params, self.kv_caches if kv_caches is None else kv_caches, packed, self.last_sampled, layout=layout
         )
         if kv_caches is None:
@@ -424,7 +426,7 @@ class ModelRunner:
         if batch.features is not None:
             state = self.sampler_state if batch.features.state else None
             sampled, logprobs, self.last_sampled, state = self._sampler(
-                packed, logits, self.last_sampled, state, layout=layout, features=batch.features
+                sampling_rows, logits, self.last_sampled, state, num_rows=layout.num_rows, features=batch.features
             )
             if batch.features.state:
                 self.sampler_state = state

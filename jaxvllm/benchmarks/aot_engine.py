@@ -66,8 +66,9 @@ def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int =
         cases.append(Case("engine_sampler", dict(common, features=features.name,
                                                  copy_shapes=[[max_num_seqs, cfg.vocab_size]] if state else [],
                                                  donated=1 + (STATE_ARRAYS if state else 0)),
-                          SimpleNamespace(trace=partial(jit_sampler().trace, layout=layout, features=features)),
-                          [packed, spec((rows, cfg.vocab_size), jnp.float32), last_sampled, state]))
+                          SimpleNamespace(trace=partial(jit_sampler().trace, num_rows=rows, features=features)),
+                          [spec((layout.sampling_size,)), spec((rows, cfg.vocab_size), jnp.float32), last_sampled,
+                           state]))
     return cases
 
 
