@@ -21,7 +21,7 @@ from jaxvllm.kv_cache_manager import KVCacheManager
 from jaxvllm.detokenizer import IncrementalDetokenizer
 from jaxvllm.model_runner import ModelRunner, PendingStep
 from jaxvllm.outputs import CompletionOutput, Logprob, RequestOutput
-from jaxvllm.request import Request
+from jaxvllm.request import Request, RequestStatus
 from jaxvllm.sampling_params import RequestOutputKind, SamplingParams
 from jaxvllm.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
@@ -215,22 +215,28 @@ class LLMEngine:
         """Read a step's tokens (waits for the device), append them, apply the stop checks."""
         result = pending.result()
         updated = self.scheduler.update_from_output(out, result.sampled)
-        self._record_logprobs(out.scheduled, result, set(map(id, updated)))
+        if result.logprobs is not None or result.prompt_logprobs is not None:
+            self._record_logprobs(out.scheduled, result, set(map(id, updated)))
+        finished = []
         for request in updated:
             if request.params.stop_strings:
                 self._detokenize(request)
-        self.runner.release(r.request_id for r in updated if r.is_finished)
+            if request.status is RequestStatus.FINISHED:
+                finished.append(request.request_id)
+        self.runner.release(finished)
 
-        outputs, seen = [], set()
+        outputs, seen, final_only = [], set(), RequestOutputKind.FINAL_ONLY
         for request in updated:
             parent = self._parents.get(request.parent_id)
             if parent is None or parent.request_id in seen:
                 continue
+            if parent.output_kind is final_only and request.status is not RequestStatus.FINISHED:
+                continue  # its parent is not finished either
             seen.add(parent.request_id)
             if parent.finished:
                 del self._parents[parent.request_id]
                 outputs.append(self._output(parent))
-            elif parent.output_kind != RequestOutputKind.FINAL_ONLY:
+            elif parent.output_kind is not final_only:
                 outputs.append(self._output(parent))
         return outputs
 

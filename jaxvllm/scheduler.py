@@ -148,17 +148,18 @@ class Scheduler:
         budget = c.max_num_batched_tokens
         scheduled: dict[str, ScheduledRequest] = {}
 
-        running = RequestStatus.RUNNING
+        running, kv = RequestStatus.RUNNING, self.kv
         for request in list(self.running):
             if budget <= 0:
                 break
             if request.status is not running:  # preempted as a victim this step
                 continue
             num_tokens = len(request.token_ids) + request.num_pending
-            if request.num_pending and num_tokens >= request.num_prompt_tokens + request.max_tokens:
+            if request.num_pending and num_tokens >= len(request.prompt_token_ids) + request.max_tokens:
                 continue  # its last token is on the device: nothing more to compute
-            num_new = min(num_tokens - request.num_computed_tokens, budget)
-            while self.kv.allocate_slots(request, num_new) is None:
+            start = request.num_computed_tokens
+            num_new = min(num_tokens - start, budget)
+            while kv.allocate_slots(request, num_new) is None:
                 victim = self._pick_victim()
                 self._preempt(victim, out)
                 if victim.request_id in scheduled:  # the priority policy may pick one already scheduled
@@ -166,13 +167,15 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                scheduled[request.request_id] = self._scheduled(request, num_new)
+                scheduled[request.request_id] = ScheduledRequest(
+                    request, start, num_new, kv.req_blocks[request.request_id], start + num_new == num_tokens
+                )
                 budget -= num_new
 
         # Victims are out; the requests still scheduled will run this step, so their blocks
         # can be found from now on (a victim's, never written, are never registered).
-        for scheduled_request in scheduled.values():
-            self.kv.cache_blocks(scheduled_request.request, scheduled_request.start + scheduled_request.num_new_tokens)
+        for s in scheduled.values():
+            kv.cache_blocks(s.request, s.start + s.num_new_tokens)
 
         if not out.preempted:
             while len(self.waiting) and len(self.running) < c.max_num_seqs and budget > 0:
@@ -203,7 +206,10 @@ class Scheduler:
                     request.num_cached_tokens = num_cached
                 if request.metrics.first_scheduled_time is None:
                     request.metrics.first_scheduled_time = time.time()
-                scheduled[request.request_id] = self._scheduled(request, num_new)
+                scheduled[request.request_id] = ScheduledRequest(
+                    request, num_cached, num_new, kv.req_blocks[request.request_id],
+                    num_cached + num_new == request.num_tokens,  # nothing pending: it was not running
+                )
                 budget -= num_new
 
         out.scheduled = list(scheduled.values())
@@ -211,11 +217,6 @@ class Scheduler:
             s.request.num_computed_tokens += s.num_new_tokens
             s.request.num_pending += s.samples
         return out
-
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
-        start = request.num_computed_tokens
-        samples = start + num_new == request.num_tokens + request.num_pending
-        return ScheduledRequest(request, start, num_new, self.kv.req_blocks[request.request_id], samples)
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":  # lowest priority = largest value; ties: latest arrival
