@@ -1,4 +1,5 @@
-"""The flat batch one engine step feeds to the model (built on the host with numpy)."""
+"""The flat batch one engine step feeds to the model (unpacked on the device from the
+step's packed buffer, see `jaxvllm.input_batch`)."""
 
 from __future__ import annotations
 

@@ -131,14 +131,19 @@ def time_steps(scheduler, runner, engine, parents, steps: int, rng, profile: cPr
 
 
 def summarize(times: dict, n: int) -> dict:
-    ms = {p: np.asarray(v) * 1e3 for p, v in times.items()}
-    figures = {
-        p: {"mean_ms": float(v.mean()), "p50_ms": float(np.percentile(v, 50)), "p90_ms": float(np.percentile(v, 90))}
-        for p, v in ms.items()
-    }
-    for p in PARTS:
-        figures[p]["us_per_request"] = figures[p]["mean_ms"] * 1e3 / n
+    """{part: [seconds per step]} -> {part: mean/p50/p90 ms and us per request} for n requests."""
+    figures = {}
+    for part, seconds in times.items():
+        ms = np.asarray(seconds) * 1e3
+        figures[part] = {"mean_ms": float(ms.mean()), "p50_ms": float(np.percentile(ms, 50)),
+                         "p90_ms": float(np.percentile(ms, 90)), "us_per_request": float(ms.mean() * 1e3 / n)}
     return figures
+
+
+def print_parts(parts: dict) -> None:
+    print(f"{'part':<16}{'mean ms':>10}{'p50 ms':>10}{'p90 ms':>10}{'us/request':>12}")
+    for part, f in parts.items():
+        print(f"{part:<16}{f['mean_ms']:>10.3f}{f['p50_ms']:>10.3f}{f['p90_ms']:>10.3f}{f['us_per_request']:>12.2f}")
 
 
 def run(num_requests: int, steps: int, prompt_len: int, output_len: int, tokenizer, seed: int = 0,
@@ -222,9 +227,7 @@ def print_table(result: dict) -> None:
     print(f"\n{result['num_requests']} decoding requests, {result['steps']} steps "
           f"(prompt {result['prompt_len']}, output {result['output_len']}+, "
           f"{result['prefill_steps']} prefill steps untimed)")
-    print(f"{'part':<16}{'mean ms':>10}{'p50 ms':>10}{'p90 ms':>10}{'us/request':>12}")
-    for part, f in result["parts"].items():
-        print(f"{part:<16}{f['mean_ms']:>10.3f}{f['p50_ms']:>10.3f}{f['p90_ms']:>10.3f}{f['us_per_request']:>12.2f}")
+    print_parts(result["parts"])
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -35,6 +35,8 @@ from unittest import mock
 
 import numpy as np
 
+from jaxvllm.benchmarks.host_step import print_parts, summarize
+
 PARTS = ("schedule", "prepare", "update", "total")
 VOCAB = 32000
 
@@ -126,12 +128,7 @@ def time_nanovllm(path: str, num_requests: int, prompt_len: int, steps: int, see
             for part, dt in zip(PARTS, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
                 times[part].append(dt)
 
-    parts = {}
-    for part, v in times.items():
-        ms = np.asarray(v) * 1e3
-        parts[part] = {"mean_ms": float(ms.mean()), "p50_ms": float(np.percentile(ms, 50)),
-                       "p90_ms": float(np.percentile(ms, 90)), "us_per_request": float(ms.mean() * 1e3 / num_requests)}
-    return {"parts": parts, "num_requests": num_requests, "steps": steps, "prompt_len": prompt_len,
+    return {"parts": summarize(times, num_requests), "num_requests": num_requests, "steps": steps, "prompt_len": prompt_len,
             "prefill_steps": prefill_steps, "block_size": block_size, "source": path, "commit": _commit(path)}
 
 
@@ -139,9 +136,7 @@ def print_table(result: dict) -> None:
     print(f"\nnano-vllm {(result['commit'] or 'unknown commit')[:12]}: {result['num_requests']} decoding requests, "
           f"{result['steps']} steps (prompt {result['prompt_len']}, block {result['block_size']}, "
           f"{result['prefill_steps']} prefill steps untimed)")
-    print(f"{'part':<16}{'mean ms':>10}{'p50 ms':>10}{'p90 ms':>10}{'us/request':>12}")
-    for part, f in result["parts"].items():
-        print(f"{part:<16}{f['mean_ms']:>10.3f}{f['p50_ms']:>10.3f}{f['p90_ms']:>10.3f}{f['us_per_request']:>12.2f}")
+    print_parts(result["parts"])
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
