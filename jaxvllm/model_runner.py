@@ -355,19 +355,32 @@ class ModelRunner:
         else:
             ids[:] = flat
 
+        features = self._fill_sampling_rows(v, rows, starts + lens, samples)
+        prompt_rows, prompt_positions = self._fill_prompt_targets(v, scheduled)
+        return HostBatch(layout, packed, features, n, prompt_rows, prompt_positions)
+
+    def _fill_sampling_rows(self, v: dict[str, np.ndarray], rows: np.ndarray, ends: np.ndarray,
+                            samples: np.ndarray) -> SamplerFeatures | None:
+        """The sampling rows, gathered from the persistent batch; returns the sampler
+        variant they need (None when no row samples)."""
+        ib, n = self.input_batch, len(rows)
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", "top_k", "seeds"):
             v[name][:n] = getattr(ib, name)[rows]
-        output_index = starts + lens - ib.num_prompt_tokens[rows]  # outputs before the one sampled
+        output_index = ends - ib.num_prompt_tokens[rows]  # outputs before the one sampled
         v["output_index"][:n] = output_index
         v["slot"][:n] = rows
         v["use_state"][:n] = ib.use_state[rows]
         v["suppress_stop"][:n] = output_index < ib.min_tokens[rows]
         v["counts_sample"][:n] = samples
         v["want_logprobs"][:n] = samples & ib.want_logprobs[rows]
-        features = SamplerFeatures.of(layout_tensors(v, n), samples) if samples.any() else None
+        return SamplerFeatures.of(layout_tensors(v, n), samples) if samples.any() else None
 
+    @staticmethod
+    def _fill_prompt_targets(v: dict[str, np.ndarray], scheduled: list[ScheduledRequest]):
+        """Rows whose prompt logprobs are asked for: (token rows, (scheduled index, prompt position))."""
         prompt_rows, prompt_positions = [], []
+        qsl = v["query_start_loc"]
         for i, s in enumerate(scheduled):
             if s.request.params.prompt_logprobs is None:
                 continue
@@ -377,7 +390,7 @@ class ModelRunner:
                 v["prompt_targets"][row] = s.request.prompt_token_ids[pos + 1]
                 prompt_rows.append(row)
                 prompt_positions.append((i, pos + 1))
-        return HostBatch(layout, packed, features, n, prompt_rows, prompt_positions)
+        return prompt_rows, prompt_positions
 
     # -- persistent rows -------------------------------------------------------------------
 
