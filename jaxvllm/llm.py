@@ -124,7 +124,7 @@ class LLM:
 
     def _run(self, prompts, sampling_params, priority, use_tqdm: bool, add_special_tokens: bool = True):
         engine = self.llm_engine
-        if engine.has_unfinished_requests():
+        if engine.scheduler.has_unfinished_requests():  # (a step left in flight for finished ones is harmless)
             raise RuntimeError("the engine has unfinished requests added by hand; finish or abort them first")
         params = self._per_prompt(sampling_params, len(prompts), "sampling_params", SamplingParams())
         priorities = self._per_prompt(priority, len(prompts), "priority", 0, one_for_all=False)

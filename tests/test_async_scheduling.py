@@ -427,3 +427,16 @@ def test_step_executables_do_not_branch(engines):
     hidden = jax.ShapeDtypeStruct((layout.num_tokens, runner.cfg.hidden_size), runner.dtype)
     prompt_logprobs = runner._prompt_logprobs.lower(runner.params, hidden, packed, layout=layout)
     assert_no_host_sync(prompt_logprobs.compile().as_text(), "prompt logprobs")
+
+
+def test_generate_after_stepping_by_hand_until_the_last_output(engines):
+    """A user who stops stepping once every request has its final output may leave a step
+    in flight (dispatched before the stops were known): generate still works after it."""
+    llm = engines("qwen3")[True]
+    engine = llm.llm_engine
+    engine.add_request("by-hand", "Hello", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    while not any(o.finished for o in engine.step()):
+        pass
+    assert not engine.scheduler.has_unfinished_requests()
+    out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3 and not engine.has_unfinished_requests()
