@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from jaxvllm.request import Request
+from jaxvllm.request import Request, ScheduledRequest
 
 
 def hash_block(parent: bytes | None, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
@@ -177,23 +177,27 @@ class KVCacheManager:
         blocks.extend(new)
         return new
 
-    def cache_blocks(self, request: Request, num_computed: int) -> None:
-        """Register the request's blocks that are full once its first `num_computed` tokens
-        are in the cache: call it once the step computing them is certain to run (the
-        scheduler does, for each request it schedules, once no more preemption can take
-        it out of the step). Device order then puts their writes before any later step's
-        reads. Only tokens known on the host can be hashed; a block ending in a token
-        still on the device waits for a later call."""
-        if not self.enable_prefix_caching or not request.use_prefix_cache:
+    def cache_blocks(self, scheduled: Iterable[ScheduledRequest]) -> None:
+        """Register the blocks that the scheduled chunks fill: call it once the step that
+        computes them is certain to run (the scheduler does, once no more preemption can
+        take a request out of the step). Device order then puts their writes before any
+        later step's reads. Only tokens known on the host can be hashed; a block ending in
+        a token still on the device waits for a later step."""
+        if not self.enable_prefix_caching:
             return
-        num_full = min(num_computed, request.num_tokens) // self.block_size
-        start = self._num_registered.get(request.request_id, 0)
-        if num_full <= start:
-            return
-        blocks, hashes = self.req_blocks[request.request_id], self.block_hashes(request)
-        for i in range(start, num_full):
-            self.pool.cache(blocks[i], hashes[i])
-        self._num_registered[request.request_id] = num_full
+        registered, bs = self._num_registered, self.block_size
+        for s in scheduled:
+            request = s.request
+            if not request.use_prefix_cache:
+                continue
+            num_full = min(s.start + s.num_new_tokens, len(request.token_ids)) // bs
+            start = registered.get(request.request_id, 0)
+            if num_full <= start:
+                continue
+            blocks, hashes = self.req_blocks[request.request_id], self.block_hashes(request)
+            for i in range(start, num_full):
+                self.pool.cache(blocks[i], hashes[i])
+            registered[request.request_id] = num_full
 
     def record_prefix_hits(self, num_queried: int, num_hit: int) -> None:
         if self.enable_prefix_caching:

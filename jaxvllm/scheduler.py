@@ -148,7 +148,7 @@ class Scheduler:
         budget = c.max_num_batched_tokens
         scheduled: dict[str, ScheduledRequest] = {}
 
-        running, kv = RequestStatus.RUNNING, self.kv
+        running, kv, req_blocks, bs = RequestStatus.RUNNING, self.kv, self.kv.req_blocks, self.kv.block_size
         for request in list(self.running):
             if budget <= 0:
                 break
@@ -159,23 +159,19 @@ class Scheduler:
                 continue  # its last token is on the device: nothing more to compute
             start = request.num_computed_tokens
             num_new = min(num_tokens - start, budget)
-            while kv.allocate_slots(request, num_new) is None:
-                victim = self._pick_victim()
-                self._preempt(victim, out)
-                if victim.request_id in scheduled:  # the priority policy may pick one already scheduled
-                    budget += scheduled.pop(victim.request_id).num_new_tokens
-                if victim is request:
-                    break
-            else:
-                scheduled[request.request_id] = ScheduledRequest(
-                    request, start, num_new, kv.req_blocks[request.request_id], start + num_new == num_tokens
-                )
-                budget -= num_new
+            if start + num_new > len(req_blocks[request.request_id]) * bs:  # (most decode steps fit)
+                freed, allocated = self._allocate_or_preempt(request, num_new, scheduled, out)
+                budget += freed
+                if not allocated:  # it was preempted itself
+                    continue
+            scheduled[request.request_id] = ScheduledRequest(
+                request, start, num_new, req_blocks[request.request_id], start + num_new == num_tokens
+            )
+            budget -= num_new
 
         # Victims are out; the requests still scheduled will run this step, so their blocks
         # can be found from now on (a victim's, never written, are never registered).
-        for s in scheduled.values():
-            kv.cache_blocks(s.request, s.start + s.num_new_tokens)
+        kv.cache_blocks(scheduled.values())
 
         if not out.preempted:
             while len(self.waiting) and len(self.running) < c.max_num_seqs and budget > 0:
@@ -196,7 +192,11 @@ class Scheduler:
                 # Nothing is preempted once admissions start, so this step will write these
                 # blocks: a request admitted next with the same prefix shares them in the
                 # same forward pass (each layer writes its K/V before attention reads it).
-                self.kv.cache_blocks(request, num_cached + num_new)
+                scheduled_request = ScheduledRequest(
+                    request, num_cached, num_new, kv.req_blocks[request.request_id],
+                    num_cached + num_new == request.num_tokens,  # nothing pending: it was not running
+                )
+                kv.cache_blocks((scheduled_request,))
                 self.waiting.pop()
                 self.running.append(request)
                 request.status = RequestStatus.RUNNING
@@ -206,10 +206,7 @@ class Scheduler:
                     request.num_cached_tokens = num_cached
                 if request.metrics.first_scheduled_time is None:
                     request.metrics.first_scheduled_time = time.time()
-                scheduled[request.request_id] = ScheduledRequest(
-                    request, num_cached, num_new, kv.req_blocks[request.request_id],
-                    num_cached + num_new == request.num_tokens,  # nothing pending: it was not running
-                )
+                scheduled[request.request_id] = scheduled_request
                 budget -= num_new
 
         out.scheduled = list(scheduled.values())
@@ -217,6 +214,21 @@ class Scheduler:
             s.request.num_computed_tokens += s.num_new_tokens
             s.request.num_pending += s.samples
         return out
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, scheduled: dict[str, ScheduledRequest],
+                             out: SchedulerOutput) -> tuple[int, bool]:
+        """Allocate blocks for `num_new` more tokens of a running request, preempting others
+        (or, last, itself) until they fit. Returns (the budget given back by victims that
+        were already scheduled this step, whether `request` got its blocks)."""
+        freed = 0
+        while self.kv.allocate_slots(request, num_new) is None:
+            victim = self._pick_victim()
+            self._preempt(victim, out)
+            if victim.request_id in scheduled:  # the priority policy may pick one already scheduled
+                freed += scheduled.pop(victim.request_id).num_new_tokens
+            if victim is request:
+                return freed, False
+        return freed, True
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":  # lowest priority = largest value; ties: latest arrival

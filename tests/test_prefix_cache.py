@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from jaxvllm import LLM, SamplingParams
 from jaxvllm.kv_cache_manager import BlockPool, KVCacheManager, hash_block
+from jaxvllm.request import ScheduledRequest
 from jaxvllm.scheduler import Scheduler, SchedulerConfig
 from tests.conftest import ARCHS
 from tests.test_scheduler import check_blocks, check_tokens, fake_token, make_request
@@ -27,7 +28,7 @@ def admit(kv: KVCacheManager, request, num_new=None):
     cached = len(computed) * kv.block_size
     num_new = num_new or request.num_tokens - cached
     assert kv.allocate_slots(request, num_new, computed) is not None
-    kv.cache_blocks(request, cached + num_new)
+    kv.cache_blocks([ScheduledRequest(request, cached, num_new, kv.get_block_ids(request.request_id), True)])
     request.num_computed_tokens = cached
     return cached
 
