@@ -7,6 +7,8 @@
 #   scripts/gpu_check.sh            on the GPU machine (the project copied in, not installed)
 #   scripts/gpu_check.sh --small    anywhere: interpret-mode tests, benchmarks --small (a CPU rehearsal)
 #   scripts/gpu_check.sh --dry-run  print what would run
+#   scripts/gpu_check.sh --b1       then B1 (the nano-vllm workload), async scheduling on vs off
+#                                   (b1.log, b1.json; up to 5 more minutes: a second device session)
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -16,11 +18,13 @@ OUT="${OUT:-${TMPDIR:-/tmp}/jaxvllm-gpu-check}"
 PYTHON="${PYTHON:-python}"
 MODE=gpu
 DRY=0
+B1=0
 for arg in "$@"; do
     case "$arg" in
         --small) MODE=small ;;
         --dry-run) DRY=1 ;;
-        -h | --help) sed -n 2,9p "$0"; exit 0 ;;
+        --b1) B1=1 ;;
+        -h | --help) sed -n 2,11p "$0"; exit 0 ;;
         *) echo "unknown option: $arg (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -29,10 +33,12 @@ if [ "$MODE" = gpu ]; then
     export JAXVLLM_PALLAS_INTERPRET=0          # compiled Triton kernels in the tests too
     export JAX_DEFAULT_MATMUL_PRECISION=highest # float32 parity tests: no TF32 in the XLA reference
     BENCH_ARGS=()
-    LIMITS=(30 120 90 160 70)                   # env, kernel tests, engine test, bench, engine step: < 8 min
+    LIMITS=(30 120 90 160 70 300)               # env, kernel tests, engine test, bench, engine step: < 8 min; B1
+    B1_ARGS=(--model dummy:qwen3-0.6b --dataset nanovllm)
 else
     BENCH_ARGS=(--small)
-    LIMITS=(60 300 300 300 300)
+    LIMITS=(60 300 300 300 300 300)
+    B1_ARGS=(--model dummy:tiny --dataset random --num-prompts 16 --input-len 32 --output-len 16)
 fi
 
 [ "$DRY" = 1 ] || mkdir -p "$OUT"
@@ -66,6 +72,10 @@ fi
 run bench "${LIMITS[3]}" "$PYTHON" -m pallas_kernels.bench ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"} --json "$OUT/bench.json"
 run engine_step "${LIMITS[4]}" "$PYTHON" -m jaxvllm.benchmarks.engine_step ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"} \
     --json "$OUT/engine_step.json"
+if [ "$B1" = 1 ]; then
+    run b1 "${LIMITS[5]}" "$PYTHON" -m jaxvllm bench throughput "${B1_ARGS[@]}" --compare-async-scheduling \
+        --disable-tqdm --output-json "$OUT/b1.json"
+fi
 
 [ "$DRY" = 1 ] || cat "$OUT/summary.txt"
 exit "$FAILED"
