@@ -146,10 +146,14 @@ class BatchLayout:
         return SamplingTensors(**{k: self._field(packed, k) for k in SamplingTensors.__dataclass_fields__})
 
 
-def block_table_widths(max_blocks: int, smallest: int = 16, factor: int = 4) -> list[int]:
+def block_table_widths(max_blocks: int, smallest: int = 64, factor: int = 8) -> list[int]:
     """Block-table widths a step may take: `max_blocks`, then down by `factor` while at least
     `smallest`. A step's table is as wide as the first width that holds its longest request,
-    so short contexts neither upload nor (reference backend) gather `max_model_len` columns."""
+    so short contexts neither upload nor (reference backend) gather `max_model_len` columns.
+
+    Each width is one more compiled forward per token bucket, so the ladder is coarse: up
+    to 64 blocks (1024 tokens at block size 16) one width is cheap enough to send always;
+    Qwen3's 40,960 positions give [320, 2560]."""
     widths = [max_blocks]
     while widths[0] // factor >= smallest:
         widths.insert(0, -(-widths[0] // factor))

@@ -88,17 +88,17 @@ def test_prepare_builds_the_packed_batch(tiny_checkpoint):
 
 
 def test_block_table_width_follows_the_longest_request(tiny_checkpoint):
-    assert block_table_widths(4) == [4] and block_table_widths(64) == [16, 64]
-    assert block_table_widths(2560) == [40, 160, 640, 2560]
-    runner = ModelRunner(EngineConfig(model=str(tiny_checkpoint("llama")), max_model_len=1024, max_num_seqs=4,
-                                      max_num_batched_tokens=32, token_buckets=[32]))
-    assert runner.widths == [16, 64] and runner.num_compiled_buckets() == 2  # both widths warmed up
+    assert block_table_widths(4) == [4] and block_table_widths(256) == [256]
+    assert block_table_widths(512) == [64, 512] and block_table_widths(2560) == [320, 2560]
+    runner = ModelRunner(EngineConfig(model=str(tiny_checkpoint("llama")), max_model_len=1024, block_size=2,
+                                      max_num_seqs=4, max_num_batched_tokens=32, token_buckets=[32]))
+    assert runner.widths == [64, 512] and runner.num_compiled_buckets() == 2  # both widths warmed up
     params = SamplingParams(max_tokens=4)
     short = Request("s", [5] * 3, params, max_tokens=4)
-    assert runner.prepare([ScheduledRequest(short, 0, 3, [0])]).layout.width == 16
+    assert runner.prepare([ScheduledRequest(short, 0, 3, [0, 1])]).layout.width == 64
     long = Request("l", [5] * 300, params, max_tokens=4)
-    blocks = list(range(1, 20))
-    assert runner.prepare([ScheduledRequest(long, 290, 10, blocks)]).layout.width == 64
+    blocks = list(range(2, 152))
+    assert runner.prepare([ScheduledRequest(long, 290, 10, blocks)]).layout.width == 512
 
 
 def test_sequence_rows_follow_the_token_bucket(tiny_checkpoint):
