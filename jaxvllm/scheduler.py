@@ -164,9 +164,12 @@ class Scheduler:
                 budget += freed
                 if not allocated:  # it was preempted itself
                     continue
+            samples = start + num_new == num_tokens
             scheduled[request.request_id] = ScheduledRequest(
-                request, start, num_new, req_blocks[request.request_id], start + num_new == num_tokens
+                request, start, num_new, req_blocks[request.request_id], samples
             )
+            request.num_computed_tokens = start + num_new
+            request.num_pending += samples
             budget -= num_new
 
         # Victims are out; the requests still scheduled will run this step, so their blocks
@@ -200,7 +203,8 @@ class Scheduler:
                 self.waiting.pop()
                 self.running.append(request)
                 request.status = RequestStatus.RUNNING
-                request.num_computed_tokens = num_cached
+                request.num_computed_tokens = num_cached + num_new
+                request.num_pending += scheduled_request.samples
                 self.kv.record_prefix_hits(request.num_tokens, num_cached)
                 if request.num_cached_tokens is None:
                     request.num_cached_tokens = num_cached
@@ -210,9 +214,6 @@ class Scheduler:
                 budget -= num_new
 
         out.scheduled = list(scheduled.values())
-        for s in out.scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
-            s.request.num_pending += s.samples
         return out
 
     def _allocate_or_preempt(self, request: Request, num_new: int, scheduled: dict[str, ScheduledRequest],
@@ -225,7 +226,9 @@ class Scheduler:
             victim = self._pick_victim()
             self._preempt(victim, out)
             if victim.request_id in scheduled:  # the priority policy may pick one already scheduled
-                freed += scheduled.pop(victim.request_id).num_new_tokens
+                dropped = scheduled.pop(victim.request_id)
+                freed += dropped.num_new_tokens
+                victim.num_pending -= dropped.samples
             if victim is request:
                 return freed, False
         return freed, True
