@@ -5,14 +5,24 @@
     jaxvllm bench latency --model PATH --batch-size 8 --input-len 32 --output-len 128
 
 Exit codes: 0 done, 2 a usage error (argparse's, a missing model folder, a value the
-engine refuses), with one line on stderr saying what is wrong.
+engine refuses, a bad prompt: named by its --prompts-file line), 130 Ctrl-C, with one line
+on stderr saying what is wrong.
+
+`generate --output FILE` writes each chunk of prompts' completions as soon as the chunk is
+done (one JSON object per line, with the prompt's "index"), so a run that is interrupted
+or fails keeps what it finished, and `--resume` completes such a file.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
+import tempfile
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +51,10 @@ class UsageError(Exception):
     """A mistake in what the user asked for: reported in one line, exit code 2."""
 
 
+class Interrupted(Exception):
+    """Ctrl-C, with what was kept: reported in one line, exit code 130."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     from jaxvllm.benchmarks import latency, throughput
 
@@ -59,7 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for several)")
     gen.add_argument("--prompts-file", type=Path,
                      help='JSONL: per line a string, {"prompt": str} or {"prompt_token_ids": [int, ...]}')
-    gen.add_argument("--output", type=Path, help="write one JSON line per prompt here instead of printing")
+    gen.add_argument("--output", type=Path,
+                     help="write one JSON line per prompt here (with the prompt's \"index\"), chunk by chunk "
+                     "as they finish, instead of printing; an existing file is overwritten")
+    gen.add_argument("--resume", action="store_true",
+                     help="keep the prompts already in --output (by index) and generate only the missing ones")
+    gen.add_argument("--chunk-size", type=int, default=None,
+                     help="prompts per generation chunk, each written when done (default: 4 x max-num-seqs)")
     gen.add_argument("--disable-tqdm", action="store_true", help="no progress bar during generation")
     sampling = gen.add_argument_group("sampling parameters (SamplingParams)")
     for flag, (kind, help_text) in _SAMPLING_FLAGS.items():
@@ -117,27 +137,145 @@ def sampling_params(args: argparse.Namespace):
         raise UsageError(f"bad sampling parameter: {e}") from e
 
 
-def read_prompts(args: argparse.Namespace) -> list:
+def read_prompts(args: argparse.Namespace) -> tuple[list, list[str]]:
+    """The prompts (the --prompt ones first) and, for each, where it came from: "--prompt 2"
+    or "FILE line 3", which names it in errors."""
     prompts: list = list(args.prompt)
+    labels = [f"--prompt {k}" for k in range(1, len(prompts) + 1)]
     if args.prompts_file is not None:
         try:
             lines = args.prompts_file.read_text().splitlines()
-        except OSError as e:
+        except (OSError, UnicodeDecodeError) as e:
             raise UsageError(f"cannot read --prompts-file: {e}") from e
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
+            label = f"{args.prompts_file} line {number}"
             try:
                 prompt = json.loads(line)
             except ValueError as e:
-                raise UsageError(f"{args.prompts_file}:{number}: not JSON ({e})") from e
+                raise UsageError(f"{label}: not JSON ({e})") from e
             if not isinstance(prompt, (str, dict)):
-                raise UsageError(f"{args.prompts_file}:{number}: expected a string or an object, "
+                raise UsageError(f'{label}: expected a string, {{"prompt": ...}} or {{"prompt_token_ids": [...]}}, '
                                  f"got {type(prompt).__name__}")
             prompts.append(prompt)
+            labels.append(label)
     if not prompts:
         raise UsageError("no prompts: give --prompt TEXT or --prompts-file FILE.jsonl")
-    return prompts
+    return prompts, labels
+
+
+def check_prompts(llm, prompts: list, labels: list[str], params) -> list[list[int]]:
+    """Every prompt's token ids, checked by the engine's own rules (type, emptiness, token
+    ids, keys, length within max_model_len) before any is generated; UsageError naming the
+    first bad prompt (and how many more there are)."""
+    engine = llm.llm_engine
+    try:
+        params.check_vocab(engine.model_config.vocab_size)
+    except ValueError as e:
+        raise UsageError(f"bad sampling parameter: {e}") from e
+    token_ids: list[list[int]] = []
+    errors: list[str] = []
+    for i, (prompt, label) in enumerate(zip(prompts, labels)):
+        try:  # builds the request without queueing it
+            parent = engine.make_requests(f"check-{i}", prompt, params)
+        except (TypeError, ValueError) as e:
+            errors.append(f"{label}: {e}")
+            continue
+        token_ids.append(list(parent.children[0].prompt_token_ids))
+    if errors:
+        more = f" (and {len(errors) - 1} more bad prompt{'s' * (len(errors) > 2)})" if len(errors) > 1 else ""
+        raise UsageError(errors[0] + more)
+    return token_ids
+
+
+def check_output_path(path: Path) -> None:
+    """Before anything is loaded: --output must be a file we can write, in a folder that exists."""
+    if path.is_dir():
+        raise UsageError(f"--output {path} is a directory")
+    parent = path.parent
+    if not parent.exists():
+        raise UsageError(f"--output {path}: the folder {parent} does not exist")
+    if not parent.is_dir():
+        raise UsageError(f"--output {path}: {parent} is not a folder")
+    try:
+        if path.exists():
+            open(path, "a").close()  # writable, and left as it is
+        else:
+            tempfile.TemporaryFile(dir=parent).close()  # the folder takes new files
+    except OSError as e:
+        raise UsageError(f"--output {path}: cannot write there ({e.strerror or e})") from e
+
+
+def read_finished(path: Path) -> tuple[dict[int, Any], int]:
+    """For --resume: the records already in `path` (prompt index -> its prompt token ids),
+    and the bytes of its complete lines; a last line cut short (a run killed mid-write) is
+    not counted, and its prompt is generated again."""
+    if not path.exists():
+        return {}, 0
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1
+    finished: dict[int, Any] = {}
+    for number, line in enumerate(data[:end].decode("utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as e:
+            raise UsageError(f"{path} line {number}: not JSON ({e}); cannot --resume from this file") from e
+        index = record.get("index") if isinstance(record, dict) else None
+        if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+            raise UsageError(f"{path} line {number}: a record without a prompt \"index\"; "
+                             "cannot --resume from this file")
+        finished.setdefault(index, record.get("prompt_token_ids"))
+    return finished, end
+
+
+def check_finished(path: Path, finished: dict[int, Any], token_ids: list[list[int]], labels: list[str]) -> None:
+    """--resume only completes a file written for these same prompts."""
+    for index, ids in sorted(finished.items()):
+        if index >= len(token_ids):
+            raise UsageError(f"--resume: {path} has prompt index {index}, but there are {len(token_ids)} prompts; "
+                             "was it written for other prompts?")
+        if ids is not None and ids != token_ids[index]:
+            raise UsageError(f"--resume: {path} has other prompt tokens at index {index} than {labels[index]}; "
+                             "was it written for other prompts?")
+
+
+def sort_output(path: Path) -> None:
+    """After --resume: the records in input order, each prompt once (rewritten only when needed)."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    indexes = [json.loads(line)["index"] for line in lines]
+    if indexes == list(range(len(indexes))):
+        return
+    by_index: dict[int, str] = {}
+    for index, line in zip(indexes, lines):
+        by_index.setdefault(index, line)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write("".join(by_index[i] + "\n" for i in sorted(by_index)))
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+@contextmanager
+def _hold_sigint():
+    """A Ctrl-C during the block (writing a chunk's records) is raised when the block ends,
+    so that the file never ends in half a record. Only the main thread gets signals."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list = []
+    previous = signal.signal(signal.SIGINT, lambda *a: received.append(a))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received:
+            raise KeyboardInterrupt
 
 
 def output_record(out) -> dict[str, Any]:
@@ -149,31 +287,93 @@ def output_record(out) -> dict[str, Any]:
     }
 
 
+def print_record(r: dict[str, Any]) -> None:
+    prompt = r["prompt"] if r["prompt"] is not None else r["prompt_token_ids"]
+    for c in r["outputs"]:
+        index = f"[{c['index']}] " if len(r["outputs"]) > 1 else ""
+        # A dummy model's ids mostly lie past its small tokenizer's vocabulary: show them.
+        ids = "" if c["text"] else f", token ids: {c['token_ids']}"
+        print(f"Prompt: {prompt!r}, {index}Generated text: {c['text']!r}{ids}")
+
+
 def run_generate(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
     from jaxvllm import LLM
     from jaxvllm.dummy import resolve_model
 
     params = sampling_params(args)
-    prompts = read_prompts(args)
+    prompts, labels = read_prompts(args)
+    if args.chunk_size is not None and args.chunk_size < 1:
+        raise UsageError("--chunk-size must be >= 1")
+    if args.resume and args.output is None:
+        raise UsageError("--resume needs --output FILE (the file to complete)")
+    finished: dict[int, Any] = {}
+    keep_bytes = 0
+    if args.output is not None:  # before the model is loaded: a bad path costs nothing
+        check_output_path(args.output)
+        if args.resume:
+            finished, keep_bytes = read_finished(args.output)
+
     with resolve_model(args.model) as source:
         llm = LLM(source.path, **engine_kwargs(args, source))
+        token_ids = check_prompts(llm, prompts, labels, params)
+        check_finished(args.output, finished, token_ids, labels)
+        todo = [i for i in range(len(prompts)) if i not in finished]
+        chunk = args.chunk_size or 4 * llm.llm_engine.config.max_num_seqs
+        if finished:
+            print(f"resuming: {len(finished)} of {len(prompts)} prompts are already in {args.output}")
+        sink = None
+        if args.output is not None:
+            if args.resume and args.output.exists():
+                if keep_bytes < args.output.stat().st_size:
+                    os.truncate(args.output, keep_bytes)  # a record cut short: its prompt runs again
+                sink = open(args.output, "a", encoding="utf-8")
+            else:
+                sink = open(args.output, "w", encoding="utf-8")
+        # One chunk: the engine's own progress bar; several: one bar over all of them.
+        chunks = [todo[k:k + chunk] for k in range(0, len(todo), chunk)]
+        bar = tqdm(total=len(todo), desc="Processed prompts", dynamic_ncols=True,
+                   disable=args.disable_tqdm or len(chunks) <= 1)
+        written = 0
         try:
-            outputs = llm.generate(prompts, params, use_tqdm=not args.disable_tqdm)
-        except (TypeError, ValueError) as e:  # generate checks every prompt before it queues any
-            raise UsageError(f"bad prompt: {e}") from e
-    records = [output_record(out) for out in outputs]
+            for batch in chunks:
+                try:
+                    outputs = llm.generate([prompts[i] for i in batch], params,
+                                           use_tqdm=not args.disable_tqdm and len(chunks) == 1)
+                except (TypeError, ValueError) as e:  # checked above, so not expected
+                    raise UsageError(f"bad prompt: {e}") from e
+                records = [{"index": i, **output_record(out)} for i, out in zip(batch, outputs)]
+                with _hold_sigint():
+                    if sink is not None:
+                        sink.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+                        sink.flush()
+                        os.fsync(sink.fileno())
+                    else:
+                        for r in records:
+                            print_record(r)
+                        sys.stdout.flush()
+                    written += len(batch)
+                bar.update(len(batch))
+        except KeyboardInterrupt:
+            if sink is None:
+                raise Interrupted(f"interrupted after {written} of {len(prompts)} prompts") from None
+            raise Interrupted(f"interrupted: {len(finished) + written} of {len(prompts)} prompts are in "
+                              f"{args.output}; add --resume to finish the rest") from None
+        except BaseException:
+            if sink is not None:
+                print(f"jaxvllm generate: {len(finished) + written} of {len(prompts)} prompts are in {args.output}; "
+                      "add --resume to finish the rest", file=sys.stderr)
+            raise
+        finally:
+            bar.close()
+            if sink is not None:
+                sink.close()
     if args.output is not None:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
-        print(f"wrote {len(records)} completions to {args.output}")
-        return 0
-    for r in records:
-        prompt = r["prompt"] if r["prompt"] is not None else r["prompt_token_ids"]
-        for c in r["outputs"]:
-            index = f"[{c['index']}] " if len(r["outputs"]) > 1 else ""
-            # A dummy model's ids mostly lie past its small tokenizer's vocabulary: show them.
-            ids = "" if c["text"] else f", token ids: {c['token_ids']}"
-            print(f"Prompt: {prompt!r}, {index}Generated text: {c['text']!r}{ids}")
+        if finished:
+            sort_output(args.output)
+        kept = f" ({len(finished)} were already there)" if finished else ""
+        print(f"wrote {written} completions to {args.output}{kept}")
     return 0
 
 
@@ -198,6 +398,9 @@ def main(argv: list[str] | None = None) -> int:
         message = " ".join(str(e).split())
         print(f"{prog}: error: {message}", file=sys.stderr)
         return 2
+    except (Interrupted, KeyboardInterrupt) as e:  # Ctrl-C: one line, the shell's 128 + SIGINT
+        print(f"{prog}: {e if isinstance(e, Interrupted) else 'interrupted'}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -189,3 +189,68 @@ class EngineConfig:
     async_scheduling: bool = True
     attention_backend: str = "auto"
     token_buckets: list[int] | None = field(default=None)
+    # vLLM's flag: no tokenizer; prompts are token ids only, outputs carry no text.
+    skip_tokenizer_init: bool = False
+
+    def __post_init__(self) -> None:
+        """Check every argument's type and range here, so that `LLM(...)` and the command
+        line refuse bad values (naming the argument and the value) before loading anything."""
+        from jaxvllm.layers import ATTENTION_BACKENDS
+        from jaxvllm.loader import DTYPES, LOAD_FORMATS
+        from jaxvllm.scheduler import POLICIES
+
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a non-empty path, got {self.model!r}")
+        if self.tokenizer is not None and (not isinstance(self.tokenizer, str) or not self.tokenizer):
+            raise ValueError(f"tokenizer must be a path or None, got {self.tokenizer!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            _check_positive_int(name, getattr(self, name))
+        for name in ("max_model_len", "num_gpu_blocks_override"):
+            if getattr(self, name) is not None:
+                _check_positive_int(name, getattr(self, name), " (or None)")
+        if not _is_int(self.seed):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float, np.floating, np.integer)) or not 0 < u <= 1:
+            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {u!r}")
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "async_scheduling", "skip_tokenizer_init"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.dtype not in ("auto", *DTYPES):
+            raise ValueError(f"dtype {self.dtype!r} is not supported; choose from 'auto', {', '.join(DTYPES)}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format {self.load_format!r} is not supported; choose from {LOAD_FORMATS}")
+        if self.scheduling_policy not in POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {self.scheduling_policy!r}")
+        if self.attention_backend not in ("auto", *ATTENTION_BACKENDS):
+            raise ValueError(
+                f"attention_backend {self.attention_backend!r} is not available; choose from 'auto', {ATTENTION_BACKENDS}"
+            )
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs}) "
+                "so that a full decode batch fits in one step"
+            )
+        if self.token_buckets is not None:
+            buckets = self.token_buckets
+            if (
+                not isinstance(buckets, (list, tuple))
+                or not buckets
+                or not all(_is_int(b) and b > 0 for b in buckets)
+            ):
+                raise ValueError(f"token_buckets must be a non-empty list of positive ints (or None), got {buckets!r}")
+            self.token_buckets = [int(b) for b in buckets]
+            if max(self.token_buckets) < self.max_num_batched_tokens:
+                raise ValueError(
+                    f"the largest token bucket ({max(self.token_buckets)}) is below max_num_batched_tokens "
+                    f"({self.max_num_batched_tokens})"
+                )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _check_positive_int(name: str, value: Any, extra: str = "") -> None:
+    if not _is_int(value) or value < 1:
+        raise ValueError(f"{name} must be a positive int{extra}, got {value!r}")

@@ -19,7 +19,8 @@ import numpy as np
 from jaxvllm.config import EngineConfig
 from jaxvllm.kv_cache_manager import KVCacheManager
 from jaxvllm.detokenizer import IncrementalDetokenizer
-from jaxvllm.model_runner import ModelRunner, PendingStep
+from jaxvllm.interrupts import defer_interrupts
+from jaxvllm.model_runner import ModelRunner, PendingStep, RunnerOutput
 from jaxvllm.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxvllm.request import Request, RequestStatus
 from jaxvllm.sampling_params import RequestOutputKind, SamplingParams
@@ -53,20 +54,32 @@ class ParentRequest:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        from pathlib import Path
+
         from transformers import AutoTokenizer
 
+        from jaxvllm.loader import resolve_model_dir
+
+        # A missing folder fails first; dummy:NAME becomes a temporary folder that lives as long as the engine.
+        config, self._dummy_dir = resolve_model_dir(config)
         self.config = config
         tokenizer_path = config.tokenizer or config.model
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
-        except (OSError, ValueError) as e:
-            raise ValueError(
-                f"cannot load a tokenizer from {tokenizer_path!r} (pass tokenizer=PATH to use another folder): {e}"
-            ) from e
+        if config.skip_tokenizer_init:
+            self.tokenizer = None  # token-id prompts only; outputs have empty text
+        elif not Path(tokenizer_path).is_dir():
+            raise FileNotFoundError(f"tokenizer directory {tokenizer_path!r} does not exist")
+        else:
+            try:
+                self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
+            except (OSError, ValueError) as e:
+                raise ValueError(
+                    f"cannot load a tokenizer from {tokenizer_path!r} (pass tokenizer=PATH to use another folder, "
+                    f"or skip_tokenizer_init=True for token-id prompts only): {e}"
+                ) from e
         self.runner = ModelRunner(config)
         self.model_config = self.runner.cfg
         eos = set(self.model_config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
         self.kv_cache_manager = KVCacheManager(
@@ -108,6 +121,8 @@ class LLMEngine:
             raise TypeError(f"a prompt must be a str or a dict, got {type(prompt).__name__}")
         if not prompt:
             raise ValueError("the prompt is empty")
+        if self.tokenizer is None:
+            raise ValueError("skip_tokenizer_init=True: pass prompt_token_ids, not text")
         token_ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
         if not token_ids:
             raise ValueError(f"the prompt {prompt!r} encodes to no tokens")
@@ -136,6 +151,9 @@ class LLMEngine:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
         params.check_vocab(self.model_config.vocab_size)
+        params.check_satisfiable(self.eos_token_ids)
+        if self.tokenizer is None and params.stop_strings:
+            raise ValueError("skip_tokenizer_init=True: stop strings need a tokenizer; use stop_token_ids")
         text, token_ids, cache_salt = self.tokenize_prompt(prompt, add_special_tokens)
         max_tokens = params.max_tokens
         if max_tokens is None:
@@ -157,7 +175,7 @@ class LLMEngine:
                 child_id, token_ids, params, prompt=text, priority=priority, max_tokens=max_tokens,
                 eos_token_ids=self.eos_token_ids, arrival_index=arrival, seed=seed, cache_salt=cache_salt,
             )
-            if params.detokenize:
+            if params.detokenize and self.tokenizer is not None:  # (no tokenizer: empty text)
                 child.detokenizer = IncrementalDetokenizer(
                     self.tokenizer, skip_special_tokens=params.skip_special_tokens, stop=params.stop_strings,
                     include_stop_str_in_output=params.include_stop_str_in_output,
@@ -169,15 +187,29 @@ class LLMEngine:
         self.add_parent(self.make_requests(request_id, prompt, params, priority))
 
     def add_parent(self, parent: ParentRequest) -> None:
-        if parent.request_id in self._parents:
-            raise ValueError(f"request id {parent.request_id!r} is already in use")
-        for child in parent.children:
-            self.scheduler.add_request(child)
-        self._parents[parent.request_id] = parent
+        """Queue all of a request's completions, or (on any error) none of them."""
+        for rid in (parent.request_id, *(c.request_id for c in parent.children)):
+            if rid in self._parents or rid in self.scheduler.requests:
+                raise ValueError(f"request id {rid!r} is already in use")
+        with defer_interrupts():
+            added = []
+            try:
+                for child in parent.children:
+                    self.scheduler.add_request(child)
+                    added.append(child)
+            except BaseException:
+                for child in added:
+                    self.scheduler.finish(child, "abort")
+                raise
+            self._parents[parent.request_id] = parent
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Stop requests now and free their blocks; unknown or finished ids are ignored."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        with defer_interrupts():
+            return self._abort(ids)
+
+    def _abort(self, ids: list[str]) -> list[RequestOutput]:
         outputs = []
         for rid in ids:
             parent = self._parents.pop(rid, None)
@@ -201,19 +233,46 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and dispatch a step, read the tokens of the step before (async) or of
         this one, and return outputs of the requests that got new tokens, as their
-        `output_kind` asks (FINAL_ONLY: only when finished)."""
+        `output_kind` asks (FINAL_ONLY: only when finished).
+
+        A failed or interrupted step changes nothing a later step could notice: the
+        bookkeeping runs with Ctrl-C held back (`defer_interrupts`), so an interrupt lands
+        only while the host waits for the device; after any exception, `_recover` puts
+        every running request back to be recomputed, then the exception propagates.
+        """
         if self.runner.closed:
             raise RuntimeError("this engine was shut down; create a new LLM")
-        out = self.scheduler.schedule()
-        self.runner.release(r.request_id for r in out.preempted)
-        launched = (out, self.runner.execute(out.scheduled)) if out.scheduled else None
-        if self.config.async_scheduling:
-            launched, self._in_flight = self._in_flight, launched
-        return self._process(*launched) if launched is not None else []
+        try:
+            with defer_interrupts():
+                out = self.scheduler.schedule()
+                self.runner.release(r.request_id for r in out.preempted)
+                launched = (out, self.runner.execute(out.scheduled)) if out.scheduled else None
+                self.kv_cache_manager.commit()  # dispatched: the blocks it registered will be written
+                if self.config.async_scheduling:
+                    launched, self._in_flight = self._in_flight, launched
+            if launched is None:
+                return []
+            result = launched[1].result()  # waits for the device
+            with defer_interrupts():
+                return self._process(launched[0], result)
+        except BaseException:
+            with defer_interrupts():
+                self._recover()
+            raise
 
-    def _process(self, out: SchedulerOutput, pending: PendingStep) -> list[RequestOutput]:
-        """Read a step's tokens (waits for the device), append them, apply the stop checks."""
-        result = pending.result()
+    def _recover(self) -> None:
+        """Bring the engine back to a state every later step can trust: the step in flight
+        is dropped, blocks registered for a step that never ran are forgotten, running
+        requests are recomputed from their tokens on the host, and donated buffers a
+        failed call consumed are made anew (the prefix cache too, if the KV cache was)."""
+        self._in_flight = None
+        self.kv_cache_manager.rollback()
+        self.scheduler.recompute_all()
+        if self.runner.recover():
+            self.kv_cache_manager.reset_prefix_cache()
+
+    def _process(self, out: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
+        """Append a step's tokens and apply the stop checks; the outputs to return."""
         updated = self.scheduler.update_from_output(out, result.sampled)
         if result.logprobs is not None or result.prompt_logprobs is not None:
             self._record_logprobs(out.scheduled, result, set(map(id, updated)))
@@ -292,7 +351,7 @@ class LLMEngine:
     def _token_text(self, token_id: int) -> str:
         """A token's text alone, cached: logprobs name up to 21 tokens per row per step."""
         text = self._token_texts.get(token_id)
-        if text is None:
+        if text is None and self.tokenizer is not None:  # (no tokenizer: decoded_token None)
             text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
         return text
 

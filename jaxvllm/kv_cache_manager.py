@@ -88,11 +88,18 @@ class BlockPool:
             if self.ref_counts[b] == 0:
                 self._free[b] = None
 
-    def cache(self, block: int, block_hash: bytes) -> None:
-        """Register a full block's contents; the first block with given contents stays the one found."""
+    def cache(self, block: int, block_hash: bytes) -> bool:
+        """Register a full block's contents; the first block with given contents stays the one
+        found. Returns whether this block was registered."""
         if block_hash not in self.cached and self.block_hashes[block] is None:
             self.cached[block_hash] = block
             self.block_hashes[block] = block_hash
+            return True
+        return False
+
+    def uncache(self, block: int) -> None:
+        """Forget a block's contents (they were never written)."""
+        self._evict(block)
 
     def reset_prefix_cache(self) -> None:
         self.cached.clear()
@@ -118,6 +125,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.req_blocks: dict[str, list[int]] = {}
         self._num_registered: dict[str, int] = {}  # how many of a request's blocks are in the cache map
+        self._uncommitted: list[int] = []  # registered for a step not yet dispatched
         self.stats = PrefixCacheStats()
 
     @property
@@ -196,8 +204,21 @@ class KVCacheManager:
                 continue
             blocks, hashes = self.req_blocks[request.request_id], self.block_hashes(request)
             for i in range(start, num_full):
-                self.pool.cache(blocks[i], hashes[i])
+                if self.pool.cache(blocks[i], hashes[i]):
+                    self._uncommitted.append(blocks[i])
             registered[request.request_id] = num_full
+
+    def commit(self) -> None:
+        """The step of the blocks registered since the last commit is dispatched: keep them."""
+        self._uncommitted.clear()
+
+    def rollback(self) -> None:
+        """The step of the blocks registered since the last commit failed before it was
+        dispatched: forget them, so that nobody reads K/V that was never written. (Their
+        requests are preempted by the engine's recovery, which frees the blocks.)"""
+        for block in self._uncommitted:
+            self.pool.uncache(block)
+        self._uncommitted.clear()
 
     def record_prefix_hits(self, num_queried: int, num_hit: int) -> None:
         if self.enable_prefix_caching:
@@ -217,6 +238,7 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> None:
         """Forget every cached block's contents (e.g. after changing weights); owners keep their blocks."""
         self.pool.reset_prefix_cache()
+        self._uncommitted.clear()
         for rid in self._num_registered:
             self._num_registered[rid] = len(self.req_blocks.get(rid, []))  # don't re-register old blocks
         self.stats = PrefixCacheStats()

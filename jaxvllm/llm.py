@@ -38,6 +38,9 @@ class LLM:
         self._request_counter = 0
 
     def get_tokenizer(self):
+        """The HF tokenizer; ValueError under skip_tokenizer_init=True (as vLLM), so chat() refuses too."""
+        if self.llm_engine.tokenizer is None:
+            raise ValueError("skip_tokenizer_init=True: this LLM has no tokenizer (chat() and text prompts need one)")
         return self.llm_engine.tokenizer
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -128,31 +131,38 @@ class LLM:
             raise RuntimeError("the engine has unfinished requests added by hand; finish or abort them first")
         params = self._per_prompt(sampling_params, len(prompts), "sampling_params", SamplingParams())
         priorities = self._per_prompt(priority, len(prompts), "priority", 0, one_for_all=False)
-        requests = [
-            engine.make_requests(str(self._request_counter + i), p, sp, pr, add_special_tokens=add_special_tokens)
-            for i, (p, sp, pr) in enumerate(zip(prompts, params, priorities))
-        ]
+        requests = []
+        for i, (p, sp, pr) in enumerate(zip(prompts, params, priorities)):
+            rid = str(self._request_counter + i)
+            try:
+                requests.append(engine.make_requests(rid, p, sp, pr, add_special_tokens=add_special_tokens))
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"prompt {i}: {e}") from e
         self._request_counter += len(requests)
         engine.scheduler.set_policy("priority" if priority is not None else engine.config.scheduling_policy)
-        for request in requests:
-            request.output_kind = RequestOutputKind.FINAL_ONLY  # generate keeps only the final outputs
-            engine.add_parent(request)
 
         finished: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
-        start, num_output_tokens = time.perf_counter(), 0
-        try:
+        added: list[str] = []
+        bar = None
+        try:  # everything from the first request queued on: an interrupt anywhere leaves the engine clean
+            for request in requests:
+                request.output_kind = RequestOutputKind.FINAL_ONLY  # generate keeps only the final outputs
+                engine.add_parent(request)
+                added.append(request.request_id)
+            bar = tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+            start, num_output_tokens = time.perf_counter(), 0
             while engine.has_unfinished_requests():
                 for output in engine.step():
                     num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
                     finished[output.request_id] = output
                     bar.update(1)
                 bar.set_postfix_str(f"output {num_output_tokens / (time.perf_counter() - start):.1f} tok/s", refresh=False)
-        except BaseException:  # KeyboardInterrupt or a device error: leave the engine clean
-            engine.abort_request([r.request_id for r in requests])
+        except BaseException:  # KeyboardInterrupt or a device error: this call's requests are aborted
+            engine.abort_request(added)
             raise
         finally:
-            bar.close()
+            if bar is not None:
+                bar.close()
         return [finished[r.request_id] for r in requests]
 
     def stats(self) -> dict:

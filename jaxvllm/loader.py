@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import tempfile
 from pathlib import Path
 
 import jax
@@ -11,7 +13,7 @@ import jax.numpy as jnp
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
-from jaxvllm.config import ModelConfig
+from jaxvllm.config import EngineConfig, ModelConfig
 from jaxvllm.models import MODELS
 
 logger = logging.getLogger(__name__)
@@ -21,13 +23,55 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _INDEX_FILE = "model.safetensors.index.json"
 
 
+def missing_model_message(model: str) -> str:
+    """Why `model` cannot be loaded: jaxvllm never downloads, so name the fix."""
+    from jaxvllm.dummy import DUMMY_MODELS, PREFIX
+
+    message = (
+        f"model directory {model!r} does not exist (jaxvllm loads local checkpoints only and never downloads; "
+        f"built-in random models: {', '.join(PREFIX + n for n in DUMMY_MODELS)})"
+    )
+    parts = model.split("/")
+    if len(parts) == 2 and all(parts) and not model.startswith((".", "~")):
+        message += (
+            f"; {model!r} looks like a Hugging Face Hub id: download it first "
+            f"(`huggingface-cli download {model} --local-dir DIR`) and pass DIR"
+        )
+    return message
+
+
+def resolve_model_dir(config: EngineConfig) -> tuple[EngineConfig, tempfile.TemporaryDirectory | None]:
+    """The engine's model as a folder: a path is checked to exist (FileNotFoundError);
+    `dummy:NAME` is written (config.json + tokenizer) into a temporary folder, returned
+    with it so that the caller keeps it alive, with load_format "dummy" and the dummy
+    model's engine defaults for the arguments left at EngineConfig's defaults."""
+    from jaxvllm.dummy import get_dummy, is_dummy, write_dummy_model
+
+    if not is_dummy(config.model):
+        if not Path(config.model).is_dir():
+            raise FileNotFoundError(missing_model_message(config.model))
+        return config, None
+    spec = get_dummy(config.model)  # ValueError naming the built-in ones
+    if config.load_format not in ("auto", "dummy"):
+        raise ValueError(f"{config.model} has no weights to load: it needs load_format 'dummy', got {config.load_format!r}")
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    overrides = {k: v for k, v in spec.engine_defaults.items() if getattr(config, k) == defaults[k]}
+    tmp = tempfile.TemporaryDirectory(prefix="jaxvllm-dummy-")
+    try:
+        folder = write_dummy_model(config.model, tmp.name)
+        return dataclasses.replace(config, model=str(folder), load_format="dummy", **overrides), tmp
+    except BaseException:
+        tmp.cleanup()
+        raise
+
+
 def load_config(model: str | Path) -> ModelConfig:
     """Read `config.json` with transformers' AutoConfig; never touches the network."""
     from transformers import AutoConfig
 
     path = Path(model)
     if not path.is_dir():
-        raise FileNotFoundError(f"model directory {str(path)!r} does not exist (jaxvllm loads local checkpoints only)")
+        raise FileNotFoundError(missing_model_message(str(path)))
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in {str(path)!r}")
     try:

@@ -172,13 +172,7 @@ class ModelRunner:
                 f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
                 f"({self.cfg.max_position_embeddings})"
             )
-        if c.max_num_seqs < 1 or c.block_size < 1:
-            raise ValueError("max_num_seqs and block_size must be >= 1")
-        if c.max_num_batched_tokens < c.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens ({c.max_num_batched_tokens}) must be >= max_num_seqs ({c.max_num_seqs}) "
-                "so that a full decode batch fits in one step"
-            )
+        # EngineConfig.__post_init__ checked each argument's type and range (and max_num_seqs <= tokens).
         self.buckets = sorted(set(c.token_buckets or default_buckets(c.max_num_batched_tokens)))
         if self.buckets[-1] < c.max_num_batched_tokens:
             raise ValueError(
@@ -446,6 +440,21 @@ class ModelRunner:
         if batch.prompt_rows:
             prompt_logprobs = self._prompt_logprobs(self.params, hidden, packed, layout=layout)
         return PendingStep(batch, sampled, logprobs, prompt_logprobs)
+
+    def recover(self) -> bool:
+        """After a failed step: no request keeps its row, and donated buffers that the step
+        consumed without handing back are made anew. Returns whether the KV cache was (its
+        contents are then gone)."""
+        self.release(list(self.input_batch.row_of))
+        gone = lambda tree: any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(tree))  # noqa: E731
+        if gone(self.sampler_state):
+            self.sampler_state = init_state(self.config.max_num_seqs, self.cfg.vocab_size)
+        if gone(self.last_sampled):
+            self.last_sampled = jnp.zeros(self.config.max_num_seqs, jnp.int32)
+        if gone(self.kv_caches):
+            self.kv_caches = allocate_kv_caches(self.cfg, self.num_blocks, self.block_size, self.dtype)
+            return True
+        return False
 
     def num_compiled_buckets(self) -> int:
         """Compiled forward shapes (token bucket x block-table width)."""

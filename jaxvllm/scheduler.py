@@ -248,6 +248,19 @@ class Scheduler:
         self.waiting.add(request)
         out.preempted.append(request)
 
+    def recompute_all(self) -> None:
+        """After a failed step: every running request goes back to the waiting queue to be
+        recomputed from its tokens on the host, and tokens still on the device are
+        forgotten (sampling depends only on (seed, position), so they come out the same)."""
+        for request in list(self.running):
+            self.running.remove(request)
+            self.kv.free(request)
+            request.status = RequestStatus.PREEMPTED
+            request.num_computed_tokens = 0
+            self.waiting.add(request)
+        for request in self.requests.values():
+            request.num_pending = 0
+
     def update_from_output(self, out: SchedulerOutput, sampled: list[int]) -> list[Request]:
         """Append each sampling request's token, finish those that stop; returns requests with new tokens.
 

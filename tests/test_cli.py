@@ -41,12 +41,13 @@ def test_generate_prints_completions(capsys):
 def test_generate_prompts_file_to_jsonl(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('"Hello, my name is"\n\n{"prompt": "Hello, my name is"}\n{"prompt_token_ids": [5, 6, 7]}\n')
-    out = tmp_path / "out" / "completions.jsonl"
+    out = tmp_path / "completions.jsonl"
     code = generate("--prompts-file", str(prompts), "--prompt", "Hi", "--output", str(out),
                     "--max-tokens", "5", "--temperature", "0", "--ignore-eos")
     assert code == 0
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["prompt"] for r in records] == ["Hi", "Hello, my name is", "Hello, my name is", None]
+    assert [r["index"] for r in records] == [0, 1, 2, 3]
     assert records[3]["prompt_token_ids"] == [5, 6, 7]
     for r in records:
         (completion,) = r["outputs"]
@@ -100,7 +101,7 @@ def test_bad_prompts_file_line(tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('"fine"\n[1, 2]\n')
     assert generate("--prompts-file", str(prompts)) == 2
-    assert "p.jsonl:2" in capsys.readouterr().err
+    assert "p.jsonl line 2: expected a string" in capsys.readouterr().err
 
 
 def test_readme_first_command_runs():
