@@ -144,7 +144,8 @@ def read_prompts(args: argparse.Namespace) -> tuple[list, list[str]]:
     labels = [f"--prompt {k}" for k in range(1, len(prompts) + 1)]
     if args.prompts_file is not None:
         try:
-            lines = args.prompts_file.read_text().splitlines()
+            # Lines end at "\n" only: str.splitlines would also cut at U+2028, U+0085, ... inside a string.
+            lines = args.prompts_file.read_text(encoding="utf-8").split("\n")
         except (OSError, UnicodeDecodeError) as e:
             raise UsageError(f"cannot read --prompts-file: {e}") from e
         for number, line in enumerate(lines, 1):
@@ -216,7 +217,7 @@ def read_finished(path: Path) -> tuple[dict[int, Any], int]:
     data = path.read_bytes()
     end = data.rfind(b"\n") + 1
     finished: dict[int, Any] = {}
-    for number, line in enumerate(data[:end].decode("utf-8", errors="replace").splitlines(), 1):
+    for number, line in enumerate(data[:end].decode("utf-8", errors="replace").split("\n"), 1):
         if not line.strip():
             continue
         try:
@@ -244,7 +245,7 @@ def check_finished(path: Path, finished: dict[int, Any], token_ids: list[list[in
 
 def sort_output(path: Path) -> None:
     """After --resume: the records in input order, each prompt once (rewritten only when needed)."""
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
     indexes = [json.loads(line)["index"] for line in lines]
     if indexes == list(range(len(indexes))):
         return

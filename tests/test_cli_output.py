@@ -30,17 +30,20 @@ def one_line_error(capsys) -> str:
 
 
 def read_jsonl(path):
-    text = path.read_text()
+    text = path.read_text(encoding="utf-8")
     assert text == "" or text.endswith("\n")
-    return [json.loads(line) for line in text.splitlines()]  # every line a whole JSON object
+    return [json.loads(line) for line in text.split("\n")[:-1]]  # every line a whole JSON object
 
 
 @pytest.fixture
 def prompts_file(tmp_path):
-    """Ten prompts (strings, {"prompt"}, {"prompt_token_ids"}), one blank line among them."""
+    """Ten prompts (strings, {"prompt"}, {"prompt_token_ids"}), one blank line among them;
+    prompt 3 holds U+2028 and U+0085 as they are (not escaped)."""
     lines = []
     for k in range(10):
-        if k % 3 == 0:
+        if k == 3:  # a line separator to str.splitlines, not to JSONL
+            lines.append(json.dumps(f"Prompt number {k}\u2028says\x85", ensure_ascii=False))
+        elif k % 3 == 0:
             lines.append(json.dumps(f"Prompt number {k} says"))
         elif k % 3 == 1:
             lines.append(json.dumps({"prompt": f"Hello {k}, my name is"}))
@@ -49,7 +52,7 @@ def prompts_file(tmp_path):
         if k == 4:
             lines.append("")
     path = tmp_path / "prompts.jsonl"
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
 
 
@@ -200,10 +203,10 @@ def test_resume_drops_a_cut_record_and_fills_gaps_in_order(tmp_path, prompts_fil
     out = tmp_path / "out.jsonl"
     assert generate("--prompts-file", str(prompts_file), "--output", str(out), *GREEDY) == 0
     expected = read_jsonl(out)
-    lines = out.read_text().splitlines(keepends=True)
+    lines = [line + "\n" for line in out.read_text(encoding="utf-8").split("\n")[:-1]]
     # Prompts 2 and 5 missing, 7 written twice, and the file ends in half a record (a killed run).
     damaged = [line for k, line in enumerate(lines[:9]) if k not in (2, 5)] + [lines[7], lines[9][:20]]
-    out.write_text("".join(damaged))
+    out.write_text("".join(damaged), encoding="utf-8")
     assert generate("--prompts-file", str(prompts_file), "--output", str(out), "--resume", *GREEDY) == 0
     assert read_jsonl(out) == expected
     assert "(7 were already there)" in capsys.readouterr().out
