@@ -145,6 +145,8 @@ class LLMEngine:
         *, add_special_tokens: bool = True,
     ) -> ParentRequest:
         """Validate everything about a request (its n completions) without queueing it."""
+        if self.runner.closed:
+            raise RuntimeError("this engine was shut down; create a new LLM")
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")

@@ -167,3 +167,12 @@ def test_allowed_tokens_that_are_all_stop_tokens_with_min_tokens_are_refused(cas
     out = llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(allowed_token_ids=[eos, 7], min_tokens=2,
                                                                    max_tokens=3, temperature=0), use_tqdm=False)
     assert out[0].outputs[0].token_ids[:2] == [7, 7]  # below min_tokens only the allowed non-stop token is left
+
+
+def test_stop_of_the_wrong_type_and_add_request_after_shutdown(tiny_checkpoint):
+    with pytest.raises(ValueError, match="stop must be a non-empty string or a list of them, got 5"):
+        SamplingParams(stop=5)
+    llm = LLM(tiny_checkpoint("qwen3"), **ENGINE)
+    llm.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.llm_engine.add_request("a", {"prompt_token_ids": [5]}, GREEDY)
