@@ -12,14 +12,16 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
 
 from jaxvllm.config import EngineConfig
-from jaxvllm.kv_cache_manager import KVCacheManager
 from jaxvllm.detokenizer import IncrementalDetokenizer
 from jaxvllm.interrupts import defer_interrupts
+from jaxvllm.kv_cache_manager import KVCacheManager
+from jaxvllm.loader import resolve_model_dir
 from jaxvllm.model_runner import ModelRunner, PendingStep, RunnerOutput
 from jaxvllm.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxvllm.request import Request, RequestStatus
@@ -54,11 +56,7 @@ class ParentRequest:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        from pathlib import Path
-
         from transformers import AutoTokenizer
-
-        from jaxvllm.loader import resolve_model_dir
 
         # A missing folder fails first; dummy:NAME becomes a temporary folder that lives as long as the engine.
         config, self._dummy_dir = resolve_model_dir(config)
