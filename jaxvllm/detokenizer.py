@@ -128,9 +128,11 @@ class IncrementalDetokenizer:
             self._text = committed + self._tail
         return self._text
 
-    def update(self, new_token_ids: Sequence[int]) -> str | None:
+    def update(self, new_token_ids: Sequence[int], check_stop: bool = True) -> str | None:
         """Append output tokens (usually one per step); return the stop string if one now
-        appears in the text (then `text` is cut there and later calls are not allowed)."""
+        appears in the text (then `text` is cut there and later calls are not allowed).
+        With `check_stop=False` (below min_tokens) the new text is not searched, and
+        later calls search only their own new text, as vLLM does."""
         if self._stopped:
             raise RuntimeError("a stop string was already found; the completion is over")
         added = 0
@@ -150,7 +152,7 @@ class IncrementalDetokenizer:
         # Where the text may have changed: everything before is as it was.
         changed_from = self._extend()
         self._text = None
-        if self._stop:
+        if self._stop and check_stop:
             return self._check_stop(changed_from)
         return None
 

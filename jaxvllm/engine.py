@@ -155,14 +155,14 @@ class LLMEngine:
         if self.tokenizer is None and params.stop_strings:
             raise ValueError("skip_tokenizer_init=True: stop strings need a tokenizer; use stop_token_ids")
         text, token_ids, cache_salt = self.tokenize_prompt(prompt, add_special_tokens)
-        max_tokens = params.max_tokens
-        if max_tokens is None:
-            max_tokens = self.runner.max_model_len - len(token_ids)
-            if max_tokens < 1:
-                raise ValueError(
-                    f"prompt ({len(token_ids)} tokens) leaves no room to generate within max_model_len "
-                    f"({self.runner.max_model_len})"
-                )
+        room = self.runner.max_model_len - len(token_ids)
+        if room < 1:
+            raise ValueError(
+                f"prompt ({len(token_ids)} tokens) leaves no room to generate within max_model_len "
+                f"({self.runner.max_model_len})"
+            )
+        # As vLLM: generation stops at max_model_len (finish reason "length"), whatever max_tokens asks.
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         self.scheduler.check_fits(len(token_ids), max_tokens)
         request_id = str(request_id)
         children = []
@@ -278,7 +278,7 @@ class LLMEngine:
             self._record_logprobs(out.scheduled, result, set(map(id, updated)))
         finished = []
         for request in updated:
-            if request.params.stop_strings:
+            if request.has_stop_strings:
                 self._detokenize(request)
             if request.status is RequestStatus.FINISHED:
                 finished.append(request.request_id)
@@ -309,7 +309,8 @@ class LLMEngine:
         if request.detokenizer is None or not new:
             return
         request.num_detokenized += len(new)
-        stop = request.detokenizer.update(new)
+        # vLLM looks for stop strings only once more than min_tokens tokens exist.
+        stop = request.detokenizer.update(new, check_stop=request.num_output_tokens > request.params.min_tokens)
         if stop is None:
             return
         if not request.is_finished:
@@ -326,7 +327,7 @@ class LLMEngine:
                 token = request.token_ids[-1]
                 request.logprobs.append(self._logprob_dict(
                     token, lp.token_logprob[i], lp.token_rank[i], lp.top_ids[i], lp.top_logprobs[i],
-                    request.params.logprobs,
+                    request.params.logprobs, request.params.detokenize,
                 ))
                 request.cumulative_logprob += float(lp.token_logprob[i])
         if result.prompt_logprobs is not None:
@@ -335,12 +336,13 @@ class LLMEngine:
                 request = scheduled[i].request
                 request.prompt_logprobs[pos] = self._logprob_dict(
                     request.prompt_token_ids[pos], lp.token_logprob[row], lp.token_rank[row], lp.top_ids[row],
-                    lp.top_logprobs[row], request.params.prompt_logprobs,
+                    lp.top_logprobs[row], request.params.prompt_logprobs, request.params.detokenize,
                 )
 
-    def _logprob_dict(self, token, logprob, rank, top_ids, top_logprobs, k) -> dict[int, Logprob]:
-        """vLLM's format: the chosen token first, then the top k (rank order)."""
-        decode = self._token_text
+    def _logprob_dict(self, token, logprob, rank, top_ids, top_logprobs, k, detokenize: bool) -> dict[int, Logprob]:
+        """vLLM's format: the chosen token first, then the top k (rank order); each token's
+        text only when the request detokenizes (else None, as vLLM)."""
+        decode = self._token_text if detokenize and self.tokenizer is not None else lambda _: None
         entry = {int(token): Logprob(float(logprob), int(rank), decode(int(token)))}
         for j in range(k):
             t = int(top_ids[j])

@@ -47,6 +47,7 @@ class Request:
         self.priority = priority
         self.max_tokens = max_tokens
         self.eos_token_ids = () if params.ignore_eos else eos_token_ids
+        self.has_stop_strings = bool(params.stop_strings)
         self._stop_ids = frozenset(self.eos_token_ids) | frozenset(params.stop_token_ids)
         self.arrival_index = arrival_index  # FCFS order and priority tie-break
         self.seed = seed  # the engine derives it from params.seed (+ completion index) or its own seed

@@ -6,7 +6,7 @@ import enum
 import math
 import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # Like vLLM's default `max_logprobs`: the top-k logprobs arrays have this fixed width on device.
 MAX_LOGPROBS = 20
@@ -54,7 +54,6 @@ class SamplingParams:
     skip_special_tokens: bool = True
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         # Numbers may be Python or numpy scalars (not bools); they are stored as Python int/float.
@@ -86,7 +85,6 @@ class SamplingParams:
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         if stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True")
-        self.stop_strings = stop
         self.stop_token_ids = _token_ids("stop_token_ids", [] if self.stop_token_ids is None else self.stop_token_ids)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = _token_ids("allowed_token_ids", self.allowed_token_ids)
@@ -98,6 +96,12 @@ class SamplingParams:
             keys = _token_ids("logit_bias keys", list(self.logit_bias))
             biases = [_check_number("logit_bias values", v, low=-100.0, high=100.0) for v in self.logit_bias.values()]
             self.logit_bias = dict(zip(keys, biases))
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """`stop` as a list. The engine reads it (like every field) when a request is added,
+        so an assignment after construction counts, as in vLLM."""
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     @property
     def greedy(self) -> bool:

@@ -127,8 +127,8 @@ def test_generate_refuses_while_requests_added_by_hand(llm):
 @pytest.mark.parametrize(
     "prompts, params, error, match",
     [
-        ("x" * 400, GREEDY, ValueError, "exceeds max_model_len"),
-        ({"prompt_token_ids": list(range(3, 127))}, GREEDY, ValueError, r"\(124 tokens\) \+ max_tokens \(5\) = 129 exceeds max_model_len \(128\)"),
+        ("x" * 400, GREEDY, ValueError, "leaves no room to generate within max_model_len"),
+        ({"prompt_token_ids": list(range(3, 131))}, GREEDY, ValueError, r"prompt \(128 tokens\) leaves no room"),
         ("", GREEDY, ValueError, "prompt is empty"),
         ({"prompt_token_ids": []}, GREEDY, ValueError, "prompt_token_ids is empty"),
         ({"prompt_token_ids": [5, 10_000]}, GREEDY, ValueError, r"10000 is not an int in \[0, 512\)"),

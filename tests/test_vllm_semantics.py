@@ -1,0 +1,70 @@
+"""vLLM's semantics at the edges (the bugs listed first in the API-parity issue)."""
+
+import pytest
+
+from jaxvllm import LLM, SamplingParams
+
+ENGINE = dict(max_model_len=64, max_num_seqs=8, max_num_batched_tokens=64, token_buckets=[64])
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint("qwen3"), **ENGINE)
+    yield llm
+    llm.shutdown()
+
+
+def greedy(llm, prompt="Hello", **kwargs):
+    params = SamplingParams(**{"temperature": 0, "max_tokens": 12, "ignore_eos": True, **kwargs})
+    return llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+
+
+def test_stop_strings_wait_for_min_tokens(llm):
+    """vLLM looks for stop strings only once more than min_tokens tokens exist, and then only
+    in the text that is new."""
+    ref = greedy(llm)
+    tokenizer = llm.get_tokenizer()
+    stop = tokenizer.decode(ref.token_ids[:2])[-1]  # the last character of the first two tokens' text
+    early = greedy(llm, stop=[stop])
+    assert early.finish_reason == "stop" and len(early.token_ids) <= 2
+    late = greedy(llm, stop=[stop], min_tokens=5)
+    assert len(late.token_ids) >= 6 and late.token_ids == ref.token_ids[: len(late.token_ids)]
+    if late.finish_reason == "stop":  # only an occurrence in text that came after min_tokens counts
+        full = tokenizer.decode(ref.token_ids[: len(late.token_ids)])
+        assert full.find(stop, len(tokenizer.decode(ref.token_ids[:5])) - len(stop) + 1) != -1
+
+
+def test_max_tokens_past_the_context_is_capped(llm):
+    prompt = {"prompt_token_ids": list(range(10, 60))}  # 50 of 64 positions
+    out = greedy(llm, prompt, max_tokens=100)
+    assert len(out.token_ids) == 64 - 50 and out.finish_reason == "length"
+    with pytest.raises(ValueError, match="leaves no room to generate within max_model_len"):
+        greedy(llm, {"prompt_token_ids": list(range(10, 74))})  # the prompt alone fills the context
+
+
+def test_detokenize_false_leaves_decoded_token_none(llm):
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]},
+                       SamplingParams(temperature=0, max_tokens=3, logprobs=2, prompt_logprobs=1, detokenize=False),
+                       use_tqdm=False)[0]
+    assert out.outputs[0].text == ""
+    assert all(lp.decoded_token is None for step in out.outputs[0].logprobs for lp in step.values())
+    assert all(lp.decoded_token is None for step in out.prompt_logprobs[1:] for lp in step.values())
+    text = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=3, logprobs=2),
+                        use_tqdm=False)[0]
+    assert all(lp.decoded_token is not None for step in text.outputs[0].logprobs for lp in step.values())
+
+
+def test_fields_assigned_after_construction_count(llm):
+    ref = greedy(llm)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    stop_id = ref.token_ids[2]
+    params.stop_token_ids = [stop_id]
+    out = llm.generate("Hello", params, use_tqdm=False)[0].outputs[0]
+    first = ref.token_ids.index(stop_id)
+    assert out.token_ids == ref.token_ids[: first + 1] and out.stop_reason == stop_id
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    params.max_tokens = 3
+    assert llm.generate("Hello", params, use_tqdm=False)[0].outputs[0].token_ids == ref.token_ids[:3]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    params.stop = [llm.get_tokenizer().decode(ref.token_ids[:4])[-1]]
+    assert llm.generate("Hello", params, use_tqdm=False)[0].outputs[0].finish_reason == "stop"
