@@ -3,6 +3,7 @@
 from jaxvllm.batch import ModelInputs
 from jaxvllm.config import SUPPORTED_ARCHITECTURES, EngineConfig, ModelConfig
 from jaxvllm.engine import LLMEngine
+from jaxvllm.inputs import TextPrompt, TokensPrompt
 from jaxvllm.llm import LLM
 from jaxvllm.loader import load_model
 from jaxvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -21,6 +22,8 @@ __all__ = [
     "RequestOutputKind",
     "SUPPORTED_ARCHITECTURES",
     "SamplingParams",
+    "TextPrompt",
+    "TokensPrompt",
     "load_model",
     "__version__",
 ]

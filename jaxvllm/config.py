@@ -191,6 +191,21 @@ class EngineConfig:
     token_buckets: list[int] | None = field(default=None)
     # vLLM's flag: no tokenizer; prompts are token ids only, outputs carry no text.
     skip_tokenizer_init: bool = False
+    # "auto": the fast (Rust) tokenizer when the folder has one; "slow": the Python one.
+    tokenizer_mode: str = "auto"
+    # Skip the warm-up: each shape compiles the first time a step needs it.
+    enforce_eager: bool = False
+    # One device for now (the multi-device issue brings more).
+    tensor_parallel_size: int = 1
+    # vLLM's names that mean nothing here, accepted so that vLLM scripts run unchanged:
+    # no stats are logged periodically; only built-in architectures run, never remote code;
+    # preemption recomputes instead of swapping to CPU; local folders have no revisions;
+    # XLA compiles one executable per shape bucket (`token_buckets` is the knob).
+    disable_log_stats: bool = False
+    trust_remote_code: bool = False
+    swap_space: float = 4.0
+    revision: str | None = None
+    compilation_config: Any = None
 
     def __post_init__(self) -> None:
         """Check every argument's type and range here, so that `LLM(...)` and the command
@@ -213,7 +228,17 @@ class EngineConfig:
         u = self.gpu_memory_utilization
         if isinstance(u, bool) or not isinstance(u, (int, float, np.floating, np.integer)) or not 0 < u <= 1:
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {u!r}")
-        for name in ("enable_chunked_prefill", "enable_prefix_caching", "async_scheduling", "skip_tokenizer_init"):
+        self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
+        if self.tokenizer_mode not in ("auto", "slow"):
+            raise ValueError(f"tokenizer_mode must be 'auto' or 'slow', got {self.tokenizer_mode!r}")
+        if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive int, got {self.tensor_parallel_size!r}")
+        if self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size}: jaxvllm runs on one device for now"
+            )
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "async_scheduling", "skip_tokenizer_init",
+                     "enforce_eager", "disable_log_stats", "trust_remote_code"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.dtype not in ("auto", *DTYPES):
@@ -245,6 +270,10 @@ class EngineConfig:
                     f"the largest token bucket ({max(self.token_buckets)}) is below max_num_batched_tokens "
                     f"({self.max_num_batched_tokens})"
                 )
+
+
+# vLLM's dtype names for ours.
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 
 def _is_int(value: Any) -> bool:

@@ -68,7 +68,9 @@ class LLMEngine:
             raise FileNotFoundError(f"tokenizer directory {tokenizer_path!r} does not exist")
         else:
             try:
-                self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
+                self.tokenizer = AutoTokenizer.from_pretrained(
+                    tokenizer_path, local_files_only=True, use_fast=config.tokenizer_mode != "slow"
+                )
             except (OSError, ValueError) as e:
                 raise ValueError(
                     f"cannot load a tokenizer from {tokenizer_path!r} (pass tokenizer=PATH to use another folder, "

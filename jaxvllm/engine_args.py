@@ -31,13 +31,14 @@ _BOOL_FLAGS: dict[str, str] = {
     "enable-chunked-prefill": "cut long prompts into chunks that share steps with decoding requests",
     "enable-prefix-caching": "reuse the KV cache blocks of prompt prefixes seen before",
     "async-scheduling": "schedule and dispatch each step before reading the last one's tokens",
+    "enforce-eager": "skip the warm-up: each shape compiles the first time a step needs it",
 }
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine arguments (LLM(...) keyword arguments)")
     for flag, (kind, help_text) in _VALUE_FLAGS.items():
-        extra: dict[str, Any] = {"choices": ["auto", *DTYPES]} if flag == "dtype" else {}
+        extra: dict[str, Any] = {"choices": ["auto", *DTYPES, "half", "float"]} if flag == "dtype" else {}
         group.add_argument(f"--{flag}", type=kind, default=None, help=help_text, **extra)
     for flag, help_text in _BOOL_FLAGS.items():
         group.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=None, help=help_text)

@@ -72,17 +72,20 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
-        priority: Sequence[int] | None = None,
+        priority: int | Sequence[int] | None = None,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in input order.
 
-        prompts: a str, {"prompt": str}, {"prompt_token_ids": [int]} (either dict may carry
-        a "cache_salt"), or a list of those. sampling_params: one for all prompts or one
-        per prompt. priority: one int per prompt (lower runs first); giving it selects
+        prompts: a str, a `TextPrompt` {"prompt": str}, a `TokensPrompt` {"prompt_token_ids":
+        [int]} (either dict may carry a "cache_salt"), or a list of those. sampling_params:
+        one for all prompts or one per prompt. priority: one int for all prompts or one per
+        prompt (lower runs first); giving it selects
         the priority scheduling policy. Every prompt is validated before any is queued,
         so a bad one leaves the engine as it was.
         """
         self._check_open()
+        _check_no_lora(lora_request)
         prompts = [prompts] if isinstance(prompts, (str, dict)) else prompts
         if not isinstance(prompts, (list, tuple)):
             raise TypeError(f"prompts must be a str, a dict or a list of them, got {type(prompts).__name__}")
@@ -95,11 +98,20 @@ class LLM:
         *,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict] | None = None,
         use_tqdm: bool = True,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or a
-        list of them, rendered with the tokenizer's chat template (or `chat_template`)."""
+        list of them, rendered with the tokenizer's chat template (or `chat_template`).
+        `continue_final_message`, `chat_template_kwargs` and `tools` go to the template, as
+        in vLLM (transformers' `apply_chat_template`)."""
         self._check_open()
+        _check_no_lora(lora_request)
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message=True needs add_generation_prompt=False")
         if not isinstance(messages, (list, tuple)) or not messages:
             raise TypeError("messages must be a non-empty list of message dicts, or a list of such lists")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
@@ -108,7 +120,8 @@ class LLM:
             raise ValueError("the tokenizer has no chat template; pass chat_template=")
         prompts = [
             tokenizer.apply_chat_template(
-                list(conv), chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=False
+                list(conv), chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=False,
+                continue_final_message=continue_final_message, tools=tools, **(chat_template_kwargs or {}),
             )
             for conv in conversations
         ]
@@ -116,10 +129,11 @@ class LLM:
         return self._run(prompts, sampling_params, None, use_tqdm, add_special_tokens=False)
 
     @staticmethod
-    def _per_prompt(value, n: int, name: str, default, one_for_all: bool = True) -> list:
+    def _per_prompt(value, n: int, name: str, default) -> list:
+        """One value for all prompts, or a list with one per prompt."""
         if value is None:
             return [default] * n
-        if one_for_all and not isinstance(value, (list, tuple)):
+        if not isinstance(value, (list, tuple)):
             return [value] * n
         if not isinstance(value, (list, tuple)) or len(value) != n:
             raise ValueError(f"{name} must have one entry per prompt ({n})")
@@ -130,7 +144,7 @@ class LLM:
         if engine.scheduler.has_unfinished_requests():  # (a step left in flight for finished ones is harmless)
             raise RuntimeError("the engine has unfinished requests added by hand; finish or abort them first")
         params = self._per_prompt(sampling_params, len(prompts), "sampling_params", SamplingParams())
-        priorities = self._per_prompt(priority, len(prompts), "priority", 0, one_for_all=False)
+        priorities = self._per_prompt(priority, len(prompts), "priority", 0)
         requests = []
         for i, (p, sp, pr) in enumerate(zip(prompts, params, priorities)):
             rid = str(self._request_counter + i)
@@ -173,3 +187,8 @@ class LLM:
         """Forget all cached prefix blocks (their memory stays with the KV pool)."""
         self._check_open()
         return self.llm_engine.reset_prefix_cache()
+
+
+def _check_no_lora(lora_request: Any) -> None:
+    if lora_request is not None:
+        raise ValueError("LoRA is not supported by jaxvllm (lora_request must be None)")

@@ -193,7 +193,7 @@ class ModelRunner:
         self.num_blocks = self._num_kv_blocks()
         self.kv_caches = allocate_kv_caches(self.cfg, self.num_blocks, c.block_size, self.dtype)
         self._log_kv_cache()
-        self.warmup_seconds = self.warmup()
+        self.warmup_seconds = 0.0 if c.enforce_eager else self.warmup()
 
     @staticmethod
     def _resolve_backend(backend: str) -> str:

@@ -68,3 +68,43 @@ def test_fields_assigned_after_construction_count(llm):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     params.stop = [llm.get_tokenizer().decode(ref.token_ids[:4])[-1]]
     assert llm.generate("Hello", params, use_tqdm=False)[0].outputs[0].finish_reason == "stop"
+
+
+def test_vllm_engine_arguments_are_accepted(tiny_checkpoint):
+    path = tiny_checkpoint("qwen3")
+    llm = LLM(path, **ENGINE, dtype="float", enforce_eager=True, disable_log_stats=True, trust_remote_code=True,
+              swap_space=0, revision="main", compilation_config={"level": 3}, tokenizer_mode="auto",
+              tensor_parallel_size=1)
+    assert llm.llm_engine.config.dtype == "float32"
+    assert llm.stats()["warmup_seconds"] == 0 and llm.stats()["num_compiled_buckets"] == 0  # enforce_eager: lazy
+    out = llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3 and llm.stats()["num_compiled_buckets"] == 1
+    llm.shutdown()
+    with pytest.raises(ValueError, match="tensor_parallel_size=2: jaxvllm runs on one device"):
+        LLM(path, **ENGINE, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tokenizer_mode must be 'auto' or 'slow'"):
+        LLM(path, **ENGINE, tokenizer_mode="mistral")
+
+
+def test_prompt_types_priority_lora_and_chat_kwargs(llm):
+    from jaxvllm import TextPrompt, TokensPrompt
+    from jaxvllm.inputs import TokensPrompt as Same
+
+    assert Same is TokensPrompt
+    params = SamplingParams(temperature=0, max_tokens=3)
+    a, b = llm.generate([TokensPrompt(prompt_token_ids=[5, 6]), TextPrompt(prompt="Hello")], params, priority=1,
+                        use_tqdm=False, lora_request=None)
+    assert a.prompt_token_ids == [5, 6] and b.prompt == "Hello"
+    with pytest.raises(ValueError, match="LoRA is not supported"):
+        llm.generate("Hello", params, lora_request=object(), use_tqdm=False)
+    template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }};{% endfor %}"
+                "{% if add_generation_prompt %}assistant:{% endif %}{{ suffix | default('') }}")
+    user = [{"role": "user", "content": "Hi"}]
+    [out] = llm.chat(user, params, chat_template=template, chat_template_kwargs={"suffix": "!"}, use_tqdm=False)
+    assert out.prompt == "user: Hi;assistant:!"
+    conversation = user + [{"role": "assistant", "content": "Well"}]
+    [out] = llm.chat(conversation, params, chat_template=template, add_generation_prompt=False,
+                     continue_final_message=True, use_tqdm=False)
+    assert out.prompt == "user: Hi;assistant: Well"  # the reply goes on from the last message
+    with pytest.raises(ValueError, match="continue_final_message=True needs add_generation_prompt=False"):
+        llm.chat(conversation, params, chat_template=template, continue_final_message=True, use_tqdm=False)
