@@ -3,6 +3,7 @@
 from jaxvllm.batch import ModelInputs
 from jaxvllm.config import SUPPORTED_ARCHITECTURES, EngineConfig, ModelConfig
 from jaxvllm.engine import LLMEngine
+from jaxvllm.engine_args import EngineArgs
 from jaxvllm.inputs import TextPrompt, TokensPrompt
 from jaxvllm.llm import LLM
 from jaxvllm.loader import load_model
@@ -13,6 +14,7 @@ __version__ = "0.1.0"
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "EngineArgs",
     "EngineConfig",
     "LLMEngine",
     "ModelConfig",

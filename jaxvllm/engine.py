@@ -226,6 +226,15 @@ class LLMEngine:
             self._in_flight = None  # its tokens are for aborted requests only: never read
         return outputs
 
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineConfig) -> "LLMEngine":
+        """vLLM's constructor from `EngineArgs` (an `EngineConfig`)."""
+        return cls(engine_args)
+
+    def get_num_unfinished_requests(self) -> int:
+        """Requests added and not yet finished (a request with n > 1 counts once)."""
+        return len(self._parents)
+
     def has_unfinished_requests(self) -> bool:
         """Requests to finish, or a dispatched step still to read."""
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None

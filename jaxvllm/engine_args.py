@@ -8,6 +8,7 @@ may bring CPU-sized defaults of its own, under the user's flags.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
 from jaxvllm.config import EngineConfig
@@ -61,3 +62,20 @@ def engine_kwargs(args: argparse.Namespace, source: ModelSource, **defaults: Any
     except TypeError as e:  # a flag this engine's EngineConfig does not know
         raise ValueError(f"engine arguments {sorted(kwargs)}: {e}") from e
     return kwargs
+
+
+class EngineArgs(EngineConfig):
+    """vLLM's `EngineArgs`: the engine arguments, with the command-line helpers that vLLM's
+    examples build their scripts with (`add_cli_args`, `from_cli_args`), and
+    `LLMEngine.from_engine_args(...)` to make an engine of them."""
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        parser.add_argument("--model", default=None, help="checkpoint folder, or a built-in dummy:NAME")
+        add_engine_args(parser)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names and v is not None})

@@ -37,6 +37,21 @@ class LLM:
         self.llm_engine = LLMEngine(EngineConfig(model=str(model), **kwargs))
         self._request_counter = 0
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the sampling settings the checkpoint's generation_config.json recommends
+        (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), over
+        `SamplingParams()`'s defaults; `SamplingParams()` when it has none."""
+        from transformers import GenerationConfig
+
+        try:
+            config = GenerationConfig.from_pretrained(self.llm_engine.config.model, local_files_only=True)
+        except OSError:
+            return SamplingParams()
+        given = config.to_diff_dict()
+        names = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                 "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+        return SamplingParams(**{ours: given[hf] for hf, ours in names.items() if given.get(hf) is not None})
+
     def get_tokenizer(self):
         """The HF tokenizer; ValueError under skip_tokenizer_init=True (as vLLM), so chat() refuses too."""
         if self.llm_engine.tokenizer is None:

@@ -108,3 +108,40 @@ def test_prompt_types_priority_lora_and_chat_kwargs(llm):
     assert out.prompt == "user: Hi;assistant: Well"  # the reply goes on from the last message
     with pytest.raises(ValueError, match="continue_final_message=True needs add_generation_prompt=False"):
         llm.chat(conversation, params, chat_template=template, continue_final_message=True, use_tqdm=False)
+
+
+def test_engine_args_from_the_command_line_and_engine_helpers(tiny_checkpoint):
+    """vLLM's `EngineArgs` example: flags -> EngineArgs -> LLMEngine, stepped by hand."""
+    import argparse
+
+    from jaxvllm import EngineArgs, LLMEngine
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--model", str(tiny_checkpoint("qwen3")), "--max-model-len", "64", "--max-num-seqs", "8",
+                              "--max-num-batched-tokens", "64", "--enforce-eager"])
+    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
+    assert engine.config.max_model_len == 64 and engine.config.enforce_eager
+    engine.add_request("0", "Hello", SamplingParams(temperature=0, max_tokens=3))
+    engine.add_request("1", {"prompt_token_ids": [5, 6]}, SamplingParams(n=2, max_tokens=2))
+    assert engine.get_num_unfinished_requests() == 2
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o.request_id for o in engine.step() if o.finished]
+    assert sorted(finished) == ["0", "1"] and engine.get_num_unfinished_requests() == 0
+    engine.shutdown()
+
+
+def test_default_sampling_params_come_from_generation_config(tiny_checkpoint, tmp_path):
+    import json
+    import shutil
+
+    path = tmp_path / "with-generation-config"
+    shutil.copytree(tiny_checkpoint("qwen3"), path)
+    (path / "generation_config.json").unlink(missing_ok=True)
+    llm = LLM(path, **ENGINE, enforce_eager=True)
+    assert llm.get_default_sampling_params() == SamplingParams()
+    (path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.9, "top_k": 20,
+                                                             "max_new_tokens": 7, "do_sample": True}))
+    params = llm.get_default_sampling_params()
+    assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (0.6, 0.9, 20, 7)
+    llm.shutdown()
