@@ -18,16 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import tempfile
-import threading
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import jaxvllm
 from jaxvllm.engine_args import add_engine_args, engine_kwargs
+from jaxvllm.interrupts import defer_interrupts
 
 # flag -> (type, help) of SamplingParams fields, by vLLM's names. Only the flags a user
 # sets reach SamplingParams, so this list may run ahead of what SamplingParams supports:
@@ -262,23 +260,6 @@ def sort_output(path: Path) -> None:
         raise
 
 
-@contextmanager
-def _hold_sigint():
-    """A Ctrl-C during the block (writing a chunk's records) is raised when the block ends,
-    so that the file never ends in half a record. Only the main thread gets signals."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    received: list = []
-    previous = signal.signal(signal.SIGINT, lambda *a: received.append(a))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if received:
-            raise KeyboardInterrupt
-
-
 def output_record(out) -> dict[str, Any]:
     return {
         "prompt": out.prompt,
@@ -345,7 +326,7 @@ def run_generate(args: argparse.Namespace) -> int:
                 except (TypeError, ValueError) as e:  # checked above, so not expected
                     raise UsageError(f"bad prompt: {e}") from e
                 records = [{"index": i, **output_record(out)} for i, out in zip(batch, outputs)]
-                with _hold_sigint():
+                with defer_interrupts():
                     if sink is not None:
                         sink.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
                         sink.flush()

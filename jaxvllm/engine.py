@@ -364,7 +364,7 @@ class LLMEngine:
     def _token_text(self, token_id: int) -> str:
         """A token's text alone, cached: logprobs name up to 21 tokens per row per step."""
         text = self._token_texts.get(token_id)
-        if text is None and self.tokenizer is not None:  # (no tokenizer: decoded_token None)
+        if text is None:
             text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
         return text
 

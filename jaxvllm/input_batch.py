@@ -209,8 +209,8 @@ class InputBatch:
             self._free_rows.append(row)
 
     def set_blocks(self, row: int, block_ids: list[int]) -> None:
-        """Bring a row's block table up to date (blocks are only ever appended while it runs)."""
+        """Copy the blocks a row's request got since the last call (blocks are only ever
+        appended while it runs; the runner calls this when the count changed)."""
         known = self.num_blocks[row]
-        if len(block_ids) != known:
-            self.block_table[row, known : len(block_ids)] = block_ids[known:]
-            self.num_blocks[row] = len(block_ids)
+        self.block_table[row, known : len(block_ids)] = block_ids[known:]
+        self.num_blocks[row] = len(block_ids)

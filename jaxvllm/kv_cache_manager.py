@@ -171,8 +171,6 @@ class KVCacheManager:
         the same schedule); `cache_blocks` registers them once that is settled.
         """
         blocks = self.req_blocks.setdefault(request.request_id, [])
-        if not computed_blocks and request.num_computed_tokens + num_new_tokens <= len(blocks) * self.block_size:
-            return []  # the common decode step: its token fits in the last block
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         total = num_computed + num_new_tokens
         need = self.blocks_needed(total) - len(blocks) - len(computed_blocks)

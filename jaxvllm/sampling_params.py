@@ -80,7 +80,7 @@ class SamplingParams:
                 setattr(self, name, _check_int(name, value, low=0, high=MAX_LOGPROBS))
         if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        stop = self.stop_strings
         if not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         if stop and not self.detokenize:

@@ -239,25 +239,25 @@ class Scheduler:
         return self.running[-1]
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self._requeue(request)
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(request)
+
+    def _requeue(self, request: Request) -> None:
+        """A running request gives back its blocks and waits to be recomputed."""
         self.running.remove(request)
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.add(request)
-        out.preempted.append(request)
 
     def recompute_all(self) -> None:
         """After a failed step: every running request goes back to the waiting queue to be
         recomputed from its tokens on the host, and tokens still on the device are
         forgotten (sampling depends only on (seed, position), so they come out the same)."""
         for request in list(self.running):
-            self.running.remove(request)
-            self.kv.free(request)
-            request.status = RequestStatus.PREEMPTED
-            request.num_computed_tokens = 0
-            self.waiting.add(request)
+            self._requeue(request)
         for request in self.requests.values():
             request.num_pending = 0
 
