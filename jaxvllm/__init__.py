@@ -1,6 +1,7 @@
 """jaxvllm: a vLLM-style LLM inference engine on JAX/XLA with Pallas kernels."""
 
 from jaxvllm.batch import ModelInputs
+from jaxvllm.beam_search import BeamSearchOutput, BeamSearchSequence
 from jaxvllm.config import SUPPORTED_ARCHITECTURES, EngineConfig, ModelConfig
 from jaxvllm.engine import LLMEngine
 from jaxvllm.engine_args import EngineArgs
@@ -8,11 +9,14 @@ from jaxvllm.inputs import TextPrompt, TokensPrompt
 from jaxvllm.llm import LLM
 from jaxvllm.loader import load_model
 from jaxvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from jaxvllm.sampling_params import RequestOutputKind, SamplingParams
+from jaxvllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
 __all__ = [
     "LLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
     "CompletionOutput",
     "EngineArgs",
     "EngineConfig",

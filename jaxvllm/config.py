@@ -197,6 +197,15 @@ class EngineConfig:
     enforce_eager: bool = False
     # One device for now (the multi-device issue brings more).
     tensor_parallel_size: int = 1
+    # The most logprobs a request may ask for (-1: the whole vocabulary), as vLLM's.
+    max_logprobs: int = 20
+    # What Logprob.logprob holds: vLLM's "raw_logprobs" (of the model's logits),
+    # "raw_logits", "processed_logprobs" or "processed_logits" (of the logits the sampler
+    # drew from: after bias, bad words, penalties, temperature, min_p/top-k/top-p).
+    logprobs_mode: str = "raw_logprobs"
+    # Where generate(prompts) with no sampling params takes its defaults from: "auto" (the
+    # model's generation_config.json), "vllm" (SamplingParams()'s) or another folder.
+    generation_config: str = "auto"
     # vLLM's names that mean nothing here, accepted so that vLLM scripts run unchanged:
     # no stats are logged periodically; only built-in architectures run, never remote code;
     # preemption recomputes instead of swapping to CPU; local folders have no revisions;
@@ -212,6 +221,7 @@ class EngineConfig:
         line refuse bad values (naming the argument and the value) before loading anything."""
         from jaxvllm.layers import ATTENTION_BACKENDS
         from jaxvllm.loader import DTYPES, LOAD_FORMATS
+        from jaxvllm.sampler import LOGPROBS_MODES
         from jaxvllm.scheduler import POLICIES
 
         if not isinstance(self.model, str) or not self.model:
@@ -233,6 +243,12 @@ class EngineConfig:
             raise ValueError(f"tokenizer_mode must be 'auto' or 'slow', got {self.tokenizer_mode!r}")
         if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive int, got {self.tensor_parallel_size!r}")
+        if not _is_int(self.max_logprobs) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an int >= -1 (-1: the whole vocabulary), got {self.max_logprobs!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
         if self.tensor_parallel_size > 1:
             raise ValueError(
                 f"tensor_parallel_size={self.tensor_parallel_size}: jaxvllm runs on one device for now"

@@ -71,6 +71,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
+        spaces_between_special_tokens: bool = True,
     ) -> None:
         stop = (stop,) if isinstance(stop, str) else tuple(stop or ())  # vLLM also takes one string
         for s in stop:
@@ -78,6 +79,8 @@ class IncrementalDetokenizer:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        # transformers' decode option (slow tokenizers honour it; fast ones never add the spaces).
+        self._spaces = spaces_between_special_tokens
         self._stop = stop
         self._max_stop_len = max((len(s) for s in stop), default=0)
         self._include_stop = include_stop_str_in_output
@@ -161,7 +164,9 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         if self._backend_decode is not None:
             return self._backend_decode(ids, skip_special_tokens=self._skip_special_tokens)
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+        return self._tokenizer.decode(
+            ids, skip_special_tokens=self._skip_special_tokens, spaces_between_special_tokens=self._spaces
+        )
 
     def _slow_id_to_token(self, tid: int) -> str | None:
         try:

@@ -32,7 +32,14 @@ _CORPUS = [
 ]
 
 
-def make_tokenizer(path: str | Path, vocab_size: int = 384):
+# A ChatML-style template over the tokenizer's own specials, so that `llm.chat` runs on dummy models.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+
+
+def make_tokenizer(path: str | Path, vocab_size: int = 384, chat_template: str | None = None):
     """Train a byte-level BPE on a built-in corpus and save it as a HF fast tokenizer.
 
     Special tokens: <pad> = 0, <s> = 1, </s> = 2 (the tiny configs use these ids).
@@ -52,6 +59,7 @@ def make_tokenizer(path: str | Path, vocab_size: int = 384):
     )
     tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = chat_template
     fast.save_pretrained(str(path))
     return fast
 
@@ -146,7 +154,7 @@ def write_dummy_model(model: str, folder: str | Path) -> Path:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     spec.make_config().save_pretrained(str(folder))
-    make_tokenizer(folder)
+    make_tokenizer(folder, chat_template=CHAT_TEMPLATE)
     return folder
 
 

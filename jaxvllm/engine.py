@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+import jax
 import numpy as np
 
 from jaxvllm.config import EngineConfig
@@ -22,9 +25,11 @@ from jaxvllm.detokenizer import IncrementalDetokenizer
 from jaxvllm.interrupts import defer_interrupts
 from jaxvllm.kv_cache_manager import KVCacheManager
 from jaxvllm.loader import resolve_model_dir
+from jaxvllm.metrics import Metric, MetricsCollector
 from jaxvllm.model_runner import ModelRunner, PendingStep, RunnerOutput
 from jaxvllm.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxvllm.request import Request, RequestStatus
+from jaxvllm.sampler import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS
 from jaxvllm.sampling_params import RequestOutputKind, SamplingParams
 from jaxvllm.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
@@ -54,10 +59,20 @@ class ParentRequest:
         return all(c.is_finished for c in self.children)
 
 
+# Where compiled steps are cached between runs, unless the user set jax_compilation_cache_dir.
+DEFAULT_COMPILATION_CACHE = os.path.join("~", ".cache", "jaxvllm", "jax")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         from transformers import AutoTokenizer
 
+        if jax.config.jax_compilation_cache_dir is None:  # the user's own setting wins
+            jax.config.update("jax_compilation_cache_dir", os.path.expanduser(DEFAULT_COMPILATION_CACHE))
+            # Small models compile in under JAX's default 1 s threshold; cache them too.
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+        model_name = config.model  # the metrics' model_name: vLLM's served_model_name defaults to the model argument
         # A missing folder fails first; dummy:NAME becomes a temporary folder that lives as long as the engine.
         config, self._dummy_dir = resolve_model_dir(config)
         self.config = config
@@ -95,6 +110,7 @@ class LLMEngine:
             ),
             self.kv_cache_manager,
         )
+        self.metrics = MetricsCollector(model_name, self.runner.max_model_len)  # for get_metrics()
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None  # async: the step not yet read
         self._arrivals = itertools.count()
         self._parents: dict[str, ParentRequest] = {}
@@ -120,12 +136,12 @@ class LLMEngine:
         if not isinstance(prompt, str):
             raise TypeError(f"a prompt must be a str or a dict, got {type(prompt).__name__}")
         if not prompt:
-            raise ValueError("the prompt is empty")
+            raise ValueError("The decoder prompt cannot be empty")  # vLLM's words, here and below
         if self.tokenizer is None:
             raise ValueError("skip_tokenizer_init=True: pass prompt_token_ids, not text")
         token_ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
         if not token_ids:
-            raise ValueError(f"the prompt {prompt!r} encodes to no tokens")
+            raise ValueError(f"The decoder prompt cannot be empty (the text {prompt!r} encodes to no tokens)")
         return prompt, token_ids, None
 
     def _check_token_ids(self, token_ids: Any) -> list[int]:
@@ -133,12 +149,48 @@ class LLMEngine:
             raise TypeError(f"prompt_token_ids must be a list of ints, got {type(token_ids).__name__}")
         token_ids = list(token_ids)
         if not token_ids:
-            raise ValueError("prompt_token_ids is empty")
+            raise ValueError("The decoder prompt cannot be empty (prompt_token_ids is [])")
         vocab = self.model_config.vocab_size
         for t in token_ids:
-            if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise ValueError(f"prompt token id {t!r} is not an int in [0, {vocab})")
+            if not isinstance(t, (int, np.integer)) or isinstance(t, bool):
+                raise ValueError(f"prompt token ids must be ints, got {t!r}")
+            if not 0 <= t < vocab:
+                raise ValueError(f"Token id {t} is out of vocabulary (the model's ids are 0 to {vocab - 1})")
         return [int(t) for t in token_ids]
+
+    def check_prompt_length(self, num_tokens: int) -> None:
+        """A prompt must leave room for one generated token (vLLM's words, its server's)."""
+        max_model_len = self.runner.max_model_len
+        if num_tokens >= max_model_len:
+            raise ValueError(
+                f"You passed {num_tokens} input tokens and requested 1 output tokens. However, the model's "
+                f"context length is only {max_model_len} tokens, resulting in a maximum input length of "
+                f"{max_model_len - 1} tokens. Please reduce the length of the input prompt."
+            )
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """vLLM's tokenization of bad words: each word alone and after a space (when the
+        space makes a different first token of the same length), without special tokens."""
+        if self.tokenizer is None:
+            raise ValueError("skip_tokenizer_init=True: bad_words need a tokenizer")
+        sequences: list[list[int]] = []
+        for word in words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            if not plain:
+                raise ValueError("bad_words entries must tokenize to at least one token.")
+            sequences.append(plain)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                sequences.append(spaced)
+        if len(sequences) > MAX_BAD_WORDS:
+            raise ValueError(f"Too many bad words after tokenization: {len(sequences)}. The max number is {MAX_BAD_WORDS}.")
+        longest = max(sequences, key=len)
+        if len(longest) > MAX_BAD_WORD_TOKENS:
+            raise ValueError(
+                f"bad word {self.tokenizer.decode(longest)!r} is {len(longest)} tokens; at most "
+                f"{MAX_BAD_WORD_TOKENS} are supported"
+            )
+        return sequences
 
     def make_requests(
         self, request_id: str, prompt: Any, params: SamplingParams | None, priority: int = 0,
@@ -152,17 +204,25 @@ class LLMEngine:
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
-        params.check_vocab(self.model_config.vocab_size)
+        vocab, max_model_len = self.model_config.vocab_size, self.runner.max_model_len
+        params.check_supported(self.config.max_logprobs, vocab)
+        params.check_vocab(vocab)
         params.check_satisfiable(self.eos_token_ids)
         if self.tokenizer is None and params.stop_strings:
             raise ValueError("skip_tokenizer_init=True: stop strings need a tokenizer; use stop_token_ids")
+        bad_words = self.bad_words_token_ids(params.bad_words) if params.bad_words else []
         text, token_ids, cache_salt = self.tokenize_prompt(prompt, add_special_tokens)
-        room = self.runner.max_model_len - len(token_ids)
-        if room < 1:
-            raise ValueError(
-                f"prompt ({len(token_ids)} tokens) leaves no room to generate within max_model_len "
-                f"({self.runner.max_model_len})"
-            )
+        keep = params.truncate_prompt_tokens
+        if keep is not None:  # vLLM truncates on the left: the last tokens stay
+            keep = max_model_len - 1 if keep == -1 else keep
+            if keep > max_model_len:
+                raise ValueError(
+                    f"truncate_prompt_tokens value ({keep}) is greater than max_model_len ({max_model_len}). "
+                    "Please, select a smaller truncation size."
+                )
+            token_ids = token_ids[-keep:]
+        self.check_prompt_length(len(token_ids))
+        room = max_model_len - len(token_ids)
         # As vLLM: generation stops at max_model_len (finish reason "length"), whatever max_tokens asks.
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         self.scheduler.check_fits(len(token_ids), max_tokens)
@@ -176,11 +236,13 @@ class LLMEngine:
             child = Request(
                 child_id, token_ids, params, prompt=text, priority=priority, max_tokens=max_tokens,
                 eos_token_ids=self.eos_token_ids, arrival_index=arrival, seed=seed, cache_salt=cache_salt,
+                vocab_size=vocab, bad_words_token_ids=bad_words,
             )
             if params.detokenize and self.tokenizer is not None:  # (no tokenizer: empty text)
                 child.detokenizer = IncrementalDetokenizer(
                     self.tokenizer, skip_special_tokens=params.skip_special_tokens, stop=params.stop_strings,
                     include_stop_str_in_output=params.include_stop_str_in_output,
+                    spaces_between_special_tokens=params.spaces_between_special_tokens,
                 )
             children.append(child)
         return ParentRequest(request_id, children, params.output_kind)
@@ -220,6 +282,8 @@ class LLMEngine:
             for child in parent.children:
                 if not child.is_finished:
                     self.scheduler.finish(child, "abort")
+                    self.metrics.record_finished(child)
+            self.metrics.record_parent_finished(parent.children)
             self.runner.release(c.request_id for c in parent.children)
             outputs.append(self._output(parent))
         if not self.scheduler.has_unfinished_requests():
@@ -280,11 +344,14 @@ class LLMEngine:
         self.kv_cache_manager.rollback()
         self.scheduler.recompute_all()
         if self.runner.recover():
+            self.metrics.track_prefix_cache(self.kv_cache_manager.stats)  # (the reset starts new stats)
             self.kv_cache_manager.reset_prefix_cache()
 
     def _process(self, out: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
         """Append a step's tokens and apply the stop checks; the outputs to return."""
+        now = time.time()  # when the host has this step's tokens (the scheduler stamps first tokens too)
         updated = self.scheduler.update_from_output(out, result.sampled)
+        self.metrics.record_step(updated, now)
         if result.logprobs is not None or result.prompt_logprobs is not None:
             self._record_logprobs(out.scheduled, result, set(map(id, updated)))
         finished = []
@@ -293,6 +360,7 @@ class LLMEngine:
                 self._detokenize(request)
             if request.status is RequestStatus.FINISHED:
                 finished.append(request.request_id)
+                self.metrics.record_finished(request)  # its finish reason is final: stop strings were checked
         self.runner.release(finished)
 
         outputs, seen, final_only = [], set(), RequestOutputKind.FINAL_ONLY
@@ -305,6 +373,7 @@ class LLMEngine:
             seen.add(parent.request_id)
             if parent.finished:
                 del self._parents[parent.request_id]
+                self.metrics.record_parent_finished(parent.children)
                 outputs.append(self._output(parent))
             elif parent.output_kind is not final_only:
                 outputs.append(self._output(parent))
@@ -338,7 +407,7 @@ class LLMEngine:
                 token = request.token_ids[-1]
                 request.logprobs.append(self._logprob_dict(
                     token, lp.token_logprob[i], lp.token_rank[i], lp.top_ids[i], lp.top_logprobs[i],
-                    request.params.logprobs, request.params.detokenize,
+                    request.num_logprobs, request.params.detokenize,
                 ))
                 request.cumulative_logprob += float(lp.token_logprob[i])
         if result.prompt_logprobs is not None:
@@ -347,7 +416,7 @@ class LLMEngine:
                 request = scheduled[i].request
                 request.prompt_logprobs[pos] = self._logprob_dict(
                     request.prompt_token_ids[pos], lp.token_logprob[row], lp.token_rank[row], lp.top_ids[row],
-                    lp.top_logprobs[row], request.params.prompt_logprobs, request.params.detokenize,
+                    lp.top_logprobs[row], request.num_prompt_logprobs, request.params.detokenize,
                 )
 
     def _logprob_dict(self, token, logprob, rank, top_ids, top_logprobs, k, detokenize: bool) -> dict[int, Logprob]:
@@ -355,14 +424,14 @@ class LLMEngine:
         text only when the request detokenizes (else None, as vLLM)."""
         decode = self._token_text if detokenize and self.tokenizer is not None else lambda _: None
         entry = {int(token): Logprob(float(logprob), int(rank), decode(int(token)))}
-        for j in range(k):
+        for j in range(min(k, len(top_ids))):
             t = int(top_ids[j])
             if t not in entry:
                 entry[t] = Logprob(float(top_logprobs[j]), j + 1, decode(t))
         return entry
 
     def _token_text(self, token_id: int) -> str:
-        """A token's text alone, cached: logprobs name up to 21 tokens per row per step."""
+        """A token's text alone, cached: logprobs name up to max_logprobs + 1 tokens per row per step."""
         text = self._token_texts.get(token_id)
         if text is None:
             text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
@@ -425,7 +494,20 @@ class LLMEngine:
             "prefix_cache_hit_rate": self.kv_cache_manager.stats.hit_rate,
         }
 
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's `LLMEngine.get_metrics()`: every metric now, with vLLM's names and labels
+        (see jaxvllm/metrics.py); gauges are the scheduler's state at this moment."""
+        kv = self.kv_cache_manager
+        return self.metrics.snapshot(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=1 - kv.num_free_blocks / kv.pool.num_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache=kv.stats,
+        )
+
     def reset_prefix_cache(self) -> bool:
+        self.metrics.track_prefix_cache(self.kv_cache_manager.stats)  # (the reset starts new stats)
         self.kv_cache_manager.reset_prefix_cache()
         return True
 

@@ -27,6 +27,9 @@ _VALUE_FLAGS: dict[str, tuple[type, str]] = {
     "attention-backend": (str, "'auto', 'reference' or 'pallas' (where available)"),
     "tokenizer": (str, "tokenizer folder (default: the model's)"),
     "load-format": (str, "'auto', 'safetensors' or 'dummy' (random weights)"),
+    "max-logprobs": (int, "most logprobs a request may ask for (-1: the whole vocabulary)"),
+    "logprobs-mode": (str, "raw_logprobs, raw_logits, processed_logprobs or processed_logits"),
+    "generation-config": (str, "default sampling params from: 'auto' (the model's), 'vllm' or a folder"),
 }
 _BOOL_FLAGS: dict[str, str] = {
     "enable-chunked-prefill": "cut long prompts into chunks that share steps with decoding requests",
@@ -71,8 +74,13 @@ class EngineArgs(EngineConfig):
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """The engine flags, defaulting (as vLLM's) to the engine's defaults, so that a script
+        may pass every parsed flag on: `LLM(**vars(parser.parse_args()))`."""
         parser.add_argument("--model", default=None, help="checkpoint folder, or a built-in dummy:NAME")
         add_engine_args(parser)
+        names = {flag.replace("-", "_") for flag in (*_VALUE_FLAGS, *_BOOL_FLAGS)}
+        parser.set_defaults(**{f.name: f.default for f in dataclasses.fields(EngineConfig)
+                               if f.name in names and f.default is not dataclasses.MISSING})
         return parser
 
     @classmethod

@@ -179,6 +179,8 @@ class InputBatch:
         self.num_prompt_tokens = np.zeros(max_num_seqs, np.int32)
         self.use_state = np.zeros(max_num_seqs, bool)
         self.want_logprobs = np.zeros(max_num_seqs, bool)
+        self.num_logprobs = np.zeros(max_num_seqs, np.int32)  # top logprobs per sampled token
+        self.has_bad_words = np.zeros(max_num_seqs, bool)
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
 
@@ -199,7 +201,9 @@ class InputBatch:
         self.min_tokens[row] = p.min_tokens
         self.num_prompt_tokens[row] = request.num_prompt_tokens
         self.use_state[row] = request.uses_sampler_state
-        self.want_logprobs[row] = p.logprobs is not None
+        self.want_logprobs[row] = request.num_logprobs is not None
+        self.num_logprobs[row] = request.num_logprobs or 0
+        self.has_bad_words[row] = bool(request.bad_words_token_ids)
         self.num_blocks[row] = 0
         return row
 

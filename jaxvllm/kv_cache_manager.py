@@ -149,7 +149,7 @@ class KVCacheManager:
 
         At least the last token is left out, so that the step computes logits to sample from.
         """
-        if not self.enable_prefix_caching or not request.use_prefix_cache:
+        if not self.enable_prefix_caching or not request.read_prefix_cache:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits = []
@@ -194,8 +194,6 @@ class KVCacheManager:
         registered, bs = self._num_registered, self.block_size
         for s in scheduled:
             request = s.request
-            if not request.use_prefix_cache:
-                continue
             num_full = min(s.start + s.num_new_tokens, len(request.token_ids)) // bs
             start = registered.get(request.request_id, 0)
             if num_full <= start:

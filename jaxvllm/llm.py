@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, Sequence
 
-import jax
 from tqdm.auto import tqdm
 
 from jaxvllm.config import EngineConfig
 from jaxvllm.engine import LLMEngine
 from jaxvllm.outputs import RequestOutput
 from jaxvllm.sampling_params import RequestOutputKind, SamplingParams
-
-DEFAULT_COMPILATION_CACHE = os.path.join("~", ".cache", "jaxvllm", "jax")
-
 
 class LLM:
     """An engine over a local checkpoint folder, e.g. `LLM("weights/tiny-qwen3")`.
@@ -30,27 +25,36 @@ class LLM:
     """
 
     def __init__(self, model: str, **kwargs: Any) -> None:
-        if jax.config.jax_compilation_cache_dir is None:  # the user's own setting wins
-            jax.config.update("jax_compilation_cache_dir", os.path.expanduser(DEFAULT_COMPILATION_CACHE))
-            # Small models compile in under JAX's default 1 s threshold; cache them too.
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         self.llm_engine = LLMEngine(EngineConfig(model=str(model), **kwargs))
         self._request_counter = 0
+        self._default_sampling: dict[str, Any] | None = None
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: the sampling settings the checkpoint's generation_config.json recommends
         (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), over
-        `SamplingParams()`'s defaults; `SamplingParams()` when it has none."""
+        `SamplingParams()`'s defaults; `SamplingParams()` when it has none, or when the
+        engine's `generation_config` is "vllm". `generate` and `chat` use these when given
+        no sampling params, as vLLM's do."""
+        if self._default_sampling is None:
+            self._default_sampling = self._read_generation_config()
+        return SamplingParams(**self._default_sampling)
+
+    def _read_generation_config(self) -> dict[str, Any]:
         from transformers import GenerationConfig
 
+        source = self.llm_engine.config.generation_config
+        if source == "vllm":
+            return {}
         try:
-            config = GenerationConfig.from_pretrained(self.llm_engine.config.model, local_files_only=True)
+            config = GenerationConfig.from_pretrained(
+                self.llm_engine.config.model if source == "auto" else source, local_files_only=True
+            )
         except OSError:
-            return SamplingParams()
+            return {}
         given = config.to_diff_dict()
         names = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                  "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
-        return SamplingParams(**{ours: given[hf] for hf, ours in names.items() if given.get(hf) is not None})
+        return {ours: given[hf] for hf, ours in names.items() if given.get(hf) is not None}
 
     def get_tokenizer(self):
         """The HF tokenizer; ValueError under skip_tokenizer_init=True (as vLLM), so chat() refuses too."""
@@ -158,7 +162,9 @@ class LLM:
         engine = self.llm_engine
         if engine.scheduler.has_unfinished_requests():  # (a step left in flight for finished ones is harmless)
             raise RuntimeError("the engine has unfinished requests added by hand; finish or abort them first")
-        params = self._per_prompt(sampling_params, len(prompts), "sampling_params", SamplingParams())
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        params = self._per_prompt(sampling_params, len(prompts), "sampling_params", None)
         priorities = self._per_prompt(priority, len(prompts), "priority", 0)
         requests = []
         for i, (p, sp, pr) in enumerate(zip(prompts, params, priorities)):
@@ -166,7 +172,9 @@ class LLM:
             try:
                 requests.append(engine.make_requests(rid, p, sp, pr, add_special_tokens=add_special_tokens))
             except (ValueError, TypeError) as e:
-                raise type(e)(f"prompt {i}: {e}") from e
+                # The message stays vLLM's (scripts match on it); the traceback names the prompt.
+                e.add_note(f"(prompt {i} of {len(prompts)})")
+                raise
         self._request_counter += len(requests)
         engine.scheduler.set_policy("priority" if priority is not None else engine.config.scheduling_policy)
 
@@ -194,6 +202,25 @@ class LLM:
                 bar.close()
         return [finished[r.request_id] for r in requests]
 
+    def beam_search(
+        self,
+        prompts: Any,
+        params: Any,
+        lora_request: Any = None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[Any]:
+        """vLLM's beam search with `params` (a `BeamSearchParams`): a `BeamSearchOutput` per
+        prompt (a str, a `TextPrompt`, a `TokensPrompt` or a list of them) holding its
+        `params.beam_width` best sequences, best first, prompt tokens included.
+        Each step is one `generate` call over every live beam (see jaxvllm/beam_search.py).
+        concurrency_limit: search at most this many prompts at once (None: all)."""
+        from jaxvllm.beam_search import beam_search
+
+        self._check_open()
+        _check_no_lora(lora_request)
+        return beam_search(self, prompts, params, use_tqdm=use_tqdm, concurrency_limit=concurrency_limit)
+
     def stats(self) -> dict:
         self._check_open()
         return self.llm_engine.stats()
@@ -202,6 +229,14 @@ class LLM:
         """Forget all cached prefix blocks (their memory stays with the KV pool)."""
         self._check_open()
         return self.llm_engine.reset_prefix_cache()
+
+    def get_metrics(self) -> list:
+        """vLLM's: a snapshot of the engine's metrics since it was created, a list of
+        `jaxvllm.metrics` `Counter`, `Gauge` and `Histogram` (vLLM's reader classes) with
+        vLLM's names ("vllm:prompt_tokens", "vllm:time_to_first_token_seconds", ...) and
+        labels (model_name, engine="0"). Counters never go back (reset_prefix_cache
+        included); gauges are the state now. Also readable after shutdown()."""
+        return self.llm_engine.get_metrics()
 
 
 def _check_no_lora(lora_request: Any) -> None:

@@ -29,6 +29,8 @@ from jaxvllm.models import MODELS
 from jaxvllm.request import Request, ScheduledRequest
 from jaxvllm.sampler import (
     COMMON_FEATURES,
+    MAX_BAD_WORD_TOKENS,
+    MAX_BAD_WORDS,
     Logprobs,
     SamplerFeatures,
     SamplerState,
@@ -38,6 +40,7 @@ from jaxvllm.sampler import (
     sample,
     write_state_row,
 )
+from jaxvllm.sampling_params import DEFAULT_MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +86,7 @@ class HostBatch:
     num_scheduled: int
     prompt_rows: list[int]  # token rows whose prompt logprobs are read back
     prompt_positions: list[tuple[int, int]]  # (scheduled index, prompt position scored), per prompt row
+    prompt_width: int = 0  # top logprobs per prompt row
 
 
 @dataclass
@@ -116,18 +120,20 @@ def _forward(params, kv_caches, packed, last_sampled, *, cfg: ModelConfig, backe
     return logits, hidden, packed[: layout.sampling_size], kv_caches
 
 
-def _sample(sampling_rows, logits, last_sampled, state, *, num_rows: int, features: SamplerFeatures):
+def _sample(sampling_rows, logits, last_sampled, state, *, num_rows: int, features: SamplerFeatures,
+            logprobs_mode: str):
     """Sample every row (`sampling_rows`: the packed batch's sampling prefix); record each
     sampling row's token at its persistent row of `last_sampled`, where the next step's
     decode inputs are read from."""
     t = BatchLayout.rows_only(num_rows).sampling(sampling_rows)
-    sampled, logprobs, state = sample(logits, t, state, features)
+    sampled, logprobs, state = sample(logits, t, state, features, logprobs_mode)
     rows = jnp.where(t.counts_sample, t.slot, last_sampled.shape[0])  # other rows: dropped
     return sampled, logprobs, last_sampled.at[rows].set(sampled, mode="drop"), state
 
 
-def _prompt_logprobs(params, hidden, packed, *, cfg: ModelConfig, layout: BatchLayout) -> Logprobs:
-    """Logprobs of each row's next prompt token (-1 = none), chunked over rows."""
+def _prompt_logprobs(params, hidden, packed, *, cfg: ModelConfig, layout: BatchLayout, width: int) -> Logprobs:
+    """Logprobs of each row's next prompt token (-1 = none), with the top `width`, chunked
+    over rows. (Always logprobs of the model's logits, whatever the logprobs mode, as vLLM.)"""
     model = MODELS[cfg.architecture]
     targets = layout.prompt_targets(packed)
     rows = hidden.shape[0]
@@ -135,7 +141,7 @@ def _prompt_logprobs(params, hidden, packed, *, cfg: ModelConfig, layout: BatchL
     padded = -(-rows // chunk) * chunk
     hidden = jnp.pad(hidden, ((0, padded - rows), (0, 0))).reshape(padded // chunk, chunk, -1)
     ids = jnp.pad(jnp.maximum(targets, 0), (0, padded - rows)).reshape(padded // chunk, chunk)
-    out = jax.lax.map(lambda xs: compute_logprobs(model.compute_logits(params, xs[0], cfg), xs[1]), (hidden, ids))
+    out = jax.lax.map(lambda xs: compute_logprobs(model.compute_logits(params, xs[0], cfg), xs[1], width), (hidden, ids))
     return jax.tree.map(lambda x: x.reshape(padded, *x.shape[2:])[:rows], out)
 
 
@@ -150,15 +156,16 @@ def jit_forward(cfg: ModelConfig, backend: str):
     return jax.jit(partial(_forward, cfg=cfg, backend=backend), static_argnames="layout", donate_argnums=(1,))
 
 
-def jit_sampler():
+def jit_sampler(logprobs_mode: str = "raw_logprobs"):
     """The sampler as the runner compiles it, per (row count, features): the last sampled
     tokens and the sampler state donated."""
     # partial: a function of its own, so that each runner counts only its own variants
-    return jax.jit(partial(_sample), static_argnames=("num_rows", "features"), donate_argnums=(2, 3))
+    return jax.jit(partial(_sample, logprobs_mode=logprobs_mode), static_argnames=("num_rows", "features"),
+                   donate_argnums=(2, 3))
 
 
 def jit_prompt_logprobs(cfg: ModelConfig):
-    return jax.jit(partial(_prompt_logprobs, cfg=cfg), static_argnames="layout")
+    return jax.jit(partial(_prompt_logprobs, cfg=cfg), static_argnames=("layout", "width"))
 
 
 class ModelRunner:
@@ -184,7 +191,7 @@ class ModelRunner:
         self.widths = block_table_widths(self.max_blocks_per_seq)
         self.input_batch = InputBatch(c.max_num_seqs, self.max_blocks_per_seq)
         self._forward = jit_forward(self.cfg, self.backend)
-        self._sampler = jit_sampler()
+        self._sampler = jit_sampler(c.logprobs_mode)
         self._prompt_logprobs = jit_prompt_logprobs(self.cfg)
         self._write_row = jax.jit(write_state_row, donate_argnums=(0,))
         self.sampler_state: SamplerState = init_state(c.max_num_seqs, self.cfg.vocab_size)
@@ -260,8 +267,7 @@ class ModelRunner:
             bucket = next(b for b in self.buckets if self.rows_for(b) == rows)
             for features in COMMON_FEATURES:
                 self.launch(self.padding_batch(bucket, self.widths[0], features))
-        zeros = np.zeros(self.cfg.vocab_size)
-        self.sampler_state = self._write_row(self.sampler_state, 0, zeros, zeros > 0, zeros.astype(np.int32), zeros > 0)
+        self.sampler_state = self._write_row(self.sampler_state, 0, jax.tree.map(lambda x: x[0], self.sampler_state))
         jax.block_until_ready((self.kv_caches, self.last_sampled, self.sampler_state))
         seconds = time.perf_counter() - start
         logger.info("warm-up: compiled %d token buckets %s x %d block-table widths %s and %d sampler variants "
@@ -350,8 +356,8 @@ class ModelRunner:
             ids[:] = flat
 
         features = self._fill_sampling_rows(v, rows, starts + lens, samples)
-        prompt_rows, prompt_positions = self._fill_prompt_targets(v, scheduled)
-        return HostBatch(layout, packed, features, n, prompt_rows, prompt_positions)
+        prompt_rows, prompt_positions, prompt_width = self._fill_prompt_targets(v, scheduled)
+        return HostBatch(layout, packed, features, n, prompt_rows, prompt_positions, prompt_width)
 
     def _fill_sampling_rows(self, v: dict[str, np.ndarray], rows: np.ndarray, ends: np.ndarray,
                             samples: np.ndarray) -> SamplerFeatures | None:
@@ -368,23 +374,36 @@ class ModelRunner:
         v["suppress_stop"][:n] = output_index < ib.min_tokens[rows]
         v["counts_sample"][:n] = samples
         v["want_logprobs"][:n] = samples & ib.want_logprobs[rows]
-        return SamplerFeatures.of(layout_tensors(v, n), samples) if samples.any() else None
+        if not samples.any():
+            return None
+        wanted = samples & ib.want_logprobs[rows]
+        width = self.logprobs_width(int(ib.num_logprobs[rows][wanted].max())) if wanted.any() else 0
+        return SamplerFeatures.of(layout_tensors(v, n), samples, bad_words=ib.has_bad_words[rows], logprobs_width=width)
 
-    @staticmethod
-    def _fill_prompt_targets(v: dict[str, np.ndarray], scheduled: list[ScheduledRequest]):
-        """Rows whose prompt logprobs are asked for: (token rows, (scheduled index, prompt position))."""
-        prompt_rows, prompt_positions = [], []
+    def logprobs_width(self, k: int) -> int:
+        """Top logprobs computed in a step whose rows ask for up to k: vLLM's default
+        max_logprobs (20) unless more is asked, then the engine's max_logprobs; at most the
+        vocabulary. Two widths at most, so two sampler variants."""
+        vocab, limit = self.cfg.vocab_size, self.config.max_logprobs
+        width = DEFAULT_MAX_LOGPROBS if k <= DEFAULT_MAX_LOGPROBS else (vocab if limit == -1 else limit)
+        return max(1, min(width, vocab))
+
+    def _fill_prompt_targets(self, v: dict[str, np.ndarray], scheduled: list[ScheduledRequest]):
+        """Rows whose prompt logprobs are asked for: (token rows, (scheduled index, prompt
+        position), the top-logprobs width they need)."""
+        prompt_rows, prompt_positions, width = [], [], 0
         qsl = v["query_start_loc"]
         for i, s in enumerate(scheduled):
-            if s.request.params.prompt_logprobs is None:
+            if s.request.num_prompt_logprobs is None:
                 continue
+            width = max(width, s.request.num_prompt_logprobs)
             # The row of position p scores prompt token p + 1 (the first prompt token has none).
             for pos in range(s.start, min(s.start + s.num_new_tokens, s.request.num_prompt_tokens - 1)):
                 row = int(qsl[i]) + pos - s.start
                 v["prompt_targets"][row] = s.request.prompt_token_ids[pos + 1]
                 prompt_rows.append(row)
                 prompt_positions.append((i, pos + 1))
-        return prompt_rows, prompt_positions
+        return prompt_rows, prompt_positions, self.logprobs_width(width) if prompt_rows else 0
 
     # -- persistent rows -------------------------------------------------------------------
 
@@ -394,6 +413,7 @@ class ModelRunner:
         if not request.uses_sampler_state:
             return row
         params, vocab = request.params, self.cfg.vocab_size
+        outputs = request.output_token_ids
         bias = np.zeros(vocab, np.float32)
         if params.allowed_token_ids is not None:
             bias[:] = -np.inf
@@ -402,10 +422,17 @@ class ModelRunner:
             bias[token] += value
         prompt_mask = np.zeros(vocab, bool)
         prompt_mask[request.prompt_token_ids] = True
-        counts = np.bincount(np.asarray(request.output_token_ids, np.int64), minlength=vocab).astype(np.int32)
+        counts = np.bincount(np.asarray(outputs, np.int64), minlength=vocab).astype(np.int32)
         stop_mask = np.zeros(vocab, bool)
         stop_mask[list(request.eos_token_ids) + params.stop_token_ids] = True
-        self.sampler_state = self._write_row(self.sampler_state, row, bias, prompt_mask, counts, stop_mask)
+        bad_words = np.full((MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS), -1, np.int32)
+        for i, word in enumerate(request.bad_words_token_ids):
+            bad_words[i, MAX_BAD_WORD_TOKENS - len(word):] = word
+        recent = np.full(MAX_BAD_WORD_TOKENS - 1, -1, np.int32)
+        tail = outputs[len(outputs) - min(len(outputs), MAX_BAD_WORD_TOKENS - 1):]
+        recent[len(recent) - len(tail):] = tail
+        state_row = SamplerState(bias, prompt_mask, counts, stop_mask, bad_words, recent)
+        self.sampler_state = self._write_row(self.sampler_state, row, state_row)
         return row
 
     def release(self, request_ids) -> None:
@@ -438,7 +465,8 @@ class ModelRunner:
             if batch.features.state:
                 self.sampler_state = state
         if batch.prompt_rows:
-            prompt_logprobs = self._prompt_logprobs(self.params, hidden, packed, layout=layout)
+            prompt_logprobs = self._prompt_logprobs(self.params, hidden, packed, layout=layout,
+                                                    width=batch.prompt_width)
         return PendingStep(batch, sampled, logprobs, prompt_logprobs)
 
     def recover(self) -> bool:

@@ -37,6 +37,8 @@ class Request:
         arrival_index: int = 0,
         seed: int = 0,
         cache_salt: str | None = None,
+        vocab_size: int = 0,
+        bad_words_token_ids: list[list[int]] = (),
     ) -> None:
         self.request_id = request_id
         self.parent_id = request_id  # the user's request id (differs for n > 1)
@@ -56,8 +58,12 @@ class Request:
         self.num_pending = 0
         self.num_cached_tokens: int | None = None  # prefix-cache hit on first admission
         self.cache_salt = cache_salt  # requests with different salts never share cached blocks
-        # Prompt logprobs need every prompt token computed, so such requests skip the cache (as vLLM).
-        self.use_prefix_cache = params.prompt_logprobs is None
+        # Off for prompt logprobs by default: they need every prompt token computed (as vLLM).
+        self.read_prefix_cache = params.reads_prefix_cache
+        # Top logprobs per token, -1 (the whole vocabulary) resolved; None: not asked for.
+        self.num_logprobs = params.num_logprobs(vocab_size)
+        self.num_prompt_logprobs = params.num_prompt_logprobs(vocab_size)
+        self.bad_words_token_ids = [list(w) for w in bad_words_token_ids]
         self.block_hashes: list[bytes] = []  # of full blocks, filled by the KV cache manager
         # What the device sampler needs of the params, gathered once.
         self.sampling_floats = (
@@ -66,6 +72,7 @@ class Request:
         )
         self.uses_sampler_state = bool(
             params.uses_penalties or params.logit_bias or params.allowed_token_ids is not None or params.min_tokens
+            or self.bad_words_token_ids
         )
         # Outputs beyond token ids, filled by the engine.
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None

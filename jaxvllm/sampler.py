@@ -25,7 +25,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxvllm.sampling_params import MAX_LOGPROBS
+from jaxvllm.sampling_params import DEFAULT_MAX_LOGPROBS
+
+# vLLM's logprobs modes: of the model's logits, or of those the sampler drew from (after
+# bias, bad words, penalties, temperature, min_p / top-k / top-p); logprobs or logits.
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
+# Bad words, per request, after tokenization (each word with and without a leading space):
+# at most this many sequences of at most this many tokens (the device keeps them per row).
+MAX_BAD_WORDS = 32
+MAX_BAD_WORD_TOKENS = 8
 
 
 @jax.tree_util.register_dataclass
@@ -57,12 +66,16 @@ class SamplerFeatures:
     min_p: bool = False
     top_k: bool = False
     top_p: bool = False
-    state: bool = False  # logit bias / allowed ids / min_tokens / penalties
-    logprobs: bool = False
+    state: bool = False  # logit bias / allowed ids / min_tokens / penalties / bad words
+    bad_words: bool = False  # some row bans bad words (needs state)
+    logprobs: int = 0  # width of the top-logprobs arrays; 0: no logprobs
 
     @classmethod
-    def of(cls, t: SamplingTensors, rows: np.ndarray) -> "SamplerFeatures":
-        """The features of host (numpy) tensors, over the rows that sample (`rows`, a bool mask)."""
+    def of(cls, t: SamplingTensors, rows: np.ndarray, *, bad_words: np.ndarray | None = None,
+           logprobs_width: int = DEFAULT_MAX_LOGPROBS) -> "SamplerFeatures":
+        """The features of host (numpy) tensors, over the rows that sample (`rows`, a bool
+        mask); `bad_words`: which rows ban words; `logprobs_width`: top logprobs to compute
+        when a row wants logprobs."""
         random = rows & (t.temperature > 0) & (t.top_k != 1)
         any_random = bool(random.any())
         return cls(
@@ -71,12 +84,13 @@ class SamplerFeatures:
             top_k=any_random and bool((random & (t.top_k > 0)).any()),
             top_p=any_random and bool((random & (t.top_p < 1)).any()),
             state=bool((rows & t.use_state).any()),
-            logprobs=bool((rows & t.want_logprobs).any()),
+            bad_words=bad_words is not None and bool((rows & bad_words).any()),
+            logprobs=logprobs_width if (rows & t.want_logprobs).any() else 0,
         )
 
     @property
     def name(self) -> str:
-        on = [f for f in ("random", "min_p", "top_k", "top_p", "state", "logprobs") if getattr(self, f)]
+        on = [f for f in ("random", "min_p", "top_k", "top_p", "state", "bad_words", "logprobs") if getattr(self, f)]
         return "+".join(on) or "greedy"
 
 
@@ -97,34 +111,48 @@ class SamplerState:
     prompt_mask: jax.Array  # bool: token occurs in the prompt (repetition penalty)
     output_counts: jax.Array  # int32: times generated so far (all penalties)
     stop_mask: jax.Array  # bool: EOS and stop ids, masked while below min_tokens
+    # [rows, MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS] int32: token sequences right-aligned, -1 before
+    # them (a row of -1: no word).
+    bad_words: jax.Array
+    # [rows, MAX_BAD_WORD_TOKENS - 1] int32: the last output tokens (-1 where there are fewer).
+    recent: jax.Array
 
 
 @jax.tree_util.register_dataclass
 @dataclass
 class Logprobs:
-    """Logprobs (of the raw logits) of chosen tokens, plus the top MAX_LOGPROBS alternatives."""
+    """Logprobs of chosen tokens (or logits, as the engine's logprobs mode says), plus the top
+    `width` alternatives."""
 
     token_logprob: jax.Array  # [rows] float32
     token_rank: jax.Array  # [rows] int32, 1 = the most likely token
-    top_ids: jax.Array  # [rows, MAX_LOGPROBS] int32
-    top_logprobs: jax.Array  # [rows, MAX_LOGPROBS] float32
+    top_ids: jax.Array  # [rows, width] int32
+    top_logprobs: jax.Array  # [rows, width] float32
 
 
 def init_state(num_rows: int, vocab_size: int) -> SamplerState:
     shape = (num_rows, vocab_size)
     return SamplerState(
-        jnp.zeros(shape, jnp.float32), jnp.zeros(shape, bool), jnp.zeros(shape, jnp.int32), jnp.zeros(shape, bool)
+        jnp.zeros(shape, jnp.float32), jnp.zeros(shape, bool), jnp.zeros(shape, jnp.int32), jnp.zeros(shape, bool),
+        jnp.full((num_rows, MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS), -1, jnp.int32),
+        jnp.full((num_rows, MAX_BAD_WORD_TOKENS - 1), -1, jnp.int32),
     )
 
 
-def write_state_row(state: SamplerState, slot, bias, prompt_mask, output_counts, stop_mask) -> SamplerState:
-    """Set one row (jit with the state donated)."""
-    return SamplerState(
-        state.bias.at[slot].set(bias),
-        state.prompt_mask.at[slot].set(prompt_mask),
-        state.output_counts.at[slot].set(output_counts),
-        state.stop_mask.at[slot].set(stop_mask),
-    )
+def write_state_row(state: SamplerState, slot, row: SamplerState) -> SamplerState:
+    """Set one row from `row` (the fields of one row, unbatched; jit with the state donated)."""
+    return jax.tree.map(lambda x, r: x.at[slot].set(r), state, row)
+
+
+def ban_bad_words(logits, bad_words, recent):
+    """vLLM's bad words: a word's last token gets -inf when the output so far ends with the
+    rest of the word (always, for a one-token word). bad_words [S, W, L] right-aligned,
+    -1 before a word (and -1 throughout for no word); recent [S, L - 1], the last outputs."""
+    prefix, last = bad_words[:, :, :-1], bad_words[:, :, -1]
+    match = jnp.all((prefix < 0) | (prefix == recent[:, None, :]), axis=-1) & (last >= 0)
+    rows = jnp.broadcast_to(jnp.arange(logits.shape[0])[:, None], last.shape)
+    ban = jnp.where(match, -jnp.inf, jnp.inf)  # min with +inf: no change
+    return logits.at[rows, jnp.maximum(last, 0)].min(ban.astype(logits.dtype))
 
 
 def apply_penalties(logits, prompt_mask, output_counts, presence, frequency, repetition):
@@ -200,28 +228,28 @@ def _top_p_threshold(logits, top_p, below):
     return jnp.where(p >= 1.0, -jnp.inf, cutoff)
 
 
-def compute_logprobs(logits: jax.Array, token_ids: jax.Array) -> Logprobs:
-    """Logprobs of `token_ids` [rows] under float32 `logits` [rows, vocab], with ranks and the top ones."""
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
-    token_lp = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]
-    rank = jnp.sum(logprobs > token_lp[:, None], axis=-1).astype(jnp.int32) + 1
-    top_lp, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, logits.shape[-1]))
-    pad = MAX_LOGPROBS - top_ids.shape[-1]
-    if pad:  # a vocabulary smaller than MAX_LOGPROBS (tiny test models)
-        top_ids = jnp.pad(top_ids, ((0, 0), (0, pad)))
-        top_lp = jnp.pad(top_lp, ((0, 0), (0, pad)), constant_values=-jnp.inf)
+def compute_logprobs(logits: jax.Array, token_ids: jax.Array, width: int, normalize: bool = True) -> Logprobs:
+    """Logprobs of `token_ids` [rows] under float32 `logits` [rows, vocab] (the logits
+    themselves when not `normalize`), with ranks and the top `width` (at most the vocabulary)."""
+    values = jax.nn.log_softmax(logits, axis=-1) if normalize else logits
+    token_lp = jnp.take_along_axis(values, token_ids[:, None], axis=-1)[:, 0]
+    rank = jnp.sum(values > token_lp[:, None], axis=-1).astype(jnp.int32) + 1
+    top_lp, top_ids = jax.lax.top_k(values, min(width, logits.shape[-1]))
     return Logprobs(token_lp, rank, top_ids.astype(jnp.int32), top_lp)
 
 
 def sample(
-    logits: jax.Array, t: SamplingTensors, state: SamplerState | None, features: SamplerFeatures
+    logits: jax.Array, t: SamplingTensors, state: SamplerState | None, features: SamplerFeatures,
+    logprobs_mode: str = "raw_logprobs",
 ) -> tuple[jax.Array, Logprobs | None, SamplerState | None]:
-    """Token ids [S] from float32 logits [S, vocab]; logprobs of the raw logits when
-    `features.logprobs`; the new state when `features.state` (else `state` is unused)."""
+    """Token ids [S] from float32 logits [S, vocab]; logprobs when `features.logprobs`, as
+    `logprobs_mode` says; the new state when `features.state` (else `state` is unused)."""
     raw = logits
     if features.state:
         use = t.use_state[:, None]
         x = logits + jnp.where(use, state.bias[t.slot], 0.0)
+        if features.bad_words:
+            x = ban_bad_words(x, state.bad_words[t.slot], state.recent[t.slot])
         x = jnp.where(use & t.suppress_stop[:, None] & state.stop_mask[t.slot], -jnp.inf, x)
         penalized = apply_penalties(
             x, state.prompt_mask[t.slot], state.output_counts[t.slot],
@@ -229,6 +257,7 @@ def sample(
         )
         logits = jnp.where(use, penalized, x)
     sampled = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # ties -> lowest id, as torch.argmax
+    processed = logits
 
     if features.random:
         temperature = jnp.where(t.temperature > 0, t.temperature, 1.0)[:, None]
@@ -242,11 +271,21 @@ def sample(
         # Gumbel-max: argmax(x + G) is a sample of softmax(x).
         random = jnp.argmax(x + gumbel, axis=-1).astype(jnp.int32)
         # top_k = 1 is greedy, ties included (thresholds by value would keep tied tokens).
-        sampled = jnp.where((t.temperature > 0) & (t.top_k != 1), random, sampled)
+        is_random = (t.temperature > 0) & (t.top_k != 1)
+        sampled = jnp.where(is_random, random, sampled)
+        processed = jnp.where(is_random[:, None], x, logits)
 
     if features.state:
-        add = (t.use_state & t.counts_sample).astype(jnp.int32)
-        counts = state.output_counts.at[t.slot, sampled].add(add, mode="drop")
-        state = SamplerState(state.bias, state.prompt_mask, counts, state.stop_mask)
-    logprobs = compute_logprobs(raw, sampled) if features.logprobs else None
+        counted = t.use_state & t.counts_sample
+        counts = state.output_counts.at[t.slot, sampled].add(counted.astype(jnp.int32), mode="drop")
+        recent = state.recent
+        if features.bad_words:
+            rows = jnp.where(counted, t.slot, recent.shape[0])  # others: dropped
+            shifted = jnp.concatenate([state.recent[t.slot][:, 1:], sampled[:, None]], axis=1)
+            recent = recent.at[rows].set(shifted, mode="drop")
+        state = SamplerState(state.bias, state.prompt_mask, counts, state.stop_mask, state.bad_words, recent)
+    logprobs = None
+    if features.logprobs:
+        source = raw if logprobs_mode.startswith("raw") else processed
+        logprobs = compute_logprobs(source, sampled, features.logprobs, normalize=logprobs_mode.endswith("logprobs"))
     return sampled, logprobs, state

@@ -8,8 +8,11 @@ import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-# Like vLLM's default `max_logprobs`: the top-k logprobs arrays have this fixed width on device.
-MAX_LOGPROBS = 20
+import numpy as np
+
+# vLLM's default `max_logprobs` engine argument: the most logprobs a request may ask for
+# (up to this many, the top-k arrays on device have this fixed width).
+DEFAULT_MAX_LOGPROBS = 20
 
 # Sampling floats go to device as float32: a larger magnitude would become inf there.
 _FLOAT32_MAX = 3.4028234663852886e38
@@ -52,8 +55,22 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Words whose token sequence may not be generated: its last token is masked when the
+    # output so far ends with the rest of it (vLLM's rule, with and without a leading space).
+    bad_words: list[str] | None = None
+    # Keep only the last k prompt tokens (-1: the last max_model_len - 1).
+    truncate_prompt_tokens: int | None = None
+    # None: skip reading the prefix cache only when prompt_logprobs are asked for (as vLLM).
+    skip_reading_prefix_cache: bool | None = None
+    # Passed through untouched, for code of the user's that reads the params back.
+    extra_args: dict | None = None
+    # vLLM V1's rules: best_of > 1 and per-request logits processors are refused when the
+    # request is added (ValueError), with V1's messages.
+    best_of: int | None = None
+    logits_processors: list | None = None
 
     def __post_init__(self) -> None:
         # Numbers may be Python or numpy scalars (not bools); they are stored as Python int/float.
@@ -67,24 +84,59 @@ class SamplingParams:
         self.presence_penalty = _check_number("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
         self.frequency_penalty = _check_number("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
         self.repetition_penalty = _check_number("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)
+        if self.seed is not None and not isinstance(self.seed, bool) and self.seed == -1:
+            self.seed = None  # vLLM's "no seed"
         if self.seed is not None:
             self.seed = _check_int("seed", self.seed, low=0, high=2**32 - 1)
         if self.max_tokens is not None:
             self.max_tokens = _check_int("max_tokens", self.max_tokens, low=1)
         self.min_tokens = _check_int("min_tokens", self.min_tokens, low=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+            raise ValueError(
+                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}."
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
+            if value is True:  # vLLM reads True as 1
+                value = 1
             if value is not None:
-                setattr(self, name, _check_int(name, value, low=0, high=MAX_LOGPROBS))
+                value = _check_int(name, value)
+                if value < -1:
+                    raise ValueError(f"{name} must be non-negative or -1, got {value}.")
+                setattr(self, name, value)
+        if self.best_of is not None:
+            self.best_of = _check_int("best_of", self.best_of, low=1)
+            if self.best_of < self.n:
+                raise ValueError(
+                    f"best_of must be greater than or equal to n, got n={self.n} and best_of={self.best_of}."
+                )
+        if self.truncate_prompt_tokens is not None:
+            value = _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens)
+            if value == 0 or value < -1:
+                raise ValueError(f"truncate_prompt_tokens must be an integer >= 1 or -1, got {value}")
+            self.truncate_prompt_tokens = value
+        if self.bad_words is not None:
+            words = [self.bad_words] if isinstance(self.bad_words, str) else self.bad_words
+            if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words):
+                raise ValueError(f"bad_words must be a list of strings, got {self.bad_words!r}")
+            if any(not w for w in words):
+                raise ValueError(f"bad_words cannot contain an empty string. Got bad_words={list(words)}")
+            self.bad_words = list(dict.fromkeys(words))
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be a dict or None, got {type(self.extra_args).__name__}")
+        for name in ("skip_special_tokens", "spaces_between_special_tokens", "detokenize", "ignore_eos",
+                     "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.skip_reading_prefix_cache is not None and not isinstance(self.skip_reading_prefix_cache, bool):
+            raise ValueError(f"skip_reading_prefix_cache must be True, False or None, got {self.skip_reading_prefix_cache!r}")
         if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         stop = self.stop_strings
         if not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         if stop and not self.detokenize:
-            raise ValueError("stop strings need detokenize=True")
+            raise ValueError("stop strings are only supported when detokenize is True. Set detokenize=True to use stop.")
         self.stop_token_ids = _token_ids("stop_token_ids", [] if self.stop_token_ids is None else self.stop_token_ids)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = _token_ids("allowed_token_ids", self.allowed_token_ids)
@@ -104,12 +156,43 @@ class SamplingParams:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     @property
+    def reads_prefix_cache(self) -> bool:
+        if self.skip_reading_prefix_cache is not None:
+            return not self.skip_reading_prefix_cache
+        # Prompt logprobs need every prompt token computed (vLLM's default).
+        return self.prompt_logprobs is None
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
     @property
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    def check_supported(self, max_logprobs: int, vocab_size: int) -> None:
+        """What vLLM V1 refuses when a request is added, with its messages; `max_logprobs`
+        is the engine's (-1: the whole vocabulary)."""
+        if self.best_of is not None and self.best_of > 1:
+            raise ValueError("vLLM V1 does not yet support best_of.")
+        if self.logits_processors:
+            raise ValueError("vLLM V1 does not support per request user provided logits processors.")
+        limit = vocab_size if max_logprobs == -1 else max_logprobs
+        for name, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+            value = getattr(self, name)
+            if value is not None:
+                wanted = vocab_size if value == -1 else value
+                if wanted > limit:
+                    raise ValueError(
+                        f"Requested {kind} logprobs of {wanted}, which is greater than max allowed: {limit}"
+                    )
+
+    def num_logprobs(self, vocab_size: int) -> int | None:
+        """How many top logprobs a sampled token gets (-1: the whole vocabulary)."""
+        return vocab_size if self.logprobs == -1 else self.logprobs
+
+    def num_prompt_logprobs(self, vocab_size: int) -> int | None:
+        return vocab_size if self.prompt_logprobs == -1 else self.prompt_logprobs
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids must exist in the model: checked when a request is added."""
@@ -157,12 +240,26 @@ def _check_number(name, value, *, low=None, high=None, low_open=False) -> float:
     return number
 
 
+# vLLM's messages for its range checks ({} is the value).
+_RANGE_MESSAGES = {
+    "n": "n must be at least 1, got {}.",
+    "temperature": "temperature must be non-negative, got {}.",
+    "top_k": "top_k must be 0 (disable), or at least 1, got {}.",
+    "repetition_penalty": "repetition_penalty must be greater than zero, got {}.",
+    "max_tokens": "max_tokens must be at least 1, got {}.",
+    "min_tokens": "min_tokens must be greater than or equal to 0, got {}.",
+}
+
+
 def _check_range(name, value, *, low=None, high=None, low_open=False) -> None:
     below = value <= low if low_open else value < low if low is not None else False
     if below or (high is not None and value > high):
-        lo = "-inf" if low is None else f"{low}"
-        hi = "inf" if high is None else f"{high}"
-        raise ValueError(f"{name} must be in {'(' if low_open else '['}{lo}, {hi}], got {value!r}")
+        if name in _RANGE_MESSAGES:
+            raise ValueError(_RANGE_MESSAGES[name].format(value))
+        bound = lambda x: f"{x:g}" if isinstance(x, float) else f"{x}"  # noqa: E731  (2.0 -> "2", as vLLM)
+        lo = "-inf" if low is None else bound(low)
+        hi = "inf" if high is None else bound(high)
+        raise ValueError(f"{name} must be in {'(' if low_open else '['}{lo}, {hi}], got {value!r}.")
 
 
 def _check_int(name, value, *, low=None, high=None) -> int:
@@ -181,3 +278,30 @@ def _token_ids(name: str, ids) -> list[int]:
         if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0:
             raise ValueError(f"{name} must be non-negative token ids, got {t!r}")
     return [int(t) for t in ids]
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's `BeamSearchParams`, for `LLM.beam_search`: keep the `beam_width` best sequences
+    (by cumulative logprob over length ** length_penalty) for up to `max_tokens` steps.
+
+    `temperature` goes to the per-step requests, whose logprobs (of the raw logits) rank the
+    candidates. `include_stop_str_in_output` is accepted for vLLM's signature; like vLLM's
+    offline beam search, `LLM.beam_search` always keeps a final EOS in the returned tokens.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        self.beam_width = _check_int("beam_width", self.beam_width, low=1)
+        self.max_tokens = _check_int("max_tokens", self.max_tokens, low=1)
+        self.temperature = _check_number("temperature", self.temperature, low=0.0)
+        self.length_penalty = _check_number("length_penalty", self.length_penalty)
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

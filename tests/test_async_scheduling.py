@@ -411,7 +411,7 @@ def test_step_executables_do_not_branch(engines):
 
     llm = engines("qwen3")[True]
     runner = llm.llm_engine.runner
-    everything = SamplerFeatures(random=True, min_p=True, top_k=True, top_p=True, state=True, logprobs=True)
+    everything = SamplerFeatures(random=True, min_p=True, top_k=True, top_p=True, state=True, bad_words=True, logprobs=20)
     batch = runner.padding_batch(runner.buckets[-1], runner.widths[-1], everything)
     layout = batch.layout
     assert isinstance(layout, BatchLayout)
@@ -425,7 +425,7 @@ def test_step_executables_do_not_branch(engines):
     assert_no_host_sync(hlo, "sampler")
     assert re.search(r"\bwhile\(", hlo), "expected the top-k/top-p bisection loops"
     hidden = jax.ShapeDtypeStruct((layout.num_tokens, runner.cfg.hidden_size), runner.dtype)
-    prompt_logprobs = runner._prompt_logprobs.lower(runner.params, hidden, packed, layout=layout)
+    prompt_logprobs = runner._prompt_logprobs.lower(runner.params, hidden, packed, layout=layout, width=20)
     assert_no_host_sync(prompt_logprobs.compile().as_text(), "prompt logprobs")
 
 

@@ -59,16 +59,16 @@ def prompts_file(tmp_path):
 
 
 @pytest.mark.parametrize("bad, message", [
-    ('""', "the prompt is empty"),
-    ('{"prompt": ""}', "the prompt is empty"),
+    ('""', "The decoder prompt cannot be empty"),
+    ('{"prompt": ""}', "The decoder prompt cannot be empty"),
     ("42", "expected a string"),
     ('{"prompt": 5}', "a prompt must be a str or a dict"),
     ('{"prompt_token_ids": "abc"}', "prompt_token_ids must be a list of ints"),
-    ('{"prompt_token_ids": [1, -5]}', "prompt token id -5"),
-    ('{"prompt_token_ids": []}', "prompt_token_ids is empty"),
+    ('{"prompt_token_ids": [1, -5]}', "Token id -5 is out of vocabulary"),
+    ('{"prompt_token_ids": []}', "The decoder prompt cannot be empty"),
     ('{"prompt": "x", "max_tokens": 3}', "unknown prompt key"),
     ('{"prompt": "x", "prompt_token_ids": [1]}', "exactly one of"),
-    (json.dumps({"prompt_token_ids": [5] * 70}), "max_model_len"),
+    (json.dumps({"prompt_token_ids": [5] * 70}), "context length is only"),
     ("{not json", "not JSON"),
 ])
 def test_prompt_errors_name_the_line(tmp_path, capsys, bad, message):
@@ -87,7 +87,7 @@ def test_several_bad_prompts_name_the_first_and_count_the_rest(tmp_path, capsys)
     prompts.write_text('"fine"\n{"prompt_token_ids": [999999]}\n""\n{"prompt": "x", "oops": 1}\n')
     assert generate("--prompts-file", str(prompts), "--prompt", "", *GREEDY) == 2
     err = one_line_error(capsys)
-    assert "--prompt 1: the prompt is empty (and 3 more bad prompts)" in err, err
+    assert "--prompt 1: The decoder prompt cannot be empty (and 3 more bad prompts)" in err, err
 
 
 # -- --output is checked before the model loads ------------------------------------------------

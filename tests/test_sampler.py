@@ -6,7 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from jaxvllm.sampler import SamplerFeatures, SamplingTensors, apply_penalties, init_state, sample, write_state_row
+from jaxvllm.sampler import (
+    SamplerFeatures,
+    SamplerState,
+    SamplingTensors,
+    apply_penalties,
+    init_state,
+    sample,
+    write_state_row,
+)
 
 V = 12
 LOGITS = np.array([2.0, 1.5, 1.2, 1.0, 0.7, 0.5, 0.2, 0.0, -0.3, -0.8, -1.5, -3.0], np.float32)
@@ -50,7 +58,7 @@ def test_features_follow_the_rows_that_sample():
 def test_compiled_variants_have_no_conditionals_and_static_loops():
     """Every choice is made on the host: no `conditional` (on XLA:GPU its predicate is
     copied to the host, stalling the stream) and only loops of known trip count."""
-    everything = SamplerFeatures(random=True, min_p=True, top_k=True, top_p=True, state=True, logprobs=True)
+    everything = SamplerFeatures(random=True, min_p=True, top_k=True, top_p=True, state=True, bad_words=True, logprobs=20)
     for features in (SamplerFeatures(), everything):
         hlo = _sample.lower(np.zeros((4, V), np.float32), tensors(4), init_state(4, V), features=features)
         text = hlo.compile().as_text()
@@ -147,7 +155,9 @@ def state_with_row(bias=None, prompt=(), outputs=(), stop=()):
     counts = np.bincount(np.asarray(outputs, np.int64), minlength=V).astype(np.int32)
     stop_mask = np.zeros(V, bool)
     stop_mask[list(stop)] = True
-    return write_state_row(state, 1, bias, prompt_mask, counts, stop_mask)
+    row = jax.tree.map(lambda x: x[0], state)
+    row = SamplerState(bias, prompt_mask, counts, stop_mask, row.bad_words, row.recent)
+    return write_state_row(state, 1, row)
 
 
 def test_state_rows_bias_allowed_min_tokens_and_counts():

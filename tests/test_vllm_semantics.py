@@ -1,5 +1,6 @@
 """vLLM's semantics at the edges (the bugs listed first in the API-parity issue)."""
 
+import numpy as np
 import pytest
 
 from jaxvllm import LLM, SamplingParams
@@ -38,7 +39,7 @@ def test_max_tokens_past_the_context_is_capped(llm):
     prompt = {"prompt_token_ids": list(range(10, 60))}  # 50 of 64 positions
     out = greedy(llm, prompt, max_tokens=100)
     assert len(out.token_ids) == 64 - 50 and out.finish_reason == "length"
-    with pytest.raises(ValueError, match="leaves no room to generate within max_model_len"):
+    with pytest.raises(ValueError, match="the model's context length is only 64 tokens"):
         greedy(llm, {"prompt_token_ids": list(range(10, 74))})  # the prompt alone fills the context
 
 
@@ -132,16 +133,162 @@ def test_engine_args_from_the_command_line_and_engine_helpers(tiny_checkpoint):
 
 
 def test_default_sampling_params_come_from_generation_config(tiny_checkpoint, tmp_path):
+    """As vLLM's: read once from generation_config.json (generation_config="auto"), used by
+    generate/chat when given no sampling params; "vllm" ignores the file."""
     import json
     import shutil
 
     path = tmp_path / "with-generation-config"
     shutil.copytree(tiny_checkpoint("qwen3"), path)
     (path / "generation_config.json").unlink(missing_ok=True)
-    llm = LLM(path, **ENGINE, enforce_eager=True)
-    assert llm.get_default_sampling_params() == SamplingParams()
+    with LLM(path, **ENGINE, enforce_eager=True) as llm:
+        assert llm.get_default_sampling_params() == SamplingParams()
     (path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.9, "top_k": 20,
-                                                             "max_new_tokens": 7, "do_sample": True}))
-    params = llm.get_default_sampling_params()
-    assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (0.6, 0.9, 20, 7)
-    llm.shutdown()
+                                                             "max_new_tokens": 3, "do_sample": True}))
+    with LLM(path, **ENGINE, enforce_eager=True) as llm:
+        params = llm.get_default_sampling_params()
+        assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (0.6, 0.9, 20, 3)
+        outputs = llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 4, use_tqdm=False)  # no params: these
+        assert all(len(o.outputs[0].token_ids) <= 3 for o in outputs)
+        assert any(o.outputs[0].finish_reason == "length" and len(o.outputs[0].token_ids) == 3 for o in outputs)
+    with LLM(path, **ENGINE, enforce_eager=True, generation_config="vllm") as llm:
+        assert llm.get_default_sampling_params() == SamplingParams()
+
+
+# -- SamplingParams fields and engine arguments for logprobs ---------------------------------
+
+
+def test_max_logprobs_and_logprobs_minus_one(llm, tiny_checkpoint):
+    """vLLM's rule and words: a request may ask for at most max_logprobs (default 20; -1 =
+    the whole vocabulary), and logprobs=-1 means the whole vocabulary."""
+    prompt = {"prompt_token_ids": [5, 6, 7]}
+    for kwargs, words in [(dict(logprobs=21), "Requested sample logprobs of 21, which is greater than max allowed: 20"),
+                          (dict(logprobs=-1), "Requested sample logprobs of 512, which is greater than max allowed: 20"),
+                          (dict(prompt_logprobs=25), "Requested prompt logprobs of 25, which is greater than max allowed: 20")]:
+        with pytest.raises(ValueError, match=f"^{words}"):
+            llm.generate(prompt, SamplingParams(max_tokens=2, **kwargs), use_tqdm=False)
+    assert SamplingParams(logprobs=True).logprobs == 1  # vLLM reads True as 1
+    ref = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3, logprobs=20, prompt_logprobs=5),
+                       use_tqdm=False)[0]
+    with LLM(tiny_checkpoint("qwen3"), **ENGINE, max_logprobs=-1, enforce_eager=True) as big:
+        out = big.generate(prompt, SamplingParams(temperature=0, max_tokens=3, logprobs=-1, prompt_logprobs=40),
+                           use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        for step, ref_step in zip(out.outputs[0].logprobs, ref.outputs[0].logprobs):
+            assert len(step) == 512  # every token of the vocabulary, ranks 1..512
+            assert sorted(lp.rank for lp in step.values()) == list(range(1, 513))
+            assert np.isclose(sum(np.exp(lp.logprob) for lp in step.values()), 1.0, atol=1e-4)
+            for token, lp in ref_step.items():
+                assert np.isclose(step[token].logprob, lp.logprob, atol=1e-5) and step[token].rank == lp.rank
+        assert all(len(step) in (40, 41) for step in out.prompt_logprobs[1:])
+
+
+def test_logprobs_modes(llm, tiny_checkpoint):
+    """raw_logprobs (the default) are of the model's logits; raw_logits are those logits;
+    processed_* are of the logits the sampler drew from (after bias, temperature, top-k)."""
+    prompt = {"prompt_token_ids": [5, 6, 7]}
+    greedy = SamplingParams(temperature=0, max_tokens=3, logprobs=5, logit_bias={9: 5.0})
+    sampled = SamplingParams(temperature=0.5, top_k=3, seed=1, max_tokens=3, logprobs=5)
+    raw = [llm.generate(prompt, p, use_tqdm=False)[0].outputs[0] for p in (greedy, sampled)]
+    for mode in ("raw_logits", "processed_logprobs"):
+        with LLM(tiny_checkpoint("qwen3"), **ENGINE, logprobs_mode=mode, enforce_eager=True) as other:
+            outs = [other.generate(prompt, p, use_tqdm=False)[0].outputs[0] for p in (greedy, sampled)]
+        for out, ref, params in zip(outs, raw, (greedy, sampled)):
+            assert out.token_ids == ref.token_ids  # the mode changes what is reported, never the tokens
+            for step, ref_step in zip(out.logprobs, ref.logprobs):
+                tokens = [t for t in ref_step if t in step]
+                values = np.array([step[t].logprob for t in tokens])
+                ref_values = np.array([ref_step[t].logprob for t in tokens])
+                if mode == "raw_logits":  # logits = logprobs + one constant (the log-partition) per step
+                    assert np.ptp(values - ref_values) < 1e-4 and np.all(values - ref_values > 0.1)
+                elif params is greedy:  # processed = log_softmax(logits + bias): raw + bias + one constant
+                    bias = 5.0 * (np.array(tokens) == 9)
+                    assert np.ptp(values - ref_values - bias) < 1e-4
+                else:  # processed with temperature 0.5 and top_k=3: three finite logprobs summing to 1
+                    finite = [lp.logprob for lp in step.values() if np.isfinite(lp.logprob)]
+                    assert len(finite) == 3 and np.isclose(np.sum(np.exp(finite)), 1.0, atol=1e-4)
+
+
+
+def test_bad_words_ban_their_last_token_after_the_rest(llm):
+    """vLLM's rule: the last token of a bad word's token sequence is banned when the output
+    so far ends with the rest of it; only output tokens count. A word whose sequence the
+    greedy output contains (two tokens long, so the prefix rule is exercised) must then
+    change the output exactly where the sequence would be completed."""
+    tokenizer, engine = llm.get_tokenizer(), llm.llm_engine
+    ref = greedy(llm, "1 2 3", max_tokens=16).token_ids
+    candidates = []
+    for j in range(len(ref) - 1):
+        word = tokenizer.decode(ref[j : j + 2]).strip()
+        banned = engine.bad_words_token_ids([word]) if word else []
+        ends = [i for seq in banned if len(seq) == 2 for i in range(1, len(ref)) if ref[i - 1 : i + 1] == seq]
+        if ends:
+            candidates.append((word, banned, min(ends)))
+    assert candidates, f"no two-token word of the greedy output {ref} tokenizes back to itself"
+    word, banned, first = candidates[0]
+    out = greedy(llm, "1 2 3", max_tokens=16, bad_words=[word]).token_ids
+    assert out[:first] == ref[:first] and out[first] != ref[first]
+    for seq in banned:  # never generated, anywhere
+        assert not any(out[i : i + len(seq)] == seq for i in range(len(out) - len(seq) + 1)), (word, seq, out)
+    with pytest.raises(ValueError, match=r"^bad_words cannot contain an empty string"):
+        SamplingParams(bad_words=["ok", ""])
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
+    ids = list(range(5, 25))
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=4, truncate_prompt_tokens=6),
+                       use_tqdm=False)[0]
+    ref = llm.generate({"prompt_token_ids": ids[-6:]}, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids[-6:] and out.outputs[0].token_ids == ref.outputs[0].token_ids
+    long = {"prompt_token_ids": list(range(5, 105))}  # 100 tokens, past the 64-token context
+    out = llm.generate(long, SamplingParams(max_tokens=4, truncate_prompt_tokens=-1), use_tqdm=False)[0]
+    assert out.prompt_token_ids == list(range(42, 105)) and len(out.outputs[0].token_ids) == 1  # 63 + 1 = 64
+    with pytest.raises(ValueError, match=r"^truncate_prompt_tokens value \(100\) is greater than max_model_len \(64\)"):
+        llm.generate(long, SamplingParams(truncate_prompt_tokens=100), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^truncate_prompt_tokens must be an integer >= 1 or -1, got 0"):
+        SamplingParams(truncate_prompt_tokens=0)
+
+
+def test_skip_reading_prefix_cache(llm):
+    prompt = {"prompt_token_ids": list(range(100, 140))}
+    params = SamplingParams(temperature=0, max_tokens=2)
+    first = llm.generate(prompt, params, use_tqdm=False)[0]
+    again = llm.generate(prompt, params, use_tqdm=False)[0]
+    skipped = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=2, skip_reading_prefix_cache=True),
+                           use_tqdm=False)[0]
+    assert again.num_cached_tokens == 32 and skipped.num_cached_tokens == 0
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids == skipped.outputs[0].token_ids
+    # prompt logprobs skip reading by default (every prompt token must be computed), and still write
+    scored = llm.generate({"prompt_token_ids": list(range(200, 240))},
+                          SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+    assert scored.num_cached_tokens == 0 and all(lp is not None for lp in scored.prompt_logprobs[1:])
+    reuse = llm.generate({"prompt_token_ids": list(range(200, 240))}, params, use_tqdm=False)[0]
+    assert reuse.num_cached_tokens == 32
+
+
+def test_best_of_logits_processors_extra_args_and_seed(llm):
+    prompt = {"prompt_token_ids": [5, 6, 7]}
+    with pytest.raises(ValueError, match=r"^vLLM V1 does not yet support best_of."):
+        llm.generate(prompt, SamplingParams(n=1, best_of=2), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^best_of must be greater than or equal to n, got n=3 and best_of=2.$"):
+        SamplingParams(n=3, best_of=2)
+    with pytest.raises(ValueError, match="^vLLM V1 does not support per request user provided logits processors."):
+        llm.generate(prompt, SamplingParams(logits_processors=[lambda ids, logits: logits]), use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=2, best_of=1, extra_args={"tag": 7}, seed=-1)
+    assert params.seed is None and params.extra_args == {"tag": 7}  # seed -1 is vLLM's "no seed"
+    assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match="extra_args must be a dict"):
+        SamplingParams(extra_args=["x"])
+
+
+def test_special_token_text_options(llm):
+    tokenizer = llm.get_tokenizer()
+    special = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+    prompt = {"prompt_token_ids": [5, 6]}
+    for skip in (True, False):
+        for spaces in (True, False):
+            params = SamplingParams(temperature=0, max_tokens=6, allowed_token_ids=[special, 40], ignore_eos=True,
+                                    skip_special_tokens=skip, spaces_between_special_tokens=spaces)
+            out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+            assert out.text == tokenizer.decode(out.token_ids, skip_special_tokens=skip,
+                                                spaces_between_special_tokens=spaces)

@@ -59,7 +59,7 @@ def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int =
                   SimpleNamespace(trace=partial(forward.trace, layout=layout)),
                   [jax.eval_shape(lambda: dummy_params(cfg, dtype)), [(cache, cache)] * cfg.num_layers, packed,
                    last_sampled])]
-    everything = SamplerFeatures(random=True, min_p=True, top_k=True, top_p=True, state=True, logprobs=True)
+    everything = SamplerFeatures(random=True, min_p=True, top_k=True, top_p=True, state=True, bad_words=True, logprobs=20)
     for name in sampler:
         features = everything if name == "all" else SamplerFeatures()
         state = jax.eval_shape(lambda: init_state(max_num_seqs, cfg.vocab_size)) if features.state else None

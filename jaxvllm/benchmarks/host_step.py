@@ -37,6 +37,7 @@ from jaxvllm.detokenizer import IncrementalDetokenizer
 from jaxvllm.engine import LLMEngine, ParentRequest
 from jaxvllm.input_batch import InputBatch, block_table_widths
 from jaxvllm.kv_cache_manager import KVCacheManager
+from jaxvllm.metrics import MetricsCollector
 from jaxvllm.model_runner import ModelRunner, RunnerOutput, default_buckets
 from jaxvllm.request import Request
 from jaxvllm.sampling_params import RequestOutputKind, SamplingParams
@@ -73,6 +74,7 @@ def build(num_requests: int, prompt_len: int, output_len: int, tokenizer, rng: n
     engine = LLMEngine.__new__(LLMEngine)  # only what `step` reads
     engine.tokenizer, engine.scheduler, engine.kv_cache_manager = tokenizer, scheduler, kv
     engine._in_flight, engine._token_texts = None, {}
+    engine.metrics = MetricsCollector("host-step", MAX_MODEL_LEN)  # metrics are part of a real step's cost
     parents = {}
     for i in range(num_requests):
         prompt = rng.integers(3, VOCAB, prompt_len).tolist()

@@ -1,0 +1,156 @@
+"""vLLM's beam search (`LLM.beam_search`), built on `LLM.generate` as vLLM builds it.
+
+Each step submits every live beam as a one-token request for its 2 * beam_width top
+logprobs; every candidate token extends its beam, and the best beam_width extensions of
+each prompt live on. Re-submitting whole sequences costs little: beams share their
+prompt's KV blocks (and each other's) through the prefix cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from tqdm.auto import tqdm
+
+from jaxvllm.outputs import Logprob
+from jaxvllm.sampling_params import BeamSearchParams, SamplingParams
+
+if TYPE_CHECKING:
+    from jaxvllm.llm import LLM
+
+# vLLM's default max_logprobs: the most logprobs a request may ask for, unless the engine says otherwise.
+_DEFAULT_MAX_LOGPROBS = 20
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam: its tokens (the prompt's included, as vLLM), the logprob dict of each
+    generated step and their running sum. `text` (the decoded tokens), `finish_reason`
+    ("stop" for EOS, "length" otherwise) and `stop_reason` (the EOS id) are filled when
+    the sequence is returned."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """A prompt's beam_width best sequences (fewer if fewer exist), best first."""
+
+    sequences: list[BeamSearchSequence]
+
+
+def get_beam_search_score(tokens: list[int], cumulative_logprob: float, eos_token_id: int | None,
+                          length_penalty: float = 1.0) -> float:
+    """vLLM's (and HF's) score: cumulative logprob over length ** length_penalty, where the
+    length counts the prompt and not a final EOS."""
+    seq_len = len(tokens)
+    if tokens[-1] == eos_token_id:
+        seq_len -= 1
+    return cumulative_logprob / (seq_len**length_penalty)
+
+
+@dataclass
+class _Instance:
+    """One prompt's search: the live beams, the finished ones and the prompt's cache salt."""
+
+    beams: list[BeamSearchSequence]
+    completed: list[BeamSearchSequence] = field(default_factory=list)
+    cache_salt: str | None = None
+
+
+def beam_search(llm: LLM, prompts: Any, params: BeamSearchParams, *, use_tqdm: bool = False,
+                concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+    """Run vLLM's beam search over `llm` for each prompt (a str, a TextPrompt, a TokensPrompt
+    or a list of them); outputs come back in input order. `concurrency_limit` searches at
+    most that many prompts at once (None: all)."""
+    if not isinstance(params, BeamSearchParams):
+        raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
+    engine = llm.llm_engine
+    tokenizer = engine.tokenizer
+    if tokenizer is None:
+        raise ValueError("beam search needs a tokenizer (for the EOS id and the texts); "
+                         "this LLM has skip_tokenizer_init=True")
+    max_logprobs = getattr(engine.config, "max_logprobs", _DEFAULT_MAX_LOGPROBS)
+    if max_logprobs == -1:  # vLLM's -1: the whole vocabulary
+        max_logprobs = engine.model_config.vocab_size
+    if 2 * params.beam_width > max_logprobs:
+        raise ValueError(
+            f"beam_width={params.beam_width} needs {2 * params.beam_width} logprobs per step, more than "
+            f"this engine returns (max_logprobs={max_logprobs})"
+        )
+    prompts = [prompts] if isinstance(prompts, (str, dict)) else prompts
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a str, a dict or a list of them, got {type(prompts).__name__}")
+    if concurrency_limit is None:
+        concurrency_limit = max(len(prompts), 1)
+    elif isinstance(concurrency_limit, bool) or not isinstance(concurrency_limit, int) or concurrency_limit < 1:
+        raise ValueError(f"concurrency_limit must be a positive int or None, got {concurrency_limit!r}")
+
+    max_model_len = engine.runner.max_model_len
+    instances = []
+    for i, prompt in enumerate(prompts):  # every prompt is checked before any step runs
+        try:
+            _, token_ids, salt = engine.tokenize_prompt(prompt)  # text as vLLM: tokenizer.encode(text)
+            engine.check_prompt_length(len(token_ids))
+        except (ValueError, TypeError) as e:
+            e.add_note(f"(prompt {i} of {len(prompts)})")  # the message stays vLLM's, as in generate
+            raise
+        instances.append(_Instance([BeamSearchSequence(token_ids)], cache_salt=salt))
+
+    eos = tokenizer.eos_token_id  # vLLM's: the tokenizer's EOS alone
+    width = params.beam_width
+
+    def score(beam: BeamSearchSequence) -> float:
+        return get_beam_search_score(beam.tokens, beam.cum_logprob, eos, params.length_penalty)
+
+    # 2 * beam_width candidates per beam, as HF (enough that EOS candidates leave beam_width others).
+    step_params = SamplingParams(logprobs=2 * width, max_tokens=1, temperature=params.temperature)
+    batches = [instances[i:i + concurrency_limit] for i in range(0, len(instances), concurrency_limit)]
+    with tqdm(total=len(batches) * params.max_tokens, desc="Beam search", unit="token",
+              disable=not use_tqdm, dynamic_ncols=True) as bar:
+        for batch in batches:
+            for _ in range(params.max_tokens):
+                for inst in batch:  # a beam that fills the context cannot grow: it is finished ("length")
+                    inst.completed += [b for b in inst.beams if len(b.tokens) >= max_model_len]
+                    inst.beams = [b for b in inst.beams if len(b.tokens) < max_model_len]
+                live = [(inst, beam) for inst in batch for beam in inst.beams]
+                if not live:
+                    break
+                outputs = iter(llm.generate([_tokens_prompt(beam.tokens, inst.cache_salt) for inst, beam in live],
+                                            step_params, use_tqdm=False))
+                for inst in batch:  # the outputs come in the order of `live`: instance by instance
+                    candidates = []
+                    for beam in inst.beams:
+                        step_logprobs = next(outputs).outputs[0].logprobs[0]
+                        for token, logprob in step_logprobs.items():
+                            child = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [step_logprobs],
+                                                       beam.cum_logprob + logprob.logprob)
+                            if token == eos and not params.ignore_eos:
+                                child.finish_reason, child.stop_reason = "stop", eos
+                                inst.completed.append(child)
+                            else:
+                                candidates.append(child)
+                    inst.beams = sorted(candidates, key=score, reverse=True)[:width]
+                bar.update(1)
+
+    results = []
+    for inst in instances:
+        best = sorted(inst.completed + inst.beams, key=score, reverse=True)[:width]
+        for beam in best:
+            beam.text = tokenizer.decode(beam.tokens)  # as vLLM: prompt and special tokens included
+            beam.finish_reason = beam.finish_reason or "length"
+        results.append(BeamSearchOutput(best))
+    return results
+
+
+def _tokens_prompt(tokens: list[int], cache_salt: str | None) -> dict:
+    prompt: dict = {"prompt_token_ids": tokens}
+    if cache_salt is not None:
+        prompt["cache_salt"] = cache_salt
+    return prompt
