@@ -195,8 +195,17 @@ class EngineConfig:
     tokenizer_mode: str = "auto"
     # Skip the warm-up: each shape compiles the first time a step needs it.
     enforce_eager: bool = False
-    # One device for now (the multi-device issue brings more).
+    # One device for now (the multi-device issue brings more): any other value is refused.
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    # The name `get_metrics()` labels metrics with (default: the model argument; of a list,
+    # the first), as vLLM's.
+    served_model_name: str | list[str] | None = None
+    # Features jaxvllm lacks, accepted at their "off" value only: a clear error otherwise.
+    kv_cache_dtype: str = "auto"  # the cache has the model's dtype
+    quantization: str | None = None
+    enable_lora: bool = False
     # The most logprobs a request may ask for (-1: the whole vocabulary), as vLLM's.
     max_logprobs: int = 20
     # What Logprob.logprob holds: vLLM's "raw_logprobs" (of the model's logits),
@@ -215,6 +224,8 @@ class EngineConfig:
     swap_space: float = 4.0
     revision: str | None = None
     compilation_config: Any = None
+    download_dir: str | None = None  # nothing is ever downloaded
+    max_seq_len_to_capture: int | None = None  # no CUDA graphs: one executable per token bucket
 
     def __post_init__(self) -> None:
         """Check every argument's type and range here, so that `LLM(...)` and the command
@@ -249,10 +260,16 @@ class EngineConfig:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
-        if self.tensor_parallel_size > 1:
-            raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size}: jaxvllm runs on one device for now"
-            )
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            if getattr(self, name) != 1:
+                raise ValueError(f"{name}={getattr(self, name)!r}: jaxvllm runs on one device for now")
+        names = [self.served_model_name] if isinstance(self.served_model_name, str) else self.served_model_name
+        if names is not None and (not isinstance(names, list) or not names
+                                  or not all(isinstance(n, str) and n for n in names)):
+            raise ValueError(f"served_model_name must be a name, a list of names or None, got {self.served_model_name!r}")
+        for name, off in (("kv_cache_dtype", "auto"), ("quantization", None), ("enable_lora", False)):
+            if getattr(self, name) != off:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not supported by jaxvllm (only {off!r})")
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "async_scheduling", "skip_tokenizer_init",
                      "enforce_eager", "disable_log_stats", "trust_remote_code"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):

@@ -72,7 +72,8 @@ class LLMEngine:
             # Small models compile in under JAX's default 1 s threshold; cache them too.
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
-        model_name = config.model  # the metrics' model_name: vLLM's served_model_name defaults to the model argument
+        names = config.served_model_name
+        model_name = (names if isinstance(names, str) else names[0]) if names else config.model  # as vLLM's
         # A missing folder fails first; dummy:NAME becomes a temporary folder that lives as long as the engine.
         config, self._dummy_dir = resolve_model_dir(config)
         self.config = config

@@ -75,7 +75,10 @@ def test_vllm_engine_arguments_are_accepted(tiny_checkpoint):
     path = tiny_checkpoint("qwen3")
     llm = LLM(path, **ENGINE, dtype="float", enforce_eager=True, disable_log_stats=True, trust_remote_code=True,
               swap_space=0, revision="main", compilation_config={"level": 3}, tokenizer_mode="auto",
-              tensor_parallel_size=1)
+              tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1, kv_cache_dtype="auto",
+              quantization=None, enable_lora=False, download_dir="/nowhere", max_seq_len_to_capture=8192,
+              served_model_name="tiny")
+    assert {m.labels["model_name"] for m in llm.get_metrics()} == {"tiny"}
     assert llm.llm_engine.config.dtype == "float32"
     assert llm.stats()["warmup_seconds"] == 0 and llm.stats()["num_compiled_buckets"] == 0  # enforce_eager: lazy
     out = llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
@@ -83,6 +86,12 @@ def test_vllm_engine_arguments_are_accepted(tiny_checkpoint):
     llm.shutdown()
     with pytest.raises(ValueError, match="tensor_parallel_size=2: jaxvllm runs on one device"):
         LLM(path, **ENGINE, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="data_parallel_size=2: jaxvllm runs on one device"):
+        LLM(path, **ENGINE, data_parallel_size=2)
+    with pytest.raises(ValueError, match=r"^kv_cache_dtype='fp8' is not supported by jaxvllm \(only 'auto'\)"):
+        LLM(path, **ENGINE, kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match=r"^quantization='awq' is not supported"):
+        LLM(path, **ENGINE, quantization="awq")
     with pytest.raises(ValueError, match="tokenizer_mode must be 'auto' or 'slow'"):
         LLM(path, **ENGINE, tokenizer_mode="mistral")
 
@@ -215,23 +224,41 @@ def test_bad_words_ban_their_last_token_after_the_rest(llm):
     so far ends with the rest of it; only output tokens count. A word whose sequence the
     greedy output contains (two tokens long, so the prefix rule is exercised) must then
     change the output exactly where the sequence would be completed."""
-    tokenizer, engine = llm.get_tokenizer(), llm.llm_engine
     ref = greedy(llm, "1 2 3", max_tokens=16).token_ids
-    candidates = []
-    for j in range(len(ref) - 1):
-        word = tokenizer.decode(ref[j : j + 2]).strip()
-        banned = engine.bad_words_token_ids([word]) if word else []
-        ends = [i for seq in banned if len(seq) == 2 for i in range(1, len(ref)) if ref[i - 1 : i + 1] == seq]
-        if ends:
-            candidates.append((word, banned, min(ends)))
-    assert candidates, f"no two-token word of the greedy output {ref} tokenizes back to itself"
-    word, banned, first = candidates[0]
+    word, banned, first = two_token_bad_word(llm, ref)
     out = greedy(llm, "1 2 3", max_tokens=16, bad_words=[word]).token_ids
     assert out[:first] == ref[:first] and out[first] != ref[first]
     for seq in banned:  # never generated, anywhere
         assert not any(out[i : i + len(seq)] == seq for i in range(len(out) - len(seq) + 1)), (word, seq, out)
     with pytest.raises(ValueError, match=r"^bad_words cannot contain an empty string"):
         SamplingParams(bad_words=["ok", ""])
+
+
+def two_token_bad_word(llm, ref: list[int]):
+    """A word whose two-token sequence the output `ref` contains: (word, its banned
+    sequences, where `ref` first completes one)."""
+    tokenizer, engine = llm.get_tokenizer(), llm.llm_engine
+    for j in range(len(ref) - 1):
+        word = tokenizer.decode(ref[j : j + 2]).strip()
+        banned = engine.bad_words_token_ids([word]) if word else []
+        ends = [i for seq in banned if len(seq) == 2 for i in range(1, len(ref)) if ref[i - 1 : i + 1] == seq]
+        if ends:
+            return word, banned, min(ends)
+    raise AssertionError(f"no two-token word of the greedy output {ref} tokenizes back to itself")
+
+
+def test_bad_words_survive_preemption(llm, tiny_checkpoint):
+    """The recent outputs that bad words are matched against live on the device per running
+    request; a preempted request gets them back from its tokens when it is admitted again."""
+    word, _, _ = two_token_bad_word(llm, greedy(llm, "1 2 3", max_tokens=16).token_ids)
+    rng = np.random.default_rng(0)
+    prompts = ["1 2 3"] * 3 + [{"prompt_token_ids": rng.integers(3, 500, 30).tolist()} for _ in range(9)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, bad_words=[word])
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(tiny_checkpoint("qwen3"), **ENGINE, num_gpu_blocks_override=12) as small:  # 8 x 4 blocks wanted
+        got = [o.outputs[0].token_ids for o in small.generate(prompts, params, use_tqdm=False)]
+        assert small.stats()["num_preemptions"] > 0
+    assert got == want
 
 
 def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
