@@ -195,7 +195,7 @@ class EngineConfig:
     tokenizer_mode: str = "auto"
     # Skip the warm-up: each shape compiles the first time a step needs it.
     enforce_eager: bool = False
-    # One device for now (the multi-device issue brings more): any other value is refused.
+    # Devices the model is split over (jaxvllm/sharding.py); the others are refused for now.
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -260,9 +260,10 @@ class EngineConfig:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        for name in ("pipeline_parallel_size", "data_parallel_size"):
             if getattr(self, name) != 1:
-                raise ValueError(f"{name}={getattr(self, name)!r}: jaxvllm runs on one device for now")
+                raise ValueError(f"{name}={getattr(self, name)!r}: jaxvllm splits a model over devices by "
+                                 f"tensor parallelism only (tensor_parallel_size) for now")
         names = [self.served_model_name] if isinstance(self.served_model_name, str) else self.served_model_name
         if names is not None and (not isinstance(names, list) or not names
                                   or not all(isinstance(n, str) and n for n in names)):

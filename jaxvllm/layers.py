@@ -9,11 +9,15 @@ mode on CPU). The K/V write is XLA's scatter on the donated cache for both.
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P, SingleDeviceSharding
 
 from jaxvllm.batch import ModelInputs
 from jaxvllm.config import ModelConfig, RopeConfig
+from jaxvllm.sharding import AXIS, kv_cache_sharding
 from pallas_kernels import mixed_paged_attention, ragged_paged_attention_reference, write_kv_reference
 
 ATTENTION_BACKENDS = ("reference", "pallas")
@@ -48,10 +52,25 @@ def paged_attention(
     sm_scale: float,
     sliding_window: int | None,
     backend: str,
+    mesh: Mesh | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """Write this step's k/v into the cache, then attend; returns (out, new cache)."""
+    """Write this step's k/v into the cache, then attend; returns (out, new cache).
+
+    With a mesh, each device does this for its own heads (`jax.shard_map`): q/k/v and the
+    cache are split on heads, the batch's index arrays replicated."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose from {ATTENTION_BACKENDS}")
+    local = partial(_paged_attention, sm_scale=sm_scale, sliding_window=sliding_window, backend=backend)
+    if mesh is None:
+        return local(q, k, v, kv_cache, inputs)
+    heads = P(None, AXIS)
+    return jax.shard_map(
+        local, mesh=mesh, in_specs=(heads, heads, heads, P(AXIS), P()), out_specs=(heads, P(AXIS)),
+        check_vma=False,  # Pallas calls carry no varying-axis annotations
+    )(q, k, v, kv_cache, inputs)
+
+
+def _paged_attention(q, k, v, kv_cache, inputs: ModelInputs, *, sm_scale, sliding_window, backend):
     k_cache, v_cache = write_kv_reference(*kv_cache, k, v, inputs.slot_mapping)
     attend = mixed_paged_attention if backend == "pallas" else ragged_paged_attention_reference
     out = attend(
@@ -69,8 +88,11 @@ def paged_attention(
 
 
 def allocate_kv_caches(
-    cfg: ModelConfig, num_blocks: int, block_size: int, dtype
+    cfg: ModelConfig, num_blocks: int, block_size: int, dtype, mesh: Mesh | None = None
 ) -> list[tuple[jax.Array, jax.Array]]:
-    """Zeroed per-layer (k_cache, v_cache), each [num_kv_heads, num_blocks, block_size, head_dim]."""
+    """Zeroed per-layer (k_cache, v_cache), each [num_kv_heads, num_blocks, block_size, head_dim],
+    split on KV heads over `mesh` (each device allocates only its part)."""
     shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
-    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)]
+    device = kv_cache_sharding(mesh) if mesh is not None else SingleDeviceSharding(jax.devices()[0])
+    return [(jnp.zeros(shape, dtype, device=device), jnp.zeros(shape, dtype, device=device))
+            for _ in range(cfg.num_layers)]

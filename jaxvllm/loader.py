@@ -6,15 +6,19 @@ import dataclasses
 import json
 import logging
 import tempfile
+from functools import partial
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from jaxvllm.config import EngineConfig, ModelConfig
 from jaxvllm.models import MODELS
+from jaxvllm.sharding import kv_repeats, param_shardings, sharded_config
 
 logger = logging.getLogger(__name__)
 
@@ -94,8 +98,12 @@ def load_model(
     dtype: str = "auto",
     load_format: str = "auto",
     seed: int = 0,
+    mesh: Mesh | None = None,
 ) -> tuple[ModelConfig, dict]:
-    """Return (config, params) with params in `dtype` ("auto" = the checkpoint's dtype).
+    """Return (config, params) with params in `dtype` ("auto" = the checkpoint's dtype),
+    split over `mesh` as `jaxvllm.sharding` says (None: all on the default device); the
+    config is the one the split model runs with (KV heads repeated up to the device count
+    when fewer).
 
     load_format "dummy" builds random weights from config.json alone, for benchmarks.
     """
@@ -103,9 +111,11 @@ def load_model(
         raise ValueError(f"load_format {load_format!r} is not supported; choose from {LOAD_FORMATS}")
     cfg = load_config(model)
     jdtype = resolve_dtype(dtype, cfg)
+    run_cfg = sharded_config(cfg, 1 if mesh is None else mesh.size)
+    shardings = _param_shardings(run_cfg, mesh)
     if load_format == "dummy":
-        return cfg, dummy_params(cfg, jdtype, seed)
-    return cfg, load_safetensors(Path(model), cfg, jdtype)
+        return run_cfg, dummy_params(cfg, jdtype, seed, shardings, kv_repeats(cfg, run_cfg))
+    return run_cfg, load_safetensors(Path(model), cfg, jdtype, shardings, kv_repeats(cfg, run_cfg))
 
 
 def _tensor_files(path: Path) -> dict[str, Path]:
@@ -132,13 +142,16 @@ def _tensor_files(path: Path) -> dict[str, Path]:
 
 
 def _open(file: Path):
-    try:
-        return safe_open(str(file), framework="flax")
+    try:  # numpy (bfloat16 through ml_dtypes): slices stay on the host until placed on their device
+        return safe_open(str(file), framework="numpy")
     except (SafetensorError, OSError) as e:
         raise ValueError(f"cannot read safetensors file {file}: {e}") from e
 
 
-def load_safetensors(path: Path, cfg: ModelConfig, dtype) -> dict:
+def load_safetensors(path: Path, cfg: ModelConfig, dtype, shardings: dict,
+                     repeats: int = 1) -> dict:
+    """Each device reads only its slice of each tensor (safetensors `get_slice`), so no
+    tensor is ever whole on one device, nor in host memory when it is split."""
     specs = MODELS[cfg.architecture].param_specs(cfg)
     files = _tensor_files(path)
     missing = [s.hf_name for s in specs if s.hf_name not in files]
@@ -158,10 +171,11 @@ def load_safetensors(path: Path, cfg: ModelConfig, dtype) -> dict:
                         raise ValueError(
                             f"tensor {spec.hf_name} in {file.name} has shape {shape}, config.json implies {spec.hf_shape}"
                         )
-                    array = f.get_tensor(spec.hf_name)
+                    value = _sharded_tensor(f.get_slice(spec.hf_name), spec, dtype, shardings[spec.path],
+                                            repeats if _repeated(spec) else 1)
                 except SafetensorError as e:
                     raise ValueError(f"cannot read tensor {spec.hf_name} from {file}: {e}") from e
-                _put(params, spec.path, jnp.asarray(array, dtype).reshape(spec.shape))
+                _put(params, spec.path, value)
                 bar.update(1)
     bar.close()
     unused = set(files) - {s.hf_name for s in specs} - {"lm_head.weight"}
@@ -170,17 +184,78 @@ def load_safetensors(path: Path, cfg: ModelConfig, dtype) -> dict:
     return params
 
 
-def dummy_params(cfg: ModelConfig, dtype, seed: int = 0) -> dict:
-    """Random weights of the right shapes (normal with the config's initializer_range)."""
+def _param_shardings(cfg: ModelConfig, mesh: Mesh | None) -> dict:
+    specs = MODELS[cfg.architecture].param_specs(cfg)
+    if mesh is None:
+        return {spec.path: SingleDeviceSharding(jax.devices()[0]) for spec in specs}
+    return param_shardings(specs, cfg, mesh)
+
+
+def _repeated(spec) -> bool:
+    """K/V projections are repeated per KV head when there are fewer KV heads than devices."""
+    return spec.path[-1] in ("k_proj", "v_proj", "k_bias", "v_bias")
+
+
+def _sharded_tensor(tensor_slice, spec, dtype, sharding, repeats: int) -> jax.Array:
+    """A parameter placed by `sharding`, each device's block read from the file alone.
+
+    Our shape is the HF shape with at most one axis split into (heads, head_dim), heads
+    first (see `param_specs`): heads [a:b] are HF rows (or columns) [a*hd : b*hd]. With
+    `repeats` > 1 the first axis counts repeated KV heads: our head h is checkpoint head
+    h // repeats."""
+    shape = spec.shape
+    global_shape = (shape[0] * repeats, *shape[1:])
+    split = next((j for j, (a, b) in enumerate(zip(shape, spec.hf_shape)) if a != b), None)
+
+    def block(index: tuple[slice, ...]) -> np.ndarray:
+        ranges = [sl.indices(n)[:2] for sl, n in zip(index, global_shape)]
+        lo, hi = ranges[0]
+        ranges[0] = (lo // repeats, (hi - 1) // repeats + 1)  # the checkpoint's rows of the first axis
+        hf_index, local_shape = [], []
+        for axis, (a, b) in enumerate(ranges):
+            if axis == split:  # heads of a (heads, head_dim) pair: whole head_dim rows of HF's axis
+                unit = shape[split + 1]
+                hf_index.append(slice(a * unit, b * unit))
+            elif split is not None and axis == split + 1:
+                if (a, b) != (0, shape[axis]):
+                    raise ValueError(f"{spec.hf_name}: head_dim cannot be split")
+            else:
+                hf_index.append(slice(a, b))
+            local_shape.append(b - a)
+        local = np.asarray(tensor_slice[tuple(hf_index)]).reshape(local_shape)
+        if repeats > 1:
+            local = local[np.arange(lo, hi) // repeats - ranges[0][0]]
+        return local.astype(dtype)
+
+    return jax.make_array_from_callback(global_shape, sharding, block)
+
+
+@partial(jax.jit, static_argnames=("shape", "dtype", "init", "repeats"))
+def _random_param(key, scale, *, shape, dtype, init: str, repeats: int):
+    if init == "normal":
+        value = jax.random.normal(key, shape, dtype) * scale
+    else:
+        value = (jnp.ones if init == "ones" else jnp.zeros)(shape, dtype)
+    return jnp.repeat(value.astype(dtype), repeats, axis=0) if repeats > 1 else value.astype(dtype)
+
+
+def dummy_params(cfg: ModelConfig, dtype, seed: int = 0, shardings: dict | None = None,
+                 repeats: int = 1) -> dict:
+    """Random weights of the right shapes (normal with the config's initializer_range), made
+    on their devices as `shardings` places them (default: one device), the same values
+    whatever the split."""
     key = jax.random.key(seed)
     params: dict = {}
     specs = MODELS[cfg.architecture].param_specs(cfg)
+    shardings = shardings or _param_shardings(cfg, None)
+    by_sharding = {}  # one jitted initializer per placement (each caches its shapes)
     for i, spec in enumerate(tqdm(specs, desc="Initializing dummy weights", dynamic_ncols=True)):
-        if spec.init == "normal":
-            value = jax.random.normal(jax.random.fold_in(key, i), spec.shape, dtype) * cfg.initializer_range
-        else:
-            value = (jnp.ones if spec.init == "ones" else jnp.zeros)(spec.shape, dtype)
-        _put(params, spec.path, value.astype(dtype))
+        sharding = shardings[spec.path]
+        init = by_sharding.setdefault(sharding, jax.jit(_random_param.__wrapped__, out_shardings=sharding,
+                                                        static_argnames=("shape", "dtype", "init", "repeats")))
+        value = init(jax.random.fold_in(key, i), cfg.initializer_range, shape=spec.shape, dtype=dtype,
+                     init=spec.init, repeats=repeats if _repeated(spec) else 1)
+        _put(params, spec.path, value)
     return params
 
 

@@ -19,6 +19,7 @@ from itertools import chain
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, SingleDeviceSharding
 from tqdm.auto import tqdm
 
 from jaxvllm.config import EngineConfig, ModelConfig
@@ -41,6 +42,7 @@ from jaxvllm.sampler import (
     write_state_row,
 )
 from jaxvllm.sampling_params import DEFAULT_MAX_LOGPROBS
+from jaxvllm.sharding import kv_cache_sharding, make_mesh, replicated
 
 logger = logging.getLogger(__name__)
 
@@ -109,14 +111,18 @@ class PendingStep:
         )
 
 
-def _forward(params, kv_caches, packed, last_sampled, *, cfg: ModelConfig, backend: str, layout: BatchLayout):
+def _forward(params, kv_caches, packed, last_sampled, *, cfg: ModelConfig, backend: str, mesh: Mesh | None,
+             layout: BatchLayout):
     """The model on one step's batch: float32 logits of the sampling rows, every token's
     final hidden state (for prompt logprobs), the batch's sampling prefix (for the
-    sampler, which then compiles per row count only), and the updated caches."""
+    sampler, which then compiles per row count only), and the updated caches. Logits of
+    a vocabulary-split lm_head are gathered: the sampler reads whole rows."""
     model = MODELS[cfg.architecture]
     inputs = layout.model_inputs(packed, last_sampled)
-    hidden, kv_caches = model.hidden_states(params, kv_caches, inputs, cfg, backend)
+    hidden, kv_caches = model.hidden_states(params, kv_caches, inputs, cfg, backend, mesh)
     logits = model.compute_logits(params, hidden[inputs.logits_indices], cfg)
+    if mesh is not None:
+        logits = jax.lax.with_sharding_constraint(logits, replicated(mesh))
     return logits, hidden, packed[: layout.sampling_size], kv_caches
 
 
@@ -151,17 +157,22 @@ def sequence_rows(max_num_seqs: int, bucket: int) -> int:
     return min(max_num_seqs, bucket)
 
 
-def jit_forward(cfg: ModelConfig, backend: str):
-    """The model step as the runner compiles it, per layout: the KV caches donated."""
-    return jax.jit(partial(_forward, cfg=cfg, backend=backend), static_argnames="layout", donate_argnums=(1,))
+def jit_forward(cfg: ModelConfig, backend: str, mesh: Mesh | None = None):
+    """The model step as the runner compiles it, per layout: the KV caches donated. With a
+    mesh, the model is split over its devices (tensor parallelism); None: one device."""
+    # Outputs placed as the inputs are (else a donated cache could come back placed otherwise,
+    # and the next step would compile anew).
+    out = None if mesh is None else (replicated(mesh),) * 3 + (kv_cache_sharding(mesh),)
+    return jax.jit(partial(_forward, cfg=cfg, backend=backend, mesh=mesh), static_argnames="layout",
+                   donate_argnums=(1,), out_shardings=out)
 
 
-def jit_sampler(logprobs_mode: str = "raw_logprobs"):
+def jit_sampler(logprobs_mode: str = "raw_logprobs", mesh: Mesh | None = None):
     """The sampler as the runner compiles it, per (row count, features): the last sampled
-    tokens and the sampler state donated."""
+    tokens and the sampler state donated. With a mesh it runs whole on every device."""
     # partial: a function of its own, so that each runner counts only its own variants
     return jax.jit(partial(_sample, logprobs_mode=logprobs_mode), static_argnames=("num_rows", "features"),
-                   donate_argnums=(2, 3))
+                   donate_argnums=(2, 3), out_shardings=None if mesh is None else replicated(mesh))
 
 
 def jit_prompt_logprobs(cfg: ModelConfig):
@@ -171,7 +182,11 @@ def jit_prompt_logprobs(cfg: ModelConfig):
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = c = config
-        self.cfg, self.params = load_model(c.model, dtype=c.dtype, load_format=c.load_format, seed=c.seed)
+        # Tensor parallelism: a mesh over the devices (None: one device, nothing split).
+        self.mesh = make_mesh(c.tensor_parallel_size) if c.tensor_parallel_size > 1 else None
+        # (the config the split model runs with: KV heads repeated when fewer than the devices)
+        self.cfg, self.params = load_model(c.model, dtype=c.dtype, load_format=c.load_format, seed=c.seed,
+                                           mesh=self.mesh)
         self.dtype = resolve_dtype(c.dtype, self.cfg)
         self.max_model_len = c.max_model_len or self.cfg.max_position_embeddings
         if self.max_model_len > self.cfg.max_position_embeddings:
@@ -190,15 +205,15 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-self.max_model_len // c.block_size)
         self.widths = block_table_widths(self.max_blocks_per_seq)
         self.input_batch = InputBatch(c.max_num_seqs, self.max_blocks_per_seq)
-        self._forward = jit_forward(self.cfg, self.backend)
-        self._sampler = jit_sampler(c.logprobs_mode)
+        self._forward = jit_forward(self.cfg, self.backend, self.mesh)
+        self._sampler = jit_sampler(c.logprobs_mode, self.mesh)
         self._prompt_logprobs = jit_prompt_logprobs(self.cfg)
         self._write_row = jax.jit(write_state_row, donate_argnums=(0,))
-        self.sampler_state: SamplerState = init_state(c.max_num_seqs, self.cfg.vocab_size)
+        self.sampler_state: SamplerState = self._new_sampler_state()
         # Each persistent row's last sampled token: where decode inputs come from under async scheduling.
-        self.last_sampled = jnp.zeros(c.max_num_seqs, jnp.int32)
+        self.last_sampled = self._new_last_sampled()
         self.num_blocks = self._num_kv_blocks()
-        self.kv_caches = allocate_kv_caches(self.cfg, self.num_blocks, c.block_size, self.dtype)
+        self.kv_caches = allocate_kv_caches(self.cfg, self.num_blocks, c.block_size, self.dtype, self.mesh)
         self._log_kv_cache()
         self.warmup_seconds = 0.0 if c.enforce_eager else self.warmup()
 
@@ -230,7 +245,7 @@ class ModelRunner:
             wanted = c.max_num_seqs * self.max_blocks_per_seq
             return max(self.max_blocks_per_seq, min(wanted, CPU_KV_CACHE_BYTES // self.bytes_per_block))
         # Profile: run the largest step with a one-sequence cache and measure the peak.
-        probe = allocate_kv_caches(self.cfg, self.max_blocks_per_seq, self.block_size, self.dtype)
+        probe = allocate_kv_caches(self.cfg, self.max_blocks_per_seq, self.block_size, self.dtype, self.mesh)
         self.launch(self.padding_batch(self.buckets[-1], self.widths[-1], COMMON_FEATURES[-1]), probe)
         jax.block_until_ready((self.last_sampled, self.sampler_state))
         del probe
@@ -450,7 +465,7 @@ class ModelRunner:
         """Dispatch a built step: one transfer, the forward, the sampler, prompt logprobs if asked.
         (`kv_caches`: a probe cache for the memory profile instead of the engine's.)"""
         layout = batch.layout
-        packed = jax.device_put(batch.packed)
+        packed = jax.device_put(batch.packed, self._replicated)
         logits, hidden, sampling_rows, caches = self._forward(
             self.params, self.kv_caches if kv_caches is None else kv_caches, packed, self.last_sampled, layout=layout
         )
@@ -476,13 +491,26 @@ class ModelRunner:
         self.release(list(self.input_batch.row_of))
         gone = lambda tree: any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(tree))  # noqa: E731
         if gone(self.sampler_state):
-            self.sampler_state = init_state(self.config.max_num_seqs, self.cfg.vocab_size)
+            self.sampler_state = self._new_sampler_state()
         if gone(self.last_sampled):
-            self.last_sampled = jnp.zeros(self.config.max_num_seqs, jnp.int32)
+            self.last_sampled = self._new_last_sampled()
         if gone(self.kv_caches):
-            self.kv_caches = allocate_kv_caches(self.cfg, self.num_blocks, self.block_size, self.dtype)
+            self.kv_caches = allocate_kv_caches(self.cfg, self.num_blocks, self.block_size, self.dtype, self.mesh)
             return True
         return False
+
+    def _new_sampler_state(self) -> SamplerState:
+        """Per-row sampler state, whole on every device of the mesh (the sampler is replicated)."""
+        return jax.device_put(init_state(self.config.max_num_seqs, self.cfg.vocab_size), self._replicated)
+
+    def _new_last_sampled(self) -> jax.Array:
+        return jax.device_put(jnp.zeros(self.config.max_num_seqs, jnp.int32), self._replicated)
+
+    @property
+    def _replicated(self):
+        """Where per-step inputs and sampler buffers live: whole on every device of the mesh, or
+        on the default device (committed there, as the params are: jit keys on it)."""
+        return SingleDeviceSharding(jax.devices()[0]) if self.mesh is None else replicated(self.mesh)
 
     def num_compiled_buckets(self) -> int:
         """Compiled forward shapes (token bucket x block-table width)."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from jaxvllm.batch import ModelInputs
 from jaxvllm.config import ModelConfig
@@ -70,7 +71,7 @@ def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
     return specs
 
 
-def _attention_block(layer: dict, x, kv_cache, inputs: ModelInputs, cfg: ModelConfig, window, backend):
+def _attention_block(layer: dict, x, kv_cache, inputs: ModelInputs, cfg: ModelConfig, window, backend, mesh):
     q = jnp.einsum("td,hkd->thk", x, layer["q_proj"])
     k = jnp.einsum("td,hkd->thk", x, layer["k_proj"])
     v = jnp.einsum("td,hkd->thk", x, layer["v_proj"])
@@ -82,7 +83,7 @@ def _attention_block(layer: dict, x, kv_cache, inputs: ModelInputs, cfg: ModelCo
     q = apply_rope(q, inputs.positions, cfg.rope)
     k = apply_rope(k, inputs.positions, cfg.rope)
     out, kv_cache = paged_attention(
-        q, k, v, kv_cache, inputs, sm_scale=cfg.head_dim**-0.5, sliding_window=window, backend=backend
+        q, k, v, kv_cache, inputs, sm_scale=cfg.head_dim**-0.5, sliding_window=window, backend=backend, mesh=mesh
     )
     out = jnp.einsum("thk,dhk->td", out, layer["o_proj"])
     if cfg.o_bias:
@@ -105,14 +106,17 @@ def hidden_states(
     inputs: ModelInputs,
     cfg: ModelConfig,
     attention_backend: str = "reference",
+    mesh: Mesh | None = None,
 ) -> tuple[jax.Array, KVCaches]:
-    """Final-normed hidden states [T, hidden] of every token, and the new caches."""
+    """Final-normed hidden states [T, hidden] of every token, and the new caches. With a
+    mesh (tensor parallelism), attention runs per device on its heads; the rest is XLA's
+    SPMD partitioning of the sharded params (see `jaxvllm/sharding.py`)."""
     x = params["embed"][inputs.input_ids]
     new_caches = []
     for i, layer in enumerate(params["layers"]):
         h = rms_norm(x, layer["input_norm"], cfg.rms_norm_eps)
         window = cfg.sliding_windows[i] if cfg.sliding_windows else None
-        h, cache = _attention_block(layer, h, kv_caches[i], inputs, cfg, window, attention_backend)
+        h, cache = _attention_block(layer, h, kv_caches[i], inputs, cfg, window, attention_backend, mesh)
         new_caches.append(cache)
         x = x + h
         x = x + _mlp(layer, rms_norm(x, layer["post_norm"], cfg.rms_norm_eps), cfg)
@@ -131,11 +135,12 @@ def forward(
     inputs: ModelInputs,
     cfg: ModelConfig,
     attention_backend: str = "reference",
+    mesh: Mesh | None = None,
 ) -> tuple[jax.Array, KVCaches]:
     """Run the flat batch; returns (float32 logits [S, vocab] for `logits_indices`, new caches).
 
     A pure function of (params, kv_caches, inputs): jit it with `cfg` and the backend
     static and the caches donated.
     """
-    hidden, kv_caches = hidden_states(params, kv_caches, inputs, cfg, attention_backend)
+    hidden, kv_caches = hidden_states(params, kv_caches, inputs, cfg, attention_backend, mesh)
     return compute_logits(params, hidden[inputs.logits_indices], cfg), kv_caches

@@ -1,0 +1,106 @@
+"""Tensor-parallel checks on 8 CPU devices, run by tests/test_tensor_parallel.py in a process
+of its own (the device count is fixed when jax starts): prints one JSON object of results.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/tensor_parallel_worker.py DIR
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import jax
+import torch
+from transformers import AutoModelForCausalLM
+
+from jaxvllm import LLM, SamplingParams
+from weights.make_tiny import make_tiny
+
+ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, token_buckets=[64])
+PROMPTS = [list(range(5, 5 + n)) for n in (3, 17, 40)]
+MAX_TOKENS = 8
+# (name, arch, config overrides, tensor-parallel sizes): every tiny architecture (4 query
+# heads, 1-4 KV heads), and 8 query heads over 2 KV heads for 8 devices (KV heads repeated 4x).
+CASES = [
+    ("llama", "llama", {}, (2, 4)),
+    ("mistral", "mistral", {}, (2, 4)),
+    ("qwen2", "qwen2", {}, (2, 4)),
+    ("qwen3", "qwen3", {}, (2, 4)),
+    ("llama-8-heads", "llama", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16), (2, 4, 8)),
+]
+
+
+def greedy(llm: LLM) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
+                                                           use_tqdm=False)]
+
+
+def hf_greedy(path: Path) -> list[list[int]]:
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for p in PROMPTS:
+            ids = model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                                 attention_mask=torch.ones(1, len(p), dtype=torch.long))
+            out.append(ids[0, len(p):].tolist())
+    return out
+
+
+def shard_shapes(llm: LLM) -> dict[str, list]:
+    """The shape of every device's block of a few parameters and of a KV cache."""
+    runner = llm.llm_engine.runner
+    layer = runner.params["layers"][0]
+    arrays = {name: layer[name] for name in ("q_proj", "k_proj", "o_proj", "gate_proj", "down_proj", "input_norm")}
+    arrays["embed"] = runner.params["embed"]
+    arrays["k_cache"] = runner.kv_caches[0][0]
+    return {name: sorted({tuple(s.data.shape) for s in a.addressable_shards}) + [len(a.addressable_shards)]
+            for name, a in arrays.items()}
+
+
+def cache_all_gathers(llm: LLM) -> dict:
+    """All-gathers in the compiled forward whose result is as large as a whole KV cache."""
+    runner = llm.llm_engine.runner
+    batch = runner.padding_batch(runner.buckets[-1], runner.widths[-1], None)
+    packed = jax.device_put(batch.packed, runner._replicated)
+    hlo = runner._forward.lower(runner.params, runner.kv_caches, packed, runner.last_sampled,
+                                layout=batch.layout).compile().as_text()
+    cache = runner.kv_caches[0][0].shape
+    shape = ",".join(map(str, cache))
+    gathers = [line for line in hlo.splitlines() if "all-gather" in line and f"[{shape}]" in line]
+    return {"cache_gathers": len(gathers), "all_reduces": len(re.findall(r"= \S+ all-reduce(?:-start)?\(", hlo)),
+            "num_layers": runner.cfg.num_layers}
+
+
+def main(folder: str) -> None:
+    results: dict = {"devices": jax.device_count(), "cases": {}, "errors": {}}
+    for name, arch, overrides, sizes in CASES:
+        path = make_tiny(arch, Path(folder) / name, **overrides)
+        case = {"hf": hf_greedy(path)}
+        with LLM(path, **ENGINE) as one:
+            case["tp1"] = greedy(one)
+        for tp in sizes:
+            with LLM(path, **ENGINE, tensor_parallel_size=tp) as llm:
+                case[f"tp{tp}"] = greedy(llm)
+                case[f"tp{tp}_kv_heads"] = llm.llm_engine.runner.cfg.num_kv_heads
+                if name == "llama-8-heads" and tp == 8:
+                    case["shards"] = shard_shapes(llm)
+                    case["hlo"] = cache_all_gathers(llm)
+        if name == "qwen3":  # the Pallas kernels (interpret mode) per device, KV heads repeated 4x
+            with LLM(path, **ENGINE, tensor_parallel_size=4, attention_backend="pallas") as llm:
+                case["tp4_pallas"] = greedy(llm)
+        results["cases"][name] = case
+    path = Path(folder) / "llama"
+    for tp in (3, 16):
+        try:
+            LLM(path, **ENGINE, tensor_parallel_size=tp)
+            results["errors"][str(tp)] = None
+        except ValueError as e:
+            results["errors"][str(tp)] = str(e)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

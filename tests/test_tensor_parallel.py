@@ -1,0 +1,76 @@
+"""Tensor parallelism on 8 CPU devices (XLA's forced host device count), checked in a
+process of its own: tests/tensor_parallel_worker.py runs every engine once and reports."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "tensor_parallel_worker.py"),
+                           str(tmp_path_factory.mktemp("tp"))], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_eight_devices(results):
+    assert results["devices"] == 8
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "llama-8-heads"])
+def test_greedy_parity_with_one_device_and_hf(results, name):
+    case = results["cases"][name]
+    assert case["tp1"] == case["hf"]
+    sizes = [key for key in case if re.fullmatch(r"tp\d+", key)]
+    assert len(sizes) >= 3
+    for key in sizes:
+        assert case[key] == case["tp1"], key
+
+
+def test_kv_heads_are_repeated_when_fewer_than_devices(results):
+    assert results["cases"]["qwen3"]["tp2_kv_heads"] == 2  # 1 KV head, repeated for 2 devices
+    assert results["cases"]["qwen3"]["tp4_kv_heads"] == 4
+    assert results["cases"]["qwen2"]["tp2_kv_heads"] == 4  # 4 KV heads: split 2 per device
+    assert results["cases"]["llama-8-heads"]["tp8_kv_heads"] == 8
+
+
+def test_pallas_kernels_per_device(results):
+    case = results["cases"]["qwen3"]
+    assert case["tp4_pallas"] == case["tp1"]
+
+
+def test_each_device_holds_its_share(results):
+    """8 query heads (head_dim 16), 2 KV heads repeated to 8, hidden 64, MLP 128, vocab 512,
+    over 8 devices: every split parameter has 1/8 per device; norms are whole everywhere."""
+    shards = results["cases"]["llama-8-heads"]["shards"]
+    assert shards["q_proj"] == [[1, 16, 64], 8]
+    assert shards["k_proj"] == [[1, 16, 64], 8]
+    assert shards["o_proj"] == [[64, 1, 16], 8]
+    assert shards["gate_proj"] == [[16, 64], 8]
+    assert shards["down_proj"] == [[64, 16], 8]
+    assert shards["embed"] == [[64, 64], 8]
+    assert shards["input_norm"] == [[64], 8]
+    assert shards["k_cache"][0][0] == 1 and shards["k_cache"][-1] == 8
+
+
+def test_no_kv_cache_is_gathered(results):
+    hlo = results["cases"]["llama-8-heads"]["hlo"]
+    assert hlo["cache_gathers"] == 0
+    assert hlo["all_reduces"] >= 2 * hlo["num_layers"]  # o_proj and down_proj partial sums
+
+
+def test_bad_sizes_are_refused_naming_the_numbers(results):
+    assert results["errors"]["3"] == "tensor_parallel_size=3 does not divide num_attention_heads=4"
+    assert results["errors"]["16"].startswith("tensor_parallel_size=16 exceeds the 8 cpu device(s)")
+
