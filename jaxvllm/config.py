@@ -198,7 +198,10 @@ class EngineConfig:
     # Devices the model is split over (jaxvllm/sharding.py); the others are refused for now.
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # Engine replicas (`LLM` spreads requests over them), each on tensor_parallel_size devices
+    # of its own; an `LLMEngine` is replica `data_parallel_rank`.
     data_parallel_size: int = 1
+    data_parallel_rank: int = 0
     # The name `get_metrics()` labels metrics with (default: the model argument; of a list,
     # the first), as vLLM's.
     served_model_name: str | list[str] | None = None
@@ -260,10 +263,14 @@ class EngineConfig:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
-        for name in ("pipeline_parallel_size", "data_parallel_size"):
-            if getattr(self, name) != 1:
-                raise ValueError(f"{name}={getattr(self, name)!r}: jaxvllm splits a model over devices by "
-                                 f"tensor parallelism only (tensor_parallel_size) for now")
+        if self.pipeline_parallel_size != 1:
+            raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size!r}: jaxvllm splits a model over "
+                             "devices by tensor parallelism (tensor_parallel_size)")
+        if not _is_int(self.data_parallel_size) or self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be a positive int, got {self.data_parallel_size!r}")
+        if not _is_int(self.data_parallel_rank) or not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(f"data_parallel_rank must be in [0, {self.data_parallel_size}), "
+                             f"got {self.data_parallel_rank!r}")
         names = [self.served_model_name] if isinstance(self.served_model_name, str) else self.served_model_name
         if names is not None and (not isinstance(names, list) or not names
                                   or not all(isinstance(n, str) and n for n in names)):

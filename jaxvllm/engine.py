@@ -112,6 +112,7 @@ class LLMEngine:
             self.kv_cache_manager,
         )
         self.metrics = MetricsCollector(model_name, self.runner.max_model_len)  # for get_metrics()
+        self.metrics.labels["engine"] = str(config.data_parallel_rank)  # vLLM labels each replica
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None  # async: the step not yet read
         self._arrivals = itertools.count()
         self._parents: dict[str, ParentRequest] = {}
@@ -480,6 +481,8 @@ class LLMEngine:
     def stats(self) -> dict:
         return {
             "num_gpu_blocks": self.runner.num_blocks,
+            "tensor_parallel_size": len(self.runner.devices),
+            "kv_cache_per_device": self.runner.kv_cache_per_device(),  # blocks and bytes on each device
             "num_free_blocks": self.kv_cache_manager.num_free_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_compiled_buckets": self.runner.num_compiled_buckets(),

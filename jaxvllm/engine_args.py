@@ -27,6 +27,8 @@ _VALUE_FLAGS: dict[str, tuple[type, str]] = {
     "attention-backend": (str, "'auto', 'reference' or 'pallas' (where available)"),
     "tokenizer": (str, "tokenizer folder (default: the model's)"),
     "load-format": (str, "'auto', 'safetensors' or 'dummy' (random weights)"),
+    "tensor-parallel-size": (int, "devices each model replica is split over (tensor parallelism)"),
+    "data-parallel-size": (int, "model replicas, each on tensor-parallel-size devices of its own"),
     "max-logprobs": (int, "most logprobs a request may ask for (-1: the whole vocabulary)"),
     "logprobs-mode": (str, "raw_logprobs, raw_logits, processed_logprobs or processed_logits"),
     "generation-config": (str, "default sampling params from: 'auto' (the model's), 'vllm' or a folder"),

@@ -88,11 +88,12 @@ def _paged_attention(q, k, v, kv_cache, inputs: ModelInputs, *, sm_scale, slidin
 
 
 def allocate_kv_caches(
-    cfg: ModelConfig, num_blocks: int, block_size: int, dtype, mesh: Mesh | None = None
+    cfg: ModelConfig, num_blocks: int, block_size: int, dtype, mesh: Mesh | None = None, device=None
 ) -> list[tuple[jax.Array, jax.Array]]:
     """Zeroed per-layer (k_cache, v_cache), each [num_kv_heads, num_blocks, block_size, head_dim],
-    split on KV heads over `mesh` (each device allocates only its part)."""
+    split on KV heads over `mesh` (each device allocates only its part), else on `device`
+    (default: the first)."""
     shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
-    device = kv_cache_sharding(mesh) if mesh is not None else SingleDeviceSharding(jax.devices()[0])
+    device = kv_cache_sharding(mesh) if mesh is not None else SingleDeviceSharding(device or jax.devices()[0])
     return [(jnp.zeros(shape, dtype, device=device), jnp.zeros(shape, dtype, device=device))
             for _ in range(cfg.num_layers)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Sequence
 
@@ -22,10 +23,18 @@ class LLM:
 
     `llm.shutdown()` frees the engine's device memory at once (weights, KV cache); so does
     leaving a `with LLM(...) as llm:` block, or dropping the last reference (`del llm`).
+
+    `data_parallel_size=M` builds M engine replicas, each on `tensor_parallel_size` devices
+    of its own, in this process; `generate` spreads its requests over them by load and
+    steps them in turn (each dispatches its next step before waiting for its last), so their
+    devices work at once. `llm_engine` is replica 0.
     """
 
     def __init__(self, model: str, **kwargs: Any) -> None:
-        self.llm_engine = LLMEngine(EngineConfig(model=str(model), **kwargs))
+        config = EngineConfig(model=str(model), **kwargs)
+        self.engines = [LLMEngine(dataclasses.replace(config, data_parallel_rank=rank))
+                        for rank in range(config.data_parallel_size)]
+        self.llm_engine = self.engines[0]
         self._request_counter = 0
         self._default_sampling: dict[str, Any] | None = None
 
@@ -73,7 +82,8 @@ class LLM:
         added by hand. The LLM cannot generate afterwards (RuntimeError); the memory is freed
         even where other references to this object remain (a notebook's output history, a
         traceback). Calling it twice is harmless."""
-        self.llm_engine.shutdown()
+        for engine in self.engines:
+            engine.shutdown()
 
     def __enter__(self) -> "LLM":
         return self
@@ -159,8 +169,8 @@ class LLM:
         return list(value)
 
     def _run(self, prompts, sampling_params, priority, use_tqdm: bool, add_special_tokens: bool = True):
-        engine = self.llm_engine
-        if engine.scheduler.has_unfinished_requests():  # (a step left in flight for finished ones is harmless)
+        engine = self.llm_engine  # validates and builds the requests; any replica may run them
+        if any(e.scheduler.has_unfinished_requests() for e in self.engines):  # (a step left in flight is harmless)
             raise RuntimeError("the engine has unfinished requests added by hand; finish or abort them first")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -176,26 +186,32 @@ class LLM:
                 e.add_note(f"(prompt {i} of {len(prompts)})")
                 raise
         self._request_counter += len(requests)
-        engine.scheduler.set_policy("priority" if priority is not None else engine.config.scheduling_policy)
+        for e in self.engines:
+            e.scheduler.set_policy("priority" if priority is not None else e.config.scheduling_policy)
 
         finished: dict[str, RequestOutput] = {}
         added: list[str] = []
         bar = None
-        try:  # everything from the first request queued on: an interrupt anywhere leaves the engine clean
+        try:  # everything from the first request queued on: an interrupt anywhere leaves the engines clean
+            load = [0] * len(self.engines)  # tokens (prompt + most to generate) given to each replica
             for request in requests:
                 request.output_kind = RequestOutputKind.FINAL_ONLY  # generate keeps only the final outputs
-                engine.add_parent(request)
+                rank = load.index(min(load))
+                self.engines[rank].add_parent(request)
+                load[rank] += sum(c.num_prompt_tokens + c.max_tokens for c in request.children)
                 added.append(request.request_id)
             bar = tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
             start, num_output_tokens = time.perf_counter(), 0
-            while engine.has_unfinished_requests():
-                for output in engine.step():
-                    num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
-                    finished[output.request_id] = output
-                    bar.update(1)
+            while busy := [e for e in self.engines if e.has_unfinished_requests()]:
+                for e in busy:
+                    for output in e.step():
+                        num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
+                        finished[output.request_id] = output
+                        bar.update(1)
                 bar.set_postfix_str(f"output {num_output_tokens / (time.perf_counter() - start):.1f} tok/s", refresh=False)
         except BaseException:  # KeyboardInterrupt or a device error: this call's requests are aborted
-            engine.abort_request(added)
+            for e in self.engines:
+                e.abort_request(added)
             raise
         finally:
             if bar is not None:
@@ -222,21 +238,26 @@ class LLM:
         return beam_search(self, prompts, params, use_tqdm=use_tqdm, concurrency_limit=concurrency_limit)
 
     def stats(self) -> dict:
+        """Replica 0's figures (KV blocks, preemptions, compiled buckets, ...); with data
+        parallelism, every replica's under "replicas"."""
         self._check_open()
-        return self.llm_engine.stats()
+        stats = self.llm_engine.stats()
+        if len(self.engines) > 1:
+            stats["replicas"] = [e.stats() for e in self.engines]
+        return stats
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefix blocks (their memory stays with the KV pool)."""
         self._check_open()
-        return self.llm_engine.reset_prefix_cache()
+        return all([e.reset_prefix_cache() for e in self.engines])
 
     def get_metrics(self) -> list:
         """vLLM's: a snapshot of the engine's metrics since it was created, a list of
         `jaxvllm.metrics` `Counter`, `Gauge` and `Histogram` (vLLM's reader classes) with
         vLLM's names ("vllm:prompt_tokens", "vllm:time_to_first_token_seconds", ...) and
-        labels (model_name, engine="0"). Counters never go back (reset_prefix_cache
-        included); gauges are the state now. Also readable after shutdown()."""
-        return self.llm_engine.get_metrics()
+        labels (model_name, engine: the data-parallel replica). Counters never go back
+        (reset_prefix_cache included); gauges are the state now. Also readable after shutdown()."""
+        return [metric for e in self.engines for metric in e.get_metrics()]
 
 
 def _check_no_lora(lora_request: Any) -> None:

@@ -99,9 +99,10 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     mesh: Mesh | None = None,
+    device=None,
 ) -> tuple[ModelConfig, dict]:
     """Return (config, params) with params in `dtype` ("auto" = the checkpoint's dtype),
-    split over `mesh` as `jaxvllm.sharding` says (None: all on the default device); the
+    split over `mesh` as `jaxvllm.sharding` says (None: all on `device`, default the first); the
     config is the one the split model runs with (KV heads repeated up to the device count
     when fewer).
 
@@ -112,7 +113,7 @@ def load_model(
     cfg = load_config(model)
     jdtype = resolve_dtype(dtype, cfg)
     run_cfg = sharded_config(cfg, 1 if mesh is None else mesh.size)
-    shardings = _param_shardings(run_cfg, mesh)
+    shardings = _param_shardings(run_cfg, mesh, device)
     if load_format == "dummy":
         return run_cfg, dummy_params(cfg, jdtype, seed, shardings, kv_repeats(cfg, run_cfg))
     return run_cfg, load_safetensors(Path(model), cfg, jdtype, shardings, kv_repeats(cfg, run_cfg))
@@ -184,10 +185,10 @@ def load_safetensors(path: Path, cfg: ModelConfig, dtype, shardings: dict,
     return params
 
 
-def _param_shardings(cfg: ModelConfig, mesh: Mesh | None) -> dict:
+def _param_shardings(cfg: ModelConfig, mesh: Mesh | None, device=None) -> dict:
     specs = MODELS[cfg.architecture].param_specs(cfg)
     if mesh is None:
-        return {spec.path: SingleDeviceSharding(jax.devices()[0]) for spec in specs}
+        return {spec.path: SingleDeviceSharding(device or jax.devices()[0]) for spec in specs}
     return param_shardings(specs, cfg, mesh)
 
 

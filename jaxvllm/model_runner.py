@@ -11,6 +11,7 @@ when it needs them (after dispatching the next step, under async scheduling).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -42,7 +43,7 @@ from jaxvllm.sampler import (
     write_state_row,
 )
 from jaxvllm.sampling_params import DEFAULT_MAX_LOGPROBS
-from jaxvllm.sharding import kv_cache_sharding, make_mesh, replicated
+from jaxvllm.sharding import device_group, kv_cache_sharding, make_mesh, replicated
 
 logger = logging.getLogger(__name__)
 
@@ -59,9 +60,15 @@ def default_buckets(max_num_batched_tokens: int, smallest: int = 16) -> list[int
     return buckets + [max_num_batched_tokens]
 
 
-def device_memory_stats() -> dict | None:
-    """The first device's allocator figures (bytes_limit, bytes_in_use, ...); None on CPU."""
-    return jax.devices()[0].memory_stats()
+def device_memory_stats(device) -> dict | None:
+    """A device's allocator figures (bytes_limit, bytes_in_use, ...); None on CPU."""
+    return device.memory_stats()
+
+
+def device_total_memory(stats: dict) -> float:
+    """A device's total memory, from JAX's allocator limit: that is XLA_PYTHON_CLIENT_MEM_FRACTION
+    (JAX's default 0.75) of the total. JAX reports no total of its own."""
+    return stats["bytes_limit"] / float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
 
 
 # Prompt logprobs need logits for every prompt row: computed this many rows at a time.
@@ -182,11 +189,12 @@ def jit_prompt_logprobs(cfg: ModelConfig):
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = c = config
-        # Tensor parallelism: a mesh over the devices (None: one device, nothing split).
-        self.mesh = make_mesh(c.tensor_parallel_size) if c.tensor_parallel_size > 1 else None
+        # This replica's devices; tensor parallelism: a mesh over them (None: one device, nothing split).
+        self.devices = device_group(c.tensor_parallel_size, c.data_parallel_rank, c.data_parallel_size)
+        self.mesh = make_mesh(self.devices) if len(self.devices) > 1 else None
         # (the config the split model runs with: KV heads repeated when fewer than the devices)
         self.cfg, self.params = load_model(c.model, dtype=c.dtype, load_format=c.load_format, seed=c.seed,
-                                           mesh=self.mesh)
+                                           mesh=self.mesh, device=self.devices[0])
         self.dtype = resolve_dtype(c.dtype, self.cfg)
         self.max_model_len = c.max_model_len or self.cfg.max_position_embeddings
         if self.max_model_len > self.cfg.max_position_embeddings:
@@ -213,7 +221,7 @@ class ModelRunner:
         # Each persistent row's last sampled token: where decode inputs come from under async scheduling.
         self.last_sampled = self._new_last_sampled()
         self.num_blocks = self._num_kv_blocks()
-        self.kv_caches = allocate_kv_caches(self.cfg, self.num_blocks, c.block_size, self.dtype, self.mesh)
+        self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         self._log_kv_cache()
         self.warmup_seconds = 0.0 if c.enforce_eager else self.warmup()
 
@@ -231,32 +239,52 @@ class ModelRunner:
 
     @property
     def bytes_per_block(self) -> int:
+        """All devices together (each holds 1 / tensor_parallel_size of every block)."""
         c = self.cfg
         return 2 * c.num_layers * c.num_kv_heads * self.block_size * c.head_dim * jnp.dtype(self.dtype).itemsize
 
+    def kv_cache_per_device(self) -> list[dict]:
+        per_device = self.bytes_per_block // len(self.devices)
+        return [{"device": str(d), "num_blocks": self.num_blocks, "bytes": self.num_blocks * per_device}
+                for d in self.devices]
+
     def _num_kv_blocks(self) -> int:
+        """vLLM's meaning: the engine may use gpu_memory_utilization of each device's total
+        memory for weights, activations and the KV cache. Profile the largest step, then
+        size the cache from the device with the least room left."""
         c = self.config
         if c.num_gpu_blocks_override is not None:
             if c.num_gpu_blocks_override < 1:
                 raise ValueError(f"num_gpu_blocks_override must be >= 1, got {c.num_gpu_blocks_override}")
             return c.num_gpu_blocks_override
-        stats = device_memory_stats()
+        stats = device_memory_stats(self.devices[0])
         if not stats or "bytes_limit" not in stats:  # CPU: enough for every sequence, within a fixed budget
             wanted = c.max_num_seqs * self.max_blocks_per_seq
             return max(self.max_blocks_per_seq, min(wanted, CPU_KV_CACHE_BYTES // self.bytes_per_block))
         # Profile: run the largest step with a one-sequence cache and measure the peak.
-        probe = allocate_kv_caches(self.cfg, self.max_blocks_per_seq, self.block_size, self.dtype, self.mesh)
+        probe = self._allocate_kv_caches(self.max_blocks_per_seq)
         self.launch(self.padding_batch(self.buckets[-1], self.widths[-1], COMMON_FEATURES[-1]), probe)
         jax.block_until_ready((self.last_sampled, self.sampler_state))
         del probe
-        stats = device_memory_stats()
-        peak = stats.get("peak_bytes_in_use", stats["bytes_in_use"])
-        free = c.gpu_memory_utilization * stats["bytes_limit"] - peak
-        num_blocks = int(free // self.bytes_per_block)
+        per_device = self.bytes_per_block / len(self.devices)
+        fits = []
+        for device in self.devices:
+            stats = device_memory_stats(device)
+            peak = stats.get("peak_bytes_in_use", stats["bytes_in_use"])
+            wanted = c.gpu_memory_utilization * device_total_memory(stats)
+            if wanted > stats["bytes_limit"]:
+                logger.info(
+                    "%s: gpu_memory_utilization=%s asks for %.2f GiB, JAX's allocator allows %.2f GiB "
+                    "(XLA_PYTHON_CLIENT_MEM_FRACTION, set before jax starts, raises it)",
+                    device, c.gpu_memory_utilization, wanted / 2**30, stats["bytes_limit"] / 2**30,
+                )
+            budget = min(wanted, stats["bytes_limit"])
+            fits.append((int((budget - peak) // per_device), device, peak, budget))
+        num_blocks, device, peak, budget = min(fits, key=lambda f: f[0])
         if num_blocks < self.max_blocks_per_seq:
             raise ValueError(
                 f"only {max(num_blocks, 0)} KV blocks fit in gpu_memory_utilization={c.gpu_memory_utilization} "
-                f"(peak use {peak / 2**30:.2f} GiB of {stats['bytes_limit'] / 2**30:.2f} GiB); one sequence of "
+                f"on {device} (peak use {peak / 2**30:.2f} GiB of {budget / 2**30:.2f} GiB); one sequence of "
                 f"max_model_len={self.max_model_len} needs {self.max_blocks_per_seq}"
             )
         return num_blocks
@@ -495,9 +523,12 @@ class ModelRunner:
         if gone(self.last_sampled):
             self.last_sampled = self._new_last_sampled()
         if gone(self.kv_caches):
-            self.kv_caches = allocate_kv_caches(self.cfg, self.num_blocks, self.block_size, self.dtype, self.mesh)
+            self.kv_caches = self._allocate_kv_caches(self.num_blocks)
             return True
         return False
+
+    def _allocate_kv_caches(self, num_blocks: int):
+        return allocate_kv_caches(self.cfg, num_blocks, self.block_size, self.dtype, self.mesh, self.devices[0])
 
     def _new_sampler_state(self) -> SamplerState:
         """Per-row sampler state, whole on every device of the mesh (the sampler is replicated)."""
@@ -510,7 +541,7 @@ class ModelRunner:
     def _replicated(self):
         """Where per-step inputs and sampler buffers live: whole on every device of the mesh, or
         on the default device (committed there, as the params are: jit keys on it)."""
-        return SingleDeviceSharding(jax.devices()[0]) if self.mesh is None else replicated(self.mesh)
+        return SingleDeviceSharding(self.devices[0]) if self.mesh is None else replicated(self.mesh)
 
     def num_compiled_buckets(self) -> int:
         """Compiled forward shapes (token bucket x block-table width)."""

@@ -33,15 +33,24 @@ from jaxvllm.config import ModelConfig
 AXIS = "tp"
 
 
-def make_mesh(tensor_parallel_size: int) -> Mesh:
-    """The first `tensor_parallel_size` devices of the default backend, on one "tp" axis."""
+def device_group(tensor_parallel_size: int, data_parallel_rank: int = 0, data_parallel_size: int = 1) -> list:
+    """The devices of one engine replica: replica r of a data-parallel group uses devices
+    [r * tp, (r + 1) * tp) of the default backend."""
     devices = jax.devices()
-    if tensor_parallel_size > len(devices):
-        raise ValueError(
-            f"tensor_parallel_size={tensor_parallel_size} exceeds the {len(devices)} {jax.default_backend()} "
-            f"device(s) here"
-        )
-    return Mesh(devices[:tensor_parallel_size], (AXIS,))
+    if tensor_parallel_size * data_parallel_size > len(devices):
+        if data_parallel_size == 1:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} exceeds the {len(devices)} "
+                             f"{jax.default_backend()} device(s) here")
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} x data_parallel_size={data_parallel_size} "
+                         f"needs {tensor_parallel_size * data_parallel_size} devices; {len(devices)} "
+                         f"{jax.default_backend()} device(s) here")
+    start = data_parallel_rank * tensor_parallel_size
+    return devices[start : start + tensor_parallel_size]
+
+
+def make_mesh(devices: list) -> Mesh:
+    """`devices` on one "tp" axis."""
+    return Mesh(devices, (AXIS,))
 
 
 def check_divisible(cfg: ModelConfig, tp: int) -> None:

@@ -74,6 +74,45 @@ def cache_all_gathers(llm: LLM) -> dict:
             "num_layers": runner.cfg.num_layers}
 
 
+def per_device_sizing(path: Path) -> dict:
+    """KV blocks sized from the device with the least room: fake allocator figures where
+    device 3 has the highest peak (100 MiB total on each, JAX's 0.75 limit)."""
+    import jaxvllm.model_runner as model_runner
+
+    def stats(device):
+        peak = (30 if device.id == 3 else 10) << 20
+        return {"bytes_limit": 75 << 20, "bytes_in_use": peak, "peak_bytes_in_use": peak}
+
+    real = model_runner.device_memory_stats
+    model_runner.device_memory_stats = stats
+    try:
+        with LLM(path, **ENGINE, tensor_parallel_size=4, gpu_memory_utilization=0.5, enforce_eager=True) as llm:
+            runner = llm.llm_engine.runner
+            return {"num_blocks": runner.num_blocks, "bytes_per_block": runner.bytes_per_block,
+                    "per_device": llm.stats()["kv_cache_per_device"]}
+    finally:
+        model_runner.device_memory_stats = real
+
+
+def data_parallel(path: Path) -> dict:
+    """dp=2 (one device each) and dp=2 x tp=2 against dp=1: greedy and seeded sampling, n=2."""
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 9, 17, 25, 33, 40, 7, 12)]
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=6, n=2, ignore_eos=True)] * 4
+    out = {}
+    for name, kwargs in (("dp1", {}), ("dp2", dict(data_parallel_size=2)),
+                         ("dp2tp2", dict(data_parallel_size=2, tensor_parallel_size=2))):
+        with LLM(path, **ENGINE, **kwargs) as llm:
+            out[name] = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+            stats = llm.stats()
+            out[name + "_replicas"] = [r["num_running"] for r in stats.get("replicas", [stats])]
+            out[name + "_engines"] = sorted({m.labels["engine"] for m in llm.get_metrics()})
+            done = [m for m in llm.get_metrics() if m.name == "vllm:request_success"]
+            out[name + "_finished_per_engine"] = {e: sum(m.value for m in done if m.labels["engine"] == e)
+                                                  for e in out[name + "_engines"]}
+    return out
+
+
 def main(folder: str) -> None:
     results: dict = {"devices": jax.device_count(), "cases": {}, "errors": {}}
     for name, arch, overrides, sizes in CASES:
@@ -93,6 +132,12 @@ def main(folder: str) -> None:
                 case["tp4_pallas"] = greedy(llm)
         results["cases"][name] = case
     path = Path(folder) / "llama"
+    results["sizing"] = per_device_sizing(path)
+    results["dp"] = data_parallel(path)
+    try:
+        LLM(path, **ENGINE, tensor_parallel_size=4, data_parallel_size=4)
+    except ValueError as e:
+        results["errors"]["4x4"] = str(e)
     for tp in (3, 16):
         try:
             LLM(path, **ENGINE, tensor_parallel_size=tp)

@@ -21,17 +21,24 @@ def test_default_buckets():
     assert default_buckets(100) == [16, 32, 64, 100]
 
 
-def test_kv_cache_sized_from_device_memory(tiny_checkpoint, monkeypatch):
-    """With allocator figures (a GPU), blocks = utilization * limit - peak after a profiling run."""
-    fake = {"bytes_limit": 100 << 20, "bytes_in_use": 5 << 20, "peak_bytes_in_use": 10 << 20}
-    monkeypatch.setattr(model_runner, "device_memory_stats", lambda: fake)
-    runner = ModelRunner(EngineConfig(model=str(tiny_checkpoint("llama")), gpu_memory_utilization=0.5, **SMALL))
+def test_kv_cache_sized_from_device_memory(tiny_checkpoint, monkeypatch, caplog):
+    """With allocator figures (a GPU), vLLM's meaning: blocks = utilization * the device's total
+    memory - peak after a profiling run. JAX's allocator limit is 0.75 of the total by default,
+    and caps the budget."""
+    fake = {"bytes_limit": 75 << 20, "bytes_in_use": 5 << 20, "peak_bytes_in_use": 10 << 20}  # 100 MiB total
+    monkeypatch.setattr(model_runner, "device_memory_stats", lambda device: fake)
+    path = str(tiny_checkpoint("llama"))
+    runner = ModelRunner(EngineConfig(model=path, gpu_memory_utilization=0.5, **SMALL))
     # llama tiny: 2 layers x 2 kv heads x 16 head_dim x 16 tokens x 4 bytes x (K and V) = 8 KiB a block
     assert runner.bytes_per_block == 8192
     assert runner.num_blocks == int((0.5 * (100 << 20) - (10 << 20)) // 8192)
+    with caplog.at_level("INFO", logger="jaxvllm"):
+        capped = ModelRunner(EngineConfig(model=path, gpu_memory_utilization=0.9, **SMALL))
+    assert capped.num_blocks == int(((75 << 20) - (10 << 20)) // 8192)  # 90 MiB asked, 75 MiB allowed
+    assert "gpu_memory_utilization=0.9 asks for 0.09 GiB, JAX's allocator allows 0.07 GiB" in caplog.text
     fake["peak_bytes_in_use"] = 50 << 20
-    with pytest.raises(ValueError, match="only 0 KV blocks fit in gpu_memory_utilization=0.5"):
-        ModelRunner(EngineConfig(model=str(tiny_checkpoint("llama")), gpu_memory_utilization=0.5, **SMALL))
+    with pytest.raises(ValueError, match="only 0 KV blocks fit in gpu_memory_utilization=0.5 on "):
+        ModelRunner(EngineConfig(model=path, gpu_memory_utilization=0.5, **SMALL))
 
 
 def test_kv_cache_cpu_default_and_override(tiny_checkpoint, caplog):

@@ -70,7 +70,28 @@ def test_no_kv_cache_is_gathered(results):
     assert hlo["all_reduces"] >= 2 * hlo["num_layers"]  # o_proj and down_proj partial sums
 
 
+def test_kv_cache_is_sized_from_the_device_with_least_room(results):
+    """gpu_memory_utilization=0.5 of 100 MiB per device; device 3 peaks at 30 MiB, the others
+    at 10: blocks = (50 - 30) MiB / the per-device bytes of a block (a quarter of it)."""
+    sizing = results["sizing"]
+    per_device = sizing["bytes_per_block"] // 4
+    assert sizing["num_blocks"] == (20 << 20) // per_device
+    assert len(sizing["per_device"]) == 4
+    assert all(d["num_blocks"] == sizing["num_blocks"] and d["bytes"] == sizing["num_blocks"] * per_device
+               for d in sizing["per_device"])
+
+
+def test_data_parallel_replicas_give_one_replicas_outputs(results):
+    dp = results["dp"]
+    assert dp["dp2"] == dp["dp1"] and dp["dp2tp2"] == dp["dp1"]  # greedy and seeded sampling alike
+    assert dp["dp2_engines"] == ["0", "1"] and dp["dp2tp2_engines"] == ["0", "1"]
+    # requests spread over both replicas (by load: prompt + max tokens), none left running
+    assert all(n > 0 for n in dp["dp2_finished_per_engine"].values())
+    assert dp["dp2_replicas"] == [0, 0]
+
+
 def test_bad_sizes_are_refused_naming_the_numbers(results):
     assert results["errors"]["3"] == "tensor_parallel_size=3 does not divide num_attention_heads=4"
     assert results["errors"]["16"].startswith("tensor_parallel_size=16 exceeds the 8 cpu device(s)")
+    assert results["errors"]["4x4"].startswith("tensor_parallel_size=4 x data_parallel_size=4 needs 16 devices")
 

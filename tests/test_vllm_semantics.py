@@ -84,10 +84,10 @@ def test_vllm_engine_arguments_are_accepted(tiny_checkpoint):
     out = llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3 and llm.stats()["num_compiled_buckets"] == 1
     llm.shutdown()
-    with pytest.raises(ValueError, match="tensor_parallel_size=2: jaxvllm runs on one device"):
+    with pytest.raises(ValueError, match=r"^tensor_parallel_size=2 exceeds the 1 cpu device\(s\) here"):
         LLM(path, **ENGINE, tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="data_parallel_size=2: jaxvllm runs on one device"):
-        LLM(path, **ENGINE, data_parallel_size=2)
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2: jaxvllm splits a model over devices by tensor"):
+        LLM(path, **ENGINE, pipeline_parallel_size=2)
     with pytest.raises(ValueError, match=r"^kv_cache_dtype='fp8' is not supported by jaxvllm \(only 'auto'\)"):
         LLM(path, **ENGINE, kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match=r"^quantization='awq' is not supported"):
