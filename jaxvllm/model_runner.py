@@ -50,6 +50,16 @@ logger = logging.getLogger(__name__)
 # Without a device memory figure (CPU), the KV cache gets this much memory at most.
 CPU_KV_CACHE_BYTES = 2 << 30
 
+# The attention kernels (Triton) and the K/V scatter address one device's layer cache with
+# 32-bit element offsets: it must hold fewer elements than this.
+MAX_CACHE_ELEMENTS = 2**31 - 1
+
+
+def max_kv_blocks(cfg: ModelConfig, block_size: int, num_devices: int) -> int:
+    """The most blocks whose per-device layer cache [kv_heads / devices, blocks, block_size,
+    head_dim] stays addressable with 32-bit offsets."""
+    return MAX_CACHE_ELEMENTS // (cfg.num_kv_heads // num_devices * block_size * cfg.head_dim)
+
 
 def default_buckets(max_num_batched_tokens: int, smallest: int = 16) -> list[int]:
     """Powers of two from `smallest`, ending with `max_num_batched_tokens` itself."""
@@ -220,7 +230,7 @@ class ModelRunner:
         self.sampler_state: SamplerState = self._new_sampler_state()
         # Each persistent row's last sampled token: where decode inputs come from under async scheduling.
         self.last_sampled = self._new_last_sampled()
-        self.num_blocks = self._num_kv_blocks()
+        self.num_blocks = self._addressable(self._num_kv_blocks())
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         self._log_kv_cache()
         self.warmup_seconds = 0.0 if c.enforce_eager else self.warmup()
@@ -247,6 +257,19 @@ class ModelRunner:
         per_device = self.bytes_per_block // len(self.devices)
         return [{"device": str(d), "num_blocks": self.num_blocks, "bytes": self.num_blocks * per_device}
                 for d in self.devices]
+
+    def _addressable(self, num_blocks: int) -> int:
+        """Cap the block count at what 32-bit offsets address (a tiny model on a large GPU
+        would get more); an explicit override past it is refused."""
+        limit = max_kv_blocks(self.cfg, self.block_size, len(self.devices))
+        if num_blocks <= limit:
+            return num_blocks
+        if self.config.num_gpu_blocks_override is not None:
+            raise ValueError(f"num_gpu_blocks_override={num_blocks} exceeds the {limit} KV blocks that 32-bit "
+                             "offsets address in one device's cache")
+        logger.info("KV cache: capped at %d blocks (from %d): one device's layer cache must hold fewer than "
+                    "2^31 elements for the kernels' 32-bit offsets", limit, num_blocks)
+        return limit
 
     def _num_kv_blocks(self) -> int:
         """vLLM's meaning: the engine may use gpu_memory_utilization of each device's total

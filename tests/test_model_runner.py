@@ -133,3 +133,26 @@ def test_missing_tokenizer_is_a_clear_error(tiny_checkpoint, tmp_path):
         LLM(path, **SMALL)
     llm = LLM(path, tokenizer=str(tiny_checkpoint("llama")), **SMALL)
     assert llm.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
+
+
+def test_kv_blocks_are_capped_at_32_bit_offsets(tiny_checkpoint, monkeypatch, caplog):
+    """A tiny model on a large device would get more blocks than 32-bit element offsets
+    address in one layer's cache (the kernels' and the K/V scatter's index math): the count
+    is capped there, with a log line; an explicit override past it is refused."""
+    from jaxvllm.model_runner import MAX_CACHE_ELEMENTS, max_kv_blocks
+
+    path = str(tiny_checkpoint("llama"))
+    runner = ModelRunner(EngineConfig(model=path, **SMALL))
+    limit = max_kv_blocks(runner.cfg, runner.block_size, 1)
+    per_block = runner.cfg.num_kv_heads * runner.block_size * runner.cfg.head_dim  # 2 x 16 x 16 = 512 elements
+    assert limit * per_block <= MAX_CACHE_ELEMENTS < (limit + 1) * per_block
+    assert limit * per_block * 2 > 2**31 - 2 * per_block  # the largest cache just under 2^31 elements
+    # 1 TiB of device memory would give 2^27 blocks of 8 KiB: capped (sized only, nothing allocated here).
+    monkeypatch.setattr(model_runner, "device_memory_stats", lambda device: {"bytes_limit": 3 << 38,
+                                                                            "bytes_in_use": 0, "peak_bytes_in_use": 0})
+    with caplog.at_level("INFO", logger="jaxvllm"):
+        assert runner._addressable(runner._num_kv_blocks()) == limit
+    assert f"KV cache: capped at {limit} blocks" in caplog.text
+    runner.config.num_gpu_blocks_override = limit + 1
+    with pytest.raises(ValueError, match=f"num_gpu_blocks_override={limit + 1} exceeds the {limit} KV blocks"):
+        runner._addressable(limit + 1)
