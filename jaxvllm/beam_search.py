@@ -13,14 +13,12 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
+from jaxvllm.inputs import prompt_list
 from jaxvllm.outputs import Logprob
-from jaxvllm.sampling_params import BeamSearchParams, SamplingParams
+from jaxvllm.sampling_params import BeamSearchParams, SamplingParams, resolve_logprobs
 
 if TYPE_CHECKING:
     from jaxvllm.llm import LLM
-
-# vLLM's default max_logprobs: the most logprobs a request may ask for, unless the engine says otherwise.
-_DEFAULT_MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -76,17 +74,13 @@ def beam_search(llm: LLM, prompts: Any, params: BeamSearchParams, *, use_tqdm: b
     if tokenizer is None:
         raise ValueError("beam search needs a tokenizer (for the EOS id and the texts); "
                          "this LLM has skip_tokenizer_init=True")
-    max_logprobs = getattr(engine.config, "max_logprobs", _DEFAULT_MAX_LOGPROBS)
-    if max_logprobs == -1:  # vLLM's -1: the whole vocabulary
-        max_logprobs = engine.model_config.vocab_size
+    max_logprobs = resolve_logprobs(engine.config.max_logprobs, engine.model_config.vocab_size)
     if 2 * params.beam_width > max_logprobs:
         raise ValueError(
             f"beam_width={params.beam_width} needs {2 * params.beam_width} logprobs per step, more than "
             f"this engine returns (max_logprobs={max_logprobs})"
         )
-    prompts = [prompts] if isinstance(prompts, (str, dict)) else prompts
-    if not isinstance(prompts, (list, tuple)):
-        raise TypeError(f"prompts must be a str, a dict or a list of them, got {type(prompts).__name__}")
+    prompts = prompt_list(prompts)
     if concurrency_limit is None:
         concurrency_limit = max(len(prompts), 1)
     elif isinstance(concurrency_limit, bool) or not isinstance(concurrency_limit, int) or concurrency_limit < 1:

@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxvllm.sampling_params import DEFAULT_MAX_LOGPROBS
+
 # Every architecture here is a Llama-family decoder; they differ only in the flags below.
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -210,7 +212,7 @@ class EngineConfig:
     quantization: str | None = None
     enable_lora: bool = False
     # The most logprobs a request may ask for (-1: the whole vocabulary), as vLLM's.
-    max_logprobs: int = 20
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
     # What Logprob.logprob holds: vLLM's "raw_logprobs" (of the model's logits),
     # "raw_logits", "processed_logprobs" or "processed_logits" (of the logits the sampler
     # drew from: after bias, bad words, penalties, temperature, min_p/top-k/top-p).

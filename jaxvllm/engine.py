@@ -111,8 +111,8 @@ class LLMEngine:
             ),
             self.kv_cache_manager,
         )
-        self.metrics = MetricsCollector(model_name, self.runner.max_model_len)  # for get_metrics()
-        self.metrics.labels["engine"] = str(config.data_parallel_rank)  # vLLM labels each replica
+        # for get_metrics(); vLLM labels each data-parallel replica
+        self.metrics = MetricsCollector(model_name, self.runner.max_model_len, engine=str(config.data_parallel_rank))
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None  # async: the step not yet read
         self._arrivals = itertools.count()
         self._parents: dict[str, ParentRequest] = {}
@@ -346,8 +346,7 @@ class LLMEngine:
         self.kv_cache_manager.rollback()
         self.scheduler.recompute_all()
         if self.runner.recover():
-            self.metrics.track_prefix_cache(self.kv_cache_manager.stats)  # (the reset starts new stats)
-            self.kv_cache_manager.reset_prefix_cache()
+            self.reset_prefix_cache()
 
     def _process(self, out: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
         """Append a step's tokens and apply the stop checks; the outputs to return."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NotRequired, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 
 class TextPrompt(TypedDict):
@@ -13,3 +13,11 @@ class TextPrompt(TypedDict):
 class TokensPrompt(TypedDict):
     prompt_token_ids: list[int]
     cache_salt: NotRequired[str]
+
+
+def prompt_list(prompts: Any) -> list | tuple:
+    """One prompt (a str or a dict) or a list of them, as a list."""
+    prompts = [prompts] if isinstance(prompts, (str, dict)) else prompts
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a str, a dict or a list of them, got {type(prompts).__name__}")
+    return prompts

@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from jaxvllm.config import EngineConfig
 from jaxvllm.engine import LLMEngine
+from jaxvllm.inputs import prompt_list
 from jaxvllm.outputs import RequestOutput
 from jaxvllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -115,10 +116,7 @@ class LLM:
         """
         self._check_open()
         _check_no_lora(lora_request)
-        prompts = [prompts] if isinstance(prompts, (str, dict)) else prompts
-        if not isinstance(prompts, (list, tuple)):
-            raise TypeError(f"prompts must be a str, a dict or a list of them, got {type(prompts).__name__}")
-        return self._run(prompts, sampling_params, priority, use_tqdm)
+        return self._run(prompt_list(prompts), sampling_params, priority, use_tqdm)
 
     def chat(
         self,
@@ -164,7 +162,7 @@ class LLM:
             return [default] * n
         if not isinstance(value, (list, tuple)):
             return [value] * n
-        if not isinstance(value, (list, tuple)) or len(value) != n:
+        if len(value) != n:
             raise ValueError(f"{name} must have one entry per prompt ({n})")
         return list(value)
 

@@ -6,7 +6,6 @@ import dataclasses
 import json
 import logging
 import tempfile
-from functools import partial
 from pathlib import Path
 
 import jax
@@ -113,10 +112,10 @@ def load_model(
     cfg = load_config(model)
     jdtype = resolve_dtype(dtype, cfg)
     run_cfg = sharded_config(cfg, 1 if mesh is None else mesh.size)
-    shardings = _param_shardings(run_cfg, mesh, device)
+    shardings, repeats = _param_shardings(run_cfg, mesh, device), kv_repeats(cfg, run_cfg)
     if load_format == "dummy":
-        return run_cfg, dummy_params(cfg, jdtype, seed, shardings, kv_repeats(cfg, run_cfg))
-    return run_cfg, load_safetensors(Path(model), cfg, jdtype, shardings, kv_repeats(cfg, run_cfg))
+        return run_cfg, dummy_params(cfg, jdtype, seed, shardings, repeats)
+    return run_cfg, load_safetensors(Path(model), cfg, jdtype, shardings, repeats)
 
 
 def _tensor_files(path: Path) -> dict[str, Path]:
@@ -231,13 +230,13 @@ def _sharded_tensor(tensor_slice, spec, dtype, sharding, repeats: int) -> jax.Ar
     return jax.make_array_from_callback(global_shape, sharding, block)
 
 
-@partial(jax.jit, static_argnames=("shape", "dtype", "init", "repeats"))
 def _random_param(key, scale, *, shape, dtype, init: str, repeats: int):
+    """One dummy parameter (jitted by `dummy_params` per placement)."""
     if init == "normal":
-        value = jax.random.normal(key, shape, dtype) * scale
+        value = (jax.random.normal(key, shape, dtype) * scale).astype(dtype)
     else:
         value = (jnp.ones if init == "ones" else jnp.zeros)(shape, dtype)
-    return jnp.repeat(value.astype(dtype), repeats, axis=0) if repeats > 1 else value.astype(dtype)
+    return jnp.repeat(value, repeats, axis=0) if repeats > 1 else value
 
 
 def dummy_params(cfg: ModelConfig, dtype, seed: int = 0, shardings: dict | None = None,
@@ -252,9 +251,10 @@ def dummy_params(cfg: ModelConfig, dtype, seed: int = 0, shardings: dict | None 
     by_sharding = {}  # one jitted initializer per placement (each caches its shapes)
     for i, spec in enumerate(tqdm(specs, desc="Initializing dummy weights", dynamic_ncols=True)):
         sharding = shardings[spec.path]
-        init = by_sharding.setdefault(sharding, jax.jit(_random_param.__wrapped__, out_shardings=sharding,
-                                                        static_argnames=("shape", "dtype", "init", "repeats")))
-        value = init(jax.random.fold_in(key, i), cfg.initializer_range, shape=spec.shape, dtype=dtype,
+        if sharding not in by_sharding:
+            by_sharding[sharding] = jax.jit(_random_param, out_shardings=sharding,
+                                            static_argnames=("shape", "dtype", "init", "repeats"))
+        value = by_sharding[sharding](jax.random.fold_in(key, i), cfg.initializer_range, shape=spec.shape, dtype=dtype,
                      init=spec.init, repeats=repeats if _repeated(spec) else 1)
         _put(params, spec.path, value)
     return params

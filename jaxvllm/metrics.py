@@ -156,8 +156,8 @@ class MetricsCollector:
     the step's new tokens; the time of a token is when the host reads it.
     """
 
-    def __init__(self, model_name: str, max_model_len: int) -> None:
-        self.labels = {"model_name": model_name, "engine": "0"}
+    def __init__(self, model_name: str, max_model_len: int, engine: str = "0") -> None:
+        self.labels = {"model_name": model_name, "engine": engine}
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.prompt_tokens_computed = 0  # prompt tokens prefilled here (not found in the prefix cache)

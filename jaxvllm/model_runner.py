@@ -42,7 +42,7 @@ from jaxvllm.sampler import (
     sample,
     write_state_row,
 )
-from jaxvllm.sampling_params import DEFAULT_MAX_LOGPROBS
+from jaxvllm.sampling_params import DEFAULT_MAX_LOGPROBS, resolve_logprobs
 from jaxvllm.sharding import device_group, kv_cache_sharding, make_mesh, replicated
 
 logger = logging.getLogger(__name__)
@@ -450,8 +450,8 @@ class ModelRunner:
         """Top logprobs computed in a step whose rows ask for up to k: vLLM's default
         max_logprobs (20) unless more is asked, then the engine's max_logprobs; at most the
         vocabulary. Two widths at most, so two sampler variants."""
-        vocab, limit = self.cfg.vocab_size, self.config.max_logprobs
-        width = DEFAULT_MAX_LOGPROBS if k <= DEFAULT_MAX_LOGPROBS else (vocab if limit == -1 else limit)
+        vocab = self.cfg.vocab_size
+        width = DEFAULT_MAX_LOGPROBS if k <= DEFAULT_MAX_LOGPROBS else resolve_logprobs(self.config.max_logprobs, vocab)
         return max(1, min(width, vocab))
 
     def _fill_prompt_targets(self, v: dict[str, np.ndarray], scheduled: list[ScheduledRequest]):

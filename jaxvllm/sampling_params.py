@@ -18,6 +18,11 @@ DEFAULT_MAX_LOGPROBS = 20
 _FLOAT32_MAX = 3.4028234663852886e38
 
 
+def resolve_logprobs(k: int | None, vocab_size: int) -> int | None:
+    """vLLM's -1 (for logprobs, prompt_logprobs and max_logprobs): the whole vocabulary."""
+    return vocab_size if k == -1 else k
+
+
 class RequestOutputKind(enum.Enum):
     """What `LLMEngine.step()` returns for a request (vLLM's names)."""
 
@@ -177,22 +182,18 @@ class SamplingParams:
             raise ValueError("vLLM V1 does not yet support best_of.")
         if self.logits_processors:
             raise ValueError("vLLM V1 does not support per request user provided logits processors.")
-        limit = vocab_size if max_logprobs == -1 else max_logprobs
-        for name, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
-            value = getattr(self, name)
-            if value is not None:
-                wanted = vocab_size if value == -1 else value
-                if wanted > limit:
-                    raise ValueError(
-                        f"Requested {kind} logprobs of {wanted}, which is greater than max allowed: {limit}"
-                    )
+        limit = resolve_logprobs(max_logprobs, vocab_size)
+        asked = ((self.num_logprobs(vocab_size), "sample"), (self.num_prompt_logprobs(vocab_size), "prompt"))
+        for wanted, kind in asked:
+            if wanted is not None and wanted > limit:
+                raise ValueError(f"Requested {kind} logprobs of {wanted}, which is greater than max allowed: {limit}")
 
     def num_logprobs(self, vocab_size: int) -> int | None:
         """How many top logprobs a sampled token gets (-1: the whole vocabulary)."""
-        return vocab_size if self.logprobs == -1 else self.logprobs
+        return resolve_logprobs(self.logprobs, vocab_size)
 
     def num_prompt_logprobs(self, vocab_size: int) -> int | None:
-        return vocab_size if self.prompt_logprobs == -1 else self.prompt_logprobs
+        return resolve_logprobs(self.prompt_logprobs, vocab_size)
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids must exist in the model: checked when a request is added."""

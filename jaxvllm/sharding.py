@@ -81,14 +81,11 @@ def param_partition(path: tuple, cfg: ModelConfig, tp: int) -> P:
     name = path[-1]
     if name in ("embed", "lm_head"):
         return P(AXIS, None) if cfg.vocab_size % tp == 0 else P()
-    if name in ("q_proj", "k_proj", "v_proj", "q_bias", "k_bias", "v_bias"):
-        return P(AXIS)  # heads first
-    if name in ("gate_proj", "up_proj", "gate_bias", "up_bias"):
-        return P(AXIS)  # [intermediate, ...]
-    if name == "o_proj":
-        return P(None, AXIS)  # [hidden, heads, head_dim]
-    if name == "down_proj":
-        return P(None, AXIS)  # [hidden, intermediate]
+    if name in ("q_proj", "k_proj", "v_proj", "q_bias", "k_bias", "v_bias", "gate_proj", "up_proj", "gate_bias",
+                "up_bias"):
+        return P(AXIS)  # [heads, ...] or [intermediate, ...]
+    if name in ("o_proj", "down_proj"):
+        return P(None, AXIS)  # [hidden, heads, head_dim] or [hidden, intermediate]
     return P()
 
 
