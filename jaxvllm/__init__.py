@@ -9,7 +9,7 @@ from jaxvllm.inputs import TextPrompt, TokensPrompt
 from jaxvllm.llm import LLM
 from jaxvllm.loader import load_model
 from jaxvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from jaxvllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from jaxvllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "RequestOutputKind",
     "SUPPORTED_ARCHITECTURES",
     "SamplingParams",
+    "StructuredOutputsParams",
     "TextPrompt",
     "TokensPrompt",
     "load_model",

@@ -1,6 +1,7 @@
 """The `jaxvllm` command (also `python -m jaxvllm`): `generate` and `bench {throughput,latency}`.
 
     jaxvllm generate --model dummy:tiny --prompt "Hello, my name is"
+    jaxvllm generate --model dummy:tiny --prompt "Yes or no?" --choice yes no
     jaxvllm bench throughput --model dummy:tiny --dataset random --num-prompts 64 --backend both
     jaxvllm bench latency --model PATH --batch-size 8 --input-len 32 --output-len 128
 
@@ -85,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--ignore-eos", action="store_true", default=None, help="keep generating past EOS")
     sampling.add_argument("--stop-token-ids", type=int, nargs="+", default=None, help="token ids that end a completion")
     sampling.add_argument("--stop", action="append", default=None, help="a string that ends a completion (repeat)")
+    constrained = gen.add_argument_group("structured outputs (StructuredOutputsParams): each completion matches one of")
+    kinds = constrained.add_mutually_exclusive_group()
+    kinds.add_argument("--json-schema", type=Path, metavar="FILE", help="the JSON schema in this file")
+    kinds.add_argument("--regex", metavar="PATTERN", help="this regular expression, in full")
+    kinds.add_argument("--choice", nargs="+", metavar="TEXT", help="one of these strings")
+    constrained.add_argument("--disable-any-whitespace", action="store_true",
+                             help="JSON without whitespace between its tokens (a small model can loop on whitespace)")
     add_engine_args(gen)
     gen.set_defaults(func=run_generate)
 
@@ -128,11 +136,37 @@ def sampling_params(args: argparse.Namespace):
         if value is not None:
             kwargs[flag.replace("-", "_")] = value
     try:
+        constraint = structured_outputs(args)
+        if constraint is not None:
+            kwargs["structured_outputs"] = constraint
         return SamplingParams(**kwargs)
     except TypeError as e:
         raise UsageError(f"a sampling flag is not supported by this jaxvllm ({e}); set: {sorted(kwargs)}") from e
     except ValueError as e:
         raise UsageError(f"bad sampling parameter: {e}") from e
+
+
+def structured_outputs(args: argparse.Namespace):
+    """StructuredOutputsParams from --json-schema, --regex or --choice (None without them);
+    the schema file is read here, before the model loads, so a bad one costs nothing."""
+    from jaxvllm import StructuredOutputsParams
+
+    if args.json_schema is not None:
+        try:
+            kind = {"json": json.loads(args.json_schema.read_text(encoding="utf-8"))}
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"cannot read --json-schema: {e}") from e
+        except ValueError as e:
+            raise UsageError(f"--json-schema {args.json_schema}: not JSON ({e})") from e
+    elif args.regex is not None:
+        kind = {"regex": args.regex}
+    elif args.choice is not None:
+        kind = {"choice": args.choice}
+    elif args.disable_any_whitespace:
+        raise UsageError("--disable-any-whitespace goes with --json-schema")
+    else:
+        return None
+    return StructuredOutputsParams(**kind, disable_any_whitespace=args.disable_any_whitespace)
 
 
 def read_prompts(args: argparse.Namespace) -> tuple[list, list[str]]:
@@ -173,6 +207,9 @@ def check_prompts(llm, prompts: list, labels: list[str], params) -> list[list[in
         params.check_vocab(engine.model_config.vocab_size)
     except ValueError as e:
         raise UsageError(f"bad sampling parameter: {e}") from e
+    if params.structured_outputs is not None and engine.structured_outputs is not None:
+        # Checked once (and compiled meanwhile): a bad regex or schema is no prompt's fault.
+        engine.structured_outputs.grammar(params.structured_outputs)
     token_ids: list[list[int]] = []
     errors: list[str] = []
     for i, (prompt, label) in enumerate(zip(prompts, labels)):

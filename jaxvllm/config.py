@@ -169,6 +169,27 @@ def _sliding_windows_from_hf(hf: Any, arch: str) -> tuple[int | None, ...]:
     return (None,) * n
 
 
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "guidance")  # "auto" is llguidance
+
+
+@dataclass
+class StructuredOutputsConfig:
+    """vLLM's `structured_outputs_config` engine argument: the backend, and JSON defaults
+    every request gets (a request's own flags add to them)."""
+
+    backend: str = "auto"
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+    def __post_init__(self) -> None:
+        if self.backend not in STRUCTURED_OUTPUTS_BACKENDS:
+            raise ValueError(f"structured outputs backend {self.backend!r} is not available in jaxvllm; "
+                             f"choose from {STRUCTURED_OUTPUTS_BACKENDS} ('auto' is llguidance)")
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"structured_outputs_config {name} must be True or False, got {getattr(self, name)!r}")
+
+
 @dataclass
 class EngineConfig:
     """Everything `LLM(...)` takes; the names and defaults of vLLM's engine arguments."""
@@ -229,6 +250,8 @@ class EngineConfig:
     swap_space: float = 4.0
     revision: str | None = None
     compilation_config: Any = None
+    # vLLM's structured outputs settings: a StructuredOutputsConfig or a dict of its fields.
+    structured_outputs_config: StructuredOutputsConfig | dict | None = None
     download_dir: str | None = None  # nothing is ever downloaded
     max_seq_len_to_capture: int | None = None  # no CUDA graphs: one executable per token bucket
 
@@ -277,6 +300,14 @@ class EngineConfig:
         if names is not None and (not isinstance(names, list) or not names
                                   or not all(isinstance(n, str) and n for n in names)):
             raise ValueError(f"served_model_name must be a name, a list of names or None, got {self.served_model_name!r}")
+        so = self.structured_outputs_config
+        if so is None or isinstance(so, dict):
+            try:
+                self.structured_outputs_config = StructuredOutputsConfig(**(so or {}))
+            except TypeError as e:
+                raise ValueError(f"structured_outputs_config {so!r}: {e}") from e
+        elif not isinstance(so, StructuredOutputsConfig):
+            raise ValueError(f"structured_outputs_config must be a StructuredOutputsConfig or a dict, got {so!r}")
         for name, off in (("kv_cache_dtype", "auto"), ("quantization", None), ("enable_lora", False)):
             if getattr(self, name) != off:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not supported by jaxvllm (only {off!r})")

@@ -9,6 +9,7 @@ for a request that stopped meanwhile is dropped.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import os
@@ -32,6 +33,8 @@ from jaxvllm.request import Request, RequestStatus
 from jaxvllm.sampler import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS
 from jaxvllm.sampling_params import RequestOutputKind, SamplingParams
 from jaxvllm.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from jaxvllm.sharding import gather_over_processes
+from jaxvllm.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +51,7 @@ class ParentRequest:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Per child, (tokens, characters of text) already returned: DELTA outputs start there.
     sent: list[tuple[int, int]] = field(default_factory=list)
+    digest: bytes = b""  # across processes: what every process must agree on (see `_check_same_requests`)
 
     def __post_init__(self) -> None:
         for child in self.children:
@@ -117,6 +121,12 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._parents: dict[str, ParentRequest] = {}
         self._token_texts: dict[int, str] = {}
+        # Across processes (jax.distributed) each one schedules for itself: the requests are
+        # compared once they change, before the next step.
+        self._multiprocess = jax.process_count() > 1
+        self._requests_changed = False
+        self.structured_outputs = None if self.tokenizer is None else StructuredOutputManager(
+            self.tokenizer, self.model_config.vocab_size, config.structured_outputs_config, wait=self._multiprocess)
 
     # -- requests ----------------------------------------------------------------------
 
@@ -212,6 +222,8 @@ class LLMEngine:
         params.check_satisfiable(self.eos_token_ids)
         if self.tokenizer is None and params.stop_strings:
             raise ValueError("skip_tokenizer_init=True: stop strings need a tokenizer; use stop_token_ids")
+        if self.tokenizer is None and params.structured_outputs is not None:
+            raise ValueError("Structured outputs requires a tokenizer so it can't be used with 'skip_tokenizer_init'")
         bad_words = self.bad_words_token_ids(params.bad_words) if params.bad_words else []
         text, token_ids, cache_salt = self.tokenize_prompt(prompt, add_special_tokens)
         keep = params.truncate_prompt_tokens
@@ -246,8 +258,14 @@ class LLMEngine:
                     include_stop_str_in_output=params.include_stop_str_in_output,
                     spaces_between_special_tokens=params.spaces_between_special_tokens,
                 )
+            if params.structured_outputs is not None:  # (checked, and compiled once per spec)
+                child.grammar = self.structured_outputs.grammar(params.structured_outputs)
             children.append(child)
-        return ParentRequest(request_id, children, params.output_kind)
+        parent = ParentRequest(request_id, children, params.output_kind)
+        if self._multiprocess:
+            parent.digest = hashlib.blake2b(repr((request_id, token_ids, priority, params, [c.seed for c in children]))
+                                            .encode(), digest_size=8).digest()
+        return parent
 
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None, priority: int = 0) -> None:
         self.add_parent(self.make_requests(request_id, prompt, params, priority))
@@ -268,6 +286,7 @@ class LLMEngine:
                     self.scheduler.finish(child, "abort")
                 raise
             self._parents[parent.request_id] = parent
+            self._requests_changed = True
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Stop requests now and free their blocks; unknown or finished ids are ignored."""
@@ -288,6 +307,7 @@ class LLMEngine:
             self.metrics.record_parent_finished(parent.children)
             self.runner.release(c.request_id for c in parent.children)
             outputs.append(self._output(parent))
+            self._requests_changed = True
         if not self.scheduler.has_unfinished_requests():
             self._in_flight = None  # its tokens are for aborted requests only: never read
         return outputs
@@ -319,6 +339,8 @@ class LLMEngine:
         """
         if self.runner.closed:
             raise RuntimeError("this engine was shut down; create a new LLM")
+        if self._requests_changed:
+            self._check_same_requests()
         try:
             with defer_interrupts():
                 out = self.scheduler.schedule()
@@ -327,15 +349,48 @@ class LLMEngine:
                 self.kv_cache_manager.commit()  # dispatched: the blocks it registered will be written
                 if self.config.async_scheduling:
                     launched, self._in_flight = self._in_flight, launched
+                    if launched is None:  # nothing to read first: the step in flight samples now
+                        self._sample_constrained()
+                else:
+                    self._sample_constrained(launched)
             if launched is None:
                 return []
             result = launched[1].result()  # waits for the device
             with defer_interrupts():
-                return self._process(launched[0], result)
+                outputs = self._process(launched[0], result)
+                self._sample_constrained()
+                return outputs
         except BaseException:
             with defer_interrupts():
                 self._recover()
             raise
+
+    def _sample_constrained(self, launched: tuple[SchedulerOutput, PendingStep] | None = None) -> None:
+        """Sample a step with structured-output rows (default: the one in flight), whose
+        forward is already dispatched: their bitmasks need every token before, so under
+        async scheduling the sampler waits until the step before was read (vLLM's order:
+        the forward still overlaps the host's work, the sampling does not)."""
+        launched = launched or self._in_flight
+        if launched is None or not launched[1].awaits_bitmask:
+            return
+        step = launched[1]
+        mask = self.structured_outputs.bitmask(step.batch.grammar_rows, step.batch.layout.num_rows)
+        self.runner.sample(step, mask)
+
+    def _check_same_requests(self) -> None:
+        """Across processes every process runs this same engine and the steps are collective:
+        processes holding different requests would dispatch different steps, so they are
+        compared here (one host collective, only after requests were added or aborted)."""
+        self._requests_changed = False
+        if not self._multiprocess:
+            return
+        digest = hashlib.blake2b(b"".join(p.digest for p in self._parents.values()), digest_size=8).digest()
+        digests = gather_over_processes(int.from_bytes(digest, "little", signed=True))
+        if len(set(digests)) > 1:
+            raise RuntimeError(
+                f"the {len(digests)} processes hold different requests: under jax.distributed every process "
+                "must add the same requests (same prompts, parameters and order); nothing was run"
+            )
 
     def _recover(self) -> None:
         """Bring the engine back to a state every later step can trust: the step in flight
@@ -478,6 +533,7 @@ class LLMEngine:
         )
 
     def stats(self) -> dict:
+        so = self.structured_outputs
         return {
             "num_gpu_blocks": self.runner.num_blocks,
             "tensor_parallel_size": len(self.runner.devices),
@@ -495,6 +551,9 @@ class LLMEngine:
             "prefix_cache_queries": self.kv_cache_manager.stats.queries,
             "prefix_cache_hits": self.kv_cache_manager.stats.hits,
             "prefix_cache_hit_rate": self.kv_cache_manager.stats.hit_rate,
+            # host time spent filling structured-output bitmasks, and the steps that needed one
+            "structured_output_mask_seconds": so.mask_seconds if so else 0.0,
+            "structured_output_mask_steps": so.mask_steps if so else 0,
         }
 
     def get_metrics(self) -> list[Metric]:
@@ -518,3 +577,5 @@ class LLMEngine:
         """Abort every request and free the device memory (weights, KV cache, sampler state)."""
         self.abort_request(list(self._parents))
         self.runner.close()
+        if self.structured_outputs is not None:
+            self.structured_outputs.shutdown()

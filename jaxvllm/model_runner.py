@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from itertools import chain
 
@@ -43,7 +43,8 @@ from jaxvllm.sampler import (
     write_state_row,
 )
 from jaxvllm.sampling_params import DEFAULT_MAX_LOGPROBS, resolve_logprobs
-from jaxvllm.sharding import device_group, kv_cache_sharding, make_mesh, replicated
+from jaxvllm.sharding import (device_group, gather_over_processes, kv_cache_sharding, local_devices, make_mesh,
+                              put, replicated, to_host)
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,9 @@ class HostBatch:
     prompt_rows: list[int]  # token rows whose prompt logprobs are read back
     prompt_positions: list[tuple[int, int]]  # (scheduled index, prompt position scored), per prompt row
     prompt_width: int = 0  # top logprobs per prompt row
+    # Structured outputs: (sampling row, grammar) of each constrained row. Their bitmask
+    # is filled once the tokens before are known: the sampler runs then (`ModelRunner.sample`).
+    grammar_rows: list = field(default_factory=list)
 
 
 @dataclass
@@ -116,14 +120,23 @@ class PendingStep:
     sampled: jax.Array | None
     logprobs: Logprobs | None
     prompt_logprobs: Logprobs | None
+    # Until a constrained step is sampled: the forward's logits and sampling prefix.
+    logits: jax.Array | None = None
+    sampling_rows: jax.Array | None = None
+
+    @property
+    def awaits_bitmask(self) -> bool:
+        return self.logits is not None
 
     def result(self) -> RunnerOutput:
+        if self.awaits_bitmask:
+            raise RuntimeError("a structured-output step is read before it was sampled (ModelRunner.sample)")
         n, b = self.batch.num_scheduled, self.batch
-        to_host = lambda lp, rows: jax.tree.map(lambda x: np.asarray(x)[rows], lp)  # noqa: E731
+        rows_of = lambda lp, rows: jax.tree.map(lambda x: to_host(x)[rows], lp)  # noqa: E731
         return RunnerOutput(
-            sampled=np.asarray(self.sampled)[:n] if self.sampled is not None else np.zeros(n, np.int32),
-            logprobs=to_host(self.logprobs, slice(0, n)) if self.logprobs is not None else None,
-            prompt_logprobs=to_host(self.prompt_logprobs, b.prompt_rows) if b.prompt_rows else None,
+            sampled=to_host(self.sampled)[:n] if self.sampled is not None else np.zeros(n, np.int32),
+            logprobs=rows_of(self.logprobs, slice(0, n)) if self.logprobs is not None else None,
+            prompt_logprobs=rows_of(self.prompt_logprobs, b.prompt_rows) if b.prompt_rows else None,
             prompt_positions=b.prompt_positions,
         )
 
@@ -143,13 +156,13 @@ def _forward(params, kv_caches, packed, last_sampled, *, cfg: ModelConfig, backe
     return logits, hidden, packed[: layout.sampling_size], kv_caches
 
 
-def _sample(sampling_rows, logits, last_sampled, state, *, num_rows: int, features: SamplerFeatures,
+def _sample(sampling_rows, logits, last_sampled, state, bitmask, *, num_rows: int, features: SamplerFeatures,
             logprobs_mode: str):
-    """Sample every row (`sampling_rows`: the packed batch's sampling prefix); record each
-    sampling row's token at its persistent row of `last_sampled`, where the next step's
-    decode inputs are read from."""
+    """Sample every row (`sampling_rows`: the packed batch's sampling prefix; `bitmask`: the
+    structured-output masks, or None); record each sampling row's token at its persistent
+    row of `last_sampled`, where the next step's decode inputs are read from."""
     t = BatchLayout.rows_only(num_rows).sampling(sampling_rows)
-    sampled, logprobs, state = sample(logits, t, state, features, logprobs_mode)
+    sampled, logprobs, state = sample(logits, t, state, features, logprobs_mode, bitmask)
     rows = jnp.where(t.counts_sample, t.slot, last_sampled.shape[0])  # other rows: dropped
     return sampled, logprobs, last_sampled.at[rows].set(sampled, mode="drop"), state
 
@@ -280,7 +293,8 @@ class ModelRunner:
             if c.num_gpu_blocks_override < 1:
                 raise ValueError(f"num_gpu_blocks_override must be >= 1, got {c.num_gpu_blocks_override}")
             return c.num_gpu_blocks_override
-        stats = device_memory_stats(self.devices[0])
+        mine = local_devices(self.devices)  # (across processes, each profiles its own devices)
+        stats = device_memory_stats(mine[0])
         if not stats or "bytes_limit" not in stats:  # CPU: enough for every sequence, within a fixed budget
             wanted = c.max_num_seqs * self.max_blocks_per_seq
             return max(self.max_blocks_per_seq, min(wanted, CPU_KV_CACHE_BYTES // self.bytes_per_block))
@@ -291,7 +305,7 @@ class ModelRunner:
         del probe
         per_device = self.bytes_per_block / len(self.devices)
         fits = []
-        for device in self.devices:
+        for device in mine:
             stats = device_memory_stats(device)
             peak = stats.get("peak_bytes_in_use", stats["bytes_in_use"])
             wanted = c.gpu_memory_utilization * device_total_memory(stats)
@@ -304,6 +318,7 @@ class ModelRunner:
             budget = min(wanted, stats["bytes_limit"])
             fits.append((int((budget - peak) // per_device), device, peak, budget))
         num_blocks, device, peak, budget = min(fits, key=lambda f: f[0])
+        num_blocks = min(num_blocks, *gather_over_processes(num_blocks))  # every process allocates the same cache
         if num_blocks < self.max_blocks_per_seq:
             raise ValueError(
                 f"only {max(num_blocks, 0)} KV blocks fit in gpu_memory_utilization={c.gpu_memory_utilization} "
@@ -421,12 +436,14 @@ class ModelRunner:
         else:
             ids[:] = flat
 
-        features = self._fill_sampling_rows(v, rows, starts + lens, samples)
+        grammar_rows = [(i, s.request.grammar) for i, s in enumerate(scheduled)
+                        if s.samples and s.request.grammar is not None]
+        features = self._fill_sampling_rows(v, rows, starts + lens, samples, bool(grammar_rows))
         prompt_rows, prompt_positions, prompt_width = self._fill_prompt_targets(v, scheduled)
-        return HostBatch(layout, packed, features, n, prompt_rows, prompt_positions, prompt_width)
+        return HostBatch(layout, packed, features, n, prompt_rows, prompt_positions, prompt_width, grammar_rows)
 
     def _fill_sampling_rows(self, v: dict[str, np.ndarray], rows: np.ndarray, ends: np.ndarray,
-                            samples: np.ndarray) -> SamplerFeatures | None:
+                            samples: np.ndarray, grammar: bool = False) -> SamplerFeatures | None:
         """The sampling rows, gathered from the persistent batch; returns the sampler
         variant they need (None when no row samples)."""
         ib, n = self.input_batch, len(rows)
@@ -444,7 +461,8 @@ class ModelRunner:
             return None
         wanted = samples & ib.want_logprobs[rows]
         width = self.logprobs_width(int(ib.num_logprobs[rows][wanted].max())) if wanted.any() else 0
-        return SamplerFeatures.of(layout_tensors(v, n), samples, bad_words=ib.has_bad_words[rows], logprobs_width=width)
+        return SamplerFeatures.of(layout_tensors(v, n), samples, bad_words=ib.has_bad_words[rows], logprobs_width=width,
+                                  grammar=grammar)
 
     def logprobs_width(self, k: int) -> int:
         """Top logprobs computed in a step whose rows ask for up to k: vLLM's default
@@ -514,26 +532,37 @@ class ModelRunner:
 
     def launch(self, batch: HostBatch, kv_caches=None) -> PendingStep:
         """Dispatch a built step: one transfer, the forward, the sampler, prompt logprobs if asked.
-        (`kv_caches`: a probe cache for the memory profile instead of the engine's.)"""
+        (`kv_caches`: a probe cache for the memory profile instead of the engine's.) A step
+        with structured-output rows is sampled later, by `sample`, with their bitmask."""
         layout = batch.layout
-        packed = jax.device_put(batch.packed, self._replicated)
+        packed = put(batch.packed, self._replicated)
         logits, hidden, sampling_rows, caches = self._forward(
             self.params, self.kv_caches if kv_caches is None else kv_caches, packed, self.last_sampled, layout=layout
         )
         if kv_caches is None:
             self.kv_caches = caches
-        sampled = logprobs = prompt_logprobs = None
-        if batch.features is not None:
-            state = self.sampler_state if batch.features.state else None
-            sampled, logprobs, self.last_sampled, state = self._sampler(
-                sampling_rows, logits, self.last_sampled, state, num_rows=layout.num_rows, features=batch.features
-            )
-            if batch.features.state:
-                self.sampler_state = state
+        step = PendingStep(batch, None, None, None)
         if batch.prompt_rows:
-            prompt_logprobs = self._prompt_logprobs(self.params, hidden, packed, layout=layout,
-                                                    width=batch.prompt_width)
-        return PendingStep(batch, sampled, logprobs, prompt_logprobs)
+            step.prompt_logprobs = self._prompt_logprobs(self.params, hidden, packed, layout=layout,
+                                                         width=batch.prompt_width)
+        if batch.features is not None:
+            step.logits, step.sampling_rows = logits, sampling_rows
+            if not batch.features.grammar:
+                self.sample(step)
+        return step
+
+    def sample(self, step: PendingStep, bitmask: np.ndarray | None = None) -> None:
+        """Dispatch a step's sampler (`bitmask`: its structured-output masks, [rows, words])."""
+        features = step.batch.features
+        state = self.sampler_state if features.state else None
+        mask = put(bitmask, self._replicated) if features.grammar else None
+        step.sampled, step.logprobs, self.last_sampled, state = self._sampler(
+            step.sampling_rows, step.logits, self.last_sampled, state, mask,
+            num_rows=step.batch.layout.num_rows, features=features,
+        )
+        step.logits = step.sampling_rows = None
+        if features.state:
+            self.sampler_state = state
 
     def recover(self) -> bool:
         """After a failed step: no request keeps its row, and donated buffers that the step
@@ -555,10 +584,10 @@ class ModelRunner:
 
     def _new_sampler_state(self) -> SamplerState:
         """Per-row sampler state, whole on every device of the mesh (the sampler is replicated)."""
-        return jax.device_put(init_state(self.config.max_num_seqs, self.cfg.vocab_size), self._replicated)
+        return jax.tree.map(lambda x: put(x, self._replicated), init_state(self.config.max_num_seqs, self.cfg.vocab_size))
 
     def _new_last_sampled(self) -> jax.Array:
-        return jax.device_put(jnp.zeros(self.config.max_num_seqs, jnp.int32), self._replicated)
+        return put(np.zeros(self.config.max_num_seqs, np.int32), self._replicated)
 
     @property
     def _replicated(self):

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from dataclasses import dataclass
 
 from jaxvllm.outputs import RequestMetrics
 from jaxvllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class RequestStatus(enum.Enum):
@@ -80,6 +83,9 @@ class Request:
         self.prompt_logprobs: list[dict | None] | None = (
             [None] * len(self.prompt_token_ids) if params.prompt_logprobs is not None else None
         )
+        # Structured outputs: the request's grammar (jaxvllm.structured_output.Grammar), set by
+        # the engine; it advances on each appended token.
+        self.grammar = None
         self.detokenizer = None  # an IncrementalDetokenizer when params.detokenize
         self.num_detokenized = 0  # output tokens the detokenizer has seen
         self.num_preemptions = 0
@@ -109,11 +115,22 @@ class Request:
         return self.status == RequestStatus.FINISHED
 
     def append_token(self, token_id: int) -> None:
-        """Add a sampled token and set finish_reason when it ends the completion."""
+        """Add a sampled token and set finish_reason when it ends the completion (a complete
+        structured output ends it too: "stop")."""
         self.token_ids.append(token_id)
+        complete = False
+        if self.grammar is not None:
+            if not self.grammar.accept(token_id):  # (the mask allows only what it accepts)
+                logger.error("request %s: the grammar refused token %d: %s", self.request_id, token_id,
+                             self.grammar.error)
+                self.finish_reason = "abort"
+                return
+            complete = self.grammar.finished
         if token_id in self._stop_ids:
             self.finish_reason = "stop"
             self.stop_reason = None if token_id in self.eos_token_ids else token_id
+        elif complete:
+            self.finish_reason = "stop"
         elif len(self.token_ids) - len(self.prompt_token_ids) >= self.max_tokens:
             self.finish_reason = "length"
 

@@ -69,13 +69,14 @@ class SamplerFeatures:
     state: bool = False  # logit bias / allowed ids / min_tokens / penalties / bad words
     bad_words: bool = False  # some row bans bad words (needs state)
     logprobs: int = 0  # width of the top-logprobs arrays; 0: no logprobs
+    grammar: bool = False  # some row has a structured-output bitmask
 
     @classmethod
     def of(cls, t: SamplingTensors, rows: np.ndarray, *, bad_words: np.ndarray | None = None,
-           logprobs_width: int = DEFAULT_MAX_LOGPROBS) -> "SamplerFeatures":
+           logprobs_width: int = DEFAULT_MAX_LOGPROBS, grammar: bool = False) -> "SamplerFeatures":
         """The features of host (numpy) tensors, over the rows that sample (`rows`, a bool
         mask); `bad_words`: which rows ban words; `logprobs_width`: top logprobs to compute
-        when a row wants logprobs."""
+        when a row wants logprobs; `grammar`: a sampling row is constrained."""
         random = rows & (t.temperature > 0) & (t.top_k != 1)
         any_random = bool(random.any())
         return cls(
@@ -86,11 +87,13 @@ class SamplerFeatures:
             state=bool((rows & t.use_state).any()),
             bad_words=bad_words is not None and bool((rows & bad_words).any()),
             logprobs=logprobs_width if (rows & t.want_logprobs).any() else 0,
+            grammar=grammar,
         )
 
     @property
     def name(self) -> str:
-        on = [f for f in ("random", "min_p", "top_k", "top_p", "state", "bad_words", "logprobs") if getattr(self, f)]
+        on = [f for f in ("random", "min_p", "top_k", "top_p", "state", "bad_words", "logprobs", "grammar")
+              if getattr(self, f)]
         return "+".join(on) or "greedy"
 
 
@@ -153,6 +156,14 @@ def ban_bad_words(logits, bad_words, recent):
     rows = jnp.broadcast_to(jnp.arange(logits.shape[0])[:, None], last.shape)
     ban = jnp.where(match, -jnp.inf, jnp.inf)  # min with +inf: no change
     return logits.at[rows, jnp.maximum(last, 0)].min(ban.astype(logits.dtype))
+
+
+def apply_token_bitmask(logits, bitmask):
+    """-inf where a row's bit is 0; bitmask int32 [S, ceil(vocab / 32)], token v at bit
+    v % 32 of word v // 32 (llguidance's and xgrammar's packing)."""
+    ids = jnp.arange(logits.shape[-1])
+    allowed = (bitmask[:, ids // 32] >> (ids % 32)) & 1
+    return jnp.where(allowed != 0, logits, -jnp.inf)
 
 
 def apply_penalties(logits, prompt_mask, output_counts, presence, frequency, repetition):
@@ -240,10 +251,14 @@ def compute_logprobs(logits: jax.Array, token_ids: jax.Array, width: int, normal
 
 def sample(
     logits: jax.Array, t: SamplingTensors, state: SamplerState | None, features: SamplerFeatures,
-    logprobs_mode: str = "raw_logprobs",
+    logprobs_mode: str = "raw_logprobs", bitmask: jax.Array | None = None,
 ) -> tuple[jax.Array, Logprobs | None, SamplerState | None]:
     """Token ids [S] from float32 logits [S, vocab]; logprobs when `features.logprobs`, as
-    `logprobs_mode` says; the new state when `features.state` (else `state` is unused)."""
+    `logprobs_mode` says; the new state when `features.state` (else `state` is unused).
+    With `features.grammar`, the structured-output `bitmask` masks the logits first (as
+    vLLM, before the sampler: raw logprobs are of the masked logits)."""
+    if features.grammar:
+        logits = apply_token_bitmask(logits, bitmask)
     raw = logits
     if features.state:
         use = t.use_state[:, None]

@@ -23,6 +23,47 @@ def resolve_logprobs(k: int | None, vocab_size: int) -> int | None:
     return vocab_size if k == -1 else k
 
 
+@dataclass
+class StructuredOutputsParams:
+    """What a completion must match (vLLM's `StructuredOutputsParams`): exactly one of a JSON
+    schema (`json`, a dict or its text), any JSON object (`json_object=True`), a regular
+    expression, a `choice` of strings, an EBNF/GBNF or Lark `grammar`, or a `structural_tag`
+    (JSON text: {"structures": [{"begin", "schema", "end"}], "triggers": [...]}).
+    The others tune JSON: no whitespace between tokens, no properties beyond the schema's,
+    or a whitespace pattern. (`disable_fallback` is accepted: there is one backend.)"""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        kinds = [self.json is not None, self.regex is not None, self.choice is not None, self.grammar is not None,
+                 self.json_object is not None, self.structural_tag is not None]
+        if sum(kinds) > 1:
+            raise ValueError("You can only use one kind of structured outputs constraint but multiple are "
+                             f"specified: {self.__dict__}")
+        if sum(kinds) < 1:
+            raise ValueError(f"You must use one kind of structured outputs constraint but none are specified: {self.__dict__}")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice or not all(isinstance(c, str) for c in self.choice):
+                raise ValueError(f"choice must be a non-empty list of strings, got {self.choice!r}")
+            self.choice = list(self.choice)
+        for name in ("regex", "grammar", "structural_tag", "whitespace_pattern"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a string, got {type(getattr(self, name)).__name__}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"json must be a JSON schema (a dict or its text), got {type(self.json).__name__}")
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError(f"json_object must be True (or None), got {self.json_object!r}")
+
+
 class RequestOutputKind(enum.Enum):
     """What `LLMEngine.step()` returns for a request (vLLM's names)."""
 
@@ -76,6 +117,9 @@ class SamplingParams:
     # request is added (ValueError), with V1's messages.
     best_of: int | None = None
     logits_processors: list | None = None
+    # The completion must match a JSON schema, regex, choice or grammar (llguidance masks
+    # the tokens that cannot continue a match).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Numbers may be Python or numpy scalars (not bools); they are stored as Python int/float.
@@ -127,6 +171,9 @@ class SamplingParams:
             if any(not w for w in words):
                 raise ValueError(f"bad_words cannot contain an empty string. Got bad_words={list(words)}")
             self.bad_words = list(dict.fromkeys(words))
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise ValueError(f"extra_args must be a dict or None, got {type(self.extra_args).__name__}")
         for name in ("skip_special_tokens", "spaces_between_special_tokens", "detokenize", "ignore_eos",

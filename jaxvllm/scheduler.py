@@ -177,8 +177,12 @@ class Scheduler:
         kv.cache_blocks(scheduled.values())
 
         if not out.preempted:
+            compiling = []  # structured-output requests whose grammar is not compiled yet
             while len(self.waiting) and len(self.running) < c.max_num_seqs and budget > 0:
                 request = self.waiting.peek()
+                if request.grammar is not None and not request.grammar.ready:
+                    compiling.append(self.waiting.pop())  # the others go first meanwhile
+                    continue
                 if request.num_pending:  # preempted with a token in flight: it joins once that is here
                     break
                 # Fresh and preempted requests start from whatever prefix is cached.
@@ -212,6 +216,8 @@ class Scheduler:
                     request.metrics.first_scheduled_time = time.time()
                 scheduled[request.request_id] = scheduled_request
                 budget -= num_new
+            for request in compiling:
+                self.waiting.add(request)
 
         out.scheduled = list(scheduled.values())
         return out

@@ -1,6 +1,7 @@
 """Tensor parallelism: the device mesh and where each parameter and cache lives on it.
 
-One `jax.sharding.Mesh` with a single "tp" axis over `tensor_parallel_size` local devices.
+One `jax.sharding.Mesh` with a single "tp" axis over `tensor_parallel_size` devices (of
+every process, when `jax.distributed` joins several: see `device_group`).
 The split is Megatron's, stated per parameter (`param_partition`) over the model's
 head-explicit layout (see `jaxvllm/models/llama.py`):
 
@@ -26,6 +27,8 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxvllm.config import ModelConfig
@@ -35,8 +38,10 @@ AXIS = "tp"
 
 def device_group(tensor_parallel_size: int, data_parallel_rank: int = 0, data_parallel_size: int = 1) -> list:
     """The devices of one engine replica: replica r of a data-parallel group uses devices
-    [r * tp, (r + 1) * tp) of the default backend."""
-    devices = jax.devices()
+    [r * tp, (r + 1) * tp) of the default backend. Across P processes (`jax.distributed`),
+    it takes tp / P devices of each process, [r * tp / P, (r + 1) * tp / P) of each one's
+    local devices, so that every process runs every step (see `docs/design.md`)."""
+    devices, processes = jax.devices(), jax.process_count()
     if tensor_parallel_size * data_parallel_size > len(devices):
         if data_parallel_size == 1:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size} exceeds the {len(devices)} "
@@ -44,8 +49,50 @@ def device_group(tensor_parallel_size: int, data_parallel_rank: int = 0, data_pa
         raise ValueError(f"tensor_parallel_size={tensor_parallel_size} x data_parallel_size={data_parallel_size} "
                          f"needs {tensor_parallel_size * data_parallel_size} devices; {len(devices)} "
                          f"{jax.default_backend()} device(s) here")
-    start = data_parallel_rank * tensor_parallel_size
-    return devices[start : start + tensor_parallel_size]
+    if processes == 1:
+        start = data_parallel_rank * tensor_parallel_size
+        return devices[start : start + tensor_parallel_size]
+    if tensor_parallel_size % processes:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} over {processes} processes: every process "
+                         "runs every step, so each must hold the same number of the engine's devices "
+                         f"(use a multiple of {processes})")
+    share = tensor_parallel_size // processes
+    start = data_parallel_rank * share
+    by_process = [[d for d in devices if d.process_index == p] for p in range(processes)]
+    if any(len(local) < start + share for local in by_process):
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} x data_parallel_size={data_parallel_size} "
+                         f"needs {share * data_parallel_size} devices on each of the {processes} processes; "
+                         f"the fewest any has is {min(map(len, by_process))}")
+    return [d for local in by_process for d in local[start : start + share]]
+
+
+def local_devices(devices: list) -> list:
+    """The devices of `devices` that this process drives."""
+    return [d for d in devices if d.process_index == jax.process_index()]
+
+
+def put(x, sharding) -> jax.Array:
+    """Host data (the same in every process) placed by `sharding`. Across processes each one
+    places only its own devices' copies: `jax.device_put` would first compare the data
+    across processes, a host collective every step."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """A replicated array's value, from this process's copy (across processes no process
+    can address the whole array, yet each holds all of it)."""
+    return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
+
+
+def gather_over_processes(value: int) -> list[int]:
+    """`value` from every process, in process order (one host collective; only called
+    where all processes reach the same point)."""
+    if jax.process_count() == 1:
+        return [value]
+    return [int(v) for v in np.asarray(multihost_utils.process_allgather(np.int64(value)))]
 
 
 def make_mesh(devices: list) -> Mesh:

@@ -411,7 +411,8 @@ def test_step_executables_do_not_branch(engines):
 
     llm = engines("qwen3")[True]
     runner = llm.llm_engine.runner
-    everything = SamplerFeatures(random=True, min_p=True, top_k=True, top_p=True, state=True, bad_words=True, logprobs=20)
+    everything = SamplerFeatures(random=True, min_p=True, top_k=True, top_p=True, state=True, bad_words=True, logprobs=20,
+                                 grammar=True)
     batch = runner.padding_batch(runner.buckets[-1], runner.widths[-1], everything)
     layout = batch.layout
     assert isinstance(layout, BatchLayout)
@@ -419,8 +420,9 @@ def test_step_executables_do_not_branch(engines):
     forward = runner._forward.lower(runner.params, runner.kv_caches, packed, runner.last_sampled, layout=layout)
     assert_no_host_sync(forward.compile().as_text(), "forward")
     logits = jax.ShapeDtypeStruct((layout.num_rows, runner.cfg.vocab_size), jnp.float32)
+    bitmask = jax.ShapeDtypeStruct((layout.num_rows, -(-runner.cfg.vocab_size // 32)), jnp.int32)
     sampler = runner._sampler.lower(packed[: layout.sampling_size], logits, runner.last_sampled,
-                                    runner.sampler_state, num_rows=layout.num_rows, features=everything)
+                                    runner.sampler_state, bitmask, num_rows=layout.num_rows, features=everything)
     hlo = sampler.compile().as_text()
     assert_no_host_sync(hlo, "sampler")
     assert re.search(r"\bwhile\(", hlo), "expected the top-k/top-p bisection loops"

@@ -153,3 +153,33 @@ def test_throughput_compares_async_scheduling(tmp_path):
     assert a["output_tokens_per_second_on"] > 0 and a["output_tokens_per_second_off"] > 0 and a["speedup"] > 0
     assert report["results"]["jaxvllm"]["engine_stats"]["async_scheduling"] is True
     assert report["results"]["jaxvllm_sync"]["engine_stats"]["async_scheduling"] is False
+
+
+def test_throughput_json_schema_constrained_and_not(tmp_path, capsys):
+    """Structured outputs: every constrained completion validates, and the unconstrained run
+    makes exactly as many output tokens (timing ratios are not asserted: CPU noise)."""
+    report = bench("throughput", tmp_path, "--model", "dummy:tiny", "--dataset", "json-schema", "--num-prompts", "8",
+                   "--max-model-len", "1024")
+    assert "structured outputs:" in capsys.readouterr().out
+    s = report["structured_output"]
+    assert s["valid_fraction"] == 1.0 and s["num_valid"] == s["num_completions"] == 8
+    assert s["output_tokens_per_second_constrained"] > 0 and s["output_tokens_per_second_unconstrained"] > 0
+    assert s["ratio"] > 0 and s["mask_steps"] > 0 and s["mask_seconds"] > 0 and s["mask_ms_per_step"] > 0
+    constrained = report["results"]["jaxvllm"]
+    assert s["unconstrained"]["total_output_tokens"] == constrained["total_output_tokens"] > 8
+    assert constrained["structured_output"] == s and report["config"]["output_len"] == ds.JSON_SCHEMA_MAX_TOKENS
+
+
+def test_json_schema_needs_the_jaxvllm_backend(capsys):
+    assert main(["bench", "throughput", "--model", "dummy:tiny", "--dataset", "json-schema", "--backend", "both"]) == 2
+    assert "needs --backend jaxvllm" in capsys.readouterr().err
+
+
+def test_json_schema_requests_and_their_check():
+    reqs = ds.json_schema_requests(3, 100, lambda text: list(text.encode()))
+    assert len(reqs) == 3 and all(r.output_len == 100 and r.structured_outputs.json == ds.JSON_SCHEMA for r in reqs)
+    assert reqs[0].prompt_token_ids != reqs[1].prompt_token_ids
+    good = {"name": "Ann", "age": 30, "role": "user", "tags": ["a"], "address": {"city": "Oslo", "zip": 12345}}
+    assert ds.is_valid_json(json.dumps(good))
+    assert not ds.is_valid_json(json.dumps({**good, "age": 121}))
+    assert not ds.is_valid_json(json.dumps(good)[:-1])

@@ -4,6 +4,7 @@ Engine flags are the same small shapes in every in-process run (and in test_benc
 so that the token buckets compile once per test session.
 """
 
+import ast
 import json
 import re
 import shlex
@@ -11,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 from jaxvllm.cli import main
@@ -55,6 +57,64 @@ def test_generate_prompts_file_to_jsonl(tmp_path):
         assert isinstance(completion["text"], str)
     # Greedy: the same text as a bare string or as {"prompt": ...} gives the same tokens.
     assert records[1]["outputs"][0]["token_ids"] == records[2]["outputs"][0]["token_ids"]
+
+
+def printed_completions(capsys) -> list[str]:
+    return [ast.literal_eval(line.split(", Generated text: ", 1)[1])
+            for line in capsys.readouterr().out.splitlines() if line.startswith("Prompt: ")]
+
+
+PROMPTS = ["--prompt", "Hello, my name is", "--prompt", "Hi", "--prompt", "1 2 3", "--temperature", "1", "--seed", "0"]
+# Bounded everywhere, no whitespace: random weights finish well within the 64-token context.
+SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                   "name": {"type": "string", "maxLength": 5}},
+    "required": ["answer", "n", "name"],
+    "additionalProperties": False,
+}
+
+
+def test_generate_matches_a_regex(capsys):
+    assert generate(*PROMPTS, "--regex", "[a-z]{2,5}-[0-9]{1,3}", "--max-tokens", "40") == 0
+    texts = printed_completions(capsys)
+    assert len(texts) == 3 and all(re.fullmatch("[a-z]{2,5}-[0-9]{1,3}", t) for t in texts), texts
+
+
+def test_generate_picks_a_choice(capsys):
+    assert generate(*PROMPTS, "--choice", "yes", "no", "maybe not") == 0
+    texts = printed_completions(capsys)
+    assert len(texts) == 3 and set(texts) <= {"yes", "no", "maybe not"}, texts
+
+
+def test_generate_follows_a_json_schema(tmp_path, capsys):
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    assert generate(*PROMPTS, "--json-schema", str(schema), "--disable-any-whitespace", "--max-tokens", "50") == 0
+    texts = printed_completions(capsys)
+    assert len(texts) == 3
+    for text in texts:
+        jsonschema.validate(json.loads(text), SCHEMA)
+        assert " " not in text.replace(json.loads(text)["name"], "")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--json-schema", "NOPE"], "cannot read --json-schema"),
+    (["--json-schema", "BAD"], "--json-schema {tmp}/bad.json: not JSON"),
+    (["--regex", "[a-z"], "Grammar error: "),  # the engine's ValueError, once for all prompts
+    (["--json-schema", "FOO"], "Grammar error: "),
+    (["--disable-any-whitespace"], "--disable-any-whitespace goes with --json-schema"),
+    (["--regex", "a", "--choice", "a", "b"], "not allowed with argument"),  # argparse's
+])
+def test_structured_output_usage_errors(tmp_path, capsys, args, message):
+    (tmp_path / "bad.json").write_text('{"type": ')
+    (tmp_path / "foo.json").write_text('{"type": "foo"}')
+    files = {"NOPE": tmp_path / "nope.json", "BAD": tmp_path / "bad.json", "FOO": tmp_path / "foo.json"}
+    args = [str(files.get(a, a)) for a in args]
+    assert generate("--prompt", "x", "--prompt", "y", *args) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("jaxvllm generate: error: ") and message.format(tmp=tmp_path) in err, err
+    assert "--prompt" not in err  # not blamed on a prompt
 
 
 @pytest.mark.parametrize("args", [

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import pyarrow as pa
 import pytest
@@ -123,6 +124,12 @@ def test_predictor_batch_in_process(predictor, reference):
     assert ids.column("num_input_tokens").to_pylist() == [3, 1]
     assert ids.column("num_generated_tokens").to_pylist() == [16, 16]  # SamplingParams' default max_tokens
     assert ids.column("generated_tokens").to_pylist()[1] == [9] * 16  # logit_bias keys: Arrow's str -> int
+    constrained = predictor(pa.Table.from_pylist([
+        {"prompt": "a", "sampling_params": {"temperature": 0.0, "structured_outputs": {"regex": r"\d{3}"}}},
+        {"prompt": "b", "sampling_params": {"temperature": 0.0, "structured_outputs": {"choice": ["x", "yz"]}}},
+    ]))
+    text = constrained.column("generated_text").to_pylist()
+    assert re.fullmatch(r"\d{3}", text[0]) and text[1] in ("x", "yz")
 
 
 def test_predictor_refuses_bad_rows(predictor, config, monkeypatch):

@@ -46,6 +46,7 @@ def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int =
     from jaxvllm.input_batch import BatchLayout
     from jaxvllm.model_runner import jit_forward, jit_sampler, sequence_rows
     from jaxvllm.sampler import SamplerFeatures, init_state
+    from jaxvllm.structured_output import bitmask_words
 
     cfg = ModelConfig.from_hf(get_dummy(model).make_config())
     rows = sequence_rows(max_num_seqs, num_tokens)
@@ -59,7 +60,8 @@ def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int =
                   SimpleNamespace(trace=partial(forward.trace, layout=layout)),
                   [jax.eval_shape(lambda: dummy_params(cfg, dtype)), [(cache, cache)] * cfg.num_layers, packed,
                    last_sampled])]
-    everything = SamplerFeatures(random=True, min_p=True, top_k=True, top_p=True, state=True, bad_words=True, logprobs=20)
+    everything = SamplerFeatures(random=True, min_p=True, top_k=True, top_p=True, state=True, bad_words=True, logprobs=20,
+                                 grammar=True)
     for name in sampler:
         features = everything if name == "all" else SamplerFeatures()
         state = jax.eval_shape(lambda: init_state(max_num_seqs, cfg.vocab_size)) if features.state else None
@@ -68,7 +70,7 @@ def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int =
                                                  donated=1 + (STATE_ARRAYS if state else 0)),
                           SimpleNamespace(trace=partial(jit_sampler().trace, num_rows=rows, features=features)),
                           [spec((layout.sampling_size,)), spec((rows, cfg.vocab_size), jnp.float32), last_sampled,
-                           state]))
+                           state, spec((rows, bitmask_words(cfg.vocab_size))) if features.grammar else None]))
     return cases
 
 

@@ -24,6 +24,7 @@ class RunTimings:
     ttft: list[float] = field(default_factory=list)  # time to first token
     e2e: list[float] = field(default_factory=list)  # time to the last token
     setup_seconds: float = 0.0  # before the clock started (HF continuous batching: its cache and warm-up)
+    output_texts: list[str] = field(default_factory=list)  # jaxvllm's (structured outputs are checked on them)
 
     @property
     def num_output_tokens(self) -> int:

@@ -4,15 +4,21 @@ Prompts are random token ids, as in vLLM's random dataset and nano-vllm's bench.
 what is measured is the engine, not the text, and token ids need no tokenizer that
 matches the model (dummy models have none). Every list depends only on its
 arguments and the seed, so jaxvllm and HF transformers get identical work.
+json-schema is the exception: text prompts, tokenized, each with a JSON schema its
+completion must follow (structured outputs, jaxvllm only).
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-DATASETS = ("random", "nanovllm", "shared-prefix")
+from jaxvllm.sampling_params import StructuredOutputsParams
+
+DATASETS = ("random", "nanovllm", "shared-prefix", "json-schema")
 
 # B1 in DESIGN.md: nano-vllm's bench.py workload.
 NANOVLLM_NUM_PROMPTS = 256
@@ -23,10 +29,36 @@ NANOVLLM_MAX_MODEL_LEN = 4096
 _FIRST_TOKEN_ID = 3
 
 
+# json-schema: a user profile, bounded everywhere (strings, integers, the array) so that even
+# random weights finish, well within JSON_SCHEMA_MAX_TOKENS.
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 16},
+                           "zip": {"type": "integer", "minimum": 10000, "maximum": 99999}},
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "role", "tags", "address"],
+    "additionalProperties": False,
+}
+JSON_SCHEMA_MAX_TOKENS = 512
+
+
 @dataclass(frozen=True)
 class BenchRequest:
     prompt_token_ids: list[int]
-    output_len: int  # exactly this many tokens are generated (EOS is ignored)
+    # Exactly this many tokens are generated (EOS is ignored); with structured outputs, at
+    # most this many: the completion ends where its grammar does.
+    output_len: int
+    structured_outputs: StructuredOutputsParams | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -79,6 +111,41 @@ def shared_prefix_requests(
     rng = np.random.default_rng(seed)
     prefix = _token_ids(rng, prefix_len, vocab_size)
     return [BenchRequest(prefix + _token_ids(rng, input_len, vocab_size), output_len) for _ in range(num_prompts)]
+
+
+def json_schema_requests(num_prompts: int, output_len: int, encode: Callable[[str], list[int]]) -> list[BenchRequest]:
+    """Prompts asking for a JSON object (vLLM's structured-output benchmark: the schema in
+    the prompt, here first, so that the prompts share it as a prefix), each constrained by
+    JSON_SCHEMA without whitespace between tokens (random weights would loop on it).
+    Text, unlike the other datasets: the grammar works on the tokenizer's tokens anyway."""
+    if num_prompts < 1 or output_len < 1:
+        raise ValueError("num_prompts and output_len must be >= 1")
+    _jsonschema()  # before anything runs: the completions are checked with it
+    schema = json.dumps(JSON_SCHEMA, separators=(",", ":"))
+    spec = StructuredOutputsParams(json=JSON_SCHEMA, disable_any_whitespace=True)
+    return [BenchRequest(encode(f"JSON schema: {schema}\nWrite user profile number {i} as a JSON object "
+                                "that follows the schema:\n"), output_len, spec)
+            for i in range(num_prompts)]
+
+
+def _jsonschema():
+    try:
+        import jsonschema
+    except ImportError as e:
+        raise ImportError("--dataset json-schema validates the completions with jsonschema: "
+                          "pip install jsonschema") from e
+    return jsonschema
+
+
+def is_valid_json(text: str, schema: dict = JSON_SCHEMA) -> bool:
+    """The text parses as JSON and validates against the schema (checked by jsonschema,
+    not by the grammar that produced it)."""
+    jsonschema = _jsonschema()
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
 
 
 def totals(requests: list[BenchRequest]) -> tuple[int, int]:

@@ -74,6 +74,7 @@ def build(num_requests: int, prompt_len: int, output_len: int, tokenizer, rng: n
     engine = LLMEngine.__new__(LLMEngine)  # only what `step` reads
     engine.tokenizer, engine.scheduler, engine.kv_cache_manager = tokenizer, scheduler, kv
     engine._in_flight, engine._token_texts = None, {}
+    engine._multiprocess = engine._requests_changed = False
     engine.metrics = MetricsCollector("host-step", MAX_MODEL_LEN)  # metrics are part of a real step's cost
     parents = {}
     for i in range(num_requests):
@@ -174,6 +175,8 @@ class StubDevice:
 
 
 class StubStep:
+    awaits_bitmask = False  # no structured outputs here
+
     def __init__(self, n: int, ready: float, rng: np.random.Generator) -> None:
         self.n, self.ready, self.rng = n, ready, rng
 

@@ -96,8 +96,14 @@ class JaxvllmBackend:
         return 0.0
 
     def run(self, requests: list[BenchRequest], *, temperature: float = 0.0, use_tqdm: bool = True) -> RunTimings:
+        """One timed run. It starts with an empty prefix cache: a run before it on the same
+        prompts (a warm-up pass) would otherwise spare it their prefill."""
         prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
-        params = [SamplingParams(temperature=temperature, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+        # A constrained completion ends with its grammar: EOS is not ignored there.
+        params = [SamplingParams(temperature=temperature, max_tokens=r.output_len,
+                                 ignore_eos=r.structured_outputs is None, structured_outputs=r.structured_outputs)
+                  for r in requests]
+        self.llm.reset_prefix_cache()
         with time_steps(self.llm) as timing:
             start_wall, start = time.time(), time.perf_counter()
             outputs = self.llm.generate(prompts, params, use_tqdm=use_tqdm)
@@ -109,7 +115,7 @@ class JaxvllmBackend:
             ttft.append(m.first_token_time - start_wall)
             e2e.append(m.finished_time - start_wall)
         return RunTimings(elapsed=elapsed, output_token_ids=[o.outputs[0].token_ids for o in outputs],
-                          ttft=ttft, e2e=e2e)
+                          ttft=ttft, e2e=e2e, output_texts=[o.outputs[0].text for o in outputs])
 
     def stats(self) -> dict:
         return self.llm.stats()

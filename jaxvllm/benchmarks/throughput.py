@@ -4,6 +4,11 @@ All requests are given at once; the figure is tokens per second of the whole run
 timed after the engine is built (weights, KV cache, compiled buckets), which is
 reported apart. With `--backend both`, HF transformers runs the same requests in
 the same process and the ratio jaxvllm / hf is printed.
+
+`--dataset json-schema` measures what structured outputs cost: the requests run
+constrained by a JSON schema, then unconstrained with the same output lengths, and
+the ratio of their output tokens/s is printed with the share of completions that
+validate and the host time spent filling token masks per step.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from jaxvllm.engine_args import add_engine_args, engine_kwargs
 from jaxvllm.loader import load_config
 
 DEFAULT_NUM_PROMPTS = 1000  # vLLM's
+DEFAULT_OUTPUT_LEN = 128
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,11 +33,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dataset", choices=ds.DATASETS, default="random",
                        help="random: lengths around --input-len/--output-len; nanovllm: the B1 workload (256 "
                             "requests, prompt and output lengths uniform in [100, 1024]); shared-prefix: "
-                            "--prefix-len shared tokens + --input-len own tokens per request")
+                            "--prefix-len shared tokens + --input-len own tokens per request; json-schema: "
+                            "prompts asking for a JSON object, run constrained by a JSON schema, then "
+                            "unconstrained with the same output lengths (jaxvllm only)")
     group.add_argument("--num-prompts", type=int, default=None,
                        help=f"number of requests (default {DEFAULT_NUM_PROMPTS}; nanovllm: {ds.NANOVLLM_NUM_PROMPTS})")
     group.add_argument("--input-len", type=int, default=1024, help="prompt tokens (shared-prefix: after the prefix)")
-    group.add_argument("--output-len", type=int, default=128, help="generated tokens per request (EOS ignored)")
+    group.add_argument("--output-len", type=int, default=None,
+                       help=f"generated tokens per request (EOS ignored; default {DEFAULT_OUTPUT_LEN}); json-schema: "
+                            f"the most per completion (default {ds.JSON_SCHEMA_MAX_TOKENS})")
     group.add_argument("--range-ratio", type=float, default=0.0,
                        help="random: lengths uniform in [len * (1 - r), len * (1 + r)]")
     group.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: tokens every prompt starts with")
@@ -43,22 +53,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
 
 
-def prompt_vocab_size(source: ModelSource, tokenizer: str | None) -> int:
-    """Random prompt ids stay within both the tokenizer's and the model's vocabularies."""
+def load_tokenizer(source: ModelSource, tokenizer: str | None):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(tokenizer or source.path, local_files_only=True)
-    return min(len(tok), load_config(source.path).vocab_size)
+    return AutoTokenizer.from_pretrained(tokenizer or source.path, local_files_only=True)
 
 
-def make_requests(args: argparse.Namespace, vocab_size: int) -> list[ds.BenchRequest]:
+def prompt_vocab_size(source: ModelSource, tokenizer: str | None) -> int:
+    """Random prompt ids stay within both the tokenizer's and the model's vocabularies."""
+    return min(len(load_tokenizer(source, tokenizer)), load_config(source.path).vocab_size)
+
+
+def output_len(args: argparse.Namespace) -> int:
+    if args.output_len is not None:
+        return args.output_len
+    return ds.JSON_SCHEMA_MAX_TOKENS if args.dataset == "json-schema" else DEFAULT_OUTPUT_LEN
+
+
+def make_requests(args: argparse.Namespace, source: ModelSource) -> list[ds.BenchRequest]:
     n = args.num_prompts
+    if args.dataset == "json-schema":
+        return ds.json_schema_requests(n or DEFAULT_NUM_PROMPTS, output_len(args),
+                                       load_tokenizer(source, args.tokenizer).encode)
+    vocab_size = prompt_vocab_size(source, args.tokenizer)
     if args.dataset == "nanovllm":
         return ds.nanovllm_requests(vocab_size, num_prompts=n or ds.NANOVLLM_NUM_PROMPTS, seed=args.seed)
     if args.dataset == "shared-prefix":
-        return ds.shared_prefix_requests(n or DEFAULT_NUM_PROMPTS, args.prefix_len, args.input_len, args.output_len,
+        return ds.shared_prefix_requests(n or DEFAULT_NUM_PROMPTS, args.prefix_len, args.input_len, output_len(args),
                                          vocab_size, seed=args.seed)
-    return ds.random_requests(n or DEFAULT_NUM_PROMPTS, args.input_len, args.output_len, vocab_size,
+    return ds.random_requests(n or DEFAULT_NUM_PROMPTS, args.input_len, output_len(args), vocab_size,
                               range_ratio=args.range_ratio, seed=args.seed)
 
 
@@ -106,13 +129,52 @@ def print_result(label: str, r: dict[str, Any]) -> None:
               f"{steps['mean_step_ms']:.2f} ms)")
 
 
+def run_unconstrained(backend, requests: list[ds.BenchRequest], constrained: RunTimings,
+                      args: argparse.Namespace) -> RunTimings:
+    """The same prompts without their schema, each generating exactly as many tokens as its
+    constrained completion did (max_tokens = that length, EOS ignored): both runs then make
+    the same output tokens, so their rates differ by what the constraint costs alone (a
+    fixed max_tokens would let the two runs make different amounts of work)."""
+    same_lengths = [ds.BenchRequest(r.prompt_token_ids, len(ids))
+                    for r, ids in zip(requests, constrained.output_token_ids)]
+    return backend.run(same_lengths, temperature=args.temperature, use_tqdm=not args.disable_tqdm)
+
+
+def structured_output_figures(constrained: dict[str, Any], unconstrained: dict[str, Any], texts: list[str],
+                              mask_seconds: float, mask_steps: int) -> dict[str, Any]:
+    valid = sum(map(ds.is_valid_json, texts))
+    rate, base = constrained["output_tokens_per_second"], unconstrained["output_tokens_per_second"]
+    return {
+        "output_tokens_per_second_constrained": rate,
+        "output_tokens_per_second_unconstrained": base,
+        "ratio": rate / base,  # the cost of the constraint: 1 = none
+        "num_valid": valid,
+        "num_completions": len(texts),
+        "valid_fraction": valid / len(texts),
+        "mask_seconds": mask_seconds,  # host time filling token masks, and the steps that needed one
+        "mask_steps": mask_steps,
+        "mask_ms_per_step": 1e3 * mask_seconds / mask_steps if mask_steps else 0.0,
+        "unconstrained": unconstrained,
+    }
+
+
+def print_structured_output(s: dict[str, Any]) -> None:
+    print(f"structured outputs: {s['output_tokens_per_second_constrained']:.1f} output tokens/s constrained vs "
+          f"{s['output_tokens_per_second_unconstrained']:.1f} unconstrained ({s['ratio']:.2f}x); "
+          f"{s['num_valid']}/{s['num_completions']} valid against the schema; token masks "
+          f"{s['mask_ms_per_step']:.3f} ms per step ({s['mask_steps']} steps)")
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark the flags describe; print and return its figures (and write --output-json)."""
     results: dict[str, dict[str, Any]] = {}
     outputs: dict[str, list[list[int]]] = {}
     hf_device = None
+    structured = args.dataset == "json-schema"
+    if structured and args.backend != "jaxvllm":
+        raise ValueError("--dataset json-schema needs --backend jaxvllm (structured outputs are jaxvllm's)")
     with resolve_model(args.model) as source:
-        requests = make_requests(args, prompt_vocab_size(source, args.tokenizer))
+        requests = make_requests(args, source)
         max_model_len = auto_max_model_len(args.dataset, requests, load_config(source.path).max_position_embeddings)
         kwargs = engine_kwargs(args, source, seed=args.seed, max_model_len=max_model_len)
         runs = [(name, name, kwargs) for name in backend_names(args.backend)]
@@ -128,6 +190,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             backend = make_backend(name, source, args, run_kwargs)
             try:
                 backend.warmup(requests)
+                if structured:  # the grammar and the masked sampler variants compile when first used
+                    backend.run(requests, temperature=args.temperature, use_tqdm=False)
+                before = backend.stats() if structured else {}
                 timings = backend.run(requests, temperature=args.temperature, use_tqdm=not args.disable_tqdm)
                 result = summarize(timings, requests)
                 result["load_seconds"] = backend.load_seconds
@@ -139,22 +204,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     stats = backend.stats()
                     result.update(step_timing=backend.last_step_timing.to_dict(), engine_stats=stats,
                                   computed_prefill_tokens=result["total_prompt_tokens"] - stats["prefix_cache_hits"])
+                    if structured:
+                        baseline = summarize(run_unconstrained(backend, requests, timings, args), requests)
+                        result["structured_output"] = structured_output_figures(
+                            result, baseline, timings.output_texts,
+                            stats["structured_output_mask_seconds"] - before["structured_output_mask_seconds"],
+                            stats["structured_output_mask_steps"] - before["structured_output_mask_steps"])
             finally:
                 backend.close()
             results[key] = result
             outputs[key] = timings.output_token_ids
             label = {"jaxvllm": "jaxvllm", **{k: f"jaxvllm, {what}" for _, k, what in _COMPARISONS.values()}}.get(key)
             print_result(label or f"hf ({result['mode']})", result)
+            if structured:
+                print_structured_output(result["structured_output"])
 
     report: dict[str, Any] = {
         "benchmark": "throughput",
         "config": {"model": args.model, "dataset": args.dataset, "backend": args.backend,
-                   "num_prompts": len(requests), "input_len": args.input_len, "output_len": args.output_len,
+                   "num_prompts": len(requests), "input_len": args.input_len, "output_len": output_len(args),
                    "range_ratio": args.range_ratio, "prefix_len": args.prefix_len, "seed": args.seed,
                    "temperature": args.temperature, "hf_mode": args.hf_mode, "hf_batch_size": args.hf_batch_size,
                    "engine_args": kwargs},
         "results": results,
     }
+    if structured:
+        report["structured_output"] = results["jaxvllm"]["structured_output"]
     if args.compare_prefix_caching:
         on, off = results["jaxvllm"], results["jaxvllm_no_prefix_caching"]
         report["prefix_caching"] = {

@@ -23,7 +23,9 @@ and optionally `sampling_params`: a dict of `SamplingParams` fields (vLLM's name
 row; a row without one takes `LLM.get_default_sampling_params()`. A null field counts as
 absent (Arrow gives every row of a column the same fields, filling the missing ones with
 nulls), so a field is at its `SamplingParams` default there, e.g. `max_tokens` at 16. Each
-row gets one completion (`n` must be 1).
+row gets one completion (`n` must be 1). `structured_outputs` is a dict of
+`StructuredOutputsParams` fields (give a JSON schema as its text: Arrow would turn a dict
+into a struct with a null for every key another row has).
 
 Outputs. Every input column is kept (every column `preprocess` returns, when given: as in
 vLLM, its row replaces the input row, so `{**row, ...}` keeps the input's); added are
@@ -48,7 +50,7 @@ from typing import Any, Callable
 import pyarrow as pa
 import ray.data
 
-from jaxvllm.sampling_params import SamplingParams
+from jaxvllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 ACCELERATORS = ("cpu", "gpu", "tpu")
 
@@ -183,6 +185,8 @@ class JaxvllmPredictor:
         fields = _drop_nulls(given)
         if "logit_bias" in fields:  # Arrow struct fields are named by strings
             fields["logit_bias"] = {int(k): v for k, v in _drop_nulls(fields["logit_bias"]).items()}
+        if "structured_outputs" in fields:
+            fields["structured_outputs"] = StructuredOutputsParams(**_drop_nulls(fields["structured_outputs"]))
         params = SamplingParams(**fields)
         if params.n != 1:
             raise ValueError(f"each row gets one completion: sampling_params n must be 1, got {params.n}")

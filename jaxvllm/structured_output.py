@@ -1,0 +1,206 @@
+"""Structured outputs on llguidance (vLLM's "guidance" backend).
+
+A request's `StructuredOutputsParams` becomes an llguidance grammar. It is checked when
+the request is added (a bad schema, regex or grammar is a ValueError there), compiled
+once per distinct spec in a thread pool (the request waits in the queue meanwhile,
+without holding the others back), and each request gets its own matcher: a copy of the
+compiled one. Per step, each constrained row's matcher fills its row of a packed int32
+bitmask [rows, ceil(vocab / 32)] on the host (bit v % 32 of word v // 32: token v may
+come next); the jitted sampler masks the logits with it. The matcher advances on every
+token the request gets (`Request.append_token`), and the request ends when the grammar
+is complete (finish reason "stop").
+
+llguidance is a Rust core with a numpy API and no Python dependencies; xgrammar, vLLM's
+other default, would pull torch and triton into a JAX engine at run time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import llguidance
+import llguidance.hf
+import llguidance.numpy
+import numpy as np
+
+from jaxvllm.config import StructuredOutputsConfig
+from jaxvllm.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+# Compiled grammars kept for reuse (the oldest are dropped past this many distinct specs).
+MAX_CACHED_GRAMMARS = 1024
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def _no_additional_properties(schema):
+    """vLLM's `disable_additional_properties`: every object schema without its own
+    `additionalProperties` gets `false`."""
+    if isinstance(schema, dict):
+        schema = {k: _no_additional_properties(v) for k, v in schema.items()}
+        if schema.get("type") == "object" and "additionalProperties" not in schema:
+            schema["additionalProperties"] = False
+    elif isinstance(schema, list):
+        schema = [_no_additional_properties(v) for v in schema]
+    return schema
+
+
+def grammar_text(spec: StructuredOutputsParams, config: StructuredOutputsConfig) -> str:
+    """The llguidance grammar of a spec, as vLLM's guidance backend builds it."""
+    no_whitespace = spec.disable_any_whitespace or config.disable_any_whitespace
+    defaults = {"whitespace_flexible": not no_whitespace}
+    if spec.whitespace_pattern is not None:
+        defaults["whitespace_pattern"] = spec.whitespace_pattern
+
+    def json_grammar(schema) -> str:
+        try:
+            schema = json.loads(schema) if isinstance(schema, str) else schema
+        except json.JSONDecodeError as e:
+            raise ValueError(f"structured outputs: the JSON schema is not valid JSON: {e}") from e
+        if spec.disable_additional_properties or config.disable_additional_properties:
+            schema = _no_additional_properties(schema)
+        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=defaults)
+
+    if spec.json is not None:
+        return json_grammar(spec.json)
+    if spec.json_object:
+        return json_grammar({"type": "object"})
+    if spec.regex is not None:
+        return llguidance.grammar_from("regex", spec.regex)
+    if spec.choice is not None:
+        return llguidance.grammar_from("choice", json.dumps(spec.choice))
+    if spec.grammar is not None:
+        return llguidance.grammar_from("grammar", spec.grammar)
+    try:
+        tag = json.loads(spec.structural_tag)
+        triggers, structures = tag["triggers"], tag["structures"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError('structured outputs: structural_tag must be JSON with "structures" and "triggers"') from e
+    tags = []
+    for s in structures:
+        trigger = next((t for t in triggers if s["begin"].startswith(t)), None)
+        if trigger is None:
+            raise ValueError(f"structured outputs: structural_tag begin {s['begin']!r} starts with no trigger of {triggers}")
+        tags.append(llguidance.StructTag(trigger=trigger, begin=s["begin"], grammar=json_grammar(s["schema"]),
+                                         end=s["end"]))
+    if not tags:
+        raise ValueError("structured outputs: structural_tag has no structures")
+    return llguidance.StructTag.to_grammar(tags)
+
+
+def spec_key(spec: StructuredOutputsParams) -> str:
+    """Specs that give the same grammar share one compilation."""
+    fields = {k: v for k, v in spec.__dict__.items() if v not in (None, False) and k != "disable_fallback"}
+    return json.dumps(fields, sort_keys=True, default=str)
+
+
+class Grammar:
+    """One request's matcher: which tokens may come next, advanced on each token it gets."""
+
+    def __init__(self, compiled: Future) -> None:
+        self._compiled = compiled
+        self._matcher = None  # the request's own copy, made when first needed
+
+    @property
+    def ready(self) -> bool:
+        """Compiled: the request may be scheduled."""
+        return self._compiled.done()
+
+    @property
+    def matcher(self):
+        if self._matcher is None:
+            self._matcher = self._compiled.result().deep_copy()
+        return self._matcher
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past a sampled token; False if the grammar refuses it."""
+        return self.matcher.consume_token(token_id)
+
+    @property
+    def finished(self) -> bool:
+        """Nothing more may be generated: the match is complete (or the matcher failed)."""
+        return self.matcher.is_stopped() or self.matcher.is_error()
+
+    @property
+    def error(self) -> str:
+        return self.matcher.get_error()
+
+
+class StructuredOutputManager:
+    """Grammars for one engine: checks specs, compiles each distinct one once (in a thread
+    pool), and fills the bitmask of a step's constrained rows."""
+
+    def __init__(self, tokenizer, vocab_size: int, config: StructuredOutputsConfig, *, wait: bool = False) -> None:
+        self.hf_tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.config = config
+        # Across processes (jax.distributed) compilation is awaited when a request is added:
+        # readiness must not depend on timing, or the processes would schedule differently.
+        self.wait = wait
+        self._tokenizer = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._mask_executor = None
+        self._compiled: dict[str, Future] = {}
+        self.mask_seconds = 0.0  # host time spent filling bitmasks
+        self.mask_steps = 0
+
+    @property
+    def tokenizer(self):
+        """llguidance's view of the tokenizer, built on first use (vocabulary-sized)."""
+        if self._tokenizer is None:
+            self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size)
+        return self._tokenizer
+
+    def grammar(self, spec: StructuredOutputsParams) -> Grammar:
+        """A new request's grammar; a ValueError naming the problem if the spec is invalid."""
+        key = spec_key(spec)
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            text = grammar_text(spec, self.config)
+            error = llguidance.LLMatcher.validate_grammar(text, self.tokenizer)
+            if error:
+                raise ValueError(f"Grammar error: {error}")
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
+                                                    thread_name_prefix="jaxvllm-grammar")
+            compiled = self._compiled[key] = self._executor.submit(self._compile, text)
+            if len(self._compiled) > MAX_CACHED_GRAMMARS:
+                del self._compiled[next(iter(self._compiled))]
+        if self.wait:
+            compiled.result()
+        return Grammar(compiled)
+
+    def _compile(self, text: str):
+        """A matcher in its start state, which requests copy. (A grammar that fails here,
+        after it was validated, gives matchers in error: their requests end as aborted.)"""
+        matcher = llguidance.LLMatcher(self.tokenizer, text)
+        if matcher.is_error():
+            logger.error("structured outputs: %s", matcher.get_error())
+        return matcher
+
+    def bitmask(self, rows: list[tuple[int, Grammar]], num_rows: int) -> np.ndarray:
+        """int32 [num_rows, ceil(vocab / 32)]: each (row, grammar)'s allowed next tokens, all
+        bits set elsewhere (a finished grammar's row too: its token is dropped)."""
+        start = time.perf_counter()
+        mask = np.full((num_rows, bitmask_words(self.vocab_size)), -1, np.int32)
+        live = [(g.matcher, row) for row, g in rows if not g.finished]
+        if len(live) == 1:
+            llguidance.numpy.fill_next_token_bitmask(live[0][0], mask, live[0][1])
+        elif live:
+            if self._mask_executor is None:
+                self._mask_executor = llguidance.LLExecutor()
+            llguidance.numpy.fill_next_token_bitmask_par(self._mask_executor, live, mask)
+        self.mask_seconds += time.perf_counter() - start
+        self.mask_steps += 1
+        return mask
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,75 @@
+"""One process of a two-process, eight-device run (4 CPU devices each), started by
+tests/test_multihost.py: every process runs this same script, as JAX's multi-controller
+model asks, and each prints one JSON object of its results.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/multihost_worker.py DIR PORT RANK
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import jax
+
+from jaxvllm import LLM, SamplingParams
+
+ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, token_buckets=[64])
+PROMPTS = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 9, 17, 25, 33, 40)]
+PARAMS = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+          SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=8, n=2, ignore_eos=True)] * 3
+
+
+def run(llm: LLM, prompts=PROMPTS) -> list[list[list[int]]]:
+    return [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, PARAMS[: len(prompts)], use_tqdm=False)]
+
+
+def sizing(path: Path) -> dict:
+    """KV blocks agreed across processes: fake allocator figures (100 MiB per device, JAX's
+    0.75 limit) where process 1's devices peak at 30 MiB and process 0's at 10 MiB."""
+    import jaxvllm.model_runner as model_runner
+
+    def stats(device):
+        peak = (30 if device.process_index == 1 else 10) << 20
+        return {"bytes_limit": 75 << 20, "bytes_in_use": peak, "peak_bytes_in_use": peak}
+
+    real, model_runner.device_memory_stats = model_runner.device_memory_stats, stats
+    try:
+        with LLM(path, **ENGINE, tensor_parallel_size=8, gpu_memory_utilization=0.5, enforce_eager=True) as llm:
+            runner = llm.llm_engine.runner
+            return {"num_blocks": runner.num_blocks, "bytes_per_block": runner.bytes_per_block}
+    finally:
+        model_runner.device_memory_stats = real
+
+
+def main(folder: str, port: str, rank: str) -> None:
+    jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=int(rank))
+    path = Path(folder) / "llama-8-heads"
+    results: dict = {"processes": jax.process_count(), "devices": jax.device_count(),
+                     "local_devices": jax.local_device_count(), "errors": {}}
+    for name, kwargs in (("tp8", dict(tensor_parallel_size=8)),
+                         ("tp2_pallas", dict(tensor_parallel_size=2, attention_backend="pallas")),
+                         ("dp2_tp4", dict(tensor_parallel_size=4, data_parallel_size=2))):
+        with LLM(path, **ENGINE, **kwargs) as llm:
+            results[name] = run(llm)
+            results[name + "_processes"] = [sorted({d.process_index for d in e.runner.devices}) for e in llm.engines]
+    # Processes that disagree on the requests get a clear error, not wrong outputs.
+    with LLM(path, **ENGINE, tensor_parallel_size=8) as llm:
+        mine = PROMPTS[:2] if jax.process_index() == 0 else PROMPTS[1:3]
+        try:
+            run(llm, mine)
+        except RuntimeError as e:
+            results["errors"]["differ"] = str(e)
+        results["after_error"] = run(llm)
+    results["sizing"] = sizing(path)
+    for tp in (1, 3):  # one device cannot span two processes; 3 devices do not split evenly over them
+        try:
+            LLM(path, **ENGINE, tensor_parallel_size=tp)
+        except ValueError as e:
+            results["errors"][f"tp{tp}"] = str(e)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

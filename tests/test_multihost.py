@@ -1,0 +1,92 @@
+"""Multi-host on one machine: two processes joined by `jax.distributed`, four CPU devices
+each, every process running tests/multihost_worker.py (JAX's multi-controller model).
+The outputs must equal one process's on one device, in both processes."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxvllm import LLM
+from weights.make_tiny import make_tiny
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+from multihost_worker import ENGINE, PROMPTS, run  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("multihost")
+    make_tiny("llama", folder / "llama-8-heads", num_attention_heads=8, num_key_value_heads=2, head_dim=16)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def results(model) -> list[dict]:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(ROOT))
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "multihost_worker.py"), str(model), port, str(rank)],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in (0, 1)]
+    outs = []
+    try:
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=900)
+            assert proc.returncode == 0, stderr[-5000:]
+            outs.append(json.loads(stdout.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            proc.kill()
+    return outs
+
+
+@pytest.fixture(scope="module")
+def one_device(model) -> list:
+    with LLM(model / "llama-8-heads", **ENGINE) as llm:
+        return run(llm)
+
+
+def test_two_processes_of_four_devices(results):
+    for r in results:
+        assert (r["processes"], r["devices"], r["local_devices"]) == (2, 8, 4)
+
+
+@pytest.mark.parametrize("name", ["tp8", "tp2_pallas", "dp2_tp4", "after_error"])
+def test_outputs_equal_one_device_in_every_process(results, one_device, name):
+    """Greedy and seeded sampling (n=2) alike."""
+    assert results[0][name] == one_device
+    assert results[1][name] == one_device
+
+
+def test_every_engine_spans_both_processes(results):
+    assert results[0]["tp8_processes"] == [[0, 1]]
+    assert results[0]["tp2_pallas_processes"] == [[0, 1]]  # one device of each
+    assert results[0]["dp2_tp4_processes"] == [[0, 1], [0, 1]]  # each replica: two devices of each
+
+
+def test_kv_cache_is_sized_from_the_process_with_least_room(results):
+    """Process 1 peaks at 30 MiB of a 50 MiB budget: both allocate what fits there."""
+    per_device = results[0]["sizing"]["bytes_per_block"] // 8
+    assert results[0]["sizing"]["num_blocks"] == results[1]["sizing"]["num_blocks"] == (20 << 20) // per_device
+
+
+def test_processes_with_different_requests_get_an_error(results):
+    for r in results:
+        assert r["errors"]["differ"].startswith("the 2 processes hold different requests")
+
+
+def test_an_engine_must_split_evenly_over_the_processes(results):
+    assert results[0]["errors"]["tp1"].startswith("tensor_parallel_size=1 over 2 processes")
+    assert results[0]["errors"]["tp3"].startswith("tensor_parallel_size=3 over 2 processes")

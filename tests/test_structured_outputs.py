@@ -1,0 +1,310 @@
+"""Structured outputs (vLLM's StructuredOutputsParams, on llguidance) on random-weight tiny
+models, where only the constraint can make the text valid."""
+
+import json
+import re
+import threading
+
+import jsonschema
+import llguidance
+import llguidance.hf
+import llguidance.numpy
+import numpy as np
+import pytest
+import torch
+
+from jaxvllm import LLM, SamplingParams, StructuredOutputsParams
+from jaxvllm.config import StructuredOutputsConfig
+from jaxvllm.structured_output import grammar_text
+
+ENGINE = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, token_buckets=[16, 64])
+PROMPTS = [f"Record {i}:" for i in range(24)]
+
+SCHEMAS = [
+    {  # required fields, a bounded string and integer, an array of enums
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 8},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+        },
+        "required": ["name", "age", "tags"],
+        "additionalProperties": False,
+    },
+    {  # a nested object and an enum
+        "type": "object",
+        "properties": {
+            "point": {
+                "type": "object",
+                "properties": {"x": {"type": "integer", "minimum": -99, "maximum": 99}, "y": {"type": "boolean"}},
+                "required": ["x", "y"],
+                "additionalProperties": False,
+            },
+            "kind": {"enum": ["red", "green", "blue"]},
+        },
+        "required": ["point", "kind"],
+        "additionalProperties": False,
+    },
+    {  # an array of objects
+        "type": "array",
+        "items": {
+            "type": "object",
+            "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9}, "ok": {"type": "boolean"}},
+            "required": ["id", "ok"],
+            "additionalProperties": False,
+        },
+        "minItems": 1,
+        "maxItems": 3,
+    },
+]
+
+
+def constrained(max_tokens=200, temperature=0.0, **spec) -> SamplingParams:
+    return SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=0 if temperature else None,
+                          structured_outputs=StructuredOutputsParams(**spec))
+
+
+def texts(outputs) -> list[str]:
+    return [o.outputs[0].text for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def path(tiny_checkpoint):
+    return tiny_checkpoint("llama")
+
+
+@pytest.fixture(scope="module")
+def llm(path):
+    with LLM(path, **ENGINE) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def sync_llm(path):
+    with LLM(path, **ENGINE, async_scheduling=False) as engine:
+        yield engine
+
+
+@pytest.mark.parametrize("schema", SCHEMAS, ids=["fields", "nested", "array"])
+def test_json_schema_outputs_validate(llm, schema):
+    params = constrained(json=schema, disable_any_whitespace=True)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    for out in outputs:
+        assert out.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)
+    # sampled completions too (each its own matcher)
+    outputs = llm.generate(PROMPTS[:8], constrained(json=json.dumps(schema), temperature=1.0,
+                                                    disable_any_whitespace=True), use_tqdm=False)
+    for out in outputs:
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)
+
+
+@pytest.mark.parametrize("pattern", [r"\d{3}-[a-z]{2,5}", r"(yes|no), because [A-Z][a-z]{1,6}\."])
+def test_regex_outputs_fully_match(llm, pattern):
+    outputs = llm.generate(PROMPTS, constrained(regex=pattern), use_tqdm=False)
+    for text in texts(outputs):
+        assert re.fullmatch(pattern, text), text
+
+
+def test_choice_outputs_are_one_of_the_choices(llm):
+    choices = ["positive", "negative", "neutral", "not sure"]
+    outputs = llm.generate(PROMPTS, constrained(choice=choices), use_tqdm=False)
+    assert all(text in choices for text in texts(outputs))
+    sampled = llm.generate(PROMPTS, constrained(choice=choices, temperature=1.0), use_tqdm=False)
+    assert all(text in choices for text in texts(sampled))
+    assert len(set(texts(sampled))) > 1  # the mask leaves the choice to the model
+
+
+def test_json_object_outputs_parse(llm):
+    """Any JSON object. A random model writes endless strings, so a bias towards '"' (which
+    ends a string) and, less, '}' (which ends the object after a value) lets objects close."""
+    tokenizer = llm.get_tokenizer()
+    bias = {tokenizer.encode(c, add_special_tokens=False)[0]: b for c, b in (('"', 8.0), ("}", 4.0))}
+    params = SamplingParams(temperature=0, max_tokens=100, logit_bias=bias,
+                            structured_outputs=StructuredOutputsParams(json_object=True, disable_any_whitespace=True))
+    for text in texts(llm.generate(PROMPTS, params, use_tqdm=False)):
+        assert isinstance(json.loads(text), dict), text
+
+
+def test_grammar_outputs_match(llm):
+    grammar = 'root ::= "(" num ("+" num)* ")"\nnum ::= [0-9] | [1-9] [0-9]'
+    for text in texts(llm.generate(PROMPTS, constrained(grammar=grammar, max_tokens=100), use_tqdm=False)):
+        assert re.fullmatch(r"\((\d|[1-9]\d)(\+(\d|[1-9]\d))*\)", text), text
+
+
+def test_structural_tag(llm):
+    """Free text until a trigger; after one, the tag's schema."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["a"], "additionalProperties": False}
+    tag = json.dumps({"structures": [{"begin": "<function=a>", "schema": schema, "end": "</function>"}],
+                      "triggers": ["<function="]})
+    outputs = llm.generate(PROMPTS[:4], constrained(structural_tag=tag, max_tokens=8), use_tqdm=False)
+    assert all(o.outputs[0].token_ids for o in outputs)
+    bad = json.dumps({"structures": [{"begin": "<g>", "schema": schema, "end": "</g>"}], "triggers": ["<function="]})
+    with pytest.raises(ValueError, match="starts with no trigger"):
+        llm.generate("x", constrained(structural_tag=bad), use_tqdm=False)
+
+
+def hf_masked_greedy(hf, tokenizer, vocab_size, spec: StructuredOutputsParams, prompt_ids, max_tokens, eos):
+    """The oracle: HF transformers' logits, the same grammar's mask applied, argmax, step by step."""
+    matcher = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size),
+                                   grammar_text(spec, StructuredOutputsConfig()))
+    mask = llguidance.numpy.allocate_token_bitmask(1, vocab_size)
+    ids, out = list(prompt_ids), []
+    with torch.no_grad():
+        while len(out) < max_tokens and not matcher.is_stopped():
+            logits = hf(torch.tensor([ids])).logits[0, -1].numpy().astype(np.float32)
+            llguidance.numpy.fill_next_token_bitmask(matcher, mask, 0)
+            llguidance.numpy.apply_token_bitmask_inplace(logits[None], mask)
+            token = int(np.argmax(logits))
+            assert matcher.consume_token(token)
+            ids.append(token)
+            out.append(token)
+            if token == eos:
+                break
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["llm", "sync_llm"])
+def test_greedy_equals_hf_with_the_same_mask(request, engine, path, hf_model):
+    llm = request.getfixturevalue(engine)
+    tokenizer = llm.get_tokenizer()
+    hf = hf_model(path)
+    vocab = llm.llm_engine.model_config.vocab_size
+    specs = [StructuredOutputsParams(json=SCHEMAS[1], disable_any_whitespace=True),
+             StructuredOutputsParams(regex=r"[a-z]{2,6} \d{1,3}"),
+             StructuredOutputsParams(choice=["alpha", "beta", "gamma"])]
+    for spec in specs:
+        prompts = PROMPTS[:4]
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, structured_outputs=spec),
+                               use_tqdm=False)
+        for out in outputs:
+            want = hf_masked_greedy(hf, tokenizer, vocab, spec, out.prompt_token_ids, 40, tokenizer.eos_token_id)
+            assert out.outputs[0].token_ids == want
+
+
+def test_unconstrained_rows_are_unchanged_by_constrained_ones(llm):
+    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=24, ignore_eos=True)
+    alone = llm.generate(PROMPTS[:8], [plain, sampled] * 4, use_tqdm=False)
+    json_params = constrained(json=SCHEMAS[0], disable_any_whitespace=True)
+    mixed = llm.generate(PROMPTS[:8] * 2, [plain, sampled] * 4 + [json_params] * 8, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in mixed[:8]] == [o.outputs[0].token_ids for o in alone]
+    for out in mixed[8:]:
+        jsonschema.validate(json.loads(out.outputs[0].text), SCHEMAS[0])
+
+
+def test_async_and_sync_scheduling_agree(llm, sync_llm):
+    params = [constrained(json=SCHEMAS[2], disable_any_whitespace=True), constrained(regex=r"\d{2,4}[a-z]+"),
+              SamplingParams(temperature=0, max_tokens=16)] * 4
+    want = [o.outputs[0].token_ids for o in sync_llm.generate(PROMPTS[:12], params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:12], params, use_tqdm=False)] == want
+
+
+def test_preemption_in_the_middle_of_constrained_requests(llm, path):
+    """Preempted requests are recomputed from their tokens; their matchers stay where the
+    tokens are, so the outputs are those of a run without preemption."""
+    params = constrained(json=SCHEMAS[0], disable_any_whitespace=True, max_tokens=60)
+    prompts = [{"prompt_token_ids": list(range(10 + i, 40 + i))} for i in range(8)]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(path, **ENGINE, num_gpu_blocks_override=14) as small:  # 8 x 6 blocks wanted at most
+        got = small.generate(prompts, params, use_tqdm=False)
+        assert small.stats()["num_preemptions"] > 0
+    assert [o.outputs[0].token_ids for o in got] == want
+    for out in got:
+        jsonschema.validate(json.loads(out.outputs[0].text), SCHEMAS[0])
+
+
+@pytest.mark.parametrize("spec, message", [
+    (dict(json={"type": "object", "properties": {"a": {"type": "strin"}}}), "Grammar error: .*strin"),
+    (dict(json="{not json"), "not valid JSON"),
+    (dict(regex="[a-"), "(?s)Grammar error: .*unclosed character class"),
+    (dict(grammar='root ::= "a" undefined_rule'), "Rule 'undefined_rule' not found"),
+])
+def test_invalid_specs_are_refused_and_the_engine_keeps_serving(llm, spec, message):
+    good = SamplingParams(temperature=0, max_tokens=8)
+    want = llm.generate(PROMPTS[:2], good, use_tqdm=False)
+    with pytest.raises(ValueError, match=message):
+        llm.generate(PROMPTS[:3], [good, good, constrained(**spec)], use_tqdm=False)
+    assert llm.llm_engine.get_num_unfinished_requests() == 0
+    assert llm.llm_engine.kv_cache_manager.num_free_blocks == llm.llm_engine.runner.num_blocks
+    assert texts(llm.generate(PROMPTS[:2], good, use_tqdm=False)) == texts(want)
+
+
+def test_params_need_exactly_one_constraint():
+    with pytest.raises(ValueError, match="You must use one kind of structured outputs constraint but none"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="You can only use one kind of structured outputs constraint but multiple"):
+        StructuredOutputsParams(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="structured_outputs must be a StructuredOutputsParams"):
+        SamplingParams(structured_outputs={"regex": "a"})
+
+
+def test_skip_tokenizer_init_refuses_structured_outputs(path):
+    with LLM(path, **ENGINE, skip_tokenizer_init=True, enforce_eager=True) as llm:
+        with pytest.raises(ValueError, match="^Structured outputs requires a tokenizer so it can't be used with "
+                                             "'skip_tokenizer_init'"):
+            llm.generate({"prompt_token_ids": [5, 6]}, constrained(regex="a+"), use_tqdm=False)
+
+
+def test_unknown_backend_is_refused(path):
+    with pytest.raises(ValueError, match="backend 'xgrammar' is not available in jaxvllm"):
+        LLM(path, **ENGINE, structured_outputs_config={"backend": "xgrammar"})
+
+
+def test_a_request_whose_grammar_compiles_waits_without_holding_others_back(llm):
+    """Compilation runs in a thread pool: a request whose grammar is not ready stays queued
+    while the others run; it starts once the grammar is there. Each spec compiles once."""
+    engine = llm.llm_engine
+    manager = engine.structured_outputs
+    release, calls, real = threading.Event(), [], manager._compile
+
+    def slow_compile(text):
+        calls.append(text)
+        release.wait(timeout=60)
+        return real(text)
+
+    manager._compile = slow_compile
+    try:
+        spec = dict(regex=r"[a-c]{4,8}z")  # a spec no other test uses: not compiled yet
+        engine.add_request("constrained-1", "x", constrained(**spec))
+        engine.add_request("constrained-2", "y", constrained(**spec))
+        engine.add_request("plain", "z", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        finished = {}
+        while "plain" not in finished:
+            finished.update({o.request_id: o for o in engine.step() if o.finished})
+        assert not finished.keys() & {"constrained-1", "constrained-2"}
+        assert {r.request_id for r in engine.scheduler.waiting} == {"constrained-1", "constrained-2"}
+        release.set()
+        while engine.has_unfinished_requests():
+            finished.update({o.request_id: o for o in engine.step() if o.finished})
+    finally:
+        manager._compile = real
+        release.set()
+    assert len(calls) == 1
+    for rid in ("constrained-1", "constrained-2"):
+        assert re.fullmatch(r"[a-c]{4,8}z", finished[rid].outputs[0].text)
+
+
+def test_n_completions_each_follow_the_grammar(llm):
+    params = SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=10,
+                            structured_outputs=StructuredOutputsParams(choice=["one", "two", "three"]))
+    out = llm.generate("x", params, use_tqdm=False)[0]
+    assert len(out.outputs) == 4 and all(c.text in ("one", "two", "three") for c in out.outputs)
+
+
+def test_chat_accepts_structured_outputs(llm):
+    schema = SCHEMAS[1]
+    messages = [{"role": "user", "content": "Give me a point."}]
+    template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    out = llm.chat(messages, constrained(json=schema, disable_any_whitespace=True), chat_template=template,
+                   use_tqdm=False)[0]
+    jsonschema.validate(json.loads(out.outputs[0].text), schema)
+
+
+def test_mask_filling_is_counted(llm):
+    before = llm.llm_engine.stats()["structured_output_mask_steps"]
+    llm.generate(PROMPTS[:4], constrained(choice=["a1", "b2"]), use_tqdm=False)
+    stats = llm.llm_engine.stats()
+    assert stats["structured_output_mask_steps"] > before and stats["structured_output_mask_seconds"] > 0
