@@ -20,9 +20,12 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",  # Qwen3 with mixture-of-experts MLPs (jaxvllm/models/moe.py)
+    "MixtralForCausalLM",  # Mistral with mixture-of-experts MLPs
+    "Gemma3ForCausalLM",  # Gemma 3 text (its own decoder: jaxvllm/models/gemma3.py)
 )
 
-_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
@@ -35,11 +38,36 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # YaRN (HF's `_compute_yarn_parameters`): the ramp between interpolated and extrapolated
+    # frequencies, and the cos/sin scale (`attention_factor`; None: from factor and mscale).
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+
+    @property
+    def attention_scaling(self) -> float:
+        """What cos and sin are multiplied by (1 but for YaRN: 0.1 * ln(factor) + 1 by default)."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+
+        def get_mscale(scale: float, mscale: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+        if self.mscale and self.mscale_all_dim:
+            return float(get_mscale(self.factor, self.mscale) / get_mscale(self.factor, self.mscale_all_dim))
+        return get_mscale(self.factor)
 
     def inv_freq(self, head_dim: int) -> np.ndarray:
         """Inverse frequencies [head_dim // 2] in float32, as transformers computes them."""
         exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim
         inv_freq = (1.0 / (self.theta**exponents)).astype(np.float32)
+        if self.rope_type == "yarn":
+            return self._yarn_inv_freq(head_dim, exponents)
         if self.rope_type == "linear":
             return inv_freq / np.float32(self.factor)
         if self.rope_type == "llama3":
@@ -54,6 +82,29 @@ class RopeConfig:
             medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
             return np.where(medium, smoothed, scaled).astype(np.float32)
         return inv_freq
+
+    def _yarn_inv_freq(self, head_dim: int, exponents: np.ndarray) -> np.ndarray:
+        """HF's YaRN blend: dimensions rotating more than `beta_fast` times over the original
+        context keep their frequency, those below `beta_slow` are divided by `factor`, a
+        linear ramp in between (float32 throughout, as torch computes it)."""
+        pos_freqs = (np.float32(self.theta) ** exponents).astype(np.float32)
+        extrapolation = (np.float32(1.0) / pos_freqs).astype(np.float32)
+        interpolation = (np.float32(1.0) / (np.float32(self.factor) * pos_freqs)).astype(np.float32)
+
+        def correction_dim(rotations: float) -> float:
+            return (head_dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi))) / (
+                2 * math.log(self.theta)
+            )
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        if low == high:
+            high += 0.001  # as HF: no zero-width ramp
+        ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+        extrapolation_factor = (np.float32(1.0) - ramp).astype(np.float32)
+        return (interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor).astype(np.float32)
 
 
 @dataclass(frozen=True)
@@ -80,6 +131,34 @@ class ModelConfig:
     initializer_range: float = 0.02
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mixture of experts (Qwen3-MoE, Mixtral): per layer, True where the MLP is the sparse
+    # block of `num_experts` experts (each of `moe_intermediate_size`), `num_experts_per_tok`
+    # of them per token; () or False: the dense MLP of `intermediate_size`.
+    moe_layers: tuple[bool, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalize the top-k routing weights to sum to 1
+    # Gemma 3 (jaxvllm/models/gemma3.py): the MLP's activation; the softmax scale is
+    # query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5); tanh soft-capping of the
+    # attention scores and of the final logits (None: none); the RoPE of the sliding-window
+    # layers when it differs from `rope` (Gemma 3's local base), None: `rope` everywhere.
+    hidden_act: str = "silu"
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    sliding_rope: RopeConfig | None = None
+
+    def is_moe_layer(self, i: int) -> bool:
+        return bool(self.moe_layers) and self.moe_layers[i]
+
+    @property
+    def sm_scale(self) -> float:
+        return (self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim) ** -0.5
+
+    def rope_of_layer(self, i: int) -> RopeConfig:
+        sliding = bool(self.sliding_windows) and self.sliding_windows[i] is not None
+        return self.sliding_rope if sliding and self.sliding_rope is not None else self.rope
 
     @property
     def num_params(self) -> int:
@@ -87,7 +166,15 @@ class ModelConfig:
         attn = d * hd * (2 * self.num_heads + 2 * self.num_kv_heads)
         layer = attn + 3 * d * f + 2 * d
         head = 0 if self.tie_word_embeddings else self.vocab_size * d
-        return self.vocab_size * d + self.num_layers * layer + d + head
+        # A sparse layer holds every expert and the router in place of the dense MLP.
+        moe = self.num_experts * (3 * d * self.moe_intermediate_size + d) - 3 * d * f
+        return self.vocab_size * d + self.num_layers * layer + sum(self.moe_layers) * moe + d + head
+
+    @property
+    def num_active_params(self) -> int:
+        """Parameters one token runs through: of each sparse layer, its `num_experts_per_tok` experts."""
+        inactive = (self.num_experts - self.num_experts_per_tok) * 3 * self.hidden_size * self.moe_intermediate_size
+        return self.num_params - sum(self.moe_layers) * inactive
 
     @classmethod
     def from_hf(cls, hf: Any) -> "ModelConfig":
@@ -99,9 +186,10 @@ class ModelConfig:
                 f"unsupported architecture {archs or '(none in config.json)'}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        act = getattr(hf, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"{arch}: hidden_act {act!r} is not supported (only 'silu')")
+        act = getattr(hf, "hidden_act", None) or getattr(hf, "hidden_activation", None) or "silu"
+        acts = _GEMMA3_ACTIVATIONS if arch == "Gemma3ForCausalLM" else ("silu",)
+        if act not in acts:
+            raise ValueError(f"{arch}: hidden_act {act!r} is not supported (only {', '.join(map(repr, acts))})")
         num_heads = hf.num_attention_heads
         eos = getattr(hf, "eos_token_id", None)
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
@@ -124,18 +212,60 @@ class ModelConfig:
             qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
             o_bias=arch != "Qwen2ForCausalLM" and attention_bias,
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             sliding_windows=_sliding_windows_from_hf(hf, arch),
             dtype=str(dtype).removeprefix("torch."),
             initializer_range=getattr(hf, "initializer_range", 0.02),
             bos_token_id=getattr(hf, "bos_token_id", None),
             eos_token_ids=eos_ids,
+            **_moe_from_hf(hf, arch),
+            **_gemma3_from_hf(hf, arch, act),
         )
 
 
-def _rope_from_hf(hf: Any, arch: str) -> RopeConfig:
+def _moe_from_hf(hf: Any, arch: str) -> dict:
+    """The MoE fields: Mixtral's layers are all sparse (experts of `intermediate_size`, top-k
+    weights always renormalized); Qwen3-MoE's layer i is sparse unless i is in
+    `mlp_only_layers` or (i + 1) is not a multiple of `decoder_sparse_step`, as HF's."""
+    if arch not in ("Qwen3MoeForCausalLM", "MixtralForCausalLM"):
+        return {}
+    n = hf.num_hidden_layers
+    num_experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None) or 0
+    if arch == "MixtralForCausalLM":
+        return dict(moe_layers=(True,) * n, num_experts=num_experts, num_experts_per_tok=hf.num_experts_per_tok,
+                    moe_intermediate_size=hf.intermediate_size, norm_topk_prob=True)
+    dense = set(getattr(hf, "mlp_only_layers", None) or ())
+    step = getattr(hf, "decoder_sparse_step", 1) or 1
+    layers = tuple(i not in dense and num_experts > 0 and (i + 1) % step == 0 for i in range(n))
+    return dict(moe_layers=layers, num_experts=num_experts, num_experts_per_tok=hf.num_experts_per_tok,
+                moe_intermediate_size=hf.moe_intermediate_size, norm_topk_prob=bool(hf.norm_topk_prob))
+
+
+_GEMMA3_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
+
+
+def _gemma3_from_hf(hf: Any, arch: str, act: str) -> dict:
+    """Gemma 3's fields: its activation, softmax scale, soft-capping and the RoPE of its
+    sliding layers (`rope_parameters` per layer type in transformers 5)."""
+    if arch != "Gemma3ForCausalLM":
+        return {}
+    if getattr(hf, "use_bidirectional_attention", False):
+        raise ValueError(f"{arch}: use_bidirectional_attention is not supported (causal attention only)")
+    nested = "sliding_attention" in (getattr(hf, "rope_parameters", None) or {})
+    return dict(
+        hidden_act=act,
+        query_pre_attn_scalar=float(hf.query_pre_attn_scalar),
+        attn_logit_softcapping=getattr(hf, "attn_logit_softcapping", None),
+        final_logit_softcapping=getattr(hf, "final_logit_softcapping", None),
+        sliding_rope=_rope_from_hf(hf, arch, "sliding_attention") if nested else None,
+    )
+
+
+def _rope_from_hf(hf: Any, arch: str, layer_type: str = "full_attention") -> RopeConfig:
     # transformers 5 folds theta and scaling into `rope_parameters`; 4.x has them apart.
-    params = dict(getattr(hf, "rope_parameters", None) or {})
+    # Models with per-layer-type RoPE (Gemma 3) nest one dict per layer type.
+    top = dict(getattr(hf, "rope_parameters", None) or {})
+    params = dict(top.get(layer_type) or {}) if "sliding_attention" in top or "full_attention" in top else top
     if not params:
         params = dict(getattr(hf, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(hf, "rope_theta", 10000.0))
@@ -146,6 +276,22 @@ def _rope_from_hf(hf: Any, arch: str) -> RopeConfig:
         )
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError(f"{arch}: partial_rotary_factor != 1 is not supported")
+    original = params.get("original_max_position_embeddings", hf.max_position_embeddings)
+    if rope_type == "yarn":
+        return RopeConfig(
+            theta=float(params["rope_theta"]),
+            rope_type=rope_type,
+            # HF: no factor means max_position_embeddings / original_max_position_embeddings.
+            factor=float(params.get("factor") or hf.max_position_embeddings / original),
+            original_max_position_embeddings=original,
+            beta_fast=float(params.get("beta_fast") or 32),
+            beta_slow=float(params.get("beta_slow") or 1),
+            # HF reads `truncate` from the top-level dict, also for per-layer-type RoPE.
+            truncate=bool(top.get("truncate", True)),
+            attention_factor=params.get("attention_factor"),
+            mscale=params.get("mscale"),
+            mscale_all_dim=params.get("mscale_all_dim"),
+        )
     fields = {
         "factor": params.get("factor", 1.0),
         "low_freq_factor": params.get("low_freq_factor", 1.0),
@@ -160,11 +306,11 @@ def _rope_from_hf(hf: Any, arch: str) -> RopeConfig:
 def _sliding_windows_from_hf(hf: Any, arch: str) -> tuple[int | None, ...]:
     n = hf.num_hidden_layers
     window = getattr(hf, "sliding_window", None)
-    if arch == "MistralForCausalLM":
-        return (window,) * n
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"):
+        return (window,) * n  # every layer (Qwen3-MoE's config drops it without `use_sliding_window`)
     # Qwen2/Qwen3 say per layer which layers slide (transformers sets `layer_types`).
     layer_types = getattr(hf, "layer_types", None) or ["full_attention"] * n
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and window is not None:
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM") and window is not None:
         return tuple(window if t == "sliding_attention" else None for t in layer_types)
     return (None,) * n
 
@@ -228,8 +374,10 @@ class EngineConfig:
     # The name `get_metrics()` labels metrics with (default: the model argument; of a list,
     # the first), as vLLM's.
     served_model_name: str | list[str] | None = None
+    # "auto": the KV cache has the model's dtype; "fp8" / "fp8_e4m3": float8_e4m3fn with
+    # per-layer k/v scales (the checkpoint's, else 1.0), half the bytes of a 16-bit cache.
+    kv_cache_dtype: str = "auto"
     # Features jaxvllm lacks, accepted at their "off" value only: a clear error otherwise.
-    kv_cache_dtype: str = "auto"  # the cache has the model's dtype
     quantization: str | None = None
     enable_lora: bool = False
     # The most logprobs a request may ask for (-1: the whole vocabulary), as vLLM's.
@@ -258,7 +406,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         """Check every argument's type and range here, so that `LLM(...)` and the command
         line refuse bad values (naming the argument and the value) before loading anything."""
-        from jaxvllm.layers import ATTENTION_BACKENDS
+        from jaxvllm.layers import ATTENTION_BACKENDS, KV_CACHE_DTYPES
         from jaxvllm.loader import DTYPES, LOAD_FORMATS
         from jaxvllm.sampler import LOGPROBS_MODES
         from jaxvllm.scheduler import POLICIES
@@ -308,7 +456,10 @@ class EngineConfig:
                 raise ValueError(f"structured_outputs_config {so!r}: {e}") from e
         elif not isinstance(so, StructuredOutputsConfig):
             raise ValueError(f"structured_outputs_config must be a StructuredOutputsConfig or a dict, got {so!r}")
-        for name, off in (("kv_cache_dtype", "auto"), ("quantization", None), ("enable_lora", False)):
+        if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; choose from "
+                             f"{', '.join(map(repr, KV_CACHE_DTYPES))}")
+        for name, off in (("quantization", None), ("enable_lora", False)):
             if getattr(self, name) != off:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not supported by jaxvllm (only {off!r})")
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "async_scheduling", "skip_tokenizer_init",

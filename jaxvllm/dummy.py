@@ -105,6 +105,34 @@ def _llama3_8b():
     )
 
 
+def _tiny_moe():
+    from transformers import Qwen3MoeConfig
+
+    # dummy:tiny with Qwen3-MoE's sparse MLPs: 8 experts of 32, top 2. Runs on any CPU.
+    return Qwen3MoeConfig(
+        architectures=["Qwen3MoeForCausalLM"], vocab_size=512, hidden_size=64, intermediate_size=128,
+        moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[], num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+        max_position_embeddings=2048, rms_norm_eps=1e-6, initializer_range=0.1, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, dtype="float32",
+    )
+
+
+def _qwen3_30b_a3b():
+    from transformers import Qwen3MoeConfig
+
+    # Qwen/Qwen3-30B-A3B's config.json: 30.5B parameters, 3.3B active (8 of 128 experts).
+    return Qwen3MoeConfig(
+        architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+        moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, max_position_embeddings=40960, max_window_layers=48,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False, sliding_window=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        bos_token_id=151643, eos_token_id=151645, dtype="bfloat16",
+    )
+
+
 @dataclass(frozen=True)
 class DummyModel:
     """A named HF config; `make_config` builds it (transformers is imported only then).
@@ -128,6 +156,10 @@ DUMMY_MODELS: dict[str, DummyModel] = {
         DummyModel("qwen3-0.6b", "Qwen3-0.6B architecture, bf16 (the B1 benchmark model)", _qwen3_0_6b,
                    {"max_model_len": 4096}),  # B1's, rather than 40960
         DummyModel("llama3-8b", "Llama-3-8B architecture, bf16", _llama3_8b),
+        DummyModel("tiny-moe", "Qwen3-MoE, hidden 64, 2 layers, 8 experts (top 2), vocab 512: CPU-sized", _tiny_moe,
+                   {"max_num_seqs": 64, "max_num_batched_tokens": 256}),
+        DummyModel("qwen3-30b-a3b", "Qwen3-30B-A3B architecture (MoE, 128 experts, 8 active), bf16", _qwen3_30b_a3b,
+                   {"max_model_len": 4096}),
     )
 }
 

@@ -538,6 +538,7 @@ class LLMEngine:
             "num_gpu_blocks": self.runner.num_blocks,
             "tensor_parallel_size": len(self.runner.devices),
             "kv_cache_per_device": self.runner.kv_cache_per_device(),  # blocks and bytes on each device
+            "kv_cache_dtype": self.runner.kv_cache_dtype_name,  # e.g. "bfloat16", "float8_e4m3fn"
             "num_free_blocks": self.kv_cache_manager.num_free_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_compiled_buckets": self.runner.num_compiled_buckets(),

@@ -13,11 +13,14 @@ from typing import Any
 
 from jaxvllm.config import EngineConfig
 from jaxvllm.dummy import ModelSource, get_dummy
+from jaxvllm.layers import KV_CACHE_DTYPES
 from jaxvllm.loader import DTYPES
 
 # flag name -> (type, help); the keyword argument is the flag with '_' for '-'.
 _VALUE_FLAGS: dict[str, tuple[type, str]] = {
     "dtype": (str, "weights and KV cache dtype ('auto' = the checkpoint's)"),
+    "kv-cache-dtype": (str, "KV cache dtype: 'auto' (the model's dtype) or 'fp8' / 'fp8_e4m3' (float8_e4m3fn "
+                            "with per-layer scales from the checkpoint, else 1.0: twice the blocks)"),
     "max-model-len": (int, "longest sequence (prompt + output); default: the model's max_position_embeddings"),
     "max-num-seqs": (int, "most sequences in one step"),
     "max-num-batched-tokens": (int, "most tokens in one step (also the largest compiled token bucket)"),
@@ -45,6 +48,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine arguments (LLM(...) keyword arguments)")
     for flag, (kind, help_text) in _VALUE_FLAGS.items():
         extra: dict[str, Any] = {"choices": ["auto", *DTYPES, "half", "float"]} if flag == "dtype" else {}
+        if flag == "kv-cache-dtype":
+            extra = {"choices": list(KV_CACHE_DTYPES)}
         group.add_argument(f"--{flag}", type=kind, default=None, help=help_text, **extra)
     for flag, help_text in _BOOL_FLAGS.items():
         group.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=None, help=help_text)

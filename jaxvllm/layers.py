@@ -13,11 +13,12 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P, SingleDeviceSharding
 
 from jaxvllm.batch import ModelInputs
 from jaxvllm.config import ModelConfig, RopeConfig
-from jaxvllm.sharding import AXIS, kv_cache_sharding
+from jaxvllm.sharding import AXIS, kv_cache_sharding, put, replicated
 from pallas_kernels import mixed_paged_attention, ragged_paged_attention_reference, write_kv_reference
 
 ATTENTION_BACKENDS = ("reference", "pallas")
@@ -36,7 +37,11 @@ def apply_rope(x: jax.Array, positions: jax.Array, rope: RopeConfig) -> jax.Arra
     inv_freq = jnp.asarray(rope.inv_freq(head_dim))
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
     angles = jnp.concatenate([angles, angles], axis=-1)[:, None, :]  # [T, 1, D]
-    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    scaling = rope.attention_scaling  # YaRN's attention factor, applied to cos/sin in float32 as HF does
+    if scaling != 1.0:
+        cos, sin = cos * scaling, sin * scaling
+    cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
     half = head_dim // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos + rotated * sin
@@ -46,33 +51,53 @@ def paged_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    kv_cache: tuple[jax.Array, jax.Array],
+    kv_cache: tuple[jax.Array, ...],
     inputs: ModelInputs,
     *,
     sm_scale: float,
     sliding_window: int | None,
     backend: str,
     mesh: Mesh | None = None,
+    logits_soft_cap: float | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Write this step's k/v into the cache, then attend; returns (out, new cache).
 
+    A layer's cache is (k_cache, v_cache) in the model's dtype, or for an fp8 KV cache
+    (k_cache, v_cache, k_scale, v_scale): float8_e4m3fn arrays and their float32 scalar
+    scales (see `allocate_kv_caches`): the write quantizes, attention dequantizes; under a
+    mesh the scales are replicated.
     With a mesh, each device does this for its own heads (`jax.shard_map`): q/k/v and the
-    cache are split on heads, the batch's index arrays replicated."""
+    cache are split on heads, the batch's index arrays replicated. `logits_soft_cap` c
+    (Gemma's `attn_logit_softcapping`) caps the scaled scores at c * tanh(s / c): the
+    reference backend only, the Pallas kernels have no soft-capping."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose from {ATTENTION_BACKENDS}")
+    if logits_soft_cap is not None and backend != "reference":
+        raise ValueError(
+            f"attention logit soft-capping (attn_logit_softcapping={logits_soft_cap}) is not supported by the "
+            f"{backend!r} attention backend (its kernels have no soft-capping); use attention_backend='reference'"
+        )
     local = partial(_paged_attention, sm_scale=sm_scale, sliding_window=sliding_window, backend=backend)
+    if logits_soft_cap is not None:
+        local = partial(local, logits_soft_cap=logits_soft_cap)
     if mesh is None:
         return local(q, k, v, kv_cache, inputs)
     heads = P(None, AXIS)
+    cache = (P(AXIS), P(AXIS)) + (P(),) * (len(kv_cache) - 2)  # an fp8 cache's scales: replicated
     return jax.shard_map(
-        local, mesh=mesh, in_specs=(heads, heads, heads, P(AXIS), P()), out_specs=(heads, P(AXIS)),
+        local, mesh=mesh, in_specs=(heads, heads, heads, cache, P()), out_specs=(heads, cache),
         check_vma=False,  # Pallas calls carry no varying-axis annotations
     )(q, k, v, kv_cache, inputs)
 
 
-def _paged_attention(q, k, v, kv_cache, inputs: ModelInputs, *, sm_scale, sliding_window, backend):
-    k_cache, v_cache = write_kv_reference(*kv_cache, k, v, inputs.slot_mapping)
+def _paged_attention(q, k, v, kv_cache, inputs: ModelInputs, *, sm_scale, sliding_window, backend,
+                     logits_soft_cap=None):
+    k_cache, v_cache, *scales = kv_cache  # (k_scale, v_scale) of an fp8 cache
+    k_scale, v_scale = scales or (None, None)
+    k_cache, v_cache = write_kv_reference(k_cache, v_cache, k, v, inputs.slot_mapping, k_scale, v_scale)
     attend = mixed_paged_attention if backend == "pallas" else ragged_paged_attention_reference
+    if logits_soft_cap is not None:  # the reference (paged_attention refuses it for the kernels)
+        attend = partial(attend, logits_soft_cap=logits_soft_cap)
     out = attend(
         q,
         k_cache,
@@ -83,17 +108,40 @@ def _paged_attention(q, k, v, kv_cache, inputs: ModelInputs, *, sm_scale, slidin
         inputs.block_tables,
         sm_scale=sm_scale,
         sliding_window=sliding_window,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
-    return out, (k_cache, v_cache)
+    return out, (k_cache, v_cache, *scales)
 
 
 def allocate_kv_caches(
-    cfg: ModelConfig, num_blocks: int, block_size: int, dtype, mesh: Mesh | None = None, device=None
-) -> list[tuple[jax.Array, jax.Array]]:
+    cfg: ModelConfig, num_blocks: int, block_size: int, dtype, mesh: Mesh | None = None, device=None,
+    scales: list[tuple[float, float]] | None = None,
+) -> list[tuple[jax.Array, ...]]:
     """Zeroed per-layer (k_cache, v_cache), each [num_kv_heads, num_blocks, block_size, head_dim],
     split on KV heads over `mesh` (each device allocates only its part), else on `device`
-    (default: the first)."""
+    (default: the first). With `scales` (an fp8 cache: one (k_scale, v_scale) per layer),
+    (k_cache, v_cache, k_scale, v_scale), the scales float32 scalars, replicated over the mesh."""
     shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
-    device = kv_cache_sharding(mesh) if mesh is not None else SingleDeviceSharding(device or jax.devices()[0])
-    return [(jnp.zeros(shape, dtype, device=device), jnp.zeros(shape, dtype, device=device))
-            for _ in range(cfg.num_layers)]
+    one = SingleDeviceSharding(device or jax.devices()[0])
+    device = kv_cache_sharding(mesh) if mesh is not None else one
+    caches = [(jnp.zeros(shape, dtype, device=device), jnp.zeros(shape, dtype, device=device))
+              for _ in range(cfg.num_layers)]
+    if scales is None:
+        return caches
+    if len(scales) != cfg.num_layers:
+        raise ValueError(f"{len(scales)} (k_scale, v_scale) pairs for {cfg.num_layers} layers")
+    place = replicated(mesh) if mesh is not None else one
+    return [(k, v, *(put(np.float32(s), place) for s in pair)) for (k, v), pair in zip(caches, scales)]
+
+
+# kv_cache_dtype (vLLM's engine argument) -> the cache's element type; "auto": the model's dtype.
+KV_CACHE_DTYPES = {"auto": None, "fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn}
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype):
+    """The KV cache's element type for `kv_cache_dtype` and the model's dtype."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported; choose from "
+                         f"{', '.join(map(repr, KV_CACHE_DTYPES))}")
+    return KV_CACHE_DTYPES[kv_cache_dtype] or model_dtype

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
+import re
 import tempfile
 from pathlib import Path
 
@@ -154,12 +156,13 @@ def load_safetensors(path: Path, cfg: ModelConfig, dtype, shardings: dict,
     tensor is ever whole on one device, nor in host memory when it is split."""
     specs = MODELS[cfg.architecture].param_specs(cfg)
     files = _tensor_files(path)
-    missing = [s.hf_name for s in specs if s.hf_name not in files]
+    missing = [name for s in specs for name in s.hf_names() if name not in files]
     if missing:
         raise ValueError(f"checkpoint {path} is missing tensor(s): {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
     by_file: dict[Path, list] = {}
     for spec in specs:
-        by_file.setdefault(files[spec.hf_name], []).append(spec)
+        if not spec.stacked:  # stacked experts: below, from whichever files hold them
+            by_file.setdefault(files[spec.hf_name], []).append(spec)
     params: dict = {}
     bar = tqdm(total=len(specs), desc="Loading safetensors", dynamic_ncols=True)
     for file, file_specs in by_file.items():
@@ -177,8 +180,30 @@ def load_safetensors(path: Path, cfg: ModelConfig, dtype, shardings: dict,
                     raise ValueError(f"cannot read tensor {spec.hf_name} from {file}: {e}") from e
                 _put(params, spec.path, value)
                 bar.update(1)
+    with contextlib.ExitStack() as stack:
+        opened: dict[Path, object] = {}
+        for spec in (s for s in specs if s.stacked):
+            slices = []
+            for name in spec.hf_names():
+                if files[name] not in opened:
+                    opened[files[name]] = stack.enter_context(_open(files[name]))
+                try:
+                    tensor_slice = opened[files[name]].get_slice(name)
+                    shape = tuple(tensor_slice.get_shape())
+                except SafetensorError as e:
+                    raise ValueError(f"cannot read tensor {name} from {files[name]}: {e}") from e
+                if shape != spec.hf_shape:
+                    raise ValueError(f"tensor {name} in {files[name].name} has shape {shape}, "
+                                     f"config.json implies {spec.hf_shape}")
+                slices.append(tensor_slice)
+            try:
+                _put(params, spec.path, _stacked_tensor(slices, spec, dtype, shardings[spec.path]))
+            except SafetensorError as e:
+                raise ValueError(f"cannot read tensors {spec.hf_name.format('*')}: {e}") from e
+            bar.update(1)
     bar.close()
-    unused = set(files) - {s.hf_name for s in specs} - {"lm_head.weight"}
+    unused = set(files) - {name for s in specs for name in s.hf_names()} - {"lm_head.weight"}
+    unused = {name for name in unused if not _KV_SCALE.fullmatch(name)}  # an fp8 KV cache's: load_kv_scales
     if unused:
         logger.warning("ignoring %d tensor(s) not used by %s: %s", len(unused), cfg.architecture, sorted(unused)[:5])
     return params
@@ -230,6 +255,19 @@ def _sharded_tensor(tensor_slice, spec, dtype, sharding, repeats: int) -> jax.Ar
     return jax.make_array_from_callback(global_shape, sharding, block)
 
 
+def _stacked_tensor(slices: list, spec, dtype, sharding) -> jax.Array:
+    """Stacked experts [E, in, out] placed by `sharding` from HF's per-expert [out, in]
+    tensors (`slices`, one per expert): each device reads its experts' blocks only."""
+
+    def block(index: tuple[slice, ...]) -> np.ndarray:
+        ranges = [sl.indices(n)[:2] for sl, n in zip(index, spec.shape)]
+        (lo, hi), rest = ranges[0], [slice(a, b) for a, b in ranges[1:]]
+        hf_index = tuple(reversed(rest))  # our axes (in, out) are HF's (out, in) reversed
+        return np.stack([np.asarray(slices[j][hf_index]).T for j in range(lo, hi)]).astype(dtype)
+
+    return jax.make_array_from_callback(spec.shape, sharding, block)
+
+
 def _random_param(key, scale, *, shape, dtype, init: str, repeats: int):
     """One dummy parameter (jitted by `dummy_params` per placement)."""
     if init == "normal":
@@ -272,3 +310,28 @@ def _put(params: dict, path: tuple, value) -> None:
                 node.append({})
             node = node[part]
     node[path[-1]] = value
+
+
+# vLLM's names of an fp8 KV cache's per-layer scales in a checkpoint (float32 scalars).
+_KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\.([kv])_scale")
+
+
+def load_kv_scales(model: str | Path, num_layers: int) -> tuple[list[tuple[float, float]], int]:
+    """An fp8 KV cache's (k_scale, v_scale) per layer: the checkpoint's
+    `model.layers.{i}.self_attn.k_scale` / `v_scale` where it has them, else 1.0 (vLLM's
+    default). A scale with several values (per head) gives its largest, so nothing clips.
+    Returns the scales and how many were read from the checkpoint."""
+    scales = [[1.0, 1.0] for _ in range(num_layers)]
+    found = {}
+    for name, file in _tensor_files(Path(model)).items():
+        m = _KV_SCALE.fullmatch(name)
+        if m and int(m.group(1)) < num_layers:
+            found.setdefault(file, []).append((name, int(m.group(1)), "kv".index(m.group(2))))
+    for file, names in found.items():
+        with _open(file) as f:
+            for name, layer, which in names:
+                value = float(np.max(np.asarray(f.get_tensor(name), np.float32)))
+                if not np.isfinite(value) or value <= 0:
+                    raise ValueError(f"{name} in {file.name} is {value}: a KV cache scale must be positive")
+                scales[layer][which] = value
+    return [tuple(pair) for pair in scales], sum(map(len, found.values()))

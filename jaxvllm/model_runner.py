@@ -25,8 +25,8 @@ from tqdm.auto import tqdm
 
 from jaxvllm.config import EngineConfig, ModelConfig
 from jaxvllm.input_batch import BatchLayout, InputBatch, block_table_widths
-from jaxvllm.layers import ATTENTION_BACKENDS, allocate_kv_caches
-from jaxvllm.loader import load_model, resolve_dtype
+from jaxvllm.layers import ATTENTION_BACKENDS, allocate_kv_caches, resolve_kv_cache_dtype
+from jaxvllm.loader import load_kv_scales, load_model, resolve_dtype
 from jaxvllm.models import MODELS
 from jaxvllm.request import Request, ScheduledRequest
 from jaxvllm.sampler import (
@@ -187,12 +187,16 @@ def sequence_rows(max_num_seqs: int, bucket: int) -> int:
     return min(max_num_seqs, bucket)
 
 
-def jit_forward(cfg: ModelConfig, backend: str, mesh: Mesh | None = None):
+def jit_forward(cfg: ModelConfig, backend: str, mesh: Mesh | None = None, kv_scaled: bool = False):
     """The model step as the runner compiles it, per layout: the KV caches donated. With a
-    mesh, the model is split over its devices (tensor parallelism); None: one device."""
+    mesh, the model is split over its devices (tensor parallelism); None: one device.
+    `kv_scaled`: an fp8 cache, each layer's (k_cache, v_cache, k_scale, v_scale)."""
     # Outputs placed as the inputs are (else a donated cache could come back placed otherwise,
-    # and the next step would compile anew).
-    out = None if mesh is None else (replicated(mesh),) * 3 + (kv_cache_sharding(mesh),)
+    # and the next step would compile anew); an fp8 cache's scalar scales replicated.
+    caches = None if mesh is None else kv_cache_sharding(mesh)
+    if mesh is not None and kv_scaled:
+        caches = [(caches, caches, replicated(mesh), replicated(mesh))] * cfg.num_layers
+    out = None if mesh is None else (replicated(mesh),) * 3 + (caches,)
     return jax.jit(partial(_forward, cfg=cfg, backend=backend, mesh=mesh), static_argnames="layout",
                    donate_argnums=(1,), out_shardings=out)
 
@@ -219,6 +223,9 @@ class ModelRunner:
         self.cfg, self.params = load_model(c.model, dtype=c.dtype, load_format=c.load_format, seed=c.seed,
                                            mesh=self.mesh, device=self.devices[0])
         self.dtype = resolve_dtype(c.dtype, self.cfg)
+        # The KV cache's element type, and for an fp8 cache its (k_scale, v_scale) per layer.
+        self.kv_cache_dtype = resolve_kv_cache_dtype(c.kv_cache_dtype, self.dtype)
+        self.kv_scales = self._kv_scales() if c.kv_cache_dtype != "auto" else None
         self.max_model_len = c.max_model_len or self.cfg.max_position_embeddings
         if self.max_model_len > self.cfg.max_position_embeddings:
             raise ValueError(
@@ -231,12 +238,12 @@ class ModelRunner:
             raise ValueError(
                 f"the largest token bucket ({self.buckets[-1]}) is below max_num_batched_tokens ({c.max_num_batched_tokens})"
             )
-        self.backend = self._resolve_backend(c.attention_backend)
+        self.backend = self._resolve_backend(c.attention_backend, softcapped=self.cfg.attn_logit_softcapping is not None)
         self.block_size = c.block_size
         self.max_blocks_per_seq = -(-self.max_model_len // c.block_size)
         self.widths = block_table_widths(self.max_blocks_per_seq)
         self.input_batch = InputBatch(c.max_num_seqs, self.max_blocks_per_seq)
-        self._forward = jit_forward(self.cfg, self.backend, self.mesh)
+        self._forward = jit_forward(self.cfg, self.backend, self.mesh, kv_scaled=self.kv_scales is not None)
         self._sampler = jit_sampler(c.logprobs_mode, self.mesh)
         self._prompt_logprobs = jit_prompt_logprobs(self.cfg)
         self._write_row = jax.jit(write_state_row, donate_argnums=(0,))
@@ -249,11 +256,15 @@ class ModelRunner:
         self.warmup_seconds = 0.0 if c.enforce_eager else self.warmup()
 
     @staticmethod
-    def _resolve_backend(backend: str) -> str:
+    def _resolve_backend(backend: str, softcapped: bool = False) -> str:
         """Resolve "auto": the Pallas kernels on a GPU, the jnp reference elsewhere (on CPU
-        the kernels run in interpret mode only, for tests). "pallas" is allowed anywhere."""
+        the kernels run in interpret mode only, for tests) and for attention soft-capping,
+        which the kernels lack. "pallas" is allowed anywhere."""
         if backend == "auto":
-            return "pallas" if jax.default_backend() in ("gpu", "cuda", "rocm") else "reference"
+            gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
+            if gpu and softcapped:
+                logger.info("attention soft-capping: the reference attention backend (the kernels have none)")
+            return "pallas" if gpu and not softcapped else "reference"
         if backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend {backend!r} is not available; choose from 'auto', {ATTENTION_BACKENDS}")
         return backend
@@ -264,7 +275,21 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         """All devices together (each holds 1 / tensor_parallel_size of every block)."""
         c = self.cfg
-        return 2 * c.num_layers * c.num_kv_heads * self.block_size * c.head_dim * jnp.dtype(self.dtype).itemsize
+        itemsize = jnp.dtype(self.kv_cache_dtype).itemsize  # fp8: 1, half a 16-bit cache's: twice the blocks
+        return 2 * c.num_layers * c.num_kv_heads * self.block_size * c.head_dim * itemsize
+
+    @property
+    def kv_cache_dtype_name(self) -> str:
+        return jnp.dtype(self.kv_cache_dtype).name
+
+    def _kv_scales(self) -> list[tuple[float, float]]:
+        """An fp8 cache's scales: the checkpoint's k_scale / v_scale, else 1.0 (vLLM's default)."""
+        if self.config.load_format == "dummy":
+            return [(1.0, 1.0)] * self.cfg.num_layers
+        scales, found = load_kv_scales(self.config.model, self.cfg.num_layers)
+        logger.info("fp8 KV cache: %d of %d k/v scales from the checkpoint, the others 1.0",
+                    found, 2 * self.cfg.num_layers)
+        return scales
 
     def kv_cache_per_device(self) -> list[dict]:
         per_device = self.bytes_per_block // len(self.devices)
@@ -300,7 +325,10 @@ class ModelRunner:
             return max(self.max_blocks_per_seq, min(wanted, CPU_KV_CACHE_BYTES // self.bytes_per_block))
         # Profile: run the largest step with a one-sequence cache and measure the peak.
         probe = self._allocate_kv_caches(self.max_blocks_per_seq)
-        self.launch(self.padding_batch(self.buckets[-1], self.widths[-1], COMMON_FEATURES[-1]), probe)
+        batch = self.padding_batch(self.buckets[-1], self.widths[-1], COMMON_FEATURES[-1])
+        probe_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), probe)
+        peaks_before = {d: device_memory_stats(d).get("peak_bytes_in_use", 0) for d in mine}
+        self.launch(batch, probe)
         jax.block_until_ready((self.last_sampled, self.sampler_state))
         del probe
         per_device = self.bytes_per_block / len(self.devices)
@@ -308,6 +336,10 @@ class ModelRunner:
         for device in mine:
             stats = device_memory_stats(device)
             peak = stats.get("peak_bytes_in_use", stats["bytes_in_use"])
+            if peak <= peaks_before[device] and peak > stats["bytes_in_use"]:
+                # The allocator's peak never resets: this one is an earlier engine's, in memory
+                # since freed (a second LLM in a notebook). The step's own, from XLA's figures.
+                peak = stats["bytes_in_use"] + self._step_bytes(batch, probe_shapes)
             wanted = c.gpu_memory_utilization * device_total_memory(stats)
             if wanted > stats["bytes_limit"]:
                 logger.info(
@@ -327,11 +359,20 @@ class ModelRunner:
             )
         return num_blocks
 
+    def _step_bytes(self, batch: HostBatch, kv_shapes) -> int:
+        """Device memory one step of `batch` allocates beyond its inputs (per device):
+        the forward's temporaries and outputs, from XLA's analysis of the compiled step."""
+        packed = put(batch.packed, self._replicated)
+        compiled = self._forward.lower(self.params, kv_shapes, packed, self.last_sampled,
+                                       layout=batch.layout).compile()
+        m = compiled.memory_analysis()
+        return int(m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
+
     def _log_kv_cache(self) -> None:
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens, %.3f GiB (%s)",
             self.num_blocks, self.block_size, self.num_blocks * self.block_size,
-            self.num_blocks * self.bytes_per_block / 2**30, jnp.dtype(self.dtype).name,
+            self.num_blocks * self.bytes_per_block / 2**30, jnp.dtype(self.kv_cache_dtype).name,
         )
 
     # -- compile -----------------------------------------------------------------------
@@ -580,7 +621,8 @@ class ModelRunner:
         return False
 
     def _allocate_kv_caches(self, num_blocks: int):
-        return allocate_kv_caches(self.cfg, num_blocks, self.block_size, self.dtype, self.mesh, self.devices[0])
+        return allocate_kv_caches(self.cfg, num_blocks, self.block_size, self.kv_cache_dtype, self.mesh,
+                                  self.devices[0], self.kv_scales)
 
     def _new_sampler_state(self) -> SamplerState:
         """Per-row sampler state, whole on every device of the mesh (the sampler is replicated)."""

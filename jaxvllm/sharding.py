@@ -9,6 +9,8 @@ head-explicit layout (see `jaxvllm/models/llama.py`):
   its heads and its slice of the MLP with no communication;
 - o_proj by its input heads and down_proj by its input columns: their products are partial
   sums, which XLA all-reduces (two all-reduces of [T, hidden] per layer);
+- mixture-of-experts layers' stacked experts likewise, each expert by its intermediate
+  dimension (gate/up by columns, down by rows: partial sums); the router is replicated;
 - embeddings and lm_head by vocabulary rows, when the vocabulary divides: each device
   keeps 1/N of the two largest matrices (2 GB of an 8B Llama 3 in bf16), at the price of
   an all-reduce after the lookup and an all-gather of the logits, which the sampler reads
@@ -110,6 +112,9 @@ def check_divisible(cfg: ModelConfig, tp: int) -> None:
         )
     if cfg.intermediate_size % tp:
         raise ValueError(f"tensor_parallel_size={tp} does not divide intermediate_size={cfg.intermediate_size}")
+    if any(cfg.moe_layers) and cfg.moe_intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size={tp} does not divide the experts' intermediate size "
+                         f"{cfg.moe_intermediate_size}")
 
 
 def sharded_config(cfg: ModelConfig, tp: int) -> ModelConfig:
@@ -133,6 +138,14 @@ def param_partition(path: tuple, cfg: ModelConfig, tp: int) -> P:
         return P(AXIS)  # [heads, ...] or [intermediate, ...]
     if name in ("o_proj", "down_proj"):
         return P(None, AXIS)  # [hidden, heads, head_dim] or [hidden, intermediate]
+    # Stacked experts by their intermediate dimension: every device holds a slice of every
+    # expert, as of the dense MLP (the router is replicated, so routing needs no communication).
+    if name in ("experts_gate", "experts_up"):
+        return P(None, None, AXIS)  # [experts, hidden, intermediate]
+    if name == "experts_down":
+        return P(None, AXIS, None)  # [experts, intermediate, hidden]: partial sums, all-reduced
+    # Replicated: every norm (input_norm, post_norm, q_norm, k_norm, norm, and Gemma 3's
+    # pre_ffn_norm / post_ffn_norm), the router and o_bias / down_bias.
     return P()
 
 

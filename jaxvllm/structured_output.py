@@ -22,15 +22,23 @@ import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import llguidance
-import llguidance.hf
-import llguidance.numpy
 import numpy as np
 
 from jaxvllm.config import StructuredOutputsConfig
 from jaxvllm.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
+
+
+def _llguidance():
+    """llguidance, imported when structured outputs are first used (the engine runs without it)."""
+    try:
+        import llguidance
+        import llguidance.hf
+        import llguidance.numpy
+    except ImportError as e:
+        raise ImportError("structured outputs need llguidance: pip install llguidance") from e
+    return llguidance
 
 # Compiled grammars kept for reuse (the oldest are dropped past this many distinct specs).
 MAX_CACHED_GRAMMARS = 1024
@@ -54,6 +62,7 @@ def _no_additional_properties(schema):
 
 def grammar_text(spec: StructuredOutputsParams, config: StructuredOutputsConfig) -> str:
     """The llguidance grammar of a spec, as vLLM's guidance backend builds it."""
+    llguidance = _llguidance()
     no_whitespace = spec.disable_any_whitespace or config.disable_any_whitespace
     defaults = {"whitespace_flexible": not no_whitespace}
     if spec.whitespace_pattern is not None:
@@ -155,11 +164,12 @@ class StructuredOutputManager:
     def tokenizer(self):
         """llguidance's view of the tokenizer, built on first use (vocabulary-sized)."""
         if self._tokenizer is None:
-            self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size)
+            self._tokenizer = _llguidance().hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size)
         return self._tokenizer
 
     def grammar(self, spec: StructuredOutputsParams) -> Grammar:
         """A new request's grammar; a ValueError naming the problem if the spec is invalid."""
+        llguidance = _llguidance()
         key = spec_key(spec)
         compiled = self._compiled.get(key)
         if compiled is None:
@@ -180,7 +190,7 @@ class StructuredOutputManager:
     def _compile(self, text: str):
         """A matcher in its start state, which requests copy. (A grammar that fails here,
         after it was validated, gives matchers in error: their requests end as aborted.)"""
-        matcher = llguidance.LLMatcher(self.tokenizer, text)
+        matcher = _llguidance().LLMatcher(self.tokenizer, text)
         if matcher.is_error():
             logger.error("structured outputs: %s", matcher.get_error())
         return matcher
@@ -188,6 +198,7 @@ class StructuredOutputManager:
     def bitmask(self, rows: list[tuple[int, Grammar]], num_rows: int) -> np.ndarray:
         """int32 [num_rows, ceil(vocab / 32)]: each (row, grammar)'s allowed next tokens, all
         bits set elsewhere (a finished grammar's row too: its token is dropped)."""
+        llguidance = _llguidance()
         start = time.perf_counter()
         mask = np.full((num_rows, bitmask_words(self.vocab_size)), -1, np.int32)
         live = [(g.matcher, row) for row, g in rows if not g.finished]

@@ -4,6 +4,11 @@ Cache layout (per layer, K and V as separate arrays):
 
     k_cache, v_cache: [num_kv_heads, num_blocks, block_size, head_dim]
 
+in the queries' dtype, or float8_e4m3fn (an fp8 KV cache: stored = K / k_scale, V / v_scale,
+with per-tensor float32 scales that the write, the kernels and the references take as
+`k_scale` / `v_scale`; the kernels convert each fp8 tile to the queries' dtype after loading
+it and fold the scales into the softmax scale and the output).
+
 Token slot `s` lives at block `s // block_size`, offset `s % block_size`. Head-major keeps
 each (head, block) page contiguous in memory, which is what a decode kernel that walks
 one KV head's pages wants to load, and it is the layout of JAX's own Pallas
@@ -20,14 +25,20 @@ Kernels (Pallas, Triton GPU backend; `interpret=True` by default on CPU):
 - `mixed_paged_attention`: the engine's `pallas` backend; 1-token sequences to the
   decode kernel, the rest to the ragged kernel, one contract with the reference.
 - KV write: XLA's scatter (`write_kv_reference`) on the donated cache, in place.
+
+And one that is not attention: `grouped_matmul` (`grouped_matmul.py`), the MoE experts'
+grouped matmul, `jax.lax.ragged_dot`'s contract over row tiles sorted by expert.
 """
 
+from pallas_kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference
 from pallas_kernels.kv_cache_write import write_kv_reference
 from pallas_kernels.mixed_attention import mixed_paged_attention
 from pallas_kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_reference
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
 
 __all__ = [
+    "grouped_matmul",
+    "grouped_matmul_reference",
     "mixed_paged_attention",
     "paged_decode_attention",
     "paged_decode_attention_reference",

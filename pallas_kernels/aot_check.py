@@ -1,7 +1,7 @@
 """Compile the kernels for an H100/H200 on a machine without a GPU (deviceless AOT).
 
     scripts/gpu_aot_check.sh                      # installs the plugin below, runs this and the engine's check
-    JAX_PLATFORMS=cpu python -m pallas_kernels.aot_check [--quick] [--json PATH]
+    JAX_PLATFORMS=cpu python -m pallas_kernels.aot_check [--quick] [--kind decode,ragged,gmm] [--json PATH]
 
 Needs the CUDA PJRT plugin of the installed jaxlib and ptxas, but no GPU, driver or
 CUDA runtime: `pip install --no-deps jax-cuda12-plugin==V jax-cuda12-pjrt==V
@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.bench import FULL, json_path, write_json
 from pallas_kernels.common import INTERPRET_ENV
+from pallas_kernels.grouped_matmul import grouped_matmul
 from pallas_kernels.paged_decode_attention import paged_decode_attention
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
@@ -171,36 +172,56 @@ def spec(shape: tuple[int, ...], dtype=jnp.int32) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
+def _fp8_args(fn: Callable, cache_dtype) -> tuple[Callable, list, dict]:
+    """An fp8 cache's kernel takes k_scale / v_scale as traced float32 scalars (as the engine
+    passes them): extra arguments, and `kv_cache` in the case's params."""
+    if cache_dtype is None:
+        return fn, [], {}
+    scaled = jax.jit(lambda *a: fn(*a[:-2], k_scale=a[-2], v_scale=a[-1]))
+    return scaled, [spec((), jnp.float32)] * 2, {"kv_cache": jnp.dtype(cache_dtype).name}
+
+
 def decode_case(group: int, head_dim: int, dtype, block_size: int = 16, window: int | None = None,
-                num_seqs: int = 64, context: int = 2048, kv_heads: int = 8, **tuning) -> Case:
+                num_seqs: int = 64, context: int = 2048, kv_heads: int = 8, cache_dtype=None, **tuning) -> Case:
     blocks = num_seqs * context // block_size
     fn = jax.jit(partial(paged_decode_attention, sm_scale=head_dim**-0.5, sliding_window=window,
                          interpret=False, **tuning))
-    cache = spec((kv_heads, blocks, block_size, head_dim), dtype)
+    fn, scales, fp8 = _fp8_args(fn, cache_dtype)
+    cache = spec((kv_heads, blocks, block_size, head_dim), cache_dtype or dtype)
     args = [spec((num_seqs, kv_heads * group, head_dim), dtype), cache, cache, spec((num_seqs,)),
-            spec((num_seqs, context // block_size))]
-    params = dict(group=group, head_dim=head_dim, dtype=jnp.dtype(dtype).name, block_size=block_size,
+            spec((num_seqs, context // block_size)), *scales]
+    params = dict(group=group, head_dim=head_dim, dtype=jnp.dtype(dtype).name, **fp8, block_size=block_size,
                   window=window, num_seqs=num_seqs, context=context, **tuning)
     return Case("decode", params, fn, args)
 
 
 def ragged_case(group: int, head_dim: int, dtype, block_size: int = 16, window: int | None = None,
                 num_tokens: int = 2048, num_seqs: int = 8, context: int = 4096, kv_heads: int = 8,
-                **tuning) -> Case:
+                cache_dtype=None, **tuning) -> Case:
     blocks = num_seqs * context // block_size
     fn = jax.jit(partial(ragged_paged_attention, sm_scale=head_dim**-0.5, sliding_window=window,
                          interpret=False, **tuning))
-    cache = spec((kv_heads, blocks, block_size, head_dim), dtype)
+    fn, scales, fp8 = _fp8_args(fn, cache_dtype)
+    cache = spec((kv_heads, blocks, block_size, head_dim), cache_dtype or dtype)
     args = [spec((num_tokens, kv_heads * group, head_dim), dtype), cache, cache, spec((num_tokens,)),
-            spec((num_seqs + 1,)), spec((num_seqs,)), spec((num_seqs, context // block_size))]
-    params = dict(group=group, head_dim=head_dim, dtype=jnp.dtype(dtype).name, block_size=block_size,
+            spec((num_seqs + 1,)), spec((num_seqs,)), spec((num_seqs, context // block_size)), *scales]
+    params = dict(group=group, head_dim=head_dim, dtype=jnp.dtype(dtype).name, **fp8, block_size=block_size,
                   window=window, num_tokens=num_tokens, **tuning)
     return Case("ragged", params, fn, args)
 
 
+def gmm_case(rows: int, k: int, n: int, dtype=jnp.bfloat16, experts: int = 128, **tuning) -> Case:
+    """grouped_matmul over `rows` (token, expert) rows; the routing is data (traced)."""
+    fn = jax.jit(partial(grouped_matmul, interpret=False, **tuning))
+    args = [spec((rows, k), dtype), spec((experts, k, n), dtype), spec((experts,))]
+    params = dict(rows=rows, k=k, n=n, experts=experts, dtype=jnp.dtype(dtype).name, **tuning)
+    return Case("gmm", params, fn, args)
+
+
 def kernel_cases(quick: bool) -> list[Case]:
     """The issue's kernel matrix: GQA groups 1-8, head_dim 64/128/256, both dtypes,
-    block_size 16-128, a sliding window, and the K1/K2 benchmark shapes."""
+    block_size 16-128, a sliding window, the K1/K2 benchmark shapes, and an fp8
+    (float8_e4m3fn) cache under bf16 queries."""
     dtypes = (jnp.bfloat16, jnp.float32)
     groups = (1, 2, 8) if quick else (1, 2, 4, 8)
     cases = []
@@ -223,6 +244,28 @@ def kernel_cases(quick: bool) -> list[Case]:
     for tuning in FULL["k2"]["tiles"]:
         cases.append(ragged_case(1, 128, jnp.bfloat16, num_tokens=4 * 4096, num_seqs=4, context=4096, kv_heads=16,
                                  **tuning))
+    # fp8 KV cache (bf16 queries, tiles converted after each load): the head dims and groups,
+    # a larger block and a window, K1's largest shape, and a 128-key tile (an fp8 tile of 128
+    # keys is as many bytes as the default bf16 one).
+    fp8 = jnp.float8_e4m3fn
+    for head_dim in (64, 128, 256):
+        for group in (1, 8) if quick else (1, 2, 4, 8):
+            cases.append(decode_case(group, head_dim, jnp.bfloat16, cache_dtype=fp8))
+            cases.append(ragged_case(group, head_dim, jnp.bfloat16, cache_dtype=fp8))
+    cases.append(decode_case(4, 128, jnp.bfloat16, block_size=64, window=1000, cache_dtype=fp8))
+    cases.append(ragged_case(4, 128, jnp.bfloat16, block_size=64, window=1000, cache_dtype=fp8))
+    cases.append(decode_case(2, 128, jnp.bfloat16, num_seqs=256, context=4096, cache_dtype=fp8))
+    for tuning in FULL["k1"]["fp8_sweep"]:
+        cases.append(decode_case(2, 128, jnp.bfloat16, cache_dtype=fp8, **tuning))
+    # Grouped matmul (MoE experts), Qwen3-30B-A3B's shapes: 128 experts, gate/up (k 2048,
+    # n 768) and down (k 768, n 2048), 2048 and 8192 rows (256 and 1024 tokens x top-8), with
+    # every tuning K3 tries (the defaults: block_m 16 at 2048 rows, 64 at 8192), and float32.
+    k3 = FULL["k3"]
+    for rows in k3["rows"]:
+        for k, n in k3["projections"]:
+            for tuning in k3["tiles"][:1] if quick else k3["tiles"]:
+                cases.append(gmm_case(rows, k, n, experts=k3["experts"], **tuning))
+    cases.append(gmm_case(2048, 2048, 768, jnp.float32))
     return cases
 
 
@@ -276,6 +319,8 @@ def check(argv: list[str] | None, doc: str, name: str, make_cases: Callable[[boo
     results to $OUT/`name`.json. Exit 0 all clean, 1 a case failed, 2 no CUDA plugin."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer cases (kernels: fewer GQA groups, about half)")
+    parser.add_argument("--kind", default=None, help="only cases of these kinds, comma-separated (kernels: "
+                        "decode, ragged, gmm)")
     parser.add_argument("--json", default=None, help=f"write results here (default $OUT/{name}.json if $OUT is set)")
     args = parser.parse_args(argv)
     try:
@@ -289,6 +334,8 @@ def check(argv: list[str] | None, doc: str, name: str, make_cases: Callable[[boo
     if use_ptxas and ptxas is None:
         print("ptxas not found (pip install nvidia-cuda-nvcc-cu12): no register or spill figures", file=sys.stderr)
     cases = make_cases(args.quick)
+    if args.kind:
+        cases = [c for c in cases if c.kind in args.kind.split(",")]
     start = time.perf_counter()
     run(cases, device, ptxas, inspect, judge)
     failed = [c for c in cases if c.result["problems"]]

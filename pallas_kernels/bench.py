@@ -7,11 +7,16 @@
 K1, decode: KV bytes read per second of `paged_decode_attention` (its default split
 and the best of a small sweep), JAX's own Pallas `paged_attention` on the same arrays
 (the same [kv_heads, pages, page_size, head_dim] layout), the XLA reference, and an HBM
-copy of the same byte count (reported as bytes read + written per second).
+copy of the same byte count (reported as bytes read + written per second). Then the same
+kernel over an fp8 (float8_e4m3fn) copy of the cache: its bytes read per second (half
+the bytes per token) and its effective tokens per second (sequences decoded per second)
+against the bf16 cache's.
 K2, prefill: causal TFLOP/s of `ragged_paged_attention` on a paged cache against
 `jax.nn.dot_product_attention(implementation="cudnn")` and JAX's Pallas Triton flash
 attention on unpaged data. KV write: XLA's scatter of a step's new K/V rows into the
-donated cache (time, and copies of the cache in the compiled HLO). A whole model step
+donated cache (time, and copies of the cache in the compiled HLO). K3, MoE experts:
+TFLOP/s of `grouped_matmul` against XLA's `ragged_dot` and a dense batched einsum over
+balanced groups (see `bench_k3`). A whole model step
 on each attention backend is jaxvllm's (`python -m jaxvllm.benchmarks.engine_step`):
 this package imports nothing from jaxvllm.
 Figures go to stdout and to JSON (`--json PATH`, default $OUT/bench.json when $OUT is
@@ -37,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.common import cdiv, default_block_kv
+from pallas_kernels.grouped_matmul import grouped_matmul
 from pallas_kernels.hlo import count_cache_copies
 from pallas_kernels.kv_cache_write import write_kv_reference
 from pallas_kernels.paged_decode_attention import (
@@ -53,7 +59,12 @@ FULL = dict(
             # the page ids were carried (no load in flight during a tile's dots).
             sweep=(dict(num_splits=1), dict(num_splits=2), dict(num_splits=4), dict(num_splits=8),
                    dict(block_kv=128, num_stages=2), dict(block_kv=128, num_stages=3),
-                   dict(block_kv=32, num_stages=4), dict(num_stages=4), dict(num_warps=8))),
+                   dict(block_kv=32, num_stages=4), dict(num_stages=4), dict(num_warps=8)),
+            # The same kernel over an fp8 cache: tunings tried beside its defaults (a 128-key
+            # fp8 tile is as many bytes as the default 64-key bf16 one).
+            fp8_sweep=(dict(block_kv=128), dict(block_kv=128, num_stages=4), dict(block_kv=128, num_warps=8),
+                       dict(num_stages=4), dict(num_warps=8), dict(block_kv=128, num_splits=2),
+                       dict(block_kv=128, num_splits=4))),
     k2=dict(batch=4, seq_len=4096, q_heads=16, kv_heads=16, head_dim=128, block_size=16,
             # ragged_paged_attention tunings (the first is the default: 128 query rows, 64 keys,
             # num_stages=3, 8 warps).
@@ -61,17 +72,27 @@ FULL = dict(
     # K/V rows written per step: a decode batch, a prefill bucket; into one layer's cache
     # of Qwen3-0.6B's shape with 64k slots.
     kv=dict(kv_heads=8, head_dim=128, num_slots=65536, block_size=16, tokens=[256, 8192]),
+    # K3, grouped matmul: Qwen3-30B-A3B's experts (128, top-8, hidden 2048, intermediate 768):
+    # the (token, expert) rows of 256 and 1024 tokens, gate/up (k 2048, n 768) and down
+    # (k 768, n 2048). grouped_matmul tunings (the first is the default: block_m by rows per
+    # group, 16 at 2048 rows and 64 at 8192, block_n 128, block_k 64, 4 warps, 3 stages).
+    k3=dict(experts=128, rows=[2048, 8192], projections=[(2048, 768), (768, 2048)],
+            tiles=(dict(), dict(block_m=16), dict(block_m=32), dict(block_m=64), dict(block_m=128, num_warps=8),
+                   dict(block_n=64), dict(block_k=128), dict(num_stages=4), dict(num_warps=8))),
     iters=20,
 )
 SMALL = dict(
     k1=dict(q_heads=4, kv_heads=2, head_dim=16, block_size=8, shapes=[(3, 40)],
-            sweep=(dict(num_splits=1, block_kv=16), dict(num_splits=2, block_kv=16, num_warps=8))),
+            sweep=(dict(num_splits=1, block_kv=16), dict(num_splits=2, block_kv=16, num_warps=8)),
+            fp8_sweep=(dict(num_splits=1, block_kv=16),)),
     k2=dict(batch=2, seq_len=64, q_heads=2, kv_heads=2, head_dim=16, block_size=8,
             tiles=(dict(block_q=16, block_kv=16),)),
     kv=dict(kv_heads=2, head_dim=16, num_slots=256, block_size=8, tokens=[16]),
+    k3=dict(experts=4, rows=[40], projections=[(32, 16)], tiles=(dict(block_m=16, block_n=16, block_k=16),)),
     iters=2,
 )
 DTYPE = jnp.bfloat16
+FP8 = jnp.float8_e4m3fn
 
 
 def time_fn(fn: Callable, *args, iters: int, warmup: int = 1) -> float:
@@ -148,7 +169,8 @@ def bench_k1(cfg: dict, iters: int, interpret: bool) -> list[dict]:
             out["max_abs_err_vs_reference"] = _max_err(got, want)
             t = time_fn(fn, q, k_cache, v_cache, lens, tables, iters=iters)
             max_tiles = cdiv(tables.shape[1] * bs, default_block_kv(d, DTYPE))
-            out.update(default_ms=t * 1e3, default_tb_s=tbs(t), default_num_splits=default_num_splits(batch, hkv, max_tiles))
+            out.update(default_ms=t * 1e3, default_tb_s=tbs(t), default_num_splits=default_num_splits(batch, hkv, max_tiles),
+                       tokens_per_s=batch / t)
             sweep = {}
             for tuning in cfg["sweep"]:
                 f = jax.jit(partial(paged_decode_attention, sm_scale=scale, interpret=interpret, **tuning))
@@ -156,6 +178,37 @@ def bench_k1(cfg: dict, iters: int, interpret: bool) -> list[dict]:
                 sweep[name] = tbs(time_fn(f, q, k_cache, v_cache, lens, tables, iters=iters))
             best = max(sweep, key=sweep.get)
             out.update(sweep_tb_s=sweep, best=best, best_tb_s=sweep[best])
+            return out
+
+        def ours_fp8():
+            """The default kernel over the cache stored as fp8 (scale 1.0: N(0, 1) values are
+            well inside e4m3's range), the scales passed as traced scalars, as the engine does."""
+            k8, v8 = k_cache.astype(FP8), v_cache.astype(FP8)
+            one = jnp.float32(1.0)
+
+            def kernel(**tuning):
+                return jax.jit(lambda *a: paged_decode_attention(*a[:5], sm_scale=scale, interpret=interpret,
+                                                                 k_scale=a[5], v_scale=a[6], **tuning))
+
+            fn = kernel()
+            args = (q, k8, v8, lens, tables, one, one)
+            got = fn(*args)
+            ref8 = ref_fn(q, k8, v8, lens, tables, k_scale=one, v_scale=one)
+            t = time_fn(fn, *args, iters=iters)
+            out = {"ms": t * 1e3, "kv_bytes": kv_bytes // 2, "tb_s": kv_bytes / 2 / t / 1e12, "tokens_per_s": batch / t,
+                   "max_abs_err_vs_reference": _max_err(got, ref8), "max_abs_err_vs_bf16_cache": _max_err(got, want)}
+            sweep = {"default": t}
+            for tuning in cfg.get("fp8_sweep", ()):
+                sweep[tuning_name(tuning)] = time_fn(kernel(**tuning), *args, iters=iters)
+            best = min(sweep, key=sweep.get)
+            out.update(sweep_tb_s={k: kv_bytes / 2 / v / 1e12 for k, v in sweep.items()}, best=best,
+                       best_tokens_per_s=batch / sweep[best])
+            bf16 = row.get("pallas_decode", {})
+            if "default_ms" in bf16:
+                bf16_best_s = kv_bytes / bf16["best_tb_s"] / 1e12
+                out.update(tokens_per_s_bf16=bf16["tokens_per_s"], speedup_vs_bf16=bf16["default_ms"] / out["ms"],
+                           best_tokens_per_s_bf16=batch / min(bf16_best_s, bf16["default_ms"] / 1e3),
+                           best_speedup_vs_bf16=min(bf16_best_s, bf16["default_ms"] / 1e3) / sweep[best])
             return out
 
         def jax_peer():
@@ -182,11 +235,20 @@ def bench_k1(cfg: dict, iters: int, interpret: bool) -> list[dict]:
             return {"ms": t * 1e3, "read_plus_write_tb_s": 2 * kv_bytes / t / 1e12, "read_tb_s": tbs(t)}
 
         attempt(row, "pallas_decode", ours)
+        attempt(row, "pallas_decode_fp8_cache", ours_fp8)
         attempt(row, "jax_pallas_paged_attention", jax_peer)
         attempt(row, "xla_reference", reference)
         attempt(row, "hbm_copy", hbm_copy)
         rows.append(row)
         print(f"K1 batch={batch} context={context}: {summary(row)}", flush=True)
+        f8 = row["pallas_decode_fp8_cache"]
+        if "speedup_vs_bf16" in f8:
+            print(f"K1 batch={batch} context={context} fp8 cache: {f8['tb_s']:.3g} TB/s read "
+                  f"({f8['kv_bytes'] / 2**20:.3g} MiB per step), {f8['tokens_per_s']:.4g} tokens/s vs "
+                  f"{f8['tokens_per_s_bf16']:.4g} with the bf16 cache ({f8['speedup_vs_bf16']:.2f}x); best tunings: "
+                  f"{f8['best_tokens_per_s']:.4g} ({f8['best']}) vs {f8['best_tokens_per_s_bf16']:.4g} "
+                  f"({f8['best_speedup_vs_bf16']:.2f}x); max |err| {f8['max_abs_err_vs_reference']:.2g} vs the fp8 "
+                  f"reference, {f8['max_abs_err_vs_bf16_cache']:.2g} vs the bf16 cache", flush=True)
         del k_cache, v_cache, want
     return rows
 
@@ -271,6 +333,68 @@ def bench_k2(cfg: dict, iters: int, interpret: bool) -> dict:
     return result
 
 
+# -- K3: grouped matmul (MoE experts) ------------------------------------------------------
+
+
+def bench_k3(cfg: dict, iters: int, interpret: bool) -> list[dict]:
+    """TFLOP/s (useful: 2 m k n) of `grouped_matmul` over rows routed uniformly at random to
+    the experts, against XLA's `ragged_dot` (a masked product over every expert on GPU) and
+    a dense batched einsum over perfectly balanced groups of cdiv(m, experts) rows (cuBLAS
+    on the same useful work: the mark to reach). Also the bytes read per second (weights,
+    rows and output once each)."""
+    rows = []
+    e = cfg["experts"]
+    for m in cfg["rows"]:
+        for k, n in cfg["projections"]:
+            key = jax.random.key(m * 31 + k)
+            lhs = jax.random.normal(key, (m, k), DTYPE)
+            rhs = (jax.random.normal(jax.random.fold_in(key, 1), (e, k, n), jnp.float32) * k**-0.5).astype(DTYPE)
+            chosen = jax.random.randint(jax.random.fold_in(key, 2), (m,), 0, e)
+            sizes = jnp.bincount(chosen, length=e).astype(jnp.int32)
+            flops = 2 * m * k * n
+            nbytes = (e * k * n + m * k + m * n) * jnp.dtype(DTYPE).itemsize
+            row: dict[str, Any] = {"rows": m, "k": k, "n": n, "experts": e, "flops": flops, "bytes": nbytes,
+                                   "largest_group": int(sizes.max())}
+            tflops = lambda t: flops / t / 1e12  # noqa: E731
+            ragged_fn = jax.jit(jax.lax.ragged_dot)
+            want = ragged_fn(lhs, rhs, sizes)
+
+            def ours():
+                out: dict[str, Any] = {}
+                sweep = {}
+                for tuning in cfg["tiles"]:
+                    fn = jax.jit(partial(grouped_matmul, interpret=interpret, **tuning))
+                    name = tuning_name(tuning)
+                    out.setdefault("max_abs_err_vs_ragged_dot", {})[name] = _max_err(fn(lhs, rhs, sizes), want)
+                    sweep[name] = time_fn(fn, lhs, rhs, sizes, iters=iters)
+                best = min(sweep, key=sweep.get)
+                first = next(iter(sweep.values()))
+                out.update(default_ms=first * 1e3, default_tflop_s=tflops(first),
+                           default_read_tb_s=nbytes / first / 1e12,
+                           sweep_tflop_s={name: tflops(t) for name, t in sweep.items()}, best=best,
+                           best_tflop_s=tflops(sweep[best]), best_read_tb_s=nbytes / sweep[best] / 1e12)
+                return out
+
+            def ragged():
+                t = time_fn(ragged_fn, lhs, rhs, sizes, iters=iters)
+                return {"ms": t * 1e3, "tflop_s": tflops(t)}
+
+            def dense():
+                c = cdiv(m, e)
+                x = lhs[: e * c] if e * c <= m else jnp.pad(lhs, ((0, e * c - m), (0, 0)))
+                x = x.reshape(e, c, k)
+                fn = jax.jit(partial(jnp.einsum, "eck,ekn->ecn"))
+                t = time_fn(fn, x, rhs, iters=iters)
+                return {"ms": t * 1e3, "tflop_s": 2 * e * c * k * n / t / 1e12, "rows_per_expert": c}
+
+            attempt(row, "pallas_grouped_matmul", ours)
+            attempt(row, "xla_ragged_dot", ragged)
+            attempt(row, "dense_batched_einsum_balanced", dense)
+            rows.append(row)
+            print(f"K3 rows={m} k={k} n={n} experts={e}: {summary(row)}", flush=True)
+    return rows
+
+
 # -- KV write ------------------------------------------------------------------------------
 
 
@@ -342,7 +466,7 @@ def environment() -> dict:
     }
 
 
-PARTS = {"k1": bench_k1, "k2": bench_k2, "kv": bench_kv}  # in the order they run: decode first
+PARTS = {"k1": bench_k1, "k2": bench_k2, "kv": bench_kv, "k3": bench_k3}  # in the order they run: decode first
 
 
 def main(argv: list[str] | None = None) -> dict:

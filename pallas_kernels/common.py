@@ -12,6 +12,7 @@ import math
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 # Finite, so that a row whose keys are all masked in one KV tile never produces
@@ -61,13 +62,31 @@ def check_power_of_2(name: str, value: int, interpret: bool) -> None:
 
 KERNEL_DTYPES = ("float32", "bfloat16", "float16")
 
+# An fp8 KV cache (vLLM's kv_cache_dtype="fp8"): float8_e4m3fn, each value stored as
+# x / scale (per-tensor k and v scales, float32), clipped to e4m3's finite range.
+FP8_DTYPE = jnp.float8_e4m3fn
+FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448
+
+
+def is_fp8(dtype) -> bool:
+    return jnp.dtype(dtype) == jnp.dtype(FP8_DTYPE)
+
 
 def check_dtypes(q, k_cache) -> None:
-    """tl.dot multiplies operands of one element type: q and the cache must agree."""
-    if q.dtype != k_cache.dtype:
-        raise ValueError(f"q dtype {q.dtype} != cache dtype {k_cache.dtype}")
+    """tl.dot multiplies operands of one element type: the cache is q's dtype, or fp8,
+    which the kernels convert to q's dtype after each load."""
+    if q.dtype != k_cache.dtype and not is_fp8(k_cache.dtype):
+        raise ValueError(f"q dtype {q.dtype} != cache dtype {k_cache.dtype} (the cache may also be float8_e4m3fn)")
     if q.dtype.name not in KERNEL_DTYPES:
         raise ValueError(f"dtype {q.dtype} is not supported; use one of {KERNEL_DTYPES}")
+
+
+def kv_scales(k_scale, v_scale) -> jax.Array:
+    """float32 [2]: (k_scale, v_scale), the dequantization scales of the cache (stored value
+    times scale = K/V); 1.0 where None. The kernels fold them in: k_scale into the softmax
+    scale (q . (s k) = s (q . k)), v_scale into the output (sum p (s v) = s sum p v)."""
+    one = jnp.float32(1.0)
+    return jnp.stack([jnp.asarray(one if s is None else s, jnp.float32).reshape(()) for s in (k_scale, v_scale)])
 
 
 def cdiv(a: int, b: int) -> int:

@@ -10,6 +10,8 @@ step writes T rows per layer and never copies the cache, which is all a kernel c
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.common import FP8_MAX, is_fp8
+
 
 def write_kv_reference(
     k_cache: jax.Array,
@@ -17,8 +19,14 @@ def write_kv_reference(
     k: jax.Array,
     v: jax.Array,
     slot_mapping: jax.Array,
+    k_scale: jax.Array | float | None = None,
+    v_scale: jax.Array | float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Scatter `k`, `v` [T, num_kv_heads, head_dim] into slots `slot_mapping` [T].
+
+    Into an fp8 (float8_e4m3fn) cache the rows are quantized: x / scale in float32 (scale:
+    `k_scale` / `v_scale`, None = 1.0), clipped to e4m3's range (+-448; the cast would make
+    NaN of anything beyond), then cast. Any other cache takes them cast to its dtype.
 
     A negative slot marks a padding row: it is dropped, never written (a plain
     negative index would wrap around and clobber the last block). Under `jit` with the
@@ -32,9 +40,17 @@ def write_kv_reference(
     num_slots = num_blocks * block_size
     slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)  # out of range -> dropped
 
-    def write(cache, new):
+    def write(cache, new, scale):
+        new = new.swapaxes(0, 1)
+        if is_fp8(cache.dtype):
+            new = new.astype(jnp.float32)
+            if scale is not None:
+                new = new / jnp.asarray(scale, jnp.float32)
+            new = jnp.clip(new, -FP8_MAX, FP8_MAX)
+        elif scale is not None:
+            new = new.astype(jnp.float32) / jnp.asarray(scale, jnp.float32)
         flat = cache.reshape(num_kv_heads, num_slots, head_dim)
-        flat = flat.at[:, slots].set(new.swapaxes(0, 1).astype(cache.dtype), mode="drop")
+        flat = flat.at[:, slots].set(new.astype(cache.dtype), mode="drop")
         return flat.reshape(cache.shape)
 
-    return write(k_cache, k), write(v_cache, v)
+    return write(k_cache, k, k_scale), write(v_cache, v, v_scale)

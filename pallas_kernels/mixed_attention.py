@@ -34,11 +34,14 @@ def mixed_paged_attention(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
+    k_scale: jax.Array | float | None = None,
+    v_scale: jax.Array | float | None = None,
     interpret: bool | None = None,
     decode_tuning: dict | None = None,
     ragged_tuning: dict | None = None,
 ) -> jax.Array:
-    """Same contract and layout as `ragged_paged_attention_reference`; padding rows are zeros."""
+    """Same contract and layout as `ragged_paged_attention_reference` (an fp8 cache and its
+    k_scale / v_scale included); padding rows are zeros."""
     _check_shapes(q, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables)
     num_tokens = q.shape[0]
     starts = query_start_loc[:-1]
@@ -48,11 +51,11 @@ def mixed_paged_attention(
     decoded = paged_decode_attention(
         q[rows], k_cache, v_cache, jnp.where(is_decode, seq_lens, 0), block_tables,
         sm_scale=sm_scale, sliding_window=sliding_window, query_positions=positions[rows],
-        interpret=interpret, **(decode_tuning or {}),
+        k_scale=k_scale, v_scale=v_scale, interpret=interpret, **(decode_tuning or {}),
     )
     ragged = ragged_paged_attention_raw(
         q, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables,
-        sm_scale=sm_scale, sliding_window=sliding_window, min_query_len=2,
+        sm_scale=sm_scale, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, min_query_len=2,
         interpret=interpret, **(ragged_tuning or {}),
     )
     # Scatter the decode rows to their tokens (other sequences' index is out of range: dropped).

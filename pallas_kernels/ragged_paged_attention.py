@@ -47,6 +47,8 @@ from pallas_kernels.common import (
     check_power_of_2,
     default_block_kv,
     default_num_stages,
+    is_fp8,
+    kv_scales,
     next_power_of_2,
     resolve_interpret,
 )
@@ -88,12 +90,22 @@ def ragged_paged_attention_reference(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
+    k_scale: jax.Array | float | None = None,
+    v_scale: jax.Array | float | None = None,
+    logits_soft_cap: float | None = None,
 ) -> jax.Array:
     """Attention output [T, num_q_heads, head_dim] in q's dtype (softmax in float32).
 
     Token t (position p in its sequence) sees cache positions j with j <= p and
     j < seq_len, and j > p - sliding_window when a window is set. Rows past
     `query_start_loc[-1]` are padding: their output is finite and meaningless.
+    `logits_soft_cap` c turns each scaled score s into c * tanh(s / c) (Gemma's
+    soft-capping; the reference only: the Pallas kernels have none).
+
+    The cache is q's dtype or float8_e4m3fn (an fp8 KV cache): fp8 pages are converted to
+    q's dtype as they are gathered, and k_scale / v_scale (float32 scalars; None: 1.0)
+    dequantize them, K = stored * k_scale and V = stored * v_scale, applied (as in the
+    kernels) to the scores and to the output.
 
     Plain jnp with static loops only: `lax.map` over chunks of C = min(T, 256) query
     tokens, each a `lax.scan` over the block-table columns, P = min(max_blocks_per_seq,
@@ -112,13 +124,15 @@ def ragged_paged_attention_reference(
     return _chunked_reference(
         q, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables,
         sm_scale=sm_scale, sliding_window=sliding_window,
-        query_chunk=_REF_QUERY_CHUNK, kv_chunk=_REF_KV_CHUNK,
+        query_chunk=_REF_QUERY_CHUNK, kv_chunk=_REF_KV_CHUNK, k_scale=k_scale, v_scale=v_scale,
+        logits_soft_cap=logits_soft_cap,
     )
 
 
 def _chunked_reference(
     q, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables,
-    *, sm_scale, sliding_window, query_chunk: int, kv_chunk: int,
+    *, sm_scale, sliding_window, query_chunk: int, kv_chunk: int, k_scale=None, v_scale=None,
+    logits_soft_cap: float | None = None,
 ):
     """`ragged_paged_attention_reference` with the chunk sizes as parameters (tests shrink them)."""
     _check_shapes(q, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables)
@@ -150,6 +164,9 @@ def _chunked_reference(
     step_tables = tables.reshape(num_seqs, num_steps, pages_per_step).transpose(1, 0, 2)
     step_starts = jnp.arange(num_steps) * keys_per_step
 
+    # The softmax scale with the k_scale of an fp8 cache folded in: q . (s k) = s (q . k).
+    score_scale = sm_scale if k_scale is None else sm_scale * jnp.asarray(k_scale, jnp.float32)
+
     def attend_chunk(args):
         q_c, query_pos, seqs = args  # [C, kv_heads, G, D], [C], [C]
         context_len = seq_lens[seqs][:, None]
@@ -159,10 +176,12 @@ def _chunked_reference(
             start, columns = step  # first key position of this step, [num_seqs, P] page ids
             # This step's pages of every token's sequence: [kv_heads, C, K, D].
             pages = columns[seqs]
-            k = _gather_pages(k_cache, pages, start).reshape(num_kv_heads, chunk, keys_per_step, head_dim)
-            v = _gather_pages(v_cache, pages, start).reshape(num_kv_heads, chunk, keys_per_step, head_dim)
+            k = _gather_pages(k_cache, pages, start, q.dtype).reshape(num_kv_heads, chunk, keys_per_step, head_dim)
+            v = _gather_pages(v_cache, pages, start, q.dtype).reshape(num_kv_heads, chunk, keys_per_step, head_dim)
             scores = jnp.einsum("thgd,htkd->thgk", q_c, k, preferred_element_type=jnp.float32)
-            scores = scores * sm_scale
+            scores = scores * score_scale
+            if logits_soft_cap is not None:
+                scores = logits_soft_cap * jnp.tanh(scores / logits_soft_cap)
 
             key_pos = start + jnp.arange(keys_per_step)[None, :]
             mask = (key_pos <= query_pos[:, None]) & (key_pos < context_len)
@@ -188,14 +207,17 @@ def _chunked_reference(
         (_, row_sum, acc), _ = lax.scan(kv_step, init, (step_starts, step_tables))
         # A row that saw no key (padding) has sum 0: output zeros, not 0/0.
         out = acc / jnp.where(row_sum > 0, row_sum, 1.0)[..., None]
+        if v_scale is not None:
+            out = out * jnp.asarray(v_scale, jnp.float32)
         return out.astype(q.dtype)
 
     out = lax.map(attend_chunk, (qg, chunk_positions, chunk_seqs))
     return out.reshape(num_chunks * chunk, num_q_heads, head_dim)[:num_tokens]
 
 
-def _gather_pages(cache: jax.Array, pages: jax.Array, step: jax.Array) -> jax.Array:
-    """cache[:, pages] inside a loop whose step counter is `step`.
+def _gather_pages(cache: jax.Array, pages: jax.Array, step: jax.Array, dtype=None) -> jax.Array:
+    """cache[:, pages] inside a loop whose step counter is `step`, converted to `dtype` (an
+    fp8 cache: dequantized pages, before the scale).
 
     XLA:CPU gathers 16-bit floats in float32, converting the gather's whole operand;
     with the cache loop-invariant it hoists that conversion out of the loop and keeps a
@@ -204,7 +226,8 @@ def _gather_pages(cache: jax.Array, pages: jax.Array, step: jax.Array) -> jax.Ar
     decode call over a 32k-page cache: 16 ms instead of 275 ms).
     """
     cache, _ = lax.optimization_barrier((cache, step))
-    return cache[:, pages]
+    pages = cache[:, pages]
+    return pages if dtype is None or pages.dtype == dtype else pages.astype(dtype)
 
 
 # -- Pallas kernel ------------------------------------------------------------------------
@@ -220,6 +243,7 @@ def _ragged_kernel(
     k_ref,  # [num_slots, D]        this KV head's cache, slot = block * block_size + offset
     v_ref,  # [num_slots, D]
     bt_ref,  # [S * max_blocks]     every block table, flattened
+    scale_ref,  # [2] f32           (k_scale, v_scale) of the cache (1.0 unless fp8)
     o_ref,  # [T, G, D]
     *,
     sm_scale: float,
@@ -240,8 +264,14 @@ def _ragged_kernel(
     index = ((tok0 + qi)[:, None], g[:, None], dims[None, :])
     q = plgpu.load(q_ref.at[index], mask=row_ok, other=0)
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    scale = sm_scale * LOG2_E  # scores in base 2: exp2 is one instruction
+    # Scores in base 2 (exp2 is one instruction), k_scale folded in: q . (s k) = s (q . k).
+    scale = sm_scale * LOG2_E * scale_ref[0]
     q_pos = (pos0 + qi)[:, None]
+
+    def dequantize(x):  # an fp8 tile, converted in registers; a cache in q's dtype as it is
+        return x if x.dtype == q.dtype else x.astype(q.dtype)
+
+    kv_zero = 0.0 if is_fp8(k_ref.dtype) else 0  # Triton casts a float, not an int, to fp8
 
     hi = jnp.where(num_q > 0, jnp.minimum(seq_len, pos0 + num_q), 0)  # keys [lo, hi)
     lo = jnp.int32(0) if sliding_window is None else jnp.maximum(pos0 - (sliding_window - 1), 0)
@@ -264,11 +294,11 @@ def _ragged_kernel(
         keys = tile * block_kv + offsets
         if masked:
             kv_ok = (keys >= lo) & (keys < hi)
-            load_mask = dict(mask=kv_ok[:, None], other=0)
+            load_mask = dict(mask=kv_ok[:, None], other=kv_zero)
         else:
             load_mask = {}
         slots = (page * block_size + lax.rem(keys, block_size))[:, None]
-        k = plgpu.load(k_ref.at[slots, dims[None, :]], **load_mask)
+        k = dequantize(plgpu.load(k_ref.at[slots, dims[None, :]], **load_mask))
         next_page = pages_of(tile + 1)
         s = plgpu.dot(q, k, trans_b=True, precision=precision) * scale  # [rows, block_kv] f32
         if masked:
@@ -280,7 +310,7 @@ def _ragged_kernel(
         correction = jnp.exp2(m_prev - m_next)
         p = jnp.exp2(s - m_next[:, None])
         l_next = l_prev * correction + p.sum(axis=1)
-        v = plgpu.load(v_ref.at[slots, dims[None, :]], **load_mask)
+        v = dequantize(plgpu.load(v_ref.at[slots, dims[None, :]], **load_mask))
         acc = acc * correction[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
         return acc, m_next, l_next, next_page
 
@@ -293,7 +323,7 @@ def _ragged_kernel(
     )
     carry = lax.fori_loop(first_tile, full_end, functools.partial(step, masked=False), carry)
     acc, _, l, _ = lax.fori_loop(full_end, end_tile, functools.partial(step, masked=True), carry)
-    out = acc / jnp.where(l == 0.0, 1.0, l)[:, None]
+    out = acc / jnp.where(l == 0.0, 1.0, l)[:, None] * scale_ref[1]  # v_scale: sum p (s v) = s sum p v
     plgpu.store(o_ref.at[index], out.astype(o_ref.dtype), mask=row_ok)
 
 
@@ -330,7 +360,8 @@ def _tile_metadata(
     return jnp.stack([c.astype(jnp.int32) for c in cols], axis=1)
 
 
-def _call_triton(meta, q4, k_slots, v_slots, block_tables_flat, *, num_warps, num_stages, interpret, **kernel_args):
+def _call_triton(meta, q4, k_slots, v_slots, block_tables_flat, scales, *, num_warps, num_stages, interpret,
+                 **kernel_args):
     num_tokens, num_kv_heads, group, head_dim = q4.shape
     num_slots = k_slots.shape[1]
     num_tiles = meta.shape[0]
@@ -346,13 +377,14 @@ def _call_triton(meta, q4, k_slots, v_slots, block_tables_flat, *, num_warps, nu
             kv_spec,
             kv_spec,
             pl.BlockSpec(block_tables_flat.shape, lambda i, h: (0,)),
+            pl.BlockSpec((2,), lambda i, h: (0,)),
         ],
         out_specs=qo_spec,
         out_shape=jax.ShapeDtypeStruct(q4.shape, q4.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="jaxvllm_ragged_paged_attention",
-    )(meta, q4, k_slots, v_slots, block_tables_flat)
+    )(meta, q4, k_slots, v_slots, block_tables_flat, scales)
 
 
 def ragged_paged_attention_raw(
@@ -366,6 +398,8 @@ def ragged_paged_attention_raw(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
+    k_scale: jax.Array | float | None = None,
+    v_scale: jax.Array | float | None = None,
     min_query_len: int = 1,
     block_q: int | None = None,
     block_kv: int | None = None,
@@ -428,6 +462,7 @@ def ragged_paged_attention_raw(
         k_cache.reshape(num_kv_heads, num_slots, head_dim),  # free: contiguous
         v_cache.reshape(num_kv_heads, num_slots, head_dim),
         block_tables.astype(jnp.int32).reshape(-1),
+        kv_scales(k_scale, v_scale),
         num_warps=num_warps,
         num_stages=num_stages,
         interpret=interpret,
@@ -452,9 +487,14 @@ def ragged_paged_attention(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
+    k_scale: jax.Array | float | None = None,
+    v_scale: jax.Array | float | None = None,
     **tuning,
 ) -> jax.Array:
     """The reference's contract on the Pallas kernel: [T, num_q_heads, head_dim] in q's dtype.
+
+    The cache is q's dtype or float8_e4m3fn, dequantized by k_scale / v_scale as in the
+    reference (fp8 tiles converted to q's dtype in registers, the scales folded in).
 
     Padding rows (past `query_start_loc[-1]`) are zeros. `tuning`: block_q (query tokens
     per tile, a power of 2; default 128 rows / G, 16 rows / G in float32), block_kv (keys
@@ -464,7 +504,7 @@ def ragged_paged_attention(
     """
     out = ragged_paged_attention_raw(
         q, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables,
-        sm_scale=sm_scale, sliding_window=sliding_window, **tuning,
+        sm_scale=sm_scale, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, **tuning,
     )
     live = jnp.arange(q.shape[0]) < query_start_loc[-1]
     return jnp.where(live[:, None, None], out, 0).astype(q.dtype)

@@ -29,6 +29,11 @@ CASES = [
     ("qwen2", "qwen2", {}, (2, 4)),
     ("qwen3", "qwen3", {}, (2, 4)),
     ("llama-8-heads", "llama", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16), (2, 4, 8)),
+    # Mixture of experts (layer 0 sparse: 8 experts of 32, top 2; layer 1 dense): experts split
+    # by their intermediate dimension.
+    ("qwen3_moe", "qwen3_moe", {}, (2, 4)),
+    # Gemma 3: sliding and global layers with their two RoPEs, four (1 + w) norms per layer.
+    ("gemma3", "gemma3", {}, (2,)),
 ]
 
 
@@ -124,6 +129,10 @@ def main(folder: str) -> None:
             with LLM(path, **ENGINE, tensor_parallel_size=tp) as llm:
                 case[f"tp{tp}"] = greedy(llm)
                 case[f"tp{tp}_kv_heads"] = llm.llm_engine.runner.cfg.num_kv_heads
+                if name == "qwen3_moe" and tp == 4:
+                    layer = llm.llm_engine.runner.params["layers"][0]
+                    case["moe_shards"] = {n: sorted({tuple(s.data.shape) for s in layer[n].addressable_shards})
+                                          for n in ("router", "experts_gate", "experts_up", "experts_down")}
                 if name == "llama-8-heads" and tp == 8:
                     case["shards"] = shard_shapes(llm)
                     case["hlo"] = cache_all_gathers(llm)

@@ -103,6 +103,11 @@ def test_cases_cover_the_issue_matrix():
     assert {p["dtype"] for p in decode} == {"bfloat16", "float32"}
     assert {p["block_size"] for p in decode} == {16, 32, 64, 128}
     assert any(p["window"] for p in decode)
+    # The fp8 KV cache under bf16 queries: every head_dim and group, decode and ragged.
+    fp8 = [(c.kind, c.params["head_dim"], c.params["group"]) for c in cases if c.params.get("kv_cache")]
+    assert {(k, d, g) for k in ("decode", "ragged") for d in (64, 128, 256) for g in (1, 2, 4, 8)} <= set(fp8)
+    assert all(c.params["dtype"] == "bfloat16" for c in cases if c.params.get("kv_cache"))  # spills fail them
+    assert any(c.params.get("kv_cache") for c in aot_engine.engine_cases())
 
 
 @pytest.mark.parametrize("main", [aot_check.main, aot_engine.main])

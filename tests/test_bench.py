@@ -155,6 +155,27 @@ def test_throughput_compares_async_scheduling(tmp_path):
     assert report["results"]["jaxvllm_sync"]["engine_stats"]["async_scheduling"] is False
 
 
+def test_throughput_compares_kv_cache_dtype(tmp_path, capsys):
+    """An fp8 KV cache, then the model's dtype, in one run: both reported, with their KV blocks."""
+    report = bench("throughput", tmp_path, "--model", "dummy:tiny", "--dataset", "random", "--input-len", "16",
+                   "--output-len", "8", "--num-prompts", "8", "--dtype", "bfloat16", "--compare-kv-cache-dtype")
+    k = report["kv_cache_dtype"]
+    assert k["kv_cache_dtype"] == "float8_e4m3fn" and k["model_kv_cache_dtype"] == "bfloat16"
+    assert k["output_tokens_per_second_fp8"] > 0 and k["output_tokens_per_second_model_dtype"] > 0
+    assert k["speedup"] > 0 and 0 <= k["identical_completions"] <= 8
+    assert k["num_gpu_blocks_fp8"] >= k["num_gpu_blocks_model_dtype"] > 0
+    assert report["results"]["jaxvllm"]["engine_stats"]["kv_cache_dtype"] == "float8_e4m3fn"
+    assert report["results"]["jaxvllm_kv_cache_auto"]["engine_stats"]["kv_cache_dtype"] == "bfloat16"
+    assert report["config"]["engine_args"]["kv_cache_dtype"] == "fp8"
+    out = capsys.readouterr().out
+    assert "jaxvllm, model-dtype KV cache: Throughput" in out and "KV cache float8_e4m3fn vs bfloat16" in out
+    # --kv-cache-dtype alone: one run with the fp8 cache.
+    report = bench("throughput", tmp_path, "--model", "dummy:tiny", "--dataset", "random", "--input-len", "16",
+                   "--output-len", "4", "--num-prompts", "4", "--kv-cache-dtype", "fp8")
+    assert report["results"]["jaxvllm"]["engine_stats"]["kv_cache_dtype"] == "float8_e4m3fn"
+    assert set(report["results"]) == {"jaxvllm"}
+
+
 def test_throughput_json_schema_constrained_and_not(tmp_path, capsys):
     """Structured outputs: every constrained completion validates, and the unconstrained run
     makes exactly as many output tokens (timing ratios are not asserted: CPU noise)."""

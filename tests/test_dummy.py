@@ -14,6 +14,7 @@ from jaxvllm.loader import load_config
 @pytest.mark.parametrize("name, arch, billions", [
     ("qwen3-0.6b", "Qwen3ForCausalLM", 0.60),  # 0.44 B without the tied 151936 x 1024 embedding
     ("llama3-8b", "LlamaForCausalLM", 8.03),
+    ("qwen3-30b-a3b", "Qwen3MoeForCausalLM", 30.53),  # all 128 experts; 3.35 B active
 ])
 def test_real_architectures(tmp_path, name, arch, billions):
     path = write_dummy_model(f"dummy:{name}", tmp_path / name)

@@ -176,7 +176,8 @@ def test_combine_partitions_ignores_empty_ones():
 
 def test_default_num_splits():
     assert default_num_splits(256, 8, 32) == 1  # a big batch fills the GPU by itself
-    assert default_num_splits(64, 8, 32) == 2
+    assert default_num_splits(64, 8, 32) == 8  # 512 programs: the H200's best K1 tuning
+    assert default_num_splits(128, 8, 32) == 1  # 1024 programs fill it
     assert default_num_splits(1, 8, 32) == 16  # capped at MAX_SPLITS
     assert default_num_splits(1, 8, 3) == 3  # never more partitions than KV tiles
 
@@ -281,5 +282,92 @@ def test_backend_resolution(monkeypatch):
     assert ModelRunner._resolve_backend("auto") == "reference"
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert ModelRunner._resolve_backend("auto") == "pallas"
+    assert ModelRunner._resolve_backend("auto", softcapped=True) == "reference"  # the kernels lack it
     with pytest.raises(ValueError, match="attention_backend 'flash'"):
         ModelRunner._resolve_backend("flash")
+
+
+# -- fp8 KV cache: float8_e4m3fn pages, per-tensor k/v scales, q in bf16 or float32 -----------
+
+FP8 = jnp.float8_e4m3fn
+
+
+def quantized(b: Batch, k_scale: float, v_scale: float) -> Batch:
+    """The batch with its caches stored as fp8 (x / scale, as the KV write stores them)."""
+    fp8 = lambda x, s: jnp.clip(x.astype(jnp.float32) / s, -448, 448).astype(FP8)  # noqa: E731
+    return Batch(b.q, fp8(b.k_cache, k_scale), fp8(b.v_cache, v_scale), b.positions, b.query_start_loc,
+                 b.seq_lens, b.block_tables, b.num_tokens)
+
+
+FP8_CASES = [
+    # group, block_size, q dtype, sliding_window, (k_scale, v_scale)
+    pytest.param(2, 4, jnp.bfloat16, None, (0.05, 0.02), id="g2-bf16"),
+    pytest.param(4, 8, jnp.float32, None, (1.0, 1.0), id="g4-f32-unit-scales"),
+    pytest.param(8, 6, jnp.bfloat16, 5, (0.5, 3.0), id="g8-block6-bf16-window5"),
+]
+
+
+@pytest.mark.parametrize("group,block_size,dtype,window,scales", FP8_CASES)
+def test_decode_fp8_cache_matches_reference(group, block_size, dtype, window, scales):
+    b = quantized(make_batch(group + block_size, DECODE_CONTEXT, [1] * len(DECODE_CONTEXT), group=group,
+                             block_size=block_size, dtype=dtype, pad_tokens=2, pad_seqs=2), *scales)
+    args = (b.q, b.k_cache, b.v_cache, b.seq_lens, b.block_tables)
+    k_scale, v_scale = (jnp.float32(s) for s in scales)  # traced scalars, as the engine passes them
+    fn = jax.jit(partial(paged_decode_attention, sm_scale=0.3, sliding_window=window, num_splits=2,
+                         block_kv=kv_tile(8)))
+    got = fn(*args, k_scale=k_scale, v_scale=v_scale)
+    want = decode_reference(*args, sm_scale=0.3, sliding_window=window, k_scale=k_scale, v_scale=v_scale)
+    assert b.k_cache.dtype == FP8 and got.dtype == dtype
+    assert_close(got, want, dtype)
+    assert np.all(np.asarray(got[len(DECODE_CONTEXT):], np.float32) == 0)
+
+
+@pytest.mark.parametrize("group,block_size,dtype,window,scales", FP8_CASES)
+def test_ragged_fp8_cache_matches_reference(group, block_size, dtype, window, scales):
+    b = quantized(make_batch(group + block_size, RAGGED_CONTEXT, RAGGED_NEW, group=group, block_size=block_size,
+                             dtype=dtype), *scales)
+    k_scale, v_scale = (jnp.float32(s) for s in scales)
+    fn = jax.jit(partial(ragged_paged_attention, sm_scale=0.3, sliding_window=window,
+                         block_q=q_tile(4, group), block_kv=kv_tile(8)))
+    got = fn(*b.args, k_scale=k_scale, v_scale=v_scale)
+    want = ragged_reference(*b.args, sm_scale=0.3, sliding_window=window, k_scale=k_scale, v_scale=v_scale)
+    assert got.dtype == dtype
+    assert_close(got, want, dtype, rows=slice(0, b.num_tokens))
+    assert np.all(np.asarray(got[b.num_tokens :], np.float32) == 0)
+
+
+def test_mixed_fp8_cache_matches_reference():
+    b = quantized(make_batch(7, RAGGED_CONTEXT, RAGGED_NEW, group=4, dtype=jnp.bfloat16), 0.1, 0.2)
+    fn = jax.jit(partial(
+        mixed_paged_attention, sm_scale=0.3,
+        decode_tuning=dict(num_splits=2, block_kv=kv_tile(8)),
+        ragged_tuning=dict(block_q=q_tile(4, 4), block_kv=kv_tile(8)),
+    ))
+    got = fn(*b.args, k_scale=jnp.float32(0.1), v_scale=jnp.float32(0.2))
+    want = ragged_reference(*b.args, sm_scale=0.3, k_scale=0.1, v_scale=0.2)
+    assert_close(got, want, jnp.bfloat16, rows=slice(0, b.num_tokens))
+
+
+def test_fp8_reference_dequantizes_close_to_the_unquantized_cache():
+    """The reference over an fp8 cache (x / s stored) is the reference over the dequantized
+    cache (stored * s, float32); against the unquantized K/V, e4m3's 3 mantissa bits
+    (relative error <= 2^-4 per element) leave the output (values of order 1) close."""
+    b = make_batch(11, RAGGED_CONTEXT, RAGGED_NEW, group=2, dtype=jnp.float32)
+    q8 = quantized(b, 0.01, 0.02)
+    got = ragged_reference(*q8.args, sm_scale=0.3, k_scale=0.01, v_scale=0.02)
+    deq = Batch(b.q, q8.k_cache.astype(jnp.float32) * 0.01, q8.v_cache.astype(jnp.float32) * 0.02,
+                *q8.args[3:], b.num_tokens)
+    assert_close(got, ragged_reference(*deq.args, sm_scale=0.3), jnp.float32, rows=slice(0, b.num_tokens))
+    err = np.abs(np.asarray(got - ragged_reference(*b.args, sm_scale=0.3))[: b.num_tokens])
+    assert err.max() < 0.25 and err.mean() < 0.03, (err.max(), err.mean())
+
+
+def test_fp8_cache_checks_dtypes():
+    cache = jnp.zeros((2, 4, 4, 16), FP8)
+    with pytest.raises(ValueError, match="q dtype bfloat16 != cache dtype float32"):
+        paged_decode_attention(jnp.zeros((2, 4, 16), jnp.bfloat16), cache.astype(jnp.float32),
+                               cache.astype(jnp.float32), jnp.zeros(2, jnp.int32), jnp.zeros((2, 2), jnp.int32),
+                               sm_scale=1.0)
+    with pytest.raises(ValueError, match="not supported"):  # q itself is never fp8
+        paged_decode_attention(jnp.zeros((2, 4, 16), FP8), cache, cache, jnp.zeros(2, jnp.int32),
+                               jnp.zeros((2, 2), jnp.int32), sm_scale=1.0)

@@ -26,11 +26,19 @@ def test_bench_small_runs_and_checks_the_kernels(tmp_path, monkeypatch):
     decode = k1["pallas_decode"]
     assert decode["max_abs_err_vs_reference"] < 0.05 and decode["best_tb_s"] > 0  # bf16
     assert {"xla_reference", "hbm_copy", "jax_pallas_paged_attention"} <= set(k1)
+    fp8 = k1["pallas_decode_fp8_cache"]  # the same kernel over an fp8 copy of the cache
+    assert fp8["max_abs_err_vs_reference"] < 0.05 and fp8["max_abs_err_vs_bf16_cache"] < 0.25
+    assert fp8["kv_bytes"] * 2 == k1["kv_bytes"] and fp8["tb_s"] > 0 and fp8["speedup_vs_bf16"] > 0
+    assert fp8["tokens_per_s"] > 0 and fp8["tokens_per_s_bf16"] == decode["tokens_per_s"]
     assert "error" not in k1["xla_reference"] and "error" not in k1["hbm_copy"]
     ragged = results["k2"]["pallas_ragged"]
     assert max(ragged["max_abs_err"].values()) < 0.05 and ragged["best_tflop_s"] > 0
     (kv,) = results["kv"]
     assert kv["xla_scatter"]["us"] > 0 and kv["xla_scatter"]["cache_copies_in_hlo"] == 0
+    (k3,) = results["k3"]  # the grouped matmul (MoE experts) against ragged_dot
+    gmm = k3["pallas_grouped_matmul"]
+    assert max(gmm["max_abs_err_vs_ragged_dot"].values()) < 0.05 and gmm["best_tflop_s"] > 0
+    assert "error" not in k3["xla_ragged_dot"] and "error" not in k3["dense_batched_einsum_balanced"]
     assert "step" not in results
 
 

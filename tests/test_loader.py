@@ -122,9 +122,9 @@ def test_unsupported_architecture_lists_supported(tiny_checkpoint, tmp_path):
 
 
 def test_unsupported_rope_and_activation(tiny_checkpoint, tmp_path):
-    path = copy_checkpoint(tiny_checkpoint("llama"), tmp_path / "yarn")
-    edit_config(path, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0})
-    with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):
+    path = copy_checkpoint(tiny_checkpoint("llama"), tmp_path / "dynamic")
+    edit_config(path, rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0})
+    with pytest.raises(ValueError, match="rope type 'dynamic' is not supported"):
         load_model(path)
     edit_config(path, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, hidden_act="gelu")
     with pytest.raises(ValueError, match="hidden_act 'gelu'"):

@@ -2,6 +2,7 @@
 
 import shutil
 
+import jax
 import numpy as np
 import pytest
 
@@ -26,7 +27,13 @@ def test_kv_cache_sized_from_device_memory(tiny_checkpoint, monkeypatch, caplog)
     memory - peak after a profiling run. JAX's allocator limit is 0.75 of the total by default,
     and caps the budget."""
     fake = {"bytes_limit": 75 << 20, "bytes_in_use": 5 << 20, "peak_bytes_in_use": 10 << 20}  # 100 MiB total
-    monkeypatch.setattr(model_runner, "device_memory_stats", lambda device: fake)
+    calls = []
+
+    def stats(device):  # the peak reaches 10 MiB during the profiling step (after 2 readings)
+        calls.append(device)
+        return dict(fake, peak_bytes_in_use=fake["peak_bytes_in_use"] if len(calls) % 3 == 0 else 0)
+
+    monkeypatch.setattr(model_runner, "device_memory_stats", stats)
     path = str(tiny_checkpoint("llama"))
     runner = ModelRunner(EngineConfig(model=path, gpu_memory_utilization=0.5, **SMALL))
     # llama tiny: 2 layers x 2 kv heads x 16 head_dim x 16 tokens x 4 bytes x (K and V) = 8 KiB a block
@@ -39,6 +46,21 @@ def test_kv_cache_sized_from_device_memory(tiny_checkpoint, monkeypatch, caplog)
     fake["peak_bytes_in_use"] = 50 << 20
     with pytest.raises(ValueError, match="only 0 KV blocks fit in gpu_memory_utilization=0.5 on "):
         ModelRunner(EngineConfig(model=path, gpu_memory_utilization=0.5, **SMALL))
+
+
+def test_an_earlier_engines_peak_does_not_shrink_the_cache(tiny_checkpoint, monkeypatch):
+    """JAX's peak_bytes_in_use never resets: after an engine of 60 MiB was freed, a new one
+    reads that peak. Its own step's peak then comes from XLA's analysis of the compiled
+    step, on top of what is in use (5 MiB here)."""
+    fake = {"bytes_limit": 75 << 20, "bytes_in_use": 5 << 20, "peak_bytes_in_use": 60 << 20}
+    monkeypatch.setattr(model_runner, "device_memory_stats", lambda device: fake)
+    runner = ModelRunner(EngineConfig(model=str(tiny_checkpoint("llama")), gpu_memory_utilization=0.5,
+                                      enforce_eager=True, **SMALL))
+    batch = runner.padding_batch(runner.buckets[-1], runner.widths[-1], None)
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), runner.kv_caches)
+    step = runner._step_bytes(batch, shapes)
+    assert 0 < step < 5 << 20
+    assert runner.num_blocks == int((0.5 * (100 << 20) - (5 << 20) - step) // 8192)
 
 
 def test_kv_cache_cpu_default_and_override(tiny_checkpoint, caplog):

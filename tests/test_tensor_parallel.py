@@ -28,7 +28,7 @@ def test_eight_devices(results):
     assert results["devices"] == 8
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "llama-8-heads"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "llama-8-heads", "qwen3_moe"])
 def test_greedy_parity_with_one_device_and_hf(results, name):
     case = results["cases"][name]
     assert case["tp1"] == case["hf"]
@@ -62,6 +62,21 @@ def test_each_device_holds_its_share(results):
     assert shards["embed"] == [[64, 64], 8]
     assert shards["input_norm"] == [[64], 8]
     assert shards["k_cache"][0][0] == 1 and shards["k_cache"][-1] == 8
+
+
+def test_experts_split_by_intermediate_dimension(results):
+    """8 experts of intermediate 32 over 4 devices: every device holds 8 experts x 8 columns."""
+    shards = results["cases"]["qwen3_moe"]["moe_shards"]
+    assert shards["experts_gate"] == shards["experts_up"] == [[8, 64, 8]]
+    assert shards["experts_down"] == [[8, 8, 64]]
+    assert shards["router"] == [[8, 64]]
+
+
+def test_gemma3_greedy_parity_tp2(results):
+    case = results["cases"]["gemma3"]
+    assert case["tp1"] == case["hf"]
+    assert case["tp2"] == case["tp1"]
+    assert case["tp2_kv_heads"] == 2  # 2 KV heads: one per device
 
 
 def test_no_kv_cache_is_gathered(results):

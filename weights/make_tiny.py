@@ -84,7 +84,56 @@ ARCHITECTURES: dict[str, dict] = {
         head_dim=32,
         tie_word_embeddings=True,
     ),
+    # Gemma 3 (text): sliding and global layers alternating (window 8, local RoPE base 10k,
+    # global base 1M with linear scaling), q/k norms, query_pre_attn_scalar != head_dim,
+    # tied embeddings. Its norm weights are made random (HF initializes them to 0, a
+    # (1 + w) scale of 1), so that each norm's weight matters.
+    "gemma3": dict(
+        architectures=["Gemma3ForCausalLM"],
+        model_type="gemma3_text",
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        rope_parameters=dict(
+            sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+            full_attention=dict(rope_type="linear", rope_theta=1000000.0, factor=8.0),
+        ),
+        tie_word_embeddings=True,
+    ),
+    # Qwen3-MoE: q/k norms, 8 experts (top 2, weights not renormalized: HF's default), layer 0
+    # sparse and layer 1 a dense MLP (`mlp_only_layers`), untied head.
+    "qwen3_moe": dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=False,
+        mlp_only_layers=[1],
+        tie_word_embeddings=False,
+    ),
+    # Mixtral: every layer sparse, 4 experts of intermediate_size 64 (top 2, renormalized), GQA.
+    "mixtral": dict(
+        architectures=["MixtralForCausalLM"],
+        model_type="mixtral",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    ),
 }
+
+# Architectures whose RMSNorm weights get random values (see "gemma3" above).
+_RANDOM_NORMS = ("gemma3",)
 
 def make_tiny(
     arch: str,
@@ -95,7 +144,7 @@ def make_tiny(
     max_shard_size: str | None = None,
     **overrides,
 ) -> Path:
-    """Write a tiny random checkpoint of `arch` ("llama", "mistral", "qwen2", "qwen3").
+    """Write a tiny random checkpoint of `arch` (a key of ARCHITECTURES: "llama", "qwen3", "gemma3", ...).
 
     `overrides` go into the transformers config (e.g. `sliding_window=8`);
     `max_shard_size` (e.g. "30KB") writes several shards plus the index file.
@@ -111,6 +160,11 @@ def make_tiny(
     config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch in _RANDOM_NORMS:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(0.0, 0.2)
     model = model.to(getattr(torch, dtype)).eval()
     save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(path), **save_kwargs)

@@ -35,10 +35,12 @@ STATE_ARRAYS = 4  # SamplerState's donated [max_num_seqs, vocab] arrays
 
 def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int = 256, max_num_seqs: int = 256,
                       context: int = 1024, block_size: int = 16, dtype=jnp.bfloat16,
-                      sampler: tuple[str, ...] = ("greedy", "all")) -> list[Case]:
+                      sampler: tuple[str, ...] = ("greedy", "all"), kv_cache_dtype=None) -> list[Case]:
     """The model runner's per-step executables for a bucket of `num_tokens` tokens, one
     sequence each at `context` tokens: the forward (KV caches donated) and the sampler
     (last sampled ids and sampler state donated) with no feature, or every one, on.
+    `kv_cache_dtype`: the cache's dtype when not the model's (fp8: each layer's cache
+    carries its two float32 scales, donated with it).
 
     The only code here that knows the runner's API (imported here, so that the rest of
     the module does not depend on it): params name the donated buffers (`copy_shapes`,
@@ -51,14 +53,18 @@ def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int =
     cfg = ModelConfig.from_hf(get_dummy(model).make_config())
     rows = sequence_rows(max_num_seqs, num_tokens)
     layout = BatchLayout(num_tokens, rows, context // block_size)
-    cache = spec((cfg.num_kv_heads, rows * layout.width, block_size, cfg.head_dim), dtype)
+    cache = spec((cfg.num_kv_heads, rows * layout.width, block_size, cfg.head_dim), kv_cache_dtype or dtype)
+    layer_cache = (cache, cache) if kv_cache_dtype is None else (cache, cache, spec((), jnp.float32),
+                                                                 spec((), jnp.float32))
     packed, last_sampled = spec((layout.size,)), spec((max_num_seqs,))
     common = dict(backend=backend, model=model, dtype=jnp.dtype(dtype).name, num_tokens=num_tokens, context=context)
-    forward = jit_forward(cfg, backend)
+    if kv_cache_dtype is not None:
+        common["kv_cache"] = jnp.dtype(kv_cache_dtype).name
+    forward = jit_forward(cfg, backend, kv_scaled=kv_cache_dtype is not None)
     cases = [Case("engine_forward", dict(common, num_layers=cfg.num_layers, copy_shapes=[list(cache.shape)],
                                          donated=2 * cfg.num_layers),
                   SimpleNamespace(trace=partial(forward.trace, layout=layout)),
-                  [jax.eval_shape(lambda: dummy_params(cfg, dtype)), [(cache, cache)] * cfg.num_layers, packed,
+                  [jax.eval_shape(lambda: dummy_params(cfg, dtype)), [layer_cache] * cfg.num_layers, packed,
                    last_sampled])]
     everything = SamplerFeatures(random=True, min_p=True, top_k=True, top_p=True, state=True, bad_words=True, logprobs=20,
                                  grammar=True)
@@ -80,6 +86,7 @@ def engine_cases(quick: bool = False) -> list[Case]:
     enough that `quick` keeps them all."""
     cases = [c for t in (16, 256, 2048) for c in engine_step_cases("pallas", num_tokens=t, sampler=("all",))]
     cases += engine_step_cases("reference", sampler=("greedy",))
+    cases += engine_step_cases("pallas", sampler=(), kv_cache_dtype=jnp.float8_e4m3fn)  # fp8 KV cache, decode
     cases += engine_step_cases("pallas", model="tiny", num_tokens=64, max_num_seqs=8, context=256, dtype=jnp.float32,
                                sampler=())
     return cases

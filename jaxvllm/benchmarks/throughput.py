@@ -50,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "and wall time of each")
     group.add_argument("--compare-async-scheduling", action="store_true",
                        help="run jaxvllm with async scheduling on, then off, and report output tokens/s of each")
+    group.add_argument("--compare-kv-cache-dtype", action="store_true",
+                       help="run jaxvllm with an fp8 KV cache (or --kv-cache-dtype's), then with the model's dtype "
+                            "('auto'), and report output tokens/s and KV blocks of each")
     add_engine_args(parser)
 
 
@@ -109,10 +112,14 @@ def summarize(run: RunTimings, requests: list[ds.BenchRequest]) -> dict[str, Any
 
 
 _RATES = ("requests_per_second", "tokens_per_second", "output_tokens_per_second")
-# --compare-X flag -> (the engine option it turns off in a second jaxvllm run, that run's key, its label)
+# --compare-X flag -> (the engine option it changes, its value in the first jaxvllm run and in a
+# second one, that run's key, its label). kv_cache_dtype: the first run keeps --kv-cache-dtype
+# when it is set to other than "auto".
 _COMPARISONS = {
-    "compare_prefix_caching": ("enable_prefix_caching", "jaxvllm_no_prefix_caching", "prefix caching off"),
-    "compare_async_scheduling": ("async_scheduling", "jaxvllm_sync", "async scheduling off"),
+    "compare_prefix_caching": ("enable_prefix_caching", True, False, "jaxvllm_no_prefix_caching",
+                               "prefix caching off"),
+    "compare_async_scheduling": ("async_scheduling", True, False, "jaxvllm_sync", "async scheduling off"),
+    "compare_kv_cache_dtype": ("kv_cache_dtype", "fp8", "auto", "jaxvllm_kv_cache_auto", "model-dtype KV cache"),
 }
 
 
@@ -178,14 +185,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         max_model_len = auto_max_model_len(args.dataset, requests, load_config(source.path).max_position_embeddings)
         kwargs = engine_kwargs(args, source, seed=args.seed, max_model_len=max_model_len)
         runs = [(name, name, kwargs) for name in backend_names(args.backend)]
-        for flag, (option, key, _) in _COMPARISONS.items():  # a second jaxvllm run with the option off
+        for flag, (option, first, second, key, _) in _COMPARISONS.items():  # a second jaxvllm run
             if not getattr(args, flag):
                 continue
             if args.backend == "hf":
                 raise ValueError(f"--{flag.replace('_', '-')} needs the jaxvllm backend")
-            kwargs = {**kwargs, option: True}
+            if option == "kv_cache_dtype" and kwargs.get(option, "auto") != "auto":
+                first = kwargs[option]  # the user's fp8 name
+            kwargs = {**kwargs, option: first}
             runs = [(k, name, kwargs if name == "jaxvllm" else kw) for k, name, kw in runs]
-            runs.append((key, "jaxvllm", {**kwargs, option: False}))
+            runs.append((key, "jaxvllm", {**kwargs, option: second}))
         for key, name, run_kwargs in runs:
             backend = make_backend(name, source, args, run_kwargs)
             try:
@@ -214,7 +223,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 backend.close()
             results[key] = result
             outputs[key] = timings.output_token_ids
-            label = {"jaxvllm": "jaxvllm", **{k: f"jaxvllm, {what}" for _, k, what in _COMPARISONS.values()}}.get(key)
+            label = {"jaxvllm": "jaxvllm", **{k: f"jaxvllm, {what}" for *_, k, what in _COMPARISONS.values()}}.get(key)
             print_result(label or f"hf ({result['mode']})", result)
             if structured:
                 print_structured_output(result["structured_output"])
@@ -256,6 +265,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         a = report["async_scheduling"]
         print(f"async scheduling: {a['output_tokens_per_second_on']:.1f} vs {a['output_tokens_per_second_off']:.1f} "
               f"output tokens/s ({a['speedup']:.2f}x); identical completions {same}/{len(requests)}")
+    if args.compare_kv_cache_dtype:
+        fp8, base = results["jaxvllm"], results["jaxvllm_kv_cache_auto"]
+        same = sum(a == b for a, b in zip(outputs["jaxvllm"], outputs["jaxvllm_kv_cache_auto"]))
+        report["kv_cache_dtype"] = {
+            "kv_cache_dtype": fp8["engine_stats"]["kv_cache_dtype"],
+            "model_kv_cache_dtype": base["engine_stats"]["kv_cache_dtype"],
+            "output_tokens_per_second_fp8": fp8["output_tokens_per_second"],
+            "output_tokens_per_second_model_dtype": base["output_tokens_per_second"],
+            "speedup": fp8["output_tokens_per_second"] / base["output_tokens_per_second"],
+            "num_gpu_blocks_fp8": fp8["engine_stats"]["num_gpu_blocks"],
+            "num_gpu_blocks_model_dtype": base["engine_stats"]["num_gpu_blocks"],
+            "num_preemptions_fp8": fp8["engine_stats"]["num_preemptions"],
+            "num_preemptions_model_dtype": base["engine_stats"]["num_preemptions"],
+            "identical_completions": same,
+        }
+        k = report["kv_cache_dtype"]
+        print(f"KV cache {k['kv_cache_dtype']} vs {k['model_kv_cache_dtype']}: "
+              f"{k['output_tokens_per_second_fp8']:.1f} vs {k['output_tokens_per_second_model_dtype']:.1f} output "
+              f"tokens/s ({k['speedup']:.2f}x); {k['num_gpu_blocks_fp8']} vs {k['num_gpu_blocks_model_dtype']} KV "
+              f"blocks; {k['num_preemptions_fp8']} vs {k['num_preemptions_model_dtype']} preemptions; identical "
+              f"completions {same}/{len(requests)}")
     if "hf" in results:
         ratio = {k: results["jaxvllm"][k] / results["hf"][k] for k in _RATES}
         report["ratio"] = ratio

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) as plain functions over a params pytree.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, and with mixture-of-experts MLPs
+Qwen3-MoE and Mixtral: `jaxvllm/models/moe.py`) as plain functions over a params pytree.
 
 Params keep HF's [out, in] matrices, only reshaped so the head axis is explicit
 (q_proj [num_heads, head_dim, hidden], o_proj [hidden, num_heads, head_dim]): loading
@@ -17,6 +18,7 @@ from jax.sharding import Mesh
 from jaxvllm.batch import ModelInputs
 from jaxvllm.config import ModelConfig
 from jaxvllm.layers import apply_rope, paged_attention, rms_norm
+from jaxvllm.models.moe import sparse_moe
 
 Params = dict
 KVCaches = list  # per layer: (k_cache, v_cache)
@@ -31,6 +33,13 @@ class ParamSpec:
     hf_shape: tuple[int, ...]
     shape: tuple[int, ...]
     init: str  # "normal", "ones" or "zeros" (for load_format="dummy")
+    # Stacked experts: one HF tensor per index of our first axis (`hf_name` has "{}" for the
+    # expert's number; `hf_shape` is one expert's), each transposed: our [E, in, out] of
+    # HF's per-expert [out, in] (see `jaxvllm/models/moe.py`).
+    stacked: int = 0
+
+    def hf_names(self) -> list[str]:
+        return [self.hf_name.format(j) for j in range(self.stacked)] if self.stacked else [self.hf_name]
 
 
 def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
@@ -44,23 +53,23 @@ def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
             specs.append(ParamSpec(("layers", i, name), p + hf_name, hf_shape, shape or hf_shape, init))
 
         add("input_norm", "input_layernorm.weight", (d,), init="ones")
-        add("q_proj", "self_attn.q_proj.weight", (hq * hd, d), (hq, hd, d))
-        add("k_proj", "self_attn.k_proj.weight", (hkv * hd, d), (hkv, hd, d))
-        add("v_proj", "self_attn.v_proj.weight", (hkv * hd, d), (hkv, hd, d))
-        add("o_proj", "self_attn.o_proj.weight", (d, hq * hd), (d, hq, hd))
-        if cfg.qkv_bias:
-            add("q_bias", "self_attn.q_proj.bias", (hq * hd,), (hq, hd), init="zeros")
-            add("k_bias", "self_attn.k_proj.bias", (hkv * hd,), (hkv, hd), init="zeros")
-            add("v_bias", "self_attn.v_proj.bias", (hkv * hd,), (hkv, hd), init="zeros")
-        if cfg.o_bias:
-            add("o_bias", "self_attn.o_proj.bias", (d,), init="zeros")
-        if cfg.qk_norm:
-            add("q_norm", "self_attn.q_norm.weight", (hd,), init="ones")
-            add("k_norm", "self_attn.k_norm.weight", (hd,), init="ones")
+        attention_specs(add, cfg)
         add("post_norm", "post_attention_layernorm.weight", (d,), init="ones")
-        add("gate_proj", "mlp.gate_proj.weight", (f, d))
-        add("up_proj", "mlp.up_proj.weight", (f, d))
-        add("down_proj", "mlp.down_proj.weight", (d, f))
+        if cfg.is_moe_layer(i):
+            e, fe = cfg.num_experts, cfg.moe_intermediate_size
+            # Mixtral's checkpoints name the block `block_sparse_moe` and the experts w1/w3/w2.
+            mix = cfg.architecture == "MixtralForCausalLM"
+            moe, (w_gate, w_up, w_down) = ("block_sparse_moe", ("w1", "w3", "w2")) if mix else (
+                "mlp", ("gate_proj", "up_proj", "down_proj"))
+            add("router", f"{moe}.gate.weight", (e, d))
+            for name, w, hf_shape in (("experts_gate", w_gate, (fe, d)), ("experts_up", w_up, (fe, d)),
+                                      ("experts_down", w_down, (d, fe))):
+                specs.append(ParamSpec(("layers", i, name), p + f"{moe}.experts.{{}}.{w}.weight", hf_shape,
+                                       (e, *hf_shape[::-1]), "normal", stacked=e))
+        else:
+            add("gate_proj", "mlp.gate_proj.weight", (f, d))
+            add("up_proj", "mlp.up_proj.weight", (f, d))
+            add("down_proj", "mlp.down_proj.weight", (d, f))
         if cfg.mlp_bias:
             add("gate_bias", "mlp.gate_proj.bias", (f,), init="zeros")
             add("up_bias", "mlp.up_proj.bias", (f,), init="zeros")
@@ -71,19 +80,44 @@ def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
     return specs
 
 
-def _attention_block(layer: dict, x, kv_cache, inputs: ModelInputs, cfg: ModelConfig, window, backend, mesh):
+def attention_specs(add, cfg: ModelConfig, norm_init: str = "ones") -> None:
+    """A layer's attention parameters (`add(name, hf_name, hf_shape, shape, init)` records
+    each): q/k/v/o with the head axis explicit, their biases, the q/k norms."""
+    d, hd, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    add("q_proj", "self_attn.q_proj.weight", (hq * hd, d), (hq, hd, d))
+    add("k_proj", "self_attn.k_proj.weight", (hkv * hd, d), (hkv, hd, d))
+    add("v_proj", "self_attn.v_proj.weight", (hkv * hd, d), (hkv, hd, d))
+    add("o_proj", "self_attn.o_proj.weight", (d, hq * hd), (d, hq, hd))
+    if cfg.qkv_bias:
+        add("q_bias", "self_attn.q_proj.bias", (hq * hd,), (hq, hd), init="zeros")
+        add("k_bias", "self_attn.k_proj.bias", (hkv * hd,), (hkv, hd), init="zeros")
+        add("v_bias", "self_attn.v_proj.bias", (hkv * hd,), (hkv, hd), init="zeros")
+    if cfg.o_bias:
+        add("o_bias", "self_attn.o_proj.bias", (d,), init="zeros")
+    if cfg.qk_norm:
+        add("q_norm", "self_attn.q_norm.weight", (hd,), init=norm_init)
+        add("k_norm", "self_attn.k_norm.weight", (hd,), init=norm_init)
+
+
+def attention(layer: dict, x, kv_cache, inputs: ModelInputs, cfg: ModelConfig, i: int, backend, mesh, norm=rms_norm):
+    """Layer i's self-attention over the paged cache: q/k normed by `norm` (when the config
+    has q/k norms), the layer's RoPE, window, softmax scale and soft-cap."""
     q = jnp.einsum("td,hkd->thk", x, layer["q_proj"])
     k = jnp.einsum("td,hkd->thk", x, layer["k_proj"])
     v = jnp.einsum("td,hkd->thk", x, layer["v_proj"])
     if cfg.qkv_bias:
         q, k, v = q + layer["q_bias"], k + layer["k_bias"], v + layer["v_bias"]
     if cfg.qk_norm:
-        q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
-    q = apply_rope(q, inputs.positions, cfg.rope)
-    k = apply_rope(k, inputs.positions, cfg.rope)
+        q = norm(q, layer["q_norm"], cfg.rms_norm_eps)
+        k = norm(k, layer["k_norm"], cfg.rms_norm_eps)
+    rope = cfg.rope_of_layer(i)
+    q = apply_rope(q, inputs.positions, rope)
+    k = apply_rope(k, inputs.positions, rope)
+    window = cfg.sliding_windows[i] if cfg.sliding_windows else None
+    cap = cfg.attn_logit_softcapping
     out, kv_cache = paged_attention(
-        q, k, v, kv_cache, inputs, sm_scale=cfg.head_dim**-0.5, sliding_window=window, backend=backend, mesh=mesh
+        q, k, v, kv_cache, inputs, sm_scale=cfg.sm_scale, sliding_window=window, backend=backend, mesh=mesh,
+        logits_soft_cap=None if cap is None else float(cap),
     )
     out = jnp.einsum("thk,dhk->td", out, layer["o_proj"])
     if cfg.o_bias:
@@ -115,11 +149,11 @@ def hidden_states(
     new_caches = []
     for i, layer in enumerate(params["layers"]):
         h = rms_norm(x, layer["input_norm"], cfg.rms_norm_eps)
-        window = cfg.sliding_windows[i] if cfg.sliding_windows else None
-        h, cache = _attention_block(layer, h, kv_caches[i], inputs, cfg, window, attention_backend, mesh)
+        h, cache = attention(layer, h, kv_caches[i], inputs, cfg, i, attention_backend, mesh)
         new_caches.append(cache)
         x = x + h
-        x = x + _mlp(layer, rms_norm(x, layer["post_norm"], cfg.rms_norm_eps), cfg)
+        h = rms_norm(x, layer["post_norm"], cfg.rms_norm_eps)
+        x = x + (sparse_moe(layer, h, cfg, attention_backend, mesh) if cfg.is_moe_layer(i) else _mlp(layer, h, cfg))
     return rms_norm(x, params["norm"], cfg.rms_norm_eps), new_caches
 
 

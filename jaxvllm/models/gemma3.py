@@ -1,0 +1,115 @@
+"""Gemma 3 text decoder (HF `Gemma3ForCausalLM`, config `gemma3_text`) over the paged cache.
+
+The same contract as `jaxvllm/models/llama.py` (param_specs, hidden_states, compute_logits,
+forward) and the same head-explicit layout, so loading, dummy weights and the tensor-parallel
+rules apply unchanged. What differs from Llama, as transformers' modeling_gemma3.py:
+
+- RMSNorm scales by (1 + weight), in float32, before casting back (Llama casts, then
+  scales); the weights are stored zero-centred (dummy init: zeros);
+- four norms per layer: input, post-attention (on the attention output, before the
+  residual add), pre-feedforward and post-feedforward (likewise around the MLP);
+- RMSNorm of q and k over head_dim; the softmax scale is query_pre_attn_scalar ** -0.5;
+- embeddings multiplied by sqrt(hidden_size), the scale cast to the embeddings' dtype first;
+- a sliding/global layer pattern (`layer_types`): sliding layers attend to their window
+  through the kernels and rotate with their own RoPE (`cfg.sliding_rope`, base 10k), global
+  ones with `cfg.rope` (base 1M, possibly scaled);
+- gelu (tanh approximation) MLP; tied embeddings by default;
+- optional tanh soft-capping of the attention scores (`attn_logit_softcapping`, reference
+  backend only) and of the final logits (`final_logit_softcapping`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jaxvllm.batch import ModelInputs
+from jaxvllm.config import ModelConfig
+from jaxvllm.models.llama import KVCaches, Params, ParamSpec, attention, attention_specs
+
+
+def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    specs = [ParamSpec(("embed",), "model.embed_tokens.weight", (cfg.vocab_size, d), (cfg.vocab_size, d), "normal")]
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+
+        def add(name, hf_name, hf_shape, shape=None, init="normal"):
+            specs.append(ParamSpec(("layers", i, name), p + hf_name, hf_shape, shape or hf_shape, init))
+
+        # Norm weights are zero-centred ((1 + w) scales): "zeros" is the identity scale.
+        add("input_norm", "input_layernorm.weight", (d,), init="zeros")
+        attention_specs(add, cfg, norm_init="zeros")  # (Gemma 3 has q/k norms)
+        add("post_norm", "post_attention_layernorm.weight", (d,), init="zeros")
+        add("pre_ffn_norm", "pre_feedforward_layernorm.weight", (d,), init="zeros")
+        add("post_ffn_norm", "post_feedforward_layernorm.weight", (d,), init="zeros")
+        add("gate_proj", "mlp.gate_proj.weight", (f, d))
+        add("up_proj", "mlp.up_proj.weight", (f, d))
+        add("down_proj", "mlp.down_proj.weight", (d, f))
+    specs.append(ParamSpec(("norm",), "model.norm.weight", (d,), (d,), "zeros"))
+    if not cfg.tie_word_embeddings:
+        specs.append(ParamSpec(("lm_head",), "lm_head.weight", (cfg.vocab_size, d), (cfg.vocab_size, d), "normal"))
+    return specs
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Gemma's RMSNorm: normalized in float32, times (1 + weight) in float32, then cast back."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+    return x if cap is None else jnp.tanh(x / cap) * cap
+
+
+def _mlp(layer: dict, x, cfg: ModelConfig):
+    gate = jnp.einsum("td,fd->tf", x, layer["gate_proj"])
+    up = jnp.einsum("td,fd->tf", x, layer["up_proj"])
+    act = jax.nn.gelu(gate, approximate=cfg.hidden_act != "gelu")  # gelu_pytorch_tanh: the tanh form
+    return jnp.einsum("tf,df->td", act * up, layer["down_proj"])
+
+
+def hidden_states(
+    params: Params,
+    kv_caches: KVCaches,
+    inputs: ModelInputs,
+    cfg: ModelConfig,
+    attention_backend: str = "reference",
+    mesh: Mesh | None = None,
+) -> tuple[jax.Array, KVCaches]:
+    """Final-normed hidden states [T, hidden] of every token, and the new caches."""
+    embed = params["embed"]
+    # HF casts sqrt(hidden) to the embeddings' dtype (bf16: sqrt(3072) = 55.4256 -> 55.5).
+    x = embed[inputs.input_ids] * jnp.asarray(cfg.hidden_size**0.5, jnp.float32).astype(embed.dtype)
+    eps = cfg.rms_norm_eps
+    new_caches = []
+    for i, layer in enumerate(params["layers"]):
+        h, cache = attention(layer, rms_norm(x, layer["input_norm"], eps), kv_caches[i], inputs, cfg, i,
+                             attention_backend, mesh, norm=rms_norm)
+        new_caches.append(cache)
+        x = x + rms_norm(h, layer["post_norm"], eps)
+        h = _mlp(layer, rms_norm(x, layer["pre_ffn_norm"], eps), cfg)
+        x = x + rms_norm(h, layer["post_ffn_norm"], eps)
+    return rms_norm(x, params["norm"], eps), new_caches
+
+
+def compute_logits(params: Params, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """float32 logits [rows, vocab] of final-normed hidden rows, soft-capped when the config says."""
+    lm_head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
+    logits = jnp.einsum("sd,vd->sv", hidden, lm_head, preferred_element_type=jnp.float32)
+    return soft_cap(logits, cfg.final_logit_softcapping)
+
+
+def forward(
+    params: Params,
+    kv_caches: KVCaches,
+    inputs: ModelInputs,
+    cfg: ModelConfig,
+    attention_backend: str = "reference",
+    mesh: Mesh | None = None,
+) -> tuple[jax.Array, KVCaches]:
+    """Run the flat batch; returns (float32 logits [S, vocab] for `logits_indices`, new caches)."""
+    hidden, kv_caches = hidden_states(params, kv_caches, inputs, cfg, attention_backend, mesh)
+    return compute_logits(params, hidden[inputs.logits_indices], cfg), kv_caches

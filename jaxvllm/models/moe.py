@@ -1,0 +1,92 @@
+"""The sparse mixture-of-experts MLP of Qwen3-MoE and Mixtral.
+
+Routing has HF transformers' semantics: router logits in the model's dtype, softmax in
+float32 over all experts, then top-k, then (Qwen3-MoE when `norm_topk_prob`, Mixtral
+always) the k weights renormalized to sum to 1; Qwen3-MoE casts the weights back to the
+model's dtype, Mixtral keeps them in float32 until each expert's weighted output is cast.
+
+The experts run as grouped matmuls over the T * k (token, expert) rows sorted by expert,
+with group sizes from a bincount of the chosen experts: each row meets only its own
+expert's weights, never all of them. The "pallas" backend runs them with the Pallas kernel
+`pallas_kernels.grouped_matmul` (compiled on GPU, interpret mode on CPU); "reference" with
+`jax.lax.ragged_dot` (the same contract), which XLA's CPU and GPU backends expand into a
+masked product over every expert: num_experts times the FLOPs, fine for tests only. Under a
+tensor-parallel mesh the Pallas path runs per device (`jax.shard_map`) on its slice of
+every expert's intermediate dimension, the down projection's partial sums all-reduced;
+ragged_dot is left to XLA's SPMD partitioner. Expert weights are stacked per
+layer in ragged_dot's [num_experts, in, out] layout (`experts_gate` / `experts_up`
+[E, hidden, moe_intermediate], `experts_down` [E, moe_intermediate, hidden]; the loader
+stacks and transposes HF's per-expert [out, in] tensors), so that tensor parallelism splits
+every expert along its intermediate dimension, as the dense MLP's (`jaxvllm/sharding.py`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jaxvllm.config import ModelConfig
+from jaxvllm.sharding import AXIS, param_partition
+from pallas_kernels.grouped_matmul import grouped_matmul
+
+# Params of a sparse layer: the router [E, hidden] and the stacked experts.
+MOE_PARAMS = ("router", "experts_gate", "experts_up", "experts_down")
+
+
+def route(x: jax.Array, router: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """(weights [T, k], experts [T, k] int32) of each token, as HF's top-k routers."""
+    logits = jnp.einsum("td,ed->te", x, router)
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, cfg.num_experts_per_tok)
+    if cfg.norm_topk_prob:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    if cfg.architecture != "MixtralForCausalLM":
+        weights = weights.astype(logits.dtype)  # Qwen3-MoE: back to the router's dtype
+    return weights, experts.astype(jnp.int32)
+
+
+EXPERTS = ("experts_gate", "experts_up", "experts_down")
+
+
+def grouped_experts(rows: jax.Array, group_sizes: jax.Array, layer: dict, backend: str = "reference") -> jax.Array:
+    """SwiGLU experts over `rows` [N, hidden] sorted by expert (`group_sizes` [E] rows each):
+    the Pallas grouped matmul for backend "pallas", else jax.lax.ragged_dot."""
+    gmm = grouped_matmul if backend == "pallas" else jax.lax.ragged_dot
+    gate = gmm(rows, layer["experts_gate"], group_sizes)
+    up = gmm(rows, layer["experts_up"], group_sizes)
+    return gmm(jax.nn.silu(gate) * up, layer["experts_down"], group_sizes)
+
+
+def _sharded_experts(rows: jax.Array, group_sizes: jax.Array, layer: dict, cfg: ModelConfig, backend: str,
+                     mesh: Mesh | None) -> jax.Array:
+    """`grouped_experts`; with a mesh and the Pallas kernel, per device on its intermediate
+    slice (a Pallas call is opaque to XLA's SPMD partitioner), partial sums all-reduced."""
+    if backend != "pallas" or mesh is None:
+        return grouped_experts(rows, group_sizes, layer, backend)
+    experts = {name: layer[name] for name in EXPERTS}
+    specs = {name: param_partition((name,), cfg, mesh.shape[AXIS]) for name in EXPERTS}
+
+    def local(rows, group_sizes, experts):
+        return jax.lax.psum(grouped_experts(rows, group_sizes, experts, backend), AXIS)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), specs), out_specs=P(),
+                         check_vma=False)(rows, group_sizes, experts)  # Pallas calls carry no vma
+
+
+def sparse_moe(layer: dict, x: jax.Array, cfg: ModelConfig, backend: str = "reference",
+               mesh: Mesh | None = None) -> jax.Array:
+    """The MoE MLP of x [T, hidden]: each token's k experts, weighted and summed. `backend`:
+    the attention backend's name ("pallas": the Pallas grouped matmul), `mesh`: tensor
+    parallelism."""
+    t, d = x.shape
+    k = cfg.num_experts_per_tok
+    weights, experts = route(x, layer["router"], cfg)
+    flat = experts.reshape(-1)  # [T * k]: token i's choices at rows i*k .. i*k+k-1
+    order = jnp.argsort(flat, stable=True)  # the rows sorted by expert
+    group_sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
+    out = _sharded_experts(x[order // k], group_sizes, layer, cfg, backend, mesh)  # [T * k, hidden], sorted
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(t * k, dtype=order.dtype))
+    out = out[inverse].reshape(t, k, d)  # back to (token, choice) order
+    # As HF: each expert's output times its weight, cast to the model's dtype, then summed.
+    return (out * weights[..., None]).astype(x.dtype).sum(axis=1)

@@ -1,0 +1,234 @@
+"""Grouped matmul ("gmm", megablox-style): the experts of a mixture-of-experts layer.
+
+Contract: that of `jax.lax.ragged_dot(lhs, rhs, group_sizes)`:
+  lhs          [m, k]                    rows sorted by group
+  rhs          [num_groups, k, n]        one weight matrix per group (expert)
+  group_sizes  [num_groups] int32        group g owns the next group_sizes[g] rows of lhs
+  out          [m, n] in lhs' dtype      row r of group g: lhs[r] @ rhs[g]; rows past
+                                         sum(group_sizes) are zeros
+(a sum above m is cut at m). XLA expands ragged_dot into a masked product over every group
+on CPU and GPU (num_groups times the FLOPs, and [m, num_groups, n]-sized temporaries):
+this kernel visits each row tile only with the weights of the group(s) it intersects.
+
+Schedule (plain jnp, on device, `make_schedule`): the rows are cut into tiles of block_m.
+A "visit" is (group, row tile, rows [lo, hi)): a tile that lies inside one group is
+visited once; a tile that straddles group boundaries once per group it touches, each
+visit owning the rows of its group only. The rows past the last group are one more
+segment whose visits write zeros. Segments are contiguous, so consecutive segments share
+at most one tile: at most cdiv(m, block_m) + num_groups visits, the static grid size;
+the unused visits at the end own no rows and do nothing.
+
+Kernel: grid (visit, n tile). Each program reads its visit's (group, tile, lo, hi) from a
+small int32 array (as the attention kernels read block tables), loops over k in block_k
+chunks (`fori_loop`, float32 accumulator, `num_stages`-deep software pipeline), and
+stores its [block_m, block_n] tile with a row mask [lo, hi). Two visits to one tile own
+disjoint rows, so their masked stores never touch the same element: no race under
+Triton's programming model, and every row of out is written by exactly one program.
+Written for Pallas' Triton backend; `interpret=True` (default on CPU) runs the same body.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.common import (
+    KERNEL_DTYPES,
+    MIN_DOT_DIM,
+    cdiv,
+    check_power_of_2,
+    default_num_stages,
+    next_power_of_2,
+    resolve_interpret,
+)
+
+# Default tiles for an H100/H200 in bf16 (checked on sm_90a by `python -m
+# pallas_kernels.aot_check`: no spills). A visit reads a [k, block_n] slice of its group's
+# weights whatever its row count, so with few rows per group (decode: T * top_k rows over
+# 128 experts) the kernel is bound by weight bandwidth and a tall row tile only wastes
+# work: block_m follows the mean rows per group, between 16 (tl.dot's minimum) and 64.
+BLOCK_M_MAX = 64
+BLOCK_N = 128
+BLOCK_K = 64
+NUM_WARPS = 4
+
+INT32_MAX = 2**31 - 1
+
+
+def default_block_m(m: int, num_groups: int) -> int:
+    """Row tile: the mean rows per group as a power of 2, in [16, 64]."""
+    return max(MIN_DOT_DIM, min(BLOCK_M_MAX, next_power_of_2(cdiv(m, max(num_groups, 1)))))
+
+
+def max_visits(m: int, num_groups: int, block_m: int) -> int:
+    """The static bound on visits: one per row tile plus one per group boundary."""
+    return cdiv(m, block_m) + num_groups
+
+
+def make_schedule(group_sizes: jax.Array, m: int, block_m: int) -> jax.Array:
+    """int32 [max_visits, 4]: (group, row tile, lo, hi) of each visit, in row order.
+
+    group -1: rows [lo, hi) past the last group (zeros), or an unused visit (lo = hi = 0).
+    """
+    num_groups = group_sizes.shape[0]
+    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    # Segments: the groups, then the rows past them.
+    seg_start = jnp.concatenate([starts, ends[-1:]])
+    seg_end = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
+    seg_group = jnp.concatenate([jnp.arange(num_groups, dtype=jnp.int32), jnp.full((1,), -1, jnp.int32)])
+    first_tile = seg_start // block_m
+    count = jnp.where(seg_end > seg_start, (seg_end - 1) // block_m - first_tile + 1, 0)
+    done = jnp.cumsum(count)  # visits up to and including each segment
+    v = jnp.arange(max_visits(m, num_groups, block_m), dtype=jnp.int32)
+    seg = jnp.minimum(jnp.searchsorted(done, v, side="right", method="compare_all"), num_groups).astype(jnp.int32)
+    used = v < done[-1]
+    tile = first_tile[seg] + v - (done[seg] - count[seg])
+    lo = jnp.maximum(seg_start[seg], tile * block_m)
+    hi = jnp.minimum(seg_end[seg], tile * block_m + block_m)
+    return jnp.stack([jnp.where(used, seg_group[seg], -1), jnp.where(used, tile, 0),
+                      jnp.where(used, lo, 0), jnp.where(used, hi, 0)], axis=1)
+
+
+def _gmm_kernel(
+    visit_ref,  # [4] int32   (group, row tile, lo, hi) of this visit
+    lhs_ref,  # [m, k]
+    rhs_ref,  # [num_groups * k, n]   group g's weights at rows g * k .. g * k + k - 1
+    out_ref,  # [m, n]
+    *,
+    k: int,
+    n: int,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+):
+    group, tile, lo, hi = visit_ref[0], visit_ref[1], visit_ref[2], visit_ref[3]
+    rows = tile * block_m + jnp.arange(block_m)
+    row_ok = ((rows >= lo) & (rows < hi))[:, None]
+    cols = pl.program_id(1) * block_n + jnp.arange(block_n)
+    col_ok = None if n % block_n == 0 else (cols < n)[None, :]
+    offsets = jnp.arange(block_k)
+    first = jnp.maximum(group, 0) * k  # group -1 (zeros): no steps below
+    precision = lax.Precision.HIGHEST if lhs_ref.dtype == jnp.float32 else None
+
+    def both(a, b):
+        return a if b is None else b if a is None else a & b
+
+    def body(step, acc):
+        ks = step * block_k + offsets
+        k_ok = None if k % block_k == 0 else ks < k
+        a = plgpu.load(lhs_ref.at[rows[:, None], ks[None, :]],
+                       mask=both(row_ok, None if k_ok is None else k_ok[None, :]), other=0)
+        b_mask = both(None if k_ok is None else k_ok[:, None], col_ok)
+        b = plgpu.load(rhs_ref.at[(first + ks)[:, None], cols[None, :]], mask=b_mask,
+                       other=None if b_mask is None else 0)
+        return acc + plgpu.dot(a, b, precision=precision)
+
+    steps = jnp.where(group >= 0, jnp.int32(cdiv(k, block_k)), jnp.int32(0))
+    acc = lax.fori_loop(jnp.int32(0), steps, body, jnp.zeros((block_m, block_n), jnp.float32))
+    plgpu.store(out_ref.at[rows[:, None], cols[None, :]], acc.astype(out_ref.dtype), mask=both(row_ok, col_ok))
+
+
+def grouped_matmul(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """`jax.lax.ragged_dot(lhs, rhs, group_sizes)` as a grouped matmul; see the module docstring.
+
+    lhs [m, k] and rhs [num_groups, k, n] of one dtype (float32, bfloat16, float16),
+    group_sizes [num_groups] integer. Out [m, n] in lhs' dtype, accumulated in float32.
+    block_m: rows per tile (None: the mean rows per group, a power of 2 in [16, 64]).
+    block_n / block_k: output columns per program / k per inner step (None: 128 / 64,
+    each cut to the next power of 2 of n / k, at least 16). num_warps: None = 4.
+    num_stages: None = 3 for 16-bit, 2 for float32. interpret: None = on CPU (or
+    `JAXVLLM_PALLAS_INTERPRET=1`). Compiled, the tiles must be powers of 2 >= 16, and
+    num_groups * k * n below 2**31 (int32 offsets).
+    """
+    interpret = resolve_interpret(interpret)
+    if lhs.ndim != 2 or rhs.ndim != 3:
+        raise ValueError(f"lhs must be [m, k] and rhs [num_groups, k, n], got {lhs.shape} and {rhs.shape}")
+    m, k = lhs.shape
+    num_groups, rhs_k, n = rhs.shape
+    if rhs_k != k:
+        raise ValueError(f"lhs has k={k} but rhs {rhs.shape} has k={rhs_k}")
+    if group_sizes.shape != (num_groups,) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise ValueError(f"group_sizes must be integer [{num_groups}], got "
+                         f"{group_sizes.dtype}{list(group_sizes.shape)}")
+    if lhs.dtype != rhs.dtype:
+        raise ValueError(f"lhs dtype {lhs.dtype} != rhs dtype {rhs.dtype}")
+    if lhs.dtype.name not in KERNEL_DTYPES:
+        raise ValueError(f"dtype {lhs.dtype} is not supported; use one of {KERNEL_DTYPES}")
+    if num_groups < 1:
+        raise ValueError("rhs must have at least one group")
+    if m == 0 or n == 0:
+        return jnp.zeros((m, n), lhs.dtype)
+    if block_m is None:
+        block_m = default_block_m(m, num_groups)
+    if block_n is None:
+        block_n = max(MIN_DOT_DIM, min(BLOCK_N, next_power_of_2(n)))
+    if block_k is None:
+        block_k = max(MIN_DOT_DIM, min(BLOCK_K, next_power_of_2(k)))
+    if num_warps is None:
+        num_warps = NUM_WARPS
+    if num_stages is None:
+        num_stages = default_num_stages(lhs.dtype)
+    for name, value in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+        check_power_of_2(name, value, interpret)
+    if not interpret:
+        if min(block_m, block_n, block_k) < MIN_DOT_DIM:
+            raise ValueError(f"compiled: block_m ({block_m}), block_n ({block_n}) and block_k ({block_k}) "
+                             f"must be >= {MIN_DOT_DIM}")
+        if max(rhs.size, lhs.size, m * n) > INT32_MAX:
+            raise ValueError(f"rhs {rhs.shape}, lhs {lhs.shape} or out [{m}, {n}] has 2**31 elements or more: "
+                             "the kernel's offsets are int32")
+
+    schedule = make_schedule(group_sizes, m, block_m)
+    kernel = functools.partial(_gmm_kernel, k=k, n=n, block_m=block_m, block_n=block_n, block_k=block_k)
+    return pl.pallas_call(
+        kernel,
+        # Visits first: the programs that run together share a group's weight tile (L2).
+        grid=(schedule.shape[0], cdiv(n, block_n)),
+        in_specs=[
+            pl.BlockSpec((None, 4), lambda v, j: (v, 0)),
+            pl.BlockSpec((m, k), lambda v, j: (0, 0)),
+            pl.BlockSpec((num_groups * k, n), lambda v, j: (0, 0)),
+        ],
+        out_specs=pl.BlockSpec((m, n), lambda v, j: (0, 0)),
+        out_shape=jax.ShapeDtypeStruct((m, n), lhs.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="jaxvllm_grouped_matmul",
+    )(schedule, lhs, rhs.reshape(num_groups * k, n))
+
+
+def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """The contract in plain jnp: every group's product, masked to its rows, summed.
+
+    num_groups dense products (as XLA's ragged_dot): for tests, not for speed.
+    """
+    m = lhs.shape[0]
+    sizes = group_sizes.astype(jnp.int32)
+    ends = jnp.cumsum(sizes)
+    starts, ends = jnp.minimum(ends - sizes, m), jnp.minimum(ends, m)
+    rows = jnp.arange(m)
+    out = jnp.zeros((m, rhs.shape[2]), jnp.float32)
+    for g in range(rhs.shape[0]):
+        mine = (rows >= starts[g]) & (rows < ends[g])
+        product = jnp.dot(lhs, rhs[g], precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+        out = out + jnp.where(mine[:, None], product, 0.0)
+    return out.astype(lhs.dtype)

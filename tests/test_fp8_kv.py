@@ -1,0 +1,243 @@
+"""An fp8 KV cache (kv_cache_dtype="fp8"): float8_e4m3fn pages with per-layer k/v scales.
+
+The engine with an fp8 cache against the same model with its own dtype's cache (bfloat16):
+raw logits through the engine (`logprobs=-1` with logprobs_mode="raw_logits" for decode
+steps, `prompt_logprobs` for chunked prefill) within a stated tolerance, the greedy
+agreement rate over 32 prompts (printed; loosely asserted), twice the KV blocks at the same
+memory budget, scales from the checkpoint, the Pallas backend and tensor parallelism.
+The kernels' fp8 cases are in tests/test_kernels.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxvllm import LLM, SamplingParams
+from pallas_kernels import write_kv_reference
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, token_buckets=[64], dtype="bfloat16")
+NUM_PROMPTS = 32
+MAX_TOKENS = 8
+# Raw logits of tiny qwen3 in bf16 have a standard deviation of 0.8 per row. Measured with
+# the fp8 cache (scales 1.0) against the bf16 cache: decode logits max |difference| 0.31,
+# mean 0.031; prompt-token logprobs max 0.25, mean 0.032 (e4m3 keeps 3 mantissa bits: each
+# cached K/V value within 1/16 relative). The bounds are about twice that.
+LOGIT_ATOL = 0.6
+LOGIT_MEAN_ATOL = 0.06
+
+
+def prompts() -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(4, 100, size=NUM_PROMPTS)  # past 64 tokens: prefill in two chunks
+    return [[int(t) for t in rng.integers(3, 384, size=n)] for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_checkpoint):
+    """Greedy completions of 32 prompts with every decode step's raw logits and every
+    prompt token's logprob, once with the bf16 cache and once with the fp8 cache."""
+    path = tiny_checkpoint("qwen3")
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=-1, prompt_logprobs=0)
+    results = {}
+    for kv_cache_dtype in ("auto", "fp8"):
+        llm = LLM(str(path), kv_cache_dtype=kv_cache_dtype, logprobs_mode="raw_logits", max_logprobs=-1, **ENGINE)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
+        results[kv_cache_dtype] = (outs, llm.stats())
+        llm.shutdown()
+    return results
+
+
+def logits_row(entry: dict, vocab: int) -> np.ndarray:
+    row = np.full(vocab, np.nan)
+    for token, lp in entry.items():
+        row[token] = lp.logprob
+    return row
+
+
+def test_fp8_logits_close_to_the_model_dtype_cache(runs):
+    (ref, ref_stats), (fp8, fp8_stats) = runs["auto"], runs["fp8"]
+    assert ref_stats["kv_cache_dtype"] == "bfloat16" and fp8_stats["kv_cache_dtype"] == "float8_e4m3fn"
+    decode, prefill, spread = [], [], []
+    for a, b in zip(ref, fp8):
+        ca, cb = a.outputs[0], b.outputs[0]
+        # Decode steps while both completions agree so far: the same context, cached two ways.
+        for i, (entry_a, entry_b) in enumerate(zip(ca.logprobs, cb.logprobs)):
+            la, lb = logits_row(entry_a, 512), logits_row(entry_b, 512)
+            assert not np.isnan(la).any() and not np.isnan(lb).any()  # the whole vocabulary
+            decode.append(np.abs(la - lb))
+            spread.append(la.std())
+            if ca.token_ids[i] != cb.token_ids[i]:
+                break
+        for p in range(1, len(a.prompt_token_ids)):  # prompt tokens: chunked prefill over the fp8 cache
+            token = a.prompt_token_ids[p]
+            prefill.append(abs(a.prompt_logprobs[p][token].logprob - b.prompt_logprobs[p][token].logprob))
+    decode, prefill = np.concatenate(decode), np.asarray(prefill)
+    print(f"\nfp8 vs bf16 KV cache, raw logits (std {np.mean(spread):.2f}): decode max |diff| {decode.max():.4f}, "
+          f"mean {decode.mean():.4f} over {decode.size} logits; prompt logprobs max |diff| {prefill.max():.4f}, "
+          f"mean {prefill.mean():.4f} over {prefill.size} tokens")
+    assert decode.max() < LOGIT_ATOL and decode.mean() < LOGIT_MEAN_ATOL
+    assert prefill.max() < LOGIT_ATOL and prefill.mean() < LOGIT_MEAN_ATOL
+    assert decode.max() > 0  # the fp8 run did quantize
+
+
+def test_fp8_greedy_agreement_rate(runs):
+    ref, fp8 = runs["auto"][0], runs["fp8"][0]
+    same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(ref, fp8))
+    tokens = sum(x == y for a, b in zip(ref, fp8) for x, y in zip(a.outputs[0].token_ids, b.outputs[0].token_ids))
+    first = sum(a.outputs[0].token_ids[0] == b.outputs[0].token_ids[0] for a, b in zip(ref, fp8))
+    print(f"\nfp8 vs bf16 KV cache, greedy: {same}/{NUM_PROMPTS} identical completions of {MAX_TOKENS} tokens "
+          f"({same / NUM_PROMPTS:.0%}), first tokens {first}/{NUM_PROMPTS}, tokens at equal positions "
+          f"{tokens}/{NUM_PROMPTS * MAX_TOKENS}")
+    assert same / NUM_PROMPTS >= 0.5  # not required to be 100%: fp8 rounding may flip a near-tie
+
+
+def test_num_gpu_blocks_double_at_the_same_memory_budget(tiny_checkpoint, monkeypatch):
+    """Both sizing paths: CPU's fixed byte budget, and a device's memory figures (here made up)."""
+    from jaxvllm import model_runner
+
+    path = str(tiny_checkpoint("qwen3"))
+    kw = dict(ENGINE, enforce_eager=True, max_num_seqs=64, max_num_batched_tokens=64)
+
+    def blocks(kv_cache_dtype):
+        llm = LLM(path, kv_cache_dtype=kv_cache_dtype, **kw)
+        stats, per_block = llm.stats(), llm.llm_engine.runner.bytes_per_block
+        llm.shutdown()
+        return stats["num_gpu_blocks"], per_block, stats["kv_cache_per_device"][0]["bytes"]
+
+    # CPU: min(every sequence at max_model_len, CPU_KV_CACHE_BYTES // bytes_per_block); a budget
+    # of 100 bf16 blocks binds below the 64 x 8 blocks that every sequence would want.
+    n16, per16, _ = blocks("auto")
+    monkeypatch.setattr(model_runner, "CPU_KV_CACHE_BYTES", 100 * per16)
+    n16, per16, bytes16 = blocks("auto")
+    n8, per8, bytes8 = blocks("fp8")
+    print(f"\nCPU budget of {100 * per16} bytes: {n16} bf16 blocks ({per16} B each), {n8} fp8 blocks ({per8} B each)")
+    assert per8 * 2 == per16 and (n16, n8) == (100, 200) and bytes8 == bytes16
+
+    # A GPU's figures: 1 GiB allowed, 0.9 of it for the engine, 100 MiB in use at the peak.
+    limit, peak = 2**30, 100 << 20
+    monkeypatch.setattr(model_runner, "device_memory_stats",
+                        lambda device: {"bytes_limit": limit, "bytes_in_use": peak, "peak_bytes_in_use": peak})
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "1.0")
+    monkeypatch.setattr(model_runner, "max_kv_blocks", lambda *a: 1 << 40)  # no 32-bit cap on the count
+    g16, _, _ = blocks("auto")
+    g8, _, _ = blocks("fp8")
+    print(f"GPU budget 0.9 GiB - 100 MiB peak: {g16} bf16 blocks, {g8} fp8 blocks ({g8 / g16:.2f}x)")
+    assert g16 == int((0.9 * limit - peak) // per16) and g8 == int((0.9 * limit - peak) // per8)
+    assert abs(g8 - 2 * g16) <= 1
+
+
+def test_bad_kv_cache_dtype_names_the_allowed_values(tiny_checkpoint):
+    path = str(tiny_checkpoint("qwen3"))
+    for bad in ("fp8_e5m2", "int8", "bfloat16", None):
+        with pytest.raises(ValueError, match=r"^kv_cache_dtype=.* is not supported; choose from 'auto', 'fp8', "
+                                             r"'fp8_e4m3'$"):
+            LLM(path, **ENGINE, kv_cache_dtype=bad)
+    llm = LLM(path, **ENGINE, kv_cache_dtype="fp8_e4m3", enforce_eager=True)  # vLLM's other name for it
+    assert llm.stats()["kv_cache_dtype"] == "float8_e4m3fn"
+    llm.shutdown()
+
+
+def test_kv_write_quantizes_with_the_scale_and_clips():
+    cache = jnp.zeros((1, 2, 2, 4), jnp.float8_e4m3fn)
+    k = jnp.asarray([[[0.1, -0.25, 3.0, 1e6]], [[-1e6, 0.5, 0.0, 2.0]]], jnp.bfloat16)  # [T=2, 1 head, 4]
+    new_k, new_v = write_kv_reference(cache, cache, k, k, jnp.asarray([3, 0], jnp.int32), 0.5, 2.0)
+    assert new_k.dtype == jnp.float8_e4m3fn
+    k_rows = np.asarray(new_k.reshape(4, 4).astype(jnp.float32))
+    v_rows = np.asarray(new_v.reshape(4, 4).astype(jnp.float32))
+    np.testing.assert_allclose(k_rows[3], [0.203125, -0.5, 6.0, 448.0])  # x / 0.5, clipped at 448
+    np.testing.assert_allclose(k_rows[0], [-448.0, 1.0, 0.0, 4.0])
+    np.testing.assert_allclose(v_rows[3], [0.05078125, -0.125, 1.5, 448.0])  # x / 2
+    assert not np.isnan(k_rows).any() and (k_rows[1:3] == 0).all()
+
+
+def test_scales_come_from_the_checkpoint(tiny_checkpoint, tmp_path):
+    """vLLM's `model.layers.{i}.self_attn.k_scale` / `v_scale` tensors are read into the
+    cache's scales (1.0 where absent); the cached values are K / k_scale."""
+    from safetensors.numpy import save_file
+
+    path = tmp_path / "with-scales"
+    shutil.copytree(tiny_checkpoint("qwen3"), path)
+    save_file({"model.layers.0.self_attn.k_scale": np.asarray(0.05, np.float32),
+               "model.layers.0.self_attn.v_scale": np.asarray([0.02], np.float32),
+               "model.layers.1.self_attn.k_scale": np.asarray(0.1, np.float32)}, str(path / "kv_scales.safetensors"))
+    llm = LLM(str(path), kv_cache_dtype="fp8", **ENGINE, enforce_eager=True)
+    runner = llm.llm_engine.runner
+    assert runner.kv_scales == [(pytest.approx(0.05), pytest.approx(0.02)), (pytest.approx(0.1), 1.0)]
+    got = [float(x) for layer in runner.kv_caches for x in layer[2:]]
+    assert got == pytest.approx([0.05, 0.02, 0.1, 1.0])
+    prompt = prompts()[0]
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    k_cache = np.asarray(runner.kv_caches[0][0].astype(jnp.float32))
+    # With k_scale 0.05 the stored keys are 20x the keys: well inside e4m3's range, not clipped.
+    assert 5 < np.abs(k_cache).max() < 448
+    llm.shutdown()
+    # Without kv_cache_dtype="fp8" the scales are ignored, with no warning about unused tensors.
+    llm = LLM(str(path), **ENGINE, enforce_eager=True)
+    assert llm.llm_engine.runner.kv_scales is None and len(llm.llm_engine.runner.kv_caches[0]) == 2
+    llm.shutdown()
+
+
+def test_pallas_backend_with_fp8_cache_equals_reference(tiny_checkpoint):
+    """The kernels (interpret mode on CPU) over the fp8 cache generate what the reference does."""
+    path = str(tiny_checkpoint("qwen3"))
+    requests = [{"prompt_token_ids": p} for p in prompts()[:4]]
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=0)
+    outs = {}
+    for backend in ("reference", "pallas"):
+        llm = LLM(path, kv_cache_dtype="fp8", attention_backend=backend, **ENGINE, enforce_eager=True)
+        outs[backend] = llm.generate(requests, params, use_tqdm=False)
+        llm.shutdown()
+    ref, pal = outs["reference"], outs["pallas"]
+    assert [o.outputs[0].token_ids for o in pal] == [o.outputs[0].token_ids for o in ref]
+    np.testing.assert_allclose([o.outputs[0].cumulative_logprob for o in pal],
+                               [o.outputs[0].cumulative_logprob for o in ref], atol=2e-2)
+
+
+_TP_SCRIPT = """
+import json, sys
+import jax
+from jaxvllm import LLM, SamplingParams
+ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, token_buckets=[64], dtype="bfloat16")
+prompts = [list(range(5, 5 + n)) for n in (3, 17, 70)]
+params = SamplingParams(temperature=0, max_tokens=6)
+out = {}
+for tp in (1, 2):
+    llm = LLM(sys.argv[1], kv_cache_dtype="fp8", tensor_parallel_size=tp, **ENGINE)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    runner = llm.llm_engine.runner
+    k_cache, v_cache, k_scale, v_scale = runner.kv_caches[0]
+    out[tp] = dict(tokens=[o.outputs[0].token_ids for o in outs], dtype=str(k_cache.dtype),
+                   cache_shards=sorted({tuple(s.data.shape) for s in k_cache.addressable_shards}),
+                   scale_replicated=bool(k_scale.sharding.is_fully_replicated), scale=float(k_scale),
+                   blocks=llm.stats()["num_gpu_blocks"])
+    llm.shutdown()
+print(json.dumps(out))
+"""
+
+
+def test_tensor_parallel_with_fp8_cache(tiny_checkpoint):
+    """2 CPU devices (a process of its own): the cache split on KV heads, the scales replicated,
+    and the same greedy tokens as one device."""
+    path = tiny_checkpoint("llama")  # 2 KV heads: one per device
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", _TP_SCRIPT, str(path)], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    one, two = out["1"], out["2"]
+    assert one["dtype"] == two["dtype"] == "float8_e4m3fn"
+    assert two["scale_replicated"] and two["scale"] == 1.0
+    (heads1, *rest1), (heads2, *rest2) = one["cache_shards"][0], two["cache_shards"][0]
+    assert heads2 * 2 == heads1 and rest1 == rest2
+    assert two["tokens"] == one["tokens"]

@@ -1,0 +1,278 @@
+"""Mixture-of-experts models (Qwen3-MoE, Mixtral): parity with HF transformers (float32, CPU)
+through the paged KV cache and the engine, and the grouped (ragged_dot) expert computation.
+
+Errors are max |logit difference| / max |HF logit| (`rel_err`, as tests/test_models.py); the
+bound is 1e-4.
+"""
+
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from jaxvllm import LLM, SamplingParams, load_model
+from jaxvllm.config import ModelConfig
+from jaxvllm.layers import allocate_kv_caches
+from jaxvllm.models import moe
+from tests.paged import Chunk, build_inputs, hf_logits, jit_forward, rel_err
+
+TOL = 1e-4
+BLOCK = 4
+NUM_BLOCKS = 32
+MOE_ARCHS = ["qwen3_moe", "mixtral"]
+ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, token_buckets=[64])
+MAX_TOKENS = 8
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+
+
+def random_tokens(rng, n):
+    return [int(t) for t in rng.integers(3, 384, size=n)]
+
+
+def fresh_caches(cfg):
+    return allocate_kv_caches(cfg, NUM_BLOCKS, BLOCK, jnp.float32)
+
+
+@pytest.fixture(scope="module", params=MOE_ARCHS)
+def moe_setup(request, tiny_checkpoint, hf_model):
+    path = tiny_checkpoint(request.param)
+    cfg, params = load_model(path)
+    return request.param, path, cfg, params, hf_model(path)
+
+
+def test_config_and_stacked_params(moe_setup):
+    arch, _, cfg, params, hf = moe_setup
+    # qwen3_moe: layer 1 is in `mlp_only_layers` (a dense MLP); Mixtral: every layer sparse.
+    assert cfg.moe_layers == ((True, False) if arch == "qwen3_moe" else (True, True))
+    assert cfg.norm_topk_prob == (arch == "mixtral")
+    e, f = cfg.num_experts, cfg.moe_intermediate_size
+    layer = params["layers"][0]
+    assert layer["router"].shape == (e, cfg.hidden_size)
+    assert layer["experts_gate"].shape == layer["experts_up"].shape == (e, cfg.hidden_size, f)
+    assert layer["experts_down"].shape == (e, f, cfg.hidden_size)
+    assert "gate_proj" not in layer
+    if arch == "qwen3_moe":
+        assert "router" not in params["layers"][1] and params["layers"][1]["gate_proj"].shape == (128, 64)
+    assert cfg.num_params == sum(p.numel() for n, p in hf.named_parameters() if "_norm" not in n)
+
+
+def test_full_prompt_logits(moe_setup):
+    arch, _, cfg, params, hf = moe_setup
+    tokens = random_tokens(np.random.default_rng(0), 27)
+    inputs = build_inputs([Chunk(tokens, 0, list(range(8)))], BLOCK, all_logits=True)
+    logits, _ = jit_forward(params, fresh_caches(cfg), inputs, cfg, "reference")
+    err = rel_err(logits, hf_logits(hf, tokens))
+    print(f"{arch} full-prompt rel err {err:.2e}")
+    assert err <= TOL
+
+
+def test_prefill_then_decode_shuffled_blocks(moe_setup):
+    arch, _, cfg, params, hf = moe_setup
+    rng = np.random.default_rng(1)
+    prompt, steps = random_tokens(rng, 13), 14
+    blocks = [int(b) for b in rng.permutation(NUM_BLOCKS)[:8]]
+    caches = fresh_caches(cfg)
+    logits, caches = jit_forward(params, caches, build_inputs([Chunk(prompt, 0, blocks)], BLOCK), cfg, "reference")
+    tokens, got = list(prompt), [np.asarray(logits[0])]
+    for _ in range(steps):
+        tokens.append(int(np.argmax(got[-1])))
+        inputs = build_inputs([Chunk(tokens[-1:], len(tokens) - 1, blocks)], BLOCK)
+        logits, caches = jit_forward(params, caches, inputs, cfg, "reference")
+        got.append(np.asarray(logits[0]))
+    errs = [rel_err(g, w) for g, w in zip(got, hf_logits(hf, tokens)[len(prompt) - 1 :])]
+    print(f"{arch} decode max rel err {max(errs):.2e} over {len(errs)} steps")
+    assert max(errs) <= TOL
+
+
+def test_chunked_prefill_and_mixed_batch(moe_setup):
+    """A prompt in two chunks, the second sharing a padded step with another sequence's decode."""
+    arch, _, cfg, params, hf = moe_setup
+    rng = np.random.default_rng(3)
+    a, b = random_tokens(rng, 10), random_tokens(rng, 21)
+    blocks_a, blocks_b = [4, 1, 22], [7, 2, 19, 11, 26, 14]
+    caches = fresh_caches(cfg)
+    step1 = build_inputs([Chunk(a, 0, blocks_a), Chunk(b[:9], 0, blocks_b)], BLOCK, pad_tokens_to=32)
+    logits1, caches = jit_forward(params, caches, step1, cfg, "reference")
+    next_a = int(np.argmax(logits1[0]))
+    step2 = build_inputs([Chunk([next_a], 10, blocks_a), Chunk(b[9:], 9, blocks_b)], BLOCK, pad_tokens_to=32)
+    logits2, caches = jit_forward(params, caches, step2, cfg, "reference")
+    errs = [rel_err(logits1[0], hf_logits(hf, a)[-1]), rel_err(logits1[1], hf_logits(hf, b[:9])[-1]),
+            rel_err(logits2[0], hf_logits(hf, a + [next_a])[-1]), rel_err(logits2[1], hf_logits(hf, b)[-1])]
+    print(f"{arch} chunked/mixed max rel err {max(errs):.2e}")
+    assert max(errs) <= TOL
+
+
+def test_qwen3_moe_renormalized_top_k(tiny_checkpoint, hf_model):
+    """norm_topk_prob=True (Qwen3-30B-A3B's setting) and a dense layer from decoder_sparse_step."""
+    path = tiny_checkpoint("qwen3_moe", norm_topk_prob=True, mlp_only_layers=None, decoder_sparse_step=2)
+    cfg, params = load_model(path)
+    assert cfg.norm_topk_prob and cfg.moe_layers == (False, True)
+    tokens = random_tokens(np.random.default_rng(4), 19)
+    inputs = build_inputs([Chunk(tokens, 0, list(range(5)))], BLOCK, all_logits=True)
+    logits, _ = jit_forward(params, fresh_caches(cfg), inputs, cfg, "reference")
+    err = rel_err(logits, hf_logits(hf_model(path), tokens))
+    print(f"qwen3_moe norm_topk_prob full-prompt rel err {err:.2e}")
+    assert err <= TOL
+
+
+def test_sharded_checkpoint_loads_the_same(tiny_checkpoint):
+    """Experts of one layer spread over several safetensors files are stacked alike."""
+    _, whole = load_model(tiny_checkpoint("mixtral"))
+    path = tiny_checkpoint("mixtral", max_shard_size="30KB")
+    assert len(list(path.glob("*.safetensors"))) > 2 and (path / "model.safetensors.index.json").is_file()
+    _, sharded = load_model(path)
+    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(sharded)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_decoder_sparse_step_and_mlp_only_layers():
+    from transformers import MixtralConfig, Qwen3MoeConfig
+
+    common = dict(architectures=["Qwen3MoeForCausalLM"], hidden_size=64, num_attention_heads=4, num_hidden_layers=6,
+                  num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    cfg = ModelConfig.from_hf(Qwen3MoeConfig(**common, decoder_sparse_step=2, mlp_only_layers=[3]))
+    assert cfg.moe_layers == (False, True, False, False, False, True)  # HF: (i + 1) % step == 0, not listed
+    assert cfg.qk_norm and not cfg.norm_topk_prob
+    mixtral = ModelConfig.from_hf(MixtralConfig(architectures=["MixtralForCausalLM"], hidden_size=64,
+                                                num_attention_heads=4, num_hidden_layers=3, intermediate_size=32,
+                                                num_local_experts=8, num_experts_per_tok=2, sliding_window=16))
+    assert mixtral.moe_layers == (True,) * 3 and mixtral.num_experts == 8 and mixtral.moe_intermediate_size == 32
+    assert mixtral.norm_topk_prob and mixtral.sliding_windows == (16,) * 3 and not mixtral.qk_norm
+
+
+def test_experts_are_a_grouped_matmul(moe_setup):
+    """The MoE MLP's jaxpr holds three ragged_dots (gate, up, down) over the T * k rows sorted by
+    expert, and no intermediate as large as tokens x experts x anything (no dense expert pass)."""
+    _, _, cfg, params, _ = moe_setup
+    t = 16
+    x = jnp.ones((t, cfg.hidden_size), jnp.float32)
+    jaxpr = jax.make_jaxpr(lambda layer, x: moe.sparse_moe(layer, x, cfg))(params["layers"][0], x).jaxpr
+    eqns = list(jaxpr.eqns)
+    ragged = [e for e in eqns if e.primitive.name.startswith("ragged_dot")]
+    assert len(ragged) == 3
+    assert all(e.invars[0].aval.shape[0] == t * cfg.num_experts_per_tok for e in ragged)
+    assert not any(e.primitive.name == "dot_general" and e.invars[1].aval.ndim == 3 for e in eqns)
+    largest = max(int(np.prod(v.aval.shape)) for e in eqns for v in e.outvars)
+    assert largest < t * cfg.num_experts * min(cfg.hidden_size, cfg.moe_intermediate_size)
+
+
+def test_pallas_backend_runs_the_grouped_matmul_kernel(moe_setup):
+    """backend "pallas": the experts are three Pallas grouped matmuls (interpret mode on CPU),
+    no ragged_dot, and the same output as the ragged_dot path."""
+    _, _, cfg, params, _ = moe_setup
+    layer = params["layers"][0]
+    x = jnp.asarray(np.random.default_rng(6).normal(size=(21, cfg.hidden_size)), jnp.float32)
+    jaxpr = jax.make_jaxpr(lambda layer, x: moe.sparse_moe(layer, x, cfg, "pallas"))(layer, x).jaxpr
+    names = [e.primitive.name for e in jaxpr.eqns]
+    assert names.count("pallas_call") == 3 and not any(n.startswith("ragged_dot") for n in names)
+    got = jax.jit(lambda layer, x: moe.sparse_moe(layer, x, cfg, "pallas"))(layer, x)
+    want = jax.jit(lambda layer, x: moe.sparse_moe(layer, x, cfg))(layer, x)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_routing_matches_hf_router(moe_setup):
+    """Top-k ids and weights of the router alone, against HF's router module."""
+    arch, _, cfg, params, hf = moe_setup
+    x = np.random.default_rng(5).normal(size=(40, cfg.hidden_size)).astype(np.float32)
+    block = hf.model.layers[0].mlp
+    with torch.no_grad():
+        _, want_w, want_ids = block.gate(torch.from_numpy(x))
+    weights, ids = moe.route(jnp.asarray(x), params["layers"][0]["router"], cfg)
+    np.testing.assert_array_equal(np.sort(ids, -1), np.sort(want_ids.numpy(), -1))
+    order, want_order = np.argsort(ids, -1), np.argsort(want_ids.numpy(), -1)
+    np.testing.assert_allclose(np.take_along_axis(np.asarray(weights), order, -1),
+                               np.take_along_axis(want_w.numpy(), want_order, -1), rtol=1e-5, atol=1e-6)
+    assert weights.dtype == jnp.float32
+
+
+def test_qwen3_30b_a3b_traces():
+    """dummy:qwen3-30b-a3b's config builds and its step traces with the real shapes (no weights)."""
+    from jaxvllm.dummy import write_dummy_model
+    from jaxvllm.loader import _put, load_config
+    from jaxvllm.models.llama import forward, param_specs
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = load_config(write_dummy_model("dummy:qwen3-30b-a3b", tmp))
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (48, 2048, 32, 4, 128)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.vocab_size) == (128, 8, 768, 151936)
+    assert all(cfg.moe_layers) and cfg.norm_topk_prob and not cfg.tie_word_embeddings
+    assert abs(cfg.num_params / 1e9 - 30.5) < 0.05 and abs(cfg.num_active_params / 1e9 - 3.35) < 0.05
+    params: dict = {}
+    for spec in param_specs(cfg):
+        _put(params, spec.path, jax.ShapeDtypeStruct(spec.shape, jnp.bfloat16))
+    caches = jax.eval_shape(lambda: allocate_kv_caches(cfg, 8, 16, jnp.bfloat16))
+    inputs = build_inputs([Chunk(list(range(3, 35)), 0, [0, 1])], 16)
+    logits, _ = jax.eval_shape(lambda p, c: forward(p, c, inputs, cfg, "reference"), params, caches)
+    assert logits.shape == (1, 151936)
+
+
+# -- the engine ---------------------------------------------------------------------------------
+
+
+def engine_prompts():
+    rng = np.random.default_rng(7)
+    prefix = random_tokens(rng, 40)  # shared: 2 full blocks of 16 for the prefix cache
+    return [prefix + random_tokens(rng, n) for n in (3, 9, 20)] + [random_tokens(rng, n) for n in (1, 17, 100)]
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(moe_setup):
+    arch, path, _, _, hf = moe_setup
+    want = []
+    with torch.no_grad():
+        for p in engine_prompts():
+            out = hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                              attention_mask=torch.ones(1, len(p), dtype=torch.long))
+            want.append(out[0, len(p):].tolist())
+    return want
+
+
+def generate(llm, prompts, params=GREEDY):
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_llm_greedy_matches_hf_with_prefix_caching(moe_setup, hf_greedy):
+    """Chunked prefill (a 100-token prompt over 64-token steps), then the same prompts again
+    from the prefix cache."""
+    _, path, _, _, _ = moe_setup
+    with LLM(path, **ENGINE) as llm:
+        assert generate(llm, engine_prompts()) == hf_greedy
+        hits = llm.stats()["prefix_cache_hits"]
+        assert generate(llm, engine_prompts()) == hf_greedy
+        assert llm.stats()["prefix_cache_hits"] > hits
+
+
+def test_llm_greedy_matches_hf_with_preemption(moe_setup, hf_greedy):
+    _, path, _, _, _ = moe_setup
+    with LLM(path, **ENGINE, num_gpu_blocks_override=10, enable_prefix_caching=False) as llm:
+        assert generate(llm, engine_prompts()) == hf_greedy
+        assert llm.stats()["num_preemptions"] > 0
+
+
+def test_pallas_backend_matches_reference(tiny_checkpoint, hf_model):
+    """The Pallas kernels (interpret mode on CPU) around the MoE layers: the reference's tokens."""
+    path = tiny_checkpoint("qwen3_moe")
+    prompts = [list(range(5, 5 + n)) for n in (3, 21)]
+    params = SamplingParams(temperature=0, max_tokens=4)
+    with LLM(path, **ENGINE, attention_backend="reference") as llm:
+        want = generate(llm, prompts, params)
+    with LLM(path, **ENGINE, attention_backend="pallas", enforce_eager=True) as llm:
+        assert generate(llm, prompts, params) == want
+
+
+def test_bench_throughput_tiny_moe(tmp_path, capsys):
+    import json
+
+    from jaxvllm.cli import main
+
+    out = tmp_path / "bench.json"
+    assert main(["bench", "throughput", "--model", "dummy:tiny-moe", "--dataset", "random", "--num-prompts", "4",
+                 "--input-len", "12", "--output-len", "5", "--max-model-len", "64", "--max-num-batched-tokens", "32",
+                 "--max-num-seqs", "8", "--disable-tqdm", "--output-json", str(out)]) == 0
+    assert "jaxvllm: Throughput:" in capsys.readouterr().out
+    (run,) = json.loads(out.read_text())["results"].values()
+    assert run["num_requests"] == 4 and run["total_output_tokens"] == 20 and run["output_tokens_per_second"] > 0

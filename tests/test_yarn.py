@@ -1,0 +1,65 @@
+"""YaRN RoPE (`rope_type: "yarn"`, long-context Qwen checkpoints) against transformers:
+the inverse frequencies and attention factor of `_compute_yarn_parameters`, and the
+logits of tiny Qwen3 / Llama checkpoints with YaRN over prompts longer than
+original_max_position_embeddings (rel err bound 1e-4, as tests/test_models.py)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxvllm import load_model
+from jaxvllm.config import ModelConfig
+from jaxvllm.layers import allocate_kv_caches
+from tests.paged import Chunk, build_inputs, hf_logits, jit_forward, rel_err
+from weights.make_tiny import make_tiny
+
+TOL = 1e-4
+BLOCK = 4
+YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32)
+
+
+@pytest.mark.parametrize("params, max_pos, head_dim", [
+    (YARN, 128, 32),
+    (dict(rope_type="yarn", rope_theta=1e6, factor=4.0, original_max_position_embeddings=32768), 131072, 128),
+    (dict(rope_type="yarn", rope_theta=1e4, factor=8.0, original_max_position_embeddings=4096, beta_fast=16,
+          beta_slow=2, truncate=False, mscale=1.0, mscale_all_dim=0.7), 32768, 64),
+    (dict(rope_type="yarn", rope_theta=1e4, factor=2.0, original_max_position_embeddings=4096,
+          attention_factor=1.3), 8192, 64),
+    # factor None: max_position_embeddings / original_max_position_embeddings
+    (dict(rope_type="yarn", rope_theta=1e4, factor=None, original_max_position_embeddings=4096), 16384, 64),
+], ids=["tiny", "qwen3-128k", "beta-truncate-mscale", "attention-factor", "no-factor"])
+def test_yarn_parameters_match_transformers(params, max_pos, head_dim):
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = Qwen3Config(rope_parameters=dict(params), max_position_embeddings=max_pos, head_dim=head_dim,
+                     architectures=["Qwen3ForCausalLM"])
+    want, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+    rope = ModelConfig.from_hf(hf).rope
+    assert rope.rope_type == "yarn"
+    np.testing.assert_allclose(rope.inv_freq(head_dim), want.numpy(), rtol=1e-6)
+    assert rope.attention_scaling == pytest.approx(attention_factor, rel=1e-12)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_yarn_logits_match_transformers(arch, tmp_path_factory, hf_model):
+    """90 tokens, past original_max_position_embeddings (32): the prompt's logits, then decode steps."""
+    path = make_tiny(arch, tmp_path_factory.mktemp("yarn") / arch, max_position_embeddings=128, rope_parameters=YARN)
+    cfg, params = load_model(path)
+    assert cfg.rope.rope_type == "yarn" and cfg.rope.attention_scaling == pytest.approx(0.1 * np.log(4.0) + 1)
+    rng = np.random.default_rng(0)
+    tokens = [int(t) for t in rng.integers(3, 384, size=90)]
+    blocks = [int(b) for b in rng.permutation(32)[:24]]
+    caches = allocate_kv_caches(cfg, 32, BLOCK, jnp.float32)
+    want = hf_logits(hf_model(path), tokens)
+    prefill = build_inputs([Chunk(tokens[:-4], 0, blocks)], BLOCK, all_logits=True, max_blocks=24)
+    logits, caches = jit_forward(params, caches, prefill, cfg, "reference")
+    errs = [rel_err(logits, want[:-4])]
+    for i in range(len(tokens) - 4, len(tokens)):
+        step = build_inputs([Chunk([tokens[i]], i, blocks)], BLOCK, max_blocks=24)
+        logits, caches = jit_forward(params, caches, step, cfg, "reference")
+        errs.append(rel_err(logits[0], want[i]))
+    print(f"{arch} yarn max rel err {max(errs):.2e}")
+    assert max(errs) <= TOL
