@@ -77,9 +77,8 @@ def paged_attention(
             f"attention logit soft-capping (attn_logit_softcapping={logits_soft_cap}) is not supported by the "
             f"{backend!r} attention backend (its kernels have no soft-capping); use attention_backend='reference'"
         )
-    local = partial(_paged_attention, sm_scale=sm_scale, sliding_window=sliding_window, backend=backend)
-    if logits_soft_cap is not None:
-        local = partial(local, logits_soft_cap=logits_soft_cap)
+    local = partial(_paged_attention, sm_scale=sm_scale, sliding_window=sliding_window, backend=backend,
+                    logits_soft_cap=logits_soft_cap)
     if mesh is None:
         return local(q, k, v, kv_cache, inputs)
     heads = P(None, AXIS)
@@ -91,7 +90,7 @@ def paged_attention(
 
 
 def _paged_attention(q, k, v, kv_cache, inputs: ModelInputs, *, sm_scale, sliding_window, backend,
-                     logits_soft_cap=None):
+                     logits_soft_cap):
     k_cache, v_cache, *scales = kv_cache  # (k_scale, v_scale) of an fp8 cache
     k_scale, v_scale = scales or (None, None)
     k_cache, v_cache = write_kv_reference(k_cache, v_cache, k, v, inputs.slot_mapping, k_scale, v_scale)
@@ -140,8 +139,6 @@ KV_CACHE_DTYPES = {"auto": None, "fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype):
-    """The KV cache's element type for `kv_cache_dtype` and the model's dtype."""
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported; choose from "
-                         f"{', '.join(map(repr, KV_CACHE_DTYPES))}")
+    """The KV cache's element type for `kv_cache_dtype` (checked by `EngineConfig`) and the
+    model's dtype."""
     return KV_CACHE_DTYPES[kv_cache_dtype] or model_dtype

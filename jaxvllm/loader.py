@@ -9,6 +9,7 @@ import logging
 import re
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -159,49 +160,38 @@ def load_safetensors(path: Path, cfg: ModelConfig, dtype, shardings: dict,
     missing = [name for s in specs for name in s.hf_names() if name not in files]
     if missing:
         raise ValueError(f"checkpoint {path} is missing tensor(s): {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
-    by_file: dict[Path, list] = {}
-    for spec in specs:
-        if not spec.stacked:  # stacked experts: below, from whichever files hold them
-            by_file.setdefault(files[spec.hf_name], []).append(spec)
     params: dict = {}
-    bar = tqdm(total=len(specs), desc="Loading safetensors", dynamic_ncols=True)
-    for file, file_specs in by_file.items():
-        with _open(file) as f:
-            for spec in file_specs:
-                try:
-                    shape = tuple(f.get_slice(spec.hf_name).get_shape())
-                    if shape != spec.hf_shape:
-                        raise ValueError(
-                            f"tensor {spec.hf_name} in {file.name} has shape {shape}, config.json implies {spec.hf_shape}"
-                        )
-                    value = _sharded_tensor(f.get_slice(spec.hf_name), spec, dtype, shardings[spec.path],
-                                            repeats if _repeated(spec) else 1)
-                except SafetensorError as e:
-                    raise ValueError(f"cannot read tensor {spec.hf_name} from {file}: {e}") from e
-                _put(params, spec.path, value)
-                bar.update(1)
-    with contextlib.ExitStack() as stack:
-        opened: dict[Path, object] = {}
-        for spec in (s for s in specs if s.stacked):
-            slices = []
-            for name in spec.hf_names():
-                if files[name] not in opened:
-                    opened[files[name]] = stack.enter_context(_open(files[name]))
-                try:
-                    tensor_slice = opened[files[name]].get_slice(name)
-                    shape = tuple(tensor_slice.get_shape())
-                except SafetensorError as e:
-                    raise ValueError(f"cannot read tensor {name} from {files[name]}: {e}") from e
-                if shape != spec.hf_shape:
-                    raise ValueError(f"tensor {name} in {files[name].name} has shape {shape}, "
-                                     f"config.json implies {spec.hf_shape}")
-                slices.append(tensor_slice)
+    with contextlib.ExitStack() as stack, tqdm(total=len(specs), desc="Loading safetensors",
+                                               dynamic_ncols=True) as bar:
+        opened: dict[Path, Any] = {}  # each file opened once, when a tensor in it is first read
+
+        def checked_slice(name: str, hf_shape: tuple[int, ...]):
+            file = files[name]
+            if file not in opened:
+                opened[file] = stack.enter_context(_open(file))
             try:
-                _put(params, spec.path, _stacked_tensor(slices, spec, dtype, shardings[spec.path]))
+                tensor_slice = opened[file].get_slice(name)
+                shape = tuple(tensor_slice.get_shape())
             except SafetensorError as e:
-                raise ValueError(f"cannot read tensors {spec.hf_name.format('*')}: {e}") from e
+                raise ValueError(f"cannot read tensor {name} from {file}: {e}") from e
+            if shape != hf_shape:
+                raise ValueError(f"tensor {name} in {file.name} has shape {shape}, config.json implies {hf_shape}")
+            return tensor_slice
+
+        for spec in specs:
+            # Stacked experts: one HF tensor per expert, from whichever files hold them.
+            slices = [checked_slice(name, spec.hf_shape) for name in spec.hf_names()]
+            try:
+                if spec.stacked:
+                    value = _stacked_tensor(slices, spec, dtype, shardings[spec.path])
+                else:
+                    value = _sharded_tensor(slices[0], spec, dtype, shardings[spec.path],
+                                            repeats if _repeated(spec) else 1)
+            except SafetensorError as e:
+                where = "" if spec.stacked else f" from {files[spec.hf_name]}"
+                raise ValueError(f"cannot read tensor {spec.hf_name.format('*')}{where}: {e}") from e
+            _put(params, spec.path, value)
             bar.update(1)
-    bar.close()
     unused = set(files) - {name for s in specs for name in s.hf_names()} - {"lm_head.weight"}
     unused = {name for name in unused if not _KV_SCALE.fullmatch(name)}  # an fp8 KV cache's: load_kv_scales
     if unused:

@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cached_property, partial
 from itertools import chain
 
 import jax
@@ -372,7 +372,7 @@ class ModelRunner:
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens, %.3f GiB (%s)",
             self.num_blocks, self.block_size, self.num_blocks * self.block_size,
-            self.num_blocks * self.bytes_per_block / 2**30, jnp.dtype(self.kv_cache_dtype).name,
+            self.num_blocks * self.bytes_per_block / 2**30, self.kv_cache_dtype_name,
         )
 
     # -- compile -----------------------------------------------------------------------
@@ -425,6 +425,7 @@ class ModelRunner:
         rows, starts, lens, samples = [], [], [], []
         pending = []  # scheduled index of rows whose last input token is still on the device
         host_tokens = []
+        grammar_rows = []  # (sampling row, grammar) of structured-output rows
         row_of, num_blocks = ib.row_of, ib.num_blocks
         for i, s in enumerate(scheduled):
             request = s.request
@@ -438,6 +439,8 @@ class ModelRunner:
             starts.append(start)
             lens.append(num_new)
             samples.append(s.samples)
+            if s.samples and request.grammar is not None:
+                grammar_rows.append((i, request.grammar))
             end = start + num_new
             token_ids = request.token_ids
             if end > len(token_ids):  # the last token was sampled by the step before
@@ -477,8 +480,6 @@ class ModelRunner:
         else:
             ids[:] = flat
 
-        grammar_rows = [(i, s.request.grammar) for i, s in enumerate(scheduled)
-                        if s.samples and s.request.grammar is not None]
         features = self._fill_sampling_rows(v, rows, starts + lens, samples, bool(grammar_rows))
         prompt_rows, prompt_positions, prompt_width = self._fill_prompt_targets(v, scheduled)
         return HostBatch(layout, packed, features, n, prompt_rows, prompt_positions, prompt_width, grammar_rows)
@@ -631,7 +632,7 @@ class ModelRunner:
     def _new_last_sampled(self) -> jax.Array:
         return put(np.zeros(self.config.max_num_seqs, np.int32), self._replicated)
 
-    @property
+    @cached_property
     def _replicated(self):
         """Where per-step inputs and sampler buffers live: whole on every device of the mesh, or
         on the default device (committed there, as the params are: jit keys on it)."""
