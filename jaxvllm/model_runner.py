@@ -44,7 +44,7 @@ from jaxvllm.sampler import (
 )
 from jaxvllm.sampling_params import DEFAULT_MAX_LOGPROBS, resolve_logprobs
 from jaxvllm.sharding import (device_group, gather_over_processes, kv_cache_sharding, local_devices, make_mesh,
-                              put, replicated, to_host)
+                              put, replicated, step_input, to_host)
 
 logger = logging.getLogger(__name__)
 
@@ -362,7 +362,7 @@ class ModelRunner:
     def _step_bytes(self, batch: HostBatch, kv_shapes) -> int:
         """Device memory one step of `batch` allocates beyond its inputs (per device):
         the forward's temporaries and outputs, from XLA's analysis of the compiled step."""
-        packed = put(batch.packed, self._replicated)
+        packed = step_input(batch.packed, self._replicated)
         compiled = self._forward.lower(self.params, kv_shapes, packed, self.last_sampled,
                                        layout=batch.layout).compile()
         m = compiled.memory_analysis()
@@ -577,7 +577,7 @@ class ModelRunner:
         (`kv_caches`: a probe cache for the memory profile instead of the engine's.) A step
         with structured-output rows is sampled later, by `sample`, with their bitmask."""
         layout = batch.layout
-        packed = put(batch.packed, self._replicated)
+        packed = step_input(batch.packed, self._replicated)
         logits, hidden, sampling_rows, caches = self._forward(
             self.params, self.kv_caches if kv_caches is None else kv_caches, packed, self.last_sampled, layout=layout
         )
@@ -597,7 +597,7 @@ class ModelRunner:
         """Dispatch a step's sampler (`bitmask`: its structured-output masks, [rows, words])."""
         features = step.batch.features
         state = self.sampler_state if features.state else None
-        mask = put(bitmask, self._replicated) if features.grammar else None
+        mask = step_input(bitmask, self._replicated) if features.grammar else None
         step.sampled, step.logprobs, self.last_sampled, state = self._sampler(
             step.sampling_rows, step.logits, self.last_sampled, state, mask,
             num_rows=step.batch.layout.num_rows, features=features,

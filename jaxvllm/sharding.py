@@ -83,6 +83,14 @@ def put(x, sharding) -> jax.Array:
     return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
+def step_input(x: np.ndarray, sharding):
+    """Host data for a jitted step's argument, placed by `sharding`: left as numpy where this
+    process drives every device of it, for jit's C++ dispatch copies it to where the
+    compiled step wants it, several times faster per call than `jax.device_put`'s Python
+    path (46 against 255 us for a 110k-int32 batch on CPU); across processes, `put`."""
+    return x if sharding.is_fully_addressable else put(x, sharding)
+
+
 def to_host(x: jax.Array) -> np.ndarray:
     """A replicated array's value, from this process's copy (across processes no process
     can address the whole array, yet each holds all of it)."""

@@ -81,6 +81,28 @@ def check_dtypes(q, k_cache) -> None:
         raise ValueError(f"dtype {q.dtype} is not supported; use one of {KERNEL_DTYPES}")
 
 
+def dot_dtype(q_dtype, cache_dtype):
+    """The element type of the decode kernel's dots: q's, except for an fp8 cache under
+    bf16 queries, which dots in float16. Every e4m3 value is exact in float16, and the
+    sm_90a conversion is one instruction per pair (cvt.rn.f16x2.e4m3x2), where bfloat16
+    takes two more (cvt.bf16.f16 per value): with a tile's bytes halved, decode spends its
+    time converting. (The ragged kernel, compute-bound, keeps q's dtype: at head_dim 256
+    float16 tiles spill there.) Queries go through `to_dot_dtype`."""
+    if is_fp8(cache_dtype) and jnp.dtype(q_dtype) == jnp.dtype(jnp.bfloat16):
+        return jnp.float16
+    return q_dtype
+
+
+def to_dot_dtype(x, dtype):
+    """x in the dots' dtype; bf16 values beyond float16's range are clipped (not inf)."""
+    if x.dtype == dtype:
+        return x
+    if dtype == jnp.float16:
+        top = float(jnp.finfo(jnp.float16).max)
+        x = jnp.clip(x.astype(jnp.float32), -top, top)
+    return x.astype(dtype)
+
+
 def kv_scales(k_scale, v_scale) -> jax.Array:
     """float32 [2]: (k_scale, v_scale), the dequantization scales of the cache (stored value
     times scale = K/V); 1.0 where None. The kernels fold them in: k_scale into the softmax

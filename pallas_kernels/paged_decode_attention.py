@@ -47,10 +47,12 @@ from pallas_kernels.common import (
     check_power_of_2,
     default_block_kv,
     default_num_stages,
+    dot_dtype,
     is_fp8,
     kv_scales,
     next_power_of_2,
     resolve_interpret,
+    to_dot_dtype,
 )
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 
@@ -98,7 +100,8 @@ def _decode_kernel(
     rows = jnp.arange(block_h)
     dims = jnp.arange(head_dim)
     row_ok = (rows < group)[:, None]
-    q = plgpu.load(q_ref.at[rows[:, None], dims[None, :]], mask=row_ok, other=0)
+    compute = dot_dtype(q_ref.dtype, k_ref.dtype)
+    q = to_dot_dtype(plgpu.load(q_ref.at[rows[:, None], dims[None, :]], mask=row_ok, other=0), compute)
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     # Scores in base 2 (exp2 is one instruction), k_scale folded in: q . (s k) = s (q . k).
     scale = sm_scale * LOG2_E * scale_ref[0]
@@ -110,7 +113,7 @@ def _decode_kernel(
         return plgpu.load(bt_ref.at[lax.div(keys, block_size)], mask=valid, other=0)
 
     def dequantize(x):  # an fp8 tile, converted in registers; a cache in q's dtype as it is
-        return x if x.dtype == q.dtype else x.astype(q.dtype)
+        return x if x.dtype == compute else x.astype(compute)
 
     kv_zero = 0.0 if is_fp8(k_ref.dtype) else 0  # Triton casts a float, not an int, to fp8
 
@@ -222,8 +225,9 @@ def paged_decode_attention(
 ) -> jax.Array:
     """Decode attention [S, num_q_heads, head_dim] in q's dtype; layout in the module docstring.
 
-    The cache is q's dtype or float8_e4m3fn (an fp8 KV cache), whose tiles are converted to
-    q's dtype after each load; k_scale / v_scale (float32 scalars, traced or not; None: 1.0)
+    The cache is q's dtype or float8_e4m3fn (an fp8 KV cache), whose tiles are converted
+    after each load, to float16 under bf16 queries (`dot_dtype`: the dots then run in
+    float16), else to q's dtype; k_scale / v_scale (float32 scalars, traced or not; None: 1.0)
     dequantize it: K = stored * k_scale, V = stored * v_scale, folded into the softmax scale
     and the output.
 

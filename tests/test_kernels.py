@@ -26,7 +26,8 @@ from pallas_kernels import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
-from pallas_kernels.common import INTERPRET_ENV, MIN_DOT_DIM, cdiv, default_interpret, next_power_of_2
+from pallas_kernels.common import (INTERPRET_ENV, MIN_DOT_DIM, cdiv, default_interpret, dot_dtype, next_power_of_2,
+                                    to_dot_dtype)
 from pallas_kernels.paged_decode_attention import combine_partitions, default_num_splits
 
 INTERPRET = default_interpret()
@@ -371,3 +372,19 @@ def test_fp8_cache_checks_dtypes():
     with pytest.raises(ValueError, match="not supported"):  # q itself is never fp8
         paged_decode_attention(jnp.zeros((2, 4, 16), FP8), cache, cache, jnp.zeros(2, jnp.int32),
                                jnp.zeros((2, 2), jnp.int32), sm_scale=1.0)
+
+
+def test_fp8_cache_dots_in_float16_with_queries_clipped_to_its_range():
+    """bf16 queries over an fp8 cache dot in float16 (e4m3 converts to it exactly, in one
+    instruction per pair); a query beyond float16's range is clipped, not made inf."""
+    assert dot_dtype(jnp.bfloat16, FP8) == jnp.float16
+    assert dot_dtype(jnp.float32, FP8) == jnp.float32 and dot_dtype(jnp.bfloat16, jnp.bfloat16) == jnp.bfloat16
+    q = jnp.array([1e5, -1e5, 1.5, 0.0], jnp.bfloat16)
+    clipped = to_dot_dtype(q, jnp.float16)
+    assert clipped.dtype == jnp.float16 and np.all(np.isfinite(np.asarray(clipped, np.float32)))
+    np.testing.assert_array_equal(np.asarray(clipped, np.float32), [65504, -65504, 1.5, 0])
+    b = quantized(make_batch(3, DECODE_CONTEXT, [1] * len(DECODE_CONTEXT), group=2, dtype=jnp.bfloat16,
+                             pad_tokens=2, pad_seqs=2), 1.0, 1.0)
+    big = b.q.at[0].set(1e5)  # scores far past float16: the softmax picks the largest, finite
+    got = paged_decode_attention(big, b.k_cache, b.v_cache, b.seq_lens, b.block_tables, sm_scale=0.3)
+    assert np.all(np.isfinite(np.asarray(got, np.float32)))
