@@ -377,6 +377,10 @@ class EngineConfig:
     # "auto": the KV cache has the model's dtype; "fp8" / "fp8_e4m3": float8_e4m3fn with
     # per-layer k/v scales (the checkpoint's, else 1.0), half the bytes of a 16-bit cache.
     kv_cache_dtype: str = "auto"
+    # vLLM's calculate_kv_scales: an fp8 cache's scales from the first batch written (its
+    # largest |K| / 200 and |V| / 100 per layer) instead of the checkpoint's or 1.0. As in
+    # vLLM, it changes nothing with a cache in the model's dtype.
+    calculate_kv_scales: bool = False
     # Features jaxvllm lacks, accepted at their "off" value only: a clear error otherwise.
     quantization: str | None = None
     enable_lora: bool = False
@@ -463,7 +467,7 @@ class EngineConfig:
             if getattr(self, name) != off:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not supported by jaxvllm (only {off!r})")
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "async_scheduling", "skip_tokenizer_init",
-                     "enforce_eager", "disable_log_stats", "trust_remote_code"):
+                     "enforce_eager", "disable_log_stats", "trust_remote_code", "calculate_kv_scales"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.dtype not in ("auto", *DTYPES):

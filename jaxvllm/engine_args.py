@@ -41,6 +41,8 @@ _BOOL_FLAGS: dict[str, str] = {
     "enable-prefix-caching": "reuse the KV cache blocks of prompt prefixes seen before",
     "async-scheduling": "schedule and dispatch each step before reading the last one's tokens",
     "enforce-eager": "skip the warm-up: each shape compiles the first time a step needs it",
+    "calculate-kv-scales": "fp8 KV cache: per-layer scales from the first batch (max |K| / 200, max |V| / 100) "
+                           "instead of the checkpoint's or 1.0",
 }
 
 

@@ -190,12 +190,12 @@ def sequence_rows(max_num_seqs: int, bucket: int) -> int:
 def jit_forward(cfg: ModelConfig, backend: str, mesh: Mesh | None = None, kv_scaled: bool = False):
     """The model step as the runner compiles it, per layout: the KV caches donated. With a
     mesh, the model is split over its devices (tensor parallelism); None: one device.
-    `kv_scaled`: an fp8 cache, each layer's (k_cache, v_cache, k_scale, v_scale)."""
+    `kv_scaled`: an fp8 cache, each layer's (k_cache, v_cache, scales)."""
     # Outputs placed as the inputs are (else a donated cache could come back placed otherwise,
-    # and the next step would compile anew); an fp8 cache's scalar scales replicated.
+    # and the next step would compile anew); an fp8 cache's scales replicated.
     caches = None if mesh is None else kv_cache_sharding(mesh)
     if mesh is not None and kv_scaled:
-        caches = [(caches, caches, replicated(mesh), replicated(mesh))] * cfg.num_layers
+        caches = [(caches, caches, replicated(mesh))] * cfg.num_layers
     out = None if mesh is None else (replicated(mesh),) * 3 + (caches,)
     return jax.jit(partial(_forward, cfg=cfg, backend=backend, mesh=mesh), static_argnames="layout",
                    donate_argnums=(1,), out_shardings=out)
@@ -283,8 +283,9 @@ class ModelRunner:
         return jnp.dtype(self.kv_cache_dtype).name
 
     def _kv_scales(self) -> list[tuple[float, float]]:
-        """An fp8 cache's scales: the checkpoint's k_scale / v_scale, else 1.0 (vLLM's default)."""
-        if self.config.load_format == "dummy":
+        """An fp8 cache's scales: the checkpoint's k_scale / v_scale, else 1.0 (vLLM's default);
+        with calculate_kv_scales, 1.0 until the first batch sets them."""
+        if self.config.load_format == "dummy" or self.config.calculate_kv_scales:
             return [(1.0, 1.0)] * self.cfg.num_layers
         scales, found = load_kv_scales(self.config.model, self.cfg.num_layers)
         logger.info("fp8 KV cache: %d of %d k/v scales from the checkpoint, the others 1.0",
@@ -623,7 +624,7 @@ class ModelRunner:
 
     def _allocate_kv_caches(self, num_blocks: int):
         return allocate_kv_caches(self.cfg, num_blocks, self.block_size, self.kv_cache_dtype, self.mesh,
-                                  self.devices[0], self.kv_scales)
+                                  self.devices[0], self.kv_scales, self.config.calculate_kv_scales)
 
     def _new_sampler_state(self) -> SamplerState:
         """Per-row sampler state, whole on every device of the mesh (the sampler is replicated)."""

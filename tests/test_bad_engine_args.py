@@ -55,6 +55,7 @@ def no_loading(monkeypatch):
     (dict(load_format="pt"), r"load_format 'pt' is not supported"),
     (dict(enable_prefix_caching="no"), r"enable_prefix_caching must be True or False, got 'no'"),
     (dict(skip_tokenizer_init=1), r"skip_tokenizer_init must be True or False, got 1"),
+    (dict(calculate_kv_scales="yes"), r"calculate_kv_scales must be True or False, got 'yes'"),
 ])
 def test_bad_engine_args(tiny_checkpoint, no_loading, kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from jaxvllm import LLM, SamplingParams
+from jaxvllm.layers import K_SCALE_RANGE, V_SCALE_RANGE, calculate_kv_scales
 from pallas_kernels import write_kv_reference
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -173,7 +174,7 @@ def test_scales_come_from_the_checkpoint(tiny_checkpoint, tmp_path):
     llm = LLM(str(path), kv_cache_dtype="fp8", **ENGINE, enforce_eager=True)
     runner = llm.llm_engine.runner
     assert runner.kv_scales == [(pytest.approx(0.05), pytest.approx(0.02)), (pytest.approx(0.1), 1.0)]
-    got = [float(x) for layer in runner.kv_caches for x in layer[2:]]
+    got = [float(x) for layer in runner.kv_caches for x in layer[2]]
     assert got == pytest.approx([0.05, 0.02, 0.1, 1.0])
     prompt = prompts()[0]
     out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
@@ -186,6 +187,51 @@ def test_scales_come_from_the_checkpoint(tiny_checkpoint, tmp_path):
     llm = LLM(str(path), **ENGINE, enforce_eager=True)
     assert llm.llm_engine.runner.kv_scales is None and len(llm.llm_engine.runner.kv_caches[0]) == 2
     llm.shutdown()
+
+
+def test_calculate_kv_scales_takes_the_first_written_batch_once():
+    """vLLM's calculate_kv_scales: max |K| / 200 and max |V| / 100 over the tokens written
+    (padding rows, slot -1, left out), then never again; a step writing nothing keeps waiting."""
+    scales = jnp.asarray([1.0, 1.0, 1.0], jnp.float32)
+    k = jnp.asarray([[[2.0, -40.0]], [[1e4, 0.0]], [[3.0, 1.0]]], jnp.bfloat16)  # [T=3, 1 head, 2]
+    v = -k / 8
+    padding = jnp.asarray([-1, -1, -1], jnp.int32)
+    np.testing.assert_array_equal(calculate_kv_scales(scales, k, v, padding), scales)  # nothing written: unchanged
+    first = calculate_kv_scales(scales, k, v, jnp.asarray([5, -1, 7], jnp.int32))  # the 1e4 row is padding
+    np.testing.assert_allclose(np.asarray(first), [40 / K_SCALE_RANGE, 5 / V_SCALE_RANGE, 0.0])
+    again = calculate_kv_scales(first, k * 10, v * 10, jnp.asarray([1, 2, 3], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(again), np.asarray(first))  # calculated once
+    zeros = calculate_kv_scales(scales, k * 0, v * 0, jnp.asarray([0, 1, 2], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(zeros), [1.0, 1.0, 0.0])  # all-zero tensors: 1.0, not 0
+
+
+def test_engine_calculates_kv_scales_from_the_first_batch(tiny_checkpoint, runs):
+    """With calculate_kv_scales the warm-up (padding only) leaves the scales to calculate;
+    the first batch sets every layer's, its largest |K| is then stored as 200, and greedy
+    outputs stay as close to the bf16 cache's as with scales of 1.0."""
+    path = str(tiny_checkpoint("qwen3"))
+    llm = LLM(path, kv_cache_dtype="fp8", calculate_kv_scales=True, logprobs_mode="raw_logits", max_logprobs=-1,
+              **ENGINE)
+    runner = llm.llm_engine.runner
+    assert all(np.asarray(layer[2]).tolist() == [1.0, 1.0, 1.0] for layer in runner.kv_caches)  # after the warm-up
+    first = min(prompts(), key=len)
+    assert len(first) <= ENGINE["max_num_batched_tokens"]  # one batch
+    llm.generate({"prompt_token_ids": first}, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    scales = np.asarray([np.asarray(layer[2]) for layer in runner.kv_caches])
+    assert (scales[:, 2] == 0).all() and (scales[:, :2] != 1.0).all()
+    k_cache = np.abs(np.asarray(runner.kv_caches[0][0].astype(jnp.float32)))
+    assert 184 <= k_cache.max() <= 216  # the first batch's largest key: 200, e4m3-rounded (a step of 16 there)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=-1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
+    np.testing.assert_array_equal(np.asarray([np.asarray(layer[2]) for layer in runner.kv_caches]), scales)  # kept
+    llm.shutdown()
+    ref = runs["auto"][0]
+    same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(ref, outs))
+    diff = np.concatenate([np.abs(logits_row(a.outputs[0].logprobs[0], 512) - logits_row(b.outputs[0].logprobs[0], 512))
+                           for a, b in zip(ref, outs)])
+    print(f"\nfp8 with calculated scales vs bf16 KV cache: {same}/{NUM_PROMPTS} identical greedy completions; "
+          f"first decode logits max |diff| {diff.max():.4f}, mean {diff.mean():.4f}")
+    assert same / NUM_PROMPTS >= 0.5 and diff.max() < LOGIT_ATOL and diff.mean() < LOGIT_MEAN_ATOL
 
 
 def test_pallas_backend_with_fp8_cache_equals_reference(tiny_checkpoint):
@@ -213,13 +259,14 @@ prompts = [list(range(5, 5 + n)) for n in (3, 17, 70)]
 params = SamplingParams(temperature=0, max_tokens=6)
 out = {}
 for tp in (1, 2):
-    llm = LLM(sys.argv[1], kv_cache_dtype="fp8", tensor_parallel_size=tp, **ENGINE)
+    llm = LLM(sys.argv[1], kv_cache_dtype="fp8", tensor_parallel_size=tp, calculate_kv_scales=True, **ENGINE)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     runner = llm.llm_engine.runner
-    k_cache, v_cache, k_scale, v_scale = runner.kv_caches[0]
+    k_cache, v_cache, scales = runner.kv_caches[0]
     out[tp] = dict(tokens=[o.outputs[0].token_ids for o in outs], dtype=str(k_cache.dtype),
                    cache_shards=sorted({tuple(s.data.shape) for s in k_cache.addressable_shards}),
-                   scale_replicated=bool(k_scale.sharding.is_fully_replicated), scale=float(k_scale),
+                   scale_replicated=bool(scales.sharding.is_fully_replicated),
+                   scales=[[float(x) for x in layer[2]] for layer in runner.kv_caches],
                    blocks=llm.stats()["num_gpu_blocks"])
     llm.shutdown()
 print(json.dumps(out))
@@ -227,8 +274,8 @@ print(json.dumps(out))
 
 
 def test_tensor_parallel_with_fp8_cache(tiny_checkpoint):
-    """2 CPU devices (a process of its own): the cache split on KV heads, the scales replicated,
-    and the same greedy tokens as one device."""
+    """2 CPU devices (a process of its own): the cache split on KV heads, the scales replicated
+    and calculated as on one device, and the same greedy tokens as one device."""
     path = tiny_checkpoint("llama")  # 2 KV heads: one per device
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", _TP_SCRIPT, str(path)], capture_output=True, text=True, env=env,
@@ -237,7 +284,10 @@ def test_tensor_parallel_with_fp8_cache(tiny_checkpoint):
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     one, two = out["1"], out["2"]
     assert one["dtype"] == two["dtype"] == "float8_e4m3fn"
-    assert two["scale_replicated"] and two["scale"] == 1.0
+    # Calculated scales: the maxima over both devices' heads (a pmax), as one device's.
+    assert two["scale_replicated"]
+    np.testing.assert_allclose(two["scales"], one["scales"], rtol=1e-3)  # K/V of differently split matmuls
+    assert all(layer[2] == 0 and layer[0] != 1.0 for layer in two["scales"])
     (heads1, *rest1), (heads2, *rest2) = one["cache_shards"][0], two["cache_shards"][0]
     assert heads2 * 2 == heads1 and rest1 == rest2
     assert two["tokens"] == one["tokens"]
