@@ -7,8 +7,9 @@
 #   scripts/gpu_check.sh            on the GPU machine (the project copied in, not installed)
 #   scripts/gpu_check.sh --small    anywhere: interpret-mode tests, benchmarks --small (a CPU rehearsal)
 #   scripts/gpu_check.sh --dry-run  print what would run
-#   scripts/gpu_check.sh --b1       then B1 (the nano-vllm workload), async scheduling on vs off
-#                                   (b1.log, b1.json; up to 5 more minutes: a second device session)
+#   scripts/gpu_check.sh --b1       then B1 (the nano-vllm workload), the fp8 KV cache against the
+#                                   model's dtype, with the host's time per step in parts
+#                                   (b1.log, b1.json; up to 5 more minutes)
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -73,7 +74,7 @@ run bench "${LIMITS[3]}" "$PYTHON" -m pallas_kernels.bench ${BENCH_ARGS[@]+"${BE
 run engine_step "${LIMITS[4]}" "$PYTHON" -m jaxvllm.benchmarks.engine_step ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"} \
     --json "$OUT/engine_step.json"
 if [ "$B1" = 1 ]; then
-    run b1 "${LIMITS[5]}" "$PYTHON" -m jaxvllm bench throughput "${B1_ARGS[@]}" --compare-async-scheduling \
+    run b1 "${LIMITS[5]}" "$PYTHON" -m jaxvllm bench throughput "${B1_ARGS[@]}" --compare-kv-cache-dtype \
         --disable-tqdm --output-json "$OUT/b1.json"
 fi
 

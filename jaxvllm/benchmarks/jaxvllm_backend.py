@@ -29,7 +29,13 @@ class StepTiming:
 
     steps: int = 0
     step_seconds: float = 0.0  # LLMEngine.step, all of it
-    prepare_seconds: float = 0.0  # ModelRunner.prepare: the packed batch (host)
+    # Host parts of it: Scheduler.schedule; ModelRunner.prepare (the packed batch) and launch
+    # (dispatching the jitted forward and sampler, the batch's transfer included); appending
+    # the tokens read, stop checks and outputs (LLMEngine._process).
+    schedule_seconds: float = 0.0
+    prepare_seconds: float = 0.0
+    launch_seconds: float = 0.0
+    process_seconds: float = 0.0
     wait_seconds: float = 0.0  # blocked on a step's tokens (the device was busy meanwhile)
 
     @property
@@ -39,9 +45,11 @@ class StepTiming:
 
     def to_dict(self) -> dict[str, float]:
         share = self.host_seconds / self.step_seconds if self.step_seconds else 0.0
-        mean_ms = 1e3 * self.step_seconds / self.steps if self.steps else 0.0
+        per_step = lambda seconds: 1e3 * seconds / self.steps if self.steps else 0.0  # noqa: E731
         return {**asdict(self), "host_seconds": self.host_seconds, "host_share": share,
-                "wait_share": 1.0 - share if self.step_seconds else 0.0, "mean_step_ms": mean_ms}
+                "wait_share": 1.0 - share if self.step_seconds else 0.0, "mean_step_ms": per_step(self.step_seconds),
+                "host_ms_per_step": {part: per_step(getattr(self, f"{part}_seconds"))
+                                     for part in ("schedule", "prepare", "launch", "process", "host")}}
 
 
 @contextmanager
@@ -67,7 +75,9 @@ def time_steps(llm: LLM) -> Iterator[StepTiming]:
         return pending
 
     execute_method = runner.execute
-    patches = [(engine, "step", "step_seconds", True), (runner, "prepare", "prepare_seconds", False)]
+    patches = [(engine, "step", "step_seconds", True), (engine.scheduler, "schedule", "schedule_seconds", False),
+               (runner, "prepare", "prepare_seconds", False), (runner, "launch", "launch_seconds", False),
+               (engine, "_process", "process_seconds", False)]
     for obj, name, field_name, count in patches:
         setattr(obj, name, timed(getattr(obj, name), field_name, count))
     runner.execute = execute

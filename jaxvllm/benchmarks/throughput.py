@@ -134,6 +134,8 @@ def print_result(label: str, r: dict[str, Any]) -> None:
         print(f"  host share of step time: {100 * steps['host_share']:.1f}% (host {steps['host_seconds']:.3f} s, "
               f"waiting for the device {steps['wait_seconds']:.3f} s, {steps['steps']} steps of "
               f"{steps['mean_step_ms']:.2f} ms)")
+        parts = steps["host_ms_per_step"]
+        print("  host ms per step: " + ", ".join(f"{part} {parts[part]:.3f}" for part in parts))
 
 
 def run_unconstrained(backend, requests: list[ds.BenchRequest], constrained: RunTimings,
