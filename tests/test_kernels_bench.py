@@ -42,13 +42,16 @@ def test_bench_small_runs_and_checks_the_kernels(tmp_path, monkeypatch):
     assert "step" not in results
 
 
-def test_engine_step_small_runs_both_backends(tmp_path, monkeypatch):
+def test_engine_step_small_runs_every_backend(tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path))  # the default JSON path
     results = engine_step.main(["--small", "--iters", "1"])
     step = json.loads((tmp_path / "engine_step.json").read_text())["step"]
     assert step == json.loads(json.dumps(results["step"], default=str))
-    for backend in ("reference", "pallas"):
-        assert step[backend]["step_ms"] > 0 and step[backend]["cache_copies_in_hlo"] == 0
+    for backend in ("reference", "pallas", "pallas_fp8"):
+        run = step[backend]
+        assert run["step_ms"] > 0 and 0 < run["dispatch_ms"] <= run["step_ms"] and run["cache_copies_in_hlo"] == 0
+    # fp8 reads half the bytes: its TB/s is half the bf16 cache's, times its speedup.
+    assert step["pallas_fp8"]["kv_tb_s"] == pytest.approx(step["pallas"]["kv_tb_s"] / 2 * step["fp8_speedup_vs_pallas"])
     assert step["greedy_tokens_equal_head"]
 
 

@@ -5,8 +5,10 @@
     python -m jaxvllm.benchmarks.engine_step --json out.json
 
 The model forward plus a greedy argmax, KV caches donated, for the `reference` and
-`pallas` backends: step time, KV bytes read per second, copies of the cache in the
-compiled HLO (should be 0), and whether the two backends' greedy tokens agree. It
+`pallas` backends, and `pallas` over an fp8 KV cache (`pallas_fp8`): step time, KV bytes
+read per second, the host's time to dispatch a step (the call's return, before the
+device is done: what the engine's host pays per step for it), copies of the cache in
+the compiled HLO (should be 0), and whether the backends' greedy tokens agree. It
 complements `python -m pallas_kernels.bench` (the kernels alone), whose helpers it
 uses; it lives here because the kernel package imports nothing from jaxvllm.
 Figures go to stdout and to JSON (`--json PATH`, default $OUT/engine_step.json when
@@ -57,7 +59,8 @@ def bench_step(cfg: dict, iters: int) -> dict:
         block_tables=i32(perm),
         logits_indices=i32(np.arange(s)),
     )
-    kv_bytes_per_step = 2 * mcfg.num_layers * s * ctx * mcfg.num_kv_heads * mcfg.head_dim * jnp.dtype(DTYPE).itemsize
+    kv_elements_per_step = 2 * mcfg.num_layers * s * ctx * mcfg.num_kv_heads * mcfg.head_dim
+    kv_bytes_per_step = kv_elements_per_step * jnp.dtype(DTYPE).itemsize
     result: dict[str, Any] = {"model": cfg["model"], "num_seqs": s, "context": ctx, "kv_bytes_per_step": kv_bytes_per_step}
 
     def step_of(backend):
@@ -67,28 +70,36 @@ def bench_step(cfg: dict, iters: int) -> dict:
 
         return jax.jit(step, donate_argnums=(1,))
 
-    for backend in ("reference", "pallas"):
-        def run(backend=backend):
-            caches = allocate_kv_caches(mcfg, num_blocks, bs, DTYPE)
+    for name, backend, cache_dtype in (("reference", "reference", DTYPE), ("pallas", "pallas", DTYPE),
+                                       ("pallas_fp8", "pallas", jnp.float8_e4m3fn)):
+        def run(backend=backend, cache_dtype=cache_dtype):
+            scales = None if cache_dtype == DTYPE else [(1.0, 1.0)] * mcfg.num_layers
+            caches = allocate_kv_caches(mcfg, num_blocks, bs, cache_dtype, scales=scales)
             fn = step_of(backend)
             compiled = fn.lower(params, caches, inputs).compile()
             copies = count_cache_copies(compiled.as_text(), caches[0][0].shape)
             # Not bench.time_fn: the donated caches must be handed from one call to the next.
-            times = []
+            times, dispatch = [], []
             for i in range(iters + 1):
                 start = time.perf_counter()
                 tokens, caches = fn(params, caches, inputs)
+                returned = time.perf_counter()
                 jax.block_until_ready(tokens)
                 if i:  # the first call may still load the executable
                     times.append(time.perf_counter() - start)
+                    dispatch.append(returned - start)
             t = statistics.median(times)
-            return {"step_ms": t * 1e3, "kv_tb_s": kv_bytes_per_step / t / 1e12, "cache_copies_in_hlo": copies,
+            kv_bytes = kv_elements_per_step * jnp.dtype(cache_dtype).itemsize
+            return {"step_ms": t * 1e3, "dispatch_ms": statistics.median(dispatch) * 1e3,
+                    "kv_tb_s": kv_bytes / t / 1e12, "cache_copies_in_hlo": copies,
                     "tokens_head": np.asarray(tokens[:8]).tolist()}
 
-        attempt(result, backend, run)
-    ref, pal = result.get("reference", {}), result.get("pallas", {})
+        attempt(result, name, run)
+    ref, pal, fp8 = (result.get(name, {}) for name in ("reference", "pallas", "pallas_fp8"))
     if "tokens_head" in ref and "tokens_head" in pal:
         result["greedy_tokens_equal_head"] = ref["tokens_head"] == pal["tokens_head"]
+    if "step_ms" in pal and "step_ms" in fp8:
+        result["fp8_speedup_vs_pallas"] = pal["step_ms"] / fp8["step_ms"]
     print(f"step {cfg['model']} {s}x{ctx}: {summary(result)}", flush=True)
     return result
 
