@@ -19,8 +19,9 @@ from jaxvllm.loader import DTYPES
 # flag name -> (type, help); the keyword argument is the flag with '_' for '-'.
 _VALUE_FLAGS: dict[str, tuple[type, str]] = {
     "dtype": (str, "weights and KV cache dtype ('auto' = the checkpoint's)"),
-    "kv-cache-dtype": (str, "KV cache dtype: 'auto' (the model's dtype) or 'fp8' / 'fp8_e4m3' (float8_e4m3fn "
-                            "with per-layer scales from the checkpoint, else 1.0: twice the blocks)"),
+    "kv-cache-dtype": (str, "KV cache dtype: 'auto' (the model's dtype), 'fp8' / 'fp8_e4m3' (float8_e4m3fn "
+                            "with per-layer scales from the checkpoint, else 1.0: twice the blocks) or "
+                            "'fp8_e5m2'"),
     "max-model-len": (int, "longest sequence (prompt + output); default: the model's max_position_embeddings"),
     "max-num-seqs": (int, "most sequences in one step"),
     "max-num-batched-tokens": (int, "most tokens in one step (also the largest compiled token bucket)"),

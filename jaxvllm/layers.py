@@ -63,7 +63,7 @@ def paged_attention(
     """Write this step's k/v into the cache, then attend; returns (out, new cache).
 
     A layer's cache is (k_cache, v_cache) in the model's dtype, or for an fp8 KV cache
-    (k_cache, v_cache, scales): float8_e4m3fn arrays and their float32 (k_scale, v_scale)
+    (k_cache, v_cache, scales): float8 arrays and their float32 (k_scale, v_scale)
     (see `allocate_kv_caches`): the write quantizes, attention dequantizes; under a mesh
     the scales are replicated. Scales of three values are still to calculate from the
     first batch written (`calculate_kv_scales`).
@@ -164,7 +164,8 @@ def allocate_kv_caches(
 
 
 # kv_cache_dtype (vLLM's engine argument) -> the cache's element type; "auto": the model's dtype.
-KV_CACHE_DTYPES = {"auto": None, "fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn}
+KV_CACHE_DTYPES = {"auto": None, "fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn,
+                   "fp8_e5m2": jnp.float8_e5m2}
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype):

@@ -221,7 +221,7 @@ def gmm_case(rows: int, k: int, n: int, dtype=jnp.bfloat16, experts: int = 128, 
 def kernel_cases(quick: bool) -> list[Case]:
     """The issue's kernel matrix: GQA groups 1-8, head_dim 64/128/256, both dtypes,
     block_size 16-128, a sliding window, the K1/K2 benchmark shapes, and an fp8
-    (float8_e4m3fn) cache under bf16 queries."""
+    (float8_e4m3fn, and float8_e5m2) cache under bf16 queries."""
     dtypes = (jnp.bfloat16, jnp.float32)
     groups = (1, 2, 8) if quick else (1, 2, 4, 8)
     cases = []
@@ -257,6 +257,9 @@ def kernel_cases(quick: bool) -> list[Case]:
     cases.append(decode_case(2, 128, jnp.bfloat16, num_seqs=256, context=4096, cache_dtype=fp8))
     for tuning in FULL["k1"]["fp8_sweep"]:
         cases.append(decode_case(2, 128, jnp.bfloat16, cache_dtype=fp8, **tuning))
+    # kv_cache_dtype="fp8_e5m2": the same kernels over float8_e5m2 tiles.
+    cases.append(decode_case(2, 128, jnp.bfloat16, num_seqs=256, context=4096, cache_dtype=jnp.float8_e5m2))
+    cases.append(ragged_case(2, 128, jnp.bfloat16, cache_dtype=jnp.float8_e5m2))
     # Grouped matmul (MoE experts), Qwen3-30B-A3B's shapes: 128 experts, gate/up (k 2048,
     # n 768) and down (k 768, n 2048), 2048 and 8192 rows (256 and 1024 tokens x top-8), with
     # every tuning K3 tries (the defaults: block_m 16 at 2048 rows, 64 at 8192), and float32.

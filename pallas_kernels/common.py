@@ -62,29 +62,35 @@ def check_power_of_2(name: str, value: int, interpret: bool) -> None:
 
 KERNEL_DTYPES = ("float32", "bfloat16", "float16")
 
-# An fp8 KV cache (vLLM's kv_cache_dtype="fp8"): float8_e4m3fn, each value stored as
-# x / scale (per-tensor k and v scales, float32), clipped to e4m3's finite range.
-FP8_DTYPE = jnp.float8_e4m3fn
-FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448
+# An fp8 KV cache: float8_e4m3fn (vLLM's kv_cache_dtype="fp8") or float8_e5m2 ("fp8_e5m2":
+# 2 mantissa bits, a range of +-57344), each value stored as x / scale (per-tensor k and v
+# scales, float32), clipped to the type's finite range.
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
 
 def is_fp8(dtype) -> bool:
-    return jnp.dtype(dtype) == jnp.dtype(FP8_DTYPE)
+    return jnp.dtype(dtype) in FP8_DTYPES
+
+
+def fp8_max(dtype) -> float:
+    """The largest finite value of an fp8 type (448 for e4m3, 57344 for e5m2)."""
+    return float(jnp.finfo(dtype).max)
 
 
 def check_dtypes(q, k_cache) -> None:
     """tl.dot multiplies operands of one element type: the cache is q's dtype, or fp8,
     which the kernels convert to q's dtype after each load."""
     if q.dtype != k_cache.dtype and not is_fp8(k_cache.dtype):
-        raise ValueError(f"q dtype {q.dtype} != cache dtype {k_cache.dtype} (the cache may also be float8_e4m3fn)")
+        raise ValueError(f"q dtype {q.dtype} != cache dtype {k_cache.dtype} (the cache may also be float8_e4m3fn "
+                         "or float8_e5m2)")
     if q.dtype.name not in KERNEL_DTYPES:
         raise ValueError(f"dtype {q.dtype} is not supported; use one of {KERNEL_DTYPES}")
 
 
 def dot_dtype(q_dtype, cache_dtype):
     """The element type of the decode kernel's dots: q's, except for an fp8 cache under
-    bf16 queries, which dots in float16. Every e4m3 value is exact in float16, and the
-    sm_90a conversion is one instruction per pair (cvt.rn.f16x2.e4m3x2), where bfloat16
+    bf16 queries, which dots in float16. Every e4m3 and e5m2 value is exact in float16, and
+    the sm_90a conversion is one instruction per pair (cvt.rn.f16x2.e4m3x2), where bfloat16
     takes two more (cvt.bf16.f16 per value): with a tile's bytes halved, decode spends its
     time converting. (The ragged kernel, compute-bound, keeps q's dtype: at head_dim 256
     float16 tiles spill there.) Queries go through `to_dot_dtype`."""

@@ -10,7 +10,7 @@ step writes T rows per layer and never copies the cache, which is all a kernel c
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import FP8_MAX, is_fp8
+from pallas_kernels.common import fp8_max, is_fp8
 
 
 def write_kv_reference(
@@ -24,9 +24,9 @@ def write_kv_reference(
 ) -> tuple[jax.Array, jax.Array]:
     """Scatter `k`, `v` [T, num_kv_heads, head_dim] into slots `slot_mapping` [T].
 
-    Into an fp8 (float8_e4m3fn) cache the rows are quantized: x / scale in float32 (scale:
-    `k_scale` / `v_scale`, None = 1.0), clipped to e4m3's range (+-448; the cast would make
-    NaN of anything beyond), then cast. Any other cache takes them cast to its dtype.
+    Into an fp8 (float8_e4m3fn or float8_e5m2) cache the rows are quantized: x / scale in
+    float32 (scale: `k_scale` / `v_scale`, None = 1.0), clipped to the type's range (+-448
+    for e4m3, whose cast would make NaN of anything beyond), then cast. Any other cache takes them cast to its dtype.
 
     A negative slot marks a padding row: it is dropped, never written (a plain
     negative index would wrap around and clobber the last block). Under `jit` with the
@@ -46,7 +46,7 @@ def write_kv_reference(
             new = new.astype(jnp.float32)
             if scale is not None:
                 new = new / jnp.asarray(scale, jnp.float32)
-            new = jnp.clip(new, -FP8_MAX, FP8_MAX)
+            new = jnp.clip(new, -fp8_max(cache.dtype), fp8_max(cache.dtype))
         elif scale is not None:
             new = new.astype(jnp.float32) / jnp.asarray(scale, jnp.float32)
         flat = cache.reshape(num_kv_heads, num_slots, head_dim)

@@ -50,7 +50,7 @@ def runs(tiny_checkpoint):
     path = tiny_checkpoint("qwen3")
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=-1, prompt_logprobs=0)
     results = {}
-    for kv_cache_dtype in ("auto", "fp8"):
+    for kv_cache_dtype in ("auto", "fp8", "fp8_e5m2"):
         llm = LLM(str(path), kv_cache_dtype=kv_cache_dtype, logprobs_mode="raw_logits", max_logprobs=-1, **ENGINE)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
         results[kv_cache_dtype] = (outs, llm.stats())
@@ -89,6 +89,19 @@ def test_fp8_logits_close_to_the_model_dtype_cache(runs):
     assert decode.max() < LOGIT_ATOL and decode.mean() < LOGIT_MEAN_ATOL
     assert prefill.max() < LOGIT_ATOL and prefill.mean() < LOGIT_MEAN_ATOL
     assert decode.max() > 0  # the fp8 run did quantize
+
+
+def test_e5m2_cache_logits_close_to_the_model_dtype_cache(runs):
+    """kv_cache_dtype="fp8_e5m2": 2 mantissa bits (each value within 1/8 relative), so about
+    twice e4m3's logit error."""
+    (ref, _), (e5m2, stats) = runs["auto"], runs["fp8_e5m2"]
+    assert stats["kv_cache_dtype"] == "float8_e5m2"
+    diff = np.concatenate([np.abs(logits_row(a.outputs[0].logprobs[0], 512) - logits_row(b.outputs[0].logprobs[0], 512))
+                           for a, b in zip(ref, e5m2)])
+    same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(ref, e5m2))
+    print(f"\nfp8_e5m2 vs bf16 KV cache: first decode logits max |diff| {diff.max():.4f}, mean {diff.mean():.4f}; "
+          f"{same}/{NUM_PROMPTS} identical greedy completions")
+    assert 0 < diff.max() < 2 * LOGIT_ATOL and diff.mean() < 2 * LOGIT_MEAN_ATOL
 
 
 def test_fp8_greedy_agreement_rate(runs):
@@ -139,9 +152,9 @@ def test_num_gpu_blocks_double_at_the_same_memory_budget(tiny_checkpoint, monkey
 
 def test_bad_kv_cache_dtype_names_the_allowed_values(tiny_checkpoint):
     path = str(tiny_checkpoint("qwen3"))
-    for bad in ("fp8_e5m2", "int8", "bfloat16", None):
+    for bad in ("fp8_inc", "int8", "bfloat16", None):
         with pytest.raises(ValueError, match=r"^kv_cache_dtype=.* is not supported; choose from 'auto', 'fp8', "
-                                             r"'fp8_e4m3'$"):
+                                             r"'fp8_e4m3', 'fp8_e5m2'$"):
             LLM(path, **ENGINE, kv_cache_dtype=bad)
     llm = LLM(path, **ENGINE, kv_cache_dtype="fp8_e4m3", enforce_eager=True)  # vLLM's other name for it
     assert llm.stats()["kv_cache_dtype"] == "float8_e4m3fn"

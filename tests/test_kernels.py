@@ -25,6 +25,7 @@ from pallas_kernels import (
     paged_decode_attention_reference,
     ragged_paged_attention,
     ragged_paged_attention_reference,
+    write_kv_reference,
 )
 from pallas_kernels.common import (INTERPRET_ENV, MIN_DOT_DIM, cdiv, default_interpret, dot_dtype, next_power_of_2,
                                     to_dot_dtype)
@@ -293,9 +294,10 @@ def test_backend_resolution(monkeypatch):
 FP8 = jnp.float8_e4m3fn
 
 
-def quantized(b: Batch, k_scale: float, v_scale: float) -> Batch:
+def quantized(b: Batch, k_scale: float, v_scale: float, dtype=FP8) -> Batch:
     """The batch with its caches stored as fp8 (x / scale, as the KV write stores them)."""
-    fp8 = lambda x, s: jnp.clip(x.astype(jnp.float32) / s, -448, 448).astype(FP8)  # noqa: E731
+    top = float(jnp.finfo(dtype).max)
+    fp8 = lambda x, s: jnp.clip(x.astype(jnp.float32) / s, -top, top).astype(dtype)  # noqa: E731
     return Batch(b.q, fp8(b.k_cache, k_scale), fp8(b.v_cache, v_scale), b.positions, b.query_start_loc,
                  b.seq_lens, b.block_tables, b.num_tokens)
 
@@ -335,6 +337,29 @@ def test_ragged_fp8_cache_matches_reference(group, block_size, dtype, window, sc
     assert got.dtype == dtype
     assert_close(got, want, dtype, rows=slice(0, b.num_tokens))
     assert np.all(np.asarray(got[b.num_tokens :], np.float32) == 0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_kernels_over_an_e5m2_cache_match_reference(dtype):
+    """kv_cache_dtype="fp8_e5m2": float8_e5m2 pages go through the same paths as e4m3's."""
+    e5m2 = jnp.float8_e5m2
+    b = quantized(make_batch(5, DECODE_CONTEXT, [1] * len(DECODE_CONTEXT), group=2, block_size=4, dtype=dtype,
+                             pad_tokens=2, pad_seqs=2), 0.05, 0.02, e5m2)
+    args = (b.q, b.k_cache, b.v_cache, b.seq_lens, b.block_tables)
+    got = paged_decode_attention(*args, sm_scale=0.3, num_splits=2, block_kv=kv_tile(8), k_scale=0.05, v_scale=0.02)
+    want = decode_reference(*args, sm_scale=0.3, k_scale=0.05, v_scale=0.02)
+    assert b.k_cache.dtype == e5m2 and got.dtype == dtype
+    assert_close(got, want, dtype)
+    r = quantized(make_batch(6, RAGGED_CONTEXT, RAGGED_NEW, group=2, block_size=4, dtype=dtype), 0.05, 0.02, e5m2)
+    got = ragged_paged_attention(*r.args, sm_scale=0.3, block_q=q_tile(4, 2), block_kv=kv_tile(8), k_scale=0.05,
+                                 v_scale=0.02)
+    want = ragged_reference(*r.args, sm_scale=0.3, k_scale=0.05, v_scale=0.02)
+    assert_close(got, want, dtype, rows=slice(0, r.num_tokens))
+    # The write clips to e5m2's range, not e4m3's.
+    cache = jnp.zeros((1, 1, 2, 2), e5m2)
+    new_k, _ = write_kv_reference(cache, cache, jnp.asarray([[[1000.0, -1e6]]], dtype), jnp.zeros((1, 1, 2), dtype),
+                                  jnp.asarray([1], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(new_k.astype(jnp.float32))[0, 0, 1], [1024.0, -57344.0])
 
 
 def test_mixed_fp8_cache_matches_reference():
