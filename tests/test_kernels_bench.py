@@ -53,6 +53,8 @@ def test_engine_step_small_runs_every_backend(tmp_path, monkeypatch):
     # fp8 reads half the bytes: its TB/s is half the bf16 cache's, times its speedup.
     assert step["pallas_fp8"]["kv_tb_s"] == pytest.approx(step["pallas"]["kv_tb_s"] / 2 * step["fp8_speedup_vs_pallas"])
     assert step["greedy_tokens_equal_head"]
+    floor = results["floor_step"]
+    assert (floor["num_seqs"], floor["context"]) == engine_step.SMALL["floor"] and floor["pallas"]["step_ms"] > 0
 
 
 @pytest.mark.parametrize("main", [bench.main, engine_step.main])

@@ -4,7 +4,8 @@
     python -m jaxvllm.benchmarks.engine_step --small    # the tiny model, kernels interpreted: CPU
     python -m jaxvllm.benchmarks.engine_step --json out.json
 
-The model forward plus a greedy argmax, KV caches donated, for the `reference` and
+At 256 x 1024 (`step`) and at 8 sequences x 128 tokens (`floor_step`: a step's fixed
+cost). The model forward plus a greedy argmax, KV caches donated, for the `reference` and
 `pallas` backends, and `pallas` over an fp8 KV cache (`pallas_fp8`): step time, KV bytes
 read per second, the host's time to dispatch a step (the call's return, before the
 device is done: what the engine's host pays per step for it), copies of the cache in
@@ -37,8 +38,10 @@ from pallas_kernels.bench import DTYPE, attempt, environment, json_path, summary
 from pallas_kernels.common import cdiv
 from pallas_kernels.hlo import count_cache_copies
 
-FULL = dict(model="qwen3-0.6b", num_seqs=256, context=1024, block_size=16, iters=20)
-SMALL = dict(model="tiny", num_seqs=4, context=48, block_size=8, iters=2)
+# `floor`: a step with few short sequences, whose time is the step's fixed cost (weights, the
+# launches of every kernel): what each of the many steps of a batch's tail costs at least.
+FULL = dict(model="qwen3-0.6b", num_seqs=256, context=1024, block_size=16, iters=20, floor=(8, 128))
+SMALL = dict(model="tiny", num_seqs=4, context=48, block_size=8, iters=2, floor=(2, 16))
 
 
 def bench_step(cfg: dict, iters: int) -> dict:
@@ -115,7 +118,9 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.small and jax.default_backend() == "cpu":
         parser.error("the full shapes need a GPU; use --small on CPU")
     iters = args.iters or cfg["iters"]
-    results = {"small": args.small, "iters": iters, "env": environment(), "config": cfg, "step": bench_step(cfg, iters)}
+    num_seqs, context = cfg["floor"]
+    results = {"small": args.small, "iters": iters, "env": environment(), "config": cfg, "step": bench_step(cfg, iters),
+               "floor_step": bench_step(dict(cfg, num_seqs=num_seqs, context=context), iters)}
     path = json_path(args.json, "engine_step.json")
     if path:
         write_json(path, results)
