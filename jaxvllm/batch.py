@@ -3,7 +3,7 @@ step's packed buffer, see `jaxvllm.input_batch`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 
@@ -22,6 +22,9 @@ class ModelInputs:
     block_tables [S, max_blocks]: physical block ids of each sequence, in logical order.
     logits_indices [R]: the token rows that get logits (the runner asks for each
         sequence's last token, R = S; a test may ask for every row).
+    decode_only (static): the host's promise that sequence s owns token s alone (or
+        nothing): every row brings one token. The pallas backend then runs the decode
+        kernel only, on the tokens as they are (no ragged kernel, gather or scatter).
     """
 
     input_ids: jax.Array
@@ -31,3 +34,4 @@ class ModelInputs:
     seq_lens: jax.Array
     block_tables: jax.Array
     logits_indices: jax.Array
+    decode_only: bool = field(default=False, metadata=dict(static=True))

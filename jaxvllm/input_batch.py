@@ -69,6 +69,7 @@ class BatchLayout:
     num_tokens: int  # T, the token bucket
     num_rows: int  # S
     width: int  # W, block-table columns
+    decode_only: bool = False  # every sequence brings one token (`ModelInputs.decode_only`)
 
     @cached_property
     def spans(self) -> dict[str, tuple[int, int]]:
@@ -137,7 +138,7 @@ class BatchLayout:
         prev = f("prev_row")
         input_ids = jnp.where(prev >= 0, last_sampled[jnp.maximum(prev, 0)], f("input_ids"))
         return ModelInputs(input_ids, f("positions"), f("slot_mapping"), f("query_start_loc"), f("seq_lens"),
-                           f("block_tables"), f("logits_indices"))
+                           f("block_tables"), f("logits_indices"), self.decode_only)
 
     def prompt_targets(self, packed: jax.Array) -> jax.Array:
         return self._field(packed, "prompt_targets")

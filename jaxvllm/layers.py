@@ -3,8 +3,9 @@
 Attention is where backends plug in: `attention_backend` picks the implementation of
 the same contract (see `pallas_kernels/ragged_paged_attention.py`): "reference" (plain
 jnp, any device) or "pallas" (the Pallas kernels: split-K decode kernel for 1-token
-sequences, ragged kernel for the rest, both in every step; compiled on GPU, interpret
-mode on CPU). The K/V write is XLA's scatter on the donated cache for both.
+sequences, ragged kernel for the rest, both in every step unless the batch is decode-only,
+`ModelInputs.decode_only`; compiled on GPU, interpret mode on CPU). The K/V write is
+XLA's scatter on the donated cache for both.
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ def _paged_attention(q, k, v, kv_cache, inputs: ModelInputs, *, sm_scale, slidin
         scales = [calculate_kv_scales(scales[0], k, v, inputs.slot_mapping, axis_name)]
     k_scale, v_scale = (scales[0][0], scales[0][1]) if scales else (None, None)
     k_cache, v_cache = write_kv_reference(k_cache, v_cache, k, v, inputs.slot_mapping, k_scale, v_scale)
-    attend = mixed_paged_attention if backend == "pallas" else ragged_paged_attention_reference
+    attend = (partial(mixed_paged_attention, decode_only=inputs.decode_only) if backend == "pallas"
+              else ragged_paged_attention_reference)
     if logits_soft_cap is not None:  # the reference (paged_attention refuses it for the kernels)
         attend = partial(attend, logits_soft_cap=logits_soft_cap)
     out = attend(

@@ -383,9 +383,10 @@ class ModelRunner:
         and the common sampler variants of every row count (greedy, temperature,
         temperature + top-k/top-p); rarer sampler variants compile when first used."""
         start = time.perf_counter()
-        shapes = [(b, w) for b in self.buckets for w in self.widths]
-        for bucket, width in tqdm(shapes, desc="Compiling token buckets", dynamic_ncols=True):
-            self.launch(self.padding_batch(bucket, width, None))
+        shapes = [(b, w, False) for b in self.buckets for w in self.widths]
+        shapes += [(b, w, True) for b in self.decode_only_buckets for w in self.widths]
+        for bucket, width, decode_only in tqdm(shapes, desc="Compiling token buckets", dynamic_ncols=True):
+            self.launch(self.padding_batch(bucket, width, None, decode_only))
         for rows in sorted({self.rows_for(b) for b in self.buckets}):
             bucket = next(b for b in self.buckets if self.rows_for(b) == rows)
             for features in COMMON_FEATURES:
@@ -393,15 +394,25 @@ class ModelRunner:
         self.sampler_state = self._write_row(self.sampler_state, 0, jax.tree.map(lambda x: x[0], self.sampler_state))
         jax.block_until_ready((self.kv_caches, self.last_sampled, self.sampler_state))
         seconds = time.perf_counter() - start
-        logger.info("warm-up: compiled %d token buckets %s x %d block-table widths %s and %d sampler variants "
-                    "in %.1f s", len(self.buckets), self.buckets, len(self.widths), self.widths,
-                    self.num_compiled_sampler_variants(), seconds)
+        logger.info("warm-up: compiled %d token buckets %s (decode-only variants of %s) x %d block-table widths "
+                    "%s and %d sampler variants in %.1f s", len(self.buckets), self.buckets, self.decode_only_buckets,
+                    len(self.widths), self.widths, self.num_compiled_sampler_variants(), seconds)
         return seconds
 
-    def padding_batch(self, bucket: int, width: int, features: SamplerFeatures | None) -> HostBatch:
+    def padding_batch(self, bucket: int, width: int, features: SamplerFeatures | None,
+                      decode_only: bool = False) -> HostBatch:
         """An all-padding batch of a bucket's shape: writes nothing to the cache."""
-        layout = BatchLayout(bucket, self.rows_for(bucket), width)
+        layout = BatchLayout(bucket, self.rows_for(bucket), width, decode_only)
         return HostBatch(layout, layout.empty()[0], features, 0, [], [])
+
+    @cached_property
+    def decode_only_buckets(self) -> list[int]:
+        """Buckets that also compile a decode-only forward (`ModelInputs.decode_only`): on the
+        pallas backend, those a step of one token per sequence can take (up to max_num_seqs
+        tokens). The reference backend gains nothing from it: none."""
+        if self.backend != "pallas":
+            return []
+        return [b for b in self.buckets if b <= self.bucket_for(self.config.max_num_seqs)]
 
     # -- one step: host side -------------------------------------------------------------
 
@@ -455,7 +466,8 @@ class ModelRunner:
 
         num_tokens = int(lens.sum())
         bucket = self.bucket_for(num_tokens)
-        layout = BatchLayout(bucket, self.rows_for(bucket), self.width_for(max_blocks))
+        decode_only = num_tokens == n and bucket in self.decode_only_buckets  # one token per sequence
+        layout = BatchLayout(bucket, self.rows_for(bucket), self.width_for(max_blocks), decode_only)
         packed, v = layout.empty()
 
         qsl = v["query_start_loc"]
@@ -640,7 +652,8 @@ class ModelRunner:
         return SingleDeviceSharding(self.devices[0]) if self.mesh is None else replicated(self.mesh)
 
     def num_compiled_buckets(self) -> int:
-        """Compiled forward shapes (token bucket x block-table width)."""
+        """Compiled forward shapes (token bucket x block-table width, and the decode-only
+        variants of the pallas backend)."""
         return self._forward._cache_size()
 
     def num_compiled_sampler_variants(self) -> int:

@@ -71,7 +71,8 @@ def _decode_kernel(
     len_ref,  # [1]           seq_len
     pos_ref,  # [1]           query position
     scale_ref,  # [2] f32     (k_scale, v_scale) of the cache (1.0 unless fp8)
-    o_ref,  # [G, D] f32      partition output, normalized by the partition's softmax sum
+    o_ref,  # [G, D]          partition output, normalized by the partition's softmax sum (f32;
+    #                         q's dtype when unsplit: then it is the output, no merge follows)
     m_ref,  # [G] f32         partition max score
     l_ref,  # [G] f32         partition softmax sum (0: empty partition)
     *,
@@ -142,7 +143,7 @@ def _decode_kernel(
     )
     acc, m, l, _ = lax.fori_loop(start, stop, body, init)
     out = acc / jnp.where(l == 0.0, 1.0, l)[:, None] * scale_ref[1]  # v_scale: sum p (s v) = s sum p v
-    plgpu.store(o_ref.at[rows[:, None], dims[None, :]], out, mask=row_ok)
+    plgpu.store(o_ref.at[rows[:, None], dims[None, :]], out.astype(o_ref.dtype), mask=row_ok)
     plgpu.store(m_ref.at[rows], m * LN_2, mask=rows < group)  # back to natural log for the combine
     plgpu.store(l_ref.at[rows], l, mask=rows < group)
 
@@ -166,6 +167,7 @@ def _call_triton(q4, k_slots, v_slots, block_tables, seq_lens, positions, scales
     max_blocks = block_tables.shape[1]
     kernel = functools.partial(_decode_kernel, num_splits=num_splits, block_h=block_h, **kernel_args)
     part = (num_seqs, num_kv_heads, num_splits, group)
+    out_dtype = q4.dtype if num_splits == 1 else jnp.float32  # unsplit: the output itself
     return pl.pallas_call(
         kernel,
         grid=(num_seqs, num_kv_heads, num_splits),
@@ -184,7 +186,7 @@ def _call_triton(q4, k_slots, v_slots, block_tables, seq_lens, positions, scales
             pl.BlockSpec((None, None, None, group), lambda s, h, p: (s, h, p, 0)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((*part, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((*part, head_dim), out_dtype),
             jax.ShapeDtypeStruct(part, jnp.float32),
             jax.ShapeDtypeStruct(part, jnp.float32),
         ],
@@ -299,7 +301,9 @@ def paged_decode_attention(
         block_kv=block_kv,
         sliding_window=sliding_window,
     )
-    out = combine_partitions(o, m, l)  # [S, kv_heads, G, D]
+    # Unsplit, each program's output is the answer (empty rows: zeros); else merge (one
+    # fewer fusion or two per layer and step without the merge).
+    out = o[:, :, 0] if num_splits == 1 else combine_partitions(o, m, l)  # [S, kv_heads, G, D]
     return out.reshape(num_seqs, num_q_heads, head_dim).astype(q.dtype)
 
 

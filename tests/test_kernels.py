@@ -261,6 +261,25 @@ def test_mixed_matches_reference(kind, group, dtype, window):
     assert np.all(np.asarray(got[b.num_tokens :], np.float32) == 0)
 
 
+@pytest.mark.parametrize("pad_tokens,dtype", [(0, jnp.float32), (3, jnp.bfloat16)])
+def test_decode_only_batch_runs_the_decode_kernel_alone(pad_tokens, dtype):
+    """decode_only=True (sequence s owns token s alone): the same outputs as the reference,
+    padding sequence rows and tokens beyond them zeros, and no ragged kernel traced."""
+    context = [5, 1, 33, 16, 9]
+    b = make_batch(8, context, [1] * len(context), group=2, dtype=dtype, pad_tokens=pad_tokens + 2, pad_seqs=2)
+    fn = partial(mixed_paged_attention, sm_scale=0.3, decode_only=True,
+                 decode_tuning=dict(num_splits=2, block_kv=kv_tile(8)))
+    got = jax.jit(fn)(*b.args)
+    want = ragged_reference(*b.args, sm_scale=0.3)
+    assert_close(got, want, dtype, rows=slice(0, b.num_tokens))
+    assert np.all(np.asarray(got[b.num_tokens :], np.float32) == 0)
+    jaxpr = str(jax.make_jaxpr(fn)(*b.args))
+    assert "jaxvllm_paged_decode_attention" in jaxpr and "jaxvllm_ragged_paged_attention" not in jaxpr
+    with pytest.raises(ValueError, match="decode_only: 7 sequence rows for 5 tokens"):
+        mixed_paged_attention(b.q[:5], b.k_cache, b.v_cache, b.positions[:5], *b.args[4:], sm_scale=0.3,
+                              decode_only=True)
+
+
 # -- plumbing ------------------------------------------------------------------------------------
 
 

@@ -9,6 +9,7 @@ scripts/gpu_aot_check.sh, the run on the GPU by scripts/gpu_check.sh.
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import jax
@@ -79,3 +80,7 @@ def test_model_step_lowers_with_the_pallas_backend(monkeypatch):
     inputs = ModelInputs(spec(T), spec(T), spec(T), spec(S + 1), spec(S), spec(S, 8), spec(S))
     text = lower_for_cuda(partial(forward, cfg=cfg, attention_backend="pallas"), params, caches, inputs)
     assert text.count(TRITON_CALL) == 2 * cfg.num_layers
+    # A decode-only batch (the host's promise): the decode kernel alone in each layer.
+    decode_only = dataclasses.replace(inputs, decode_only=True)
+    text = lower_for_cuda(partial(forward, cfg=cfg, attention_backend="pallas"), params, caches, decode_only)
+    assert text.count(TRITON_CALL) == cfg.num_layers

@@ -36,12 +36,16 @@ def generations(request, tiny_checkpoint):
     results = {}
     for backend in ("reference", "pallas"):
         llm = LLM(str(path), attention_backend=backend, **ENGINE)
-        assert llm.llm_engine.runner.backend == backend
+        runner = llm.llm_engine.runner
+        assert runner.backend == backend
+        decode_only = []  # per step: whether it ran the decode-only forward
+        launch = runner.launch
+        runner.launch = lambda batch, *a: decode_only.append(batch.layout.decode_only) or launch(batch, *a)
         requests = [{"prompt_token_ids": p} for p in prompts()]
         outputs = llm.generate(requests, GREEDY, use_tqdm=False)
         # Again: the blocks still cached from the first round are prefix-cache hits.
         outputs += llm.generate(requests[::-1], GREEDY, use_tqdm=False)
-        results[backend] = (outputs, llm.stats())
+        results[backend] = (outputs, dict(llm.stats(), decode_only_steps=sum(decode_only), steps=len(decode_only)))
     return results
 
 
@@ -57,3 +61,7 @@ def test_pallas_greedy_equals_reference(generations):
     assert pal_stats["num_preemptions"] == ref_stats["num_preemptions"]
     assert any(o.num_cached_tokens > 0 for o in pal)
     assert pal_stats["num_free_blocks"] == pal_stats["num_gpu_blocks"]
+    # Steps of one token per sequence ran the pallas backend's decode-only forward, compiled
+    # in the warm-up beside the mixed one; the reference backend has none.
+    assert 0 < pal_stats["decode_only_steps"] < pal_stats["steps"] and ref_stats["decode_only_steps"] == 0
+    assert pal_stats["num_compiled_buckets"] == 2 * ref_stats["num_compiled_buckets"]

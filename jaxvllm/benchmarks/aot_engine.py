@@ -35,12 +35,14 @@ STATE_ARRAYS = 4  # SamplerState's donated [max_num_seqs, vocab] arrays
 
 def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int = 256, max_num_seqs: int = 256,
                       context: int = 1024, block_size: int = 16, dtype=jnp.bfloat16,
-                      sampler: tuple[str, ...] = ("greedy", "all"), kv_cache_dtype=None) -> list[Case]:
+                      sampler: tuple[str, ...] = ("greedy", "all"), kv_cache_dtype=None,
+                      decode_only: bool = False) -> list[Case]:
     """The model runner's per-step executables for a bucket of `num_tokens` tokens, one
     sequence each at `context` tokens: the forward (KV caches donated) and the sampler
     (last sampled ids and sampler state donated) with no feature, or every one, on.
     `kv_cache_dtype`: the cache's dtype when not the model's (fp8: each layer's cache
-    carries its float32 (k_scale, v_scale), donated with it).
+    carries its float32 (k_scale, v_scale), donated with it). `decode_only`: the forward the
+    pallas backend runs for a step of one token per sequence.
 
     The only code here that knows the runner's API (imported here, so that the rest of
     the module does not depend on it): params name the donated buffers (`copy_shapes`,
@@ -52,11 +54,13 @@ def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int =
 
     cfg = ModelConfig.from_hf(get_dummy(model).make_config())
     rows = sequence_rows(max_num_seqs, num_tokens)
-    layout = BatchLayout(num_tokens, rows, context // block_size)
+    layout = BatchLayout(num_tokens, rows, context // block_size, decode_only)
     cache = spec((cfg.num_kv_heads, rows * layout.width, block_size, cfg.head_dim), kv_cache_dtype or dtype)
     layer_cache = (cache, cache) if kv_cache_dtype is None else (cache, cache, spec((2,), jnp.float32))
     packed, last_sampled = spec((layout.size,)), spec((max_num_seqs,))
     common = dict(backend=backend, model=model, dtype=jnp.dtype(dtype).name, num_tokens=num_tokens, context=context)
+    if decode_only:
+        common["decode_only"] = True
     if kv_cache_dtype is not None:
         common["kv_cache"] = jnp.dtype(kv_cache_dtype).name
     forward = jit_forward(cfg, backend, kv_scaled=kv_cache_dtype is not None)
@@ -86,6 +90,8 @@ def engine_cases(quick: bool = False) -> list[Case]:
     cases = [c for t in (16, 256, 2048) for c in engine_step_cases("pallas", num_tokens=t, sampler=("all",))]
     cases += engine_step_cases("reference", sampler=("greedy",))
     cases += engine_step_cases("pallas", sampler=(), kv_cache_dtype=jnp.float8_e4m3fn)  # fp8 KV cache, decode
+    for kv_cache_dtype in (None, jnp.float8_e4m3fn):  # the decode-only forward of a step of 256 decode rows
+        cases += engine_step_cases("pallas", sampler=(), kv_cache_dtype=kv_cache_dtype, decode_only=True)
     cases += engine_step_cases("pallas", model="tiny", num_tokens=64, max_num_seqs=8, context=256, dtype=jnp.float32,
                                sampler=())
     return cases
@@ -108,11 +114,23 @@ def unbounded_loops(hlo_text: str) -> int:
     return sum(1 for line in hlo_text.splitlines() if " while(" in line and "known_trip_count" not in line)
 
 
+# Ops of an entry computation that launch nothing on a GPU.
+_NO_LAUNCH = {"parameter", "bitcast", "get-tuple-element", "tuple", "constant"}
+
+
+def launches(hlo_text: str) -> int:
+    """Kernels (fusions, custom calls, other ops) the compiled step's entry computation
+    runs: each one a launch per step, on the device and, outside a CUDA graph, the host."""
+    entry = hlo_text[hlo_text.index("\nENTRY"):].split("\n}", 1)[0]
+    ops = re.findall(r"^\s+(?:ROOT )?\S+ = \S+ ([\w-]+)\(", entry, re.M)
+    return sum(op not in _NO_LAUNCH for op in ops)
+
+
 def inspect(case: Case, hlo: str) -> dict:
-    """The compiled step's figures that `problems` judges."""
+    """The compiled step's figures that `problems` judges, and its kernel count."""
     return {"cache_copies": sum(count_cache_copies(hlo, tuple(s)) for s in case.params["copy_shapes"]),
             "aliased_outputs": aliased_outputs(hlo), "conditionals": conditionals(hlo),
-            "unbounded_loops": unbounded_loops(hlo)}
+            "unbounded_loops": unbounded_loops(hlo), "launches": launches(hlo)}
 
 
 def problems(case: Case) -> list[str]:
