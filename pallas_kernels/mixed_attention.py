@@ -6,8 +6,8 @@ goes to the ragged kernel (`min_query_len=2`). Both kernels run on every step an
 skip the rows they do not own, then a select merges the outputs. A caller that knows a
 batch is all decode rows, token s being sequence s's only token (an engine's host does:
 it builds the batch), says so with `decode_only=True`: the decode kernel alone then runs,
-on the queries as they are, with no gather, scatter or select around it (in a decode
-step of a 28-layer model, 6 of about 20 kernels per layer).
+on the queries as they are, with no gather, scatter or select around it (Qwen3-0.6B's
+256-sequence decode step compiles to 430 kernels instead of 550 on sm_90a).
 
 Why not pick one kernel per batch: the layer cannot know at trace time whether a
 batch is decode-only (the token count is padded to a bucket and the sequence rows to

@@ -4,7 +4,8 @@ Decode is a KV-bandwidth problem: every step reads each sequence's whole context
 The kernel reads each (sequence, KV head) context exactly once, for all G = q heads /
 kv heads query heads of that KV head together ([G, D] x [D, block_kv] dots), and splits
 the context into `num_splits` partitions so that a small batch still fills the GPU;
-a small jnp step then merges the partitions by log-sum-exp.
+a small jnp step then merges the partitions by log-sum-exp (unsplit, the kernel writes
+the output itself).
 
 Layout (see `pallas_kernels/__init__.py`):
   q             [S, num_q_heads, head_dim]    query heads h*G .. h*G+G-1 share KV head h

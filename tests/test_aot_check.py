@@ -89,7 +89,28 @@ def test_engine_problems_name_copies_aliasing_and_conditionals():
 def test_engine_inspect_reads_the_donated_shapes_off_the_case():
     case = aot_check.Case("engine_step", {"copy_shapes": [[8, 16384, 16, 128], [4, 100]]}, None, [])
     assert aot_engine.inspect(case, HLO) == {"cache_copies": 2, "aliased_outputs": 2, "conditionals": 1,
-                                             "unbounded_loops": 0}
+                                             "unbounded_loops": 0, "launches": 4}
+
+
+def test_launches_count_the_entry_computations_kernels():
+    """Fusions, custom calls and other ops of the entry computation launch kernels; parameters,
+    bitcasts, tuples and constants do not, nor do the ops of called computations."""
+    hlo = """HloModule m
+%fused {
+  %a = f32[4]{0} add(%x, %y)
+}
+
+ENTRY %main {
+  %p0 = f32[4]{0} parameter(0)
+  %b = f32[2,2]{1,0} bitcast(%p0)
+  %c = f32[] constant(1)
+  %f = f32[4]{0} fusion(%p0, %c), kind=kLoop, calls=%fused
+  %k = (bf16[8,2]{1,0}, f32[8]{0}) custom-call(%f), custom_call_target="__gpu$xla.gpu.triton"
+  %g = bf16[8,2]{1,0} get-tuple-element(%k), index=0
+  ROOT %t = (bf16[8,2]{1,0}) tuple(%g)
+}
+"""
+    assert aot_engine.launches(hlo) == 2
     loops = "%w = (s32[]) while(%t), condition=%c, body=%b\n%k = (s32[]) while(%t), condition=%c, body=%b, " \
             'backend_config={"known_trip_count":{"n":"32"}}\n'
     assert aot_engine.unbounded_loops(loops) == 1

@@ -122,7 +122,7 @@ def launches(hlo_text: str) -> int:
     """Kernels (fusions, custom calls, other ops) the compiled step's entry computation
     runs: each one a launch per step, on the device and, outside a CUDA graph, the host."""
     entry = hlo_text[hlo_text.index("\nENTRY"):].split("\n}", 1)[0]
-    ops = re.findall(r"^\s+(?:ROOT )?\S+ = \S+ ([\w-]+)\(", entry, re.M)
+    ops = re.findall(r"^\s+(?:ROOT )?\S+ = (?:\([^=]*?\)|\S+) ([\w-]+)\(", entry, re.M)  # a shape, or a tuple's
     return sum(op not in _NO_LAUNCH for op in ops)
 
 
