@@ -394,9 +394,10 @@ class ModelRunner:
         self.sampler_state = self._write_row(self.sampler_state, 0, jax.tree.map(lambda x: x[0], self.sampler_state))
         jax.block_until_ready((self.kv_caches, self.last_sampled, self.sampler_state))
         seconds = time.perf_counter() - start
-        logger.info("warm-up: compiled %d token buckets %s (decode-only variants of %s) x %d block-table widths "
-                    "%s and %d sampler variants in %.1f s", len(self.buckets), self.buckets, self.decode_only_buckets,
-                    len(self.widths), self.widths, self.num_compiled_sampler_variants(), seconds)
+        decode_only = f" (and decode-only ones of {self.decode_only_buckets})" if self.decode_only_buckets else ""
+        logger.info("warm-up: compiled %d token buckets %s%s x %d block-table widths %s and %d sampler variants "
+                    "in %.1f s", len(self.buckets), self.buckets, decode_only, len(self.widths), self.widths,
+                    self.num_compiled_sampler_variants(), seconds)
         return seconds
 
     def padding_batch(self, bucket: int, width: int, features: SamplerFeatures | None,

@@ -88,8 +88,8 @@ def test_vllm_engine_arguments_are_accepted(tiny_checkpoint):
         LLM(path, **ENGINE, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="pipeline_parallel_size=2: jaxvllm splits a model over devices by tensor"):
         LLM(path, **ENGINE, pipeline_parallel_size=2)
-    with pytest.raises(ValueError, match=r"^kv_cache_dtype='fp8_e5m2' is not supported; choose from 'auto', 'fp8'"):
-        LLM(path, **ENGINE, kv_cache_dtype="fp8_e5m2")
+    with pytest.raises(ValueError, match=r"^kv_cache_dtype='fp8_inc' is not supported; choose from 'auto', 'fp8'"):
+        LLM(path, **ENGINE, kv_cache_dtype="fp8_inc")
     with pytest.raises(ValueError, match=r"^quantization='awq' is not supported"):
         LLM(path, **ENGINE, quantization="awq")
     with pytest.raises(ValueError, match="tokenizer_mode must be 'auto' or 'slow'"):

@@ -87,6 +87,7 @@ def build(num_requests: int, prompt_len: int, output_len: int, tokenizer, rng: n
 
     runner = ModelRunner.__new__(ModelRunner)  # only what `prepare` reads
     runner.config = SimpleNamespace(max_num_seqs=num_requests)
+    runner.backend = "pallas"  # a GPU's: decode steps take the decode-only layout
     runner.block_size, runner.max_blocks_per_seq = BLOCK_SIZE, blocks_per_seq
     runner.buckets, runner.widths = default_buckets(max_batched), block_table_widths(blocks_per_seq)
     runner.input_batch = InputBatch(num_requests, blocks_per_seq)
