@@ -4,10 +4,11 @@ Cache layout (per layer, K and V as separate arrays):
 
     k_cache, v_cache: [num_kv_heads, num_blocks, block_size, head_dim]
 
-in the queries' dtype, or float8_e4m3fn / float8_e5m2 (an fp8 KV cache: stored = K / k_scale, V / v_scale,
-with per-tensor float32 scales that the write, the kernels and the references take as
-`k_scale` / `v_scale`; the kernels convert each fp8 tile to the queries' dtype after loading
-it and fold the scales into the softmax scale and the output).
+in the queries' dtype, or float8_e4m3fn / float8_e5m2 (an fp8 KV cache: stored = K / k_scale,
+V / v_scale, with per-tensor float32 scales that the write, the kernels and the references
+take as `k_scale` / `v_scale`; the kernels convert each fp8 tile after loading it, to the
+queries' dtype or, in the decode kernel under bf16 queries, to float16, and fold the scales
+into the softmax scale and the output).
 
 Token slot `s` lives at block `s // block_size`, offset `s % block_size`. Head-major keeps
 each (head, block) page contiguous in memory, which is what a decode kernel that walks

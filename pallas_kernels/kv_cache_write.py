@@ -26,7 +26,8 @@ def write_kv_reference(
 
     Into an fp8 (float8_e4m3fn or float8_e5m2) cache the rows are quantized: x / scale in
     float32 (scale: `k_scale` / `v_scale`, None = 1.0), clipped to the type's range (+-448
-    for e4m3, whose cast would make NaN of anything beyond), then cast. Any other cache takes them cast to its dtype.
+    for e4m3, whose cast would make NaN of anything beyond), then cast. Any other cache
+    takes them cast to its dtype.
 
     A negative slot marks a padding row: it is dropped, never written (a plain
     negative index would wrap around and clobber the last block). Under `jit` with the

@@ -114,6 +114,9 @@ DECODE_CASES = [
     pytest.param(8, 6, dict(num_splits=2, block_kv=16), jnp.float32, None, id="g8-block6"),
     pytest.param(4, 4, dict(num_splits=2, block_kv=16), jnp.bfloat16, None, id="g4-bf16"),
     pytest.param(2, 4, dict(num_splits=3, block_kv=8), jnp.float32, 5, id="g2-window5"),
+    # Unsplit: the kernel writes the output in q's dtype, no merge.
+    pytest.param(2, 4, dict(num_splits=1, block_kv=8), jnp.bfloat16, None, id="g2-bf16-unsplit"),
+    pytest.param(4, 8, dict(num_splits=1, block_kv=16), jnp.float32, 5, id="g4-unsplit-window5"),
 ]
 
 
