@@ -5,7 +5,7 @@
     python -m jaxvllm.benchmarks.engine_step --json out.json
 
 At 256 x 1024 (`step`) and at 8 sequences x 128 tokens (`floor_step`: a step's fixed
-cost). The model forward plus a greedy argmax, KV caches donated, for the `reference` and
+cost; the pallas backend only). The model forward plus a greedy argmax, KV caches donated, for the `reference` and
 `pallas` backends, and `pallas` over an fp8 KV cache (`pallas_fp8`): step time, KV bytes
 read per second, the host's time to dispatch a step (the call's return, before the
 device is done: what the engine's host pays per step for it), copies of the cache in
@@ -44,7 +44,11 @@ FULL = dict(model="qwen3-0.6b", num_seqs=256, context=1024, block_size=16, iters
 SMALL = dict(model="tiny", num_seqs=4, context=48, block_size=8, iters=2, floor=(2, 16))
 
 
-def bench_step(cfg: dict, iters: int) -> dict:
+# name -> (attention backend, KV cache dtype; None: the model's)
+BACKENDS = {"reference": ("reference", None), "pallas": ("pallas", None), "pallas_fp8": ("pallas", jnp.float8_e4m3fn)}
+
+
+def bench_step(cfg: dict, iters: int, backends=tuple(BACKENDS)) -> dict:
     mcfg = ModelConfig.from_hf(get_dummy(cfg["model"]).make_config())
     params = dummy_params(mcfg, DTYPE, seed=0)
     s, ctx, bs = cfg["num_seqs"], cfg["context"], cfg["block_size"]
@@ -73,8 +77,10 @@ def bench_step(cfg: dict, iters: int) -> dict:
 
         return jax.jit(step, donate_argnums=(1,))
 
-    for name, backend, cache_dtype in (("reference", "reference", DTYPE), ("pallas", "pallas", DTYPE),
-                                       ("pallas_fp8", "pallas", jnp.float8_e4m3fn)):
+    for name in backends:
+        backend, cache_dtype = BACKENDS[name]
+        cache_dtype = cache_dtype or DTYPE
+
         def run(backend=backend, cache_dtype=cache_dtype):
             scales = None if cache_dtype == DTYPE else [(1.0, 1.0)] * mcfg.num_layers
             caches = allocate_kv_caches(mcfg, num_blocks, bs, cache_dtype, scales=scales)
@@ -120,7 +126,8 @@ def main(argv: list[str] | None = None) -> dict:
     iters = args.iters or cfg["iters"]
     num_seqs, context = cfg["floor"]
     results = {"small": args.small, "iters": iters, "env": environment(), "config": cfg, "step": bench_step(cfg, iters),
-               "floor_step": bench_step(dict(cfg, num_seqs=num_seqs, context=context), iters)}
+               "floor_step": bench_step(dict(cfg, num_seqs=num_seqs, context=context), iters,
+                                        backends=("pallas", "pallas_fp8"))}
     path = json_path(args.json, "engine_step.json")
     if path:
         write_json(path, results)
