@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # GPU check of the Pallas kernels: the kernel tests compiled (not interpreted), the engine
 # parity test, the kernel benchmark, then the engine step benchmark; at most 9 minutes on one
-# H200 (214 s in its last run, before engine_step timed 5 more variants). Results go to $OUT (default $TMPDIR/jaxvllm-gpu-check): a NAME.log per step (env,
-# kernels, engine, bench, engine_step), bench.json, engine_step.json, summary.txt.
+# H200 (214 s in its last run, before engine_step timed 3 more variants). Results go to $OUT
+# (default $TMPDIR/jaxvllm-gpu-check): a NAME.log per step (env, kernels, engine, bench,
+# engine_step), bench.json, engine_step.json, summary.txt.
 #
 #   scripts/gpu_check.sh            on the GPU machine (the project copied in, not installed)
 #   scripts/gpu_check.sh --small    anywhere: interpret-mode tests, benchmarks --small (a CPU rehearsal)
