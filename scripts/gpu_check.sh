@@ -26,7 +26,7 @@ for arg in "$@"; do
         --small) MODE=small ;;
         --dry-run) DRY=1 ;;
         --b1) B1=1 ;;
-        -h | --help) sed -n 2,11p "$0"; exit 0 ;;
+        -h | --help) sed -n 2,13p "$0"; exit 0 ;;
         *) echo "unknown option: $arg (see --help)" >&2; exit 2 ;;
     esac
 done
