@@ -10,7 +10,6 @@ max |logit difference| / max |HF logit| (`rel_err`); the bound is 1e-4.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,8 +17,8 @@ import torch
 
 from jaxvllm import LLM, SamplingParams, load_model
 from jaxvllm.layers import allocate_kv_caches
-from jaxvllm.models import MODELS
-from tests.paged import Chunk, build_inputs, hf_logits, rel_err
+from tests.paged import (MIXED_BLOCKS, Chunk, build_inputs, greedy_decode, hf_logits, jit_forward, mixed_errors,
+                         mixed_steps, random_tokens, rel_err)
 
 TOL = 1e-4
 BLOCK = 4
@@ -28,17 +27,6 @@ WINDOW = 8  # the tiny checkpoint's sliding_window
 ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, token_buckets=[64])
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-
-
-def _forward(params, kv_caches, inputs, cfg, backend="reference"):
-    return MODELS[cfg.architecture].forward(params, kv_caches, inputs, cfg, backend)
-
-
-jit_forward = jax.jit(_forward, static_argnums=(3, 4), donate_argnums=(1,))
-
-
-def random_tokens(rng, n):
-    return [int(t) for t in rng.integers(3, 384, size=n)]
 
 
 def fresh_caches(cfg):
@@ -82,38 +70,17 @@ def test_prefill_then_decode_shuffled_blocks(gemma):
     rng = np.random.default_rng(1)
     prompt, steps = random_tokens(rng, 13), 14
     blocks = [int(b) for b in rng.permutation(NUM_BLOCKS)[:8]]
-    caches = fresh_caches(cfg)
-    logits, caches = jit_forward(params, caches, build_inputs([Chunk(prompt, 0, blocks)], BLOCK), cfg, "reference")
-    tokens, got = list(prompt), [np.asarray(logits[0])]
-    for _ in range(steps):
-        tokens.append(int(np.argmax(got[-1])))
-        inputs = build_inputs([Chunk(tokens[-1:], len(tokens) - 1, blocks)], BLOCK)
-        logits, caches = jit_forward(params, caches, inputs, cfg, "reference")
-        got.append(np.asarray(logits[0]))
+    tokens, got = greedy_decode(params, cfg, fresh_caches(cfg), prompt, steps, blocks, BLOCK)
     want = hf_logits(hf, tokens)[len(prompt) - 1 :]
     errs = [rel_err(g, w) for g, w in zip(got, want)]
     print(f"gemma3 decode max rel err {max(errs):.2e} over {len(errs)} steps")
     assert max(errs) <= TOL
 
 
-def mixed_steps(rng):
-    """Two steps: all of a and the first 9 tokens of b; then a decodes while b's prefill finishes."""
-    a, b = random_tokens(rng, 10), random_tokens(rng, 21)
-    blocks_a, blocks_b = [4, 1, 22], [7, 2, 19, 11, 26, 14]
-    step1 = [Chunk(a, 0, blocks_a), Chunk(b[:9], 0, blocks_b)]
-    return a, b, blocks_a, blocks_b, step1
-
-
 def test_chunked_prefill_and_mixed_batch(gemma):
     _, cfg, params, hf = gemma
-    a, b, blocks_a, blocks_b, step1 = mixed_steps(np.random.default_rng(3))
-    caches = fresh_caches(cfg)
-    logits1, caches = jit_forward(params, caches, build_inputs(step1, BLOCK, pad_tokens_to=32), cfg, "reference")
-    next_a = int(np.argmax(logits1[0]))
-    step2 = build_inputs([Chunk([next_a], 10, blocks_a), Chunk(b[9:], 9, blocks_b)], BLOCK, pad_tokens_to=32)
-    logits2, caches = jit_forward(params, caches, step2, cfg, "reference")
-    errs = [rel_err(logits1[0], hf_logits(hf, a)[-1]), rel_err(logits1[1], hf_logits(hf, b[:9])[-1]),
-            rel_err(logits2[0], hf_logits(hf, a + [next_a])[-1]), rel_err(logits2[1], hf_logits(hf, b)[-1])]
+    a, b, next_a, logits1, logits2, _ = mixed_steps(params, cfg, fresh_caches(cfg), np.random.default_rng(3), BLOCK)
+    errs = mixed_errors(hf, a, b, next_a, logits1, logits2)
     print(f"gemma3 chunked prefill max rel err {max(errs):.2e}")
     assert max(errs) <= TOL
 
@@ -123,13 +90,10 @@ def test_pallas_kernels_equal_reference(gemma):
     Pallas kernels in interpret mode: the ragged kernel and the split-K decode kernel."""
     _, cfg, params, _ = gemma
     out = {}
+    blocks_a, blocks_b = MIXED_BLOCKS
     for backend in ("reference", "pallas"):
-        a, b, blocks_a, blocks_b, step1 = mixed_steps(np.random.default_rng(3))
-        caches = fresh_caches(cfg)
-        logits1, caches = jit_forward(params, caches, build_inputs(step1, BLOCK, pad_tokens_to=32), cfg, backend)
-        next_a = int(np.argmax(logits1[0]))
-        step2 = build_inputs([Chunk([next_a], 10, blocks_a), Chunk(b[9:], 9, blocks_b)], BLOCK, pad_tokens_to=32)
-        logits2, caches = jit_forward(params, caches, step2, cfg, backend)
+        _, _, _, logits1, logits2, caches = mixed_steps(params, cfg, fresh_caches(cfg), np.random.default_rng(3),
+                                                         BLOCK, backend)
         next_ids = [int(t) for t in np.argmax(logits2, -1)]
         step3 = build_inputs([Chunk(next_ids[:1], 11, blocks_a), Chunk(next_ids[1:2], 21, blocks_b)], BLOCK)
         logits3, _ = jit_forward(params, caches, step3, cfg, backend)

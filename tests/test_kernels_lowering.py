@@ -71,7 +71,7 @@ def test_model_step_lowers_with_the_pallas_backend(monkeypatch):
     from jaxvllm.dummy import get_dummy
     from jaxvllm.layers import allocate_kv_caches
     from jaxvllm.loader import dummy_params
-    from jaxvllm.models.llama import forward
+    from jaxvllm.models import forward
 
     monkeypatch.setenv(INTERPRET_ENV, "0")  # what a GPU default backend gives
     cfg = ModelConfig.from_hf(get_dummy("tiny").make_config())

@@ -10,15 +10,12 @@ import pytest
 from jaxvllm import load_model
 from jaxvllm.layers import allocate_kv_caches
 from tests.conftest import ARCHS
-from tests.paged import Chunk, build_inputs, hf_logits, jit_forward, rel_err
+from tests.paged import (Chunk, build_inputs, greedy_decode, hf_logits, jit_forward, mixed_errors, mixed_steps,
+                         random_tokens, rel_err)
 
 TOL = 1e-4
 BLOCK = 4
 NUM_BLOCKS = 32
-
-
-def random_tokens(rng, n):
-    return [int(t) for t in rng.integers(3, 384, size=n)]
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -51,14 +48,7 @@ def test_prefill_then_decode_shuffled_blocks(arch_setup):
     blocks = [int(b) for b in rng.permutation(NUM_BLOCKS)[:8]]
     assert blocks != sorted(blocks)
 
-    caches = fresh_caches(cfg)
-    logits, caches = jit_forward(params, caches, build_inputs([Chunk(prompt, 0, blocks)], BLOCK), cfg, "reference")
-    tokens, got = list(prompt), [np.asarray(logits[0])]
-    for _ in range(steps):
-        tokens.append(int(np.argmax(got[-1])))
-        inputs = build_inputs([Chunk(tokens[-1:], len(tokens) - 1, blocks)], BLOCK)
-        logits, caches = jit_forward(params, caches, inputs, cfg, "reference")
-        got.append(np.asarray(logits[0]))
+    tokens, got = greedy_decode(params, cfg, fresh_caches(cfg), prompt, steps, blocks, BLOCK)
     want = hf_logits(hf, tokens)[len(prompt) - 1 :]
     errs = [rel_err(g, w) for g, w in zip(got, want)]
     print(f"{arch} decode max rel err {max(errs):.2e} over {len(errs)} steps")
@@ -85,22 +75,8 @@ def test_batched_sequences_match_each_alone(arch_setup):
 def test_chunked_prefill_and_mixed_batch(arch_setup):
     """A prompt in two chunks, the second sharing a step with another sequence's decode."""
     arch, cfg, params, hf = arch_setup
-    rng = np.random.default_rng(3)
-    a, b = random_tokens(rng, 10), random_tokens(rng, 21)
-    blocks_a, blocks_b = [4, 1, 22], [7, 2, 19, 11, 26, 14]
-    caches = fresh_caches(cfg)
-
-    # Step 1: all of a, first 9 tokens of b (chunk ends mid-block).
-    step1 = build_inputs([Chunk(a, 0, blocks_a), Chunk(b[:9], 0, blocks_b)], BLOCK, pad_tokens_to=32)
-    logits1, caches = jit_forward(params, caches, step1, cfg, "reference")
-    next_a = int(np.argmax(logits1[0]))
-    # Step 2: a decodes one token while b's prefill finishes.
-    step2 = build_inputs([Chunk([next_a], 10, blocks_a), Chunk(b[9:], 9, blocks_b)], BLOCK, pad_tokens_to=32)
-    logits2, caches = jit_forward(params, caches, step2, cfg, "reference")
-
-    assert rel_err(logits1[1], hf_logits(hf, b[:9])[-1]) <= TOL
-    assert rel_err(logits2[0], hf_logits(hf, a + [next_a])[-1]) <= TOL
-    assert rel_err(logits2[1], hf_logits(hf, b)[-1]) <= TOL
+    a, b, next_a, logits1, logits2, _ = mixed_steps(params, cfg, fresh_caches(cfg), np.random.default_rng(3), BLOCK)
+    assert max(mixed_errors(hf, a, b, next_a, logits1, logits2)) <= TOL
 
 
 @pytest.mark.parametrize("window", [5, 8])

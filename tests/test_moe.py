@@ -17,7 +17,8 @@ from jaxvllm import LLM, SamplingParams, load_model
 from jaxvllm.config import ModelConfig
 from jaxvllm.layers import allocate_kv_caches
 from jaxvllm.models import moe
-from tests.paged import Chunk, build_inputs, hf_logits, jit_forward, rel_err
+from tests.paged import (Chunk, build_inputs, greedy_decode, hf_logits, jit_forward, mixed_errors, mixed_steps,
+                         random_tokens, rel_err)
 
 TOL = 1e-4
 BLOCK = 4
@@ -26,10 +27,6 @@ MOE_ARCHS = ["qwen3_moe", "mixtral"]
 ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, token_buckets=[64])
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-
-
-def random_tokens(rng, n):
-    return [int(t) for t in rng.integers(3, 384, size=n)]
 
 
 def fresh_caches(cfg):
@@ -74,14 +71,7 @@ def test_prefill_then_decode_shuffled_blocks(moe_setup):
     rng = np.random.default_rng(1)
     prompt, steps = random_tokens(rng, 13), 14
     blocks = [int(b) for b in rng.permutation(NUM_BLOCKS)[:8]]
-    caches = fresh_caches(cfg)
-    logits, caches = jit_forward(params, caches, build_inputs([Chunk(prompt, 0, blocks)], BLOCK), cfg, "reference")
-    tokens, got = list(prompt), [np.asarray(logits[0])]
-    for _ in range(steps):
-        tokens.append(int(np.argmax(got[-1])))
-        inputs = build_inputs([Chunk(tokens[-1:], len(tokens) - 1, blocks)], BLOCK)
-        logits, caches = jit_forward(params, caches, inputs, cfg, "reference")
-        got.append(np.asarray(logits[0]))
+    tokens, got = greedy_decode(params, cfg, fresh_caches(cfg), prompt, steps, blocks, BLOCK)
     errs = [rel_err(g, w) for g, w in zip(got, hf_logits(hf, tokens)[len(prompt) - 1 :])]
     print(f"{arch} decode max rel err {max(errs):.2e} over {len(errs)} steps")
     assert max(errs) <= TOL
@@ -90,17 +80,8 @@ def test_prefill_then_decode_shuffled_blocks(moe_setup):
 def test_chunked_prefill_and_mixed_batch(moe_setup):
     """A prompt in two chunks, the second sharing a padded step with another sequence's decode."""
     arch, _, cfg, params, hf = moe_setup
-    rng = np.random.default_rng(3)
-    a, b = random_tokens(rng, 10), random_tokens(rng, 21)
-    blocks_a, blocks_b = [4, 1, 22], [7, 2, 19, 11, 26, 14]
-    caches = fresh_caches(cfg)
-    step1 = build_inputs([Chunk(a, 0, blocks_a), Chunk(b[:9], 0, blocks_b)], BLOCK, pad_tokens_to=32)
-    logits1, caches = jit_forward(params, caches, step1, cfg, "reference")
-    next_a = int(np.argmax(logits1[0]))
-    step2 = build_inputs([Chunk([next_a], 10, blocks_a), Chunk(b[9:], 9, blocks_b)], BLOCK, pad_tokens_to=32)
-    logits2, caches = jit_forward(params, caches, step2, cfg, "reference")
-    errs = [rel_err(logits1[0], hf_logits(hf, a)[-1]), rel_err(logits1[1], hf_logits(hf, b[:9])[-1]),
-            rel_err(logits2[0], hf_logits(hf, a + [next_a])[-1]), rel_err(logits2[1], hf_logits(hf, b)[-1])]
+    a, b, next_a, logits1, logits2, _ = mixed_steps(params, cfg, fresh_caches(cfg), np.random.default_rng(3), BLOCK)
+    errs = mixed_errors(hf, a, b, next_a, logits1, logits2)
     print(f"{arch} chunked/mixed max rel err {max(errs):.2e}")
     assert max(errs) <= TOL
 
@@ -192,7 +173,8 @@ def test_qwen3_30b_a3b_traces():
     """dummy:qwen3-30b-a3b's config builds and its step traces with the real shapes (no weights)."""
     from jaxvllm.dummy import write_dummy_model
     from jaxvllm.loader import _put, load_config
-    from jaxvllm.models.llama import forward, param_specs
+    from jaxvllm.models import forward
+    from jaxvllm.models.llama import param_specs
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(write_dummy_model("dummy:qwen3-30b-a3b", tmp))

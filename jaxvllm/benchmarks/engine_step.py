@@ -33,7 +33,7 @@ from jaxvllm.config import ModelConfig
 from jaxvllm.dummy import get_dummy
 from jaxvllm.layers import allocate_kv_caches
 from jaxvllm.loader import dummy_params
-from jaxvllm.models.llama import forward
+from jaxvllm.models import forward
 from pallas_kernels.bench import DTYPE, attempt, environment, json_path, summary, write_json
 from pallas_kernels.common import cdiv
 from pallas_kernels.hlo import count_cache_copies

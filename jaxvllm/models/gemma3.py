@@ -1,7 +1,7 @@
 """Gemma 3 text decoder (HF `Gemma3ForCausalLM`, config `gemma3_text`) over the paged cache.
 
-The same contract as `jaxvllm/models/llama.py` (param_specs, hidden_states, compute_logits,
-forward) and the same head-explicit layout, so loading, dummy weights and the tensor-parallel
+The same contract as `jaxvllm/models/llama.py` (param_specs, hidden_states, compute_logits)
+and the same head-explicit layout, so loading, dummy weights and the tensor-parallel
 rules apply unchanged. What differs from Llama, as transformers' modeling_gemma3.py:
 
 - RMSNorm scales by (1 + weight), in float32, before casting back (Llama casts, then
@@ -26,18 +26,13 @@ from jax.sharding import Mesh
 
 from jaxvllm.batch import ModelInputs
 from jaxvllm.config import ModelConfig
-from jaxvllm.models.llama import KVCaches, Params, ParamSpec, attention, attention_specs
+from jaxvllm.models.llama import KVCaches, Params, ParamSpec, attention, attention_specs, decoder_specs
 
 
 def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
     d, f = cfg.hidden_size, cfg.intermediate_size
-    specs = [ParamSpec(("embed",), "model.embed_tokens.weight", (cfg.vocab_size, d), (cfg.vocab_size, d), "normal")]
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
 
-        def add(name, hf_name, hf_shape, shape=None, init="normal"):
-            specs.append(ParamSpec(("layers", i, name), p + hf_name, hf_shape, shape or hf_shape, init))
-
+    def layer_specs(add, i: int) -> None:
         # Norm weights are zero-centred ((1 + w) scales): "zeros" is the identity scale.
         add("input_norm", "input_layernorm.weight", (d,), init="zeros")
         attention_specs(add, cfg, norm_init="zeros")  # (Gemma 3 has q/k norms)
@@ -47,10 +42,8 @@ def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
         add("gate_proj", "mlp.gate_proj.weight", (f, d))
         add("up_proj", "mlp.up_proj.weight", (f, d))
         add("down_proj", "mlp.down_proj.weight", (d, f))
-    specs.append(ParamSpec(("norm",), "model.norm.weight", (d,), (d,), "zeros"))
-    if not cfg.tie_word_embeddings:
-        specs.append(ParamSpec(("lm_head",), "lm_head.weight", (cfg.vocab_size, d), (cfg.vocab_size, d), "normal"))
-    return specs
+
+    return decoder_specs(cfg, layer_specs, norm_init="zeros")
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -100,16 +93,3 @@ def compute_logits(params: Params, hidden: jax.Array, cfg: ModelConfig) -> jax.A
     lm_head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
     logits = jnp.einsum("sd,vd->sv", hidden, lm_head, preferred_element_type=jnp.float32)
     return soft_cap(logits, cfg.final_logit_softcapping)
-
-
-def forward(
-    params: Params,
-    kv_caches: KVCaches,
-    inputs: ModelInputs,
-    cfg: ModelConfig,
-    attention_backend: str = "reference",
-    mesh: Mesh | None = None,
-) -> tuple[jax.Array, KVCaches]:
-    """Run the flat batch; returns (float32 logits [S, vocab] for `logits_indices`, new caches)."""
-    hidden, kv_caches = hidden_states(params, kv_caches, inputs, cfg, attention_backend, mesh)
-    return compute_logits(params, hidden[inputs.logits_indices], cfg), kv_caches

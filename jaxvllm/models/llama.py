@@ -42,16 +42,30 @@ class ParamSpec:
         return [self.hf_name.format(j) for j in range(self.stacked)] if self.stacked else [self.hf_name]
 
 
-def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
-    d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    hq, hkv = cfg.num_heads, cfg.num_kv_heads
-    specs = [ParamSpec(("embed",), "model.embed_tokens.weight", (cfg.vocab_size, d), (cfg.vocab_size, d), "normal")]
+def decoder_specs(cfg: ModelConfig, layer_specs, norm_init: str) -> list[ParamSpec]:
+    """The frame every decoder's params share: embeddings, each layer's own params
+    (`layer_specs(add, i)`, where `add(name, hf_name, hf_shape, shape, init, stacked)`
+    records one under `model.layers.{i}.`), the final norm (dummy init `norm_init`) and an
+    untied lm_head."""
+    d, vocab = cfg.hidden_size, cfg.vocab_size
+    specs = [ParamSpec(("embed",), "model.embed_tokens.weight", (vocab, d), (vocab, d), "normal")]
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
 
-        def add(name, hf_name, hf_shape, shape=None, init="normal"):
-            specs.append(ParamSpec(("layers", i, name), p + hf_name, hf_shape, shape or hf_shape, init))
+        def add(name, hf_name, hf_shape, shape=None, init="normal", stacked=0):
+            specs.append(ParamSpec(("layers", i, name), p + hf_name, hf_shape, shape or hf_shape, init, stacked))
 
+        layer_specs(add, i)
+    specs.append(ParamSpec(("norm",), "model.norm.weight", (d,), (d,), norm_init))
+    if not cfg.tie_word_embeddings:
+        specs.append(ParamSpec(("lm_head",), "lm_head.weight", (vocab, d), (vocab, d), "normal"))
+    return specs
+
+
+def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
+    d, f = cfg.hidden_size, cfg.intermediate_size
+
+    def layer_specs(add, i: int) -> None:
         add("input_norm", "input_layernorm.weight", (d,), init="ones")
         attention_specs(add, cfg)
         add("post_norm", "post_attention_layernorm.weight", (d,), init="ones")
@@ -64,8 +78,7 @@ def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
             add("router", f"{moe}.gate.weight", (e, d))
             for name, w, hf_shape in (("experts_gate", w_gate, (fe, d)), ("experts_up", w_up, (fe, d)),
                                       ("experts_down", w_down, (d, fe))):
-                specs.append(ParamSpec(("layers", i, name), p + f"{moe}.experts.{{}}.{w}.weight", hf_shape,
-                                       (e, *hf_shape[::-1]), "normal", stacked=e))
+                add(name, f"{moe}.experts.{{}}.{w}.weight", hf_shape, (e, *hf_shape[::-1]), stacked=e)
         else:
             add("gate_proj", "mlp.gate_proj.weight", (f, d))
             add("up_proj", "mlp.up_proj.weight", (f, d))
@@ -74,15 +87,12 @@ def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
             add("gate_bias", "mlp.gate_proj.bias", (f,), init="zeros")
             add("up_bias", "mlp.up_proj.bias", (f,), init="zeros")
             add("down_bias", "mlp.down_proj.bias", (d,), init="zeros")
-    specs.append(ParamSpec(("norm",), "model.norm.weight", (d,), (d,), "ones"))
-    if not cfg.tie_word_embeddings:
-        specs.append(ParamSpec(("lm_head",), "lm_head.weight", (cfg.vocab_size, d), (cfg.vocab_size, d), "normal"))
-    return specs
+
+    return decoder_specs(cfg, layer_specs, norm_init="ones")
 
 
 def attention_specs(add, cfg: ModelConfig, norm_init: str = "ones") -> None:
-    """A layer's attention parameters (`add(name, hf_name, hf_shape, shape, init)` records
-    each): q/k/v/o with the head axis explicit, their biases, the q/k norms."""
+    """A layer's attention parameters (`decoder_specs`' `add` records each): q/k/v/o with the head axis explicit, their biases, the q/k norms."""
     d, hd, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     add("q_proj", "self_attn.q_proj.weight", (hq * hd, d), (hq, hd, d))
     add("k_proj", "self_attn.k_proj.weight", (hkv * hd, d), (hkv, hd, d))
@@ -161,20 +171,3 @@ def compute_logits(params: Params, hidden: jax.Array, cfg: ModelConfig) -> jax.A
     """float32 logits [rows, vocab] of final-normed hidden rows."""
     lm_head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
     return jnp.einsum("sd,vd->sv", hidden, lm_head, preferred_element_type=jnp.float32)
-
-
-def forward(
-    params: Params,
-    kv_caches: KVCaches,
-    inputs: ModelInputs,
-    cfg: ModelConfig,
-    attention_backend: str = "reference",
-    mesh: Mesh | None = None,
-) -> tuple[jax.Array, KVCaches]:
-    """Run the flat batch; returns (float32 logits [S, vocab] for `logits_indices`, new caches).
-
-    A pure function of (params, kv_caches, inputs): jit it with `cfg` and the backend
-    static and the caches donated.
-    """
-    hidden, kv_caches = hidden_states(params, kv_caches, inputs, cfg, attention_backend, mesh)
-    return compute_logits(params, hidden[inputs.logits_indices], cfg), kv_caches
