@@ -375,11 +375,11 @@ class EngineConfig:
     # the first), as vLLM's.
     served_model_name: str | list[str] | None = None
     # "auto": the KV cache has the model's dtype; "fp8" / "fp8_e4m3": float8_e4m3fn with
-    # per-layer k/v scales (the checkpoint's, else 1.0), half the bytes of a 16-bit cache;
+    # k/v scales per layer and KV head (the checkpoint's, else 1.0), half the bytes of a 16-bit cache;
     # "fp8_e5m2": float8_e5m2 likewise (2 mantissa bits for e4m3's 3, a range of +-57344).
     kv_cache_dtype: str = "auto"
     # vLLM's calculate_kv_scales: an fp8 cache's scales from the first batch written (its
-    # largest |K| / 200 and |V| / 100 per layer) instead of the checkpoint's or 1.0. As in
+    # largest |K| / 200 and |V| / 100 per layer and KV head) instead of the checkpoint's or 1.0. As in
     # vLLM, it changes nothing with a cache in the model's dtype.
     calculate_kv_scales: bool = False
     # Features jaxvllm lacks, accepted at their "off" value only: a clear error otherwise.

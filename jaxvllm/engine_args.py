@@ -20,7 +20,7 @@ from jaxvllm.loader import DTYPES
 _VALUE_FLAGS: dict[str, tuple[type, str]] = {
     "dtype": (str, "weights and KV cache dtype ('auto' = the checkpoint's)"),
     "kv-cache-dtype": (str, "KV cache dtype: 'auto' (the model's dtype), 'fp8' / 'fp8_e4m3' (float8_e4m3fn "
-                            "with per-layer scales from the checkpoint, else 1.0: twice the blocks) or "
+                            "with k/v scales from the checkpoint, else 1.0: twice the blocks) or "
                             "'fp8_e5m2'"),
     "max-model-len": (int, "longest sequence (prompt + output); default: the model's max_position_embeddings"),
     "max-num-seqs": (int, "most sequences in one step"),
@@ -42,8 +42,8 @@ _BOOL_FLAGS: dict[str, str] = {
     "enable-prefix-caching": "reuse the KV cache blocks of prompt prefixes seen before",
     "async-scheduling": "schedule and dispatch each step before reading the last one's tokens",
     "enforce-eager": "skip the warm-up: each shape compiles the first time a step needs it",
-    "calculate-kv-scales": "fp8 KV cache: per-layer scales from the first batch (max |K| / 200, max |V| / 100) "
-                           "instead of the checkpoint's or 1.0",
+    "calculate-kv-scales": "fp8 KV cache: scales per layer and KV head from the first batch (max |K| / 200, "
+                           "max |V| / 100) instead of the checkpoint's or 1.0",
 }
 
 

@@ -19,7 +19,7 @@ from jax.sharding import Mesh, PartitionSpec as P, SingleDeviceSharding
 
 from jaxvllm.batch import ModelInputs
 from jaxvllm.config import ModelConfig, RopeConfig
-from jaxvllm.sharding import AXIS, kv_cache_sharding, put, replicated
+from jaxvllm.sharding import AXIS, kv_cache_sharding, put
 from pallas_kernels import mixed_paged_attention, ragged_paged_attention_reference, write_kv_reference
 
 ATTENTION_BACKENDS = ("reference", "pallas")
@@ -64,10 +64,10 @@ def paged_attention(
     """Write this step's k/v into the cache, then attend; returns (out, new cache).
 
     A layer's cache is (k_cache, v_cache) in the model's dtype, or for an fp8 KV cache
-    (k_cache, v_cache, scales): float8 arrays and their float32 (k_scale, v_scale)
+    (k_cache, v_cache, scales): float8 arrays and each KV head's float32 (k_scale, v_scale)
     (see `allocate_kv_caches`): the write quantizes, attention dequantizes; under a mesh
-    the scales are replicated. Scales of three values are still to calculate from the
-    first batch written (`calculate_kv_scales`).
+    the scales are split on KV heads with the cache. Scales with a third column are still
+    to calculate from the first batch written (`calculate_kv_scales`).
     With a mesh, each device does this for its own heads (`jax.shard_map`): q/k/v and the
     cache are split on heads, the batch's index arrays replicated. `logits_soft_cap` c
     (Gemma's `attn_logit_softcapping`) caps the scaled scores at c * tanh(s / c): the
@@ -80,11 +80,11 @@ def paged_attention(
             f"{backend!r} attention backend (its kernels have no soft-capping); use attention_backend='reference'"
         )
     local = partial(_paged_attention, sm_scale=sm_scale, sliding_window=sliding_window, backend=backend,
-                    logits_soft_cap=logits_soft_cap, axis_name=None if mesh is None else AXIS)
+                    logits_soft_cap=logits_soft_cap)
     if mesh is None:
         return local(q, k, v, kv_cache, inputs)
     heads = P(None, AXIS)
-    cache = (P(AXIS), P(AXIS)) + (P(),) * (len(kv_cache) - 2)  # an fp8 cache's scales: replicated
+    cache = (P(AXIS),) * len(kv_cache)  # k, v [and an fp8 cache's scales]: split on KV heads
     return jax.shard_map(
         local, mesh=mesh, in_specs=(heads, heads, heads, cache, P()), out_specs=(heads, cache),
         check_vma=False,  # Pallas calls carry no varying-axis annotations
@@ -92,11 +92,11 @@ def paged_attention(
 
 
 def _paged_attention(q, k, v, kv_cache, inputs: ModelInputs, *, sm_scale, sliding_window, backend,
-                     logits_soft_cap, axis_name):
-    k_cache, v_cache, *scales = kv_cache  # [scales] of an fp8 cache
-    if scales and scales[0].shape == (3,):
-        scales = [calculate_kv_scales(scales[0], k, v, inputs.slot_mapping, axis_name)]
-    k_scale, v_scale = (scales[0][0], scales[0][1]) if scales else (None, None)
+                     logits_soft_cap):
+    k_cache, v_cache, *scales = kv_cache  # [scales] of an fp8 cache: [kv_heads, 2 or 3]
+    if scales and scales[0].shape[1] == 3:
+        scales = [calculate_kv_scales(scales[0], k, v, inputs.slot_mapping)]
+    k_scale, v_scale = (scales[0][:, 0], scales[0][:, 1]) if scales else (None, None)
     k_cache, v_cache = write_kv_reference(k_cache, v_cache, k, v, inputs.slot_mapping, k_scale, v_scale)
     attend = (partial(mixed_paged_attention, decode_only=inputs.decode_only) if backend == "pallas"
               else ragged_paged_attention_reference)
@@ -123,33 +123,34 @@ def _paged_attention(q, k, v, kv_cache, inputs: ModelInputs, *, sm_scale, slidin
 K_SCALE_RANGE, V_SCALE_RANGE = 200.0, 100.0
 
 
-def calculate_kv_scales(scales: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array,
-                        axis_name: str | None = None) -> jax.Array:
-    """vLLM's `calculate_kv_scales`: `scales` is float32 (k_scale, v_scale, to_calculate).
-    While to_calculate is 1, a step that writes tokens (slot >= 0) sets k_scale = max|K| /
-    K_SCALE_RANGE and v_scale = max|V| / V_SCALE_RANGE over them (1.0 for an all-zero
-    tensor) and clears it: the scales come from the first batch and then stay, as vLLM's.
-    Without a branch: the maxima are computed every step and kept only then. Under a mesh
-    (`axis_name`) the maxima are taken over every device's heads."""
+def calculate_kv_scales(scales: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> jax.Array:
+    """vLLM's `calculate_kv_scales`, per KV head: `scales` is float32 [kv_heads, 3], each
+    head's (k_scale, v_scale, to_calculate). While to_calculate is 1, a step that writes
+    tokens (slot >= 0) sets each head's k_scale = max|K| / K_SCALE_RANGE and v_scale = max|V|
+    / V_SCALE_RANGE over them (1.0 for an all-zero head) and clears it: the scales come from
+    the first batch and then stay, as vLLM's. (vLLM takes one maximum over all heads; per
+    head, a head of small values keeps its precision, and under a mesh each device
+    calculates its own heads' scales, with no collective.) Without a branch: the maxima are
+    computed every step and kept only then."""
     written = slot_mapping >= 0
-    amax = lambda x: jnp.max(jnp.where(written[:, None, None], jnp.abs(x.astype(jnp.float32)), 0.0))  # noqa: E731
+    amax = lambda x: jnp.max(jnp.where(written[:, None, None], jnp.abs(x.astype(jnp.float32)), 0.0),  # noqa: E731
+                             axis=(0, 2))  # [T, kv_heads, D] -> [kv_heads]
     k_max, v_max = amax(k), amax(v)
-    if axis_name is not None:
-        k_max, v_max = jax.lax.pmax(k_max, axis_name), jax.lax.pmax(v_max, axis_name)
     calculated = jnp.stack([jnp.where(k_max > 0, k_max / K_SCALE_RANGE, 1.0),
-                            jnp.where(v_max > 0, v_max / V_SCALE_RANGE, 1.0), jnp.float32(0.0)])
-    return jnp.where((scales[2] > 0) & jnp.any(written), calculated, scales)
+                            jnp.where(v_max > 0, v_max / V_SCALE_RANGE, 1.0), jnp.zeros_like(k_max)], axis=1)
+    return jnp.where((scales[:, 2:] > 0) & jnp.any(written), calculated, scales)
 
 
 def allocate_kv_caches(
     cfg: ModelConfig, num_blocks: int, block_size: int, dtype, mesh: Mesh | None = None, device=None,
-    scales: list[tuple[float, float]] | None = None, calculate_scales: bool = False,
+    scales: np.ndarray | None = None, calculate_scales: bool = False,
 ) -> list[tuple[jax.Array, ...]]:
     """Zeroed per-layer (k_cache, v_cache), each [num_kv_heads, num_blocks, block_size, head_dim],
     split on KV heads over `mesh` (each device allocates only its part), else on `device`
-    (default: the first). With `scales` (an fp8 cache: one (k_scale, v_scale) per layer),
-    (k_cache, v_cache, scales): float32 [2], replicated over the mesh, or with
-    `calculate_scales` [3], (k_scale, v_scale, 1): to calculate from the first batch
+    (default: the first). With `scales` (an fp8 cache: float32 [num_layers, num_kv_heads, 2],
+    each layer's and KV head's (k_scale, v_scale)), (k_cache, v_cache, scales): the layer's
+    [num_kv_heads, 2], split on KV heads with the cache, or with `calculate_scales`
+    [num_kv_heads, 3], (k_scale, v_scale, 1): to calculate from the first batch
     (`calculate_kv_scales`). One array per layer: each is a donated argument of every step."""
     shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
     one = SingleDeviceSharding(device or jax.devices()[0])
@@ -158,11 +159,13 @@ def allocate_kv_caches(
               for _ in range(cfg.num_layers)]
     if scales is None:
         return caches
-    if len(scales) != cfg.num_layers:
-        raise ValueError(f"{len(scales)} (k_scale, v_scale) pairs for {cfg.num_layers} layers")
-    place = replicated(mesh) if mesh is not None else one
-    flag = (1.0,) if calculate_scales else ()
-    return [(k, v, put(np.array([*pair, *flag], np.float32), place)) for (k, v), pair in zip(caches, scales)]
+    scales = np.asarray(scales, np.float32)
+    if scales.shape != (cfg.num_layers, cfg.num_kv_heads, 2):
+        raise ValueError(f"KV cache scales must be [num_layers={cfg.num_layers}, num_kv_heads={cfg.num_kv_heads}, 2] "
+                         f"(k_scale, v_scale), got {scales.shape}")
+    if calculate_scales:
+        scales = np.concatenate([scales, np.ones_like(scales[..., :1])], axis=-1)
+    return [(k, v, put(layer, device)) for (k, v), layer in zip(caches, scales)]
 
 
 # kv_cache_dtype (vLLM's engine argument) -> the cache's element type; "auto": the model's dtype.

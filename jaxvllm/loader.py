@@ -302,26 +302,35 @@ def _put(params: dict, path: tuple, value) -> None:
     node[path[-1]] = value
 
 
-# vLLM's names of an fp8 KV cache's per-layer scales in a checkpoint (float32 scalars).
+# vLLM's names of an fp8 KV cache's per-layer scales in a checkpoint (float32: one value, or
+# one per KV head).
 _KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\.([kv])_scale")
 
 
-def load_kv_scales(model: str | Path, num_layers: int) -> tuple[list[tuple[float, float]], int]:
-    """An fp8 KV cache's (k_scale, v_scale) per layer: the checkpoint's
+def load_kv_scales(model: str | Path, run_cfg: ModelConfig) -> tuple[np.ndarray, int]:
+    """An fp8 KV cache's scales, float32 [num_layers, num_kv_heads, 2] for the config the
+    model runs with (`load_model`'s: KV heads repeated under a mesh with more devices): each
+    layer's and KV head's (k_scale, v_scale), from the checkpoint's
     `model.layers.{i}.self_attn.k_scale` / `v_scale` where it has them, else 1.0 (vLLM's
-    default). A scale with several values (per head) gives its largest, so nothing clips.
-    Returns the scales and how many were read from the checkpoint."""
-    scales = [[1.0, 1.0] for _ in range(num_layers)]
+    default). A scale holds one value (per tensor) or one per KV head of the checkpoint.
+    Returns the scales and how many tensors were read from the checkpoint."""
+    cfg = load_config(model)
+    heads = cfg.num_kv_heads
+    scales = np.ones((run_cfg.num_layers, heads, 2), np.float32)
     found = {}
     for name, file in _tensor_files(Path(model)).items():
         m = _KV_SCALE.fullmatch(name)
-        if m and int(m.group(1)) < num_layers:
+        if m and int(m.group(1)) < run_cfg.num_layers:
             found.setdefault(file, []).append((name, int(m.group(1)), "kv".index(m.group(2))))
     for file, names in found.items():
         with _open(file) as f:
             for name, layer, which in names:
-                value = float(np.max(np.asarray(f.get_tensor(name), np.float32)))
-                if not np.isfinite(value) or value <= 0:
-                    raise ValueError(f"{name} in {file.name} is {value}: a KV cache scale must be positive")
-                scales[layer][which] = value
-    return [tuple(pair) for pair in scales], sum(map(len, found.values()))
+                value = np.asarray(f.get_tensor(name), np.float32).reshape(-1)
+                if value.size not in (1, heads):
+                    raise ValueError(f"{name} in {file.name} has {value.size} values: a KV cache scale has one, "
+                                     f"or one per KV head ({heads})")
+                if not (np.isfinite(value) & (value > 0)).all():
+                    raise ValueError(f"{name} in {file.name} is {value.tolist()}: a KV cache scale must be positive")
+                scales[layer, :, which] = value
+    # A repeated KV head keeps its scales (our head h is checkpoint head h // repeats).
+    return np.repeat(scales, kv_repeats(cfg, run_cfg), axis=1), sum(map(len, found.values()))

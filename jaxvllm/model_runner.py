@@ -192,10 +192,10 @@ def jit_forward(cfg: ModelConfig, backend: str, mesh: Mesh | None = None, kv_sca
     mesh, the model is split over its devices (tensor parallelism); None: one device.
     `kv_scaled`: an fp8 cache, each layer's (k_cache, v_cache, scales)."""
     # Outputs placed as the inputs are (else a donated cache could come back placed otherwise,
-    # and the next step would compile anew); an fp8 cache's scales replicated.
+    # and the next step would compile anew); an fp8 cache's scales split on KV heads with it.
     caches = None if mesh is None else kv_cache_sharding(mesh)
     if mesh is not None and kv_scaled:
-        caches = [(caches, caches, replicated(mesh))] * cfg.num_layers
+        caches = [(caches,) * 3] * cfg.num_layers
     out = None if mesh is None else (replicated(mesh),) * 3 + (caches,)
     return jax.jit(partial(_forward, cfg=cfg, backend=backend, mesh=mesh), static_argnames="layout",
                    donate_argnums=(1,), out_shardings=out)
@@ -223,7 +223,7 @@ class ModelRunner:
         self.cfg, self.params = load_model(c.model, dtype=c.dtype, load_format=c.load_format, seed=c.seed,
                                            mesh=self.mesh, device=self.devices[0])
         self.dtype = resolve_dtype(c.dtype, self.cfg)
-        # The KV cache's element type, and for an fp8 cache its (k_scale, v_scale) per layer.
+        # The KV cache's element type, and for an fp8 cache its (k_scale, v_scale) per layer and KV head.
         self.kv_cache_dtype = resolve_kv_cache_dtype(c.kv_cache_dtype, self.dtype)
         self.kv_scales = self._kv_scales() if c.kv_cache_dtype != "auto" else None
         self.max_model_len = c.max_model_len or self.cfg.max_position_embeddings
@@ -282,12 +282,13 @@ class ModelRunner:
     def kv_cache_dtype_name(self) -> str:
         return jnp.dtype(self.kv_cache_dtype).name
 
-    def _kv_scales(self) -> list[tuple[float, float]]:
-        """An fp8 cache's scales: the checkpoint's k_scale / v_scale, else 1.0 (vLLM's default);
-        with calculate_kv_scales, 1.0 until the first batch sets them."""
+    def _kv_scales(self) -> np.ndarray:
+        """An fp8 cache's scales, float32 [num_layers, num_kv_heads, 2]: the checkpoint's k_scale /
+        v_scale (per tensor or per KV head), else 1.0 (vLLM's default); with
+        calculate_kv_scales, 1.0 until the first batch sets them."""
         if self.config.load_format == "dummy" or self.config.calculate_kv_scales:
-            return [(1.0, 1.0)] * self.cfg.num_layers
-        scales, found = load_kv_scales(self.config.model, self.cfg.num_layers)
+            return np.ones((self.cfg.num_layers, self.cfg.num_kv_heads, 2), np.float32)
+        scales, found = load_kv_scales(self.config.model, self.cfg)
         logger.info("fp8 KV cache: %d of %d k/v scales from the checkpoint, the others 1.0",
                     found, 2 * self.cfg.num_layers)
         return scales

@@ -178,7 +178,8 @@ def apply_penalties(logits, prompt_mask, output_counts, presence, frequency, rep
 
 def _largest_true(pred, lo, hi, iters: int = 32):
     """Per row, bisect for the largest t in [lo, hi] with pred(t) (pred true below a threshold).
-    A fixed trip count: XLA knows it, so the loop never asks the host."""
+    Unrolled: a loop would run from the host (XLA's GPU runtime launches each iteration),
+    outside the step's CUDA graph; unrolled, its few fusions per iteration join the graph."""
 
     def body(_, bounds):
         lo, hi = bounds
@@ -186,7 +187,7 @@ def _largest_true(pred, lo, hi, iters: int = 32):
         ok = pred(mid)
         return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
 
-    return jax.lax.fori_loop(0, iters, body, (lo, hi))[0]
+    return jax.lax.fori_loop(0, iters, body, (lo, hi), unroll=True)[0]
 
 
 def apply_top_k_top_p_min_p(logits, top_k, top_p, min_p, features: SamplerFeatures):

@@ -5,8 +5,8 @@ Cache layout (per layer, K and V as separate arrays):
     k_cache, v_cache: [num_kv_heads, num_blocks, block_size, head_dim]
 
 in the queries' dtype, or float8_e4m3fn / float8_e5m2 (an fp8 KV cache: stored = K / k_scale,
-V / v_scale, with per-tensor float32 scales that the write, the kernels and the references
-take as `k_scale` / `v_scale`; the kernels convert each fp8 tile after loading it, to the
+V / v_scale, with float32 scales per tensor or per KV head that the write, the kernels and
+the references take as `k_scale` / `v_scale`; the kernels convert each fp8 tile after loading it, to the
 queries' dtype or, in the decode kernel under bf16 queries, to float16, and fold the scales
 into the softmax scale and the output).
 

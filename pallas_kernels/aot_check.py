@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from pallas_kernels.bench import FULL, json_path, write_json
 from pallas_kernels.common import INTERPRET_ENV
 from pallas_kernels.grouped_matmul import grouped_matmul
+from pallas_kernels.hlo import graphed_thunks
 from pallas_kernels.paged_decode_attention import paged_decode_attention
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
@@ -157,6 +158,10 @@ def compile_case(case: Case, device: jax.Device, ptxas: str | None) -> dict:
                 kernels.append(asdict(stats))
             result["kernels"] = kernels
         result["hlo"] = compiled.as_text()
+        thunks = [open(p).read() for p in glob.glob(os.path.join(dump, "*thunk_sequence_after_thunk_passes.txt"))]
+        if thunks:  # XLA of jax >= 0.10 dumps it
+            graphed = [graphed_thunks(t) for t in thunks]
+            result["graphed_thunks"], result["ungraphed_thunks"] = (sum(g[i] for g in graphed) for i in (0, 1))
     return result
 
 
@@ -172,13 +177,13 @@ def spec(shape: tuple[int, ...], dtype=jnp.int32) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
-def _fp8_args(fn: Callable, cache_dtype) -> tuple[Callable, list, dict]:
-    """An fp8 cache's kernel takes k_scale / v_scale as traced float32 scalars (as the engine
-    passes them): extra arguments, and `kv_cache` in the case's params."""
+def _fp8_args(fn: Callable, cache_dtype, kv_heads: int) -> tuple[Callable, list, dict]:
+    """An fp8 cache's kernel takes k_scale / v_scale as traced float32 [kv_heads] (one per KV
+    head, as the engine passes them): extra arguments, and `kv_cache` in the case's params."""
     if cache_dtype is None:
         return fn, [], {}
     scaled = jax.jit(lambda *a: fn(*a[:-2], k_scale=a[-2], v_scale=a[-1]))
-    return scaled, [spec((), jnp.float32)] * 2, {"kv_cache": jnp.dtype(cache_dtype).name}
+    return scaled, [spec((kv_heads,), jnp.float32)] * 2, {"kv_cache": jnp.dtype(cache_dtype).name}
 
 
 def decode_case(group: int, head_dim: int, dtype, block_size: int = 16, window: int | None = None,
@@ -186,7 +191,7 @@ def decode_case(group: int, head_dim: int, dtype, block_size: int = 16, window: 
     blocks = num_seqs * context // block_size
     fn = jax.jit(partial(paged_decode_attention, sm_scale=head_dim**-0.5, sliding_window=window,
                          interpret=False, **tuning))
-    fn, scales, fp8 = _fp8_args(fn, cache_dtype)
+    fn, scales, fp8 = _fp8_args(fn, cache_dtype, kv_heads)
     cache = spec((kv_heads, blocks, block_size, head_dim), cache_dtype or dtype)
     args = [spec((num_seqs, kv_heads * group, head_dim), dtype), cache, cache, spec((num_seqs,)),
             spec((num_seqs, context // block_size)), *scales]
@@ -201,7 +206,7 @@ def ragged_case(group: int, head_dim: int, dtype, block_size: int = 16, window: 
     blocks = num_seqs * context // block_size
     fn = jax.jit(partial(ragged_paged_attention, sm_scale=head_dim**-0.5, sliding_window=window,
                          interpret=False, **tuning))
-    fn, scales, fp8 = _fp8_args(fn, cache_dtype)
+    fn, scales, fp8 = _fp8_args(fn, cache_dtype, kv_heads)
     cache = spec((kv_heads, blocks, block_size, head_dim), cache_dtype or dtype)
     args = [spec((num_tokens, kv_heads * group, head_dim), dtype), cache, cache, spec((num_tokens,)),
             spec((num_seqs + 1,)), spec((num_seqs,)), spec((num_seqs, context // block_size)), *scales]
@@ -310,7 +315,8 @@ def run(cases: list[Case], device: jax.Device, ptxas: str | None, inspect: Inspe
         case.result.update(figures)
         case.result["problems"] = judge(case)
         kernels = "; ".join(describe(k) for k in case.result.get("kernels", []))
-        extra = "".join(f" {k}={v}" for k, v in figures.items())
+        graphs = {k: case.result[k] for k in ("graphed_thunks", "ungraphed_thunks") if k in case.result}
+        extra = "".join(f" {k}={v}" for k, v in {**figures, **graphs}.items())
         status = "ok  " if not case.result["problems"] else "FAIL"
         print(f"{status} {case.kind} {case.params}{extra} {kernels} {'; '.join(case.result['problems'])}", flush=True)
 

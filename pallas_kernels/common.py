@@ -63,8 +63,8 @@ def check_power_of_2(name: str, value: int, interpret: bool) -> None:
 KERNEL_DTYPES = ("float32", "bfloat16", "float16")
 
 # An fp8 KV cache: float8_e4m3fn (vLLM's kv_cache_dtype="fp8") or float8_e5m2 ("fp8_e5m2":
-# 2 mantissa bits, a range of +-57344), each value stored as x / scale (per-tensor k and v
-# scales, float32), clipped to the type's finite range.
+# 2 mantissa bits, a range of +-57344), each value stored as x / scale (k and v scales per
+# tensor or per KV head, float32), clipped to the type's finite range.
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
 
@@ -109,12 +109,22 @@ def to_dot_dtype(x, dtype):
     return x.astype(dtype)
 
 
-def kv_scales(k_scale, v_scale) -> jax.Array:
-    """float32 [2]: (k_scale, v_scale), the dequantization scales of the cache (stored value
-    times scale = K/V); 1.0 where None. The kernels fold them in: k_scale into the softmax
-    scale (q . (s k) = s (q . k)), v_scale into the output (sum p (s v) = s sum p v)."""
-    one = jnp.float32(1.0)
-    return jnp.stack([jnp.asarray(one if s is None else s, jnp.float32).reshape(()) for s in (k_scale, v_scale)])
+def per_head_scale(scale, num_kv_heads: int, name: str = "scale") -> jax.Array:
+    """float32 [num_kv_heads]: a dequantization scale of the cache given per tensor (a
+    scalar, traced or not; None: 1.0) or per KV head ([num_kv_heads])."""
+    scale = jnp.asarray(1.0 if scale is None else scale, jnp.float32)
+    if scale.size not in (1, num_kv_heads) or scale.ndim > 1:
+        raise ValueError(f"{name} must be a scalar or [{num_kv_heads}] (one per KV head), got shape {scale.shape}")
+    return jnp.broadcast_to(scale.reshape(-1), (num_kv_heads,))
+
+
+def kv_scales(k_scale, v_scale, num_kv_heads: int) -> jax.Array:
+    """float32 [num_kv_heads, 2]: each KV head's (k_scale, v_scale), the dequantization
+    scales of the cache (stored value times scale = K/V). Each program of a kernel reads its
+    head's row and folds them in: k_scale into the softmax scale (q . (s k) = s (q . k)),
+    v_scale into the output (sum p (s v) = s sum p v)."""
+    return jnp.stack([per_head_scale(k_scale, num_kv_heads, "k_scale"),
+                      per_head_scale(v_scale, num_kv_heads, "v_scale")], axis=1)
 
 
 def cdiv(a: int, b: int) -> int:

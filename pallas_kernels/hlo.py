@@ -1,4 +1,5 @@
-"""Copies of donated buffers in XLA's optimized HLO text.
+"""Copies of donated buffers in XLA's optimized HLO text, and how much of a GPU executable
+runs inside CUDA graphs.
 
 A donated buffer (a KV cache) is updated in place only when XLA can alias it to an
 output; otherwise the ENTRY computation copies it first, which costs its full size in
@@ -33,3 +34,17 @@ def count_cache_copies(hlo: str, shape: tuple[int, ...], dtype: str | None = Non
         if dims and math.prod(dims) == numel and dtype in (None, m.group(1)):
             count += 1
     return count
+
+
+def graphed_thunks(thunk_sequence: str) -> tuple[int, int]:
+    """(thunks inside XLA's command buffers, thunks launched one by one) in a GPU
+    executable's thunk sequence as XLA dumps it (`*thunk_sequence_after_thunk_passes.txt`).
+    A command buffer is a CUDA graph: the host launches it once per call, however many
+    kernels it holds; every other thunk costs the host a launch per call."""
+    inside = outside = 0
+    for m in re.finditer(r"^( *)\d+: (k\w+)", thunk_sequence, re.M):
+        if m.group(1):  # indented: a command of the command buffer above
+            inside += 1
+        elif m.group(2) != "kCommandBuffer":
+            outside += 1
+    return inside, outside

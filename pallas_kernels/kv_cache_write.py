@@ -10,7 +10,7 @@ step writes T rows per layer and never copies the cache, which is all a kernel c
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import fp8_max, is_fp8
+from pallas_kernels.common import fp8_max, is_fp8, per_head_scale
 
 
 def write_kv_reference(
@@ -25,7 +25,7 @@ def write_kv_reference(
     """Scatter `k`, `v` [T, num_kv_heads, head_dim] into slots `slot_mapping` [T].
 
     Into an fp8 (float8_e4m3fn or float8_e5m2) cache the rows are quantized: x / scale in
-    float32 (scale: `k_scale` / `v_scale`, None = 1.0), clipped to the type's range (+-448
+    float32 (scale: `k_scale` / `v_scale`, per tensor or per KV head, None = 1.0), clipped to the type's range (+-448
     for e4m3, whose cast would make NaN of anything beyond), then cast. Any other cache
     takes them cast to its dtype.
 
@@ -42,14 +42,11 @@ def write_kv_reference(
     slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)  # out of range -> dropped
 
     def write(cache, new, scale):
-        new = new.swapaxes(0, 1)
+        new = new.swapaxes(0, 1)  # [kv_heads, T, head_dim]
+        if scale is not None:
+            new = new.astype(jnp.float32) / per_head_scale(scale, num_kv_heads)[:, None, None]
         if is_fp8(cache.dtype):
-            new = new.astype(jnp.float32)
-            if scale is not None:
-                new = new / jnp.asarray(scale, jnp.float32)
-            new = jnp.clip(new, -fp8_max(cache.dtype), fp8_max(cache.dtype))
-        elif scale is not None:
-            new = new.astype(jnp.float32) / jnp.asarray(scale, jnp.float32)
+            new = jnp.clip(new.astype(jnp.float32), -fp8_max(cache.dtype), fp8_max(cache.dtype))
         flat = cache.reshape(num_kv_heads, num_slots, head_dim)
         flat = flat.at[:, slots].set(new.astype(cache.dtype), mode="drop")
         return flat.reshape(cache.shape)

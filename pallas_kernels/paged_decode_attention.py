@@ -71,7 +71,7 @@ def _decode_kernel(
     bt_ref,  # [max_blocks]   this sequence's block table
     len_ref,  # [1]           seq_len
     pos_ref,  # [1]           query position
-    scale_ref,  # [2] f32     (k_scale, v_scale) of the cache (1.0 unless fp8)
+    scale_ref,  # [2] f32     (k_scale, v_scale) of this KV head (1.0 unless fp8)
     o_ref,  # [G, D]          partition output, normalized by the partition's softmax sum (f32;
     #                         q's dtype when unsplit: then it is the output, no merge follows)
     m_ref,  # [G] f32         partition max score
@@ -106,7 +106,9 @@ def _decode_kernel(
     q = to_dot_dtype(plgpu.load(q_ref.at[rows[:, None], dims[None, :]], mask=row_ok, other=0), compute)
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     # Scores in base 2 (exp2 is one instruction), k_scale folded in: q . (s k) = s (q . k).
-    scale = sm_scale * LOG2_E * scale_ref[0]
+    # (Both scales read here: v_scale's address kept live through the loop costs registers.)
+    k_scale, v_scale = scale_ref[0], scale_ref[1]
+    scale = sm_scale * LOG2_E * k_scale
     offsets = jnp.arange(block_kv)
 
     def pages_of(tile):
@@ -150,7 +152,7 @@ def _decode_kernel(
         pages_of(start),
     )
     acc, m, l, _ = lax.fori_loop(start, stop, body, init)
-    out = acc / jnp.where(l == 0.0, 1.0, l)[:, None] * scale_ref[1]  # v_scale: sum p (s v) = s sum p v
+    out = acc / jnp.where(l == 0.0, 1.0, l)[:, None] * v_scale  # sum p (s v) = s sum p v
     plgpu.store(o_ref.at[rows[:, None], dims[None, :]], out.astype(o_ref.dtype), mask=row_ok)
     plgpu.store(m_ref.at[rows], m * LN_2, mask=rows < group)  # back to natural log for the combine
     plgpu.store(l_ref.at[rows], l, mask=rows < group)
@@ -186,7 +188,7 @@ def _call_triton(q4, k_slots, v_slots, block_tables, seq_lens, positions, scales
             pl.BlockSpec((None, max_blocks), lambda s, h, p: (s, 0)),
             pl.BlockSpec((1,), lambda s, h, p: (s,)),
             pl.BlockSpec((1,), lambda s, h, p: (s,)),
-            pl.BlockSpec((2,), lambda s, h, p: (0,)),
+            pl.BlockSpec((None, 2), lambda s, h, p: (h, 0)),
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, group, head_dim), lambda s, h, p: (s, h, p, 0, 0)),
@@ -237,8 +239,8 @@ def paged_decode_attention(
 
     The cache is q's dtype or float8_e4m3fn (an fp8 KV cache), whose tiles are converted
     after each load, to float16 under bf16 queries (`dot_dtype`: the dots then run in
-    float16), else to q's dtype; k_scale / v_scale (float32 scalars, traced or not; None: 1.0)
-    dequantize it: K = stored * k_scale, V = stored * v_scale, folded into the softmax scale
+    float16), else to q's dtype; k_scale / v_scale (float32, per tensor: scalars, traced or not, or
+    per KV head: [num_kv_heads]; None: 1.0) dequantize it: K = stored * k_scale, V = stored * v_scale, folded into the softmax scale
     and the output.
 
     num_splits: KV partitions per sequence (None: `default_num_splits`, at most 16).
@@ -298,7 +300,7 @@ def paged_decode_attention(
         block_tables.astype(jnp.int32),
         seq_lens,
         positions,
-        kv_scales(k_scale, v_scale),
+        kv_scales(k_scale, v_scale, num_kv_heads),
         num_splits=num_splits,
         block_h=block_h,
         num_warps=num_warps,

@@ -50,6 +50,7 @@ from pallas_kernels.common import (
     is_fp8,
     kv_scales,
     next_power_of_2,
+    per_head_scale,
     resolve_interpret,
 )
 
@@ -103,8 +104,8 @@ def ragged_paged_attention_reference(
     soft-capping; the reference only: the Pallas kernels have none).
 
     The cache is q's dtype or float8_e4m3fn (an fp8 KV cache): fp8 pages are converted to
-    q's dtype as they are gathered, and k_scale / v_scale (float32 scalars; None: 1.0)
-    dequantize them, K = stored * k_scale and V = stored * v_scale, applied (as in the
+    q's dtype as they are gathered, and k_scale / v_scale (float32, per tensor: scalars,
+    or per KV head: [num_kv_heads]; None: 1.0) dequantize them, K = stored * k_scale and V = stored * v_scale, applied (as in the
     kernels) to the scores and to the output.
 
     Plain jnp with static loops only: `lax.map` over chunks of C = min(T, 256) query
@@ -164,8 +165,9 @@ def _chunked_reference(
     step_tables = tables.reshape(num_seqs, num_steps, pages_per_step).transpose(1, 0, 2)
     step_starts = jnp.arange(num_steps) * keys_per_step
 
-    # The softmax scale with the k_scale of an fp8 cache folded in: q . (s k) = s (q . k).
-    score_scale = sm_scale if k_scale is None else sm_scale * jnp.asarray(k_scale, jnp.float32)
+    # The softmax scale with the k_scale of an fp8 cache folded in: q . (s k) = s (q . k);
+    # per KV head, [kv_heads, 1, 1] against scores [C, kv_heads, G, K].
+    score_scale = sm_scale if k_scale is None else sm_scale * per_head_scale(k_scale, num_kv_heads)[:, None, None]
 
     def attend_chunk(args):
         q_c, query_pos, seqs = args  # [C, kv_heads, G, D], [C], [C]
@@ -208,7 +210,7 @@ def _chunked_reference(
         # A row that saw no key (padding) has sum 0: output zeros, not 0/0.
         out = acc / jnp.where(row_sum > 0, row_sum, 1.0)[..., None]
         if v_scale is not None:
-            out = out * jnp.asarray(v_scale, jnp.float32)
+            out = out * per_head_scale(v_scale, num_kv_heads)[:, None, None]
         return out.astype(q.dtype)
 
     out = lax.map(attend_chunk, (qg, chunk_positions, chunk_seqs))
@@ -243,7 +245,7 @@ def _ragged_kernel(
     k_ref,  # [num_slots, D]        this KV head's cache, slot = block * block_size + offset
     v_ref,  # [num_slots, D]
     bt_ref,  # [S * max_blocks]     every block table, flattened
-    scale_ref,  # [2] f32           (k_scale, v_scale) of the cache (1.0 unless fp8)
+    scale_ref,  # [2] f32           (k_scale, v_scale) of this KV head (1.0 unless fp8)
     o_ref,  # [T, G, D]
     *,
     sm_scale: float,
@@ -265,7 +267,9 @@ def _ragged_kernel(
     q = plgpu.load(q_ref.at[index], mask=row_ok, other=0)
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     # Scores in base 2 (exp2 is one instruction), k_scale folded in: q . (s k) = s (q . k).
-    scale = sm_scale * LOG2_E * scale_ref[0]
+    # (Both scales read here: v_scale's address kept live through the loop costs registers.)
+    k_scale, v_scale = scale_ref[0], scale_ref[1]
+    scale = sm_scale * LOG2_E * k_scale
     q_pos = (pos0 + qi)[:, None]
 
     def dequantize(x):  # an fp8 tile, converted in registers; a cache in q's dtype as it is
@@ -323,7 +327,7 @@ def _ragged_kernel(
     )
     carry = lax.fori_loop(first_tile, full_end, functools.partial(step, masked=False), carry)
     acc, _, l, _ = lax.fori_loop(full_end, end_tile, functools.partial(step, masked=True), carry)
-    out = acc / jnp.where(l == 0.0, 1.0, l)[:, None] * scale_ref[1]  # v_scale: sum p (s v) = s sum p v
+    out = acc / jnp.where(l == 0.0, 1.0, l)[:, None] * v_scale  # sum p (s v) = s sum p v
     plgpu.store(o_ref.at[index], out.astype(o_ref.dtype), mask=row_ok)
 
 
@@ -350,7 +354,9 @@ def _tile_metadata(
     ends = jnp.cumsum(tiles)
     tile = ends[-1] - 1 - jnp.arange(num_tiles, dtype=jnp.int32)
     live = tile >= 0
-    seq = jnp.minimum(jnp.searchsorted(ends, tile, side="right"), num_seqs - 1)
+    # compare_all ([tiles, seqs] compares, one fusion): the default bisects in a while loop,
+    # which XLA runs from the host, splitting the step's CUDA graph in two.
+    seq = jnp.minimum(jnp.searchsorted(ends, tile, side="right", method="compare_all"), num_seqs - 1)
     first_q = (tile - (ends - tiles)[seq]) * block_q
     tok0 = starts[seq] + first_q
     num_q = jnp.where(live, jnp.minimum(block_q, q_lens[seq] - first_q), 0)
@@ -377,7 +383,7 @@ def _call_triton(meta, q4, k_slots, v_slots, block_tables_flat, scales, *, num_w
             kv_spec,
             kv_spec,
             pl.BlockSpec(block_tables_flat.shape, lambda i, h: (0,)),
-            pl.BlockSpec((2,), lambda i, h: (0,)),
+            pl.BlockSpec((None, 2), lambda i, h: (h, 0)),
         ],
         out_specs=qo_spec,
         out_shape=jax.ShapeDtypeStruct(q4.shape, q4.dtype),
@@ -462,7 +468,7 @@ def ragged_paged_attention_raw(
         k_cache.reshape(num_kv_heads, num_slots, head_dim),  # free: contiguous
         v_cache.reshape(num_kv_heads, num_slots, head_dim),
         block_tables.astype(jnp.int32).reshape(-1),
-        kv_scales(k_scale, v_scale),
+        kv_scales(k_scale, v_scale, num_kv_heads),
         num_warps=num_warps,
         num_stages=num_stages,
         interpret=interpret,

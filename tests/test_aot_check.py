@@ -15,7 +15,7 @@ import pytest
 from jaxvllm.benchmarks import aot_engine
 from pallas_kernels import aot_check
 from pallas_kernels.common import default_block_kv
-from pallas_kernels.hlo import count_cache_copies
+from pallas_kernels.hlo import count_cache_copies, graphed_thunks
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_aot_check.sh"
 
@@ -82,6 +82,12 @@ def test_engine_problems_name_copies_aliasing_and_conditionals():
     ]
     case.result = {"ok": True, "cache_copies": 0, "aliased_outputs": 8, "conditionals": 0}
     assert aot_engine.problems(case) == []
+    # Thunks outside CUDA graphs: a problem of the pallas backend's step, not the reference's.
+    for backend, want in (("pallas", ["2 thunks outside CUDA graphs (host launches on every step)"]),
+                          ("reference", [])):
+        case = aot_check.Case("engine_step", {"donated": 8, "backend": backend}, None, [])
+        case.result = {"ok": True, "cache_copies": 0, "aliased_outputs": 8, "conditionals": 0, "ungraphed_thunks": 2}
+        assert aot_engine.problems(case) == want
     case.result = {"ok": False, "error": "XlaRuntimeError: boom"}
     assert aot_engine.problems(case) == ["XlaRuntimeError: boom"]
 
@@ -114,6 +120,22 @@ ENTRY %main {
     loops = "%w = (s32[]) while(%t), condition=%c, body=%b\n%k = (s32[]) while(%t), condition=%c, body=%b, " \
             'backend_config={"known_trip_count":{"n":"32"}}\n'
     assert aot_engine.unbounded_loops(loops) == 1
+
+
+def test_graphed_thunks_split_a_thunk_sequence_at_its_command_buffers():
+    """XLA's thunk sequence dump: commands of a command buffer are indented under it; a
+    thunk at the top level (here a while loop) is launched by the host."""
+    dump = """000: kCommandBuffer [source       | next=023 (1)] 
+    001: kCopy         [source        | next=002 (1)] kCopy
+    002: kCustomKernel [prev=001 (1)  | next=003 (1)] loop_gather_fusion_1 grid: [2048, 1, 1]
+    003: kCustomKernel [prev=002 (1)  | sink] gemm_fusion_dot_113 grid: [8192, 1, 1]
+023: kWhile         [prev=000 (1) | next=000 (1)]   
+condition:
+000: kCommandBuffer [prev=023 (1) | sink        ] 
+    000: kCustomKernel [source | sink] wrapped_compare
+"""
+    assert graphed_thunks(dump) == (4, 1)
+    assert graphed_thunks("") == (0, 0)
 
 
 def test_cases_cover_the_issue_matrix():

@@ -311,22 +311,29 @@ def test_backend_resolution(monkeypatch):
         ModelRunner._resolve_backend("flash")
 
 
-# -- fp8 KV cache: float8_e4m3fn pages, per-tensor k/v scales, q in bf16 or float32 -----------
+# -- fp8 KV cache: float8_e4m3fn pages, k/v scales per tensor or per KV head, q in bf16 or float32 --
 
 FP8 = jnp.float8_e4m3fn
 
 
-def quantized(b: Batch, k_scale: float, v_scale: float, dtype=FP8) -> Batch:
-    """The batch with its caches stored as fp8 (x / scale, as the KV write stores them)."""
+def per_head(scale) -> jax.Array:
+    """A scale (one value, or one per KV head) shaped to broadcast against a cache [H, ...]."""
+    return jnp.asarray(scale, jnp.float32).reshape(-1, 1, 1, 1)
+
+
+def quantized(b: Batch, k_scale, v_scale, dtype=FP8) -> Batch:
+    """The batch with its caches stored as fp8 (x / scale, as the KV write stores them);
+    scales per tensor (a float) or per KV head (one per head)."""
     top = float(jnp.finfo(dtype).max)
-    fp8 = lambda x, s: jnp.clip(x.astype(jnp.float32) / s, -top, top).astype(dtype)  # noqa: E731
+    fp8 = lambda x, s: jnp.clip(x.astype(jnp.float32) / per_head(s), -top, top).astype(dtype)  # noqa: E731
     return Batch(b.q, fp8(b.k_cache, k_scale), fp8(b.v_cache, v_scale), b.positions, b.query_start_loc,
                  b.seq_lens, b.block_tables, b.num_tokens)
 
 
 FP8_CASES = [
-    # group, block_size, q dtype, sliding_window, (k_scale, v_scale)
+    # group, block_size, q dtype, sliding_window, (k_scale, v_scale): per tensor or per KV head (2)
     pytest.param(2, 4, jnp.bfloat16, None, (0.05, 0.02), id="g2-bf16"),
+    pytest.param(2, 4, jnp.bfloat16, None, ((0.05, 0.4), (0.02, 0.2)), id="g2-bf16-per-head"),
     pytest.param(4, 8, jnp.float32, None, (1.0, 1.0), id="g4-f32-unit-scales"),
     pytest.param(8, 6, jnp.bfloat16, 5, (0.5, 3.0), id="g8-block6-bf16-window5"),
 ]
@@ -337,7 +344,7 @@ def test_decode_fp8_cache_matches_reference(group, block_size, dtype, window, sc
     b = quantized(make_batch(group + block_size, DECODE_CONTEXT, [1] * len(DECODE_CONTEXT), group=group,
                              block_size=block_size, dtype=dtype, pad_tokens=2, pad_seqs=2), *scales)
     args = (b.q, b.k_cache, b.v_cache, b.seq_lens, b.block_tables)
-    k_scale, v_scale = (jnp.float32(s) for s in scales)  # traced scalars, as the engine passes them
+    k_scale, v_scale = (jnp.asarray(s, jnp.float32) for s in scales)  # traced, as the engine passes them
     fn = jax.jit(partial(paged_decode_attention, sm_scale=0.3, sliding_window=window, num_splits=2,
                          block_kv=kv_tile(8)))
     got = fn(*args, k_scale=k_scale, v_scale=v_scale)
@@ -351,7 +358,7 @@ def test_decode_fp8_cache_matches_reference(group, block_size, dtype, window, sc
 def test_ragged_fp8_cache_matches_reference(group, block_size, dtype, window, scales):
     b = quantized(make_batch(group + block_size, RAGGED_CONTEXT, RAGGED_NEW, group=group, block_size=block_size,
                              dtype=dtype), *scales)
-    k_scale, v_scale = (jnp.float32(s) for s in scales)
+    k_scale, v_scale = (jnp.asarray(s, jnp.float32) for s in scales)
     fn = jax.jit(partial(ragged_paged_attention, sm_scale=0.3, sliding_window=window,
                          block_q=q_tile(4, group), block_kv=kv_tile(8)))
     got = fn(*b.args, k_scale=k_scale, v_scale=v_scale)
@@ -398,16 +405,33 @@ def test_mixed_fp8_cache_matches_reference():
 
 def test_fp8_reference_dequantizes_close_to_the_unquantized_cache():
     """The reference over an fp8 cache (x / s stored) is the reference over the dequantized
-    cache (stored * s, float32); against the unquantized K/V, e4m3's 3 mantissa bits
-    (relative error <= 2^-4 per element) leave the output (values of order 1) close."""
+    cache (stored * s, float32), with scales per tensor or per KV head; against the
+    unquantized K/V, e4m3's 3 mantissa bits (relative error <= 2^-4 per element) leave the
+    output (values of order 1) close."""
     b = make_batch(11, RAGGED_CONTEXT, RAGGED_NEW, group=2, dtype=jnp.float32)
-    q8 = quantized(b, 0.01, 0.02)
-    got = ragged_reference(*q8.args, sm_scale=0.3, k_scale=0.01, v_scale=0.02)
-    deq = Batch(b.q, q8.k_cache.astype(jnp.float32) * 0.01, q8.v_cache.astype(jnp.float32) * 0.02,
-                *q8.args[3:], b.num_tokens)
-    assert_close(got, ragged_reference(*deq.args, sm_scale=0.3), jnp.float32, rows=slice(0, b.num_tokens))
-    err = np.abs(np.asarray(got - ragged_reference(*b.args, sm_scale=0.3))[: b.num_tokens])
-    assert err.max() < 0.25 and err.mean() < 0.03, (err.max(), err.mean())
+    for k_scale, v_scale in ((0.01, 0.02), ((0.01, 0.2), (0.02, 0.1))):
+        q8 = quantized(b, k_scale, v_scale)
+        got = ragged_reference(*q8.args, sm_scale=0.3, k_scale=jnp.asarray(k_scale), v_scale=jnp.asarray(v_scale))
+        deq = Batch(b.q, q8.k_cache.astype(jnp.float32) * per_head(k_scale),
+                    q8.v_cache.astype(jnp.float32) * per_head(v_scale), *q8.args[3:], b.num_tokens)
+        assert_close(got, ragged_reference(*deq.args, sm_scale=0.3), jnp.float32, rows=slice(0, b.num_tokens))
+        err = np.abs(np.asarray(got - ragged_reference(*b.args, sm_scale=0.3))[: b.num_tokens])
+        assert err.max() < 0.25 and err.mean() < 0.03, (err.max(), err.mean())
+
+
+def test_kv_scales_are_per_tensor_or_per_kv_head():
+    """A scale is one value or one per KV head; the kernels and the write refuse any other
+    shape, naming it."""
+    b = quantized(make_batch(3, DECODE_CONTEXT, [1] * len(DECODE_CONTEXT), pad_tokens=2, pad_seqs=2), 1.0, 1.0)
+    args = (b.q, b.k_cache, b.v_cache, b.seq_lens, b.block_tables)
+    three = jnp.ones(3, jnp.float32)
+    with pytest.raises(ValueError, match=r"k_scale must be a scalar or \[2\] \(one per KV head\), got shape \(3,\)"):
+        paged_decode_attention(*args, sm_scale=0.3, k_scale=three)
+    with pytest.raises(ValueError, match=r"v_scale must be a scalar or \[2\]"):
+        ragged_paged_attention(*b.args, sm_scale=0.3, v_scale=three)
+    with pytest.raises(ValueError, match=r"must be a scalar or \[2\]"):
+        write_kv_reference(b.k_cache, b.v_cache, jnp.zeros((1, 2, 16)), jnp.zeros((1, 2, 16)),
+                           jnp.zeros(1, jnp.int32), k_scale=three)
 
 
 def test_fp8_cache_checks_dtypes():

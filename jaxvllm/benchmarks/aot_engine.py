@@ -10,7 +10,10 @@ The same compile-only sm_90a device and CUDA PJRT plugin as `pallas_kernels.aot_
 - updates fewer donated buffers in place (input_output_alias) than it was given;
 - holds a `conditional`: XLA's GPU runtime copies each predicate to the host and waits
   for it, a device-to-host sync in the middle of every step;
-- holds a `while` loop whose trip count XLA does not know (a sync per iteration).
+- holds a `while` loop whose trip count XLA does not know (a sync per iteration);
+- on the pallas backend, runs any thunk outside XLA's command buffers (CUDA graphs): the
+  host then launches it, or each iteration of a loop, on every step, where a graph is one
+  launch for the whole step (the reference backend's loops are left so).
 The step's kernels are the kernel check's own cases, so there is no second ptxas pass.
 """
 
@@ -41,7 +44,7 @@ def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int =
     sequence each at `context` tokens: the forward (KV caches donated) and the sampler
     (last sampled ids and sampler state donated) with no feature, or every one, on.
     `kv_cache_dtype`: the cache's dtype when not the model's (fp8: each layer's cache
-    carries its float32 (k_scale, v_scale), donated with it). `decode_only`: the forward the
+    carries its KV heads' float32 (k_scale, v_scale), donated with it). `decode_only`: the forward the
     pallas backend runs for a step of one token per sequence.
 
     The only code here that knows the runner's API (imported here, so that the rest of
@@ -56,7 +59,7 @@ def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int =
     rows = sequence_rows(max_num_seqs, num_tokens)
     layout = BatchLayout(num_tokens, rows, context // block_size, decode_only)
     cache = spec((cfg.num_kv_heads, rows * layout.width, block_size, cfg.head_dim), kv_cache_dtype or dtype)
-    layer_cache = (cache, cache) if kv_cache_dtype is None else (cache, cache, spec((2,), jnp.float32))
+    layer_cache = (cache, cache) if kv_cache_dtype is None else (cache, cache, spec((cfg.num_kv_heads, 2), jnp.float32))
     packed, last_sampled = spec((layout.size,)), spec((max_num_seqs,))
     common = dict(backend=backend, model=model, dtype=jnp.dtype(dtype).name, num_tokens=num_tokens, context=context)
     if decode_only:
@@ -147,6 +150,8 @@ def problems(case: Case) -> list[str]:
         found.append(f"{r['conditionals']} conditionals in the compiled step (a host sync each)")
     if r.get("unbounded_loops"):
         found.append(f"{r['unbounded_loops']} while loops without a known trip count (a host sync per iteration)")
+    if r.get("ungraphed_thunks") and case.params.get("backend") == "pallas":
+        found.append(f"{r['ungraphed_thunks']} thunks outside CUDA graphs (host launches on every step)")
     return found
 
 
