@@ -16,10 +16,18 @@ The query of sequence s sits at position `query_positions[s]` (default seq_lens 
 and sees keys j with j <= position, j < seq_len (and j > position - sliding_window).
 A sequence with seq_len 0 (a padding row) gets zeros.
 
-Grid: (sequence, KV head, partition). Each program walks its share of the sequence's
-KV tiles (`block_kv` tokens, any number of pages) with an online softmax. Page ids are
-looked up per token inside the kernel (scalar prefetch of block tables exists on TPU
-only), so block_size need not divide block_kv. They are loaded one tile ahead and
+Grid: (KV head, partition, sequence), KV heads fastest, and sequences longest first:
+program row i takes sequence `seq_order[i]` (default: seq_lens sorted descending). The
+GPU starts programs in grid order as others finish, so the longest contexts start first
+and short ones fill the tail. In a list-scheduling model (not a GPU measurement) of a
+decode step of 256 sequences of 100-2048 tokens, 8 KV heads and 528 resident programs,
+the step ends 4-6% after the ideal (work / slots), against 19-29% in (sequence, KV head)
+order, where the longest contexts of the last heads could start last.
+
+Each program walks its share of the sequence's KV tiles (`block_kv` tokens, any number
+of pages) with an online softmax. Page ids are looked up per token inside the kernel
+(scalar prefetch of block tables exists on TPU only), so block_size need not divide
+block_kv. They are loaded one tile ahead and
 carried through the loop: a K/V address that depends on a load in the same iteration
 keeps Triton's pipeliner from keeping more than one tile in flight (seen in the sm_90a
 compile: shared memory stayed at one tile whatever num_stages), while carried ids let
@@ -65,17 +73,18 @@ MAX_SPLITS = 16
 
 
 def _decode_kernel(
-    q_ref,  # [G, D]          the G query heads of this KV head
-    k_ref,  # [num_slots, D]  this KV head's cache, slot = block * block_size + offset
+    order_ref,  # [S]            the sequence each program row takes
+    q_ref,  # [S, G, D]          every sequence's G query heads of this KV head
+    k_ref,  # [num_slots, D]     this KV head's cache, slot = block * block_size + offset
     v_ref,  # [num_slots, D]
-    bt_ref,  # [max_blocks]   this sequence's block table
-    len_ref,  # [1]           seq_len
-    pos_ref,  # [1]           query position
-    scale_ref,  # [2] f32     (k_scale, v_scale) of this KV head (1.0 unless fp8)
-    o_ref,  # [G, D]          partition output, normalized by the partition's softmax sum (f32;
-    #                         q's dtype when unsplit: then it is the output, no merge follows)
-    m_ref,  # [G] f32         partition max score
-    l_ref,  # [G] f32         partition softmax sum (0: empty partition)
+    bt_ref,  # [S, max_blocks]   the block tables
+    len_ref,  # [S]              seq_lens
+    pos_ref,  # [S]              query positions
+    scale_ref,  # [2] f32        (k_scale, v_scale) of this KV head (1.0 unless fp8)
+    o_ref,  # [S, G, D]          this partition's outputs, each normalized by its softmax sum
+    #                            (f32; q's dtype when unsplit: then it is the output, no merge)
+    m_ref,  # [S, G] f32         partition max score
+    l_ref,  # [S, G] f32         partition softmax sum (0: empty partition)
     *,
     sm_scale: float,
     block_size: int,
@@ -84,10 +93,11 @@ def _decode_kernel(
     num_splits: int,
     sliding_window: int | None,
 ):
-    group, head_dim = q_ref.shape
-    split = pl.program_id(2)
-    seq_len = len_ref[0]
-    pos = pos_ref[0]
+    _, group, head_dim = q_ref.shape
+    split = pl.program_id(1)
+    seq = order_ref[pl.program_id(2)]
+    seq_len = len_ref[seq]
+    pos = pos_ref[seq]
     hi = jnp.minimum(seq_len, pos + 1)  # keys [lo, hi)
     lo = jnp.int32(0) if sliding_window is None else jnp.maximum(pos - (sliding_window - 1), 0)
 
@@ -103,7 +113,7 @@ def _decode_kernel(
     dims = jnp.arange(head_dim)
     row_ok = (rows < group)[:, None]
     compute = dot_dtype(q_ref.dtype, k_ref.dtype)
-    q = to_dot_dtype(plgpu.load(q_ref.at[rows[:, None], dims[None, :]], mask=row_ok, other=0), compute)
+    q = to_dot_dtype(plgpu.load(q_ref.at[seq, rows[:, None], dims[None, :]], mask=row_ok, other=0), compute)
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     # Scores in base 2 (exp2 is one instruction), k_scale folded in: q . (s k) = s (q . k).
     # (Both scales read here: v_scale's address kept live through the loop costs registers.)
@@ -114,7 +124,7 @@ def _decode_kernel(
     def pages_of(tile):
         keys = tile * block_kv + offsets
         valid = (keys >= lo) & (keys < hi)
-        return plgpu.load(bt_ref.at[lax.div(keys, block_size)], mask=valid, other=0)
+        return plgpu.load(bt_ref.at[seq, lax.div(keys, block_size)], mask=valid, other=0)
 
     def dequantize(x):  # an fp8 tile, converted in registers; a cache in q's dtype as it is
         return x if x.dtype == compute else x.astype(compute)
@@ -153,9 +163,9 @@ def _decode_kernel(
     )
     acc, m, l, _ = lax.fori_loop(start, stop, body, init)
     out = acc / jnp.where(l == 0.0, 1.0, l)[:, None] * v_scale  # sum p (s v) = s sum p v
-    plgpu.store(o_ref.at[rows[:, None], dims[None, :]], out.astype(o_ref.dtype), mask=row_ok)
-    plgpu.store(m_ref.at[rows], m * LN_2, mask=rows < group)  # back to natural log for the combine
-    plgpu.store(l_ref.at[rows], l, mask=rows < group)
+    plgpu.store(o_ref.at[seq, rows[:, None], dims[None, :]], out.astype(o_ref.dtype), mask=row_ok)
+    plgpu.store(m_ref.at[seq, rows], m * LN_2, mask=rows < group)  # back to natural log for the combine
+    plgpu.store(l_ref.at[seq, rows], l, mask=rows < group)
 
 
 def default_num_splits(num_seqs: int, num_kv_heads: int, max_tiles: int) -> int:
@@ -170,7 +180,7 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_tiles: int) -> int:
     return max(1, min(want, MAX_SPLITS, max_tiles))
 
 
-def _call_triton(q4, k_slots, v_slots, block_tables, seq_lens, positions, scales, *, num_splits, block_h,
+def _call_triton(order, q4, k_slots, v_slots, block_tables, seq_lens, positions, scales, *, num_splits, block_h,
                  num_warps, num_stages, interpret, **kernel_args):
     num_seqs, num_kv_heads, group, head_dim = q4.shape
     num_slots = k_slots.shape[1]
@@ -178,22 +188,24 @@ def _call_triton(q4, k_slots, v_slots, block_tables, seq_lens, positions, scales
     kernel = functools.partial(_decode_kernel, num_splits=num_splits, block_h=block_h, **kernel_args)
     part = (num_seqs, num_kv_heads, num_splits, group)
     out_dtype = q4.dtype if num_splits == 1 else jnp.float32  # unsplit: the output itself
+    whole = lambda shape: pl.BlockSpec(shape, lambda h, p, i: (0,) * len(shape))  # noqa: E731
     return pl.pallas_call(
         kernel,
-        grid=(num_seqs, num_kv_heads, num_splits),
+        grid=(num_kv_heads, num_splits, num_seqs),  # in launch order, the first axis fastest
         in_specs=[
-            pl.BlockSpec((None, None, group, head_dim), lambda s, h, p: (s, h, 0, 0)),
-            pl.BlockSpec((None, num_slots, head_dim), lambda s, h, p: (h, 0, 0)),
-            pl.BlockSpec((None, num_slots, head_dim), lambda s, h, p: (h, 0, 0)),
-            pl.BlockSpec((None, max_blocks), lambda s, h, p: (s, 0)),
-            pl.BlockSpec((1,), lambda s, h, p: (s,)),
-            pl.BlockSpec((1,), lambda s, h, p: (s,)),
-            pl.BlockSpec((None, 2), lambda s, h, p: (h, 0)),
+            whole((num_seqs,)),
+            pl.BlockSpec((num_seqs, None, group, head_dim), lambda h, p, i: (0, h, 0, 0)),
+            pl.BlockSpec((None, num_slots, head_dim), lambda h, p, i: (h, 0, 0)),
+            pl.BlockSpec((None, num_slots, head_dim), lambda h, p, i: (h, 0, 0)),
+            whole((num_seqs, max_blocks)),
+            whole((num_seqs,)),
+            whole((num_seqs,)),
+            pl.BlockSpec((None, 2), lambda h, p, i: (h, 0)),
         ],
         out_specs=[
-            pl.BlockSpec((None, None, None, group, head_dim), lambda s, h, p: (s, h, p, 0, 0)),
-            pl.BlockSpec((None, None, None, group), lambda s, h, p: (s, h, p, 0)),
-            pl.BlockSpec((None, None, None, group), lambda s, h, p: (s, h, p, 0)),
+            pl.BlockSpec((num_seqs, None, None, group, head_dim), lambda h, p, i: (0, h, p, 0, 0)),
+            pl.BlockSpec((num_seqs, None, None, group), lambda h, p, i: (0, h, p, 0)),
+            pl.BlockSpec((num_seqs, None, None, group), lambda h, p, i: (0, h, p, 0)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((*part, head_dim), out_dtype),
@@ -203,7 +215,7 @@ def _call_triton(q4, k_slots, v_slots, block_tables, seq_lens, positions, scales
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="jaxvllm_paged_decode_attention",
-    )(q4, k_slots, v_slots, block_tables, seq_lens, positions, scales)
+    )(order, q4, k_slots, v_slots, block_tables, seq_lens, positions, scales)
 
 
 def combine_partitions(o: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
@@ -228,6 +240,7 @@ def paged_decode_attention(
     query_positions: jax.Array | None = None,
     k_scale: jax.Array | float | None = None,
     v_scale: jax.Array | float | None = None,
+    seq_order: jax.Array | None = None,
     num_splits: int | None = None,
     block_kv: int | None = None,
     block_h: int | None = None,
@@ -243,6 +256,9 @@ def paged_decode_attention(
     per KV head: [num_kv_heads]; None: 1.0) dequantize it: K = stored * k_scale, V = stored * v_scale, folded into the softmax scale
     and the output.
 
+    seq_order: int32 [S], a permutation of the sequences, the order in which programs take
+    them (None: longest first, `jnp.argsort(-seq_lens)`; under jit, XLA computes it once
+    for every layer's call on the same seq_lens).
     num_splits: KV partitions per sequence (None: `default_num_splits`, at most 16).
     block_kv: KV tokens per inner step (a power of 2; None: a 16 KiB tile, 64 keys of
     head_dim 128 in bf16, see `default_block_kv`). num_stages: pipeline depth (None: 3 for
@@ -266,6 +282,8 @@ def paged_decode_attention(
         )
     if query_positions is not None and query_positions.shape != (num_seqs,):
         raise ValueError(f"query_positions must be [{num_seqs}], got {query_positions.shape}")
+    if seq_order is not None and seq_order.shape != (num_seqs,):
+        raise ValueError(f"seq_order must be [{num_seqs}], got {seq_order.shape}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     group = num_q_heads // num_kv_heads
@@ -292,8 +310,10 @@ def paged_decode_attention(
 
     seq_lens = seq_lens.astype(jnp.int32)
     positions = seq_lens - 1 if query_positions is None else query_positions.astype(jnp.int32)
+    order = jnp.argsort(-seq_lens, stable=True) if seq_order is None else seq_order
     num_slots = num_blocks * block_size
     o, m, l = _call_triton(
+        order.astype(jnp.int32),
         q.reshape(num_seqs, num_kv_heads, group, head_dim),
         k_cache.reshape(num_kv_heads, num_slots, head_dim),  # free: contiguous
         v_cache.reshape(num_kv_heads, num_slots, head_dim),

@@ -17,8 +17,9 @@ This file holds the Pallas kernel (`ragged_paged_attention`) and the plain-jnp r
 Kernel: flash attention over query tiles of the flat token array. A tile is up to
 `block_q` consecutive query tokens of ONE sequence, times the G query heads of one KV
 head ([block_q * G, D] rows per dot). A small jnp step lists the tiles of every
-sequence (`_tile_metadata`); the grid is (tile, KV head) with a static upper bound on
-the tile count (cdiv(T, block_q) + S), idle tiles exiting at once. Each program walks
+sequence (`_tile_metadata`); the grid is (KV head, tile), KV heads fastest in launch
+order, with a static upper bound on the tile count (cdiv(T, block_q) + S), idle tiles
+exiting at once. Each program walks
 its sequence's KV pages up to the causal limit of its last query with an online
 softmax; tiles wholly below the diagonal skip the mask. Positions of one sequence's
 query tokens are consecutive (the engine's chunks always are): the mask uses the
@@ -372,18 +373,20 @@ def _call_triton(meta, q4, k_slots, v_slots, block_tables_flat, scales, *, num_w
     num_slots = k_slots.shape[1]
     num_tiles = meta.shape[0]
     kernel = functools.partial(_ragged_kernel, **kernel_args)
-    qo_spec = pl.BlockSpec((num_tokens, None, group, head_dim), lambda i, h: (0, h, 0, 0))
-    kv_spec = pl.BlockSpec((None, num_slots, head_dim), lambda i, h: (h, 0, 0))
+    qo_spec = pl.BlockSpec((num_tokens, None, group, head_dim), lambda h, i: (0, h, 0, 0))
+    kv_spec = pl.BlockSpec((None, num_slots, head_dim), lambda h, i: (h, 0, 0))
     return pl.pallas_call(
         kernel,
-        grid=(num_tiles, num_kv_heads),
+        # KV heads fastest in launch order: each tile's heads start together, the tiles in
+        # `meta`'s order (heaviest first) across all heads.
+        grid=(num_kv_heads, num_tiles),
         in_specs=[
-            pl.BlockSpec((None, _META_COLS), lambda i, h: (i, 0)),
+            pl.BlockSpec((None, _META_COLS), lambda h, i: (i, 0)),
             qo_spec,
             kv_spec,
             kv_spec,
-            pl.BlockSpec(block_tables_flat.shape, lambda i, h: (0,)),
-            pl.BlockSpec((None, 2), lambda i, h: (h, 0)),
+            pl.BlockSpec(block_tables_flat.shape, lambda h, i: (0,)),
+            pl.BlockSpec((None, 2), lambda h, i: (h, 0)),
         ],
         out_specs=qo_spec,
         out_shape=jax.ShapeDtypeStruct(q4.shape, q4.dtype),

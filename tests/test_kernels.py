@@ -145,6 +145,23 @@ def test_decode_query_positions_before_the_end():
     assert_close(got, want, jnp.float32)
 
 
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_decode_takes_sequences_in_any_order(num_splits):
+    """Programs take sequences in `seq_order` (default: longest first); any permutation
+    gives the same output, each row its own sequence's."""
+    b = make_batch(4, DECODE_CONTEXT, [1] * len(DECODE_CONTEXT), group=2, pad_tokens=2, pad_seqs=2)
+    args = (b.q, b.k_cache, b.v_cache, b.seq_lens, b.block_tables)
+    tuning = dict(sm_scale=0.3, num_splits=num_splits, block_kv=kv_tile(8))
+    want = decode_reference(*args, sm_scale=0.3)
+    default = paged_decode_attention(*args, **tuning)
+    shuffled = jnp.asarray(np.random.default_rng(0).permutation(len(b.seq_lens)), jnp.int32)
+    got = jax.jit(partial(paged_decode_attention, **tuning))(*args, seq_order=shuffled)
+    assert_close(default, want, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(default))
+    with pytest.raises(ValueError, match=r"seq_order must be \[8\], got \(7,\)"):
+        paged_decode_attention(*args, **tuning, seq_order=shuffled[:7])
+
+
 def test_decode_checks_shapes():
     cache = jnp.zeros((2, 4, 4, 16))
     with pytest.raises(ValueError, match="not a multiple"):
