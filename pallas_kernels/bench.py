@@ -10,7 +10,9 @@ and the best of a small sweep), JAX's own Pallas `paged_attention` on the same a
 copy of the same byte count (reported as bytes read + written per second). Then the same
 kernel over an fp8 (float8_e4m3fn) copy of the cache: its bytes read per second (half
 the bytes per token) and its effective tokens per second (sequences decoded per second)
-against the bf16 cache's.
+against the bf16 cache's. K1 mixed: a decode batch of mixed context lengths (B1's
+spread), over the bf16 and the fp8 cache, with the kernel's default order (longest
+sequences first) against arrival order and shortest first (`seq_order`).
 K2, prefill: causal TFLOP/s of `ragged_paged_attention` on a paged cache against
 `jax.nn.dot_product_attention(implementation="cudnn")` and JAX's Pallas Triton flash
 attention on unpaged data. KV write: XLA's scatter of a step's new K/V rows into the
@@ -65,6 +67,9 @@ FULL = dict(
             fp8_sweep=(dict(block_kv=128), dict(block_kv=128, num_stages=4), dict(block_kv=128, num_warps=8),
                        dict(num_stages=4), dict(num_warps=8), dict(block_kv=128, num_splits=2),
                        dict(block_kv=128, num_splits=4))),
+    # 256 sequences of 100-2048 tokens (uniform), as mid-way through B1: the order in which
+    # the decode kernel's programs take them.
+    k1_mixed=dict(q_heads=16, kv_heads=8, head_dim=128, block_size=16, batch=256, contexts=(100, 2048)),
     k2=dict(batch=4, seq_len=4096, q_heads=16, kv_heads=16, head_dim=128, block_size=16,
             # ragged_paged_attention tunings (the first is the default: 128 query rows, 64 keys,
             # num_stages=3, 8 warps).
@@ -85,6 +90,7 @@ SMALL = dict(
     k1=dict(q_heads=4, kv_heads=2, head_dim=16, block_size=8, shapes=[(3, 40)],
             sweep=(dict(num_splits=1, block_kv=16), dict(num_splits=2, block_kv=16, num_warps=8)),
             fp8_sweep=(dict(num_splits=1, block_kv=16),)),
+    k1_mixed=dict(q_heads=4, kv_heads=2, head_dim=16, block_size=8, batch=6, contexts=(4, 48)),
     k2=dict(batch=2, seq_len=64, q_heads=2, kv_heads=2, head_dim=16, block_size=8,
             tiles=(dict(block_q=16, block_kv=16),)),
     kv=dict(kv_heads=2, head_dim=16, num_slots=256, block_size=8, tokens=[16]),
@@ -251,6 +257,45 @@ def bench_k1(cfg: dict, iters: int, interpret: bool) -> list[dict]:
                   f"reference, {f8['max_abs_err_vs_bf16_cache']:.2g} vs the bf16 cache", flush=True)
         del k_cache, v_cache, want
     return rows
+
+
+def bench_k1_mixed(cfg: dict, iters: int, interpret: bool) -> dict:
+    """The decode kernel on sequences of mixed lengths, in three orders: its default
+    (longest first), arrival order and shortest first; bytes read per second (the
+    contexts' actual bytes) and the default's speedup over arrival order."""
+    hq, hkv, d, bs, batch = (cfg[k] for k in ("q_heads", "kv_heads", "head_dim", "block_size", "batch"))
+    lo, hi = cfg["contexts"]
+    lengths = np.random.default_rng(3).integers(lo, hi, batch).tolist()
+    key = jax.random.key(11)
+    k_cache, v_cache, tables = paged_kv(key, hkv, lengths, bs, d, spare_blocks=0)
+    q = jax.random.normal(jax.random.fold_in(key, 1), (batch, hq, d), DTYPE)
+    lens = jnp.asarray(lengths, jnp.int32)
+    tokens = sum(lengths)
+    result: dict[str, Any] = {"batch": batch, "contexts": [lo, hi], "tokens": tokens}
+    orders = {"longest_first": None, "arrival": jnp.arange(batch, dtype=jnp.int32),
+              "shortest_first": jnp.argsort(lens, stable=True).astype(jnp.int32)}
+    for cache_name, cache_dtype in (("bf16", DTYPE), ("fp8", FP8)):
+        k, v = k_cache.astype(cache_dtype), v_cache.astype(cache_dtype)
+        kv_bytes = 2 * tokens * hkv * d * jnp.dtype(cache_dtype).itemsize
+        want = paged_decode_attention_reference(q, k, v, lens, tables, sm_scale=d**-0.5)
+
+        def run(order, k=k, v=v, kv_bytes=kv_bytes, want=want):
+            fn = jax.jit(partial(paged_decode_attention, sm_scale=d**-0.5, interpret=interpret))
+            args = (q, k, v, lens, tables)
+            extra = {} if order is None else {"seq_order": order}  # None: the default
+            err = _max_err(fn(*args, **extra), want)
+            t = time_fn(partial(fn, **extra), *args, iters=iters)
+            return {"ms": t * 1e3, "tb_s": kv_bytes / t / 1e12, "max_abs_err_vs_reference": err}
+
+        for name, order in orders.items():
+            attempt(result, f"{cache_name}_{name}", partial(run, order))
+        first, arrival = result[f"{cache_name}_longest_first"], result[f"{cache_name}_arrival"]
+        if "ms" in first and "ms" in arrival:
+            result[f"{cache_name}_longest_first_speedup"] = arrival["ms"] / first["ms"]
+    print(f"K1 mixed {batch} x {lo}-{hi}: {summary(result)}; longest first vs arrival order: "
+          f"bf16 {result.get('bf16_longest_first_speedup', float('nan')):.3f}x, "
+          f"fp8 {result.get('fp8_longest_first_speedup', float('nan')):.3f}x", flush=True)
+    return result
 
 
 # -- K2: prefill -------------------------------------------------------------------------
@@ -466,7 +511,7 @@ def environment() -> dict:
     }
 
 
-PARTS = {"k1": bench_k1, "k2": bench_k2, "kv": bench_kv, "k3": bench_k3}  # in the order they run: decode first
+PARTS = {"k1": bench_k1, "k1_mixed": bench_k1_mixed, "k2": bench_k2, "kv": bench_kv, "k3": bench_k3}  # in the order they run: decode first
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -31,6 +31,11 @@ def test_bench_small_runs_and_checks_the_kernels(tmp_path, monkeypatch):
     assert fp8["kv_bytes"] * 2 == k1["kv_bytes"] and fp8["tb_s"] > 0 and fp8["speedup_vs_bf16"] > 0
     assert fp8["tokens_per_s"] > 0 and fp8["tokens_per_s_bf16"] == decode["tokens_per_s"]
     assert "error" not in k1["xla_reference"] and "error" not in k1["hbm_copy"]
+    mixed = results["k1_mixed"]  # mixed context lengths, in three orders of the programs
+    for cache in ("bf16", "fp8"):
+        for order in ("longest_first", "arrival", "shortest_first"):
+            assert mixed[f"{cache}_{order}"]["max_abs_err_vs_reference"] < 0.05, (cache, order)
+        assert mixed[f"{cache}_longest_first_speedup"] > 0
     ragged = results["k2"]["pallas_ragged"]
     assert max(ragged["max_abs_err"].values()) < 0.05 and ragged["best_tflop_s"] > 0
     (kv,) = results["kv"]
