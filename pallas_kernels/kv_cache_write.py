@@ -25,9 +25,10 @@ def write_kv_reference(
     """Scatter `k`, `v` [T, num_kv_heads, head_dim] into slots `slot_mapping` [T].
 
     Into an fp8 (float8_e4m3fn or float8_e5m2) cache the rows are quantized: x / scale in
-    float32 (scale: `k_scale` / `v_scale`, per tensor or per KV head, None = 1.0), clipped to the type's range (+-448
-    for e4m3, whose cast would make NaN of anything beyond), then cast. Any other cache
-    takes them cast to its dtype.
+    float32 (scale: `k_scale` / `v_scale`, per tensor or per KV head, None = 1.0), clipped
+    to the type's range (+-448 for e4m3, whose cast would make NaN of anything beyond),
+    then cast. Any other cache takes them cast to its dtype (divided by the scale if one
+    is given).
 
     A negative slot marks a padding row: it is dropped, never written (a plain
     negative index would wrap around and clobber the last block). Under `jit` with the

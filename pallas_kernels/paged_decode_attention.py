@@ -27,11 +27,11 @@ order, where the longest contexts of the last heads could start last.
 Each program walks its share of the sequence's KV tiles (`block_kv` tokens, any number
 of pages) with an online softmax. Page ids are looked up per token inside the kernel
 (scalar prefetch of block tables exists on TPU only), so block_size need not divide
-block_kv. They are loaded one tile ahead and
-carried through the loop: a K/V address that depends on a load in the same iteration
-keeps Triton's pipeliner from keeping more than one tile in flight (seen in the sm_90a
-compile: shared memory stayed at one tile whatever num_stages), while carried ids let
-num_stages=3 load the next tiles during the current one's dots. Written for Pallas'
+block_kv. They are loaded one tile ahead and carried through the loop: a K/V address
+that depends on a load in the same iteration keeps Triton's pipeliner from keeping more
+than one tile in flight (seen in the sm_90a compile: shared memory stayed at one tile
+whatever num_stages), while carried ids let num_stages=3 load the next tiles during the
+current one's dots. Written for Pallas'
 Triton backend; a Mosaic GPU variant would be another `_call_*` beside `_call_triton`,
 same wrapper.
 """
@@ -252,9 +252,9 @@ def paged_decode_attention(
 
     The cache is q's dtype or float8_e4m3fn (an fp8 KV cache), whose tiles are converted
     after each load, to float16 under bf16 queries (`dot_dtype`: the dots then run in
-    float16), else to q's dtype; k_scale / v_scale (float32, per tensor: scalars, traced or not, or
-    per KV head: [num_kv_heads]; None: 1.0) dequantize it: K = stored * k_scale, V = stored * v_scale, folded into the softmax scale
-    and the output.
+    float16), else to q's dtype; k_scale / v_scale (float32, per tensor: scalars, traced
+    or not, or per KV head: [num_kv_heads]; None: 1.0) dequantize it: K = stored * k_scale,
+    V = stored * v_scale, folded into the softmax scale and the output.
 
     seq_order: int32 [S], a permutation of the sequences, the order in which programs take
     them (None: longest first, `jnp.argsort(-seq_lens)`; under jit, XLA computes it once

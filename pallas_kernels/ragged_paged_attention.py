@@ -106,8 +106,8 @@ def ragged_paged_attention_reference(
 
     The cache is q's dtype or float8_e4m3fn (an fp8 KV cache): fp8 pages are converted to
     q's dtype as they are gathered, and k_scale / v_scale (float32, per tensor: scalars,
-    or per KV head: [num_kv_heads]; None: 1.0) dequantize them, K = stored * k_scale and V = stored * v_scale, applied (as in the
-    kernels) to the scores and to the output.
+    or per KV head: [num_kv_heads]; None: 1.0) dequantize them, K = stored * k_scale and
+    V = stored * v_scale, applied (as in the kernels) to the scores and to the output.
 
     Plain jnp with static loops only: `lax.map` over chunks of C = min(T, 256) query
     tokens, each a `lax.scan` over the block-table columns, P = min(max_blocks_per_seq,

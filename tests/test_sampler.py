@@ -57,7 +57,9 @@ def test_features_follow_the_rows_that_sample():
 
 def test_compiled_variants_have_no_conditionals_and_static_loops():
     """Every choice is made on the host: no `conditional` (on XLA:GPU its predicate is
-    copied to the host, stalling the stream) and only loops of known trip count."""
+    copied to the host, stalling the stream) and only loops of known trip count (on CPU,
+    jax.random's; the GPU compile has none, which `jaxvllm.benchmarks.aot_engine` checks:
+    a loop there would run outside the step's CUDA graph)."""
     everything = SamplerFeatures(random=True, min_p=True, top_k=True, top_p=True, state=True, bad_words=True, logprobs=20)
     for features in (SamplerFeatures(), everything):
         hlo = _sample.lower(np.zeros((4, V), np.float32), tensors(4), init_state(4, V), features=features)

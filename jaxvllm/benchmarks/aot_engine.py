@@ -44,8 +44,8 @@ def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int =
     sequence each at `context` tokens: the forward (KV caches donated) and the sampler
     (last sampled ids and sampler state donated) with no feature, or every one, on.
     `kv_cache_dtype`: the cache's dtype when not the model's (fp8: each layer's cache
-    carries its KV heads' float32 (k_scale, v_scale), donated with it). `decode_only`: the forward the
-    pallas backend runs for a step of one token per sequence.
+    carries its KV heads' float32 (k_scale, v_scale), donated with it). `decode_only`: the
+    forward the pallas backend runs for a step of one token per sequence.
 
     The only code here that knows the runner's API (imported here, so that the rest of
     the module does not depend on it): params name the donated buffers (`copy_shapes`,
@@ -59,7 +59,8 @@ def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int =
     rows = sequence_rows(max_num_seqs, num_tokens)
     layout = BatchLayout(num_tokens, rows, context // block_size, decode_only)
     cache = spec((cfg.num_kv_heads, rows * layout.width, block_size, cfg.head_dim), kv_cache_dtype or dtype)
-    layer_cache = (cache, cache) if kv_cache_dtype is None else (cache, cache, spec((cfg.num_kv_heads, 2), jnp.float32))
+    scales = spec((cfg.num_kv_heads, 2), jnp.float32)  # an fp8 cache's, per KV head
+    layer_cache = (cache, cache) if kv_cache_dtype is None else (cache, cache, scales)
     packed, last_sampled = spec((layout.size,)), spec((max_num_seqs,))
     common = dict(backend=backend, model=model, dtype=jnp.dtype(dtype).name, num_tokens=num_tokens, context=context)
     if decode_only:
