@@ -50,25 +50,25 @@ def mixed_paged_attention(
     that sequence s owns token s alone, or no token (query_start_loc = 0, 1, .., n, n, ..)."""
     _check_shapes(q, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables)
     num_tokens, num_seqs = q.shape[0], seq_lens.shape[0]
+
+    def decode(seq_q, seq_positions, is_decode):
+        """The decode kernel on each sequence's query row; other sequences get seq_len 0."""
+        return paged_decode_attention(
+            seq_q, k_cache, v_cache, jnp.where(is_decode, seq_lens, 0), block_tables,
+            sm_scale=sm_scale, sliding_window=sliding_window, query_positions=seq_positions,
+            k_scale=k_scale, v_scale=v_scale, interpret=interpret, **(decode_tuning or {}),
+        )
+
     if decode_only:
         if num_seqs > num_tokens:
             raise ValueError(f"decode_only: {num_seqs} sequence rows for {num_tokens} tokens")
-        live = jnp.arange(num_seqs) < query_start_loc[-1]
-        decoded = paged_decode_attention(
-            q[:num_seqs], k_cache, v_cache, jnp.where(live, seq_lens, 0), block_tables,
-            sm_scale=sm_scale, sliding_window=sliding_window, query_positions=positions[:num_seqs],
-            k_scale=k_scale, v_scale=v_scale, interpret=interpret, **(decode_tuning or {}),
-        )
+        decoded = decode(q[:num_seqs], positions[:num_seqs], jnp.arange(num_seqs) < query_start_loc[-1])
         return jnp.pad(decoded, ((0, num_tokens - num_seqs), (0, 0), (0, 0))).astype(q.dtype)
     starts = query_start_loc[:-1]
     is_decode = (query_start_loc[1:] - starts) == 1
     rows = jnp.clip(starts, 0, num_tokens - 1)
 
-    decoded = paged_decode_attention(
-        q[rows], k_cache, v_cache, jnp.where(is_decode, seq_lens, 0), block_tables,
-        sm_scale=sm_scale, sliding_window=sliding_window, query_positions=positions[rows],
-        k_scale=k_scale, v_scale=v_scale, interpret=interpret, **(decode_tuning or {}),
-    )
+    decoded = decode(q[rows], positions[rows], is_decode)
     ragged = ragged_paged_attention_raw(
         q, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables,
         sm_scale=sm_scale, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, min_query_len=2,

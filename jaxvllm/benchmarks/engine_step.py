@@ -5,8 +5,9 @@
     python -m jaxvllm.benchmarks.engine_step --json out.json
 
 At 256 x 1024 (`step`) and at 8 sequences x 128 tokens (`floor_step`: a step's fixed
-cost; the pallas backend only). The model forward plus a greedy argmax, KV caches donated, for the `reference` and
-`pallas` backends, and `pallas` over an fp8 KV cache (`pallas_fp8`): step time, KV bytes
+cost; the pallas backend only). The model forward plus a greedy argmax, KV caches
+donated, for the `reference` and `pallas` backends, and `pallas` over an fp8 KV cache
+(`pallas_fp8`): step time, KV bytes
 read per second, the host's time to dispatch a step (the call's return, before the
 device is done: what the engine's host pays per step for it), the same steps back to
 back as the engine runs them (`pipelined_step_ms`, and `busy_dispatch_ms`: a call's

@@ -92,7 +92,8 @@ def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
 
 
 def attention_specs(add, cfg: ModelConfig, norm_init: str = "ones") -> None:
-    """A layer's attention parameters (`decoder_specs`' `add` records each): q/k/v/o with the head axis explicit, their biases, the q/k norms."""
+    """A layer's attention parameters (`decoder_specs`' `add` records each): q/k/v/o with
+    the head axis explicit, their biases, the q/k norms."""
     d, hd, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     add("q_proj", "self_attn.q_proj.weight", (hq * hd, d), (hq, hd, d))
     add("k_proj", "self_attn.k_proj.weight", (hkv * hd, d), (hkv, hd, d))
