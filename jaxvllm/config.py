@@ -139,6 +139,9 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # renormalize the top-k routing weights to sum to 1
+    # How a tensor-parallel run splits the stacked experts (set by `sharding.sharded_config`):
+    # False: every expert by its intermediate dimension; True: whole experts, E / N per device.
+    expert_parallel: bool = False
     # Gemma 3 (jaxvllm/models/gemma3.py): the MLP's activation; the softmax scale is
     # query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5); tanh soft-capping of the
     # attention scores and of the final logits (None: none); the RoPE of the sliding-window
@@ -371,6 +374,10 @@ class EngineConfig:
     # of its own; an `LLMEngine` is replica `data_parallel_rank`.
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
+    # vLLM's enable_expert_parallel: a mixture of experts' layers hold E / tensor_parallel_size
+    # whole experts per device instead of a slice of every expert (jaxvllm/sharding.py);
+    # attention stays split by heads. Nothing changes on one device or for a dense model.
+    enable_expert_parallel: bool = False
     # The name `get_metrics()` labels metrics with (default: the model argument; of a list,
     # the first), as vLLM's.
     served_model_name: str | list[str] | None = None
@@ -468,7 +475,8 @@ class EngineConfig:
             if getattr(self, name) != off:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not supported by jaxvllm (only {off!r})")
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "async_scheduling", "skip_tokenizer_init",
-                     "enforce_eager", "disable_log_stats", "trust_remote_code", "calculate_kv_scales"):
+                     "enforce_eager", "disable_log_stats", "trust_remote_code", "calculate_kv_scales",
+                     "enable_expert_parallel"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.dtype not in ("auto", *DTYPES):

@@ -44,6 +44,8 @@ _BOOL_FLAGS: dict[str, str] = {
     "enforce-eager": "skip the warm-up: each shape compiles the first time a step needs it",
     "calculate-kv-scales": "fp8 KV cache: scales per layer and KV head from the first batch (max |K| / 200, "
                            "max |V| / 100) instead of the checkpoint's or 1.0",
+    "enable-expert-parallel": "mixture of experts: split the experts whole over the tensor-parallel devices "
+                              "(E / N each) instead of each expert by its intermediate dimension",
 }
 
 

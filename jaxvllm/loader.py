@@ -102,11 +102,12 @@ def load_model(
     seed: int = 0,
     mesh: Mesh | None = None,
     device=None,
+    expert_parallel: bool = False,
 ) -> tuple[ModelConfig, dict]:
     """Return (config, params) with params in `dtype` ("auto" = the checkpoint's dtype),
     split over `mesh` as `jaxvllm.sharding` says (None: all on `device`, default the first); the
     config is the one the split model runs with (KV heads repeated up to the device count
-    when fewer).
+    when fewer; a mixture of experts' experts split whole over the mesh if `expert_parallel`).
 
     load_format "dummy" builds random weights from config.json alone, for benchmarks.
     """
@@ -114,7 +115,7 @@ def load_model(
         raise ValueError(f"load_format {load_format!r} is not supported; choose from {LOAD_FORMATS}")
     cfg = load_config(model)
     jdtype = resolve_dtype(dtype, cfg)
-    run_cfg = sharded_config(cfg, 1 if mesh is None else mesh.size)
+    run_cfg = sharded_config(cfg, 1 if mesh is None else mesh.size, expert_parallel)
     shardings, repeats = _param_shardings(run_cfg, mesh, device), kv_repeats(cfg, run_cfg)
     if load_format == "dummy":
         return run_cfg, dummy_params(cfg, jdtype, seed, shardings, repeats)

@@ -219,9 +219,11 @@ class ModelRunner:
         # This replica's devices; tensor parallelism: a mesh over them (None: one device, nothing split).
         self.devices = device_group(c.tensor_parallel_size, c.data_parallel_rank, c.data_parallel_size)
         self.mesh = make_mesh(self.devices) if len(self.devices) > 1 else None
-        # (the config the split model runs with: KV heads repeated when fewer than the devices)
+        # (the config the split model runs with: KV heads repeated when fewer than the devices,
+        # experts split whole under expert parallelism)
         self.cfg, self.params = load_model(c.model, dtype=c.dtype, load_format=c.load_format, seed=c.seed,
-                                           mesh=self.mesh, device=self.devices[0])
+                                           mesh=self.mesh, device=self.devices[0],
+                                           expert_parallel=c.enable_expert_parallel)
         self.dtype = resolve_dtype(c.dtype, self.cfg)
         # The KV cache's element type, and for an fp8 cache its (k_scale, v_scale) per layer and KV head.
         self.kv_cache_dtype = resolve_kv_cache_dtype(c.kv_cache_dtype, self.dtype)

@@ -10,7 +10,9 @@ head-explicit layout (see `jaxvllm/models/llama.py`):
 - o_proj by its input heads and down_proj by its input columns: their products are partial
   sums, which XLA all-reduces (two all-reduces of [T, hidden] per layer);
 - mixture-of-experts layers' stacked experts likewise, each expert by its intermediate
-  dimension (gate/up by columns, down by rows: partial sums); the router is replicated;
+  dimension (gate/up by columns, down by rows: partial sums); or, with expert parallelism
+  (vLLM's `enable_expert_parallel`), by whole experts, E / N per device, each device
+  computing its experts' rows and zeros elsewhere (a partial sum too); the router is replicated;
 - embeddings and lm_head by vocabulary rows, when the vocabulary divides: each device
   keeps 1/N of the two largest matrices (2 GB of an 8B Llama 3 in bf16), at the price of
   an all-reduce after the lookup and an all-gather of the logits, which the sampler reads
@@ -120,13 +122,21 @@ def check_divisible(cfg: ModelConfig, tp: int) -> None:
         )
     if cfg.intermediate_size % tp:
         raise ValueError(f"tensor_parallel_size={tp} does not divide intermediate_size={cfg.intermediate_size}")
-    if any(cfg.moe_layers) and cfg.moe_intermediate_size % tp:
+    if not any(cfg.moe_layers):
+        return
+    if cfg.expert_parallel and cfg.num_experts % tp:
+        raise ValueError(f"tensor_parallel_size={tp} with enable_expert_parallel does not divide the "
+                         f"{cfg.num_experts} experts")
+    if not cfg.expert_parallel and cfg.moe_intermediate_size % tp:
         raise ValueError(f"tensor_parallel_size={tp} does not divide the experts' intermediate size "
                          f"{cfg.moe_intermediate_size}")
 
 
-def sharded_config(cfg: ModelConfig, tp: int) -> ModelConfig:
-    """The config the sharded model runs with: KV heads repeated up to `tp` when fewer."""
+def sharded_config(cfg: ModelConfig, tp: int, expert_parallel: bool = False) -> ModelConfig:
+    """The config the sharded model runs with: KV heads repeated up to `tp` when fewer, and
+    the experts split whole (`expert_parallel`) when asked for, over several devices, of a
+    mixture of experts."""
+    cfg = dataclasses.replace(cfg, expert_parallel=bool(expert_parallel and tp > 1 and any(cfg.moe_layers)))
     check_divisible(cfg, tp)
     return dataclasses.replace(cfg, num_kv_heads=max(cfg.num_kv_heads, tp))
 
@@ -146,8 +156,11 @@ def param_partition(path: tuple, cfg: ModelConfig, tp: int) -> P:
         return P(AXIS)  # [heads, ...] or [intermediate, ...]
     if name in ("o_proj", "down_proj"):
         return P(None, AXIS)  # [hidden, heads, head_dim] or [hidden, intermediate]
-    # Stacked experts by their intermediate dimension: every device holds a slice of every
-    # expert, as of the dense MLP (the router is replicated, so routing needs no communication).
+    # Stacked experts, whole (expert parallelism): E / N experts per device. Otherwise by their
+    # intermediate dimension: every device holds a slice of every expert, as of the dense MLP.
+    # (The router is replicated either way, so routing needs no communication.)
+    if name in ("experts_gate", "experts_up", "experts_down") and cfg.expert_parallel:
+        return P(AXIS)  # [experts, ...]
     if name in ("experts_gate", "experts_up"):
         return P(None, None, AXIS)  # [experts, hidden, intermediate]
     if name == "experts_down":

@@ -29,9 +29,11 @@ CASES = [
     ("qwen2", "qwen2", {}, (2, 4)),
     ("qwen3", "qwen3", {}, (2, 4)),
     ("llama-8-heads", "llama", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16), (2, 4, 8)),
-    # Mixture of experts (layer 0 sparse: 8 experts of 32, top 2; layer 1 dense): experts split
-    # by their intermediate dimension.
+    # Mixture of experts (layer 0 sparse: 8 experts of 32, top 2; layer 1 dense; Mixtral: 4
+    # experts, both layers sparse): experts split by their intermediate dimension, and whole
+    # (enable_expert_parallel: the "_ep" runs).
     ("qwen3_moe", "qwen3_moe", {}, (2, 4)),
+    ("mixtral", "mixtral", {}, (2, 4)),
     # Gemma 3: sliding and global layers with their two RoPEs, four (1 + w) norms per layer.
     ("gemma3", "gemma3", {}, (2,)),
 ]
@@ -65,18 +67,25 @@ def shard_shapes(llm: LLM) -> dict[str, list]:
             for name, a in arrays.items()}
 
 
-def cache_all_gathers(llm: LLM) -> dict:
-    """All-gathers in the compiled forward whose result is as large as a whole KV cache."""
+def all_gathers(llm: LLM, shape: tuple) -> dict:
+    """All-gathers in the compiled forward whose result has `shape` (a whole KV cache, a
+    layer's whole stack of experts), and the all-reduces."""
     runner = llm.llm_engine.runner
     batch = runner.padding_batch(runner.buckets[-1], runner.widths[-1], None)
     packed = jax.device_put(batch.packed, runner._replicated)
     hlo = runner._forward.lower(runner.params, runner.kv_caches, packed, runner.last_sampled,
                                 layout=batch.layout).compile().as_text()
-    cache = runner.kv_caches[0][0].shape
-    shape = ",".join(map(str, cache))
-    gathers = [line for line in hlo.splitlines() if "all-gather" in line and f"[{shape}]" in line]
-    return {"cache_gathers": len(gathers), "all_reduces": len(re.findall(r"= \S+ all-reduce(?:-start)?\(", hlo)),
+    dims = ",".join(map(str, shape))
+    gathers = [line for line in hlo.splitlines() if "all-gather" in line and f"[{dims}]" in line]
+    return {"gathers": len(gathers), "all_reduces": len(re.findall(r"= \S+ all-reduce(?:-start)?\(", hlo)),
             "num_layers": runner.cfg.num_layers}
+
+
+def expert_shards(llm: LLM) -> dict[str, list]:
+    """The shape of every device's block of the first layer's router and experts."""
+    layer = llm.llm_engine.runner.params["layers"][0]
+    return {n: sorted({tuple(s.data.shape) for s in layer[n].addressable_shards})
+            for n in ("router", "experts_gate", "experts_up", "experts_down")}
 
 
 def per_device_sizing(path: Path) -> dict:
@@ -130,15 +139,23 @@ def main(folder: str) -> None:
                 case[f"tp{tp}"] = greedy(llm)
                 case[f"tp{tp}_kv_heads"] = llm.llm_engine.runner.cfg.num_kv_heads
                 if name == "qwen3_moe" and tp == 4:
-                    layer = llm.llm_engine.runner.params["layers"][0]
-                    case["moe_shards"] = {n: sorted({tuple(s.data.shape) for s in layer[n].addressable_shards})
-                                          for n in ("router", "experts_gate", "experts_up", "experts_down")}
+                    case["moe_shards"] = expert_shards(llm)
                 if name == "llama-8-heads" and tp == 8:
                     case["shards"] = shard_shapes(llm)
-                    case["hlo"] = cache_all_gathers(llm)
+                    case["hlo"] = all_gathers(llm, llm.llm_engine.runner.kv_caches[0][0].shape)
+            if arch in ("qwen3_moe", "mixtral"):  # expert parallelism: whole experts per device
+                with LLM(path, **ENGINE, tensor_parallel_size=tp, enable_expert_parallel=True) as llm:
+                    case[f"tp{tp}_ep"] = greedy(llm)
+                    case[f"tp{tp}_ep_shards"] = expert_shards(llm)
+                    if tp == 4:
+                        case["ep_hlo"] = all_gathers(llm, llm.llm_engine.runner.params["layers"][0]["experts_gate"].shape)
         if name == "qwen3":  # the Pallas kernels (interpret mode) per device, KV heads repeated 4x
             with LLM(path, **ENGINE, tensor_parallel_size=4, attention_backend="pallas") as llm:
                 case["tp4_pallas"] = greedy(llm)
+        if name == "qwen3_moe":  # the Pallas grouped matmul (interpret mode) per device, on whole experts
+            with LLM(path, **ENGINE, tensor_parallel_size=2, attention_backend="pallas",
+                     enable_expert_parallel=True) as llm:
+                case["tp2_ep_pallas"] = greedy(llm)
         results["cases"][name] = case
     path = Path(folder) / "llama"
     results["sizing"] = per_device_sizing(path)
@@ -153,6 +170,12 @@ def main(folder: str) -> None:
             results["errors"][str(tp)] = None
         except ValueError as e:
             results["errors"][str(tp)] = str(e)
+    try:  # 8 experts over 4 devices split whole, but 6 do not
+        LLM(make_tiny("qwen3_moe", Path(folder) / "moe6", num_experts=6), **ENGINE, tensor_parallel_size=4,
+            enable_expert_parallel=True)
+        results["errors"]["ep"] = None
+    except ValueError as e:
+        results["errors"]["ep"] = str(e)
     print(json.dumps(results))
 
 

@@ -56,6 +56,7 @@ def no_loading(monkeypatch):
     (dict(enable_prefix_caching="no"), r"enable_prefix_caching must be True or False, got 'no'"),
     (dict(skip_tokenizer_init=1), r"skip_tokenizer_init must be True or False, got 1"),
     (dict(calculate_kv_scales="yes"), r"calculate_kv_scales must be True or False, got 'yes'"),
+    (dict(enable_expert_parallel="yes"), r"enable_expert_parallel must be True or False, got 'yes'"),
 ])
 def test_bad_engine_args(tiny_checkpoint, no_loading, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -70,6 +71,7 @@ def test_cli_shares_the_checks(tiny_checkpoint):
         engine_kwargs(parser.parse_args(["--max-model-len", "0"]), source)
     with pytest.raises(ValueError, match=r"gpu_memory_utilization .* got 2.0"):
         engine_kwargs(parser.parse_args(["--gpu-memory-utilization", "2"]), source)
+    assert engine_kwargs(parser.parse_args(["--enable-expert-parallel"]), source) == {"enable_expert_parallel": True}
 
 
 def test_good_args_pass_and_buckets_are_normalized():

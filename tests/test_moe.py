@@ -124,6 +124,34 @@ def test_decoder_sparse_step_and_mlp_only_layers():
     assert mixtral.norm_topk_prob and mixtral.sliding_windows == (16,) * 3 and not mixtral.qk_norm
 
 
+def test_expert_parallel_config_and_split():
+    """enable_expert_parallel: whole experts on each device (the stack's first axis split) when
+    a mixture of experts runs on several devices; nothing changes on one device or for a dense
+    model; a device count that does not divide the experts is refused."""
+    from transformers import LlamaConfig, Qwen3MoeConfig
+    from jax.sharding import PartitionSpec as P
+
+    from jaxvllm.sharding import AXIS, param_partition, sharded_config
+
+    common = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2)
+    cfg = ModelConfig.from_hf(Qwen3MoeConfig(architectures=["Qwen3MoeForCausalLM"], num_experts=8,
+                                             num_experts_per_tok=2, moe_intermediate_size=6, **common))
+    ep = sharded_config(cfg, 4, expert_parallel=True)
+    assert ep.expert_parallel and not sharded_config(cfg, 1, expert_parallel=True).expert_parallel
+    assert [param_partition((name,), ep, 4) for name in moe.EXPERTS] == [P(AXIS)] * 3
+    assert param_partition(("router",), ep, 4) == P() and param_partition(("q_proj",), ep, 4) == P(AXIS)
+    # 6 intermediate columns do not split over 4 devices, but 8 whole experts do (and 6 do not)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 does not divide the experts' intermediate size 6"):
+        sharded_config(cfg, 4)
+    six = ModelConfig.from_hf(Qwen3MoeConfig(architectures=["Qwen3MoeForCausalLM"], num_experts=6,
+                                             num_experts_per_tok=2, moe_intermediate_size=8, **common))
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 with enable_expert_parallel does not divide the "
+                                         r"6 experts"):
+        sharded_config(six, 4, expert_parallel=True)
+    dense = ModelConfig.from_hf(LlamaConfig(architectures=["LlamaForCausalLM"], intermediate_size=128, **common))
+    assert not sharded_config(dense, 4, expert_parallel=True).expert_parallel
+
+
 def test_experts_are_a_grouped_matmul(moe_setup):
     """The MoE MLP's jaxpr holds three ragged_dots (gate, up, down) over the T * k rows sorted by
     expert, and no intermediate as large as tokens x experts x anything (no dense expert pass)."""

@@ -28,7 +28,7 @@ def test_eight_devices(results):
     assert results["devices"] == 8
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "llama-8-heads", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "llama-8-heads", "qwen3_moe", "mixtral"])
 def test_greedy_parity_with_one_device_and_hf(results, name):
     case = results["cases"][name]
     assert case["tp1"] == case["hf"]
@@ -72,6 +72,32 @@ def test_experts_split_by_intermediate_dimension(results):
     assert shards["router"] == [[8, 64]]
 
 
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_expert_parallel_greedy_parity(results, name):
+    """enable_expert_parallel at 2 and 4 devices (Mixtral's 4 experts: one per device) gives
+    one device's tokens, and the Pallas grouped matmul per device those of the reference."""
+    case = results["cases"][name]
+    for tp in (2, 4):
+        assert case[f"tp{tp}_ep"] == case["tp1"], tp
+    if name == "qwen3_moe":
+        assert case["tp2_ep_pallas"] == case["tp1"]
+
+
+def test_expert_parallel_holds_whole_experts(results):
+    """Expert parallelism: each device holds E / N whole experts (never all of them gathered
+    into one step); the router is replicated."""
+    moe, mixtral = results["cases"]["qwen3_moe"], results["cases"]["mixtral"]
+    shards = moe["tp4_ep_shards"]
+    assert shards["experts_gate"] == shards["experts_up"] == [[2, 64, 32]]  # 8 experts of 32 over 4
+    assert shards["experts_down"] == [[2, 32, 64]]
+    assert shards["router"] == [[8, 64]]
+    assert moe["tp2_ep_shards"]["experts_gate"] == [[4, 64, 32]]
+    assert mixtral["tp4_ep_shards"]["experts_down"] == [[1, 64, 64]]  # 4 experts of 64: one each
+    for case in (moe, mixtral):
+        assert case["ep_hlo"]["gathers"] == 0
+        assert case["ep_hlo"]["all_reduces"] >= 2 * case["ep_hlo"]["num_layers"]
+
+
 def test_gemma3_greedy_parity_tp2(results):
     case = results["cases"]["gemma3"]
     assert case["tp1"] == case["hf"]
@@ -81,7 +107,7 @@ def test_gemma3_greedy_parity_tp2(results):
 
 def test_no_kv_cache_is_gathered(results):
     hlo = results["cases"]["llama-8-heads"]["hlo"]
-    assert hlo["cache_gathers"] == 0
+    assert hlo["gathers"] == 0
     assert hlo["all_reduces"] >= 2 * hlo["num_layers"]  # o_proj and down_proj partial sums
 
 
@@ -109,4 +135,5 @@ def test_bad_sizes_are_refused_naming_the_numbers(results):
     assert results["errors"]["3"] == "tensor_parallel_size=3 does not divide num_attention_heads=4"
     assert results["errors"]["16"].startswith("tensor_parallel_size=16 exceeds the 8 cpu device(s)")
     assert results["errors"]["4x4"].startswith("tensor_parallel_size=4 x data_parallel_size=4 needs 16 devices")
+    assert results["errors"]["ep"] == "tensor_parallel_size=4 with enable_expert_parallel does not divide the 6 experts"
 

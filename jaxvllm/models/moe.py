@@ -10,14 +10,21 @@ with group sizes from a bincount of the chosen experts: each row meets only its 
 expert's weights, never all of them. The "pallas" backend runs them with the Pallas kernel
 `pallas_kernels.grouped_matmul` (compiled on GPU, interpret mode on CPU); "reference" with
 `jax.lax.ragged_dot` (the same contract), which XLA's CPU and GPU backends expand into a
-masked product over every expert: num_experts times the FLOPs, fine for tests only. Under a
-tensor-parallel mesh the Pallas path runs per device (`jax.shard_map`) on its slice of
-every expert's intermediate dimension, the down projection's partial sums all-reduced;
-ragged_dot is left to XLA's SPMD partitioner. Expert weights are stacked per
-layer in ragged_dot's [num_experts, in, out] layout (`experts_gate` / `experts_up`
-[E, hidden, moe_intermediate], `experts_down` [E, moe_intermediate, hidden]; the loader
-stacks and transposes HF's per-expert [out, in] tensors), so that tensor parallelism splits
-every expert along its intermediate dimension, as the dense MLP's (`jaxvllm/sharding.py`).
+masked product over every expert: num_experts times the FLOPs, fine for tests only. Expert
+weights are stacked per layer in ragged_dot's [num_experts, in, out] layout (`experts_gate`
+/ `experts_up` [E, hidden, moe_intermediate], `experts_down` [E, moe_intermediate, hidden];
+the loader stacks and transposes HF's per-expert [out, in] tensors).
+
+Under a tensor-parallel mesh (`jaxvllm/sharding.py`) every device has all the sorted rows,
+and the down projection's outputs are partial sums, all-reduced:
+- by default each device holds a slice of every expert's intermediate dimension, as of the
+  dense MLP. The Pallas path runs per device (`jax.shard_map`); ragged_dot is left to XLA's
+  SPMD partitioner.
+- with expert parallelism (`ModelConfig.expert_parallel`) each device holds E / N whole
+  experts, whose rows are one contiguous range of the sorted rows. Per device (`shard_map`,
+  either backend), the rows are rotated so that that range comes first, the grouped matmul
+  runs over its experts' group sizes only (rows past them: zeros, by the contract), and the
+  rotation is undone. A row's sum over devices is then its own expert's output.
 """
 
 from __future__ import annotations
@@ -58,17 +65,30 @@ def grouped_experts(rows: jax.Array, group_sizes: jax.Array, layer: dict, backen
     return gmm(jax.nn.silu(gate) * up, layer["experts_down"], group_sizes)
 
 
+def _local_experts(rows: jax.Array, group_sizes: jax.Array, experts: dict, backend: str) -> jax.Array:
+    """Inside shard_map under expert parallelism: this device's E / N experts over their rows
+    of `rows` (sorted by expert), zeros in every other row."""
+    num_local = experts["experts_gate"].shape[0]
+    first = jax.lax.axis_index(AXIS) * num_local  # this device's first expert
+    local_sizes = jax.lax.dynamic_slice_in_dim(group_sizes, first, num_local)
+    start = jnp.sum(jnp.where(jnp.arange(group_sizes.shape[0]) < first, group_sizes, 0))  # its first row
+    out = grouped_experts(jnp.roll(rows, -start, axis=0), local_sizes, experts, backend)
+    return jnp.roll(out, start, axis=0)
+
+
 def _sharded_experts(rows: jax.Array, group_sizes: jax.Array, layer: dict, cfg: ModelConfig, backend: str,
                      mesh: Mesh | None) -> jax.Array:
-    """`grouped_experts`; with a mesh and the Pallas kernel, per device on its intermediate
-    slice (a Pallas call is opaque to XLA's SPMD partitioner), partial sums all-reduced."""
-    if backend != "pallas" or mesh is None:
+    """`grouped_experts`; with a mesh, per device (`shard_map`) on its whole experts (expert
+    parallelism) or, with the Pallas kernel (opaque to XLA's SPMD partitioner), on its
+    intermediate slice of every expert; either way the partial sums all-reduced."""
+    if mesh is None or (backend != "pallas" and not cfg.expert_parallel):
         return grouped_experts(rows, group_sizes, layer, backend)
     experts = {name: layer[name] for name in EXPERTS}
     specs = {name: param_partition((name,), cfg, mesh.shape[AXIS]) for name in EXPERTS}
+    compute = _local_experts if cfg.expert_parallel else grouped_experts
 
     def local(rows, group_sizes, experts):
-        return jax.lax.psum(grouped_experts(rows, group_sizes, experts, backend), AXIS)
+        return jax.lax.psum(compute(rows, group_sizes, experts, backend), AXIS)
 
     return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), specs), out_specs=P(),
                          check_vma=False)(rows, group_sizes, experts)  # Pallas calls carry no vma
