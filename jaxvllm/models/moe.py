@@ -29,13 +29,15 @@ and the down projection's outputs are partial sums, all-reduced:
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxvllm.config import ModelConfig
 from jaxvllm.sharding import AXIS, param_partition
-from pallas_kernels.grouped_matmul import grouped_matmul
+from pallas_kernels.grouped_matmul import default_block_m, grouped_matmul
 
 # Params of a sparse layer: the router [E, hidden] and the stacked experts.
 MOE_PARAMS = ("router", "experts_gate", "experts_up", "experts_down")
@@ -56,10 +58,12 @@ def route(x: jax.Array, router: jax.Array, cfg: ModelConfig) -> tuple[jax.Array,
 EXPERTS = ("experts_gate", "experts_up", "experts_down")
 
 
-def grouped_experts(rows: jax.Array, group_sizes: jax.Array, layer: dict, backend: str = "reference") -> jax.Array:
+def grouped_experts(rows: jax.Array, group_sizes: jax.Array, layer: dict, backend: str = "reference",
+                    block_m: int | None = None) -> jax.Array:
     """SwiGLU experts over `rows` [N, hidden] sorted by expert (`group_sizes` [E] rows each):
-    the Pallas grouped matmul for backend "pallas", else jax.lax.ragged_dot."""
-    gmm = grouped_matmul if backend == "pallas" else jax.lax.ragged_dot
+    the Pallas grouped matmul for backend "pallas" (`block_m`: its row tile, None: its
+    default), else jax.lax.ragged_dot."""
+    gmm = partial(grouped_matmul, block_m=block_m) if backend == "pallas" else jax.lax.ragged_dot
     gate = gmm(rows, layer["experts_gate"], group_sizes)
     up = gmm(rows, layer["experts_up"], group_sizes)
     return gmm(jax.nn.silu(gate) * up, layer["experts_down"], group_sizes)
@@ -68,11 +72,14 @@ def grouped_experts(rows: jax.Array, group_sizes: jax.Array, layer: dict, backen
 def _local_experts(rows: jax.Array, group_sizes: jax.Array, experts: dict, backend: str) -> jax.Array:
     """Inside shard_map under expert parallelism: this device's E / N experts over their rows
     of `rows` (sorted by expert), zeros in every other row."""
-    num_local = experts["experts_gate"].shape[0]
+    num_local, num_experts = experts["experts_gate"].shape[0], group_sizes.shape[0]
     first = jax.lax.axis_index(AXIS) * num_local  # this device's first expert
     local_sizes = jax.lax.dynamic_slice_in_dim(group_sizes, first, num_local)
-    start = jnp.sum(jnp.where(jnp.arange(group_sizes.shape[0]) < first, group_sizes, 0))  # its first row
-    out = grouped_experts(jnp.roll(rows, -start, axis=0), local_sizes, experts, backend)
+    start = jnp.sum(jnp.where(jnp.arange(num_experts) < first, group_sizes, 0))  # its first row
+    # The kernel's row tile from the mean rows of all experts: its default would divide all
+    # the rows among this device's experts only, a tile N times too tall.
+    block_m = default_block_m(rows.shape[0], num_experts)
+    out = grouped_experts(jnp.roll(rows, -start, axis=0), local_sizes, experts, backend, block_m)
     return jnp.roll(out, start, axis=0)
 
 
