@@ -158,7 +158,10 @@ def load_safetensors(path: Path, cfg: ModelConfig, dtype, shardings: dict,
     tensor is ever whole on one device, nor in host memory when it is split."""
     specs = MODELS[cfg.architecture].param_specs(cfg)
     files = _tensor_files(path)
-    missing = [name for s in specs for name in s.hf_names() if name not in files]
+    # transformers 5's own layout where the checkpoint has it (experts fused), else HF's usual one.
+    fused = {s.path for s in specs if s.fused_name in files and s.hf_names()[0] not in files}
+    names = {s.path: [s.fused_name] if s.path in fused else s.hf_names() for s in specs}
+    missing = [name for s in specs for name in names[s.path] if name not in files]
     if missing:
         raise ValueError(f"checkpoint {path} is missing tensor(s): {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
     params: dict = {}
@@ -180,20 +183,24 @@ def load_safetensors(path: Path, cfg: ModelConfig, dtype, shardings: dict,
             return tensor_slice
 
         for spec in specs:
-            # Stacked experts: one HF tensor per expert, from whichever files hold them.
-            slices = [checked_slice(name, spec.hf_shape) for name in spec.hf_names()]
+            # Stacked experts: one HF tensor per expert, from whichever files hold them, or one fused tensor.
+            hf_shape = spec.fused_shape if spec.path in fused else spec.hf_shape
+            slices = [checked_slice(name, hf_shape) for name in names[spec.path]]
             try:
-                if spec.stacked:
+                if spec.stacked and spec.path in fused:
+                    value = _fused_tensor(slices[0], spec, dtype, shardings[spec.path])
+                elif spec.stacked:
                     value = _stacked_tensor(slices, spec, dtype, shardings[spec.path])
                 else:
                     value = _sharded_tensor(slices[0], spec, dtype, shardings[spec.path],
                                             repeats if _repeated(spec) else 1)
             except SafetensorError as e:
-                where = "" if spec.stacked else f" from {files[spec.hf_name]}"
-                raise ValueError(f"cannot read tensor {spec.hf_name.format('*')}{where}: {e}") from e
+                where = "" if len(slices) > 1 else f" from {files[names[spec.path][0]]}"
+                name = names[spec.path][0] if len(slices) == 1 else spec.hf_name.format("*")
+                raise ValueError(f"cannot read tensor {name}{where}: {e}") from e
             _put(params, spec.path, value)
             bar.update(1)
-    unused = set(files) - {name for s in specs for name in s.hf_names()} - {"lm_head.weight"}
+    unused = set(files) - {name for s in specs for name in names[s.path]} - {"lm_head.weight"}
     unused = {name for name in unused if not _KV_SCALE.fullmatch(name)}  # an fp8 KV cache's: load_kv_scales
     if unused:
         logger.warning("ignoring %d tensor(s) not used by %s: %s", len(unused), cfg.architecture, sorted(unused)[:5])
@@ -255,6 +262,19 @@ def _stacked_tensor(slices: list, spec, dtype, sharding) -> jax.Array:
         (lo, hi), rest = ranges[0], [slice(a, b) for a, b in ranges[1:]]
         hf_index = tuple(reversed(rest))  # our axes (in, out) are HF's (out, in) reversed
         return np.stack([np.asarray(slices[j][hf_index]).T for j in range(lo, hi)]).astype(dtype)
+
+    return jax.make_array_from_callback(spec.shape, sharding, block)
+
+
+def _fused_tensor(tensor_slice, spec, dtype, sharding) -> jax.Array:
+    """Stacked experts [E, in, out] placed by `sharding` from transformers 5's fused [E, out
+    (of every part), in] tensor, whose rows from `spec.fused_row` are ours: each device
+    reads its block only."""
+
+    def block(index: tuple[slice, ...]) -> np.ndarray:
+        (e0, e1), (i0, i1), (o0, o1) = [sl.indices(n)[:2] for sl, n in zip(index, spec.shape)]
+        row = spec.fused_row
+        return np.asarray(tensor_slice[e0:e1, row + o0 : row + o1, i0:i1]).transpose(0, 2, 1).astype(dtype)
 
     return jax.make_array_from_callback(spec.shape, sharding, block)
 

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
 
 from jaxvllm import LLM, SamplingParams, load_model
 from jaxvllm.config import ModelConfig
@@ -107,6 +108,27 @@ def test_sharded_checkpoint_loads_the_same(tiny_checkpoint):
     _, sharded = load_model(path)
     for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(sharded)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_fused_expert_checkpoint(moe_setup, tiny_checkpoint, hf_model, caplog):
+    """transformers 5's own layout (`save_pretrained(save_original_format=False)`: each
+    layer's experts fused into gate_up_proj [E, 2I, hidden] and down_proj [E, hidden, I],
+    Mixtral's router under `mlp.`) loads to the same params, every tensor used, and gives
+    HF's logits when HF loads that checkpoint."""
+    arch, _, cfg, params, _ = moe_setup
+    path = tiny_checkpoint(arch, save_original_format=False)
+    with safe_open(str(path / "model.safetensors"), "np") as f:
+        names = set(f.keys())
+    assert "model.layers.0.mlp.experts.gate_up_proj" in names and not any(".experts.0." in n for n in names)
+    with caplog.at_level("WARNING", logger="jaxvllm.loader"):
+        _, fused = load_model(path)
+    assert "ignoring" not in caplog.text
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(fused), strict=True):
+        np.testing.assert_array_equal(a, b)
+    tokens = random_tokens(np.random.default_rng(8), 11)
+    inputs = build_inputs([Chunk(tokens, 0, list(range(3)))], BLOCK, all_logits=True)
+    logits, _ = jit_forward(fused, fresh_caches(cfg), inputs, cfg, "reference")
+    assert rel_err(logits, hf_logits(hf_model(path), tokens)) <= TOL
 
 
 def test_decoder_sparse_step_and_mlp_only_layers():

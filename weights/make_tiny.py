@@ -142,12 +142,15 @@ def make_tiny(
     seed: int = 0,
     dtype: str = "float32",
     max_shard_size: str | None = None,
+    save_original_format: bool = True,
     **overrides,
 ) -> Path:
     """Write a tiny random checkpoint of `arch` (a key of ARCHITECTURES: "llama", "qwen3", "gemma3", ...).
 
     `overrides` go into the transformers config (e.g. `sliding_window=8`);
-    `max_shard_size` (e.g. "30KB") writes several shards plus the index file.
+    `max_shard_size` (e.g. "30KB") writes several shards plus the index file;
+    `save_original_format=False` writes transformers 5's own layout (a mixture of experts'
+    experts fused into [E, ...] tensors) instead of the per-expert one.
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -167,7 +170,7 @@ def make_tiny(
                     param.normal_(0.0, 0.2)
     model = model.to(getattr(torch, dtype)).eval()
     save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(str(path), **save_kwargs)
+    model.save_pretrained(str(path), save_original_format=save_original_format, **save_kwargs)
     tokenizer = make_tokenizer(path)
     assert len(tokenizer) <= config.vocab_size
     return path

@@ -37,6 +37,13 @@ class ParamSpec:
     # expert's number; `hf_shape` is one expert's), each transposed: our [E, in, out] of
     # HF's per-expert [out, in] (see `jaxvllm/models/moe.py`).
     stacked: int = 0
+    # The tensor in transformers 5's own layout, which `save_pretrained(...,
+    # save_original_format=False)` writes, when that differs: stacked experts fused into one
+    # [E, out, in] tensor `fused_shape` (gate above up in `gate_up_proj`), ours from row
+    # `fused_row` of its out axis; Mixtral's router under `mlp.`. None: one layout only.
+    fused_name: str | None = None
+    fused_shape: tuple[int, ...] = ()
+    fused_row: int = 0
 
     def hf_names(self) -> list[str]:
         return [self.hf_name.format(j) for j in range(self.stacked)] if self.stacked else [self.hf_name]
@@ -52,8 +59,10 @@ def decoder_specs(cfg: ModelConfig, layer_specs, norm_init: str) -> list[ParamSp
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
 
-        def add(name, hf_name, hf_shape, shape=None, init="normal", stacked=0):
-            specs.append(ParamSpec(("layers", i, name), p + hf_name, hf_shape, shape or hf_shape, init, stacked))
+        def add(name, hf_name, hf_shape, shape=None, init="normal", stacked=0, fused=None):
+            fused_name, fused_shape, fused_row = fused or (None, (), 0)  # (name, shape, row)
+            specs.append(ParamSpec(("layers", i, name), p + hf_name, hf_shape, shape or hf_shape, init, stacked,
+                                   fused_name and p + fused_name, fused_shape, fused_row))
 
         layer_specs(add, i)
     specs.append(ParamSpec(("norm",), "model.norm.weight", (d,), (d,), norm_init))
@@ -75,10 +84,12 @@ def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
             mix = cfg.architecture == "MixtralForCausalLM"
             moe, (w_gate, w_up, w_down) = ("block_sparse_moe", ("w1", "w3", "w2")) if mix else (
                 "mlp", ("gate_proj", "up_proj", "down_proj"))
-            add("router", f"{moe}.gate.weight", (e, d))
-            for name, w, hf_shape in (("experts_gate", w_gate, (fe, d)), ("experts_up", w_up, (fe, d)),
-                                      ("experts_down", w_down, (d, fe))):
-                add(name, f"{moe}.experts.{{}}.{w}.weight", hf_shape, (e, *hf_shape[::-1]), stacked=e)
+            add("router", f"{moe}.gate.weight", (e, d), fused=("mlp.gate.weight", (e, d), 0) if mix else None)
+            gate_up = ("mlp.experts.gate_up_proj", (e, 2 * fe, d))
+            for name, w, hf_shape, fused in (("experts_gate", w_gate, (fe, d), (*gate_up, 0)),
+                                             ("experts_up", w_up, (fe, d), (*gate_up, fe)),
+                                             ("experts_down", w_down, (d, fe), ("mlp.experts.down_proj", (e, d, fe), 0))):
+                add(name, f"{moe}.experts.{{}}.{w}.weight", hf_shape, (e, *hf_shape[::-1]), stacked=e, fused=fused)
         else:
             add("gate_proj", "mlp.gate_proj.weight", (f, d))
             add("up_proj", "mlp.up_proj.weight", (f, d))
