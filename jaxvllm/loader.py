@@ -195,9 +195,9 @@ def load_safetensors(path: Path, cfg: ModelConfig, dtype, shardings: dict,
                     value = _sharded_tensor(slices[0], spec, dtype, shardings[spec.path],
                                             repeats if _repeated(spec) else 1)
             except SafetensorError as e:
-                where = "" if len(slices) > 1 else f" from {files[names[spec.path][0]]}"
-                name = names[spec.path][0] if len(slices) == 1 else spec.hf_name.format("*")
-                raise ValueError(f"cannot read tensor {name}{where}: {e}") from e
+                one = len(slices) == 1
+                name = names[spec.path][0] if one else spec.hf_name.format("*")
+                raise ValueError(f"cannot read tensor {name}{f' from {files[name]}' if one else ''}: {e}") from e
             _put(params, spec.path, value)
             bar.update(1)
     unused = set(files) - {name for s in specs for name in names[s.path]} - {"lm_head.weight"}

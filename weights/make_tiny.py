@@ -170,7 +170,9 @@ def make_tiny(
                     param.normal_(0.0, 0.2)
     model = model.to(getattr(torch, dtype)).eval()
     save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(str(path), save_original_format=save_original_format, **save_kwargs)
+    if not save_original_format:
+        save_kwargs["save_original_format"] = False
+    model.save_pretrained(str(path), **save_kwargs)
     tokenizer = make_tokenizer(path)
     assert len(tokenizer) <= config.vocab_size
     return path
