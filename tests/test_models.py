@@ -107,3 +107,27 @@ def test_bfloat16_close_to_float32_reference(arch, tiny_checkpoint, hf_model):
     # bf16 keeps 8 bits of mantissa: a few percent of the logit scale, and mostly the same argmax.
     assert rel_err(logits, want) < 0.05
     assert np.mean(np.argmax(logits, -1) == np.argmax(want, -1)) >= 0.8
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_rope_rotates_half_without_a_concatenate(dtype):
+    """apply_rope is HF's x * cos + rotate_half(x) * sin bit for bit, with rotate_half as a
+    flip of the two halves (no concatenate of x, which would make XLA start a fusion of its
+    own: one more kernel per layer in a mixed step, `python -m jaxvllm.benchmarks.aot_engine`)."""
+    import jax
+
+    from jaxvllm.config import RopeConfig
+    from jaxvllm.layers import apply_rope
+
+    rope = RopeConfig(theta=10000.0)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(37, 4, 64)), dtype)
+    positions = jnp.arange(37, dtype=jnp.int32) * 13
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(rope.inv_freq(64))[None, :]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, None, :]
+    cos, sin = jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+    # HF's rotate_half, jitted too (XLA may contract x * cos + r * sin into an fma)
+    want = jax.jit(lambda x: x * cos + jnp.concatenate([-x[..., 32:], x[..., :32]], axis=-1) * sin)(x)
+    got = jax.jit(apply_rope, static_argnums=2)(x, positions, rope)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    jaxpr = jax.make_jaxpr(apply_rope, static_argnums=2)(x, positions, rope).jaxpr
+    assert not [e for e in jaxpr.eqns if e.primitive.name == "concatenate" and e.outvars[0].aval.shape == x.shape]
