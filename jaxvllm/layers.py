@@ -156,9 +156,8 @@ def allocate_kv_caches(
     [num_kv_heads, 3], (k_scale, v_scale, 1): to calculate from the first batch
     (`calculate_kv_scales`). One array per layer: each is a donated argument of every step."""
     shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
-    one = SingleDeviceSharding(device or jax.devices()[0])
-    device = kv_cache_sharding(mesh) if mesh is not None else one
-    caches = [(jnp.zeros(shape, dtype, device=device), jnp.zeros(shape, dtype, device=device))
+    place = kv_cache_sharding(mesh) if mesh is not None else SingleDeviceSharding(device or jax.devices()[0])
+    caches = [(jnp.zeros(shape, dtype, device=place), jnp.zeros(shape, dtype, device=place))
               for _ in range(cfg.num_layers)]
     if scales is None:
         return caches
@@ -168,7 +167,7 @@ def allocate_kv_caches(
                          f"(k_scale, v_scale), got {scales.shape}")
     if calculate_scales:
         scales = np.concatenate([scales, np.ones_like(scales[..., :1])], axis=-1)
-    return [(k, v, put(layer, device)) for (k, v), layer in zip(caches, scales)]
+    return [(k, v, put(layer, place)) for (k, v), layer in zip(caches, scales)]  # split on KV heads as the cache
 
 
 # kv_cache_dtype (vLLM's engine argument) -> the cache's element type; "auto": the model's dtype.
