@@ -2,7 +2,8 @@
 
 from jaxvllm.batch import ModelInputs
 from jaxvllm.beam_search import BeamSearchOutput, BeamSearchSequence
-from jaxvllm.config import SUPPORTED_ARCHITECTURES, EngineConfig, ModelConfig
+from jaxvllm.config import EngineConfig
+from jaxvllm.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from jaxvllm.engine import LLMEngine
 from jaxvllm.engine_args import EngineArgs
 from jaxvllm.inputs import TextPrompt, TokensPrompt

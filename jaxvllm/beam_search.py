@@ -9,16 +9,14 @@ prompt's KV blocks (and each other's) through the prefix cache.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 from tqdm.auto import tqdm
 
+from jaxvllm.engine import LLMEngine
 from jaxvllm.inputs import prompt_list
 from jaxvllm.outputs import Logprob
 from jaxvllm.sampling_params import BeamSearchParams, SamplingParams, resolve_logprobs
-
-if TYPE_CHECKING:
-    from jaxvllm.llm import LLM
 
 
 @dataclass
@@ -62,14 +60,14 @@ class _Instance:
     cache_salt: str | None = None
 
 
-def beam_search(llm: LLM, prompts: Any, params: BeamSearchParams, *, use_tqdm: bool = False,
-                concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
-    """Run vLLM's beam search over `llm` for each prompt (a str, a TextPrompt, a TokensPrompt
-    or a list of them); outputs come back in input order. `concurrency_limit` searches at
-    most that many prompts at once (None: all)."""
+def beam_search(engine: LLMEngine, generate: Callable[..., list], prompts: Any, params: BeamSearchParams, *,
+                use_tqdm: bool = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+    """Run vLLM's beam search for each prompt (a str, a TextPrompt, a TokensPrompt or a list
+    of them), each step one `generate` call (`LLM.generate`) over `engine` (the one whose
+    tokenizer and limits apply); outputs come back in input order. `concurrency_limit`
+    searches at most that many prompts at once (None: all)."""
     if not isinstance(params, BeamSearchParams):
         raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
-    engine = llm.llm_engine
     tokenizer = engine.tokenizer
     if tokenizer is None:
         raise ValueError("beam search needs a tokenizer (for the EOS id and the texts); "
@@ -90,8 +88,8 @@ def beam_search(llm: LLM, prompts: Any, params: BeamSearchParams, *, use_tqdm: b
     instances = []
     for i, prompt in enumerate(prompts):  # every prompt is checked before any step runs
         try:
-            _, token_ids, salt = engine.tokenize_prompt(prompt)  # text as vLLM: tokenizer.encode(text)
-            engine.check_prompt_length(len(token_ids))
+            _, token_ids, salt = engine.input_processor.tokenize_prompt(prompt)  # text as vLLM: tokenizer.encode(text)
+            engine.input_processor.check_prompt_length(len(token_ids))
         except (ValueError, TypeError) as e:
             e.add_note(f"(prompt {i} of {len(prompts)})")  # the message stays vLLM's, as in generate
             raise
@@ -116,7 +114,7 @@ def beam_search(llm: LLM, prompts: Any, params: BeamSearchParams, *, use_tqdm: b
                 live = [(inst, beam) for inst in batch for beam in inst.beams]
                 if not live:
                     break
-                outputs = iter(llm.generate([_tokens_prompt(beam.tokens, inst.cache_salt) for inst, beam in live],
+                outputs = iter(generate([_tokens_prompt(beam.tokens, inst.cache_salt) for inst, beam in live],
                                             step_params, use_tqdm=False))
                 for inst in batch:  # the outputs come in the order of `live`: instance by instance
                     candidates = []

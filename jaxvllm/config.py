@@ -1,322 +1,37 @@
-"""Model configuration: what the engine needs from a HF `config.json`, as a hashable dataclass.
+"""The engine's arguments (`EngineConfig`, vLLM's names and defaults), the values each
+may take, and the checks that refuse a bad one by name before anything is loaded.
 
-The dataclass is frozen and made of plain values so that it can be a static argument of
-`jax.jit`: one compiled step per (config, shape bucket).
+A leaf: it imports nothing from the rest of jaxvllm, so validating a config imports
+neither jax nor the kernels. The modules that act on a setting (layers, loader,
+sampler, scheduler) import its allowed names from here.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from jaxvllm.sampling_params import DEFAULT_MAX_LOGPROBS
-
-# Every architecture here is a Llama-family decoder; they differ only in the flags below.
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "Qwen3MoeForCausalLM",  # Qwen3 with mixture-of-experts MLPs (jaxvllm/models/moe.py)
-    "MixtralForCausalLM",  # Mistral with mixture-of-experts MLPs
-    "Gemma3ForCausalLM",  # Gemma 3 text (its own decoder: jaxvllm/models/gemma3.py)
-)
-
-_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    """Rotary embedding parameters (HF `rope_parameters`, or `rope_theta` + `rope_scaling`)."""
-
-    theta: float = 10000.0
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-    # YaRN (HF's `_compute_yarn_parameters`): the ramp between interpolated and extrapolated
-    # frequencies, and the cos/sin scale (`attention_factor`; None: from factor and mscale).
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    truncate: bool = True
-    attention_factor: float | None = None
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-
-    @property
-    def attention_scaling(self) -> float:
-        """What cos and sin are multiplied by (1 but for YaRN: 0.1 * ln(factor) + 1 by default)."""
-        if self.rope_type != "yarn":
-            return 1.0
-        if self.attention_factor is not None:
-            return float(self.attention_factor)
-
-        def get_mscale(scale: float, mscale: float = 1.0) -> float:
-            return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-        if self.mscale and self.mscale_all_dim:
-            return float(get_mscale(self.factor, self.mscale) / get_mscale(self.factor, self.mscale_all_dim))
-        return get_mscale(self.factor)
-
-    def inv_freq(self, head_dim: int) -> np.ndarray:
-        """Inverse frequencies [head_dim // 2] in float32, as transformers computes them."""
-        exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim
-        inv_freq = (1.0 / (self.theta**exponents)).astype(np.float32)
-        if self.rope_type == "yarn":
-            return self._yarn_inv_freq(head_dim, exponents)
-        if self.rope_type == "linear":
-            return inv_freq / np.float32(self.factor)
-        if self.rope_type == "llama3":
-            low_wavelen = self.original_max_position_embeddings / self.low_freq_factor
-            high_wavelen = self.original_max_position_embeddings / self.high_freq_factor
-            wavelen = 2 * math.pi / inv_freq
-            scaled = np.where(wavelen > low_wavelen, inv_freq / self.factor, inv_freq)
-            smooth = (self.original_max_position_embeddings / wavelen - self.low_freq_factor) / (
-                self.high_freq_factor - self.low_freq_factor
-            )
-            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
-            medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-            return np.where(medium, smoothed, scaled).astype(np.float32)
-        return inv_freq
-
-    def _yarn_inv_freq(self, head_dim: int, exponents: np.ndarray) -> np.ndarray:
-        """HF's YaRN blend: dimensions rotating more than `beta_fast` times over the original
-        context keep their frequency, those below `beta_slow` are divided by `factor`, a
-        linear ramp in between (float32 throughout, as torch computes it)."""
-        pos_freqs = (np.float32(self.theta) ** exponents).astype(np.float32)
-        extrapolation = (np.float32(1.0) / pos_freqs).astype(np.float32)
-        interpolation = (np.float32(1.0) / (np.float32(self.factor) * pos_freqs)).astype(np.float32)
-
-        def correction_dim(rotations: float) -> float:
-            return (head_dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi))) / (
-                2 * math.log(self.theta)
-            )
-
-        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
-        if self.truncate:
-            low, high = math.floor(low), math.ceil(high)
-        low, high = max(low, 0), min(high, head_dim - 1)
-        if low == high:
-            high += 0.001  # as HF: no zero-width ramp
-        ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
-        extrapolation_factor = (np.float32(1.0) - ramp).astype(np.float32)
-        return (interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor).astype(np.float32)
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope: RopeConfig
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool = False
-    o_bias: bool = False
-    mlp_bias: bool = False
-    qk_norm: bool = False
-    # Per layer: None = full causal attention, W = attend to the last W positions only.
-    sliding_windows: tuple[int | None, ...] = ()
-    dtype: str = "float32"  # the checkpoint's dtype, used by dtype="auto"
-    initializer_range: float = 0.02
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-    # Mixture of experts (Qwen3-MoE, Mixtral): per layer, True where the MLP is the sparse
-    # block of `num_experts` experts (each of `moe_intermediate_size`), `num_experts_per_tok`
-    # of them per token; () or False: the dense MLP of `intermediate_size`.
-    moe_layers: tuple[bool, ...] = ()
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    norm_topk_prob: bool = True  # renormalize the top-k routing weights to sum to 1
-    # How a tensor-parallel run splits the stacked experts (set by `sharding.sharded_config`):
-    # False: every expert by its intermediate dimension; True: whole experts, E / N per device.
-    expert_parallel: bool = False
-    # Gemma 3 (jaxvllm/models/gemma3.py): the MLP's activation; the softmax scale is
-    # query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5); tanh soft-capping of the
-    # attention scores and of the final logits (None: none); the RoPE of the sliding-window
-    # layers when it differs from `rope` (Gemma 3's local base), None: `rope` everywhere.
-    hidden_act: str = "silu"
-    query_pre_attn_scalar: float | None = None
-    attn_logit_softcapping: float | None = None
-    final_logit_softcapping: float | None = None
-    sliding_rope: RopeConfig | None = None
-
-    def is_moe_layer(self, i: int) -> bool:
-        return bool(self.moe_layers) and self.moe_layers[i]
-
-    @property
-    def sm_scale(self) -> float:
-        return (self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim) ** -0.5
-
-    def rope_of_layer(self, i: int) -> RopeConfig:
-        sliding = bool(self.sliding_windows) and self.sliding_windows[i] is not None
-        return self.sliding_rope if sliding and self.sliding_rope is not None else self.rope
-
-    @property
-    def num_params(self) -> int:
-        d, f, hd = self.hidden_size, self.intermediate_size, self.head_dim
-        attn = d * hd * (2 * self.num_heads + 2 * self.num_kv_heads)
-        layer = attn + 3 * d * f + 2 * d
-        head = 0 if self.tie_word_embeddings else self.vocab_size * d
-        # A sparse layer holds every expert and the router in place of the dense MLP.
-        moe = self.num_experts * (3 * d * self.moe_intermediate_size + d) - 3 * d * f
-        return self.vocab_size * d + self.num_layers * layer + sum(self.moe_layers) * moe + d + head
-
-    @property
-    def num_active_params(self) -> int:
-        """Parameters one token runs through: of each sparse layer, its `num_experts_per_tok` experts."""
-        inactive = (self.num_experts - self.num_experts_per_tok) * 3 * self.hidden_size * self.moe_intermediate_size
-        return self.num_params - sum(self.moe_layers) * inactive
-
-    @classmethod
-    def from_hf(cls, hf: Any) -> "ModelConfig":
-        """Build from a transformers `PretrainedConfig`; refuse what the models cannot run."""
-        archs = list(getattr(hf, "architectures", None) or [])
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise ValueError(
-                f"unsupported architecture {archs or '(none in config.json)'}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        act = getattr(hf, "hidden_act", None) or getattr(hf, "hidden_activation", None) or "silu"
-        acts = _GEMMA3_ACTIVATIONS if arch == "Gemma3ForCausalLM" else ("silu",)
-        if act not in acts:
-            raise ValueError(f"{arch}: hidden_act {act!r} is not supported (only {', '.join(map(repr, acts))})")
-        num_heads = hf.num_attention_heads
-        eos = getattr(hf, "eos_token_id", None)
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-        dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or "float32"
-        attention_bias = bool(getattr(hf, "attention_bias", False))
-        return cls(
-            architecture=arch,
-            vocab_size=hf.vocab_size,
-            hidden_size=hf.hidden_size,
-            intermediate_size=hf.intermediate_size,
-            num_layers=hf.num_hidden_layers,
-            num_heads=num_heads,
-            num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
-            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // num_heads,
-            rms_norm_eps=hf.rms_norm_eps,
-            rope=_rope_from_hf(hf, arch),
-            max_position_embeddings=hf.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v bias and no o bias; Llama and Qwen3 follow `attention_bias`.
-            qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
-            o_bias=arch != "Qwen2ForCausalLM" and attention_bias,
-            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
-            sliding_windows=_sliding_windows_from_hf(hf, arch),
-            dtype=str(dtype).removeprefix("torch."),
-            initializer_range=getattr(hf, "initializer_range", 0.02),
-            bos_token_id=getattr(hf, "bos_token_id", None),
-            eos_token_ids=eos_ids,
-            **_moe_from_hf(hf, arch),
-            **_gemma3_from_hf(hf, arch, act),
-        )
-
-
-def _moe_from_hf(hf: Any, arch: str) -> dict:
-    """The MoE fields: Mixtral's layers are all sparse (experts of `intermediate_size`, top-k
-    weights always renormalized); Qwen3-MoE's layer i is sparse unless i is in
-    `mlp_only_layers` or (i + 1) is not a multiple of `decoder_sparse_step`, as HF's."""
-    if arch not in ("Qwen3MoeForCausalLM", "MixtralForCausalLM"):
-        return {}
-    n = hf.num_hidden_layers
-    num_experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None) or 0
-    if arch == "MixtralForCausalLM":
-        return dict(moe_layers=(True,) * n, num_experts=num_experts, num_experts_per_tok=hf.num_experts_per_tok,
-                    moe_intermediate_size=hf.intermediate_size, norm_topk_prob=True)
-    dense = set(getattr(hf, "mlp_only_layers", None) or ())
-    step = getattr(hf, "decoder_sparse_step", 1) or 1
-    layers = tuple(i not in dense and num_experts > 0 and (i + 1) % step == 0 for i in range(n))
-    return dict(moe_layers=layers, num_experts=num_experts, num_experts_per_tok=hf.num_experts_per_tok,
-                moe_intermediate_size=hf.moe_intermediate_size, norm_topk_prob=bool(hf.norm_topk_prob))
-
-
-_GEMMA3_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
-
-
-def _gemma3_from_hf(hf: Any, arch: str, act: str) -> dict:
-    """Gemma 3's fields: its activation, softmax scale, soft-capping and the RoPE of its
-    sliding layers (`rope_parameters` per layer type in transformers 5)."""
-    if arch != "Gemma3ForCausalLM":
-        return {}
-    if getattr(hf, "use_bidirectional_attention", False):
-        raise ValueError(f"{arch}: use_bidirectional_attention is not supported (causal attention only)")
-    nested = "sliding_attention" in (getattr(hf, "rope_parameters", None) or {})
-    return dict(
-        hidden_act=act,
-        query_pre_attn_scalar=float(hf.query_pre_attn_scalar),
-        attn_logit_softcapping=getattr(hf, "attn_logit_softcapping", None),
-        final_logit_softcapping=getattr(hf, "final_logit_softcapping", None),
-        sliding_rope=_rope_from_hf(hf, arch, "sliding_attention") if nested else None,
-    )
-
-
-def _rope_from_hf(hf: Any, arch: str, layer_type: str = "full_attention") -> RopeConfig:
-    # transformers 5 folds theta and scaling into `rope_parameters`; 4.x has them apart.
-    # Models with per-layer-type RoPE (Gemma 3) nest one dict per layer type.
-    top = dict(getattr(hf, "rope_parameters", None) or {})
-    params = dict(top.get(layer_type) or {}) if "sliding_attention" in top or "full_attention" in top else top
-    if not params:
-        params = dict(getattr(hf, "rope_scaling", None) or {})
-        params.setdefault("rope_theta", getattr(hf, "rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in _SUPPORTED_ROPE_TYPES:
-        raise ValueError(
-            f"{arch}: rope type {rope_type!r} is not supported (supported: {', '.join(_SUPPORTED_ROPE_TYPES)})"
-        )
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"{arch}: partial_rotary_factor != 1 is not supported")
-    original = params.get("original_max_position_embeddings", hf.max_position_embeddings)
-    if rope_type == "yarn":
-        return RopeConfig(
-            theta=float(params["rope_theta"]),
-            rope_type=rope_type,
-            # HF: no factor means max_position_embeddings / original_max_position_embeddings.
-            factor=float(params.get("factor") or hf.max_position_embeddings / original),
-            original_max_position_embeddings=original,
-            beta_fast=float(params.get("beta_fast") or 32),
-            beta_slow=float(params.get("beta_slow") or 1),
-            # HF reads `truncate` from the top-level dict, also for per-layer-type RoPE.
-            truncate=bool(top.get("truncate", True)),
-            attention_factor=params.get("attention_factor"),
-            mscale=params.get("mscale"),
-            mscale_all_dim=params.get("mscale_all_dim"),
-        )
-    fields = {
-        "factor": params.get("factor", 1.0),
-        "low_freq_factor": params.get("low_freq_factor", 1.0),
-        "high_freq_factor": params.get("high_freq_factor", 4.0),
-        "original_max_position_embeddings": params.get(
-            "original_max_position_embeddings", hf.max_position_embeddings
-        ),
-    }
-    return RopeConfig(theta=float(params["rope_theta"]), rope_type=rope_type, **fields)
-
-
-def _sliding_windows_from_hf(hf: Any, arch: str) -> tuple[int | None, ...]:
-    n = hf.num_hidden_layers
-    window = getattr(hf, "sliding_window", None)
-    if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"):
-        return (window,) * n  # every layer (Qwen3-MoE's config drops it without `use_sliding_window`)
-    # Qwen2/Qwen3 say per layer which layers slide (transformers sets `layer_types`).
-    layer_types = getattr(hf, "layer_types", None) or ["full_attention"] * n
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM") and window is not None:
-        return tuple(window if t == "sliding_attention" else None for t in layer_types)
-    return (None,) * n
-
+# The allowed values of the engine's arguments, in the order the error messages list them.
+ATTENTION_BACKENDS = ("reference", "pallas")  # "auto" picks one (jaxvllm/model_runner.py)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # "auto": the model's dtype
+DTYPES = ("float32", "bfloat16", "float16")  # and "auto": the checkpoint's
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+# vLLM's logprobs modes: of the model's logits, or of those the sampler drew from (after
+# bias, bad words, penalties, temperature, min_p / top-k / top-p); logprobs or logits.
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+POLICIES = ("fcfs", "priority")
+TOKENIZER_MODES = ("auto", "slow")
+# vLLM's default `max_logprobs` engine argument: the most logprobs a request may ask for
+# (up to this many, the top-k arrays on device have this fixed width).
+DEFAULT_MAX_LOGPROBS = 20
+# Where compiled steps are cached between runs (see `EngineConfig.compilation_cache_dir`).
+DEFAULT_COMPILATION_CACHE = "~/.cache/jaxvllm/jax"
+COMPILATION_CACHE_ENV = "JAXVLLM_COMPILATION_CACHE_DIR"
 
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "guidance")  # "auto" is llguidance
 
@@ -335,8 +50,7 @@ class StructuredOutputsConfig:
             raise ValueError(f"structured outputs backend {self.backend!r} is not available in jaxvllm; "
                              f"choose from {STRUCTURED_OUTPUTS_BACKENDS} ('auto' is llguidance)")
         for name in ("disable_any_whitespace", "disable_additional_properties"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"structured_outputs_config {name} must be True or False, got {getattr(self, name)!r}")
+            check_bool(f"structured_outputs_config {name}", getattr(self, name))
 
 
 @dataclass
@@ -414,52 +128,27 @@ class EngineConfig:
     structured_outputs_config: StructuredOutputsConfig | dict | None = None
     download_dir: str | None = None  # nothing is ever downloaded
     max_seq_len_to_capture: int | None = None  # no CUDA graphs: one executable per token bucket
+    # The persistent JAX compilation cache, so that a second start skips compiling (JAX's cache
+    # is process-wide: the first engine sets it, and a `jax_compilation_cache_dir` the user
+    # set wins). None: $JAXVLLM_COMPILATION_CACHE_DIR if set, else ~/.cache/jaxvllm/jax;
+    # "": no cache.
+    compilation_cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         """Check every argument's type and range here, so that `LLM(...)` and the command
         line refuse bad values (naming the argument and the value) before loading anything."""
-        from jaxvllm.layers import ATTENTION_BACKENDS, KV_CACHE_DTYPES
-        from jaxvllm.loader import DTYPES, LOAD_FORMATS
-        from jaxvllm.sampler import LOGPROBS_MODES
-        from jaxvllm.scheduler import POLICIES
-
-        if not isinstance(self.model, str) or not self.model:
-            raise ValueError(f"model must be a non-empty path, got {self.model!r}")
-        if self.tokenizer is not None and (not isinstance(self.tokenizer, str) or not self.tokenizer):
-            raise ValueError(f"tokenizer must be a path or None, got {self.tokenizer!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            _check_positive_int(name, getattr(self, name))
-        for name in ("max_model_len", "num_gpu_blocks_override"):
-            if getattr(self, name) is not None:
-                _check_positive_int(name, getattr(self, name), " (or None)")
-        if not _is_int(self.seed):
-            raise ValueError(f"seed must be an int, got {self.seed!r}")
-        u = self.gpu_memory_utilization
-        if isinstance(u, bool) or not isinstance(u, (int, float, np.floating, np.integer)) or not 0 < u <= 1:
-            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {u!r}")
         self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
-        if self.tokenizer_mode not in ("auto", "slow"):
-            raise ValueError(f"tokenizer_mode must be 'auto' or 'slow', got {self.tokenizer_mode!r}")
-        if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be a positive int, got {self.tensor_parallel_size!r}")
-        if not _is_int(self.max_logprobs) or self.max_logprobs < -1:
-            raise ValueError(f"max_logprobs must be an int >= -1 (-1: the whole vocabulary), got {self.max_logprobs!r}")
-        if self.logprobs_mode not in LOGPROBS_MODES:
-            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
-        if not isinstance(self.generation_config, str) or not self.generation_config:
-            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
-        if self.pipeline_parallel_size != 1:
-            raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size!r}: jaxvllm splits a model over "
-                             "devices by tensor parallelism (tensor_parallel_size)")
-        if not _is_int(self.data_parallel_size) or self.data_parallel_size < 1:
-            raise ValueError(f"data_parallel_size must be a positive int, got {self.data_parallel_size!r}")
-        if not _is_int(self.data_parallel_rank) or not 0 <= self.data_parallel_rank < self.data_parallel_size:
-            raise ValueError(f"data_parallel_rank must be in [0, {self.data_parallel_size}), "
-                             f"got {self.data_parallel_rank!r}")
-        names = [self.served_model_name] if isinstance(self.served_model_name, str) else self.served_model_name
-        if names is not None and (not isinstance(names, list) or not names
-                                  or not all(isinstance(n, str) and n for n in names)):
-            raise ValueError(f"served_model_name must be a name, a list of names or None, got {self.served_model_name!r}")
+        self._check_names()
+        self._check_sizes()
+        self._check_parallelism()
+        self._check_choices()
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "async_scheduling", "skip_tokenizer_init",
+                     "enforce_eager", "disable_log_stats", "trust_remote_code", "calculate_kv_scales",
+                     "enable_expert_parallel"):
+            check_bool(name, getattr(self, name))
+        for name, off in (("quantization", None), ("enable_lora", False)):
+            if getattr(self, name) != off:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not supported by jaxvllm (only {off!r})")
         so = self.structured_outputs_config
         if so is None or isinstance(so, dict):
             try:
@@ -468,17 +157,75 @@ class EngineConfig:
                 raise ValueError(f"structured_outputs_config {so!r}: {e}") from e
         elif not isinstance(so, StructuredOutputsConfig):
             raise ValueError(f"structured_outputs_config must be a StructuredOutputsConfig or a dict, got {so!r}")
+
+    def _check_names(self) -> None:
+        """Paths and names."""
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a non-empty path, got {self.model!r}")
+        if self.tokenizer is not None and (not isinstance(self.tokenizer, str) or not self.tokenizer):
+            raise ValueError(f"tokenizer must be a path or None, got {self.tokenizer!r}")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
+        names = [self.served_model_name] if isinstance(self.served_model_name, str) else self.served_model_name
+        if names is not None and (not isinstance(names, list) or not names
+                                  or not all(isinstance(n, str) and n for n in names)):
+            raise ValueError(f"served_model_name must be a name, a list of names or None, got {self.served_model_name!r}")
+        if self.compilation_cache_dir is not None and not isinstance(self.compilation_cache_dir, str):
+            raise ValueError(f"compilation_cache_dir must be a folder, '' (no cache) or None, "
+                             f"got {self.compilation_cache_dir!r}")
+
+    def _check_sizes(self) -> None:
+        """Counts, lengths and the memory share; the token buckets."""
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            _check_positive_int(name, getattr(self, name))
+        for name in ("max_model_len", "num_gpu_blocks_override"):
+            if getattr(self, name) is not None:
+                _check_positive_int(name, getattr(self, name), " (or None)")
+        if not is_int(self.seed):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float, np.floating, np.integer)) or not 0 < u <= 1:
+            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {u!r}")
+        if not is_int(self.max_logprobs) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an int >= -1 (-1: the whole vocabulary), got {self.max_logprobs!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs}) "
+                "so that a full decode batch fits in one step"
+            )
+        if self.token_buckets is None:
+            return
+        buckets = self.token_buckets
+        if not isinstance(buckets, (list, tuple)) or not buckets or not all(is_int(b) and b > 0 for b in buckets):
+            raise ValueError(f"token_buckets must be a non-empty list of positive ints (or None), got {buckets!r}")
+        self.token_buckets = [int(b) for b in buckets]
+        if max(self.token_buckets) < self.max_num_batched_tokens:
+            raise ValueError(
+                f"the largest token bucket ({max(self.token_buckets)}) is below max_num_batched_tokens "
+                f"({self.max_num_batched_tokens})"
+            )
+
+    def _check_parallelism(self) -> None:
+        if not is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive int, got {self.tensor_parallel_size!r}")
+        if self.pipeline_parallel_size != 1:
+            raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size!r}: jaxvllm splits a model over "
+                             "devices by tensor parallelism (tensor_parallel_size)")
+        if not is_int(self.data_parallel_size) or self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be a positive int, got {self.data_parallel_size!r}")
+        if not is_int(self.data_parallel_rank) or not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(f"data_parallel_rank must be in [0, {self.data_parallel_size}), "
+                             f"got {self.data_parallel_rank!r}")
+
+    def _check_choices(self) -> None:
+        """Arguments that name one of a few values."""
+        if self.tokenizer_mode not in TOKENIZER_MODES:
+            raise ValueError(f"tokenizer_mode must be 'auto' or 'slow', got {self.tokenizer_mode!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; choose from "
                              f"{', '.join(map(repr, KV_CACHE_DTYPES))}")
-        for name, off in (("quantization", None), ("enable_lora", False)):
-            if getattr(self, name) != off:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not supported by jaxvllm (only {off!r})")
-        for name in ("enable_chunked_prefill", "enable_prefix_caching", "async_scheduling", "skip_tokenizer_init",
-                     "enforce_eager", "disable_log_stats", "trust_remote_code", "calculate_kv_scales",
-                     "enable_expert_parallel"):
-            if not isinstance(getattr(self, name), (bool, np.bool_)):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.dtype not in ("auto", *DTYPES):
             raise ValueError(f"dtype {self.dtype!r} is not supported; choose from 'auto', {', '.join(DTYPES)}")
         if self.load_format not in LOAD_FORMATS:
@@ -489,35 +236,81 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend {self.attention_backend!r} is not available; choose from 'auto', {ATTENTION_BACKENDS}"
             )
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs}) "
-                "so that a full decode batch fits in one step"
-            )
-        if self.token_buckets is not None:
-            buckets = self.token_buckets
-            if (
-                not isinstance(buckets, (list, tuple))
-                or not buckets
-                or not all(_is_int(b) and b > 0 for b in buckets)
-            ):
-                raise ValueError(f"token_buckets must be a non-empty list of positive ints (or None), got {buckets!r}")
-            self.token_buckets = [int(b) for b in buckets]
-            if max(self.token_buckets) < self.max_num_batched_tokens:
-                raise ValueError(
-                    f"the largest token bucket ({max(self.token_buckets)}) is below max_num_batched_tokens "
-                    f"({self.max_num_batched_tokens})"
-                )
+
+    @property
+    def compilation_cache(self) -> str | None:
+        """The compilation cache folder this config asks for (None: none)."""
+        folder = self.compilation_cache_dir
+        if folder is None:
+            folder = os.environ.get(COMPILATION_CACHE_ENV, DEFAULT_COMPILATION_CACHE)
+        return os.path.expanduser(folder) if folder else None
 
 
 # vLLM's dtype names for ours.
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+# Sampling floats go to device as float32: a larger magnitude would become inf there.
+_FLOAT32_MAX = 3.4028234663852886e38
+# vLLM's messages for its range checks ({} is the value).
+_RANGE_MESSAGES = {
+    "n": "n must be at least 1, got {}.",
+    "temperature": "temperature must be non-negative, got {}.",
+    "top_k": "top_k must be 0 (disable), or at least 1, got {}.",
+    "repetition_penalty": "repetition_penalty must be greater than zero, got {}.",
+    "max_tokens": "max_tokens must be at least 1, got {}.",
+    "min_tokens": "min_tokens must be greater than or equal to 0, got {}.",
+}
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+def is_int(value: Any) -> bool:
+    """A Python or numpy integer, not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def check_int(name: str, value: Any, *, low: int | None = None, high: int | None = None) -> int:
+    """An integer (a Python or numpy scalar, not a bool) within range, as a Python int."""
+    if not is_int(value):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    value = int(value)
+    check_range(name, value, low=low, high=high)
+    return value
+
+
+def check_number(name: str, value: Any, *, low: float | None = None, high: float | None = None,
+                 low_open: bool = False) -> float:
+    """A finite real number (a Python or numpy scalar, not a bool) within range, as a Python float."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    try:
+        number = float(value)
+    except OverflowError:  # a Python int too large for a float
+        number = math.inf
+    shown = value if isinstance(value, int) else number  # numpy scalars shown as plain floats
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be a finite number, got {shown!r}")
+    if abs(number) > _FLOAT32_MAX:
+        raise ValueError(f"{name} must be a finite number within float32 range, got {shown!r}")
+    check_range(name, number, low=low, high=high, low_open=low_open)
+    return number
+
+
+def check_range(name: str, value: float, *, low: float | None = None, high: float | None = None,
+                low_open: bool = False) -> None:
+    below = value <= low if low_open else value < low if low is not None else False
+    if below or (high is not None and value > high):
+        if name in _RANGE_MESSAGES:
+            raise ValueError(_RANGE_MESSAGES[name].format(value))
+        bound = lambda x: f"{x:g}" if isinstance(x, float) else f"{x}"  # noqa: E731  (2.0 -> "2", as vLLM)
+        lo = "-inf" if low is None else bound(low)
+        hi = "inf" if high is None else bound(high)
+        raise ValueError(f"{name} must be in {'(' if low_open else '['}{lo}, {hi}], got {value!r}.")
+
+
+def check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
 
 
 def _check_positive_int(name: str, value: Any, extra: str = "") -> None:
-    if not _is_int(value) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"{name} must be a positive int{extra}, got {value!r}")

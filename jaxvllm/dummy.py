@@ -10,12 +10,14 @@ nothing), so nothing is ever downloaded. `weights/make_tiny.py` uses it too.
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from jaxvllm.config import EngineConfig
 
 PREFIX = "dummy:"
 
@@ -190,34 +192,78 @@ def write_dummy_model(model: str, folder: str | Path) -> Path:
     return folder
 
 
+def missing_model_message(model: str) -> str:
+    """Why `model` cannot be loaded: jaxvllm never downloads, so name the fix."""
+    message = (
+        f"model directory {model!r} does not exist (jaxvllm loads local checkpoints only and never downloads; "
+        f"built-in random models: {', '.join(PREFIX + n for n in DUMMY_MODELS)})"
+    )
+    parts = model.split("/")
+    if len(parts) == 2 and all(parts) and not model.startswith((".", "~")):
+        message += (
+            f"; {model!r} looks like a Hugging Face Hub id: download it first "
+            f"(`huggingface-cli download {model} --local-dir DIR`) and pass DIR"
+        )
+    return message
+
+
 @dataclass(frozen=True)
 class ModelSource:
-    """Where a `--model` argument lives: a folder, and whether its weights are random."""
+    """Where a model argument lives: a folder, and whether its weights are random. A
+    dummy model's folder is temporary: it lives until `close()` (or the `with` block ends)."""
 
     name: str  # what the user gave: a path or dummy:NAME
     path: str  # a folder with config.json and a tokenizer
     dummy: bool
+    folder: tempfile.TemporaryDirectory | None = field(default=None, repr=False, compare=False)
 
     @property
     def load_format(self) -> str | None:
         """What `LLM(..., load_format=)` needs; None: keep the engine's default."""
         return "dummy" if self.dummy else None
 
+    def engine_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """`LLM(...)` keyword args for this model: for a dummy model, its CPU-sized engine
+        defaults under `kwargs` and load_format "dummy" (another is refused)."""
+        if not self.dummy:
+            return dict(kwargs)
+        merged = {**get_dummy(self.name).engine_defaults, **kwargs}
+        given = merged.get("load_format", "dummy")
+        if given not in ("auto", "dummy"):
+            raise ValueError(f"{self.name} has no weights to load: it needs load_format 'dummy', got {given!r}")
+        return {**merged, "load_format": "dummy"}
 
-@contextmanager
-def resolve_model(model: str) -> Iterator[ModelSource]:
-    """`--model PATH` as is; `--model dummy:NAME` as a temporary folder, removed on exit.
+    def engine_config(self, config: EngineConfig) -> EngineConfig:
+        """`config` on this folder; for a dummy model, with its engine defaults for the
+        arguments `config` left at EngineConfig's defaults."""
+        defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+        names = set(get_dummy(self.name).engine_defaults) | {"load_format"} if self.dummy else set()
+        given = {k: getattr(config, k) for k in names if getattr(config, k) != defaults[k]}
+        return dataclasses.replace(config, model=self.path, **self.engine_kwargs(given))
 
-    Raises ValueError for an unknown dummy name and FileNotFoundError for a missing folder.
-    """
+    def close(self) -> None:
+        if self.folder is not None:
+            self.folder.cleanup()
+
+    def __enter__(self) -> "ModelSource":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def resolve_model(model: str) -> ModelSource:
+    """A model argument as a folder: a path is checked to exist (FileNotFoundError, naming
+    the fix); `dummy:NAME` is written (config.json + tokenizer) into a temporary folder
+    (ValueError for an unknown name). The one place `dummy:NAME` is resolved."""
     if not is_dummy(model):
         if not Path(model).is_dir():
-            raise FileNotFoundError(
-                f"model directory {model!r} does not exist (jaxvllm loads local checkpoints only; "
-                f"built-in random models: {', '.join(PREFIX + n for n in DUMMY_MODELS)})"
-            )
-        yield ModelSource(model, str(model), dummy=False)
-        return
+            raise FileNotFoundError(missing_model_message(model))
+        return ModelSource(model, str(model), dummy=False)
     get_dummy(model)  # fail before making a folder
-    with tempfile.TemporaryDirectory(prefix="jaxvllm-dummy-") as tmp:
-        yield ModelSource(model, str(write_dummy_model(model, tmp)), dummy=True)
+    folder = tempfile.TemporaryDirectory(prefix="jaxvllm-dummy-")
+    try:
+        return ModelSource(model, str(write_dummy_model(model, folder.name)), dummy=True, folder=folder)
+    except BaseException:
+        folder.cleanup()
+        raise

@@ -11,10 +11,8 @@ import argparse
 import dataclasses
 from typing import Any
 
-from jaxvllm.config import EngineConfig
-from jaxvllm.dummy import ModelSource, get_dummy
-from jaxvllm.layers import KV_CACHE_DTYPES
-from jaxvllm.loader import DTYPES
+from jaxvllm.config import DTYPES, KV_CACHE_DTYPES, EngineConfig
+from jaxvllm.dummy import ModelSource
 
 # flag name -> (type, help); the keyword argument is the flag with '_' for '-'.
 _VALUE_FLAGS: dict[str, tuple[type, str]] = {
@@ -62,16 +60,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace, source: ModelSource, **defaults: Any) -> dict[str, Any]:
     """The `LLM(...)` keyword args: the user's flags over `defaults` over the dummy model's."""
-    kwargs: dict[str, Any] = dict(get_dummy(source.name).engine_defaults) if source.dummy else {}
-    kwargs.update({k: v for k, v in defaults.items() if v is not None})
+    kwargs: dict[str, Any] = {k: v for k, v in defaults.items() if v is not None}
     for flag in (*_VALUE_FLAGS, *_BOOL_FLAGS):
         value = getattr(args, flag.replace("-", "_"))
         if value is not None:
             kwargs[flag.replace("-", "_")] = value
-    if source.dummy:
-        if kwargs.get("load_format", "dummy") != "dummy":
-            raise ValueError(f"{source.name} has no weights to load: it needs load_format 'dummy'")
-        kwargs["load_format"] = "dummy"
+    kwargs = source.engine_kwargs(kwargs)
     try:
         EngineConfig(model=source.path, **kwargs)
     except TypeError as e:  # a flag this engine's EngineConfig does not know

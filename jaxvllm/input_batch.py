@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from operator import attrgetter
 
 import jax
 import jax.numpy as jnp
@@ -26,27 +27,13 @@ import numpy as np
 
 from jaxvllm.batch import ModelInputs
 from jaxvllm.request import Request
-from jaxvllm.sampler import SamplingTensors
+from jaxvllm.sampler import SAMPLING_COLUMNS, SamplingTensors
 
 # (field, length: "T" tokens, "S" rows, "S+1", "SW" block table) in packing order. The
-# sampling rows come first, so that their offsets depend on S alone: the forward hands
-# the sampler that prefix, and the sampler compiles per row count, not per bucket/width.
-_SAMPLING_FIELDS = (
-    ("temperature", "S"),
-    ("top_p", "S"),
-    ("min_p", "S"),
-    ("presence_penalty", "S"),
-    ("frequency_penalty", "S"),
-    ("repetition_penalty", "S"),
-    ("top_k", "S"),
-    ("seeds", "S"),
-    ("output_index", "S"),
-    ("slot", "S"),
-    ("use_state", "S"),
-    ("suppress_stop", "S"),
-    ("counts_sample", "S"),
-    ("want_logprobs", "S"),
-)
+# sampling rows (the sampler's table) come first, so that their offsets depend on S alone:
+# the forward hands the sampler that prefix, and the sampler compiles per row count, not
+# per bucket/width.
+_SAMPLING_FIELDS = tuple((name, "S") for name, *_ in SAMPLING_COLUMNS)
 _FIELDS = _SAMPLING_FIELDS + (
     ("query_start_loc", "S+1"),
     ("seq_lens", "S"),
@@ -58,8 +45,13 @@ _FIELDS = _SAMPLING_FIELDS + (
     ("prompt_targets", "T"),  # the next prompt token scored at this row, -1 = none
     ("block_tables", "SW"),
 )
-_FLOATS = {"temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"}
-_BOOLS = {"use_state", "suppress_stop", "counts_sample", "want_logprobs"}
+_DTYPES = {name: np.dtype(dtype) for name, dtype, _, _ in SAMPLING_COLUMNS}
+_FLOATS = {name for name, dtype in _DTYPES.items() if dtype == np.float32}
+_BOOLS = {name for name, dtype in _DTYPES.items() if dtype == np.bool_}
+_PADDING = {name: pad for name, _, pad, _ in SAMPLING_COLUMNS if pad} | {"prev_row": -1, "slot_mapping": -1,
+                                                                          "prompt_targets": -1}
+# The sampling columns a request's persistent row holds, and the Request attribute of each.
+ROW_COLUMNS = tuple((name, attrgetter(row)) for name, _, _, row in SAMPLING_COLUMNS if row is not None)
 
 
 @dataclass(frozen=True)
@@ -105,17 +97,16 @@ class BatchLayout:
         """
         packed = np.zeros(self.size, np.int32)
         views = self.views(packed)
-        for name in ("prev_row", "slot_mapping", "prompt_targets"):
-            views[name][:] = -1
-        views["top_p"][:] = 1.0
-        views["repetition_penalty"][:] = 1.0
+        for name, value in _PADDING.items():
+            views[name][:] = value
         return packed, views
 
     def views(self, packed: np.ndarray) -> dict[str, np.ndarray]:
         """Writable numpy views of a host buffer's fields (bool fields as int32 0/1)."""
         floats = packed.view(np.float32)
         views = {name: (floats if name in _FLOATS else packed)[a:b] for name, (a, b) in self.spans.items()}
-        views["seeds"] = views["seeds"].view(np.uint32)
+        for name in (n for n, dtype in _DTYPES.items() if dtype == np.uint32):
+            views[name] = views[name].view(np.uint32)
         views["block_tables"] = views["block_tables"].reshape(self.num_rows, self.width)
         return views
 
@@ -124,7 +115,7 @@ class BatchLayout:
         x = packed[a:b]
         if name in _FLOATS:
             return jax.lax.bitcast_convert_type(x, jnp.float32)
-        if name == "seeds":
+        if _DTYPES.get(name) == np.uint32:
             return jax.lax.bitcast_convert_type(x, jnp.uint32)
         if name in _BOOLS:
             return x != 0
@@ -168,17 +159,11 @@ class InputBatch:
         self.max_num_seqs = max_num_seqs
         self.block_table = np.zeros((max_num_seqs, max_blocks_per_seq), np.int32)
         self.num_blocks = [0] * max_num_seqs  # block_table columns filled, per row
-        self.temperature = np.zeros(max_num_seqs, np.float32)
-        self.top_p = np.ones(max_num_seqs, np.float32)
-        self.min_p = np.zeros(max_num_seqs, np.float32)
-        self.presence_penalty = np.zeros(max_num_seqs, np.float32)
-        self.frequency_penalty = np.zeros(max_num_seqs, np.float32)
-        self.repetition_penalty = np.ones(max_num_seqs, np.float32)
-        self.top_k = np.zeros(max_num_seqs, np.int32)
-        self.seeds = np.zeros(max_num_seqs, np.uint32)
+        # The sampling columns (the sampler's table), then what the batch builder reads per row.
+        self.columns = {name: np.full(max_num_seqs, pad, dtype) for name, dtype, pad, row in SAMPLING_COLUMNS
+                        if row is not None}
         self.min_tokens = np.zeros(max_num_seqs, np.int32)
         self.num_prompt_tokens = np.zeros(max_num_seqs, np.int32)
-        self.use_state = np.zeros(max_num_seqs, bool)
         self.want_logprobs = np.zeros(max_num_seqs, bool)
         self.num_logprobs = np.zeros(max_num_seqs, np.int32)  # top logprobs per sampled token
         self.has_bad_words = np.zeros(max_num_seqs, bool)
@@ -194,14 +179,10 @@ class InputBatch:
             raise RuntimeError(f"more than max_num_seqs ({self.max_num_seqs}) requests are running")
         row = self._free_rows.pop()
         self.row_of[request.request_id] = row
-        p = request.params
-        (self.temperature[row], self.top_p[row], self.min_p[row], self.presence_penalty[row],
-         self.frequency_penalty[row], self.repetition_penalty[row]) = request.sampling_floats
-        self.top_k[row] = p.top_k
-        self.seeds[row] = request.seed
-        self.min_tokens[row] = p.min_tokens
+        for name, value_of in ROW_COLUMNS:
+            self.columns[name][row] = value_of(request)
+        self.min_tokens[row] = request.params.min_tokens
         self.num_prompt_tokens[row] = request.num_prompt_tokens
-        self.use_state[row] = request.uses_sampler_state
         self.want_logprobs[row] = request.num_logprobs is not None
         self.num_logprobs[row] = request.num_logprobs or 0
         self.has_bad_words[row] = bool(request.bad_words_token_ids)

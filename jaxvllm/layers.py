@@ -1,4 +1,4 @@
-"""Building blocks of the decoder: norm, rotary embedding, MLP, and paged attention.
+"""Building blocks of the decoder: linear layers, norm, rotary embedding and paged attention.
 
 Attention is where backends plug in: `attention_backend` picks the implementation of
 the same contract (see `pallas_kernels/ragged_paged_attention.py`): "reference" (plain
@@ -10,19 +10,32 @@ XLA's scatter on the donated cache for both.
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxvllm.batch import ModelInputs
-from jaxvllm.config import ModelConfig, RopeConfig
-from jaxvllm.sharding import AXIS, kv_cache_sharding, put
+from jaxvllm.config import ATTENTION_BACKENDS
+from jaxvllm.model_config import ModelConfig, RopeConfig
+from jaxvllm.sharding import AXIS
 from pallas_kernels import mixed_paged_attention, ragged_paged_attention_reference, write_kv_reference
 
-ATTENTION_BACKENDS = ("reference", "pallas")
+
+def linear(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None, *,
+           preferred_element_type=None) -> jax.Array:
+    """x @ W for a weight in HF's [out, in] layout with its head axes explicit: x [T, *in]
+    times weight [*out, *in] -> [T, *out] (q_proj [heads, head_dim, hidden] gives [T, heads,
+    head_dim]; o_proj [hidden, heads, head_dim] takes them back). Every model matmul goes
+    through here, so that a weight format (quantized) or an adapter plugs in once."""
+    n = x.ndim - 1  # x's axes after the first are contracted with the weight's last n
+    dims = ((tuple(range(1, x.ndim)), tuple(range(weight.ndim - n, weight.ndim))), ((), ()))
+    dtype = jnp.result_type(x, weight)
+    out = jax.lax.dot_general(x.astype(dtype), weight.astype(dtype), dims, preferred_element_type=preferred_element_type)
+    return out if bias is None else out + bias
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -32,14 +45,75 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * x32.astype(x.dtype)
 
 
+def rope_attention_scaling(rope: RopeConfig) -> float:
+    """What cos and sin are multiplied by (1 but for YaRN: 0.1 * ln(factor) + 1 by default)."""
+    if rope.rope_type != "yarn":
+        return 1.0
+    if rope.attention_factor is not None:
+        return float(rope.attention_factor)
+
+    def get_mscale(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    if rope.mscale and rope.mscale_all_dim:
+        return float(get_mscale(rope.factor, rope.mscale) / get_mscale(rope.factor, rope.mscale_all_dim))
+    return get_mscale(rope.factor)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
+    """Inverse frequencies [head_dim // 2] in float32, as transformers computes them."""
+    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim
+    inv_freq = (1.0 / (rope.theta**exponents)).astype(np.float32)
+    if rope.rope_type == "yarn":
+        return _yarn_inv_freq(rope, head_dim, exponents)
+    if rope.rope_type == "linear":
+        return inv_freq / np.float32(rope.factor)
+    if rope.rope_type == "llama3":
+        low_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
+        high_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return np.where(medium, smoothed, scaled).astype(np.float32)
+    return inv_freq
+
+
+def _yarn_inv_freq(rope: RopeConfig, head_dim: int, exponents: np.ndarray) -> np.ndarray:
+    """HF's YaRN blend: dimensions rotating more than `beta_fast` times over the original
+    context keep their frequency, those below `beta_slow` are divided by `factor`, a
+    linear ramp in between (float32 throughout, as torch computes it)."""
+    pos_freqs = (np.float32(rope.theta) ** exponents).astype(np.float32)
+    extrapolation = (np.float32(1.0) / pos_freqs).astype(np.float32)
+    interpolation = (np.float32(1.0) / (np.float32(rope.factor) * pos_freqs)).astype(np.float32)
+
+    def correction_dim(rotations: float) -> float:
+        return (head_dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi))) / (
+            2 * math.log(rope.theta)
+        )
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as HF: no zero-width ramp
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    extrapolation_factor = (np.float32(1.0) - ramp).astype(np.float32)
+    return (interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor).astype(np.float32)
+
+
 def apply_rope(x: jax.Array, positions: jax.Array, rope: RopeConfig) -> jax.Array:
     """Rotate x [T, heads, head_dim] by its positions (HF's rotate-half convention)."""
     head_dim = x.shape[-1]
-    inv_freq = jnp.asarray(rope.inv_freq(head_dim))
+    inv_freq = jnp.asarray(rope_inv_freq(rope, head_dim))
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
     angles = jnp.concatenate([angles, angles], axis=-1)[:, None, :]  # [T, 1, D]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
-    scaling = rope.attention_scaling  # YaRN's attention factor, applied to cos/sin in float32 as HF does
+    scaling = rope_attention_scaling(rope)  # YaRN's attention factor, applied to cos/sin in float32 as HF does
     if scaling != 1.0:
         cos, sin = cos * scaling, sin * scaling
     cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
@@ -68,7 +142,7 @@ def paged_attention(
 
     A layer's cache is (k_cache, v_cache) in the model's dtype, or for an fp8 KV cache
     (k_cache, v_cache, scales): float8 arrays and each KV head's float32 (k_scale, v_scale)
-    (see `allocate_kv_caches`): the write quantizes, attention dequantizes; under a mesh
+    (see `jaxvllm.kv_cache.allocate_kv_caches`): the write quantizes, attention dequantizes; under a mesh
     the scales are split on KV heads with the cache. Scales with a third column are still
     to calculate from the first batch written (`calculate_kv_scales`).
     With a mesh, each device does this for its own heads (`jax.shard_map`): q/k/v and the
@@ -142,40 +216,3 @@ def calculate_kv_scales(scales: jax.Array, k: jax.Array, v: jax.Array, slot_mapp
     calculated = jnp.stack([jnp.where(k_max > 0, k_max / K_SCALE_RANGE, 1.0),
                             jnp.where(v_max > 0, v_max / V_SCALE_RANGE, 1.0), jnp.zeros_like(k_max)], axis=1)
     return jnp.where((scales[:, 2:] > 0) & jnp.any(written), calculated, scales)
-
-
-def allocate_kv_caches(
-    cfg: ModelConfig, num_blocks: int, block_size: int, dtype, mesh: Mesh | None = None, device=None,
-    scales: np.ndarray | None = None, calculate_scales: bool = False,
-) -> list[tuple[jax.Array, ...]]:
-    """Zeroed per-layer (k_cache, v_cache), each [num_kv_heads, num_blocks, block_size, head_dim],
-    split on KV heads over `mesh` (each device allocates only its part), else on `device`
-    (default: the first). With `scales` (an fp8 cache: float32 [num_layers, num_kv_heads, 2],
-    each layer's and KV head's (k_scale, v_scale)), (k_cache, v_cache, scales): the layer's
-    [num_kv_heads, 2], split on KV heads with the cache, or with `calculate_scales`
-    [num_kv_heads, 3], (k_scale, v_scale, 1): to calculate from the first batch
-    (`calculate_kv_scales`). One array per layer: each is a donated argument of every step."""
-    shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
-    place = kv_cache_sharding(mesh) if mesh is not None else SingleDeviceSharding(device or jax.devices()[0])
-    caches = [(jnp.zeros(shape, dtype, device=place), jnp.zeros(shape, dtype, device=place))
-              for _ in range(cfg.num_layers)]
-    if scales is None:
-        return caches
-    scales = np.asarray(scales, np.float32)
-    if scales.shape != (cfg.num_layers, cfg.num_kv_heads, 2):
-        raise ValueError(f"KV cache scales must be [num_layers={cfg.num_layers}, num_kv_heads={cfg.num_kv_heads}, 2] "
-                         f"(k_scale, v_scale), got {scales.shape}")
-    if calculate_scales:
-        scales = np.concatenate([scales, np.ones_like(scales[..., :1])], axis=-1)
-    return [(k, v, put(layer, place)) for (k, v), layer in zip(caches, scales)]  # split on KV heads as the cache
-
-
-# kv_cache_dtype (vLLM's engine argument) -> the cache's element type; "auto": the model's dtype.
-KV_CACHE_DTYPES = {"auto": None, "fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn,
-                   "fp8_e5m2": jnp.float8_e5m2}
-
-
-def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype):
-    """The KV cache's element type for `kv_cache_dtype` (checked by `EngineConfig`) and the
-    model's dtype."""
-    return KV_CACHE_DTYPES[kv_cache_dtype] or model_dtype

@@ -8,6 +8,7 @@ from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
+from jaxvllm.beam_search import BeamSearchOutput, beam_search
 from jaxvllm.config import EngineConfig
 from jaxvllm.engine import LLMEngine
 from jaxvllm.inputs import prompt_list
@@ -38,6 +39,10 @@ class LLM:
         self.llm_engine = self.engines[0]
         self._request_counter = 0
         self._default_sampling: dict[str, Any] | None = None
+        # The ids of the generate call under way, recorded before any of them is queued: an
+        # interrupt wherever it lands leaves nothing queued that is not aborted (by that call's
+        # cleanup, or, if a second interrupt cuts the cleanup short, by the next call).
+        self._generating: list[str] = []
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: the sampling settings the checkpoint's generation_config.json recommends
@@ -166,7 +171,14 @@ class LLM:
             raise ValueError(f"{name} must have one entry per prompt ({n})")
         return list(value)
 
+    def _abort_generating(self) -> None:
+        """Abort what an interrupted generate left queued; nothing else."""
+        for e in self.engines:
+            e.abort_request(self._generating)
+        self._generating = []
+
     def _run(self, prompts, sampling_params, priority, use_tqdm: bool, add_special_tokens: bool = True):
+        self._abort_generating()
         engine = self.llm_engine  # validates and builds the requests; any replica may run them
         if any(e.scheduler.has_unfinished_requests() for e in self.engines):  # (a step left in flight is harmless)
             raise RuntimeError("the engine has unfinished requests added by hand; finish or abort them first")
@@ -188,8 +200,8 @@ class LLM:
             e.scheduler.set_policy("priority" if priority is not None else e.config.scheduling_policy)
 
         finished: dict[str, RequestOutput] = {}
-        added: list[str] = []
         bar = None
+        self._generating = [r.request_id for r in requests]  # before the first is queued
         try:  # everything from the first request queued on: an interrupt anywhere leaves the engines clean
             load = [0] * len(self.engines)  # tokens (prompt + most to generate) given to each replica
             for request in requests:
@@ -197,7 +209,6 @@ class LLM:
                 rank = load.index(min(load))
                 self.engines[rank].add_parent(request)
                 load[rank] += sum(c.num_prompt_tokens + c.max_tokens for c in request.children)
-                added.append(request.request_id)
             bar = tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
             start, num_output_tokens = time.perf_counter(), 0
             while busy := [e for e in self.engines if e.has_unfinished_requests()]:
@@ -208,12 +219,12 @@ class LLM:
                         bar.update(1)
                 bar.set_postfix_str(f"output {num_output_tokens / (time.perf_counter() - start):.1f} tok/s", refresh=False)
         except BaseException:  # KeyboardInterrupt or a device error: this call's requests are aborted
-            for e in self.engines:
-                e.abort_request(added)
+            self._abort_generating()
             raise
         finally:
             if bar is not None:
                 bar.close()
+        self._generating = []
         return [finished[r.request_id] for r in requests]
 
     def beam_search(
@@ -223,17 +234,16 @@ class LLM:
         lora_request: Any = None,
         use_tqdm: bool = False,
         concurrency_limit: int | None = None,
-    ) -> list[Any]:
+    ) -> list[BeamSearchOutput]:
         """vLLM's beam search with `params` (a `BeamSearchParams`): a `BeamSearchOutput` per
         prompt (a str, a `TextPrompt`, a `TokensPrompt` or a list of them) holding its
         `params.beam_width` best sequences, best first, prompt tokens included.
         Each step is one `generate` call over every live beam (see jaxvllm/beam_search.py).
         concurrency_limit: search at most this many prompts at once (None: all)."""
-        from jaxvllm.beam_search import beam_search
-
         self._check_open()
         _check_no_lora(lora_request)
-        return beam_search(self, prompts, params, use_tqdm=use_tqdm, concurrency_limit=concurrency_limit)
+        return beam_search(self.llm_engine, self.generate, prompts, params, use_tqdm=use_tqdm,
+                           concurrency_limit=concurrency_limit)
 
     def stats(self) -> dict:
         """Replica 0's figures (KV blocks, preemptions, compiled buckets, ...); with data

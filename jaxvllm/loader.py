@@ -18,57 +18,17 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
-from jaxvllm.config import EngineConfig, ModelConfig
+from jaxvllm.config import DTYPES, LOAD_FORMATS
+from jaxvllm.dummy import missing_model_message
+from jaxvllm.model_config import ModelConfig
 from jaxvllm.models import MODELS
 from jaxvllm.sharding import kv_repeats, param_shardings, sharded_config
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
+# The engine's dtype names (config.DTYPES) as JAX dtypes.
+JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 _INDEX_FILE = "model.safetensors.index.json"
-
-
-def missing_model_message(model: str) -> str:
-    """Why `model` cannot be loaded: jaxvllm never downloads, so name the fix."""
-    from jaxvllm.dummy import DUMMY_MODELS, PREFIX
-
-    message = (
-        f"model directory {model!r} does not exist (jaxvllm loads local checkpoints only and never downloads; "
-        f"built-in random models: {', '.join(PREFIX + n for n in DUMMY_MODELS)})"
-    )
-    parts = model.split("/")
-    if len(parts) == 2 and all(parts) and not model.startswith((".", "~")):
-        message += (
-            f"; {model!r} looks like a Hugging Face Hub id: download it first "
-            f"(`huggingface-cli download {model} --local-dir DIR`) and pass DIR"
-        )
-    return message
-
-
-def resolve_model_dir(config: EngineConfig) -> tuple[EngineConfig, tempfile.TemporaryDirectory | None]:
-    """The engine's model as a folder: a path is checked to exist (FileNotFoundError);
-    `dummy:NAME` is written (config.json + tokenizer) into a temporary folder, returned
-    with it so that the caller keeps it alive, with load_format "dummy" and the dummy
-    model's engine defaults for the arguments left at EngineConfig's defaults."""
-    from jaxvllm.dummy import get_dummy, is_dummy, write_dummy_model
-
-    if not is_dummy(config.model):
-        if not Path(config.model).is_dir():
-            raise FileNotFoundError(missing_model_message(config.model))
-        return config, None
-    spec = get_dummy(config.model)  # ValueError naming the built-in ones
-    if config.load_format not in ("auto", "dummy"):
-        raise ValueError(f"{config.model} has no weights to load: it needs load_format 'dummy', got {config.load_format!r}")
-    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
-    overrides = {k: v for k, v in spec.engine_defaults.items() if getattr(config, k) == defaults[k]}
-    tmp = tempfile.TemporaryDirectory(prefix="jaxvllm-dummy-")
-    try:
-        folder = write_dummy_model(config.model, tmp.name)
-        return dataclasses.replace(config, model=str(folder), load_format="dummy", **overrides), tmp
-    except BaseException:
-        tmp.cleanup()
-        raise
 
 
 def load_config(model: str | Path) -> ModelConfig:
@@ -91,7 +51,7 @@ def resolve_dtype(dtype: str, cfg: ModelConfig):
     name = cfg.dtype if dtype == "auto" else dtype
     if name not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; choose from 'auto', {', '.join(DTYPES)}")
-    return DTYPES[name]
+    return JNP_DTYPES[name]
 
 
 def load_model(

@@ -1,14 +1,15 @@
-"""A request as the scheduler sees it: tokens so far and how many are in the KV cache."""
+"""A request as the scheduler sees it (tokens so far and how many are in the KV cache), and
+the user's request it belongs to (`ParentRequest`: its n completions)."""
 
 from __future__ import annotations
 
 import enum
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from jaxvllm.outputs import RequestMetrics
-from jaxvllm.sampling_params import SamplingParams
+from jaxvllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -68,11 +69,6 @@ class Request:
         self.num_prompt_logprobs = params.num_prompt_logprobs(vocab_size)
         self.bad_words_token_ids = [list(w) for w in bad_words_token_ids]
         self.block_hashes: list[bytes] = []  # of full blocks, filled by the KV cache manager
-        # What the device sampler needs of the params, gathered once.
-        self.sampling_floats = (
-            params.temperature, params.top_p, params.min_p,
-            params.presence_penalty, params.frequency_penalty, params.repetition_penalty,
-        )
         self.uses_sampler_state = bool(
             params.uses_penalties or params.logit_bias or params.allowed_token_ids is not None or params.min_tokens
             or self.bad_words_token_ids
@@ -155,3 +151,25 @@ class ScheduledRequest:
         if self.samples is None:
             r = self.request
             self.samples = self.start + self.num_new_tokens == r.num_tokens + r.num_pending
+
+
+@dataclass
+class ParentRequest:
+    """A user's request: n > 1 completions are n scheduler requests sharing the prompt
+    (and, through the prefix cache, its KV blocks)."""
+
+    request_id: str
+    children: list[Request]
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Per child, (tokens, characters of text) already returned: DELTA outputs start there.
+    sent: list[tuple[int, int]] = field(default_factory=list)
+    digest: bytes = b""  # across processes: what every process must agree on (`LLMEngine._check_same_requests`)
+
+    def __post_init__(self) -> None:
+        for child in self.children:
+            child.parent_id = self.request_id
+        self.sent = [(0, 0)] * len(self.children)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.is_finished for c in self.children)

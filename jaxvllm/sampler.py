@@ -19,17 +19,14 @@ token, so no vocabulary-sized array crosses to the device per step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxvllm.sampling_params import DEFAULT_MAX_LOGPROBS
-
-# vLLM's logprobs modes: of the model's logits, or of those the sampler drew from (after
-# bias, bad words, penalties, temperature, min_p / top-k / top-p); logprobs or logits.
-LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+from jaxvllm.config import DEFAULT_MAX_LOGPROBS
+from jaxvllm.request import Request
 
 # Bad words, per request, after tokenization (each word with and without a leading space):
 # at most this many sequences of at most this many tokens (the device keeps them per row).
@@ -37,25 +34,41 @@ MAX_BAD_WORDS = 32
 MAX_BAD_WORD_TOKENS = 8
 
 
+def _column(dtype, pad=0, row: str | None = None):
+    """One sampling field: its host dtype (float32 and uint32 travel bitcast in the packed
+    int32 batch, bools as 0/1), a padding row's value, and `row`: the attribute of a
+    `Request` that the persistent batch copies once per request (None: filled per step)."""
+    return field(metadata={"dtype": dtype, "pad": pad, "row": row})
+
+
 @jax.tree_util.register_dataclass
 @dataclass
 class SamplingTensors:
-    """Per-row parameters, [S] each. Padding rows are greedy and use no state."""
+    """Per-row parameters, [S] each: the one table of sampling fields, from which the
+    persistent batch's columns (`InputBatch`) and the packed batch's layout
+    (`BatchLayout`) are derived. Padding rows are greedy and use no state."""
 
-    temperature: jax.Array  # float32; 0 = greedy
-    top_k: jax.Array  # int32; <= 0 = off
-    top_p: jax.Array  # float32
-    min_p: jax.Array  # float32
-    presence_penalty: jax.Array  # float32
-    frequency_penalty: jax.Array  # float32
-    repetition_penalty: jax.Array  # float32
-    seeds: jax.Array  # uint32
-    output_index: jax.Array  # int32: tokens generated before this one
-    slot: jax.Array  # int32: the request's persistent row (SamplerState row); padding: out of range
-    use_state: jax.Array  # bool: bias / penalties / min_tokens apply
-    suppress_stop: jax.Array  # bool: below min_tokens, stop ids are masked
-    counts_sample: jax.Array  # bool: the sample is appended to the request (update its counts)
-    want_logprobs: jax.Array  # bool
+    temperature: jax.Array = _column(np.float32, 0.0, "params.temperature")  # 0 = greedy
+    top_k: jax.Array = _column(np.int32, 0, "params.top_k")  # <= 0 = off
+    top_p: jax.Array = _column(np.float32, 1.0, "params.top_p")
+    min_p: jax.Array = _column(np.float32, 0.0, "params.min_p")
+    presence_penalty: jax.Array = _column(np.float32, 0.0, "params.presence_penalty")
+    frequency_penalty: jax.Array = _column(np.float32, 0.0, "params.frequency_penalty")
+    repetition_penalty: jax.Array = _column(np.float32, 1.0, "params.repetition_penalty")
+    seeds: jax.Array = _column(np.uint32, 0, "seed")
+    use_state: jax.Array = _column(bool, False, "uses_sampler_state")  # bias / penalties / min_tokens apply
+    output_index: jax.Array = _column(np.int32)  # tokens generated before this one
+    # The request's persistent row (its SamplerState and last_sampled row); a padding row's
+    # is 0, with use_state and counts_sample off, so it reads and writes nothing there.
+    slot: jax.Array = _column(np.int32)
+    suppress_stop: jax.Array = _column(bool)  # below min_tokens, stop ids are masked
+    counts_sample: jax.Array = _column(bool)  # the sample is appended to the request (update its counts)
+    want_logprobs: jax.Array = _column(bool)
+
+
+# The table, in packing order: (name, host dtype, padding value, Request attribute or None).
+SAMPLING_COLUMNS = tuple((f.name, f.metadata["dtype"], f.metadata["pad"], f.metadata["row"])
+                         for f in fields(SamplingTensors))
 
 
 @dataclass(frozen=True)
@@ -140,6 +153,32 @@ def init_state(num_rows: int, vocab_size: int) -> SamplerState:
         jnp.full((num_rows, MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS), -1, jnp.int32),
         jnp.full((num_rows, MAX_BAD_WORD_TOKENS - 1), -1, jnp.int32),
     )
+
+
+def state_row(request: Request, vocab_size: int) -> SamplerState:
+    """A request's row of the state, on the host (numpy), written once when it gets its
+    persistent row (`write_state_row`): the bias and allowed ids, its prompt and output so
+    far (penalties), its stop ids (min_tokens) and bad words with the last outputs they
+    are matched against."""
+    params, outputs = request.params, request.output_token_ids
+    bias = np.zeros(vocab_size, np.float32)
+    if params.allowed_token_ids is not None:
+        bias[:] = -np.inf
+        bias[params.allowed_token_ids] = 0.0
+    for token, value in (params.logit_bias or {}).items():
+        bias[token] += value
+    prompt_mask = np.zeros(vocab_size, bool)
+    prompt_mask[request.prompt_token_ids] = True
+    counts = np.bincount(np.asarray(outputs, np.int64), minlength=vocab_size).astype(np.int32)
+    stop_mask = np.zeros(vocab_size, bool)
+    stop_mask[list(request.eos_token_ids) + params.stop_token_ids] = True
+    bad_words = np.full((MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS), -1, np.int32)
+    for i, word in enumerate(request.bad_words_token_ids):
+        bad_words[i, MAX_BAD_WORD_TOKENS - len(word):] = word
+    recent = np.full(MAX_BAD_WORD_TOKENS - 1, -1, np.int32)
+    tail = outputs[len(outputs) - min(len(outputs), MAX_BAD_WORD_TOKENS - 1):]
+    recent[len(recent) - len(tail):] = tail
+    return SamplerState(bias, prompt_mask, counts, stop_mask, bad_words, recent)
 
 
 def write_state_row(state: SamplerState, slot, row: SamplerState) -> SamplerState:

@@ -3,19 +3,11 @@
 from __future__ import annotations
 
 import enum
-import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
-# vLLM's default `max_logprobs` engine argument: the most logprobs a request may ask for
-# (up to this many, the top-k arrays on device have this fixed width).
-DEFAULT_MAX_LOGPROBS = 20
-
-# Sampling floats go to device as float32: a larger magnitude would become inf there.
-_FLOAT32_MAX = 3.4028234663852886e38
+from jaxvllm.config import check_bool, check_int, check_number
 
 
 def resolve_logprobs(k: int | None, vocab_size: int) -> int | None:
@@ -123,23 +115,23 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # Numbers may be Python or numpy scalars (not bools); they are stored as Python int/float.
-        self.n = _check_int("n", self.n, low=1)
+        self.n = check_int("n", self.n, low=1)
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
-        self.temperature = _check_number("temperature", self.temperature, low=0.0)
-        self.top_p = _check_number("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
-        self.top_k = _check_int("top_k", self.top_k, low=-1)
-        self.min_p = _check_number("min_p", self.min_p, low=0.0, high=1.0)
-        self.presence_penalty = _check_number("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
-        self.frequency_penalty = _check_number("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
-        self.repetition_penalty = _check_number("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)
+        self.temperature = check_number("temperature", self.temperature, low=0.0)
+        self.top_p = check_number("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
+        self.top_k = check_int("top_k", self.top_k, low=-1)
+        self.min_p = check_number("min_p", self.min_p, low=0.0, high=1.0)
+        self.presence_penalty = check_number("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
+        self.frequency_penalty = check_number("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
+        self.repetition_penalty = check_number("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)
         if self.seed is not None and not isinstance(self.seed, bool) and self.seed == -1:
             self.seed = None  # vLLM's "no seed"
         if self.seed is not None:
-            self.seed = _check_int("seed", self.seed, low=0, high=2**32 - 1)
+            self.seed = check_int("seed", self.seed, low=0, high=2**32 - 1)
         if self.max_tokens is not None:
-            self.max_tokens = _check_int("max_tokens", self.max_tokens, low=1)
-        self.min_tokens = _check_int("min_tokens", self.min_tokens, low=0)
+            self.max_tokens = check_int("max_tokens", self.max_tokens, low=1)
+        self.min_tokens = check_int("min_tokens", self.min_tokens, low=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}."
@@ -149,18 +141,18 @@ class SamplingParams:
             if value is True:  # vLLM reads True as 1
                 value = 1
             if value is not None:
-                value = _check_int(name, value)
+                value = check_int(name, value)
                 if value < -1:
                     raise ValueError(f"{name} must be non-negative or -1, got {value}.")
                 setattr(self, name, value)
         if self.best_of is not None:
-            self.best_of = _check_int("best_of", self.best_of, low=1)
+            self.best_of = check_int("best_of", self.best_of, low=1)
             if self.best_of < self.n:
                 raise ValueError(
                     f"best_of must be greater than or equal to n, got n={self.n} and best_of={self.best_of}."
                 )
         if self.truncate_prompt_tokens is not None:
-            value = _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens)
+            value = check_int("truncate_prompt_tokens", self.truncate_prompt_tokens)
             if value == 0 or value < -1:
                 raise ValueError(f"truncate_prompt_tokens must be an integer >= 1 or -1, got {value}")
             self.truncate_prompt_tokens = value
@@ -178,8 +170,7 @@ class SamplingParams:
             raise ValueError(f"extra_args must be a dict or None, got {type(self.extra_args).__name__}")
         for name in ("skip_special_tokens", "spaces_between_special_tokens", "detokenize", "ignore_eos",
                      "include_stop_str_in_output"):
-            if not isinstance(getattr(self, name), (bool, np.bool_)):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+            check_bool(name, getattr(self, name))
         if self.skip_reading_prefix_cache is not None and not isinstance(self.skip_reading_prefix_cache, bool):
             raise ValueError(f"skip_reading_prefix_cache must be True, False or None, got {self.skip_reading_prefix_cache!r}")
         if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
@@ -198,7 +189,7 @@ class SamplingParams:
             if not isinstance(self.logit_bias, dict):
                 raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
             keys = _token_ids("logit_bias keys", list(self.logit_bias))
-            biases = [_check_number("logit_bias values", v, low=-100.0, high=100.0) for v in self.logit_bias.values()]
+            biases = [check_number("logit_bias values", v, low=-100.0, high=100.0) for v in self.logit_bias.values()]
             self.logit_bias = dict(zip(keys, biases))
 
     @property
@@ -271,54 +262,6 @@ class SamplingParams:
             )
 
 
-def _check_number(name, value, *, low=None, high=None, low_open=False) -> float:
-    """A finite real number (a Python or numpy scalar, not a bool) within range, as a Python float."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    try:
-        number = float(value)
-    except OverflowError:  # a Python int too large for a float
-        number = math.inf
-    shown = value if isinstance(value, int) else number  # numpy scalars shown as plain floats
-    if not math.isfinite(number):
-        raise ValueError(f"{name} must be a finite number, got {shown!r}")
-    if abs(number) > _FLOAT32_MAX:
-        raise ValueError(f"{name} must be a finite number within float32 range, got {shown!r}")
-    _check_range(name, number, low=low, high=high, low_open=low_open)
-    return number
-
-
-# vLLM's messages for its range checks ({} is the value).
-_RANGE_MESSAGES = {
-    "n": "n must be at least 1, got {}.",
-    "temperature": "temperature must be non-negative, got {}.",
-    "top_k": "top_k must be 0 (disable), or at least 1, got {}.",
-    "repetition_penalty": "repetition_penalty must be greater than zero, got {}.",
-    "max_tokens": "max_tokens must be at least 1, got {}.",
-    "min_tokens": "min_tokens must be greater than or equal to 0, got {}.",
-}
-
-
-def _check_range(name, value, *, low=None, high=None, low_open=False) -> None:
-    below = value <= low if low_open else value < low if low is not None else False
-    if below or (high is not None and value > high):
-        if name in _RANGE_MESSAGES:
-            raise ValueError(_RANGE_MESSAGES[name].format(value))
-        bound = lambda x: f"{x:g}" if isinstance(x, float) else f"{x}"  # noqa: E731  (2.0 -> "2", as vLLM)
-        lo = "-inf" if low is None else bound(low)
-        hi = "inf" if high is None else bound(high)
-        raise ValueError(f"{name} must be in {'(' if low_open else '['}{lo}, {hi}], got {value!r}.")
-
-
-def _check_int(name, value, *, low=None, high=None) -> int:
-    """An integer (a Python or numpy scalar, not a bool) within range, as a Python int."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    value = int(value)
-    _check_range(name, value, low=low, high=high)
-    return value
-
-
 def _token_ids(name: str, ids) -> list[int]:
     """Non-negative token ids (Python or numpy integers, not bools), as a list of Python ints."""
     ids = list(ids)
@@ -346,10 +289,9 @@ class BeamSearchParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        self.beam_width = _check_int("beam_width", self.beam_width, low=1)
-        self.max_tokens = _check_int("max_tokens", self.max_tokens, low=1)
-        self.temperature = _check_number("temperature", self.temperature, low=0.0)
-        self.length_penalty = _check_number("length_penalty", self.length_penalty)
+        self.beam_width = check_int("beam_width", self.beam_width, low=1)
+        self.max_tokens = check_int("max_tokens", self.max_tokens, low=1)
+        self.temperature = check_number("temperature", self.temperature, low=0.0)
+        self.length_penalty = check_number("length_penalty", self.length_penalty)
         for name in ("ignore_eos", "include_stop_str_in_output"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+            check_bool(name, getattr(self, name))

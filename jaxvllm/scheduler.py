@@ -14,10 +14,10 @@ import heapq
 import time
 from dataclasses import dataclass, field
 
+from jaxvllm.config import POLICIES
 from jaxvllm.kv_cache_manager import KVCacheManager
 from jaxvllm.request import Request, RequestStatus, ScheduledRequest
 
-POLICIES = ("fcfs", "priority")
 
 
 @dataclass

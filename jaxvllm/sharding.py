@@ -35,7 +35,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxvllm.config import ModelConfig
+from jaxvllm.model_config import ModelConfig
 
 AXIS = "tp"
 

@@ -28,19 +28,19 @@ def run(llm: LLM, prompts=PROMPTS) -> list[list[list[int]]]:
 def sizing(path: Path) -> dict:
     """KV blocks agreed across processes: fake allocator figures (100 MiB per device, JAX's
     0.75 limit) where process 1's devices peak at 30 MiB and process 0's at 10 MiB."""
-    import jaxvllm.model_runner as model_runner
+    import jaxvllm.kv_cache as kv_cache
 
     def stats(device):
         peak = (30 if device.process_index == 1 else 10) << 20
         return {"bytes_limit": 75 << 20, "bytes_in_use": peak, "peak_bytes_in_use": peak}
 
-    real, model_runner.device_memory_stats = model_runner.device_memory_stats, stats
+    real, kv_cache.device_memory_stats = kv_cache.device_memory_stats, stats
     try:
         with LLM(path, **ENGINE, tensor_parallel_size=8, gpu_memory_utilization=0.5, enforce_eager=True) as llm:
             runner = llm.llm_engine.runner
-            return {"num_blocks": runner.num_blocks, "bytes_per_block": runner.bytes_per_block}
+            return {"num_blocks": runner.num_blocks, "bytes_per_block": runner.kv_spec.bytes_per_block}
     finally:
-        model_runner.device_memory_stats = real
+        kv_cache.device_memory_stats = real
 
 
 def main(folder: str, port: str, rank: str) -> None:

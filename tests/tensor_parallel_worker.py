@@ -71,7 +71,8 @@ def all_gathers(llm: LLM, shape: tuple) -> dict:
     """All-gathers in the compiled forward whose result has `shape` (a whole KV cache, a
     layer's whole stack of experts), and the all-reduces."""
     runner = llm.llm_engine.runner
-    batch = runner.padding_batch(runner.buckets[-1], runner.widths[-1], None)
+    b = runner.builder
+    batch = b.padding_batch(b.buckets[-1], b.widths[-1], None)
     packed = jax.device_put(batch.packed, runner._replicated)
     hlo = runner._forward.lower(runner.params, runner.kv_caches, packed, runner.last_sampled,
                                 layout=batch.layout).compile().as_text()
@@ -91,21 +92,21 @@ def expert_shards(llm: LLM) -> dict[str, list]:
 def per_device_sizing(path: Path) -> dict:
     """KV blocks sized from the device with the least room: fake allocator figures where
     device 3 has the highest peak (100 MiB total on each, JAX's 0.75 limit)."""
-    import jaxvllm.model_runner as model_runner
+    import jaxvllm.kv_cache as kv_cache
 
     def stats(device):
         peak = (30 if device.id == 3 else 10) << 20
         return {"bytes_limit": 75 << 20, "bytes_in_use": peak, "peak_bytes_in_use": peak}
 
-    real = model_runner.device_memory_stats
-    model_runner.device_memory_stats = stats
+    real = kv_cache.device_memory_stats
+    kv_cache.device_memory_stats = stats
     try:
         with LLM(path, **ENGINE, tensor_parallel_size=4, gpu_memory_utilization=0.5, enforce_eager=True) as llm:
             runner = llm.llm_engine.runner
-            return {"num_blocks": runner.num_blocks, "bytes_per_block": runner.bytes_per_block,
+            return {"num_blocks": runner.num_blocks, "bytes_per_block": runner.kv_spec.bytes_per_block,
                     "per_device": llm.stats()["kv_cache_per_device"]}
     finally:
-        model_runner.device_memory_stats = real
+        kv_cache.device_memory_stats = real
 
 
 def data_parallel(path: Path) -> dict:

@@ -74,7 +74,7 @@ def assert_no_leak(llm: LLM) -> None:
     assert stats["num_free_blocks"] == stats["num_gpu_blocks"]
     assert stats["num_running"] == stats["num_waiting"] == 0
     assert not llm.llm_engine.has_unfinished_requests()
-    assert len(llm.llm_engine.runner.input_batch) == 0  # every persistent row given back
+    assert len(llm.llm_engine.runner.builder.input_batch) == 0  # every persistent row given back
 
 
 def random_prompts(rng, lengths) -> list[dict]:
@@ -413,7 +413,8 @@ def test_step_executables_do_not_branch(engines):
     runner = llm.llm_engine.runner
     everything = SamplerFeatures(random=True, min_p=True, top_k=True, top_p=True, state=True, bad_words=True, logprobs=20,
                                  grammar=True)
-    batch = runner.padding_batch(runner.buckets[-1], runner.widths[-1], everything)
+    b = runner.builder
+    batch = b.padding_batch(b.buckets[-1], b.widths[-1], everything)
     layout = batch.layout
     assert isinstance(layout, BatchLayout)
     packed = jnp.asarray(batch.packed)

@@ -11,6 +11,7 @@ import pytest
 
 import jaxvllm.llm
 from jaxvllm import LLM, SamplingParams
+from jaxvllm.batch_builder import BatchBuilder
 from jaxvllm.model_runner import ModelRunner, PendingStep
 from jaxvllm.scheduler import Scheduler
 
@@ -45,12 +46,12 @@ def assert_healthy(llm: LLM, want) -> None:
     stats = llm.stats()
     assert stats["num_free_blocks"] == stats["num_gpu_blocks"], "a KV block leaked"
     assert tokens(llm.generate(prompts(), GREEDY, use_tqdm=False)) == want
-    assert len(engine.runner.input_batch) == 0 and not any(r.num_pending for r in engine.scheduler.requests.values())
+    assert len(engine.runner.builder.input_batch) == 0 and not any(r.num_pending for r in engine.scheduler.requests.values())
 
 
 STAGES = [
     (Scheduler, "schedule"),  # before anything is dispatched
-    (ModelRunner, "prepare"),  # after blocks were registered for the step
+    (BatchBuilder, "prepare"),  # after blocks were registered for the step
     (ModelRunner, "launch"),  # dispatch
     (PendingStep, "result"),  # waiting for the device (where a Ctrl-C usually lands)
     (Scheduler, "update_from_output"),  # output processing

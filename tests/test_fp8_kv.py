@@ -118,21 +118,21 @@ def test_fp8_greedy_agreement_rate(runs):
 
 def test_num_gpu_blocks_double_at_the_same_memory_budget(tiny_checkpoint, monkeypatch):
     """Both sizing paths: CPU's fixed byte budget, and a device's memory figures (here made up)."""
-    from jaxvllm import model_runner
+    from jaxvllm import kv_cache
 
     path = str(tiny_checkpoint("qwen3"))
     kw = dict(ENGINE, enforce_eager=True, max_num_seqs=64, max_num_batched_tokens=64)
 
     def blocks(kv_cache_dtype):
         llm = LLM(path, kv_cache_dtype=kv_cache_dtype, **kw)
-        stats, per_block = llm.stats(), llm.llm_engine.runner.bytes_per_block
+        stats, per_block = llm.stats(), llm.llm_engine.runner.kv_spec.bytes_per_block
         llm.shutdown()
         return stats["num_gpu_blocks"], per_block, stats["kv_cache_per_device"][0]["bytes"]
 
     # CPU: min(every sequence at max_model_len, CPU_KV_CACHE_BYTES // bytes_per_block); a budget
     # of 100 bf16 blocks binds below the 64 x 8 blocks that every sequence would want.
     n16, per16, _ = blocks("auto")
-    monkeypatch.setattr(model_runner, "CPU_KV_CACHE_BYTES", 100 * per16)
+    monkeypatch.setattr(kv_cache, "CPU_KV_CACHE_BYTES", 100 * per16)
     n16, per16, bytes16 = blocks("auto")
     n8, per8, bytes8 = blocks("fp8")
     print(f"\nCPU budget of {100 * per16} bytes: {n16} bf16 blocks ({per16} B each), {n8} fp8 blocks ({per8} B each)")
@@ -140,10 +140,10 @@ def test_num_gpu_blocks_double_at_the_same_memory_budget(tiny_checkpoint, monkey
 
     # A GPU's figures: 1 GiB allowed, 0.9 of it for the engine, 100 MiB in use at the peak.
     limit, peak = 2**30, 100 << 20
-    monkeypatch.setattr(model_runner, "device_memory_stats",
+    monkeypatch.setattr(kv_cache, "device_memory_stats",
                         lambda device: {"bytes_limit": limit, "bytes_in_use": peak, "peak_bytes_in_use": peak})
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "1.0")
-    monkeypatch.setattr(model_runner, "max_kv_blocks", lambda *a: 1 << 40)  # no 32-bit cap on the count
+    monkeypatch.setattr(kv_cache.KVCacheSpec, "max_blocks", 1 << 40)  # no 32-bit cap on the count
     g16, _, _ = blocks("auto")
     g8, _, _ = blocks("fp8")
     print(f"GPU budget 0.9 GiB - 100 MiB peak: {g16} bf16 blocks, {g8} fp8 blocks ({g8 / g16:.2f}x)")

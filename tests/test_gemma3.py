@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from jaxvllm import LLM, SamplingParams, load_model
-from jaxvllm.layers import allocate_kv_caches
+from jaxvllm.kv_cache import allocate_kv_caches
 from tests.paged import (MIXED_BLOCKS, Chunk, build_inputs, greedy_decode, hf_logits, jit_forward, mixed_errors,
                          mixed_steps, random_tokens, rel_err)
 

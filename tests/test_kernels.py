@@ -313,19 +313,19 @@ def test_interpret_default_follows_backend_and_env(monkeypatch):
 
 
 def test_backend_resolution(monkeypatch):
-    from jaxvllm.layers import ATTENTION_BACKENDS
-    from jaxvllm.model_runner import ModelRunner
+    from jaxvllm.config import ATTENTION_BACKENDS
+    from jaxvllm.model_runner import resolve_backend
 
     assert "pallas" in ATTENTION_BACKENDS
-    assert ModelRunner._resolve_backend("pallas") == "pallas"
-    assert ModelRunner._resolve_backend("reference") == "reference"
+    assert resolve_backend("pallas") == "pallas"
+    assert resolve_backend("reference") == "reference"
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    assert ModelRunner._resolve_backend("auto") == "reference"
+    assert resolve_backend("auto") == "reference"
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert ModelRunner._resolve_backend("auto") == "pallas"
-    assert ModelRunner._resolve_backend("auto", softcapped=True) == "reference"  # the kernels lack it
+    assert resolve_backend("auto") == "pallas"
+    assert resolve_backend("auto", softcapped=True) == "reference"  # the kernels lack it
     with pytest.raises(ValueError, match="attention_backend 'flash'"):
-        ModelRunner._resolve_backend("flash")
+        resolve_backend("flash")
 
 
 # -- fp8 KV cache: float8_e4m3fn pages, k/v scales per tensor or per KV head, q in bf16 or float32 --

@@ -67,9 +67,9 @@ def test_kernel_tiles_lower_for_other_groups(group, block_size):
 def test_model_step_lowers_with_the_pallas_backend(monkeypatch):
     """The whole model forward with attention_backend="pallas", as the GPU engine jits it."""
     from jaxvllm.batch import ModelInputs
-    from jaxvllm.config import ModelConfig
+    from jaxvllm.model_config import ModelConfig
     from jaxvllm.dummy import get_dummy
-    from jaxvllm.layers import allocate_kv_caches
+    from jaxvllm.kv_cache import allocate_kv_caches
     from jaxvllm.loader import dummy_params
     from jaxvllm.models import forward
 

@@ -33,7 +33,7 @@ def path(tiny_checkpoint):
 
 def kv_cache_bytes(llm: LLM) -> int:
     runner = llm.llm_engine.runner
-    return runner.num_blocks * runner.bytes_per_block
+    return runner.num_blocks * runner.kv_spec.bytes_per_block
 
 
 def token_ids(outputs) -> list[list[int]]:

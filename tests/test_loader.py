@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from jaxvllm import SUPPORTED_ARCHITECTURES, load_model
-from jaxvllm.config import RopeConfig
+from jaxvllm.layers import rope_inv_freq
+from jaxvllm.model_config import RopeConfig
 from jaxvllm.loader import load_config
 
 
@@ -103,7 +104,7 @@ def test_llama3_rope_matches_transformers():
     )
     want, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
     rope = RopeConfig(theta=500000.0, rope_type="llama3", factor=8.0, original_max_position_embeddings=8192)
-    np.testing.assert_allclose(rope.inv_freq(128), want.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(rope_inv_freq(rope, 128), want.numpy(), rtol=1e-6)
 
 
 def test_missing_directory_and_config(tmp_path):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxvllm import load_model
-from jaxvllm.layers import allocate_kv_caches
+from jaxvllm.kv_cache import allocate_kv_caches
 from tests.conftest import ARCHS
 from tests.paged import (Chunk, build_inputs, greedy_decode, hf_logits, jit_forward, mixed_errors, mixed_steps,
                          random_tokens, rel_err)
@@ -116,13 +116,13 @@ def test_rope_rotates_half_without_a_concatenate(dtype):
     own: one more kernel per layer in a mixed step, `python -m jaxvllm.benchmarks.aot_engine`)."""
     import jax
 
-    from jaxvllm.config import RopeConfig
-    from jaxvllm.layers import apply_rope
+    from jaxvllm.model_config import RopeConfig
+    from jaxvllm.layers import apply_rope, rope_inv_freq
 
     rope = RopeConfig(theta=10000.0)
     x = jnp.asarray(np.random.default_rng(0).normal(size=(37, 4, 64)), dtype)
     positions = jnp.arange(37, dtype=jnp.int32) * 13
-    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(rope.inv_freq(64))[None, :]
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(rope, 64))[None, :]
     angles = jnp.concatenate([angles, angles], axis=-1)[:, None, :]
     cos, sin = jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
     # HF's rotate_half, jitted too (XLA may contract x * cos + r * sin into an fma)

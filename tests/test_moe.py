@@ -15,8 +15,8 @@ import torch
 from safetensors import safe_open
 
 from jaxvllm import LLM, SamplingParams, load_model
-from jaxvllm.config import ModelConfig
-from jaxvllm.layers import allocate_kv_caches
+from jaxvllm.model_config import ModelConfig
+from jaxvllm.kv_cache import allocate_kv_caches
 from jaxvllm.models import moe
 from tests.paged import (Chunk, build_inputs, greedy_decode, hf_logits, jit_forward, mixed_errors, mixed_steps,
                          random_tokens, rel_err)

@@ -240,7 +240,7 @@ def two_token_bad_word(llm, ref: list[int]):
     tokenizer, engine = llm.get_tokenizer(), llm.llm_engine
     for j in range(len(ref) - 1):
         word = tokenizer.decode(ref[j : j + 2]).strip()
-        banned = engine.bad_words_token_ids([word]) if word else []
+        banned = engine.input_processor.bad_words_token_ids([word]) if word else []
         ends = [i for seq in banned if len(seq) == 2 for i in range(1, len(ref)) if ref[i - 1 : i + 1] == seq]
         if ends:
             return word, banned, min(ends)

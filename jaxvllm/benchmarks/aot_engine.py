@@ -27,7 +27,7 @@ from types import SimpleNamespace
 import jax
 import jax.numpy as jnp
 
-from jaxvllm.config import ModelConfig
+from jaxvllm.model_config import ModelConfig
 from jaxvllm.dummy import get_dummy
 from jaxvllm.loader import dummy_params
 from pallas_kernels.aot_check import Case, check, problems as compile_problems, spec
@@ -51,7 +51,8 @@ def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int =
     the module does not depend on it): params name the donated buffers (`copy_shapes`,
     `donated`) for `inspect` and `problems`."""
     from jaxvllm.input_batch import BatchLayout
-    from jaxvllm.model_runner import jit_forward, jit_sampler, sequence_rows
+    from jaxvllm.batch_builder import sequence_rows
+    from jaxvllm.model_runner import jit_forward, jit_sampler
     from jaxvllm.sampler import SamplerFeatures, init_state
     from jaxvllm.structured_output import bitmask_words
 

@@ -33,9 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxvllm.batch import ModelInputs
-from jaxvllm.config import ModelConfig
+from jaxvllm.model_config import ModelConfig
 from jaxvllm.dummy import get_dummy
-from jaxvllm.layers import allocate_kv_caches
+from jaxvllm.kv_cache import allocate_kv_caches
 from jaxvllm.loader import dummy_params
 from jaxvllm.models import forward
 from pallas_kernels.bench import DTYPE, attempt, environment, json_path, summary, write_json

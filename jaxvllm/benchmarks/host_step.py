@@ -10,14 +10,15 @@ bottleneck; this measures it for N decoding requests without loading a model:
         [--device-ms 2 8]             # pipelining: LLMEngine.step against a stub device
         [--nanovllm PATH]             # nano-vllm's scheduler + batch building, same run
 
-The real Scheduler, ModelRunner.prepare and LLMEngine._output run; ModelRunner and
-LLMEngine are built with __new__ so that no model is loaded and nothing compiles, and
-the sampled tokens are random ids below the tiny test tokenizer's vocabulary.
+A real `LLMEngine` runs over dummy:tiny's config and tokenizer, with `StubRunner` as its
+model runner: the real `BatchBuilder` builds every batch, and a stub device stands in for
+the jitted step, so no model is loaded and nothing compiles. The sampled tokens are
+random ids below the tiny tokenizer's vocabulary. The parts are timed one by one: the
+scheduler, the batch builder, appending tokens, and the output processor's outputs.
 
-Pipelining: the whole `LLMEngine.step()` runs, with `ModelRunner.launch` replaced by a
-stub device whose results are ready D ms after it starts a step (steps run one after
-another, as on one stream). Synchronous scheduling costs host + D per step; async
-scheduling should cost max(host, D).
+Pipelining: the whole `LLMEngine.step()` runs against a stub device whose results are
+ready D ms after it starts a step (steps run one after another, as on one stream).
+Synchronous scheduling costs host + D per step; async scheduling should cost max(host, D).
 """
 
 from __future__ import annotations
@@ -28,87 +29,110 @@ import json
 import pstats
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 
-from jaxvllm.detokenizer import IncrementalDetokenizer
-from jaxvllm.engine import LLMEngine, ParentRequest
-from jaxvllm.input_batch import InputBatch, block_table_widths
-from jaxvllm.kv_cache_manager import KVCacheManager
-from jaxvllm.metrics import MetricsCollector
-from jaxvllm.model_runner import ModelRunner, RunnerOutput, default_buckets
-from jaxvllm.request import Request
+from jaxvllm.batch_builder import BatchBuilder, HostBatch, default_buckets
+from jaxvllm.config import EngineConfig
+from jaxvllm.dummy import write_dummy_model
+from jaxvllm.engine import LLMEngine
+from jaxvllm.loader import load_config
+from jaxvllm.model_runner import RunnerOutput
+from jaxvllm.request import ScheduledRequest
 from jaxvllm.sampling_params import RequestOutputKind, SamplingParams
-from jaxvllm.scheduler import Scheduler, SchedulerConfig
 
 # "outputs" is detokenizing every running request into a RequestOutput, which a
 # streaming caller of `LLMEngine.step()` pays; `LLM.generate` (final_only) skips it.
 PARTS = ("schedule", "prepare", "update", "outputs", "total")
-VOCAB = 384  # make_tokenizer's default vocabulary
+VOCAB = 384  # the tiny tokenizer's vocabulary
 MAX_MODEL_LEN = 4096
 BLOCK_SIZE = 16
 
 
-def make_tokenizer():
-    """The tiny byte-level BPE of the tests, trained into a temp dir (no download)."""
-    from jaxvllm.dummy import make_tokenizer as make
+class StubStep:
+    """A dispatched step of the stub device: its tokens are ready at `ready`."""
 
-    with tempfile.TemporaryDirectory() as tmp:
-        return make(tmp, vocab_size=VOCAB)
+    awaits_bitmask = False  # no structured outputs here
+
+    def __init__(self, batch: HostBatch, ready: float, rng: np.random.Generator) -> None:
+        self.batch, self.ready, self.rng = batch, ready, rng
+
+    def result(self) -> RunnerOutput:
+        wait = self.ready - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        return RunnerOutput(self.rng.integers(0, VOCAB, self.batch.num_scheduled, dtype=np.int32), None, None, [])
 
 
-def build(num_requests: int, prompt_len: int, output_len: int, tokenizer, rng: np.random.Generator):
-    """Scheduler with `num_requests` queued requests, a model-less runner and engine.
+class StubRunner:
+    """The engine's model runner with the device stubbed out: the real `BatchBuilder`, and
+    a device whose step's tokens are ready `device_ms` after it starts the step, starting
+    each when the one before is done (one stream)."""
+
+    def __init__(self, config: EngineConfig, *, device_ms: float, rng: np.random.Generator) -> None:
+        self.cfg = load_config(config.model)
+        self.max_model_len, self.num_blocks = config.max_model_len, config.num_gpu_blocks_override
+        # decode_only: a GPU's pallas backend, so decode steps take the decode-only layout
+        self.builder = BatchBuilder(max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
+                                    block_size=config.block_size, buckets=default_buckets(config.max_num_batched_tokens),
+                                    vocab_size=self.cfg.vocab_size, decode_only=True)
+        self.seconds, self.rng, self.free_at = device_ms / 1e3, rng, 0.0
+        self.closed = False
+
+    def execute(self, scheduled: list[ScheduledRequest]) -> StubStep:
+        batch = self.builder.prepare(scheduled)
+        self.free_at = max(time.perf_counter(), self.free_at) + self.seconds
+        return StubStep(batch, self.free_at, self.rng)
+
+    def release(self, request_ids) -> None:
+        self.builder.release(request_ids)
+
+    def recover(self) -> bool:
+        self.builder.release_all()
+        return False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def build(num_requests: int, prompt_len: int, output_len: int, folder: str, rng: np.random.Generator, *,
+          device_ms: float = 0.0, async_scheduling: bool = False) -> LLMEngine:
+    """An engine over the stub runner with `num_requests` queued requests (room for all in
+    the KV cache: no preemption).
 
     Each request starts with `output_len` tokens already generated (like a preempted
     request being recomputed), since per-step output cost may grow with the output.
     """
-    max_tokens = MAX_MODEL_LEN - prompt_len
-    blocks_per_seq = -(-MAX_MODEL_LEN // BLOCK_SIZE)
-    kv = KVCacheManager(num_requests * blocks_per_seq, BLOCK_SIZE)  # room for all: no preemption
-    max_batched = max(8192, num_requests)
-    scheduler = Scheduler(SchedulerConfig(num_requests, max_batched, MAX_MODEL_LEN), kv)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    engine = LLMEngine.__new__(LLMEngine)  # only what `step` reads
-    engine.tokenizer, engine.scheduler, engine.kv_cache_manager = tokenizer, scheduler, kv
-    engine._in_flight, engine._token_texts = None, {}
-    engine._multiprocess = engine._requests_changed = False
-    engine.metrics = MetricsCollector("host-step", MAX_MODEL_LEN)  # metrics are part of a real step's cost
-    parents = {}
+    config = EngineConfig(model=folder, load_format="dummy", max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE,
+                          max_num_seqs=num_requests, max_num_batched_tokens=max(8192, num_requests),
+                          num_gpu_blocks_override=num_requests * -(-MAX_MODEL_LEN // BLOCK_SIZE),
+                          async_scheduling=async_scheduling, compilation_cache_dir="")
+    engine = LLMEngine(config, runner_class=partial(StubRunner, device_ms=device_ms, rng=rng))
+    params = SamplingParams(temperature=0, max_tokens=MAX_MODEL_LEN - prompt_len, ignore_eos=True)
     for i in range(num_requests):
-        prompt = rng.integers(3, VOCAB, prompt_len).tolist()
-        request = Request(str(i), prompt, params, max_tokens=max_tokens, arrival_index=i)
-        request.token_ids += rng.integers(3, VOCAB, output_len).tolist()
-        request.detokenizer = IncrementalDetokenizer(tokenizer)
-        scheduler.add_request(request)
-        parents[request.request_id] = ParentRequest(request.request_id, [request])
-
-    runner = ModelRunner.__new__(ModelRunner)  # only what `prepare` reads
-    runner.config = SimpleNamespace(max_num_seqs=num_requests)
-    runner.backend = "pallas"  # a GPU's: decode steps take the decode-only layout
-    runner.block_size, runner.max_blocks_per_seq = BLOCK_SIZE, blocks_per_seq
-    runner.buckets, runner.widths = default_buckets(max_batched), block_table_widths(blocks_per_seq)
-    runner.input_batch = InputBatch(num_requests, blocks_per_seq)
-    runner.params = "stub"  # not closed
-    engine.runner, engine._parents = runner, parents
-    return scheduler, runner, engine, parents
+        parent = engine.make_requests(str(i), {"prompt_token_ids": rng.integers(3, VOCAB, prompt_len).tolist()}, params)
+        parent.children[0].token_ids += rng.integers(3, VOCAB, output_len).tolist()
+        engine.add_parent(parent)
+    return engine
 
 
-def prefill(scheduler: Scheduler, runner: ModelRunner, rng: np.random.Generator) -> int:
+def prefill(engine: LLMEngine, rng: np.random.Generator) -> int:
     """Step (untimed) until every request is decoding; returns the number of steps."""
+    scheduler, builder = engine.scheduler, engine.runner.builder
     steps = 0
     while len(scheduler.waiting) or any(r.num_tokens - r.num_computed_tokens > 1 for r in scheduler.running):
         out = scheduler.schedule()
-        runner.prepare(out.scheduled)  # admits them to the persistent batch, as a real step does
+        builder.prepare(out.scheduled)  # admits them to the persistent batch, as a real step does
         scheduler.update_from_output(out, rng.integers(0, VOCAB, len(out.scheduled), dtype=np.int32))
         steps += 1
     return steps
 
 
-def time_steps(scheduler, runner, engine, parents, steps: int, rng, profile: cProfile.Profile | None = None) -> dict:
+def time_steps(engine: LLMEngine, steps: int, rng, profile: cProfile.Profile | None = None) -> dict:
     """Time `steps` decode steps part by part; returns {part: [seconds per step]}."""
+    scheduler, builder, output_processor = engine.scheduler, engine.runner.builder, engine.output_processor
     n = len(scheduler.running)
     sampled_all = rng.integers(0, VOCAB, (steps, n), dtype=np.int32)  # the stubbed device step
     times = {p: [] for p in PARTS}
@@ -119,12 +143,12 @@ def time_steps(scheduler, runner, engine, parents, steps: int, rng, profile: cPr
         t0 = clock()
         out = scheduler.schedule()
         t1 = clock()
-        runner.prepare(out.scheduled)
+        builder.prepare(out.scheduled)
         t2 = clock()
         updated = scheduler.update_from_output(out, sampled_all[k, : len(out.scheduled)])
-        runner.release(r.request_id for r in updated if r.is_finished)
+        builder.release(r.request_id for r in updated if r.is_finished)
         t3 = clock()
-        outputs = [engine._output(parents[r.request_id]) for r in updated]
+        outputs = [output_processor.output(engine._parents[r.parent_id]) for r in updated]
         t4 = clock()
         assert len(out.scheduled) == n == len(outputs), "every request should decode every step"
         for part, dt in zip(PARTS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0)):
@@ -150,54 +174,27 @@ def print_parts(parts: dict) -> None:
         print(f"{part:<16}{f['mean_ms']:>10.3f}{f['p50_ms']:>10.3f}{f['p90_ms']:>10.3f}{f['us_per_request']:>12.2f}")
 
 
-def run(num_requests: int, steps: int, prompt_len: int, output_len: int, tokenizer, seed: int = 0,
+def run(num_requests: int, steps: int, prompt_len: int, output_len: int, folder: str, seed: int = 0,
         profile: cProfile.Profile | None = None) -> dict:
     rng = np.random.default_rng(seed)
-    scheduler, runner, engine, parents = build(num_requests, prompt_len, output_len, tokenizer, rng)
-    prefill_steps = prefill(scheduler, runner, rng)
-    if len(scheduler.running) < num_requests:  # the first ones decode while the last ones prefill
+    engine = build(num_requests, prompt_len, output_len, folder, rng)
+    prefill_steps = prefill(engine, rng)
+    if len(engine.scheduler.running) < num_requests:  # the first ones decode while the last ones prefill
         raise ValueError(f"requests reached max_model_len ({MAX_MODEL_LEN}) during {prefill_steps} prefill "
                          "steps; lower --prompt-len or --output-len")
-    times = time_steps(scheduler, runner, engine, parents, steps, rng, profile)
+    times = time_steps(engine, steps, rng, profile)
     return {"num_requests": num_requests, "steps": steps, "prompt_len": prompt_len, "output_len": output_len,
             "prefill_steps": prefill_steps, "parts": summarize(times, num_requests)}
 
 
-class StubDevice:
-    """Stands in for `ModelRunner.launch`: a step's tokens are ready `ms` after the device
-    starts it, and it starts a step when the one before is done (one stream)."""
-
-    def __init__(self, ms: float, rng: np.random.Generator) -> None:
-        self.seconds, self.rng, self.free_at = ms / 1e3, rng, 0.0
-
-    def launch(self, batch) -> "StubStep":
-        self.free_at = max(time.perf_counter(), self.free_at) + self.seconds
-        return StubStep(batch.num_scheduled, self.free_at, self.rng)
-
-
-class StubStep:
-    awaits_bitmask = False  # no structured outputs here
-
-    def __init__(self, n: int, ready: float, rng: np.random.Generator) -> None:
-        self.n, self.ready, self.rng = n, ready, rng
-
-    def result(self) -> RunnerOutput:
-        wait = self.ready - time.perf_counter()
-        if wait > 0:
-            time.sleep(wait)
-        return RunnerOutput(self.rng.integers(0, VOCAB, self.n, dtype=np.int32), None, None, [])
-
-
-def wall_per_step(num_requests: int, steps: int, prompt_len: int, tokenizer, device_ms: float,
+def wall_per_step(num_requests: int, steps: int, prompt_len: int, folder: str, device_ms: float,
                   async_scheduling: bool, seed: int = 0) -> float:
     """Mean wall ms of `LLMEngine.step()` (outputs as `LLM.generate` asks: final only)."""
     rng = np.random.default_rng(seed)
-    scheduler, runner, engine, parents = build(num_requests, prompt_len, 0, tokenizer, rng)
-    prefill(scheduler, runner, rng)
-    engine.config = SimpleNamespace(async_scheduling=async_scheduling)
-    for parent in parents.values():
+    engine = build(num_requests, prompt_len, 0, folder, rng, device_ms=device_ms, async_scheduling=async_scheduling)
+    prefill(engine, rng)
+    for parent in engine._parents.values():
         parent.output_kind = RequestOutputKind.FINAL_ONLY
-    runner.launch = StubDevice(device_ms, rng).launch
     for _ in range(3):
         engine.step()
     start = time.perf_counter()
@@ -206,12 +203,12 @@ def wall_per_step(num_requests: int, steps: int, prompt_len: int, tokenizer, dev
     return (time.perf_counter() - start) / steps * 1e3
 
 
-def pipelining(num_requests: int, steps: int, prompt_len: int, device_ms: list[float], tokenizer) -> dict:
+def pipelining(num_requests: int, steps: int, prompt_len: int, device_ms: list[float], folder: str) -> dict:
     """Wall ms per step, sync vs async, against host ms (the step with a 0 ms device) and D."""
-    host = {a: wall_per_step(num_requests, steps, prompt_len, tokenizer, 0.0, a) for a in (False, True)}
+    host = {a: wall_per_step(num_requests, steps, prompt_len, folder, 0.0, a) for a in (False, True)}
     rows = []
     for d in device_ms:
-        sync, async_ = (wall_per_step(num_requests, steps, prompt_len, tokenizer, d, a) for a in (False, True))
+        sync, async_ = (wall_per_step(num_requests, steps, prompt_len, folder, d, a) for a in (False, True))
         bound = max(host[True], d)
         rows.append({"device_ms": d, "sync_wall_ms": sync, "async_wall_ms": async_,
                      "async_over_max_host_device": async_ / bound, "async_device_busy": min(1.0, d / async_),
@@ -254,26 +251,27 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.prompt_len + args.output_len + args.steps > MAX_MODEL_LEN:
         ap.error(f"prompt + output + steps must fit in max_model_len {MAX_MODEL_LEN}")
 
-    tokenizer = make_tokenizer()
     results = []
-    for n in args.num_requests:
-        profile = cProfile.Profile() if args.profile else None
-        results.append(run(n, args.steps, args.prompt_len, args.output_len, tokenizer, profile=profile))
-        print_table(results[-1])
-        if profile:
-            pstats.Stats(profile).sort_stats("cumulative").print_stats(args.profile)
-        if args.nanovllm:
-            from jaxvllm.benchmarks.nanovllm_peer import time_nanovllm
+    with tempfile.TemporaryDirectory(prefix="jaxvllm-host-step-") as folder:
+        write_dummy_model("dummy:tiny", folder)  # its config and tokenizer; no weights are made
+        for n in args.num_requests:
+            profile = cProfile.Profile() if args.profile else None
+            results.append(run(n, args.steps, args.prompt_len, args.output_len, folder, profile=profile))
+            print_table(results[-1])
+            if profile:
+                pstats.Stats(profile).sort_stats("cumulative").print_stats(args.profile)
+            if args.nanovllm:
+                from jaxvllm.benchmarks.nanovllm_peer import time_nanovllm
 
-            peer = time_nanovllm(args.nanovllm, n, args.prompt_len, args.steps)
-            ours = results[-1]["parts"]
-            results[-1]["nanovllm"] = peer
-            print(f"nano-vllm {peer.get('commit') or ''}: schedule + prepare + update p50 "
-                  f"{peer['parts']['total']['p50_ms']:.3f} ms; ours (same parts) "
-                  f"{sum(ours[p]['p50_ms'] for p in ('schedule', 'prepare', 'update')):.3f} ms")
-        if args.device_ms:
-            results[-1]["pipelining"] = pipelining(n, args.steps, args.prompt_len, args.device_ms, tokenizer)
-            print_pipelining(results[-1]["pipelining"])
+                peer = time_nanovllm(args.nanovllm, n, args.prompt_len, args.steps)
+                ours = results[-1]["parts"]
+                results[-1]["nanovllm"] = peer
+                print(f"nano-vllm {peer.get('commit') or ''}: schedule + prepare + update p50 "
+                      f"{peer['parts']['total']['p50_ms']:.3f} ms; ours (same parts) "
+                      f"{sum(ours[p]['p50_ms'] for p in ('schedule', 'prepare', 'update')):.3f} ms")
+            if args.device_ms:
+                results[-1]["pipelining"] = pipelining(n, args.steps, args.prompt_len, args.device_ms, folder)
+                print_pipelining(results[-1]["pipelining"])
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return results

@@ -1,8 +1,8 @@
 """Model implementations, picked by the `architectures` entry of config.json.
 
-Each is a module of plain functions with one contract: `param_specs(cfg)`,
-`hidden_states(params, kv_caches, inputs, cfg, attention_backend, mesh)` and
-`compute_logits(params, hidden, cfg)`; `forward` below runs any of them on a batch.
+Each architecture is a module of plain functions that satisfies `common.Model`:
+`param_specs(cfg)`, `hidden_states(params, kv_caches, inputs, cfg, attention_backend,
+mesh)` and `compute_logits(params, hidden, cfg)`. `forward` below runs any of them on a batch.
 """
 
 from __future__ import annotations
@@ -11,12 +11,13 @@ import jax
 from jax.sharding import Mesh
 
 from jaxvllm.batch import ModelInputs
-from jaxvllm.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from jaxvllm.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from jaxvllm.models import gemma3, llama
+from jaxvllm.models.common import Model
 
-# Every supported architecture is a Llama-family decoder; what differs between them
-# are flags of `ModelConfig` (bias, qk-norm, sliding windows, rope, tied embeddings).
-MODELS = dict.fromkeys(SUPPORTED_ARCHITECTURES, llama)
+# Every supported architecture but Gemma 3 is the Llama-family decoder; what differs between
+# them are flags of `ModelConfig` (bias, qk-norm, sliding windows, rope, tied embeddings, MoE).
+MODELS: dict[str, Model] = dict.fromkeys(SUPPORTED_ARCHITECTURES, llama)
 # Gemma 3 has its own decoder layer (four norms, (1 + w) RMSNorm, scaled embeddings, two RoPEs).
 MODELS["Gemma3ForCausalLM"] = gemma3
 

@@ -1,8 +1,7 @@
 """Gemma 3 text decoder (HF `Gemma3ForCausalLM`, config `gemma3_text`) over the paged cache.
 
-The same contract as `jaxvllm/models/llama.py` (param_specs, hidden_states, compute_logits)
-and the same head-explicit layout, so loading, dummy weights and the tensor-parallel
-rules apply unchanged. What differs from Llama, as transformers' modeling_gemma3.py:
+The model contract (`jaxvllm.models.common.Model`) and the head-explicit layout of every
+architecture, so loading, dummy weights and the tensor-parallel rules apply unchanged. What differs from Llama, as transformers' modeling_gemma3.py:
 
 - RMSNorm scales by (1 + weight), in float32, before casting back (Llama casts, then
   scales); the weights are stored zero-centred (dummy init: zeros);
@@ -25,12 +24,13 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxvllm.batch import ModelInputs
-from jaxvllm.config import ModelConfig
-from jaxvllm.models.llama import KVCaches, Params, ParamSpec, attention, attention_specs, decoder_specs
+from jaxvllm.model_config import ModelConfig
+from jaxvllm.models.common import (KVCaches, Params, ParamSpec, attention, attention_specs, decoder_specs,
+                                   lm_head_logits, mlp, mlp_specs)
 
 
 def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
-    d, f = cfg.hidden_size, cfg.intermediate_size
+    d = cfg.hidden_size
 
     def layer_specs(add, i: int) -> None:
         # Norm weights are zero-centred ((1 + w) scales): "zeros" is the identity scale.
@@ -39,9 +39,7 @@ def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
         add("post_norm", "post_attention_layernorm.weight", (d,), init="zeros")
         add("pre_ffn_norm", "pre_feedforward_layernorm.weight", (d,), init="zeros")
         add("post_ffn_norm", "post_feedforward_layernorm.weight", (d,), init="zeros")
-        add("gate_proj", "mlp.gate_proj.weight", (f, d))
-        add("up_proj", "mlp.up_proj.weight", (f, d))
-        add("down_proj", "mlp.down_proj.weight", (d, f))
+        mlp_specs(add, cfg)
 
     return decoder_specs(cfg, layer_specs, norm_init="zeros")
 
@@ -55,13 +53,6 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
     return x if cap is None else jnp.tanh(x / cap) * cap
-
-
-def _mlp(layer: dict, x, cfg: ModelConfig):
-    gate = jnp.einsum("td,fd->tf", x, layer["gate_proj"])
-    up = jnp.einsum("td,fd->tf", x, layer["up_proj"])
-    act = jax.nn.gelu(gate, approximate=cfg.hidden_act != "gelu")  # gelu_pytorch_tanh: the tanh form
-    return jnp.einsum("tf,df->td", act * up, layer["down_proj"])
 
 
 def hidden_states(
@@ -83,13 +74,11 @@ def hidden_states(
                              attention_backend, mesh, norm=rms_norm)
         new_caches.append(cache)
         x = x + rms_norm(h, layer["post_norm"], eps)
-        h = _mlp(layer, rms_norm(x, layer["pre_ffn_norm"], eps), cfg)
+        h = mlp(layer, rms_norm(x, layer["pre_ffn_norm"], eps), cfg)
         x = x + rms_norm(h, layer["post_ffn_norm"], eps)
     return rms_norm(x, params["norm"], eps), new_caches
 
 
 def compute_logits(params: Params, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:
     """float32 logits [rows, vocab] of final-normed hidden rows, soft-capped when the config says."""
-    lm_head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
-    logits = jnp.einsum("sd,vd->sv", hidden, lm_head, preferred_element_type=jnp.float32)
-    return soft_cap(logits, cfg.final_logit_softcapping)
+    return soft_cap(lm_head_logits(params, hidden, cfg), cfg.final_logit_softcapping)

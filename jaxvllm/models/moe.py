@@ -1,4 +1,5 @@
-"""The sparse mixture-of-experts MLP of Qwen3-MoE and Mixtral.
+"""The sparse mixture-of-experts MLP of Qwen3-MoE and Mixtral (a building block of the
+Llama-family decoder, `jaxvllm/models/llama.py`, not an architecture of its own).
 
 Routing has HF transformers' semantics: router logits in the model's dtype, softmax in
 float32 over all experts, then top-k, then (Qwen3-MoE when `norm_topk_prob`, Mixtral
@@ -35,7 +36,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxvllm.config import ModelConfig
+from jaxvllm.layers import linear
+from jaxvllm.model_config import ModelConfig
 from jaxvllm.sharding import AXIS, param_partition
 from pallas_kernels.grouped_matmul import default_block_m, grouped_matmul
 
@@ -43,9 +45,25 @@ from pallas_kernels.grouped_matmul import default_block_m, grouped_matmul
 MOE_PARAMS = ("router", "experts_gate", "experts_up", "experts_down")
 
 
+def moe_specs(add, cfg: ModelConfig) -> None:
+    """A sparse layer's params (`decoder_specs`' `add` records each): the router and the
+    stacked experts, read from HF's per-expert tensors or transformers 5's fused ones."""
+    d, e, fe = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    # Mixtral's checkpoints name the block `block_sparse_moe` and the experts w1/w3/w2.
+    mix = cfg.architecture == "MixtralForCausalLM"
+    moe, (w_gate, w_up, w_down) = ("block_sparse_moe", ("w1", "w3", "w2")) if mix else (
+        "mlp", ("gate_proj", "up_proj", "down_proj"))
+    add("router", f"{moe}.gate.weight", (e, d), fused=("mlp.gate.weight", (e, d), 0) if mix else None)
+    gate_up = ("mlp.experts.gate_up_proj", (e, 2 * fe, d))
+    for name, w, hf_shape, fused in (("experts_gate", w_gate, (fe, d), (*gate_up, 0)),
+                                     ("experts_up", w_up, (fe, d), (*gate_up, fe)),
+                                     ("experts_down", w_down, (d, fe), ("mlp.experts.down_proj", (e, d, fe), 0))):
+        add(name, f"{moe}.experts.{{}}.{w}.weight", hf_shape, (e, *hf_shape[::-1]), stacked=e, fused=fused)
+
+
 def route(x: jax.Array, router: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """(weights [T, k], experts [T, k] int32) of each token, as HF's top-k routers."""
-    logits = jnp.einsum("td,ed->te", x, router)
+    logits = linear(x, router)
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     weights, experts = jax.lax.top_k(probs, cfg.num_experts_per_tok)
     if cfg.norm_topk_prob:

@@ -1,0 +1,232 @@
+"""The host side of a step: which compiled shape it takes, and its packed batch.
+
+`BatchBuilder` owns the persistent batch (`InputBatch`): it admits new requests to rows,
+picks the step's token bucket, block-table width and row count, and fills one packed
+int32 buffer from the rows with numpy gathers. It needs no model, no params and no
+device, so it is built, tested and benchmarked on its own; the model runner dispatches
+what it builds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from itertools import chain
+
+import numpy as np
+
+from jaxvllm.config import DEFAULT_MAX_LOGPROBS
+from jaxvllm.input_batch import ROW_COLUMNS, BatchLayout, InputBatch, block_table_widths
+from jaxvllm.request import Request, ScheduledRequest
+from jaxvllm.sampler import SamplerFeatures, SamplingTensors
+from jaxvllm.sampling_params import resolve_logprobs
+
+
+def default_buckets(max_num_batched_tokens: int, smallest: int = 16) -> list[int]:
+    """Powers of two from `smallest`, ending with `max_num_batched_tokens` itself."""
+    buckets, b = [], smallest
+    while b < max_num_batched_tokens:
+        buckets.append(b)
+        b *= 2
+    return buckets + [max_num_batched_tokens]
+
+
+def sequence_rows(max_num_seqs: int, bucket: int) -> int:
+    """Sequence rows of a token bucket's batch (static per bucket): every sequence brings
+    at least one token, so a bucket of T tokens never holds more than T sequences."""
+    return min(max_num_seqs, bucket)
+
+
+@dataclass
+class HostBatch:
+    """One step as the host built it: the packed buffer, its layout and sampler variant."""
+
+    layout: BatchLayout
+    packed: np.ndarray  # int32 [layout.size]
+    features: SamplerFeatures | None  # None: no row samples, the sampler is not run
+    num_scheduled: int
+    prompt_rows: list[int]  # token rows whose prompt logprobs are read back
+    prompt_positions: list[tuple[int, int]]  # (scheduled index, prompt position scored), per prompt row
+    prompt_width: int = 0  # top logprobs per prompt row
+    # Structured outputs: (sampling row, grammar) of each constrained row. Their bitmask
+    # is filled once the tokens before are known: the sampler runs then (`ModelRunner.sample`).
+    grammar_rows: list = field(default_factory=list)
+    # (row, request) of the requests admitted this step that use sampler state: the runner
+    # writes their device state rows before it dispatches the step.
+    admitted: list[tuple[int, Request]] = field(default_factory=list)
+
+
+class BatchBuilder:
+    """Builds each step's `HostBatch` over the persistent batch.
+
+    `decode_only`: the attention backend has a decode-only forward (`ModelInputs.decode_only`,
+    the pallas backend's), so steps of one token per sequence take that layout.
+    """
+
+    def __init__(self, *, max_num_seqs: int, max_model_len: int, block_size: int, buckets: list[int],
+                 vocab_size: int, max_logprobs: int = DEFAULT_MAX_LOGPROBS, decode_only: bool = False) -> None:
+        self.max_num_seqs, self.block_size, self.vocab_size = max_num_seqs, block_size, vocab_size
+        self.max_logprobs, self.decode_only = max_logprobs, decode_only
+        self.buckets = sorted(set(buckets))
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.widths = block_table_widths(self.max_blocks_per_seq)
+        self.input_batch = InputBatch(max_num_seqs, self.max_blocks_per_seq)
+
+    # -- shapes ------------------------------------------------------------------------
+
+    def rows_for(self, bucket: int) -> int:
+        return sequence_rows(self.max_num_seqs, bucket)
+
+    def bucket_for(self, num_tokens: int) -> int:
+        for b in self.buckets:
+            if b >= num_tokens:
+                return b
+        raise ValueError(f"{num_tokens} tokens exceed the largest bucket {self.buckets[-1]}")
+
+    def width_for(self, num_blocks: int) -> int:
+        return next(w for w in self.widths if w >= num_blocks)
+
+    @cached_property
+    def decode_only_buckets(self) -> list[int]:
+        """Buckets that also compile a decode-only forward: with a decode-only backend, those
+        a step of one token per sequence can take (up to max_num_seqs tokens); else none."""
+        if not self.decode_only:
+            return []
+        return [b for b in self.buckets if b <= self.bucket_for(self.max_num_seqs)]
+
+    def logprobs_width(self, k: int) -> int:
+        """Top logprobs computed in a step whose rows ask for up to k: vLLM's default
+        max_logprobs (20) unless more is asked, then the engine's max_logprobs; at most the
+        vocabulary. Two widths at most, so two sampler variants."""
+        vocab = self.vocab_size
+        width = DEFAULT_MAX_LOGPROBS if k <= DEFAULT_MAX_LOGPROBS else resolve_logprobs(self.max_logprobs, vocab)
+        return max(1, min(width, vocab))
+
+    def padding_batch(self, bucket: int, width: int, features: SamplerFeatures | None,
+                      decode_only: bool = False) -> HostBatch:
+        """An all-padding batch of a bucket's shape: writes nothing to the cache."""
+        layout = BatchLayout(bucket, self.rows_for(bucket), width, decode_only)
+        return HostBatch(layout, layout.empty()[0], features, 0, [], [])
+
+    # -- rows ----------------------------------------------------------------------------
+
+    def release(self, request_ids) -> None:
+        """Requests that left the running set (finished, aborted, preempted) give back their row."""
+        for rid in request_ids:
+            self.input_batch.remove(rid)
+
+    def release_all(self) -> None:
+        self.release(list(self.input_batch.row_of))
+
+    # -- one step ------------------------------------------------------------------------
+
+    def prepare(self, scheduled: list[ScheduledRequest]) -> HostBatch:
+        """Admit new requests to the persistent batch, then fill one packed buffer from its
+        rows (numpy gathers) and the few per-step values."""
+        n, bs, ib = len(scheduled), self.block_size, self.input_batch
+        if n > self.max_num_seqs:
+            raise ValueError(f"{n} sequences scheduled, max_num_seqs is {self.max_num_seqs}")
+        rows, starts, lens, samples = [], [], [], []
+        pending = []  # scheduled index of rows whose last input token is still on the device
+        host_tokens = []
+        grammar_rows = []  # (sampling row, grammar) of structured-output rows
+        admitted = []
+        row_of, num_blocks = ib.row_of, ib.num_blocks
+        for i, s in enumerate(scheduled):
+            request = s.request
+            row = row_of.get(request.request_id)
+            if row is None:
+                row = ib.add(request)
+                if request.uses_sampler_state:
+                    admitted.append((row, request))
+            if len(s.block_ids) != num_blocks[row]:
+                ib.set_blocks(row, s.block_ids)
+            start, num_new = s.start, s.num_new_tokens
+            rows.append(row)
+            starts.append(start)
+            lens.append(num_new)
+            samples.append(s.samples)
+            if s.samples and request.grammar is not None:
+                grammar_rows.append((i, request.grammar))
+            end = start + num_new
+            token_ids = request.token_ids
+            if end > len(token_ids):  # the last token was sampled by the step before
+                pending.append(i)
+                end = len(token_ids)
+            if end > start:
+                host_tokens.append(token_ids[start:end])
+        max_blocks = max(map(num_blocks.__getitem__, rows), default=1)
+        rows, starts, lens = (np.array(x, np.int32) for x in (rows, starts, lens))
+        samples = np.array(samples, bool)
+
+        num_tokens = int(lens.sum())
+        bucket = self.bucket_for(num_tokens)
+        decode_only = num_tokens == n and bucket in self.decode_only_buckets  # one token per sequence
+        layout = BatchLayout(bucket, self.rows_for(bucket), self.width_for(max_blocks), decode_only)
+        packed, v = layout.empty()
+
+        qsl = v["query_start_loc"]
+        qsl[n + 1 :] = num_tokens
+        np.cumsum(lens, out=qsl[1 : n + 1])
+        last = qsl[1 : n + 1] - 1  # each sequence's last token row
+        seq_of_token = np.repeat(np.arange(n, dtype=np.int32), lens)
+        token_pos = np.arange(num_tokens, dtype=np.int32) - qsl[seq_of_token] + starts[seq_of_token]
+        v["positions"][:num_tokens] = token_pos
+        tables = ib.block_table[rows, : layout.width]
+        v["block_tables"][:n] = tables
+        v["slot_mapping"][:num_tokens] = tables[seq_of_token, token_pos // bs] * bs + token_pos % bs
+        v["seq_lens"][:n] = starts + lens
+        v["logits_indices"][:n] = last
+
+        ids = v["input_ids"][:num_tokens]
+        flat = np.fromiter(chain.from_iterable(host_tokens), np.int32)
+        if pending:  # those tokens come from the device's last sampled ids, at the request's row
+            v["prev_row"][last[pending]] = rows[pending]
+            from_host = np.ones(num_tokens, bool)
+            from_host[last[pending]] = False
+            ids[from_host] = flat
+        else:
+            ids[:] = flat
+
+        features = self._fill_sampling_rows(v, rows, starts + lens, samples, bool(grammar_rows))
+        prompt_rows, prompt_positions, prompt_width = self._fill_prompt_targets(v, scheduled)
+        return HostBatch(layout, packed, features, n, prompt_rows, prompt_positions, prompt_width, grammar_rows,
+                         admitted)
+
+    def _fill_sampling_rows(self, v: dict[str, np.ndarray], rows: np.ndarray, ends: np.ndarray,
+                            samples: np.ndarray, grammar: bool = False) -> SamplerFeatures | None:
+        """The sampling rows, gathered from the persistent batch; returns the sampler
+        variant they need (None when no row samples)."""
+        ib, n = self.input_batch, len(rows)
+        for name, _ in ROW_COLUMNS:
+            v[name][:n] = ib.columns[name][rows]
+        output_index = ends - ib.num_prompt_tokens[rows]  # outputs before the one sampled
+        v["output_index"][:n] = output_index
+        v["slot"][:n] = rows
+        v["suppress_stop"][:n] = output_index < ib.min_tokens[rows]
+        v["counts_sample"][:n] = samples
+        wanted = samples & ib.want_logprobs[rows]
+        v["want_logprobs"][:n] = wanted
+        if not samples.any():
+            return None
+        width = self.logprobs_width(int(ib.num_logprobs[rows][wanted].max())) if wanted.any() else 0
+        tensors = SamplingTensors(**{k: v[k][:n] for k in SamplingTensors.__dataclass_fields__})
+        return SamplerFeatures.of(tensors, samples, bad_words=ib.has_bad_words[rows], logprobs_width=width,
+                                  grammar=grammar)
+
+    def _fill_prompt_targets(self, v: dict[str, np.ndarray], scheduled: list[ScheduledRequest]):
+        """Rows whose prompt logprobs are asked for: (token rows, (scheduled index, prompt
+        position), the top-logprobs width they need)."""
+        prompt_rows, prompt_positions, width = [], [], 0
+        qsl = v["query_start_loc"]
+        for i, s in enumerate(scheduled):
+            if s.request.num_prompt_logprobs is None:
+                continue
+            width = max(width, s.request.num_prompt_logprobs)
+            # The row of position p scores prompt token p + 1 (the first prompt token has none).
+            for pos in range(s.start, min(s.start + s.num_new_tokens, s.request.num_prompt_tokens - 1)):
+                row = int(qsl[i]) + pos - s.start
+                v["prompt_targets"][row] = s.request.prompt_token_ids[pos + 1]
+                prompt_rows.append(row)
+                prompt_positions.append((i, pos + 1))
+        return prompt_rows, prompt_positions, self.logprobs_width(width) if prompt_rows else 0

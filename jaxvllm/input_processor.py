@@ -1,0 +1,203 @@
+"""Input processing: a user's prompt and sampling parameters in, validated scheduler
+requests out (vLLM's `Processor`).
+
+Everything about a request is checked here, before any of it is queued: the prompt (text,
+token ids, length against `max_model_len`), the sampling parameters against the model
+(vocabulary, logprobs, stop ids), bad words and structured outputs (their grammar is
+compiled once per spec). A bad request raises with vLLM's message and leaves the engine
+as it was.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from jaxvllm.config import EngineConfig
+from jaxvllm.detokenizer import IncrementalDetokenizer
+from jaxvllm.request import ParentRequest, Request
+from jaxvllm.sampler import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS
+from jaxvllm.sampling_params import SamplingParams
+from jaxvllm.structured_output import StructuredOutputManager
+
+_PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
+
+
+def load_tokenizer(config: EngineConfig):
+    """The engine's HF tokenizer (from `tokenizer`, else the model's folder), or None under
+    skip_tokenizer_init; never downloads."""
+    from transformers import AutoTokenizer
+
+    if config.skip_tokenizer_init:
+        return None  # token-id prompts only; outputs have empty text
+    path = config.tokenizer or config.model
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"tokenizer directory {path!r} does not exist")
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True, use_fast=config.tokenizer_mode != "slow")
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"cannot load a tokenizer from {path!r} (pass tokenizer=PATH to use another folder, "
+            f"or skip_tokenizer_init=True for token-id prompts only): {e}"
+        ) from e
+
+
+class InputProcessor:
+    """Builds the `Request`s of one user request (its n completions); queues nothing.
+
+    `check_fits(num_prompt_tokens, max_tokens)` refuses a request that could never be
+    scheduled (the scheduler's); `digests`: across processes, give each request the digest
+    every process must agree on.
+    """
+
+    def __init__(self, config: EngineConfig, tokenizer, vocab_size: int, max_model_len: int,
+                 eos_token_ids: tuple[int, ...], check_fits: Callable[[int, int], None],
+                 structured_outputs: StructuredOutputManager | None, digests: bool = False) -> None:
+        self.config, self.tokenizer = config, tokenizer
+        self.vocab_size, self.max_model_len, self.eos_token_ids = vocab_size, max_model_len, eos_token_ids
+        self.check_fits, self.structured_outputs, self.digests = check_fits, structured_outputs, digests
+        self._arrivals = itertools.count()
+
+    def tokenize_prompt(self, prompt: Any, add_special_tokens: bool = True) -> tuple[str | None, list[int], str | None]:
+        """A str, or a dict with "prompt" (str) or "prompt_token_ids" (list of ints) and an
+        optional "cache_salt" -> (text, token ids, salt); raises on bad input."""
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - _PROMPT_KEYS
+            if unknown:
+                raise ValueError(f"unknown prompt key(s) {sorted(unknown)}; allowed: {sorted(_PROMPT_KEYS)}")
+            if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+                raise ValueError("a prompt dict needs exactly one of 'prompt' or 'prompt_token_ids'")
+            salt = prompt.get("cache_salt")
+            if salt is not None and not isinstance(salt, str):
+                raise TypeError(f"cache_salt must be a str, got {type(salt).__name__}")
+            if "prompt" in prompt:
+                return (*self.tokenize_prompt(prompt["prompt"], add_special_tokens)[:2], salt)
+            return None, self._check_token_ids(prompt["prompt_token_ids"]), salt
+        if not isinstance(prompt, str):
+            raise TypeError(f"a prompt must be a str or a dict, got {type(prompt).__name__}")
+        if not prompt:
+            raise ValueError("The decoder prompt cannot be empty")  # vLLM's words, here and below
+        if self.tokenizer is None:
+            raise ValueError("skip_tokenizer_init=True: pass prompt_token_ids, not text")
+        token_ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
+        if not token_ids:
+            raise ValueError(f"The decoder prompt cannot be empty (the text {prompt!r} encodes to no tokens)")
+        return prompt, token_ids, None
+
+    def _check_token_ids(self, token_ids: Any) -> list[int]:
+        if not isinstance(token_ids, (list, tuple, np.ndarray)):
+            raise TypeError(f"prompt_token_ids must be a list of ints, got {type(token_ids).__name__}")
+        token_ids = list(token_ids)
+        if not token_ids:
+            raise ValueError("The decoder prompt cannot be empty (prompt_token_ids is [])")
+        vocab = self.vocab_size
+        for t in token_ids:
+            if not isinstance(t, (int, np.integer)) or isinstance(t, bool):
+                raise ValueError(f"prompt token ids must be ints, got {t!r}")
+            if not 0 <= t < vocab:
+                raise ValueError(f"Token id {t} is out of vocabulary (the model's ids are 0 to {vocab - 1})")
+        return [int(t) for t in token_ids]
+
+    def check_prompt_length(self, num_tokens: int) -> None:
+        """A prompt must leave room for one generated token (vLLM's words, its server's)."""
+        max_model_len = self.max_model_len
+        if num_tokens >= max_model_len:
+            raise ValueError(
+                f"You passed {num_tokens} input tokens and requested 1 output tokens. However, the model's "
+                f"context length is only {max_model_len} tokens, resulting in a maximum input length of "
+                f"{max_model_len - 1} tokens. Please reduce the length of the input prompt."
+            )
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """vLLM's tokenization of bad words: each word alone and after a space (when the
+        space makes a different first token of the same length), without special tokens."""
+        if self.tokenizer is None:
+            raise ValueError("skip_tokenizer_init=True: bad_words need a tokenizer")
+        sequences: list[list[int]] = []
+        for word in words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            if not plain:
+                raise ValueError("bad_words entries must tokenize to at least one token.")
+            sequences.append(plain)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                sequences.append(spaced)
+        if len(sequences) > MAX_BAD_WORDS:
+            raise ValueError(f"Too many bad words after tokenization: {len(sequences)}. The max number is {MAX_BAD_WORDS}.")
+        longest = max(sequences, key=len)
+        if len(longest) > MAX_BAD_WORD_TOKENS:
+            raise ValueError(
+                f"bad word {self.tokenizer.decode(longest)!r} is {len(longest)} tokens; at most "
+                f"{MAX_BAD_WORD_TOKENS} are supported"
+            )
+        return sequences
+
+    def _check_params(self, params: SamplingParams | None, priority: Any) -> SamplingParams:
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+        params.check_supported(self.config.max_logprobs, self.vocab_size)
+        params.check_vocab(self.vocab_size)
+        params.check_satisfiable(self.eos_token_ids)
+        if self.tokenizer is None and params.stop_strings:
+            raise ValueError("skip_tokenizer_init=True: stop strings need a tokenizer; use stop_token_ids")
+        if self.tokenizer is None and params.structured_outputs is not None:
+            raise ValueError("Structured outputs requires a tokenizer so it can't be used with 'skip_tokenizer_init'")
+        return params
+
+    def process(self, request_id: str, prompt: Any, params: SamplingParams | None, priority: int = 0, *,
+                add_special_tokens: bool = True) -> ParentRequest:
+        """Validate everything about a request and build its n completions' `Request`s."""
+        params = self._check_params(params, priority)
+        max_model_len = self.max_model_len
+        bad_words = self.bad_words_token_ids(params.bad_words) if params.bad_words else []
+        text, token_ids, cache_salt = self.tokenize_prompt(prompt, add_special_tokens)
+        keep = params.truncate_prompt_tokens
+        if keep is not None:  # vLLM truncates on the left: the last tokens stay
+            keep = max_model_len - 1 if keep == -1 else keep
+            if keep > max_model_len:
+                raise ValueError(
+                    f"truncate_prompt_tokens value ({keep}) is greater than max_model_len ({max_model_len}). "
+                    "Please, select a smaller truncation size."
+                )
+            token_ids = token_ids[-keep:]
+        self.check_prompt_length(len(token_ids))
+        room = max_model_len - len(token_ids)
+        # As vLLM: generation stops at max_model_len (finish reason "length"), whatever max_tokens asks.
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        self.check_fits(len(token_ids), max_tokens)
+        request_id = str(request_id)
+        children = [self._child(request_id, index, text, token_ids, cache_salt, params, priority, max_tokens,
+                                bad_words) for index in range(params.n)]
+        parent = ParentRequest(request_id, children, params.output_kind)
+        if self.digests:
+            parent.digest = hashlib.blake2b(repr((request_id, token_ids, priority, params, [c.seed for c in children]))
+                                            .encode(), digest_size=8).digest()
+        return parent
+
+    def _child(self, request_id: str, index: int, text, token_ids, cache_salt, params: SamplingParams,
+               priority: int, max_tokens: int, bad_words: list[list[int]]) -> Request:
+        """Completion `index` of a request: its id, seed, detokenizer and grammar."""
+        arrival = next(self._arrivals)
+        # Each completion has its own randomness: seed + index, or a seed drawn from the engine's.
+        seed = (params.seed + index) % 2**32 if params.seed is not None else (self.config.seed * 1_000_003 + arrival) % 2**32
+        child = Request(
+            request_id if params.n == 1 else f"{index}_{request_id}", token_ids, params, prompt=text,
+            priority=priority, max_tokens=max_tokens, eos_token_ids=self.eos_token_ids, arrival_index=arrival,
+            seed=seed, cache_salt=cache_salt, vocab_size=self.vocab_size, bad_words_token_ids=bad_words,
+        )
+        if params.detokenize and self.tokenizer is not None:  # (no tokenizer: empty text)
+            child.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, skip_special_tokens=params.skip_special_tokens, stop=params.stop_strings,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+            )
+        if params.structured_outputs is not None:  # (checked, and compiled once per spec)
+            child.grammar = self.structured_outputs.grammar(params.structured_outputs)
+        return child

@@ -1,0 +1,183 @@
+"""The device KV cache: its shape and element type, how many blocks fit, and its allocation.
+
+Per layer, K and V are separate arrays [num_kv_heads, num_blocks, block_size, head_dim]
+(the layout is documented in `pallas_kernels/__init__.py`), split on KV heads under a
+mesh. An fp8 cache adds each layer's float32 (k_scale, v_scale) per KV head. The cache is
+allocated once, after a profiling run of the largest step has shown how much memory is
+left (vLLM's `gpu_memory_utilization`); the block pool that hands its blocks out is
+`jaxvllm/kv_cache_manager.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, SingleDeviceSharding
+
+from jaxvllm.config import EngineConfig
+from jaxvllm.loader import load_kv_scales
+from jaxvllm.model_config import ModelConfig
+from jaxvllm.sharding import gather_over_processes, kv_cache_sharding, local_devices, put
+
+logger = logging.getLogger(__name__)
+
+# Without a device memory figure (CPU), the KV cache gets this much memory at most.
+CPU_KV_CACHE_BYTES = 2 << 30
+
+# The attention kernels (Triton) and the K/V scatter address one device's layer cache with
+# 32-bit element offsets: it must hold fewer elements than this.
+MAX_CACHE_ELEMENTS = 2**31 - 1
+
+# kv_cache_dtype (config.KV_CACHE_DTYPES, vLLM's engine argument) -> the cache's element
+# type; "auto" (absent here): the model's dtype.
+_FP8_DTYPES = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype):
+    """The KV cache's element type for `kv_cache_dtype` (checked by `EngineConfig`) and the
+    model's dtype."""
+    return _FP8_DTYPES.get(kv_cache_dtype, model_dtype)
+
+
+def device_memory_stats(device) -> dict | None:
+    """A device's allocator figures (bytes_limit, bytes_in_use, ...); None on CPU."""
+    return device.memory_stats()
+
+
+def device_total_memory(stats: dict) -> float:
+    """A device's total memory, from JAX's allocator limit: that is XLA_PYTHON_CLIENT_MEM_FRACTION
+    (JAX's default 0.75) of the total. JAX reports no total of its own."""
+    return stats["bytes_limit"] / float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What one block of the cache holds, over all layers and devices."""
+
+    cfg: ModelConfig  # the config the (possibly split) model runs with
+    block_size: int
+    dtype: Any  # the cache's element type
+    num_devices: int = 1
+
+    @property
+    def bytes_per_block(self) -> int:
+        """All devices together (each holds 1 / num_devices of every block)."""
+        c = self.cfg
+        itemsize = jnp.dtype(self.dtype).itemsize  # fp8: 1, half a 16-bit cache's: twice the blocks
+        return 2 * c.num_layers * c.num_kv_heads * self.block_size * c.head_dim * itemsize
+
+    @property
+    def dtype_name(self) -> str:
+        return jnp.dtype(self.dtype).name
+
+    @property
+    def max_blocks(self) -> int:
+        """The most blocks whose per-device layer cache [kv_heads / devices, blocks,
+        block_size, head_dim] stays addressable with 32-bit offsets."""
+        c = self.cfg
+        return MAX_CACHE_ELEMENTS // (c.num_kv_heads // self.num_devices * self.block_size * c.head_dim)
+
+    def addressable(self, num_blocks: int, override: bool = False) -> int:
+        """Cap the block count at what 32-bit offsets address (a tiny model on a large GPU
+        would get more); an explicit override past it is refused."""
+        limit = self.max_blocks
+        if num_blocks <= limit:
+            return num_blocks
+        if override:
+            raise ValueError(f"num_gpu_blocks_override={num_blocks} exceeds the {limit} KV blocks that 32-bit "
+                             "offsets address in one device's cache")
+        logger.info("KV cache: capped at %d blocks (from %d): one device's layer cache must hold fewer than "
+                    "2^31 elements for the kernels' 32-bit offsets", limit, num_blocks)
+        return limit
+
+
+def kv_cache_scales(config: EngineConfig, cfg: ModelConfig) -> np.ndarray | None:
+    """An fp8 cache's scales, float32 [num_layers, num_kv_heads, 2]: the checkpoint's k_scale /
+    v_scale (per tensor or per KV head), else 1.0 (vLLM's default); with
+    calculate_kv_scales, 1.0 until the first batch sets them. None: a cache in the
+    model's dtype, which has none."""
+    if config.kv_cache_dtype == "auto":
+        return None
+    if config.load_format == "dummy" or config.calculate_kv_scales:
+        return np.ones((cfg.num_layers, cfg.num_kv_heads, 2), np.float32)
+    scales, found = load_kv_scales(config.model, cfg)
+    logger.info("fp8 KV cache: %d of %d k/v scales from the checkpoint, the others 1.0", found, 2 * cfg.num_layers)
+    return scales
+
+
+def num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, devices: list, max_model_len: int,
+                  profile: Callable[[], None], step_bytes: Callable[[], int]) -> int:
+    """vLLM's meaning: the engine may use gpu_memory_utilization of each device's total
+    memory for weights, activations and the KV cache. `profile()` runs the largest step
+    once; the cache is sized from the device with the least room left after it.
+    `step_bytes()` is that step's own memory from XLA's analysis, for when the allocator's
+    peak predates it. Capped at what 32-bit offsets address."""
+    if config.num_gpu_blocks_override is not None:
+        return spec.addressable(config.num_gpu_blocks_override, override=True)
+    max_blocks_per_seq = -(-max_model_len // spec.block_size)
+    mine = local_devices(devices)  # (across processes, each profiles its own devices)
+    stats = device_memory_stats(mine[0])
+    if not stats or "bytes_limit" not in stats:  # CPU: enough for every sequence, within a fixed budget
+        wanted = config.max_num_seqs * max_blocks_per_seq
+        return spec.addressable(max(max_blocks_per_seq, min(wanted, CPU_KV_CACHE_BYTES // spec.bytes_per_block)))
+    peaks_before = {d: device_memory_stats(d).get("peak_bytes_in_use", 0) for d in mine}
+    profile()
+    per_device = spec.bytes_per_block / len(devices)
+    fits = []
+    for device in mine:
+        stats = device_memory_stats(device)
+        peak = stats.get("peak_bytes_in_use", stats["bytes_in_use"])
+        if peak <= peaks_before[device] and peak > stats["bytes_in_use"]:
+            # The allocator's peak never resets: this one is an earlier engine's, in memory
+            # since freed (a second LLM in a notebook). The step's own, from XLA's figures.
+            peak = stats["bytes_in_use"] + step_bytes()
+        wanted = config.gpu_memory_utilization * device_total_memory(stats)
+        if wanted > stats["bytes_limit"]:
+            logger.info(
+                "%s: gpu_memory_utilization=%s asks for %.2f GiB, JAX's allocator allows %.2f GiB "
+                "(XLA_PYTHON_CLIENT_MEM_FRACTION, set before jax starts, raises it)",
+                device, config.gpu_memory_utilization, wanted / 2**30, stats["bytes_limit"] / 2**30,
+            )
+        budget = min(wanted, stats["bytes_limit"])
+        fits.append((int((budget - peak) // per_device), device, peak, budget))
+    num_blocks, device, peak, budget = min(fits, key=lambda f: f[0])
+    num_blocks = min(num_blocks, *gather_over_processes(num_blocks))  # every process allocates the same cache
+    if num_blocks < max_blocks_per_seq:
+        raise ValueError(
+            f"only {max(num_blocks, 0)} KV blocks fit in gpu_memory_utilization={config.gpu_memory_utilization} "
+            f"on {device} (peak use {peak / 2**30:.2f} GiB of {budget / 2**30:.2f} GiB); one sequence of "
+            f"max_model_len={max_model_len} needs {max_blocks_per_seq}"
+        )
+    return spec.addressable(num_blocks)
+
+
+def allocate_kv_caches(
+    cfg: ModelConfig, num_blocks: int, block_size: int, dtype, mesh: Mesh | None = None, device=None,
+    scales: np.ndarray | None = None, calculate_scales: bool = False,
+) -> list[tuple[jax.Array, ...]]:
+    """Zeroed per-layer (k_cache, v_cache), each [num_kv_heads, num_blocks, block_size, head_dim],
+    split on KV heads over `mesh` (each device allocates only its part), else on `device`
+    (default: the first). With `scales` (an fp8 cache: float32 [num_layers, num_kv_heads, 2],
+    each layer's and KV head's (k_scale, v_scale)), (k_cache, v_cache, scales): the layer's
+    [num_kv_heads, 2], split on KV heads with the cache, or with `calculate_scales`
+    [num_kv_heads, 3], (k_scale, v_scale, 1): to calculate from the first batch
+    (`layers.calculate_kv_scales`). One array per layer: each is a donated argument of every step."""
+    shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
+    place = kv_cache_sharding(mesh) if mesh is not None else SingleDeviceSharding(device or jax.devices()[0])
+    caches = [(jnp.zeros(shape, dtype, device=place), jnp.zeros(shape, dtype, device=place))
+              for _ in range(cfg.num_layers)]
+    if scales is None:
+        return caches
+    scales = np.asarray(scales, np.float32)
+    if scales.shape != (cfg.num_layers, cfg.num_kv_heads, 2):
+        raise ValueError(f"KV cache scales must be [num_layers={cfg.num_layers}, num_kv_heads={cfg.num_kv_heads}, 2] "
+                         f"(k_scale, v_scale), got {scales.shape}")
+    if calculate_scales:
+        scales = np.concatenate([scales, np.ones_like(scales[..., :1])], axis=-1)
+    return [(k, v, put(layer, place)) for (k, v), layer in zip(caches, scales)]  # split on KV heads as the cache

@@ -1,0 +1,135 @@
+"""Output processing: a step's appended tokens in, `RequestOutput`s out (vLLM's
+`OutputProcessor`).
+
+It detokenizes incrementally (every step for requests with stop strings, so that they
+stop in time; otherwise only when the text is read, so `generate` decodes each completion
+once), turns the step's logprob arrays into vLLM's logprob dicts, and assembles each
+parent's output as its `output_kind` asks: everything so far (CUMULATIVE), what is new
+(DELTA), or one output at the end (FINAL_ONLY). It never touches the scheduler: a stop
+string it finds is handed back for the engine to finish the request.
+"""
+
+from __future__ import annotations
+
+from jaxvllm.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxvllm.request import ParentRequest, Request, RequestStatus, ScheduledRequest
+from jaxvllm.sampling_params import RequestOutputKind
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._token_texts: dict[int, str] = {}  # a token's text alone, for logprobs
+
+    def detokenize(self, request: Request) -> str | None:
+        """Bring the text up to date with the tokens. Returns the stop string that ends the
+        completion there (the request's finish reason is then "stop"), else None."""
+        new = request.output_token_ids[request.num_detokenized :]
+        if request.detokenizer is None or not new:
+            return None
+        request.num_detokenized += len(new)
+        # vLLM looks for stop strings only once more than min_tokens tokens exist.
+        stop = request.detokenizer.update(new, check_stop=request.num_output_tokens > request.params.min_tokens)
+        if stop is not None:
+            request.finish_reason, request.stop_reason = "stop", stop
+        return stop
+
+    def record_logprobs(self, scheduled: list[ScheduledRequest], result, updated: set[int]) -> None:
+        """Append the step's sampled-token logprobs to the requests in `updated` (their ids)
+        and fill the prompt logprobs it computed."""
+        if result.logprobs is not None:
+            lp = result.logprobs
+            for i, s in enumerate(scheduled):
+                request = s.request
+                if request.logprobs is None or id(request) not in updated:
+                    continue
+                token = request.token_ids[-1]
+                request.logprobs.append(self._logprob_dict(
+                    token, lp.token_logprob[i], lp.token_rank[i], lp.top_ids[i], lp.top_logprobs[i],
+                    request.num_logprobs, request.params.detokenize,
+                ))
+                request.cumulative_logprob += float(lp.token_logprob[i])
+        if result.prompt_logprobs is not None:
+            lp = result.prompt_logprobs
+            for row, (i, pos) in enumerate(result.prompt_positions):
+                request = scheduled[i].request
+                request.prompt_logprobs[pos] = self._logprob_dict(
+                    request.prompt_token_ids[pos], lp.token_logprob[row], lp.token_rank[row], lp.top_ids[row],
+                    lp.top_logprobs[row], request.num_prompt_logprobs, request.params.detokenize,
+                )
+
+    def _logprob_dict(self, token, logprob, rank, top_ids, top_logprobs, k, detokenize: bool) -> dict[int, Logprob]:
+        """vLLM's format: the chosen token first, then the top k (rank order); each token's
+        text only when the request detokenizes (else None, as vLLM)."""
+        decode = self._token_text if detokenize and self.tokenizer is not None else lambda _: None
+        entry = {int(token): Logprob(float(logprob), int(rank), decode(int(token)))}
+        for j in range(min(k, len(top_ids))):
+            t = int(top_ids[j])
+            if t not in entry:
+                entry[t] = Logprob(float(top_logprobs[j]), j + 1, decode(t))
+        return entry
+
+    def _token_text(self, token_id: int) -> str:
+        """A token's text alone, cached: logprobs name up to max_logprobs + 1 tokens per row per step."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def step_outputs(self, updated: list[Request], parents: dict[str, ParentRequest]
+                     ) -> tuple[list[RequestOutput], list[ParentRequest]]:
+        """The outputs of the parents of a step's updated requests, as each one's output_kind
+        asks, and the parents that finished (the caller forgets them)."""
+        outputs, finished, seen, final_only = [], [], set(), RequestOutputKind.FINAL_ONLY
+        for request in updated:
+            parent = parents.get(request.parent_id)
+            if parent is None or parent.request_id in seen:
+                continue
+            if parent.output_kind is final_only and request.status is not RequestStatus.FINISHED:
+                continue  # its parent is not finished either
+            seen.add(parent.request_id)
+            if parent.finished:
+                finished.append(parent)
+                outputs.append(self.output(parent))
+            elif parent.output_kind is not final_only:
+                outputs.append(self.output(parent))
+        return outputs, finished
+
+    def output(self, parent: ParentRequest) -> RequestOutput:
+        """The parent's RequestOutput: everything so far, or (DELTA) what is new since the
+        last one. Until a completion finishes its text holds back a trailing U+FFFD (the
+        start of a character the next token may complete), as vLLM's does."""
+        delta = parent.output_kind == RequestOutputKind.DELTA
+        completions = []
+        for i, child in enumerate(parent.children):
+            self.detokenize(child)
+            text = child.detokenizer.text if child.detokenizer is not None else ""
+            if not child.is_finished:
+                text = text.rstrip("\ufffd")
+            tokens, logprobs = child.output_token_ids, child.logprobs
+            if delta:
+                sent_tokens, sent_chars = parent.sent[i]
+                tokens = tokens[sent_tokens:]
+                logprobs = logprobs[sent_tokens:] if logprobs is not None else None
+                parent.sent[i] = (sent_tokens + len(tokens), len(text))
+                text = text[sent_chars:]
+            completions.append(CompletionOutput(
+                index=i,
+                text=text,
+                token_ids=tokens,
+                cumulative_logprob=child.cumulative_logprob,
+                logprobs=logprobs,
+                finish_reason=child.finish_reason if child.is_finished else None,
+                stop_reason=child.stop_reason,
+            ))
+        first = parent.children[0]
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=completions,
+            finished=parent.finished,
+            num_cached_tokens=first.num_cached_tokens or 0,
+            metrics=first.metrics,
+            prompt_logprobs=first.prompt_logprobs,
+        )

@@ -1,0 +1,91 @@
+"""The batch builder: buckets, block-table widths, rows and the packed batch of a step,
+built and checked with no model, params or device."""
+
+import numpy as np
+
+from jaxvllm.batch_builder import BatchBuilder, default_buckets
+from jaxvllm.input_batch import BatchLayout, block_table_widths
+from jaxvllm.request import Request, ScheduledRequest
+from jaxvllm.sampler import SamplerFeatures
+from jaxvllm.sampling_params import SamplingParams
+
+
+def make_builder(**overrides) -> BatchBuilder:
+    """The shapes of a small engine: 4 sequences of up to 64 tokens, one 32-token bucket."""
+    kw = dict(max_num_seqs=4, max_model_len=64, block_size=16, buckets=[32], vocab_size=384)
+    return BatchBuilder(**{**kw, **overrides})
+
+
+def test_default_buckets():
+    assert default_buckets(8192) == [16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+    assert default_buckets(100) == [16, 32, 64, 100]
+
+
+def test_prepare_builds_the_packed_batch():
+    builder = make_builder()
+    params = SamplingParams(temperature=0.5, max_tokens=4)
+    a = Request("a", list(range(10, 30)), params, max_tokens=4, seed=9)  # 20 prompt tokens, 16 computed
+    b = Request("b", [7, 8, 9], params, max_tokens=4, seed=9)
+    b.token_ids.append(11)  # one output token so far, decoding
+    batch = builder.prepare([ScheduledRequest(a, 16, 4, [3, 1]), ScheduledRequest(b, 3, 1, [2])])
+    assert batch.layout == BatchLayout(num_tokens=32, num_rows=4, width=4)  # padded to the bucket
+    assert batch.packed.shape == (batch.layout.size,) and batch.packed.dtype == np.int32  # one transfer
+    assert batch.features == SamplerFeatures(random=True) and batch.prompt_rows == []
+    v = batch.layout.views(batch.packed)
+    assert (v["prompt_targets"] == -1).all() and (v["prev_row"] == -1).all()
+    np.testing.assert_array_equal(v["input_ids"][:6], [26, 27, 28, 29, 11, 0])
+    np.testing.assert_array_equal(v["positions"][:5], [16, 17, 18, 19, 3])
+    np.testing.assert_array_equal(v["slot_mapping"][:6], [1 * 16 + 0, 17, 18, 19, 2 * 16 + 3, -1])
+    assert (v["slot_mapping"][5:] == -1).all()
+    np.testing.assert_array_equal(v["query_start_loc"], [0, 4, 5, 5, 5])
+    np.testing.assert_array_equal(v["seq_lens"], [20, 4, 0, 0])
+    np.testing.assert_array_equal(v["block_tables"][:2, :2], [[3, 1], [2, 0]])
+    np.testing.assert_array_equal(v["logits_indices"], [3, 4, 0, 0])
+    np.testing.assert_array_equal(v["temperature"], [0.5, 0.5, 0, 0])
+    np.testing.assert_array_equal(v["top_p"], [1.0] * 4)
+    np.testing.assert_array_equal(v["counts_sample"], [True, True, False, False])  # both chunks end the sequence
+    np.testing.assert_array_equal(v["seeds"][:2], [9, 9])
+    np.testing.assert_array_equal(v["output_index"][:2], [0, 1])
+    rows = [builder.input_batch.row_of[r] for r in "ab"]
+    np.testing.assert_array_equal(v["slot"][:2], rows)
+
+    # Next step: both new tokens are still on the device; a got a third block. Rows persist.
+    a.num_pending = b.num_pending = 1
+    batch = builder.prepare([ScheduledRequest(a, 20, 1, [3, 1, 5]), ScheduledRequest(b, 4, 1, [2])])
+    v = batch.layout.views(batch.packed)
+    assert builder.input_batch.row_of == dict(zip("ab", rows))
+    np.testing.assert_array_equal(v["block_tables"][:2, :3], [[3, 1, 5], [2, 0, 0]])
+    np.testing.assert_array_equal(v["prev_row"][:3], [*rows, -1])  # inputs: each row's last sample
+    a.token_ids.append(40)  # a's first output reached the host (synchronous scheduling)
+    a.num_pending = 0
+    batch = builder.prepare([ScheduledRequest(a, 20, 1, [3, 1, 5]), ScheduledRequest(b, 4, 1, [2])])
+    np.testing.assert_array_equal(batch.layout.views(batch.packed)["input_ids"][:2], [40, 0])
+    builder.release(["a"])
+    assert "a" not in builder.input_batch.row_of and len(builder.input_batch) == 1
+
+
+def test_block_table_width_follows_the_longest_request():
+    assert block_table_widths(4) == [4] and block_table_widths(256) == [256]
+    assert block_table_widths(512) == [64, 512] and block_table_widths(2560) == [320, 2560]
+    builder = make_builder(max_model_len=1024, block_size=2)
+    assert builder.widths == [64, 512]
+    params = SamplingParams(max_tokens=4)
+    short = Request("s", [5] * 3, params, max_tokens=4)
+    assert builder.prepare([ScheduledRequest(short, 0, 3, [0, 1])]).layout.width == 64
+    long = Request("l", [5] * 300, params, max_tokens=4)
+    blocks = list(range(2, 152))
+    assert builder.prepare([ScheduledRequest(long, 290, 10, blocks)]).layout.width == 512
+
+
+def test_sequence_rows_follow_the_token_bucket():
+    """A bucket of T tokens holds at most T sequences: small steps get min(max_num_seqs, T) rows."""
+    builder = make_builder(max_num_seqs=24, buckets=[16, 32])
+    params = SamplingParams(max_tokens=4)
+    reqs = [Request(str(i), [5 + i] * 3, params, max_tokens=4) for i in range(20)]
+    small = builder.prepare([ScheduledRequest(r, 0, 3, [i]) for i, r in enumerate(reqs[:2])])
+    assert small.layout == BatchLayout(16, 16, 4)
+    builder.release(r.request_id for r in reqs[:2])
+    large = builder.prepare([ScheduledRequest(r, 2, 1, [i]) for i, r in enumerate(reqs)])
+    assert large.layout == BatchLayout(32, 24, 4)
+    np.testing.assert_array_equal(large.layout.views(large.packed)["seq_lens"][:21], [3] * 20 + [0])
+    assert builder.rows_for(16) == 16 and builder.rows_for(32) == 24
