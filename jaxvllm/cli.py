@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import jaxvllm
+from jaxvllm.dummy import MODEL_HELP
 from jaxvllm.engine_args import add_engine_args, engine_kwargs
 from jaxvllm.interrupts import defer_interrupts
 
@@ -67,8 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = commands.add_parser("generate", help="complete prompts and print (or write) the completions",
                               description="Complete prompts with a local checkpoint or a built-in dummy model.")
-    gen.add_argument("--model", required=True,
-                     help="checkpoint folder, or dummy:tiny | dummy:qwen3-0.6b | dummy:llama3-8b (random weights)")
+    gen.add_argument("--model", required=True, help=MODEL_HELP)
     gen.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for several)")
     gen.add_argument("--prompts-file", type=Path,
                      help='JSONL: per line a string, {"prompt": str} or {"prompt_token_ids": [int, ...]}')

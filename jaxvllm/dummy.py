@@ -166,6 +166,11 @@ DUMMY_MODELS: dict[str, DummyModel] = {
 }
 
 
+# Derived, so that the help texts and the errors name every built-in model, however many there are.
+DUMMY_NAMES = ", ".join(PREFIX + name for name in DUMMY_MODELS)
+MODEL_HELP = f"checkpoint folder, or a built-in model with random weights: {DUMMY_NAMES}"
+
+
 def is_dummy(model: str) -> bool:
     return str(model).startswith(PREFIX)
 
@@ -174,8 +179,7 @@ def get_dummy(model: str) -> DummyModel:
     """`dummy:NAME` (or NAME) -> its DummyModel; ValueError names the choices."""
     name = str(model).removeprefix(PREFIX)
     if name not in DUMMY_MODELS:
-        choices = ", ".join(PREFIX + n for n in DUMMY_MODELS)
-        raise ValueError(f"unknown dummy model {model!r}; built-in: {choices}")
+        raise ValueError(f"unknown dummy model {model!r}; built-in: {DUMMY_NAMES}")
     return DUMMY_MODELS[name]
 
 
@@ -196,7 +200,7 @@ def missing_model_message(model: str) -> str:
     """Why `model` cannot be loaded: jaxvllm never downloads, so name the fix."""
     message = (
         f"model directory {model!r} does not exist (jaxvllm loads local checkpoints only and never downloads; "
-        f"built-in random models: {', '.join(PREFIX + n for n in DUMMY_MODELS)})"
+        f"built-in random models: {DUMMY_NAMES})"
     )
     parts = model.split("/")
     if len(parts) == 2 and all(parts) and not model.startswith((".", "~")):

@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any
 
 from jaxvllm.config import DTYPES, KV_CACHE_DTYPES, EngineConfig
-from jaxvllm.dummy import ModelSource
+from jaxvllm.dummy import MODEL_HELP, ModelSource
 
 # flag name -> (type, help); the keyword argument is the flag with '_' for '-'.
 _VALUE_FLAGS: dict[str, tuple[type, str]] = {
@@ -82,7 +82,7 @@ class EngineArgs(EngineConfig):
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         """The engine flags, defaulting (as vLLM's) to the engine's defaults, so that a script
         may pass every parsed flag on: `LLM(**vars(parser.parse_args()))`."""
-        parser.add_argument("--model", default=None, help="checkpoint folder, or a built-in dummy:NAME")
+        parser.add_argument("--model", default=None, help=MODEL_HELP)
         add_engine_args(parser)
         names = {flag.replace("-", "_") for flag in (*_VALUE_FLAGS, *_BOOL_FLAGS)}
         parser.set_defaults(**{f.name: f.default for f in dataclasses.fields(EngineConfig)

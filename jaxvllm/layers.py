@@ -20,7 +20,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxvllm.batch import ModelInputs
 from jaxvllm.config import ATTENTION_BACKENDS
-from jaxvllm.model_config import ModelConfig, RopeConfig
+from jaxvllm.model_config import RopeConfig
 from jaxvllm.sharding import AXIS
 from pallas_kernels import mixed_paged_attention, ragged_paged_attention_reference, write_kv_reference
 

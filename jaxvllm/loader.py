@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 

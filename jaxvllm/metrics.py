@@ -43,14 +43,6 @@ class Counter(Metric):
 
 
 @dataclass
-class Vector(Metric):
-    """An ordered array of integer counters. vLLM uses it only for speculative decoding
-    (accepted tokens per position), which jaxvllm does not do; kept for the API."""
-
-    values: list[int]
-
-
-@dataclass
 class Gauge(Metric):
     """A numerical value that can go up or down."""
 

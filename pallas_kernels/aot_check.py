@@ -33,9 +33,10 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.bench import FULL, json_path, write_json
+from pallas_kernels.bench import FULL
 from pallas_kernels.common import INTERPRET_ENV
 from pallas_kernels.grouped_matmul import grouped_matmul
+from pallas_kernels.harness import json_path, write_json
 from pallas_kernels.hlo import graphed_thunks
 from pallas_kernels.paged_decode_attention import paged_decode_attention
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention

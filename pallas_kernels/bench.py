@@ -1,4 +1,4 @@
-"""Micro-benchmarks of the attention kernels, against their peers (DESIGN.md's K1, K2).
+"""Micro-benchmarks of the kernels (K1 decode, K2 prefill, K3 MoE experts, KV write) against their peers.
 
     python -m pallas_kernels.bench                 # the GPU shapes (needs a GPU)
     python -m pallas_kernels.bench --small         # tiny shapes, interpret mode: CPU, < 1 minute
@@ -22,22 +22,19 @@ balanced groups (see `bench_k3`). A whole model step
 on each attention backend is jaxvllm's (`python -m jaxvllm.benchmarks.engine_step`):
 this package imports nothing from jaxvllm.
 Figures go to stdout and to JSON (`--json PATH`, default $OUT/bench.json when $OUT is
-set). On CPU only ratios measured in one run mean anything.
+set). On CPU only ratios measured in one run mean anything (docs/design.md, "Benchmarks").
+The timing, JSON and environment helpers are `pallas_kernels.harness`'s.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import platform
 import statistics
 import sys
 import time
-import traceback
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +42,16 @@ import numpy as np
 
 from pallas_kernels.common import cdiv, default_block_kv
 from pallas_kernels.grouped_matmul import grouped_matmul
+from pallas_kernels.harness import (
+    attempt,
+    environment,
+    json_path,
+    max_abs_err,
+    summary,
+    time_fn,
+    tuning_name,
+    write_json,
+)
 from pallas_kernels.hlo import count_cache_copies
 from pallas_kernels.kv_cache_write import write_kv_reference
 from pallas_kernels.paged_decode_attention import (
@@ -103,35 +110,6 @@ DTYPE = jnp.bfloat16
 FP8 = jnp.float8_e4m3fn
 
 
-def time_fn(fn: Callable, *args, iters: int, warmup: int = 1) -> float:
-    """Median wall seconds of `fn(*args)` (compiled before timing)."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def tuning_name(tuning: dict) -> str:
-    return ",".join(f"{k}={v}" for k, v in tuning.items()) or "default"
-
-
-def attempt(results: dict, name: str, fn: Callable[[], dict]) -> None:
-    """Run one measurement; a failure is recorded (and printed), not fatal."""
-    try:
-        results[name] = fn()
-    except Exception as e:  # a peer missing on this JAX version, an unsupported backend, OOM
-        results[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
-        traceback.print_exc(limit=3)
-
-
-def _max_err(a, b) -> float:
-    return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
-
-
 def paged_kv(key, num_kv_heads: int, lengths: list[int], block_size: int, head_dim: int, dtype=DTYPE,
              spare_blocks: int = 8):
     """Random caches [kv_heads, num_blocks, block_size, head_dim] and shuffled block tables [S, max_blocks]."""
@@ -174,7 +152,7 @@ def bench_k1(cfg: dict, iters: int, interpret: bool) -> list[dict]:
             out: dict[str, Any] = {}
             fn = jax.jit(partial(paged_decode_attention, sm_scale=scale, interpret=interpret))
             got = fn(q, k_cache, v_cache, lens, tables)
-            out["max_abs_err_vs_reference"] = _max_err(got, want)
+            out["max_abs_err_vs_reference"] = max_abs_err(got, want)
             t = time_fn(fn, q, k_cache, v_cache, lens, tables, iters=iters)
             max_tiles = cdiv(tables.shape[1] * bs, default_block_kv(d, DTYPE))
             out.update(default_ms=t * 1e3, default_tb_s=tbs(t), default_num_splits=default_num_splits(batch, hkv, max_tiles),
@@ -204,7 +182,7 @@ def bench_k1(cfg: dict, iters: int, interpret: bool) -> list[dict]:
             ref8 = ref_fn(q, k8, v8, lens, tables, k_scale=one, v_scale=one)
             t = time_fn(fn, *args, iters=iters)
             out = {"ms": t * 1e3, "kv_bytes": kv_bytes // 2, "tb_s": kv_bytes / 2 / t / 1e12, "tokens_per_s": batch / t,
-                   "max_abs_err_vs_reference": _max_err(got, ref8), "max_abs_err_vs_bf16_cache": _max_err(got, want)}
+                   "max_abs_err_vs_reference": max_abs_err(got, ref8), "max_abs_err_vs_bf16_cache": max_abs_err(got, want)}
             sweep = {"default": t}
             for tuning in cfg.get("fp8_sweep", ()):
                 sweep[tuning_name(tuning)] = time_fn(kernel(**tuning), *args, iters=iters)
@@ -230,7 +208,7 @@ def bench_k1(cfg: dict, iters: int, interpret: bool) -> list[dict]:
             qs = (q.astype(jnp.float32) * scale).astype(DTYPE)
             got = fn(qs, k_cache, v_cache, tables, lens)
             t = time_fn(fn, qs, k_cache, v_cache, tables, lens, iters=iters)
-            return {"ms": t * 1e3, "tb_s": tbs(t), "k_splits": k_splits, "max_abs_err_vs_reference": _max_err(got, want)}
+            return {"ms": t * 1e3, "tb_s": tbs(t), "k_splits": k_splits, "max_abs_err_vs_reference": max_abs_err(got, want)}
 
         def reference():
             t = time_fn(ref_fn, q, k_cache, v_cache, lens, tables, iters=iters)
@@ -285,7 +263,7 @@ def bench_k1_mixed(cfg: dict, iters: int, interpret: bool) -> dict:
             fn = jax.jit(partial(paged_decode_attention, sm_scale=d**-0.5, interpret=interpret))
             args = (q, k, v, lens, tables)
             extra = {} if order is None else {"seq_order": order}  # None: the default
-            err = _max_err(fn(*args, **extra), want)
+            err = max_abs_err(fn(*args, **extra), want)
             t = time_fn(partial(fn, **extra), *args, iters=iters)
             return {"ms": t * 1e3, "tb_s": kv_bytes / t / 1e12, "max_abs_err_vs_reference": err}
 
@@ -352,7 +330,7 @@ def bench_k2(cfg: dict, iters: int, interpret: bool) -> dict:
             fn = jax.jit(partial(ragged_paged_attention, sm_scale=scale, interpret=interpret, **tuning))
             got = fn(q, k_cache, v_cache, positions, qsl, lens, tables)
             name = tuning_name(tuning)
-            out.setdefault("max_abs_err", {})[name] = _max_err(got, want)
+            out.setdefault("max_abs_err", {})[name] = max_abs_err(got, want)
             sweep[name] = tflops(time_fn(fn, q, k_cache, v_cache, positions, qsl, lens, tables, iters=iters))
         best = max(sweep, key=sweep.get)
         out.update(sweep_tflop_s=sweep, best=best, best_tflop_s=sweep[best], default_tflop_s=next(iter(sweep.values())))
@@ -412,7 +390,7 @@ def bench_k3(cfg: dict, iters: int, interpret: bool) -> list[dict]:
                 for tuning in cfg["tiles"]:
                     fn = jax.jit(partial(grouped_matmul, interpret=interpret, **tuning))
                     name = tuning_name(tuning)
-                    out.setdefault("max_abs_err_vs_ragged_dot", {})[name] = _max_err(fn(lhs, rhs, sizes), want)
+                    out.setdefault("max_abs_err_vs_ragged_dot", {})[name] = max_abs_err(fn(lhs, rhs, sizes), want)
                     sweep[name] = time_fn(fn, lhs, rhs, sizes, iters=iters)
                 best = min(sweep, key=sweep.get)
                 first = next(iter(sweep.values()))
@@ -484,35 +462,6 @@ def bench_kv(cfg: dict, iters: int, interpret: bool) -> list[dict]:
 # -- driver --------------------------------------------------------------------------------
 
 
-def summary(d: dict) -> str:
-    """One line of headline figures, one per measurement in `d`."""
-    parts = []
-    for name, v in d.items():
-        if not isinstance(v, dict):
-            continue
-        if "error" in v:
-            parts.append(f"{name}=ERROR")
-            continue
-        for k in ("best_tb_s", "tb_s", "read_plus_write_tb_s", "best_tflop_s", "tflop_s", "step_ms"):
-            if k in v:
-                parts.append(f"{name} {k}={v[k]:.3g}")
-                break
-    return ", ".join(parts)
-
-
-def environment() -> dict:
-    import jaxlib
-
-    return {
-        "python": platform.python_version(),
-        "jax": jax.__version__,
-        "jaxlib": jaxlib.__version__,
-        "backend": jax.default_backend(),
-        "devices": [str(d) for d in jax.devices()],
-        "device_kind": jax.devices()[0].device_kind,
-    }
-
-
 PARTS = {"k1": bench_k1, "k1_mixed": bench_k1_mixed, "k2": bench_k2, "kv": bench_kv, "k3": bench_k3}  # in the order they run: decode first
 
 
@@ -548,17 +497,6 @@ def main(argv: list[str] | None = None) -> dict:
     if path:
         print(f"wrote {path}")
     return results
-
-
-def json_path(given: str | None, name: str) -> str | None:
-    """`--json`'s value, else $OUT/`name` when $OUT is set (the GPU scripts collect $OUT)."""
-    return given or (os.path.join(os.environ["OUT"], name) if os.environ.get("OUT") else None)
-
-
-def write_json(path: str | None, results: dict) -> None:
-    if path:
-        with open(path, "w") as f:
-            json.dump(results, f, indent=2, default=str)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """The notebooks run top to bottom (nbclient, kernel `python3`), so they cannot rot.
 
-Each runs as a copy in a temporary folder (its working directory, where throughput.ipynb
-saves its figure), with the repository root on PYTHONPATH for `weights.make_tiny`.
+Each runs as a copy in a temporary folder, with the repository root on PYTHONPATH for
+`weights.make_tiny`. The folder is the kernel's working directory, where throughput.ipynb
+saves its figure (beside the notebook, as for a user), and its TMPDIR, where quickstart.ipynb
+writes its model: what a run writes stays with pytest's temporary folders.
 """
 
 from __future__ import annotations
@@ -22,7 +24,11 @@ def execute(name: str, tmp_path: Path, monkeypatch) -> nbformat.NotebookNode:
     """Run a copy of notebooks/NAME in tmp_path; a cell that raises fails the test with its traceback."""
     copy = tmp_path / name
     shutil.copy(NOTEBOOKS / name, copy)
-    monkeypatch.setenv("PYTHONPATH", str(REPO))  # the kernel is a subprocess: it inherits the environment
+    # The kernel is a subprocess: it inherits the environment and, should nbclient not pass
+    # it the path below, this working directory rather than the repository's.
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
     nb = nbformat.read(copy, as_version=4)
     client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
                                      resources={"metadata": {"path": str(tmp_path)}})

@@ -1,16 +1,22 @@
-"""What `bench throughput` and `bench latency` share: flags, backends, timings, environment, JSON."""
+"""What the benchmark scripts share: `bench throughput` and `bench latency`'s flags, backends,
+timings and report; `host_step` and its nano-vllm peer's per-part figures and table.
+
+The environment and the JSON are the kernel harness's (`pallas_kernels.harness`), so that
+every benchmark's report says the same things about where it ran.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from jaxvllm.dummy import MODEL_HELP
+from pallas_kernels import harness
 
 BACKENDS = ("jaxvllm", "hf", "both")
 
@@ -39,8 +45,7 @@ class RunTimings:
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     """Flags of both bench commands (the engine flags come from `jaxvllm.engine_args`)."""
-    parser.add_argument("--model", required=True,
-                        help="checkpoint folder, or dummy:tiny | dummy:qwen3-0.6b | dummy:llama3-8b (random weights)")
+    parser.add_argument("--model", required=True, help=MODEL_HELP)
     parser.add_argument("--backend", choices=BACKENDS, default="jaxvllm",
                         help="jaxvllm, HF transformers (hf), or both on the same requests with their ratio")
     parser.add_argument("--hf-mode", choices=("auto", "cb", "padded"), default="auto",
@@ -67,24 +72,20 @@ def stats(values: list[float]) -> dict[str, float]:
     return {"mean": float(a.mean()), **{f"p{q}": float(np.percentile(a, q)) for q in (50, 90, 99)}}
 
 
+# The harness's names for its fields -> the names this report has always had (scripts read them).
+_ENV_NAMES = {"python": "python_version", "jax": "jax_version", "jaxlib": "jaxlib_version", "backend": "platform",
+              "device_kind": "device"}
+
+
 def environment(hf_device: str | None = None) -> dict[str, Any]:
-    """Versions and devices, for the JSON. Touches JAX's devices: call it after the runs."""
-    import jax
+    """The harness's environment, with the versions that matter to these two benchmarks.
+    Touches JAX's devices: call it after the runs."""
     import transformers
 
     import jaxvllm
 
-    devices = jax.devices()
-    env = {
-        "jaxvllm_version": jaxvllm.__version__,
-        "jax_version": jax.__version__,
-        "transformers_version": transformers.__version__,
-        "python_version": platform.python_version(),
-        "platform": jax.default_backend(),
-        "device": devices[0].device_kind,
-        "num_devices": len(devices),
-        "hostname": platform.node(),
-    }
+    env = {_ENV_NAMES.get(k, k): v for k, v in harness.environment().items()}
+    env.update(jaxvllm_version=jaxvllm.__version__, transformers_version=transformers.__version__)
     torch = sys.modules.get("torch")
     if torch is not None:
         env["torch_version"] = torch.__version__
@@ -93,8 +94,36 @@ def environment(hf_device: str | None = None) -> dict[str, Any]:
     return env
 
 
-def write_json(path: Path | None, result: dict) -> None:
+def write_report(path: Path | None, report: dict, hf_device: str | None) -> None:
+    """The environment goes in last, after the runs (see `environment`); `--output-json` may be unset."""
+    report["environment"] = environment(hf_device)
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2) + "\n")
+        harness.write_json(path, report)
         print(f"wrote {path}")
+
+
+# -- host_step and nanovllm_peer: host time per step, part by part -----------------------------
+
+
+def summarize(times: dict, n: int) -> dict:
+    """{part: [seconds per step]} -> {part: mean/p50/p90 ms and us per request} for n requests."""
+    figures = {}
+    for part, seconds in times.items():
+        ms = np.asarray(seconds) * 1e3
+        figures[part] = {"mean_ms": float(ms.mean()), "p50_ms": float(np.percentile(ms, 50)),
+                         "p90_ms": float(np.percentile(ms, 90)), "us_per_request": float(ms.mean() * 1e3 / n)}
+    return figures
+
+
+def print_parts(parts: dict) -> None:
+    print(f"{'part':<16}{'mean ms':>10}{'p50 ms':>10}{'p90 ms':>10}{'us/request':>12}")
+    for part, f in parts.items():
+        print(f"{part:<16}{f['mean_ms']:>10.3f}{f['p50_ms']:>10.3f}{f['p90_ms']:>10.3f}{f['us_per_request']:>12.2f}")
+
+
+def print_host_step(result: dict, detail: str, label: str = "") -> None:
+    """One run's heading and table of parts. `label` and `detail` say what tells one engine's
+    run from the other's (nano-vllm's commit and block size, our requests' earlier output)."""
+    print(f"\n{label}{result['num_requests']} decoding requests, {result['steps']} steps "
+          f"(prompt {result['prompt_len']}, {detail}, {result['prefill_steps']} prefill steps untimed)")
+    print_parts(result["parts"])

@@ -20,7 +20,7 @@ from jaxvllm.sampling_params import StructuredOutputsParams
 
 DATASETS = ("random", "nanovllm", "shared-prefix", "json-schema")
 
-# B1 in DESIGN.md: nano-vllm's bench.py workload.
+# B1 (the README's "Command line"): nano-vllm's bench.py workload.
 NANOVLLM_NUM_PROMPTS = 256
 NANOVLLM_MIN_LEN, NANOVLLM_MAX_LEN = 100, 1024
 NANOVLLM_MAX_MODEL_LEN = 4096
@@ -146,8 +146,3 @@ def is_valid_json(text: str, schema: dict = JSON_SCHEMA) -> bool:
     except (ValueError, jsonschema.ValidationError):
         return False
     return True
-
-
-def totals(requests: list[BenchRequest]) -> tuple[int, int]:
-    """(prompt tokens, output tokens) over a request list."""
-    return sum(r.prompt_len for r in requests), sum(r.output_len for r in requests)

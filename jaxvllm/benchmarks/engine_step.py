@@ -14,8 +14,9 @@ back as the engine runs them (`pipelined_step_ms`, and `busy_dispatch_ms`: a cal
 return while the step before still runs; near the step time, dispatch waits for the
 device and the host's work cannot overlap it), copies of the cache in the compiled HLO
 (should be 0), and whether the backends' greedy tokens agree. It
-complements `python -m pallas_kernels.bench` (the kernels alone), whose helpers it
-uses; it lives here because the kernel package imports nothing from jaxvllm.
+complements `python -m pallas_kernels.bench` (the kernels alone), whose harness
+(`pallas_kernels.harness`) it uses; it lives here because the kernel package imports
+nothing from jaxvllm.
 Figures go to stdout and to JSON (`--json PATH`, default $OUT/engine_step.json when
 $OUT is set).
 """
@@ -38,8 +39,9 @@ from jaxvllm.dummy import get_dummy
 from jaxvllm.kv_cache import allocate_kv_caches
 from jaxvllm.loader import dummy_params
 from jaxvllm.models import forward
-from pallas_kernels.bench import DTYPE, attempt, environment, json_path, summary, write_json
+from pallas_kernels.bench import DTYPE
 from pallas_kernels.common import cdiv
+from pallas_kernels.harness import attempt, environment, json_path, summary, write_json
 from pallas_kernels.hlo import count_cache_copies
 
 # `floor`: a step with few short sequences, whose time is the step's fixed cost (weights, the
@@ -91,7 +93,7 @@ def bench_step(cfg: dict, iters: int, backends=tuple(BACKENDS)) -> dict:
             fn = step_of(backend)
             compiled = fn.lower(params, caches, inputs).compile()
             copies = count_cache_copies(compiled.as_text(), caches[0][0].shape)
-            # Not bench.time_fn: the donated caches must be handed from one call to the next.
+            # Not harness.time_fn: the donated caches must be handed from one call to the next.
             times, dispatch = [], []
             for i in range(iters + 1):
                 start = time.perf_counter()

@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxvllm.batch_builder import BatchBuilder, HostBatch, default_buckets
+from jaxvllm.benchmarks.common import print_host_step, summarize
 from jaxvllm.config import EngineConfig
 from jaxvllm.dummy import write_dummy_model
 from jaxvllm.engine import LLMEngine
@@ -158,22 +159,6 @@ def time_steps(engine: LLMEngine, steps: int, rng, profile: cProfile.Profile | N
     return times
 
 
-def summarize(times: dict, n: int) -> dict:
-    """{part: [seconds per step]} -> {part: mean/p50/p90 ms and us per request} for n requests."""
-    figures = {}
-    for part, seconds in times.items():
-        ms = np.asarray(seconds) * 1e3
-        figures[part] = {"mean_ms": float(ms.mean()), "p50_ms": float(np.percentile(ms, 50)),
-                         "p90_ms": float(np.percentile(ms, 90)), "us_per_request": float(ms.mean() * 1e3 / n)}
-    return figures
-
-
-def print_parts(parts: dict) -> None:
-    print(f"{'part':<16}{'mean ms':>10}{'p50 ms':>10}{'p90 ms':>10}{'us/request':>12}")
-    for part, f in parts.items():
-        print(f"{part:<16}{f['mean_ms']:>10.3f}{f['p50_ms']:>10.3f}{f['p90_ms']:>10.3f}{f['us_per_request']:>12.2f}")
-
-
 def run(num_requests: int, steps: int, prompt_len: int, output_len: int, folder: str, seed: int = 0,
         profile: cProfile.Profile | None = None) -> dict:
     rng = np.random.default_rng(seed)
@@ -226,13 +211,6 @@ def print_pipelining(result: dict) -> None:
               f"{r['async_over_max_host_device']:>19.3f}{r['sync_device_busy']:>11.1%}{r['async_device_busy']:>12.1%}")
 
 
-def print_table(result: dict) -> None:
-    print(f"\n{result['num_requests']} decoding requests, {result['steps']} steps "
-          f"(prompt {result['prompt_len']}, output {result['output_len']}+, "
-          f"{result['prefill_steps']} prefill steps untimed)")
-    print_parts(result["parts"])
-
-
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--num-requests", type=int, nargs="+", default=[256, 1024])
@@ -257,7 +235,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for n in args.num_requests:
             profile = cProfile.Profile() if args.profile else None
             results.append(run(n, args.steps, args.prompt_len, args.output_len, folder, profile=profile))
-            print_table(results[-1])
+            print_host_step(results[-1], f"output {results[-1]['output_len']}+")
             if profile:
                 pstats.Stats(profile).sort_stats("cumulative").print_stats(args.profile)
             if args.nanovllm:

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from jaxvllm.benchmarks import datasets as ds
 from jaxvllm.benchmarks.backends import make_backend
-from jaxvllm.benchmarks.common import add_bench_args, backend_names, environment, stats, write_json
+from jaxvllm.benchmarks.common import add_bench_args, backend_names, stats, write_report
 from jaxvllm.benchmarks.throughput import prompt_vocab_size
 from jaxvllm.dummy import resolve_model
 from jaxvllm.engine_args import add_engine_args, engine_kwargs
@@ -116,6 +116,5 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         report["ratio"] = ratio
         print("jaxvllm / hf (mean, lower is faster): "
               + ", ".join(f"{name} {ratio[key]:.2f}x" for key, name in _METRICS if key in ratio))
-    report["environment"] = environment(hf_device)
-    write_json(args.output_json, report)
+    write_report(args.output_json, report, hf_device)
     return report

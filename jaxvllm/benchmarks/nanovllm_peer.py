@@ -35,7 +35,7 @@ from unittest import mock
 
 import numpy as np
 
-from jaxvllm.benchmarks.host_step import print_parts, summarize
+from jaxvllm.benchmarks.common import print_host_step, summarize
 
 PARTS = ("schedule", "prepare", "update", "total")
 VOCAB = 32000
@@ -132,13 +132,6 @@ def time_nanovllm(path: str, num_requests: int, prompt_len: int, steps: int, see
             "prefill_steps": prefill_steps, "block_size": block_size, "source": path, "commit": _commit(path)}
 
 
-def print_table(result: dict) -> None:
-    print(f"\nnano-vllm {(result['commit'] or 'unknown commit')[:12]}: {result['num_requests']} decoding requests, "
-          f"{result['steps']} steps (prompt {result['prompt_len']}, block {result['block_size']}, "
-          f"{result['prefill_steps']} prefill steps untimed)")
-    print_parts(result["parts"])
-
-
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nanovllm", required=True, metavar="PATH", help="a nano-vllm checkout (the folder holding nanovllm/)")
@@ -154,8 +147,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     path = str(Path(args.nanovllm).resolve())
     results = []
     for n in args.num_requests:
-        results.append(time_nanovllm(path, n, args.prompt_len, args.steps))
-        print_table(results[-1])
+        r = time_nanovllm(path, n, args.prompt_len, args.steps)
+        results.append(r)
+        commit = r["commit"][:12] if r["commit"] else "unknown commit"
+        print_host_step(r, f"block {r['block_size']}", f"nano-vllm {commit}: ")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return results

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxvllm.benchmarks.jaxvllm_backend import time_steps
-from jaxvllm.dummy import resolve_model
+from jaxvllm.dummy import MODEL_HELP, resolve_model
 from jaxvllm.llm import LLM
 from jaxvllm.sampling_params import SamplingParams
 
@@ -37,7 +37,7 @@ def configurations(max_tokens: int) -> dict[str, list[SamplingParams] | Sampling
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="dummy:tiny")
+    ap.add_argument("--model", default="dummy:tiny", help=MODEL_HELP)
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=64)

@@ -18,7 +18,7 @@ from typing import Any
 
 from jaxvllm.benchmarks import datasets as ds
 from jaxvllm.benchmarks.backends import make_backend
-from jaxvllm.benchmarks.common import RunTimings, add_bench_args, backend_names, environment, write_json
+from jaxvllm.benchmarks.common import RunTimings, add_bench_args, backend_names, write_report
 from jaxvllm.dummy import ModelSource, resolve_model
 from jaxvllm.engine_args import add_engine_args, engine_kwargs
 from jaxvllm.loader import load_config
@@ -297,6 +297,5 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             same = sum(a == b for a, b in zip(outputs["jaxvllm"], outputs["hf"]))
             report["identical_completions"] = same
             print(f"identical greedy completions: {same}/{len(requests)}")
-    report["environment"] = environment(hf_device)
-    write_json(args.output_json, report)
+    write_report(args.output_json, report, hf_device)
     return report
