@@ -357,7 +357,7 @@ class LLMEngine:
                 return []
             result = launched[1].result()  # waits for the device
             with defer_interrupts():
-                outputs = self._process(launched[0], result)
+                outputs = self._process(launched[0], result, launched[1].batch.grammar_rows)
                 self._sample_constrained()
                 return outputs
         except BaseException:
@@ -403,9 +403,11 @@ class LLMEngine:
         if self.runner.recover():
             self.reset_prefix_cache()
 
-    def _process(self, out: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
-        """Append a step's tokens and apply the stop checks; the outputs to return."""
+    def _process(self, out: SchedulerOutput, result: RunnerOutput, grammar_rows=()) -> list[RequestOutput]:
+        """Append a step's tokens and apply the stop checks; the outputs to return.
+        `grammar_rows`: the step's (scheduled index, grammar) of structured-output rows."""
         now = time.time()  # when the host has this step's tokens (the scheduler stamps first tokens too)
+        ended = self._end_dead_ends(out, grammar_rows)
         updated = self.scheduler.update_from_output(out, result.sampled)
         self.metrics.record_step(updated, now)
         if result.logprobs is not None or result.prompt_logprobs is not None:
@@ -417,10 +419,10 @@ class LLMEngine:
             if request.status is RequestStatus.FINISHED:
                 finished.append(request.request_id)
                 self.metrics.record_finished(request)  # its finish reason is final: stop strings were checked
-        self.runner.release(finished)
+        self.runner.release(finished + [r.request_id for r in ended])
 
         outputs, seen, final_only = [], set(), RequestOutputKind.FINAL_ONLY
-        for request in updated:
+        for request in updated + ended:
             parent = self._parents.get(request.parent_id)
             if parent is None or parent.request_id in seen:
                 continue
@@ -434,6 +436,24 @@ class LLMEngine:
             elif parent.output_kind is not final_only:
                 outputs.append(self._output(parent))
         return outputs
+
+    def _end_dead_ends(self, out: SchedulerOutput, grammar_rows) -> list[Request]:
+        """Finish the requests of this step whose grammar the model's vocabulary cannot go on
+        with (their mask allowed only ids the tokenizer alone has): before their tokens are
+        appended, so the token each row sampled without a constraint is dropped."""
+        ended = []
+        for i, grammar in grammar_rows:
+            request = out.scheduled[i].request
+            if not grammar.dead_end or request.is_finished:
+                continue
+            reason = grammar.dead_end_reason
+            if reason == "abort":
+                logger.warning("request %s: its grammar allows only token ids past the model's vocabulary (%d) "
+                               "next; ended", request.request_id, self.model_config.vocab_size)
+            self.scheduler.finish(request, reason)
+            self.metrics.record_finished(request)
+            ended.append(request)
+        return ended
 
     def _detokenize(self, request: Request) -> None:
         """Bring the text up to date with the tokens; a stop string ends the completion.
