@@ -10,6 +10,13 @@ come next); the jitted sampler masks the logits with it. The matcher advances on
 token the request gets (`Request.append_token`), and the request ends when the grammar
 is complete (finish reason "stop").
 
+The tokenizer may have more ids than the model's vocabulary (added special tokens the
+model never learned: transformers 5 gives Qwen2's tokenizer an extra <|endoftext|>), or
+fewer (embeddings padded past it). llguidance refuses a size below the tokenizer's, so its
+tokenizer spans the larger of the two, and the ids at or past the model's vocabulary are
+masked out of every row: the sampler never sees them. A grammar that can then go on only
+with such an id is at a dead end (`Grammar.dead_end`): the engine ends the request there.
+
 llguidance is a Rust core with a numpy API and no Python dependencies; xgrammar, vLLM's
 other default, would pull torch and triton into a JAX engine at run time.
 """
@@ -46,6 +53,12 @@ MAX_CACHED_GRAMMARS = 1024
 
 def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
+
+
+def tokenizer_size(tokenizer) -> int:
+    """The ids a HF tokenizer has, added tokens included, as llguidance counts them."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return backend.get_vocab_size(with_added_tokens=True) if backend is not None else len(tokenizer)
 
 
 def _no_additional_properties(schema):
@@ -116,6 +129,9 @@ class Grammar:
     def __init__(self, compiled: Future) -> None:
         self._compiled = compiled
         self._matcher = None  # the request's own copy, made when first needed
+        # Set when filling a mask: no id of the model's vocabulary may come next (only ids
+        # that the tokenizer alone has); the engine ends the request, dropping that row's token.
+        self.dead_end = False
 
     @property
     def ready(self) -> bool:
@@ -141,6 +157,12 @@ class Grammar:
     def error(self) -> str:
         return self.matcher.get_error()
 
+    @property
+    def dead_end_reason(self) -> str:
+        """A dead end's finish reason: "stop" if the text is a complete match already (only an
+        EOS the model lacks could follow), else "abort" (the grammar needs an id the model lacks)."""
+        return "stop" if self.matcher.is_accepting() else "abort"
+
 
 class StructuredOutputManager:
     """Grammars for one engine: checks specs, compiles each distinct one once (in a thread
@@ -162,9 +184,12 @@ class StructuredOutputManager:
 
     @property
     def tokenizer(self):
-        """llguidance's view of the tokenizer, built on first use (vocabulary-sized)."""
+        """llguidance's view of the tokenizer, built on first use over the larger of the model's
+        vocabulary and the tokenizer's ids (llguidance refuses fewer ids than the tokenizer has;
+        ids past the tokenizer's are never allowed)."""
         if self._tokenizer is None:
-            self._tokenizer = _llguidance().hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size)
+            n_vocab = max(self.vocab_size, tokenizer_size(self.hf_tokenizer))
+            self._tokenizer = _llguidance().hf.from_tokenizer(self.hf_tokenizer, n_vocab=n_vocab)
         return self._tokenizer
 
     def grammar(self, spec: StructuredOutputsParams) -> Grammar:
@@ -196,18 +221,34 @@ class StructuredOutputManager:
         return matcher
 
     def bitmask(self, rows: list[tuple[int, Grammar]], num_rows: int) -> np.ndarray:
-        """int32 [num_rows, ceil(vocab / 32)]: each (row, grammar)'s allowed next tokens, all
-        bits set elsewhere (a finished grammar's row too: its token is dropped)."""
+        """int32 [num_rows, ceil(vocab / 32)] over the model's vocabulary: each (row, grammar)'s
+        allowed next tokens, all bits set elsewhere (a finished grammar's row too: its token
+        is dropped; and a row newly at a dead end, whose grammar is marked so)."""
         llguidance = _llguidance()
         start = time.perf_counter()
-        mask = np.full((num_rows, bitmask_words(self.vocab_size)), -1, np.int32)
-        live = [(g.matcher, row) for row, g in rows if not g.finished]
-        if len(live) == 1:
-            llguidance.numpy.fill_next_token_bitmask(live[0][0], mask, live[0][1])
-        elif live:
+        vocab, words = self.vocab_size, bitmask_words(self.vocab_size)
+        # llguidance fills rows as wide as its tokenizer: wider when the tokenizer has ids
+        # past the model's vocabulary.
+        extra = self.tokenizer.vocab_size > vocab
+        mask = np.full((num_rows, bitmask_words(self.tokenizer.vocab_size)), -1, np.int32)
+        live = [(g, row) for row, g in rows if not (g.finished or g.dead_end)]
+        matchers = [(g.matcher, row) for g, row in live]
+        if len(matchers) == 1:
+            llguidance.numpy.fill_next_token_bitmask(matchers[0][0], mask, matchers[0][1])
+        elif matchers:
             if self._mask_executor is None:
                 self._mask_executor = llguidance.LLExecutor()
-            llguidance.numpy.fill_next_token_bitmask_par(self._mask_executor, live, mask)
+            llguidance.numpy.fill_next_token_bitmask_par(self._mask_executor, matchers, mask)
+        if extra:
+            mask = np.ascontiguousarray(mask[:, :words])
+            if live:
+                live_rows = [row for _, row in live]
+                if vocab % 32:  # the last word's bits at or past the vocabulary
+                    mask[live_rows, -1] &= np.int32((1 << vocab % 32) - 1)
+                for (g, row), allowed in zip(live, mask[live_rows].any(axis=1)):
+                    if not allowed:
+                        g.dead_end = True
+                        mask[row] = -1  # (its token is dropped; an all -inf row would sample junk anyway)
         self.mask_seconds += time.perf_counter() - start
         self.mask_steps += 1
         return mask

@@ -12,10 +12,11 @@ import llguidance.numpy
 import numpy as np
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from jaxvllm import LLM, SamplingParams, StructuredOutputsParams
 from jaxvllm.config import StructuredOutputsConfig
-from jaxvllm.structured_output import grammar_text
+from jaxvllm.structured_output import StructuredOutputManager, bitmask_words, grammar_text
 
 ENGINE = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, token_buckets=[16, 64])
 PROMPTS = [f"Record {i}:" for i in range(24)]
@@ -308,3 +309,87 @@ def test_mask_filling_is_counted(llm):
     llm.generate(PROMPTS[:4], constrained(choice=["a1", "b2"]), use_tqdm=False)
     stats = llm.llm_engine.stats()
     assert stats["structured_output_mask_steps"] > before and stats["structured_output_mask_seconds"] > 0
+
+
+# A tokenizer with an id past the model's vocabulary (<|extra_0|> = 384, vocab_size 384), as
+# transformers 5 gives Qwen2's tokenizer an <|endoftext|> more than the model's embeddings.
+SHORT_VOCAB = dict(vocab_size=384, extra_tokens=1)
+
+
+@pytest.fixture(scope="module")
+def short_vocab_path(tiny_checkpoint):
+    return tiny_checkpoint("llama", **SHORT_VOCAB)
+
+
+@pytest.fixture(scope="module")
+def short_vocab_llm(short_vocab_path):
+    with LLM(short_vocab_path, **ENGINE) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def short_vocab_sync_llm(short_vocab_path):
+    with LLM(short_vocab_path, **ENGINE, async_scheduling=False) as engine:
+        yield engine
+
+
+@pytest.mark.parametrize("engine", ["short_vocab_llm", "llm"])
+def test_tokenizer_and_vocabulary_of_different_sizes(request, engine):
+    """A tokenizer with more ids than the model's vocabulary (llguidance refused it: "vocab
+    size too small; 384 vs 385"), and one with fewer (the tiny model's 512 embeddings, 384
+    ids): the outputs follow the grammar, with no id past either size."""
+    llm = request.getfixturevalue(engine)
+    vocab = llm.llm_engine.model_config.vocab_size
+    assert (len(llm.get_tokenizer()) > vocab) == (engine == "short_vocab_llm")
+    limit = min(vocab, len(llm.get_tokenizer()))
+    choices = ["alpha", "beta", "gamma"]
+    cases = [
+        (dict(json=SCHEMAS[1], disable_any_whitespace=True), lambda t: jsonschema.validate(json.loads(t), SCHEMAS[1])),
+        (dict(regex=r"\d{3}-[a-z]{2,5}"), lambda t: re.fullmatch(r"\d{3}-[a-z]{2,5}", t) or pytest.fail(t)),
+        (dict(choice=choices), lambda t: t in choices or pytest.fail(t)),
+    ]
+    for spec, check in cases:
+        for out in llm.generate(PROMPTS[:8], constrained(**spec), use_tqdm=False):
+            completion = out.outputs[0]
+            assert completion.finish_reason == "stop"
+            check(completion.text)
+            assert max(completion.token_ids) < limit
+
+
+@pytest.mark.parametrize("engine", ["short_vocab_llm", "short_vocab_sync_llm"])
+def test_a_grammar_that_needs_an_id_past_the_vocabulary_ends_the_request(request, engine):
+    """After "a" the grammar allows only <|extra_0|>, which the model cannot produce: the
+    request ends there ("abort"), without a junk token, and the others in the batch go on."""
+    llm = request.getfixturevalue(engine)
+    a = llm.get_tokenizer().encode("a", add_special_tokens=False)
+    stuck = SamplingParams(temperature=0, max_tokens=20, logprobs=1,
+                           structured_outputs=StructuredOutputsParams(grammar='start: "a" <|extra_0|> "b"'))
+    others = [constrained(regex=r"[a-z]{3,6}"), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]
+    alone = llm.generate(PROMPTS[:2], others, use_tqdm=False)
+    mixed = llm.generate(PROMPTS[:2] + PROMPTS[:4], others + [stuck] * 4, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in mixed[:2]] == [o.outputs[0].token_ids for o in alone]
+    for out in mixed[2:]:
+        completion = out.outputs[0]
+        assert (completion.token_ids, completion.text, completion.finish_reason) == (a, "a", "abort")
+        assert len(completion.logprobs) == len(a)
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert llm.llm_engine.kv_cache_manager.num_free_blocks == llm.llm_engine.runner.num_blocks
+
+
+def test_a_complete_match_that_only_an_eos_past_the_vocabulary_could_follow_stops(short_vocab_path):
+    """The tokenizer's EOS past the model's vocabulary: a complete match is a dead end that
+    stops (not aborts); every mask is the model's width, with no id past it allowed."""
+    tokenizer = AutoTokenizer.from_pretrained(short_vocab_path)
+    tokenizer.eos_token = "<|extra_0|>"
+    vocab = SHORT_VOCAB["vocab_size"]
+    manager = StructuredOutputManager(tokenizer, vocab, StructuredOutputsConfig(), wait=True)
+    grammar = manager.grammar(StructuredOutputsParams(grammar='start: "a" <|extra_0|>?'))
+    a = tokenizer.encode("a", add_special_tokens=False)
+    mask = manager.bitmask([(1, grammar)], 3)
+    assert mask.shape == (3, bitmask_words(vocab))
+    assert np.flatnonzero(np.unpackbits(mask[1].view(np.uint8), bitorder="little")).tolist() == a
+    assert (mask[[0, 2]] == -1).all() and not grammar.dead_end
+    assert grammar.accept(a[0]) and grammar.matcher.is_accepting() and not grammar.finished
+    mask = manager.bitmask([(1, grammar)], 3)  # only <|extra_0|> (EOS, or the grammar's) may follow
+    assert grammar.dead_end and grammar.dead_end_reason == "stop" and (mask == -1).all()
+    manager.shutdown()

@@ -143,6 +143,7 @@ def make_tiny(
     dtype: str = "float32",
     max_shard_size: str | None = None,
     save_original_format: bool = True,
+    extra_tokens: int = 0,
     **overrides,
 ) -> Path:
     """Write a tiny random checkpoint of `arch` (a key of ARCHITECTURES: "llama", "qwen3", "gemma3", ...).
@@ -150,7 +151,10 @@ def make_tiny(
     `overrides` go into the transformers config (e.g. `sliding_window=8`);
     `max_shard_size` (e.g. "30KB") writes several shards plus the index file;
     `save_original_format=False` writes transformers 5's own layout (a mixture of experts'
-    experts fused into [E, ...] tensors) instead of the per-expert one.
+    experts fused into [E, ...] tensors) instead of the per-expert one;
+    `extra_tokens` special tokens <|extra_0|>, ... are added to the tokenizer after its own
+    ids, past the model's vocabulary if `vocab_size` leaves no room (as transformers 5 adds
+    an <|endoftext|> to Qwen2's tokenizer), to test tokenizers larger than the model.
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -175,6 +179,9 @@ def make_tiny(
     model.save_pretrained(str(path), **save_kwargs)
     tokenizer = make_tokenizer(path)
     assert len(tokenizer) <= config.vocab_size
+    if extra_tokens:
+        tokenizer.add_special_tokens({"additional_special_tokens": [f"<|extra_{i}|>" for i in range(extra_tokens)]})
+        tokenizer.save_pretrained(str(path))
     return path
 
 
