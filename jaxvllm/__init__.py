@@ -1,37 +1,43 @@
-"""jaxvllm: a vLLM-style LLM inference engine on JAX/XLA with Pallas kernels."""
+"""jaxvllm: a vLLM-style LLM inference engine on JAX/XLA with Pallas kernels.
 
-from jaxvllm.batch import ModelInputs
-from jaxvllm.beam_search import BeamSearchOutput, BeamSearchSequence
-from jaxvllm.config import EngineConfig
-from jaxvllm.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
-from jaxvllm.engine import LLMEngine
-from jaxvllm.engine_args import EngineArgs
-from jaxvllm.inputs import TextPrompt, TokensPrompt
-from jaxvllm.llm import LLM
-from jaxvllm.loader import load_model
-from jaxvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from jaxvllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
+The names below are imported on first use (PEP 562), so that importing a leaf such as
+`jaxvllm.config` to validate engine arguments loads neither jax nor the kernels.
+"""
+
+import importlib
 
 __version__ = "0.1.0"
-__all__ = [
-    "LLM",
-    "BeamSearchOutput",
-    "BeamSearchParams",
-    "BeamSearchSequence",
-    "CompletionOutput",
-    "EngineArgs",
-    "EngineConfig",
-    "LLMEngine",
-    "ModelConfig",
-    "ModelInputs",
-    "RequestMetrics",
-    "RequestOutput",
-    "RequestOutputKind",
-    "SUPPORTED_ARCHITECTURES",
-    "SamplingParams",
-    "StructuredOutputsParams",
-    "TextPrompt",
-    "TokensPrompt",
-    "load_model",
-    "__version__",
-]
+
+# name -> the module that defines it
+_EXPORTS = {
+    "LLM": "jaxvllm.llm",
+    "BeamSearchOutput": "jaxvllm.beam_search",
+    "BeamSearchSequence": "jaxvllm.beam_search",
+    "BeamSearchParams": "jaxvllm.sampling_params",
+    "CompletionOutput": "jaxvllm.outputs",
+    "EngineArgs": "jaxvllm.engine_args",
+    "EngineConfig": "jaxvllm.config",
+    "LLMEngine": "jaxvllm.engine",
+    "ModelConfig": "jaxvllm.model_config",
+    "ModelInputs": "jaxvllm.batch",
+    "RequestMetrics": "jaxvllm.outputs",
+    "RequestOutput": "jaxvllm.outputs",
+    "RequestOutputKind": "jaxvllm.sampling_params",
+    "SUPPORTED_ARCHITECTURES": "jaxvllm.model_config",
+    "SamplingParams": "jaxvllm.sampling_params",
+    "StructuredOutputsParams": "jaxvllm.sampling_params",
+    "TextPrompt": "jaxvllm.inputs",
+    "TokensPrompt": "jaxvllm.inputs",
+    "load_model": "jaxvllm.loader",
+}
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'jaxvllm' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

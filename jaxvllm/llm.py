@@ -173,6 +173,8 @@ class LLM:
 
     def _abort_generating(self) -> None:
         """Abort what an interrupted generate left queued; nothing else."""
+        if not self._generating:
+            return
         for e in self.engines:
             e.abort_request(self._generating)
         self._generating = []

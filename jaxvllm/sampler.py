@@ -171,7 +171,9 @@ def state_row(request: Request, vocab_size: int) -> SamplerState:
     prompt_mask[request.prompt_token_ids] = True
     counts = np.bincount(np.asarray(outputs, np.int64), minlength=vocab_size).astype(np.int32)
     stop_mask = np.zeros(vocab_size, bool)
-    stop_mask[list(request.eos_token_ids) + params.stop_token_ids] = True
+    # (a tokenizer's EOS may lie past the model's vocabulary: it can never be sampled)
+    stop = [t for t in (*request.eos_token_ids, *params.stop_token_ids) if t < vocab_size]
+    stop_mask[stop] = True
     bad_words = np.full((MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS), -1, np.int32)
     for i, word in enumerate(request.bad_words_token_ids):
         bad_words[i, MAX_BAD_WORD_TOKENS - len(word):] = word

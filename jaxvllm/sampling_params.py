@@ -70,7 +70,10 @@ class SamplingParams:
 
     Processing order on device (as vLLM V1): logit_bias / allowed_token_ids / min_tokens
     masks, penalties, temperature, min_p, top_k, top_p; then sample (per-request seeded)
-    or argmax when temperature is 0. Logprobs are of the raw model logits.
+    or argmax when temperature is 0. Logprobs are of what the engine's `logprobs_mode`
+    says: by default (vLLM's "raw_logprobs") of the raw model logits, else of the raw logits
+    themselves or of the logits the sampler drew from; prompt logprobs are always of the
+    raw model logits, as vLLM's.
     """
 
     n: int = 1

@@ -5,6 +5,7 @@ import os
 import random
 import signal
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ import pytest
 import jaxvllm.llm
 from jaxvllm import LLM, SamplingParams
 from jaxvllm.batch_builder import BatchBuilder
+from jaxvllm.engine import LLMEngine
 from jaxvllm.model_runner import ModelRunner, PendingStep
 from jaxvllm.scheduler import Scheduler
 
@@ -112,24 +114,75 @@ def test_interrupt_before_the_loop_does_not_lock_the_engine_out(case, monkeypatc
     assert_healthy(llm, want)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("use_tqdm", [False, True])
-def test_sigint_at_random_moments(case, use_tqdm):
-    """Real SIGINTs at random times during generate; each interrupted call raises, and the
-    same LLM then serves as if nothing happened."""
+def test_interrupt_right_after_a_request_is_queued_does_not_lock_generate_out(case, monkeypatch):
+    """A Ctrl-C held back while a request is queued lands just after: before, `generate`'s
+    cleanup did not know that request, and every later call refused ("unfinished requests
+    added by hand")."""
     llm, want = case
-    rng = random.Random(0)
+    real, calls = LLMEngine.add_parent, []
+
+    def add_parent(self, parent):
+        real(self, parent)
+        calls.append(parent.request_id)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(LLMEngine, "add_parent", add_parent)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts()[:3], GREEDY, use_tqdm=False)
+    monkeypatch.undo()
+    assert_healthy(llm, want)
+
+
+def test_a_second_interrupt_during_the_cleanup_does_not_lock_generate_out(case, monkeypatch):
+    """A second Ctrl-C that cuts `generate`'s cleanup short: the next call aborts what the
+    interrupted one left queued, and nothing else."""
+    llm, want = case
+    real_step, real_abort, steps, aborts = LLMEngine.step, LLMEngine.abort_request, [], []
+
+    def step(self):
+        steps.append(1)
+        if len(steps) == 2:
+            raise KeyboardInterrupt  # the first Ctrl-C
+        return real_step(self)
+
+    def abort_request(self, request_ids):
+        aborts.append(1)
+        if len(aborts) == 1:
+            raise KeyboardInterrupt  # the second, before anything is aborted
+        return real_abort(self, request_ids)
+
+    monkeypatch.setattr(LLMEngine, "step", step)
+    monkeypatch.setattr(LLMEngine, "abort_request", abort_request)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts(), GREEDY, use_tqdm=False)
+    monkeypatch.undo()
+    engine = llm.llm_engine
+    assert engine.scheduler.has_unfinished_requests()  # left queued by the cut-short cleanup
+    by_hand = engine.make_requests("by-hand", {"prompt_token_ids": [5, 6]}, GREEDY)
+    engine.add_parent(by_hand)
+    with pytest.raises(RuntimeError, match="unfinished requests added by hand"):
+        llm.generate(prompts(), GREEDY, use_tqdm=False)  # a request added by hand is never aborted
+    assert set(engine.scheduler.requests) == {"by-hand"}  # the interrupted call's ones were
+    engine.abort_request("by-hand")
+    assert_healthy(llm, want)
+
+
+def send_sigints(llm: LLM, want, call, want_call, delays: list[float]) -> int:
+    """A real SIGINT `delay` seconds into each `call()`; each interrupted call raises, each
+    finished one returns the tokens `want_call`, and after each the LLM serves as if
+    nothing happened. Returns how many calls were interrupted."""
     interrupted = 0
-    for _ in range(12):
-        timer = threading.Timer(rng.uniform(0.0, 0.25), os.kill, (os.getpid(), signal.SIGINT))
-        timer.start()
+    for delay in delays:
+        timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
         try:
-            out = llm.generate(prompts(), GREEDY, use_tqdm=use_tqdm)
-            timer.join()  # the signal may still come: let it land here, outside generate
+            timer.start()  # (a short delay may land in here already)
+            out = call()
+            timer.join()  # the signal may still come: let it land here, outside the call
         except KeyboardInterrupt:
             interrupted += 1
         else:
-            assert tokens(out) == want
+            assert tokens(out) == want_call
         finally:
             timer.cancel()
             try:
@@ -137,7 +190,45 @@ def test_sigint_at_random_moments(case, use_tqdm):
             except KeyboardInterrupt:
                 pass
         assert_healthy(llm, want)
-    assert interrupted > 0
+    return interrupted
+
+
+def seconds(call) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("use_tqdm", [False, True])
+def test_sigint_at_random_moments(case, use_tqdm):
+    """Real SIGINTs at random times during generate (over the time an uninterrupted call
+    takes, so that they land inside it): no lock-out, no wrong output, no leaked block."""
+    llm, want = case
+    call = lambda: llm.generate(prompts(), GREEDY, use_tqdm=use_tqdm)  # noqa: E731
+    duration = min(seconds(call) for _ in range(3))
+    rng = random.Random(0)
+    delays = [rng.uniform(0.0, duration) for _ in range(30)]
+    assert send_sigints(llm, want, call, want, delays) >= len(delays) // 2
+
+
+@pytest.mark.slow
+def test_sigint_while_a_long_prompt_list_is_queued(case, monkeypatch):
+    """Real SIGINTs while generate validates and queues a long prompt list (before its first
+    step), where a queued request and the caller's record of it were once apart."""
+    llm, want = case
+    many, one = prompts() * 40, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    call = lambda: llm.generate(many, one, use_tqdm=False)  # noqa: E731
+    want_many = tokens(call())
+    real, first_step = LLMEngine.step, []
+    monkeypatch.setattr(LLMEngine, "step", lambda self: first_step.append(time.perf_counter()) or real(self))
+    start = time.perf_counter()
+    call()
+    monkeypatch.undo()
+    queueing = first_step[0] - start  # validating and queueing every prompt
+    rng = random.Random(1)
+    delays = [rng.uniform(0.0, queueing) for _ in range(40)]
+    assert send_sigints(llm, want, call, want_many, delays) >= len(delays) // 2
 
 
 def test_child_ids_are_checked_before_any_is_queued(case):

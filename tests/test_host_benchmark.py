@@ -15,11 +15,11 @@ def test_host_step_benchmark_writes_json(tmp_path, capsys):
     for part in PARTS:
         figures = result["parts"][part]
         assert all(figures[k] > 0 for k in ("mean_ms", "p50_ms", "p90_ms", "us_per_request")), (part, figures)
-    parts = result["parts"]
-    assert parts["total"]["mean_ms"] >= parts["schedule"]["mean_ms"] + parts["prepare"]["mean_ms"] + parts["update"]["mean_ms"]
 
     pipe = result["pipelining"]
     (row,) = pipe["rows"]
     assert row["device_ms"] == 4 and pipe["host_ms_sync"] > 0 and pipe["host_ms_async"] > 0
-    assert row["sync_wall_ms"] > 0 and row["async_wall_ms"] > 0  # figures, not a timed test
+    # Bounds the stub device sets, whatever the machine: a synchronous step waits for its own
+    # device step, and async steps still queue on one stream (3 steps take at least 2 of D).
+    assert row["sync_wall_ms"] >= 4 and row["async_wall_ms"] >= 4 * 2 / 3
     assert 0 < row["async_device_busy"] <= 1 and 0 < row["sync_device_busy"] <= 1

@@ -55,14 +55,8 @@ def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
     return x if cap is None else jnp.tanh(x / cap) * cap
 
 
-def hidden_states(
-    params: Params,
-    kv_caches: KVCaches,
-    inputs: ModelInputs,
-    cfg: ModelConfig,
-    attention_backend: str = "reference",
-    mesh: Mesh | None = None,
-) -> tuple[jax.Array, KVCaches]:
+def hidden_states(params: Params, kv_caches: KVCaches, inputs: ModelInputs, cfg: ModelConfig,
+                  attention_backend: str = "reference", mesh: Mesh | None = None) -> tuple[jax.Array, KVCaches]:
     """Final-normed hidden states [T, hidden] of every token, and the new caches."""
     embed = params["embed"]
     # HF casts sqrt(hidden) to the embeddings' dtype (bf16: sqrt(3072) = 55.4256 -> 55.5).

@@ -33,14 +33,8 @@ def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
     return decoder_specs(cfg, layer_specs, norm_init="ones")
 
 
-def hidden_states(
-    params: Params,
-    kv_caches: KVCaches,
-    inputs: ModelInputs,
-    cfg: ModelConfig,
-    attention_backend: str = "reference",
-    mesh: Mesh | None = None,
-) -> tuple[jax.Array, KVCaches]:
+def hidden_states(params: Params, kv_caches: KVCaches, inputs: ModelInputs, cfg: ModelConfig,
+                  attention_backend: str = "reference", mesh: Mesh | None = None) -> tuple[jax.Array, KVCaches]:
     """Final-normed hidden states [T, hidden] of every token, and the new caches. With a
     mesh (tensor parallelism), attention runs per device on its heads; the rest is XLA's
     SPMD partitioning of the sharded params (see `jaxvllm/sharding.py`)."""
