@@ -29,7 +29,7 @@ class StepTiming:
 
     steps: int = 0
     step_seconds: float = 0.0  # LLMEngine.step, all of it
-    # Host parts of it: Scheduler.schedule; ModelRunner.prepare (the packed batch) and launch
+    # Host parts of it: Scheduler.schedule; BatchBuilder.prepare (the packed batch), ModelRunner.launch
     # (dispatching the jitted forward and sampler, the batch's transfer included); appending
     # the tokens read, stop checks and outputs (LLMEngine._process).
     schedule_seconds: float = 0.0
@@ -76,7 +76,7 @@ def time_steps(llm: LLM) -> Iterator[StepTiming]:
 
     execute_method = runner.execute
     patches = [(engine, "step", "step_seconds", True), (engine.scheduler, "schedule", "schedule_seconds", False),
-               (runner, "prepare", "prepare_seconds", False), (runner, "launch", "launch_seconds", False),
+               (runner.builder, "prepare", "prepare_seconds", False), (runner, "launch", "launch_seconds", False),
                (engine, "_process", "process_seconds", False)]
     for obj, name, field_name, count in patches:
         setattr(obj, name, timed(getattr(obj, name), field_name, count))
