@@ -1,8 +1,7 @@
-"""Mixture-of-experts models (Qwen3-MoE, Mixtral): parity with HF transformers (float32, CPU)
-through the paged KV cache and the engine, and the grouped (ragged_dot) expert computation.
-
-Errors are max |logit difference| / max |HF logit| (`rel_err`, as tests/test_models.py); the
-bound is 1e-4.
+"""Mixture-of-experts models (Qwen3-MoE, Mixtral): their config and stacked expert params, the
+checkpoint layouts, the router against HF's, expert parallelism and the grouped (ragged_dot,
+Pallas) expert computation. Their parity with HF transformers (the model through the paged KV
+cache and the engine) is in tests/test_hf_parity.py with every other architecture's.
 """
 
 import tempfile
@@ -14,24 +13,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from jaxvllm import LLM, SamplingParams, load_model
+from jaxvllm import load_model
 from jaxvllm.model_config import ModelConfig
 from jaxvllm.kv_cache import allocate_kv_caches
 from jaxvllm.models import moe
-from tests.paged import (Chunk, build_inputs, greedy_decode, hf_logits, jit_forward, mixed_errors, mixed_steps,
-                         random_tokens, rel_err)
+from tests.paged import Chunk, build_inputs
 
-TOL = 1e-4
-BLOCK = 4
-NUM_BLOCKS = 32
 MOE_ARCHS = ["qwen3_moe", "mixtral"]
-ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, token_buckets=[64])
-MAX_TOKENS = 8
-GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-
-
-def fresh_caches(cfg):
-    return allocate_kv_caches(cfg, NUM_BLOCKS, BLOCK, jnp.float32)
 
 
 @pytest.fixture(scope="module", params=MOE_ARCHS)
@@ -57,49 +45,6 @@ def test_config_and_stacked_params(moe_setup):
     assert cfg.num_params == sum(p.numel() for n, p in hf.named_parameters() if "_norm" not in n)
 
 
-def test_full_prompt_logits(moe_setup):
-    arch, _, cfg, params, hf = moe_setup
-    tokens = random_tokens(np.random.default_rng(0), 27)
-    inputs = build_inputs([Chunk(tokens, 0, list(range(8)))], BLOCK, all_logits=True)
-    logits, _ = jit_forward(params, fresh_caches(cfg), inputs, cfg, "reference")
-    err = rel_err(logits, hf_logits(hf, tokens))
-    print(f"{arch} full-prompt rel err {err:.2e}")
-    assert err <= TOL
-
-
-def test_prefill_then_decode_shuffled_blocks(moe_setup):
-    arch, _, cfg, params, hf = moe_setup
-    rng = np.random.default_rng(1)
-    prompt, steps = random_tokens(rng, 13), 14
-    blocks = [int(b) for b in rng.permutation(NUM_BLOCKS)[:8]]
-    tokens, got = greedy_decode(params, cfg, fresh_caches(cfg), prompt, steps, blocks, BLOCK)
-    errs = [rel_err(g, w) for g, w in zip(got, hf_logits(hf, tokens)[len(prompt) - 1 :])]
-    print(f"{arch} decode max rel err {max(errs):.2e} over {len(errs)} steps")
-    assert max(errs) <= TOL
-
-
-def test_chunked_prefill_and_mixed_batch(moe_setup):
-    """A prompt in two chunks, the second sharing a padded step with another sequence's decode."""
-    arch, _, cfg, params, hf = moe_setup
-    a, b, next_a, logits1, logits2, _ = mixed_steps(params, cfg, fresh_caches(cfg), np.random.default_rng(3), BLOCK)
-    errs = mixed_errors(hf, a, b, next_a, logits1, logits2)
-    print(f"{arch} chunked/mixed max rel err {max(errs):.2e}")
-    assert max(errs) <= TOL
-
-
-def test_qwen3_moe_renormalized_top_k(tiny_checkpoint, hf_model):
-    """norm_topk_prob=True (Qwen3-30B-A3B's setting) and a dense layer from decoder_sparse_step."""
-    path = tiny_checkpoint("qwen3_moe", norm_topk_prob=True, mlp_only_layers=None, decoder_sparse_step=2)
-    cfg, params = load_model(path)
-    assert cfg.norm_topk_prob and cfg.moe_layers == (False, True)
-    tokens = random_tokens(np.random.default_rng(4), 19)
-    inputs = build_inputs([Chunk(tokens, 0, list(range(5)))], BLOCK, all_logits=True)
-    logits, _ = jit_forward(params, fresh_caches(cfg), inputs, cfg, "reference")
-    err = rel_err(logits, hf_logits(hf_model(path), tokens))
-    print(f"qwen3_moe norm_topk_prob full-prompt rel err {err:.2e}")
-    assert err <= TOL
-
-
 def test_sharded_checkpoint_loads_the_same(tiny_checkpoint):
     """Experts of one layer spread over several safetensors files are stacked alike."""
     _, whole = load_model(tiny_checkpoint("mixtral"))
@@ -110,12 +55,12 @@ def test_sharded_checkpoint_loads_the_same(tiny_checkpoint):
         np.testing.assert_array_equal(a, b)
 
 
-def test_fused_expert_checkpoint(moe_setup, tiny_checkpoint, hf_model, caplog):
+def test_fused_expert_checkpoint(moe_setup, tiny_checkpoint, caplog):
     """transformers 5's own layout (`save_pretrained(save_original_format=False)`: each
     layer's experts fused into gate_up_proj [E, 2I, hidden] and down_proj [E, hidden, I],
-    Mixtral's router under `mlp.`) loads to the same params, every tensor used, and gives
-    HF's logits when HF loads that checkpoint."""
-    arch, _, cfg, params, _ = moe_setup
+    Mixtral's router under `mlp.`) loads to the same params, every tensor used (and gives
+    HF's logits when HF loads that checkpoint: tests/test_hf_parity.py)."""
+    arch, _, _, params, _ = moe_setup
     path = tiny_checkpoint(arch, save_original_format=False)
     with safe_open(str(path / "model.safetensors"), "np") as f:
         names = set(f.keys())
@@ -125,10 +70,6 @@ def test_fused_expert_checkpoint(moe_setup, tiny_checkpoint, hf_model, caplog):
     assert "ignoring" not in caplog.text
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(fused), strict=True):
         np.testing.assert_array_equal(a, b)
-    tokens = random_tokens(np.random.default_rng(8), 11)
-    inputs = build_inputs([Chunk(tokens, 0, list(range(3)))], BLOCK, all_logits=True)
-    logits, _ = jit_forward(fused, fresh_caches(cfg), inputs, cfg, "reference")
-    assert rel_err(logits, hf_logits(hf_model(path), tokens)) <= TOL
 
 
 def test_decoder_sparse_step_and_mlp_only_layers():
@@ -239,61 +180,6 @@ def test_qwen3_30b_a3b_traces():
     inputs = build_inputs([Chunk(list(range(3, 35)), 0, [0, 1])], 16)
     logits, _ = jax.eval_shape(lambda p, c: forward(p, c, inputs, cfg, "reference"), params, caches)
     assert logits.shape == (1, 151936)
-
-
-# -- the engine ---------------------------------------------------------------------------------
-
-
-def engine_prompts():
-    rng = np.random.default_rng(7)
-    prefix = random_tokens(rng, 40)  # shared: 2 full blocks of 16 for the prefix cache
-    return [prefix + random_tokens(rng, n) for n in (3, 9, 20)] + [random_tokens(rng, n) for n in (1, 17, 100)]
-
-
-@pytest.fixture(scope="module")
-def hf_greedy(moe_setup):
-    arch, path, _, _, hf = moe_setup
-    want = []
-    with torch.no_grad():
-        for p in engine_prompts():
-            out = hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                              attention_mask=torch.ones(1, len(p), dtype=torch.long))
-            want.append(out[0, len(p):].tolist())
-    return want
-
-
-def generate(llm, prompts, params=GREEDY):
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outputs]
-
-
-def test_llm_greedy_matches_hf_with_prefix_caching(moe_setup, hf_greedy):
-    """Chunked prefill (a 100-token prompt over 64-token steps), then the same prompts again
-    from the prefix cache."""
-    _, path, _, _, _ = moe_setup
-    with LLM(path, **ENGINE) as llm:
-        assert generate(llm, engine_prompts()) == hf_greedy
-        hits = llm.stats()["prefix_cache_hits"]
-        assert generate(llm, engine_prompts()) == hf_greedy
-        assert llm.stats()["prefix_cache_hits"] > hits
-
-
-def test_llm_greedy_matches_hf_with_preemption(moe_setup, hf_greedy):
-    _, path, _, _, _ = moe_setup
-    with LLM(path, **ENGINE, num_gpu_blocks_override=10, enable_prefix_caching=False) as llm:
-        assert generate(llm, engine_prompts()) == hf_greedy
-        assert llm.stats()["num_preemptions"] > 0
-
-
-def test_pallas_backend_matches_reference(tiny_checkpoint, hf_model):
-    """The Pallas kernels (interpret mode on CPU) around the MoE layers: the reference's tokens."""
-    path = tiny_checkpoint("qwen3_moe")
-    prompts = [list(range(5, 5 + n)) for n in (3, 21)]
-    params = SamplingParams(temperature=0, max_tokens=4)
-    with LLM(path, **ENGINE, attention_backend="reference") as llm:
-        want = generate(llm, prompts, params)
-    with LLM(path, **ENGINE, attention_backend="pallas", enforce_eager=True) as llm:
-        assert generate(llm, prompts, params) == want
 
 
 def test_bench_throughput_tiny_moe(tmp_path, capsys):

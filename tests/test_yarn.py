@@ -1,7 +1,7 @@
 """YaRN RoPE (`rope_type: "yarn"`, long-context Qwen checkpoints) against transformers:
 the inverse frequencies and attention factor of `_compute_yarn_parameters`, and the
 logits of tiny Qwen3 / Llama checkpoints with YaRN over prompts longer than
-original_max_position_embeddings (rel err bound 1e-4, as tests/test_models.py)."""
+original_max_position_embeddings (rel err bound 1e-4, as tests/test_hf_parity.py)."""
 
 from __future__ import annotations
 
