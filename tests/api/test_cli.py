@@ -17,7 +17,7 @@ import pytest
 
 from jaxvllm.cli import main
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # Two token buckets (16, 32), a 64-token context: compiles in seconds on a CPU.
 ENGINE = ["--max-model-len", "64", "--max-num-batched-tokens", "32", "--max-num-seqs", "8"]
 

@@ -1,8 +1,8 @@
 """One process of a two-process, eight-device run (4 CPU devices each), started by
-tests/test_multihost.py: every process runs this same script, as JAX's multi-controller
+tests/distributed/test_multihost.py: every process runs this same script, as JAX's multi-controller
 model asks, and each prints one JSON object of its results.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/multihost_worker.py DIR PORT RANK
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/distributed/multihost_worker.py DIR PORT RANK
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import torch
 
 from jaxvllm import LLM, SamplingParams, load_model
 from jaxvllm.kv_cache import allocate_kv_caches
-from tests.paged import (Chunk, build_inputs, greedy_decode, hf_logits, jit_forward, mixed_errors, mixed_steps,
+from tests.models.paged import (Chunk, build_inputs, greedy_decode, hf_logits, jit_forward, mixed_errors, mixed_steps,
                          random_tokens, rel_err)
 from weights.make_tiny import ARCHITECTURES
 
@@ -114,7 +114,7 @@ PROMPTS: dict[str, Prompt] = {
     "qwen3_moe-renormalized": Prompt("qwen3_moe", dict(norm_topk_prob=True, mlp_only_layers=None,
                                                        decoder_sparse_step=2), seed=4, n=19, blocks=5,
                                      expect=dict(norm_topk_prob=True, moe_layers=(False, True))),
-    # transformers 5's own layout: experts fused into [E, ...] tensors (tests/test_moe.py: the same params)
+    # transformers 5's own layout: experts fused into [E, ...] tensors (tests/models/test_moe.py: the same params)
     **{f"{a}-fused": Prompt(a, dict(save_original_format=False), seed=8, n=11, blocks=3)
        for a in ("qwen3_moe", "mixtral")},
 }

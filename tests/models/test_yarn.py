@@ -1,7 +1,7 @@
 """YaRN RoPE (`rope_type: "yarn"`, long-context Qwen checkpoints) against transformers:
 the inverse frequencies and attention factor of `_compute_yarn_parameters`, and the
 logits of tiny Qwen3 / Llama checkpoints with YaRN over prompts longer than
-original_max_position_embeddings (rel err bound 1e-4, as tests/test_hf_parity.py)."""
+original_max_position_embeddings (rel err bound 1e-4, as tests/models/test_hf_parity.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from jaxvllm import load_model
 from jaxvllm.layers import rope_attention_scaling, rope_inv_freq
 from jaxvllm.model_config import ModelConfig
 from jaxvllm.kv_cache import allocate_kv_caches
-from tests.paged import Chunk, build_inputs, hf_logits, jit_forward, rel_err
+from tests.models.paged import Chunk, build_inputs, hf_logits, jit_forward, rel_err
 from weights.make_tiny import make_tiny
 
 TOL = 1e-4

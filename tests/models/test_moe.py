@@ -1,7 +1,7 @@
 """Mixture-of-experts models (Qwen3-MoE, Mixtral): their config and stacked expert params, the
 checkpoint layouts, the router against HF's, expert parallelism and the grouped (ragged_dot,
 Pallas) expert computation. Their parity with HF transformers (the model through the paged KV
-cache and the engine) is in tests/test_hf_parity.py with every other architecture's.
+cache and the engine) is in tests/models/test_hf_parity.py with every other architecture's.
 """
 
 import tempfile
@@ -17,7 +17,7 @@ from jaxvllm import load_model
 from jaxvllm.model_config import ModelConfig
 from jaxvllm.kv_cache import allocate_kv_caches
 from jaxvllm.models import moe
-from tests.paged import Chunk, build_inputs
+from tests.models.paged import Chunk, build_inputs
 
 MOE_ARCHS = ["qwen3_moe", "mixtral"]
 
@@ -59,7 +59,7 @@ def test_fused_expert_checkpoint(moe_setup, tiny_checkpoint, caplog):
     """transformers 5's own layout (`save_pretrained(save_original_format=False)`: each
     layer's experts fused into gate_up_proj [E, 2I, hidden] and down_proj [E, hidden, I],
     Mixtral's router under `mlp.`) loads to the same params, every tensor used (and gives
-    HF's logits when HF loads that checkpoint: tests/test_hf_parity.py)."""
+    HF's logits when HF loads that checkpoint: tests/models/test_hf_parity.py)."""
     arch, _, _, params, _ = moe_setup
     path = tiny_checkpoint(arch, save_original_format=False)
     with safe_open(str(path / "model.safetensors"), "np") as f:

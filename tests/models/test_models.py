@@ -1,5 +1,5 @@
 """RoPE as the models apply it (the models' parity with HF transformers, every architecture:
-tests/test_hf_parity.py)."""
+tests/models/test_hf_parity.py)."""
 
 import jax.numpy as jnp
 import numpy as np

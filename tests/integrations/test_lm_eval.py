@@ -26,7 +26,7 @@ pytest.importorskip("accelerate", reason="lm-eval's hf backend (the reference) n
 
 from jaxvllm.llm import LLM  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 os.environ.update(OFFLINE)  # read by huggingface_hub / datasets when first imported
 

@@ -1,5 +1,5 @@
 """Multi-host on one machine: two processes joined by `jax.distributed`, four CPU devices
-each, every process running tests/multihost_worker.py (JAX's multi-controller model).
+each, every process running tests/distributed/multihost_worker.py (JAX's multi-controller model).
 The outputs must equal one process's on one device, in both processes."""
 
 import json
@@ -12,11 +12,10 @@ from pathlib import Path
 import pytest
 
 from jaxvllm import LLM
+from tests.distributed.multihost_worker import ENGINE, run
 from weights.make_tiny import make_tiny
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-from multihost_worker import ENGINE, PROMPTS, run  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
@@ -37,7 +36,7 @@ def results(model) -> list[dict]:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
                PYTHONPATH=str(ROOT))
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "multihost_worker.py"), str(model), port, str(rank)],
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "distributed" / "multihost_worker.py"), str(model), port, str(rank)],
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for rank in (0, 1)]
     outs = []

@@ -5,7 +5,7 @@ raw logits through the engine (`logprobs=-1` with logprobs_mode="raw_logits" for
 steps, `prompt_logprobs` for chunked prefill) within a stated tolerance, the greedy
 agreement rate over 32 prompts (printed; loosely asserted), twice the KV blocks at the same
 memory budget, scales from the checkpoint, the Pallas backend and tensor parallelism.
-The kernels' fp8 cases are in tests/test_kernels.py.
+The kernels' fp8 cases are in tests/kernels/test_fp8_attention.py.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from jaxvllm import LLM, SamplingParams
 from jaxvllm.layers import K_SCALE_RANGE, V_SCALE_RANGE, calculate_kv_scales
 from pallas_kernels import write_kv_reference
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, token_buckets=[64], dtype="bfloat16")
 NUM_PROMPTS = 32
 MAX_TOKENS = 8

@@ -17,7 +17,7 @@ from pallas_kernels import aot_check
 from pallas_kernels.common import default_block_kv
 from pallas_kernels.hlo import count_cache_copies, graphed_thunks
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_aot_check.sh"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_aot_check.sh"
 
 HLO = """HloModule jit_step, input_output_alias={ {1}: (3, {}, may-alias), {2}: (4, {}, may-alias) }, entry_computation_layout={...}
 

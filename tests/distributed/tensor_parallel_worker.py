@@ -1,7 +1,7 @@
-"""Tensor-parallel checks on 8 CPU devices, run by tests/test_tensor_parallel.py in a process
+"""Tensor-parallel checks on 8 CPU devices, run by tests/distributed/test_tensor_parallel.py in a process
 of its own (the device count is fixed when jax starts): prints one JSON object of results.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/tensor_parallel_worker.py DIR
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/distributed/tensor_parallel_worker.py DIR
 """
 
 from __future__ import annotations

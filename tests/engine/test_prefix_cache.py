@@ -10,7 +10,7 @@ from jaxvllm.kv_cache_manager import BlockPool, KVCacheManager, hash_block
 from jaxvllm.request import ScheduledRequest
 from jaxvllm.scheduler import Scheduler, SchedulerConfig
 from tests.conftest import ARCHS
-from tests.test_scheduler import check_blocks, check_tokens, fake_token, make_request
+from tests.engine.test_scheduler import check_blocks, check_tokens, fake_token, make_request
 
 BS = 4
 

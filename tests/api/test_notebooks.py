@@ -16,7 +16,7 @@ import pytest
 nbformat = pytest.importorskip("nbformat", reason="the test extra installs nbformat")
 nbclient = pytest.importorskip("nbclient", reason="the test extra installs nbclient")
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 NOTEBOOKS = REPO / "notebooks"
 
 

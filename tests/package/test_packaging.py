@@ -44,11 +44,11 @@ def test_readme_quickstart_runs(tmp_path):
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     code = re.search(r"## Quickstart.*?```python\n(.*?)```", readme, re.S).group(1)
     assert '"weights/tiny-qwen3"' in code
     code = code.replace('"weights/tiny-qwen3"', repr(str(tmp_path / "tiny-qwen3")))
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                            cwd=Path(__file__).parent.parent)
+                            cwd=Path(__file__).resolve().parents[2])
     assert result.returncode == 0, result.stderr
     assert result.stdout.count(" -> ") == 2 and "num_gpu_blocks" in result.stdout

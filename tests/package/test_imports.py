@@ -11,7 +11,7 @@ import sys
 from graphlib import TopologicalSorter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("jaxvllm", "pallas_kernels")
 
 

@@ -3,7 +3,7 @@ RoPE base 10k) and global (base 1M, linear scaling), random norm weights and
 query_pre_attn_scalar != head_dim.
 
 Its parity with HF transformers (the model through the paged cache, soft-capping, bfloat16, the
-engine) is in tests/test_hf_parity.py with every other architecture's; here: the config read
+engine) is in tests/models/test_hf_parity.py with every other architecture's; here: the config read
 from HF's, the Pallas kernels against the reference backend past the window, and what the
 Pallas backend refuses. Errors are max |logit difference| / max |reference logit| (`rel_err`);
 the bound is 1e-4.
@@ -17,7 +17,7 @@ import pytest
 
 from jaxvllm import load_model
 from jaxvllm.kv_cache import allocate_kv_caches
-from tests.paged import MIXED_BLOCKS, Chunk, build_inputs, jit_forward, mixed_steps, random_tokens, rel_err
+from tests.models.paged import MIXED_BLOCKS, Chunk, build_inputs, jit_forward, mixed_steps, random_tokens, rel_err
 
 TOL = 1e-4
 BLOCK = 4
@@ -68,7 +68,7 @@ def test_pallas_kernels_equal_reference(gemma):
 
 
 def test_attention_logit_softcapping_not_on_pallas(tiny_checkpoint):
-    """The attention soft-cap runs on the reference backend (its HF parity: tests/test_hf_parity.py);
+    """The attention soft-cap runs on the reference backend (its HF parity: tests/models/test_hf_parity.py);
     the Pallas backend refuses it."""
     cfg, params = load_model(tiny_checkpoint("gemma3", attn_logit_softcapping=0.5))
     assert cfg.attn_logit_softcapping == 0.5

@@ -1,5 +1,5 @@
 """Tensor parallelism on 8 CPU devices (XLA's forced host device count), checked in a
-process of its own: tests/tensor_parallel_worker.py runs every engine once and reports."""
+process of its own: tests/distributed/tensor_parallel_worker.py runs every engine once and reports."""
 
 import json
 import os
@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
                PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "tensor_parallel_worker.py"),
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "distributed" / "tensor_parallel_worker.py"),
                            str(tmp_path_factory.mktemp("tp"))], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=1200)
     assert proc.returncode == 0, proc.stderr[-5000:]

@@ -13,7 +13,7 @@ import pytest
 from jaxvllm.benchmarks import engine_step
 from pallas_kernels import bench
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GPU_CHECK = ROOT / "scripts" / "gpu_check.sh"
 
 
@@ -74,7 +74,7 @@ def test_benchmarks_refuse_full_shapes_on_cpu(main, capsys):
 def test_gpu_check_script_parses_and_plans():
     subprocess.run(["bash", "-n", str(GPU_CHECK)], check=True)
     out = subprocess.run(["bash", str(GPU_CHECK), "--dry-run"], check=True, capture_output=True, text=True).stdout
-    assert "tests/test_kernels.py" in out and "tests/test_pallas_engine.py" in out
+    assert "tests/kernels/test_attention.py" in out and "tests/kernels/test_pallas_engine.py" in out
     assert "pallas_kernels.bench --json" in out
     assert "jaxvllm.benchmarks.engine_step --json" in out and "engine_step.json" in out
     assert "b1" not in out  # B1 only when asked: it needs a device session of its own

@@ -1,0 +1,1 @@
+"""The benchmark scripts, run end to end at small sizes."""

@@ -1,0 +1,1 @@
+"""Several devices and processes: tensor, expert and data parallelism; multi-host."""

@@ -1,0 +1,1 @@
+"""lm-evaluation-harness and Ray Data."""

@@ -1,0 +1,1 @@
+"""The models against HF transformers, their loading, and the built-in dummy models."""

@@ -1,0 +1,1 @@
+"""The packages as a whole: import structure and packaging."""
