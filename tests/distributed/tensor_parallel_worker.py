@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from jaxvllm import LLM, SamplingParams
+from tests.models.paged import hf_greedy
 from weights.make_tiny import make_tiny
 
 ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, token_buckets=[64])
@@ -45,15 +46,9 @@ def greedy(llm: LLM) -> list[list[int]]:
                                                            use_tqdm=False)]
 
 
-def hf_greedy(path: Path) -> list[list[int]]:
+def hf_completions(path: Path) -> list[list[int]]:
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    out = []
-    with torch.no_grad():
-        for p in PROMPTS:
-            ids = model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                 attention_mask=torch.ones(1, len(p), dtype=torch.long))
-            out.append(ids[0, len(p):].tolist())
-    return out
+    return hf_greedy(model, PROMPTS, MAX_TOKENS)
 
 
 def shard_shapes(llm: LLM) -> dict[str, list]:
@@ -132,7 +127,7 @@ def main(folder: str) -> None:
     results: dict = {"devices": jax.device_count(), "cases": {}, "errors": {}}
     for name, arch, overrides, sizes in CASES:
         path = make_tiny(arch, Path(folder) / name, **overrides)
-        case = {"hf": hf_greedy(path)}
+        case = {"hf": hf_completions(path)}
         with LLM(path, **ENGINE) as one:
             case["tp1"] = greedy(one)
         for tp in sizes:

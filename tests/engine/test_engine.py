@@ -2,10 +2,10 @@
 
 import numpy as np
 import pytest
-import torch
 
 from jaxvllm import LLM, RequestOutput, SamplingParams
 from tests.conftest import ARCHS
+from tests.models.paged import hf_greedy
 
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
@@ -27,14 +27,7 @@ def prompts():
 def arch_case(request, tiny_checkpoint, hf_model, prompts):
     """(path, HF greedy completions of every prompt, each generated alone)."""
     path = tiny_checkpoint(request.param)
-    model = hf_model(path)
-    want = []
-    with torch.no_grad():
-        for p in prompts:
-            out = model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                 attention_mask=torch.ones(1, len(p), dtype=torch.long))
-            want.append(out[0, len(p):].tolist())
-    return path, want
+    return path, hf_greedy(hf_model(path), prompts, MAX_TOKENS)
 
 
 def completions(outputs: list[RequestOutput]) -> list[list[int]]:

@@ -60,6 +60,11 @@ SCHEMAS = [
 ]
 
 
+# A tokenizer with an id past the model's vocabulary (<|extra_0|> = 384, vocab_size 384), as
+# transformers 5 gives Qwen2's tokenizer an <|endoftext|> more than the model's embeddings.
+SHORT_VOCAB = dict(vocab_size=384, extra_tokens=1)
+
+
 def constrained(max_tokens=200, temperature=0.0, **spec) -> SamplingParams:
     return SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=0 if temperature else None,
                           structured_outputs=StructuredOutputsParams(**spec))
@@ -75,15 +80,30 @@ def path(tiny_checkpoint):
 
 
 @pytest.fixture(scope="module")
-def llm(path):
-    with LLM(path, **ENGINE) as engine:
-        yield engine
+def engines(tiny_checkpoint):
+    """engines(short_vocab=False, async_scheduling=True) -> an LLM over the llama checkpoint
+    (or its SHORT_VOCAB variant), built once per pair and shut down with the module."""
+    made = {}
+
+    def get(short_vocab: bool = False, async_scheduling: bool = True) -> LLM:
+        if (short_vocab, async_scheduling) not in made:
+            path = tiny_checkpoint("llama", **(SHORT_VOCAB if short_vocab else {}))
+            made[short_vocab, async_scheduling] = LLM(path, **ENGINE, async_scheduling=async_scheduling)
+        return made[short_vocab, async_scheduling]
+
+    yield get
+    for llm in made.values():
+        llm.shutdown()
 
 
 @pytest.fixture(scope="module")
-def sync_llm(path):
-    with LLM(path, **ENGINE, async_scheduling=False) as engine:
-        yield engine
+def llm(engines):
+    return engines()
+
+
+@pytest.fixture(scope="module")
+def sync_llm(engines):
+    return engines(async_scheduling=False)
 
 
 @pytest.mark.parametrize("schema", SCHEMAS, ids=["fields", "nested", "array"])
@@ -311,36 +331,19 @@ def test_mask_filling_is_counted(llm):
     assert stats["structured_output_mask_steps"] > before and stats["structured_output_mask_seconds"] > 0
 
 
-# A tokenizer with an id past the model's vocabulary (<|extra_0|> = 384, vocab_size 384), as
-# transformers 5 gives Qwen2's tokenizer an <|endoftext|> more than the model's embeddings.
-SHORT_VOCAB = dict(vocab_size=384, extra_tokens=1)
-
-
 @pytest.fixture(scope="module")
 def short_vocab_path(tiny_checkpoint):
     return tiny_checkpoint("llama", **SHORT_VOCAB)
 
 
-@pytest.fixture(scope="module")
-def short_vocab_llm(short_vocab_path):
-    with LLM(short_vocab_path, **ENGINE) as engine:
-        yield engine
-
-
-@pytest.fixture(scope="module")
-def short_vocab_sync_llm(short_vocab_path):
-    with LLM(short_vocab_path, **ENGINE, async_scheduling=False) as engine:
-        yield engine
-
-
-@pytest.mark.parametrize("engine", ["short_vocab_llm", "llm"])
-def test_tokenizer_and_vocabulary_of_different_sizes(request, engine):
+@pytest.mark.parametrize("short_vocab", [True, False], ids=["short_vocab", "padded_vocab"])
+def test_tokenizer_and_vocabulary_of_different_sizes(engines, short_vocab):
     """A tokenizer with more ids than the model's vocabulary (llguidance refused it: "vocab
     size too small; 384 vs 385"), and one with fewer (the tiny model's 512 embeddings, 384
     ids): the outputs follow the grammar, with no id past either size."""
-    llm = request.getfixturevalue(engine)
+    llm = engines(short_vocab)
     vocab = llm.llm_engine.model_config.vocab_size
-    assert (len(llm.get_tokenizer()) > vocab) == (engine == "short_vocab_llm")
+    assert (len(llm.get_tokenizer()) > vocab) == short_vocab
     limit = min(vocab, len(llm.get_tokenizer()))
     choices = ["alpha", "beta", "gamma"]
     cases = [
@@ -356,11 +359,11 @@ def test_tokenizer_and_vocabulary_of_different_sizes(request, engine):
             assert max(completion.token_ids) < limit
 
 
-@pytest.mark.parametrize("engine", ["short_vocab_llm", "short_vocab_sync_llm"])
-def test_a_grammar_that_needs_an_id_past_the_vocabulary_ends_the_request(request, engine):
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_a_grammar_that_needs_an_id_past_the_vocabulary_ends_the_request(engines, async_scheduling):
     """After "a" the grammar allows only <|extra_0|>, which the model cannot produce: the
     request ends there ("abort"), without a junk token, and the others in the batch go on."""
-    llm = request.getfixturevalue(engine)
+    llm = engines(short_vocab=True, async_scheduling=async_scheduling)
     a = llm.get_tokenizer().encode("a", add_special_tokens=False)
     stuck = SamplingParams(temperature=0, max_tokens=20, logprobs=1,
                            structured_outputs=StructuredOutputsParams(grammar='start: "a" <|extra_0|> "b"'))

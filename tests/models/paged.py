@@ -113,6 +113,17 @@ def hf_logits(model, token_ids: list[int]) -> np.ndarray:
         return model(torch.tensor([token_ids])).logits[0].numpy()
 
 
+def hf_greedy(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """HF transformers' greedy completion of each prompt, generated alone."""
+    want = []
+    with torch.no_grad():
+        for p in prompts:
+            out = model.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False,
+                                 attention_mask=torch.ones(1, len(p), dtype=torch.long))
+            want.append(out[0, len(p):].tolist())
+    return want
+
+
 def rel_err(got, want) -> float:
     """Max abs error divided by the reference's max |logit| (the logit scale)."""
     want = np.asarray(want)

@@ -19,8 +19,8 @@ import torch
 
 from jaxvllm import LLM, SamplingParams, load_model
 from jaxvllm.kv_cache import allocate_kv_caches
-from tests.models.paged import (Chunk, build_inputs, greedy_decode, hf_logits, jit_forward, mixed_errors, mixed_steps,
-                         random_tokens, rel_err)
+from tests.models.paged import (Chunk, build_inputs, greedy_decode, hf_greedy, hf_logits, jit_forward, mixed_errors,
+                                mixed_steps, random_tokens, rel_err)
 from weights.make_tiny import ARCHITECTURES
 
 TOL = 1e-4
@@ -269,17 +269,6 @@ def test_bfloat16_close_to_float32_reference(arch, loaded):
 
 
 # -- The engine ------------------------------------------------------------------------------
-
-
-def hf_greedy(hf, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """HF's greedy completion of each prompt alone."""
-    want = []
-    with torch.no_grad():
-        for p in prompts:
-            out = hf.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False,
-                              attention_mask=torch.ones(1, len(p), dtype=torch.long))
-            want.append(out[0, len(p):].tolist())
-    return want
 
 
 @pytest.fixture(scope="module")
