@@ -89,3 +89,33 @@ def test_sequence_rows_follow_the_token_bucket():
     assert large.layout == BatchLayout(32, 24, 4)
     np.testing.assert_array_equal(large.layout.views(large.packed)["seq_lens"][:21], [3] * 20 + [0])
     assert builder.rows_for(16) == 16 and builder.rows_for(32) == 24
+
+
+def test_sampling_fields_come_from_the_sampler_table():
+    """`SamplingTensors` is the one table of sampling fields: the packed batch's sampling
+    prefix (its order, dtypes and padding values) and the persistent rows' columns (what
+    each copies from the request) are derived from it."""
+    from dataclasses import fields
+    from operator import attrgetter
+
+    from jaxvllm.sampler import SAMPLING_COLUMNS, SamplingTensors
+
+    builder = make_builder()
+    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, presence_penalty=0.5,
+                            frequency_penalty=-0.5, repetition_penalty=1.2, min_tokens=1)
+    request = Request("r", [5, 6, 7], params, max_tokens=4, seed=11)
+    batch = builder.prepare([ScheduledRequest(request, 0, 3, [0])])
+    names = [f.name for f in fields(SamplingTensors)]
+    assert list(batch.layout.spans)[: len(names)] == names == [name for name, *_ in SAMPLING_COLUMNS]
+    assert batch.layout.sampling_size == len(names) * batch.layout.num_rows
+    v = batch.layout.views(batch.packed)
+    for name, dtype, pad, row in SAMPLING_COLUMNS:
+        host = {np.float32: np.float32, np.uint32: np.uint32}.get(dtype, np.int32)  # bools travel as 0/1
+        assert v[name].dtype == host, name
+        np.testing.assert_array_equal(v[name][1:], pad)  # padding rows
+        if row is not None:
+            np.testing.assert_allclose(v[name][0], np.asarray(attrgetter(row)(request), dtype))
+            assert builder.input_batch.columns[name].dtype == np.dtype(dtype)
+    assert set(builder.input_batch.columns) == {name for name, *_, row in SAMPLING_COLUMNS if row is not None}
+    assert (v["use_state"][0], v["suppress_stop"][0], v["counts_sample"][0]) == (1, 1, 1)  # min_tokens=1
+    assert batch.admitted == [(v["slot"][0], request)]  # its device state row is written at dispatch

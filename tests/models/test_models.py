@@ -28,3 +28,26 @@ def test_rope_rotates_half_without_a_concatenate(dtype):
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     jaxpr = jax.make_jaxpr(apply_rope, static_argnums=2)(x, positions, rope).jaxpr
     assert not [e for e in jaxpr.eqns if e.primitive.name == "concatenate" and e.outvars[0].aval.shape == x.shape]
+
+
+def test_every_architecture_satisfies_the_model_contract():
+    from jaxvllm.model_config import SUPPORTED_ARCHITECTURES
+    from jaxvllm.models import MODELS
+    from jaxvllm.models.common import Model
+
+    assert set(MODELS) == set(SUPPORTED_ARCHITECTURES)
+    assert all(isinstance(model, Model) for model in MODELS.values())
+
+
+def test_linear_takes_weights_in_hf_layout_with_head_axes():
+    """`layers.linear`, every model matmul: x [T, *in] @ weight [*out, *in] -> [T, *out]."""
+    from jaxvllm.layers import linear
+
+    rng = np.random.default_rng(0)
+    x, q_proj = jnp.asarray(rng.normal(size=(5, 8)), jnp.float32), jnp.asarray(rng.normal(size=(3, 4, 8)), jnp.float32)
+    heads = linear(x, q_proj)
+    np.testing.assert_allclose(heads, np.einsum("td,hkd->thk", x, q_proj), rtol=1e-6)
+    o_proj, bias = jnp.asarray(rng.normal(size=(8, 3, 4)), jnp.float32), jnp.arange(8, dtype=jnp.float32)
+    np.testing.assert_allclose(linear(heads, o_proj, bias), np.einsum("thk,dhk->td", heads, o_proj) + bias, rtol=1e-5)
+    logits = linear(x.astype(jnp.bfloat16), q_proj[0].astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+    assert logits.shape == (5, 4) and logits.dtype == jnp.float32  # (an lm_head [vocab, hidden])
