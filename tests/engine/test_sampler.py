@@ -199,3 +199,18 @@ def test_logprobs_are_of_raw_logits_with_ranks():
     np.testing.assert_allclose(lp.top_logprobs[0, :V], np.sort(raw)[::-1], rtol=1e-6)
     _, none, _ = sample_jit(logits, tensors(3, temperature=0.0), state_with_row())
     assert none is None  # not computed when no row asks
+
+
+def test_state_row_of_a_request_whose_eos_lies_past_the_vocabulary():
+    """A tokenizer's EOS may lie past the model's vocabulary (it can never be sampled): a
+    request's state row masks the stop ids the model has, and indexes nothing past it."""
+    from jaxvllm.request import Request
+    from jaxvllm.sampler import state_row
+    from jaxvllm.sampling_params import SamplingParams
+
+    params = SamplingParams(min_tokens=2, stop_token_ids=[5], logit_bias={1: 2.0})
+    request = Request("r", [1, 2, 2], params, max_tokens=4, eos_token_ids=(3, 10), vocab_size=8)
+    row = state_row(request, 8)
+    np.testing.assert_array_equal(np.flatnonzero(row.stop_mask), [3, 5])
+    np.testing.assert_array_equal(np.flatnonzero(row.prompt_mask), [1, 2])
+    assert row.bias[1] == 2.0 and row.bias.shape == (8,)
