@@ -48,6 +48,7 @@ _FIELDS = _SAMPLING_FIELDS + (
 _DTYPES = {name: np.dtype(dtype) for name, dtype, _, _ in SAMPLING_COLUMNS}
 _FLOATS = {name for name, dtype in _DTYPES.items() if dtype == np.float32}
 _BOOLS = {name for name, dtype in _DTYPES.items() if dtype == np.bool_}
+_UINTS = {name for name, dtype in _DTYPES.items() if dtype == np.uint32}
 _PADDING = {name: pad for name, _, pad, _ in SAMPLING_COLUMNS if pad} | {"prev_row": -1, "slot_mapping": -1,
                                                                           "prompt_targets": -1}
 # The sampling columns a request's persistent row holds, and the Request attribute of each.
@@ -105,7 +106,7 @@ class BatchLayout:
         """Writable numpy views of a host buffer's fields (bool fields as int32 0/1)."""
         floats = packed.view(np.float32)
         views = {name: (floats if name in _FLOATS else packed)[a:b] for name, (a, b) in self.spans.items()}
-        for name in (n for n, dtype in _DTYPES.items() if dtype == np.uint32):
+        for name in _UINTS:
             views[name] = views[name].view(np.uint32)
         views["block_tables"] = views["block_tables"].reshape(self.num_rows, self.width)
         return views
@@ -115,7 +116,7 @@ class BatchLayout:
         x = packed[a:b]
         if name in _FLOATS:
             return jax.lax.bitcast_convert_type(x, jnp.float32)
-        if _DTYPES.get(name) == np.uint32:
+        if name in _UINTS:
             return jax.lax.bitcast_convert_type(x, jnp.uint32)
         if name in _BOOLS:
             return x != 0
