@@ -10,7 +10,7 @@ axis per parameter. Every matmul with such a weight goes through `layers.linear`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Callable, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -137,6 +137,31 @@ def attention(layer: dict, x, kv_cache, inputs: ModelInputs, cfg: ModelConfig, i
         logits_soft_cap=None if cap is None else float(cap),
     )
     return linear(out, layer["o_proj"], layer.get("o_bias")), kv_cache
+
+
+def layer_kinds(cfg: ModelConfig) -> list[int]:
+    """Each layer's kind, as the first layer that has the same static settings (RoPE,
+    sliding window, dense or sparse MLP)."""
+    keys = [(cfg.rope_of_layer(i), cfg.sliding_windows[i] if cfg.sliding_windows else None, cfg.is_moe_layer(i))
+            for i in range(cfg.num_layers)]
+    return [keys.index(key) for key in keys]
+
+
+def run_layers(layer_fn: Callable, params: Params, kv_caches: KVCaches, x: jax.Array, inputs: ModelInputs,
+               cfg: ModelConfig) -> tuple[jax.Array, KVCaches]:
+    """x through every decoder layer: `layer_fn(layer, x, kv_cache, inputs, kind)` -> (x, kv_cache),
+    `kind` a layer index (`layer_kinds`) whose static settings the layer shares.
+
+    Each call is a jit nested in the step's, so JAX traces and lowers one layer of each
+    kind, not every layer: start-up (even from the persistent cache, whose key needs the
+    lowered step) does not grow with depth. XLA inlines the calls: the compiled step is
+    the one the unrolled layers gave."""
+    step = jax.jit(layer_fn, static_argnums=4)
+    new_caches = []
+    for layer, cache, kind in zip(params["layers"], kv_caches, layer_kinds(cfg)):
+        x, cache = step(layer, x, cache, inputs, kind)
+        new_caches.append(cache)
+    return x, new_caches
 
 
 def activation(x: jax.Array, hidden_act: str) -> jax.Array:

@@ -26,7 +26,7 @@ from jax.sharding import Mesh
 from jaxvllm.batch import ModelInputs
 from jaxvllm.model_config import ModelConfig
 from jaxvllm.models.common import (KVCaches, Params, ParamSpec, attention, attention_specs, decoder_specs,
-                                   lm_head_logits, mlp, mlp_specs)
+                                   lm_head_logits, mlp, mlp_specs, run_layers)
 
 
 def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
@@ -62,14 +62,15 @@ def hidden_states(params: Params, kv_caches: KVCaches, inputs: ModelInputs, cfg:
     # HF casts sqrt(hidden) to the embeddings' dtype (bf16: sqrt(3072) = 55.4256 -> 55.5).
     x = embed[inputs.input_ids] * jnp.asarray(cfg.hidden_size**0.5, jnp.float32).astype(embed.dtype)
     eps = cfg.rms_norm_eps
-    new_caches = []
-    for i, layer in enumerate(params["layers"]):
-        h, cache = attention(layer, rms_norm(x, layer["input_norm"], eps), kv_caches[i], inputs, cfg, i,
-                             attention_backend, mesh, norm=rms_norm)
-        new_caches.append(cache)
+
+    def layer_step(layer, x, kv_cache, inputs, i):
+        h, kv_cache = attention(layer, rms_norm(x, layer["input_norm"], eps), kv_cache, inputs, cfg, i,
+                                attention_backend, mesh, norm=rms_norm)
         x = x + rms_norm(h, layer["post_norm"], eps)
         h = mlp(layer, rms_norm(x, layer["pre_ffn_norm"], eps), cfg)
-        x = x + rms_norm(h, layer["post_ffn_norm"], eps)
+        return x + rms_norm(h, layer["post_ffn_norm"], eps), kv_cache
+
+    x, new_caches = run_layers(layer_step, params, kv_caches, x, inputs, cfg)
     return rms_norm(x, params["norm"], eps), new_caches
 
 

@@ -15,7 +15,7 @@ from jaxvllm.batch import ModelInputs
 from jaxvllm.layers import rms_norm
 from jaxvllm.model_config import ModelConfig
 from jaxvllm.models.common import (KVCaches, Params, ParamSpec, attention, attention_specs, decoder_specs,
-                                   lm_head_logits, mlp, mlp_specs)
+                                   lm_head_logits, mlp, mlp_specs, run_layers)
 from jaxvllm.models.moe import moe_specs, sparse_moe
 
 
@@ -38,15 +38,15 @@ def hidden_states(params: Params, kv_caches: KVCaches, inputs: ModelInputs, cfg:
     """Final-normed hidden states [T, hidden] of every token, and the new caches. With a
     mesh (tensor parallelism), attention runs per device on its heads; the rest is XLA's
     SPMD partitioning of the sharded params (see `jaxvllm/sharding.py`)."""
-    x = params["embed"][inputs.input_ids]
-    new_caches = []
-    for i, layer in enumerate(params["layers"]):
+    def layer_step(layer, x, kv_cache, inputs, i):
         h = rms_norm(x, layer["input_norm"], cfg.rms_norm_eps)
-        h, cache = attention(layer, h, kv_caches[i], inputs, cfg, i, attention_backend, mesh)
-        new_caches.append(cache)
+        h, kv_cache = attention(layer, h, kv_cache, inputs, cfg, i, attention_backend, mesh)
         x = x + h
         h = rms_norm(x, layer["post_norm"], cfg.rms_norm_eps)
         x = x + (sparse_moe(layer, h, cfg, attention_backend, mesh) if cfg.is_moe_layer(i) else mlp(layer, h, cfg))
+        return x, kv_cache
+
+    x, new_caches = run_layers(layer_step, params, kv_caches, params["embed"][inputs.input_ids], inputs, cfg)
     return rms_norm(x, params["norm"], cfg.rms_norm_eps), new_caches
 
 
