@@ -8,6 +8,7 @@ sampler, scheduler) import its allowed names from here.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import os
@@ -32,6 +33,11 @@ DEFAULT_MAX_LOGPROBS = 20
 # Where compiled steps are cached between runs (see `EngineConfig.compilation_cache_dir`).
 DEFAULT_COMPILATION_CACHE = "~/.cache/jaxvllm/jax"
 COMPILATION_CACHE_ENV = "JAXVLLM_COMPILATION_CACHE_DIR"
+# max_num_batched_tokens left to the engine (None), by platform, as vLLM's CPU backend takes
+# smaller steps: a CPU computes every padded token of a step, and compiles a bucket per
+# power of two up to this at start-up.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+CPU_MAX_NUM_BATCHED_TOKENS = 512
 
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "guidance")  # "auto" is llguidance
 
@@ -67,7 +73,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    # None: chosen for the platform (`for_platform`): 8192, or 512 on a CPU.
+    max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
@@ -158,6 +165,20 @@ class EngineConfig:
         elif not isinstance(so, StructuredOutputsConfig):
             raise ValueError(f"structured_outputs_config must be a StructuredOutputsConfig or a dict, got {so!r}")
 
+    def for_platform(self, platform: str) -> "EngineConfig":
+        """This config with the arguments left to the platform chosen for `platform` (JAX's
+        backend name: "cpu", "gpu", "tpu"): max_num_batched_tokens, smaller on a CPU and at
+        least max_num_seqs, so that a full decode batch fits in one step (with token_buckets
+        given: the largest bucket)."""
+        if self.max_num_batched_tokens is not None:
+            return self
+        if self.token_buckets:
+            tokens = max(self.token_buckets)
+        else:
+            default = CPU_MAX_NUM_BATCHED_TOKENS if platform == "cpu" else DEFAULT_MAX_NUM_BATCHED_TOKENS
+            tokens = max(default, self.max_num_seqs)
+        return dataclasses.replace(self, max_num_batched_tokens=tokens)
+
     def _check_names(self) -> None:
         """Paths and names."""
         if not isinstance(self.model, str) or not self.model:
@@ -176,9 +197,9 @@ class EngineConfig:
 
     def _check_sizes(self) -> None:
         """Counts, lengths and the memory share; the token buckets."""
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs"):
             _check_positive_int(name, getattr(self, name))
-        for name in ("max_model_len", "num_gpu_blocks_override"):
+        for name in ("max_model_len", "num_gpu_blocks_override", "max_num_batched_tokens"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name), " (or None)")
         if not is_int(self.seed):
@@ -188,7 +209,7 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {u!r}")
         if not is_int(self.max_logprobs) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an int >= -1 (-1: the whole vocabulary), got {self.max_logprobs!r}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs}) "
                 "so that a full decode batch fits in one step"
@@ -199,7 +220,7 @@ class EngineConfig:
         if not isinstance(buckets, (list, tuple)) or not buckets or not all(is_int(b) and b > 0 for b in buckets):
             raise ValueError(f"token_buckets must be a non-empty list of positive ints (or None), got {buckets!r}")
         self.token_buckets = [int(b) for b in buckets]
-        if max(self.token_buckets) < self.max_num_batched_tokens:
+        if self.max_num_batched_tokens is not None and max(self.token_buckets) < self.max_num_batched_tokens:
             raise ValueError(
                 f"the largest token bucket ({max(self.token_buckets)}) is below max_num_batched_tokens "
                 f"({self.max_num_batched_tokens})"

@@ -48,7 +48,7 @@ class LLMEngine:
         model_name = (names if isinstance(names, str) else names[0]) if names else config.model  # as vLLM's
         # A missing folder fails first; dummy:NAME becomes a temporary folder that lives as long as the engine.
         self._model_source = resolve_model(config.model)
-        self.config = config = self._model_source.engine_config(config)
+        self.config = config = self._model_source.engine_config(config).for_platform(jax.default_backend())
         self.tokenizer = load_tokenizer(config)
         self.runner = runner_class(config)
         self.model_config = self.runner.cfg
@@ -279,7 +279,14 @@ class LLMEngine:
             "block_table_widths": list(runner.builder.widths),
             "async_scheduling": self.config.async_scheduling,
             "token_buckets": list(runner.builder.buckets),
+            # start-up: weights loaded, KV cache sized (profiled on a GPU), warm-up compiled
+            "load_seconds": runner.load_seconds,
+            "profile_seconds": runner.profile_seconds,
             "warmup_seconds": runner.warmup_seconds,
+            # the warm-up's XLA compilations, and how many the persistent compilation cache served
+            "warmup_compilations": runner.warmup_compiles.compilations,
+            "compilation_cache_hits": runner.warmup_compiles.cache_hits,
+            "compilation_cache_misses": runner.warmup_compiles.cache_misses,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "prefix_cache_queries": kv.stats.queries,

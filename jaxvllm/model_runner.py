@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property, partial
 
@@ -32,12 +33,15 @@ from jaxvllm.request import ScheduledRequest
 from jaxvllm.sampler import (COMMON_FEATURES, Logprobs, SamplerFeatures, SamplerState, compute_logprobs, init_state,
                              sample, state_row, write_state_row)
 from jaxvllm.sharding import device_group, kv_cache_sharding, make_mesh, put, replicated, step_input, to_host
+from jaxvllm.utils.compilation_cache import CompileCounts, count_compilations
 
 logger = logging.getLogger(__name__)
 
 
 # Prompt logprobs need logits for every prompt row: computed this many rows at a time.
 PROMPT_LOGPROBS_CHUNK = 256
+# Compiles the warm-up runs at once.
+COMPILE_THREADS = 4
 
 
 @dataclass
@@ -167,9 +171,11 @@ class ModelRunner:
         self.mesh = make_mesh(self.devices) if len(self.devices) > 1 else None
         # (the config the split model runs with: KV heads repeated when fewer than the devices,
         # experts split whole under expert parallelism)
+        start = time.perf_counter()
         self.cfg, self.params = load_model(c.model, dtype=c.dtype, load_format=c.load_format, seed=c.seed,
                                            mesh=self.mesh, device=self.devices[0],
                                            expert_parallel=c.enable_expert_parallel)
+        self.load_seconds = time.perf_counter() - start
         self.dtype = resolve_dtype(c.dtype, self.cfg)
         self.max_model_len = c.max_model_len or self.cfg.max_position_embeddings
         if self.max_model_len > self.cfg.max_position_embeddings:
@@ -191,16 +197,25 @@ class ModelRunner:
         self._sampler = jit_sampler(c.logprobs_mode, self.mesh)
         self._prompt_logprobs = jit_prompt_logprobs(self.cfg)
         self._write_row = jax.jit(write_state_row, donate_argnums=(0,))
+        # The forward layouts and (row count, features) sampler variants compiled so far.
+        self._forward_shapes: set[BatchLayout] = set()
+        self._sampler_variants: set[tuple[int, SamplerFeatures]] = set()
         self.sampler_state: SamplerState = self._new_sampler_state()
         # Each persistent row's last sampled token: where decode inputs come from under async scheduling.
         self.last_sampled = self._new_last_sampled()
+        start = time.perf_counter()
         self.num_blocks = num_kv_blocks(c, self.kv_spec, self.devices, self.max_model_len, self._profile,
                                         self._profile_step_bytes)
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
+        self.profile_seconds = time.perf_counter() - start
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.3f GiB (%s)", self.num_blocks, c.block_size,
                     self.num_blocks * c.block_size, self.num_blocks * self.kv_spec.bytes_per_block / 2**30,
                     self.kv_spec.dtype_name)
-        self.warmup_seconds = 0.0 if c.enforce_eager else self.warmup()
+        self.warmup_seconds, self.warmup_compiles = 0.0, CompileCounts()
+        if not c.enforce_eager:
+            self.warmup()
+        logger.info("start-up: weights loaded in %.1f s, KV cache sized in %.1f s, warm-up compiled in %.1f s",
+                    self.load_seconds, self.profile_seconds, self.warmup_seconds)
 
     # -- KV cache ----------------------------------------------------------------------
 
@@ -237,27 +252,47 @@ class ModelRunner:
 
     # -- compile -----------------------------------------------------------------------
 
-    def warmup(self) -> float:
-        """Compile, before serving, the forward of every token bucket and block-table width
+    def warmup(self) -> None:
+        """Compile, without running, the forward of every token bucket and block-table width
         and the common sampler variants of every row count (greedy, temperature,
-        temperature + top-k/top-p); rarer sampler variants compile when first used."""
+        temperature + top-k/top-p), so that nothing compiles on first use; rarer sampler
+        variants compile when first used. Lowering holds the GIL but XLA's compiles do not,
+        so they run on a thread pool. Each `lower(...).compile()` fills the same cache a
+        call would, and the persistent compilation cache serves a second process."""
         start, b = time.perf_counter(), self.builder
         shapes = [(bucket, w, False) for bucket in b.buckets for w in b.widths]
         shapes += [(bucket, w, True) for bucket in b.decode_only_buckets for w in b.widths]
-        for bucket, width, decode_only in tqdm(shapes, desc="Compiling token buckets", dynamic_ncols=True):
-            self.launch(b.padding_batch(bucket, width, None, decode_only))
-        for rows in sorted({b.rows_for(bucket) for bucket in b.buckets}):
-            bucket = next(x for x in b.buckets if b.rows_for(x) == rows)
-            for features in COMMON_FEATURES:
-                self.launch(b.padding_batch(bucket, b.widths[0], features))
-        self.sampler_state = self._write_row(self.sampler_state, 0, jax.tree.map(lambda x: x[0], self.sampler_state))
-        jax.block_until_ready((self.kv_caches, self.last_sampled, self.sampler_state))
-        seconds = time.perf_counter() - start
+        jobs = [partial(self._compile_forward, b.padding_batch(bucket, width, None, decode_only))
+                for bucket, width, decode_only in shapes]
+        jobs += [partial(self._compile_sampler, rows, features)
+                 for rows in sorted({b.rows_for(bucket) for bucket in b.buckets}) for features in COMMON_FEATURES]
+        row = jax.tree.map(lambda x: x[0], self.sampler_state)
+        jobs.append(lambda: self._write_row.lower(self.sampler_state, 0, row).compile())
+        with count_compilations() as counts, ThreadPoolExecutor(COMPILE_THREADS) as pool:
+            desc = f"Compiling token buckets {b.buckets[0]}-{b.buckets[-1]}"  # (max_num_batched_tokens: the last)
+            for _ in tqdm(pool.map(lambda job: job(), jobs), total=len(jobs), desc=desc, dynamic_ncols=True):
+                pass
+        self.warmup_seconds, self.warmup_compiles = time.perf_counter() - start, counts
         decode_only = f" (and decode-only ones of {b.decode_only_buckets})" if b.decode_only_buckets else ""
         logger.info("warm-up: compiled %d token buckets %s%s x %d block-table widths %s and %d sampler variants "
-                    "in %.1f s", len(b.buckets), b.buckets, decode_only, len(b.widths), b.widths,
-                    self.num_compiled_sampler_variants(), seconds)
-        return seconds
+                    "in %.1f s (%d compilations, %d from the persistent cache)", len(b.buckets), b.buckets,
+                    decode_only, len(b.widths), b.widths, self.num_compiled_sampler_variants(), self.warmup_seconds,
+                    counts.compilations, counts.cache_hits)
+
+    def _compile_forward(self, batch: HostBatch) -> None:
+        self._forward_shapes.add(batch.layout)
+        packed = step_input(batch.packed, self._replicated)
+        self._forward.lower(self.params, self.kv_caches, packed, self.last_sampled, layout=batch.layout).compile()
+
+    def _compile_sampler(self, num_rows: int, features: SamplerFeatures) -> None:
+        """The sampler for a row count, on the shapes and placement the forward hands it."""
+        on_device = partial(jax.ShapeDtypeStruct, sharding=self._replicated)
+        sampling_rows = on_device((BatchLayout.rows_only(num_rows).sampling_size,), jnp.int32)
+        logits = on_device((num_rows, self.cfg.vocab_size), jnp.float32)
+        state = self.sampler_state if features.state else None
+        self._sampler_variants.add((num_rows, features))
+        self._sampler.lower(sampling_rows, logits, self.last_sampled, state, None, num_rows=num_rows,
+                            features=features).compile()
 
     # -- one step ----------------------------------------------------------------------
 
@@ -279,6 +314,7 @@ class ModelRunner:
         )
         if kv_caches is None:
             self.kv_caches = caches
+            self._forward_shapes.add(layout)
         step = PendingStep(batch, None, None, None)
         if batch.prompt_rows:
             step.prompt_logprobs = self._prompt_logprobs(self.params, hidden, packed, layout=layout,
@@ -294,6 +330,7 @@ class ModelRunner:
         features = step.batch.features
         state = self.sampler_state if features.state else None
         mask = step_input(bitmask, self._replicated) if features.grammar else None
+        self._sampler_variants.add((step.batch.layout.num_rows, features))
         step.sampled, step.logprobs, self.last_sampled, state = self._sampler(
             step.sampling_rows, step.logits, self.last_sampled, state, mask,
             num_rows=step.batch.layout.num_rows, features=features,
@@ -337,10 +374,10 @@ class ModelRunner:
     def num_compiled_buckets(self) -> int:
         """Compiled forward shapes (token bucket x block-table width, and the decode-only
         variants of the pallas backend)."""
-        return self._forward._cache_size()
+        return len(self._forward_shapes)
 
     def num_compiled_sampler_variants(self) -> int:
-        return self._sampler._cache_size()
+        return len(self._sampler_variants)
 
     # -- lifecycle -----------------------------------------------------------------------
 

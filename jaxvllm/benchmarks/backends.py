@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+import jax
+
 from jaxvllm.config import EngineConfig
 from jaxvllm.dummy import ModelSource
 
@@ -18,7 +20,8 @@ def make_backend(name: str, source: ModelSource, args: argparse.Namespace, engin
     if name == "hf":
         from jaxvllm.benchmarks.hf_backend import HFBackend
 
-        config = EngineConfig(model=source.path, **engine_kwargs)  # jaxvllm's effective values
+        # jaxvllm's effective values
+        config = EngineConfig(model=source.path, **engine_kwargs).for_platform(jax.default_backend())
         return HFBackend(
             source, dtype=config.dtype, mode=args.hf_mode, batch_size=hf_batch_size or args.hf_batch_size,
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs, seed=args.seed,

@@ -43,7 +43,7 @@ def no_loading(monkeypatch):
     (dict(gpu_memory_utilization="0.5"), r"gpu_memory_utilization .* got '0.5'"),
     (dict(max_num_seqs=0), r"max_num_seqs must be a positive int, got 0"),
     (dict(max_num_seqs=2.5), r"max_num_seqs .* got 2.5"),
-    (dict(max_num_batched_tokens=-1), r"max_num_batched_tokens must be a positive int, got -1"),
+    (dict(max_num_batched_tokens=-1), r"max_num_batched_tokens must be a positive int \(or None\), got -1"),
     (dict(max_num_batched_tokens="64"), r"max_num_batched_tokens .* got '64'"),
     (dict(block_size=0), r"block_size must be a positive int, got 0"),
     (dict(block_size=True), r"block_size .* got True"),

