@@ -11,6 +11,7 @@ tokens when it needs them (after dispatching the next step, under async scheduli
 from __future__ import annotations
 
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -40,8 +41,8 @@ logger = logging.getLogger(__name__)
 
 # Prompt logprobs need logits for every prompt row: computed this many rows at a time.
 PROMPT_LOGPROBS_CHUNK = 256
-# Compiles the warm-up runs at once.
-COMPILE_THREADS = 4
+# Compiles the warm-up runs at once: one per core, a few at most.
+COMPILE_THREADS = max(2, min(8, os.cpu_count() or 1))
 
 
 @dataclass
