@@ -159,7 +159,7 @@ class InputBatch:
     def __init__(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
         self.max_num_seqs = max_num_seqs
         self.block_table = np.zeros((max_num_seqs, max_blocks_per_seq), np.int32)
-        self.num_blocks = [0] * max_num_seqs  # block_table columns filled, per row
+        self.num_blocks = np.zeros(max_num_seqs, np.int64)  # block_table columns filled, per row
         # The sampling columns (the sampler's table), then what the batch builder reads per row.
         self.columns = {name: np.full(max_num_seqs, pad, dtype) for name, dtype, pad, row in SAMPLING_COLUMNS
                         if row is not None}
@@ -168,6 +168,8 @@ class InputBatch:
         self.want_logprobs = np.zeros(max_num_seqs, bool)
         self.num_logprobs = np.zeros(max_num_seqs, np.int32)  # top logprobs per sampled token
         self.has_bad_words = np.zeros(max_num_seqs, bool)
+        self.has_grammar = np.zeros(max_num_seqs, bool)  # structured output
+        self.num_prompt_logprobs = np.full(max_num_seqs, -1, np.int64)  # -1: not asked for
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
 
@@ -187,17 +189,21 @@ class InputBatch:
         self.want_logprobs[row] = request.num_logprobs is not None
         self.num_logprobs[row] = request.num_logprobs or 0
         self.has_bad_words[row] = bool(request.bad_words_token_ids)
+        self.has_grammar[row] = request.grammar is not None
+        self.num_prompt_logprobs[row] = -1 if request.num_prompt_logprobs is None else request.num_prompt_logprobs
         self.num_blocks[row] = 0
         return row
 
-    def remove(self, request_id: str) -> None:
+    def remove(self, request_id: str) -> bool:
+        """Free a request's row; returns whether it had one."""
         row = self.row_of.pop(request_id, None)
         if row is not None:
             self._free_rows.append(row)
+        return row is not None
 
     def set_blocks(self, row: int, block_ids: list[int]) -> None:
         """Copy the blocks a row's request got since the last call (blocks are only ever
         appended while it runs; the runner calls this when the count changed)."""
-        known = self.num_blocks[row]
+        known = int(self.num_blocks[row])
         self.block_table[row, known : len(block_ids)] = block_ids[known:]
         self.num_blocks[row] = len(block_ids)

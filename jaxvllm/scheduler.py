@@ -14,20 +14,21 @@ import heapq
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from jaxvllm.config import POLICIES
 from jaxvllm.kv_cache_manager import KVCacheManager
-from jaxvllm.request import Request, RequestStatus, ScheduledRequest
-
+from jaxvllm.request import Request, RequestStatus, ScheduledBatch, ScheduledRequest
 
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    scheduled: ScheduledBatch = field(default_factory=lambda: ScheduledBatch.of([]))
     preempted: list[Request] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return self.scheduled.num_tokens
 
 
 @dataclass
@@ -82,6 +83,25 @@ class WaitingQueue:
         heapq.heapify(self._heap)
 
 
+class RunningRows:
+    """The running requests' counters as numpy rows, in running order: what the vectorized
+    schedule reads instead of each `Request`. Made from the requests, then kept up to date
+    by the scheduler from step to step while the running set stays the same (copies: the
+    requests keep their own counters too)."""
+
+    __slots__ = ("requests", "blocks", "pending", "num_tokens", "computed", "limits", "num_blocks", "num_full")
+
+    def __init__(self, requests: list[Request], req_blocks: dict[str, list[int]]) -> None:
+        self.requests = list(requests)
+        self.blocks = [req_blocks[r.request_id] for r in requests]
+        self.pending = np.array([r.num_pending for r in requests], np.int64)
+        self.num_tokens = np.array([len(r.token_ids) for r in requests], np.int64)  # on the host
+        self.computed = np.array([r.num_computed_tokens for r in requests], np.int64)
+        self.limits = np.array([r.max_num_tokens for r in requests], np.int64)
+        self.num_blocks = np.array([len(b) for b in self.blocks], np.int64)
+        self.num_full: np.ndarray | None = None  # full host blocks when last registered (None: unknown)
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
         self.config = config
@@ -90,6 +110,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # Running requests are scheduled and updated with numpy and a tight loop; False: one
+        # request at a time always (the tests check that both give the same steps).
+        self.vectorized = True
+        self._rows: RunningRows | None = None  # the running requests' counters, while they are exact
 
     # -- requests in and out ---------------------------------------------------------
 
@@ -143,19 +167,78 @@ class Scheduler:
     # -- one step --------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        c = self.config
         out = SchedulerOutput()
-        budget = c.max_num_batched_tokens
-        scheduled: dict[str, ScheduledRequest] = {}
+        budget = self.config.max_num_batched_tokens
+        running = self._schedule_running_columns(budget) if self.vectorized else None
+        if running is None:  # (or blocks run short: preemption, one request at a time)
+            running = self._schedule_running(budget, out)
+        batch, budget = running
+        if not out.preempted:
+            batch = batch.extend(self._admit(budget))
+        out.scheduled = batch
+        return out
 
-        running, kv, req_blocks, bs = RequestStatus.RUNNING, self.kv, self.kv.req_blocks, self.kv.block_size
+    def _schedule_running_columns(self, budget: int) -> tuple[ScheduledBatch, int] | None:
+        """The running requests' chunks, computed with numpy over all of them at once: the
+        one-by-one loop's result whenever it preempts nothing. None when the blocks the
+        chunks need exceed the free ones (that loop then picks the victims)."""
+        kv, bs = self.kv, self.kv.block_size
+        rows = self._rows if self._rows is not None and self._rows.requests == self.running else None
+        self._rows = None  # (set again below, once the step is decided)
+        if rows is None:
+            rows = RunningRows(self.running, kv.req_blocks)
+        pending, num_tokens = rows.pending, rows.num_tokens + rows.pending  # (with the tokens on the device)
+        # A request whose last token is on the device has nothing more to compute.
+        done = (pending > 0) & (num_tokens >= rows.limits)
+        want = np.where(done, 0, num_tokens - rows.computed)
+        if (want[~done] <= 0).any():  # (never: a running request always has a token to compute)
+            return None
+        budget_before = budget - (np.cumsum(want) - want)  # what is left when its turn comes
+        chosen = (want > 0) & (budget_before > 0)
+        num_new = np.minimum(want, budget_before)
+        starts, ends = rows.computed, rows.computed + num_new
+        grows = np.flatnonzero(chosen & (ends > rows.num_blocks * bs))
+        new_blocks = -(-ends[grows] // bs) - rows.num_blocks[grows]
+        # In running order, as the loop allocates them: the same block ids.
+        if not kv.grow([rows.requests[i] for i in grows.tolist()], new_blocks.tolist()):
+            return None
+        rows.num_blocks[grows] += new_blocks
+        samples = ends == num_tokens
+        host_ends = np.minimum(ends, rows.num_tokens)
+        picked = np.flatnonzero(chosen)
+        if len(picked) == len(rows.requests):  # (every decoding step)
+            requests, blocks, num_blocks = list(rows.requests), rows.blocks, rows.num_blocks.copy()
+            for request, end, sample in zip(requests, ends.tolist(), samples.tolist()):
+                request.num_computed_tokens = end
+                request.num_pending += sample
+            # Blocks a request filled since the last step are in the cache map already but for
+            # those past their last full block then (`cache_blocks` checks each of them).
+            candidates = None if rows.num_full is None else np.flatnonzero(host_ends // bs > rows.num_full)
+            rows.computed, rows.pending, rows.num_full = ends, pending + samples, host_ends // bs
+            self._rows = rows
+        else:
+            requests = [rows.requests[i] for i in picked.tolist()]
+            blocks, num_blocks = [rows.blocks[i] for i in picked.tolist()], rows.num_blocks[picked]
+            for request, end, sample in zip(requests, ends[picked].tolist(), samples[picked].tolist()):
+                request.num_computed_tokens = end
+                request.num_pending += sample
+            candidates = None
+        batch = ScheduledBatch(requests, starts[picked], num_new[picked], samples[picked], blocks, host_ends[picked],
+                               num_blocks)
+        self.kv.cache_blocks(batch, candidates)
+        return batch, budget - int(num_new.sum())
+
+    def _schedule_running(self, budget: int, out: SchedulerOutput) -> tuple[ScheduledBatch, int]:
+        """The running requests' chunks, one request at a time, preempting when blocks run short."""
+        scheduled: dict[str, ScheduledRequest] = {}
+        running, req_blocks, bs = RequestStatus.RUNNING, self.kv.req_blocks, self.kv.block_size
         for request in list(self.running):
             if budget <= 0:
                 break
             if request.status is not running:  # preempted as a victim this step
                 continue
             num_tokens = len(request.token_ids) + request.num_pending
-            if request.num_pending and num_tokens >= len(request.prompt_token_ids) + request.max_tokens:
+            if request.num_pending and num_tokens >= request.max_num_tokens:
                 continue  # its last token is on the device: nothing more to compute
             start = request.num_computed_tokens
             num_new = min(num_tokens - start, budget)
@@ -171,56 +254,58 @@ class Scheduler:
             request.num_computed_tokens = start + num_new
             request.num_pending += samples
             budget -= num_new
-
+        batch = ScheduledBatch.of(list(scheduled.values()))
         # Victims are out; the requests still scheduled will run this step, so their blocks
         # can be found from now on (a victim's, never written, are never registered).
-        kv.cache_blocks(scheduled.values())
+        self.kv.cache_blocks(batch)
+        return batch, budget
 
-        if not out.preempted:
-            compiling = []  # structured-output requests whose grammar is not compiled yet
-            while len(self.waiting) and len(self.running) < c.max_num_seqs and budget > 0:
-                request = self.waiting.peek()
-                if request.grammar is not None and not request.grammar.ready:
-                    compiling.append(self.waiting.pop())  # the others go first meanwhile
-                    continue
-                if request.num_pending:  # preempted with a token in flight: it joins once that is here
-                    break
-                # Fresh and preempted requests start from whatever prefix is cached.
-                computed = self.kv.get_computed_blocks(request)
-                num_cached = len(computed) * self.kv.block_size
-                num_new = request.num_tokens - num_cached
-                # Without chunked prefill a prompt waits for a step with room for all of it; a
-                # preempted request's recompute (prompt + outputs) may exceed any budget, so it is chunked.
-                if not c.enable_chunked_prefill and num_new > budget and request.num_preemptions == 0:
-                    break
-                num_new = min(num_new, budget)
-                if self.kv.allocate_slots(request, num_new, computed) is None:
-                    break
-                # Nothing is preempted once admissions start, so this step will write these
-                # blocks: a request admitted next with the same prefix shares them in the
-                # same forward pass (each layer writes its K/V before attention reads it).
-                scheduled_request = ScheduledRequest(
-                    request, num_cached, num_new, kv.req_blocks[request.request_id],
-                    num_cached + num_new == request.num_tokens,  # nothing pending: it was not running
-                )
-                kv.cache_blocks((scheduled_request,))
-                self.waiting.pop()
-                self.running.append(request)
-                request.status = RequestStatus.RUNNING
-                request.num_computed_tokens = num_cached + num_new
-                request.num_pending += scheduled_request.samples
-                self.kv.record_prefix_hits(request.num_tokens, num_cached)
-                if request.num_cached_tokens is None:
-                    request.num_cached_tokens = num_cached
-                if request.metrics.first_scheduled_time is None:
-                    request.metrics.first_scheduled_time = time.time()
-                scheduled[request.request_id] = scheduled_request
-                budget -= num_new
-            for request in compiling:
-                self.waiting.add(request)
-
-        out.scheduled = list(scheduled.values())
-        return out
+    def _admit(self, budget: int) -> list[ScheduledRequest]:
+        """Waiting requests that join this step, in queue order, while budget, sequences and blocks last."""
+        c, kv = self.config, self.kv
+        admitted = []
+        compiling = []  # structured-output requests whose grammar is not compiled yet
+        while len(self.waiting) and len(self.running) < c.max_num_seqs and budget > 0:
+            request = self.waiting.peek()
+            if request.grammar is not None and not request.grammar.ready:
+                compiling.append(self.waiting.pop())  # the others go first meanwhile
+                continue
+            if request.num_pending:  # preempted with a token in flight: it joins once that is here
+                break
+            # Fresh and preempted requests start from whatever prefix is cached.
+            computed = kv.get_computed_blocks(request)
+            num_cached = len(computed) * kv.block_size
+            num_new = request.num_tokens - num_cached
+            # Without chunked prefill a prompt waits for a step with room for all of it; a
+            # preempted request's recompute (prompt + outputs) may exceed any budget, so it is chunked.
+            if not c.enable_chunked_prefill and num_new > budget and request.num_preemptions == 0:
+                break
+            num_new = min(num_new, budget)
+            if kv.allocate_slots(request, num_new, computed) is None:
+                break
+            # Nothing is preempted once admissions start, so this step will write these
+            # blocks: a request admitted next with the same prefix shares them in the
+            # same forward pass (each layer writes its K/V before attention reads it).
+            scheduled_request = ScheduledRequest(
+                request, num_cached, num_new, kv.req_blocks[request.request_id],
+                num_cached + num_new == request.num_tokens,  # nothing pending: it was not running
+            )
+            kv.cache_blocks((scheduled_request,))
+            self.waiting.pop()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached + num_new
+            request.num_pending += scheduled_request.samples
+            kv.record_prefix_hits(request.num_tokens, num_cached)
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_cached
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = time.time()
+            admitted.append(scheduled_request)
+            budget -= num_new
+        for request in compiling:
+            self.waiting.add(request)
+        return admitted
 
     def _allocate_or_preempt(self, request: Request, num_new: int, scheduled: dict[str, ScheduledRequest],
                              out: SchedulerOutput) -> tuple[int, bool]:
@@ -267,27 +352,41 @@ class Scheduler:
         for request in self.requests.values():
             request.num_pending = 0
 
-    def update_from_output(self, out: SchedulerOutput, sampled: list[int]) -> list[Request]:
+    def update_from_output(self, out: SchedulerOutput, sampled) -> list[Request]:
         """Append each sampling request's token, finish those that stop; returns requests with new tokens.
 
         Under async scheduling this runs after the next step was dispatched: a token of a
         request that finished meanwhile (stopped by its previous token, or aborted) is
         dropped. A request preempted meanwhile keeps its token (its recompute includes it).
         """
+        batch = out.scheduled
+        tokens = sampled.tolist() if hasattr(sampled, "tolist") else list(sampled)
+        requests = batch.requests
+        if not batch.samples.all():  # (partial prefill chunks sample nothing)
+            rows = np.flatnonzero(batch.samples[: len(tokens)]).tolist()
+            requests, tokens = [requests[i] for i in rows], [tokens[i] for i in rows]
         updated = []
         now = time.time()
-        finished = RequestStatus.FINISHED
-        for s, token in zip(out.scheduled, sampled.tolist() if hasattr(sampled, "tolist") else sampled):
-            if not s.samples:  # a partial prefill chunk
-                continue
-            request = s.request
+        finished, fast = RequestStatus.FINISHED, self.vectorized
+        for request, token in zip(requests, tokens):
             request.num_pending -= 1
             if request.status is finished:
                 continue
-            request.append_token(token)
+            if (fast and request.grammar is None and token not in request.stop_ids
+                    and len(request.token_ids) + 1 < request.max_num_tokens):
+                request.token_ids.append(token)  # (what append_token does when the token ends nothing)
+            else:
+                request.append_token(token)
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             if request.finish_reason is not None:
                 self.finish(request, request.finish_reason)
             updated.append(request)
+        rows = self._rows
+        if rows is not None:  # keep the rows exact: each of them got its token, or start anew
+            if len(updated) == len(rows.requests) and rows.requests == batch.requests == self.running:
+                rows.pending -= 1
+                rows.num_tokens += 1
+            else:
+                self._rows = None
         return updated
