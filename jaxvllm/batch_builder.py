@@ -16,7 +16,7 @@ from itertools import chain
 import numpy as np
 
 from jaxvllm.config import DEFAULT_MAX_LOGPROBS
-from jaxvllm.input_batch import ROW_COLUMNS, BatchLayout, InputBatch, block_table_widths
+from jaxvllm.input_batch import BatchLayout, InputBatch, block_table_widths
 from jaxvllm.request import Request, ScheduledBatch, ScheduledRequest
 from jaxvllm.sampler import SamplerFeatures, SamplingTensors
 from jaxvllm.sampling_params import resolve_logprobs
@@ -161,7 +161,7 @@ class BatchBuilder:
         v["logits_indices"][:n] = last
 
         ids = v["input_ids"][:num_tokens]
-        flat = self._host_tokens(requests, starts, host_ends)
+        flat = self._host_tokens(scheduled)
         if len(pending):  # those tokens come from the device's last sampled ids, at the request's row
             v["prev_row"][last[pending]] = rows[pending]
             from_host = np.ones(num_tokens, bool)
@@ -170,6 +170,7 @@ class BatchBuilder:
         else:
             ids[:] = flat
 
+        layout.row_columns(packed)[:, :n] = ib.packed_columns[:, rows]
         features = self._fill_sampling_rows(v, rows, ends, samples, bool(grammar_rows))
         prompt_rows, prompt_positions, prompt_width = self._fill_prompt_targets(v, scheduled, rows)
         return HostBatch(layout, packed, features, n, prompt_rows, prompt_positions, prompt_width, grammar_rows,
@@ -195,24 +196,20 @@ class BatchBuilder:
         return rows, admitted
 
     @staticmethod
-    def _host_tokens(requests: list[Request], starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-        """Each request's input tokens from `start` to `end` that the host knows, in order."""
+    def _host_tokens(scheduled: ScheduledBatch) -> np.ndarray:
+        """Each chunk's input tokens that the host knows, in order."""
+        starts, ends = scheduled.starts, scheduled.host_ends
         counts = ends - starts
-        if (counts == 1).all():  # decoding, every last token on the host
-            return np.array([r.token_ids[s] for r, s in zip(requests, starts.tolist())], np.int32)
-        if (counts <= 1).all():  # decoding, some last tokens on the device
-            some = np.flatnonzero(counts).tolist()
-            return np.array([requests[i].token_ids[s] for i, s in zip(some, starts[some].tolist())], np.int32)
+        if (counts <= 1).all():  # decoding: one token each (or none: it is on the device)
+            return scheduled.start_tokens[counts == 1].astype(np.int32)
         return np.fromiter(chain.from_iterable(r.token_ids[s:e] for r, s, e in
-                                               zip(requests, starts.tolist(), ends.tolist())), np.int32)
+                                               zip(scheduled.requests, starts.tolist(), ends.tolist())), np.int32)
 
     def _fill_sampling_rows(self, v: dict[str, np.ndarray], rows: np.ndarray, ends: np.ndarray,
                             samples: np.ndarray, grammar: bool = False) -> SamplerFeatures | None:
-        """The sampling rows, gathered from the persistent batch; returns the sampler
-        variant they need (None when no row samples)."""
+        """The sampling rows' per-step fields (the persistent ones are copied already); returns
+        the sampler variant they need (None when no row samples)."""
         ib, n = self.input_batch, len(rows)
-        for name, _ in ROW_COLUMNS:
-            v[name][:n] = ib.columns[name][rows]
         output_index = ends - ib.num_prompt_tokens[rows]  # outputs before the one sampled
         v["output_index"][:n] = output_index
         v["slot"][:n] = rows

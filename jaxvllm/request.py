@@ -30,6 +30,15 @@ class Request:
     after; there is no phase flag (vLLM V1): each step computes some of the missing tokens.
     """
 
+    __slots__ = (
+        "request_id", "parent_id", "prompt", "prompt_token_ids", "token_ids", "params", "priority", "max_tokens",
+        "max_num_tokens", "eos_token_ids", "has_stop_strings", "stop_ids", "arrival_index", "seed",
+        "num_computed_tokens", "num_pending", "num_cached_tokens", "cache_salt", "read_prefix_cache", "num_logprobs",
+        "num_prompt_logprobs", "bad_words_token_ids", "block_hashes", "uses_sampler_state", "logprobs",
+        "cumulative_logprob", "prompt_logprobs", "grammar", "detokenizer", "num_detokenized", "num_preemptions",
+        "status", "finish_reason", "stop_reason", "metrics",
+    )
+
     def __init__(
         self,
         request_id: str,
@@ -164,10 +173,11 @@ class ScheduledBatch:
     that reads one request at a time.
     """
 
-    __slots__ = ("requests", "starts", "num_new_tokens", "samples", "block_ids", "host_ends", "num_blocks", "_items")
+    __slots__ = ("requests", "starts", "num_new_tokens", "samples", "block_ids", "host_ends", "num_blocks",
+                 "start_tokens", "_items")
 
     def __init__(self, requests: list[Request], starts, num_new_tokens, samples, block_ids: list[list[int]],
-                 host_ends=None, num_blocks=None) -> None:
+                 host_ends=None, num_blocks=None, start_tokens=None) -> None:
         self.requests = requests
         self.starts = np.asarray(starts, np.int64)
         self.num_new_tokens = np.asarray(num_new_tokens, np.int64)
@@ -178,6 +188,11 @@ class ScheduledBatch:
         ends = self.starts + self.num_new_tokens
         self.host_ends = np.minimum(ends, [len(r.token_ids) for r in requests]) if host_ends is None else host_ends
         self.num_blocks = np.array([len(b) for b in block_ids], np.int64) if num_blocks is None else num_blocks
+        # A chunk of one host token: that token (a decoding step's input, mostly); else -1.
+        if start_tokens is None:
+            one = (self.host_ends - self.starts == 1).tolist()
+            start_tokens = [r.token_ids[s] if o else -1 for r, s, o in zip(requests, self.starts.tolist(), one)]
+        self.start_tokens = np.asarray(start_tokens, np.int64)
         self._items: list[ScheduledRequest] | None = None
 
     @classmethod
@@ -197,7 +212,8 @@ class ScheduledBatch:
                               np.concatenate((self.num_new_tokens, tail.num_new_tokens)),
                               np.concatenate((self.samples, tail.samples)), self.block_ids + tail.block_ids,
                               np.concatenate((self.host_ends, tail.host_ends)),
-                              np.concatenate((self.num_blocks, tail.num_blocks)))
+                              np.concatenate((self.num_blocks, tail.num_blocks)),
+                              np.concatenate((self.start_tokens, tail.start_tokens)))
 
     @property
     def num_tokens(self) -> int:

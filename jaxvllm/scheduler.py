@@ -89,17 +89,22 @@ class RunningRows:
     by the scheduler from step to step while the running set stays the same (copies: the
     requests keep their own counters too)."""
 
-    __slots__ = ("requests", "blocks", "pending", "num_tokens", "computed", "limits", "num_blocks", "num_full")
+    __slots__ = ("requests", "blocks", "pending", "num_tokens", "last_tokens", "computed", "limits", "num_blocks",
+                 "num_full", "special")
 
     def __init__(self, requests: list[Request], req_blocks: dict[str, list[int]]) -> None:
         self.requests = list(requests)
         self.blocks = [req_blocks[r.request_id] for r in requests]
         self.pending = np.array([r.num_pending for r in requests], np.int64)
         self.num_tokens = np.array([len(r.token_ids) for r in requests], np.int64)  # on the host
+        self.last_tokens = np.array([r.token_ids[-1] if r.token_ids else -1 for r in requests], np.int64)
         self.computed = np.array([r.num_computed_tokens for r in requests], np.int64)
         self.limits = np.array([r.max_num_tokens for r in requests], np.int64)
         self.num_blocks = np.array([len(b) for b in self.blocks], np.int64)
         self.num_full: np.ndarray | None = None  # full host blocks when last registered (None: unknown)
+        # Requests whose next token takes the general way: structured outputs, or a first token.
+        self.special = np.array([r.grammar is not None or r.metrics.first_token_time is None for r in requests],
+                                bool)
 
 
 class Scheduler:
@@ -114,6 +119,8 @@ class Scheduler:
         # request at a time always (the tests check that both give the same steps).
         self.vectorized = True
         self._rows: RunningRows | None = None  # the running requests' counters, while they are exact
+        self._stop_ids: frozenset[int] = frozenset()
+        self._stop_token_ids = np.zeros(0, np.int64)
 
     # -- requests in and out ---------------------------------------------------------
 
@@ -144,6 +151,9 @@ class Scheduler:
         self.check_fits(request.num_prompt_tokens, request.max_tokens)
         self.requests[request.request_id] = request
         self.waiting.add(request)
+        if not request.stop_ids <= self._stop_ids:  # every request's stop ids: tokens the vectorized update checks
+            self._stop_ids |= request.stop_ids
+            self._stop_token_ids = np.array(sorted(self._stop_ids), np.int64)
 
     def finish(self, request: Request, reason: str) -> None:
         """End a request (stopped, at its length, or aborted) and release its blocks."""
@@ -205,6 +215,10 @@ class Scheduler:
         rows.num_blocks[grows] += new_blocks
         samples = ends == num_tokens
         host_ends = np.minimum(ends, rows.num_tokens)
+        # One-token chunks' inputs: the request's last token (decoding), or another one.
+        start_tokens = np.where((host_ends - starts == 1) & chosen, rows.last_tokens, -1)
+        for i in np.flatnonzero(chosen & (host_ends - starts == 1) & (starts < rows.num_tokens - 1)).tolist():
+            start_tokens[i] = rows.requests[i].token_ids[starts[i]]
         picked = np.flatnonzero(chosen)
         if len(picked) == len(rows.requests):  # (every decoding step)
             requests, blocks, num_blocks = list(rows.requests), rows.blocks, rows.num_blocks.copy()
@@ -224,7 +238,7 @@ class Scheduler:
                 request.num_pending += sample
             candidates = None
         batch = ScheduledBatch(requests, starts[picked], num_new[picked], samples[picked], blocks, host_ends[picked],
-                               num_blocks)
+                               num_blocks, start_tokens[picked])
         self.kv.cache_blocks(batch, candidates)
         return batch, budget - int(num_new.sum())
 
@@ -361,32 +375,57 @@ class Scheduler:
         """
         batch = out.scheduled
         tokens = sampled.tolist() if hasattr(sampled, "tolist") else list(sampled)
+        rows, self._rows = self._rows, None
+        if (rows is not None and len(tokens) == len(batch) and batch.samples.all()
+                and rows.requests == batch.requests == self.running):
+            return self._update_rows(rows, tokens)
         requests = batch.requests
         if not batch.samples.all():  # (partial prefill chunks sample nothing)
-            rows = np.flatnonzero(batch.samples[: len(tokens)]).tolist()
-            requests, tokens = [requests[i] for i in rows], [tokens[i] for i in rows]
+            picked = np.flatnonzero(batch.samples[: len(tokens)]).tolist()
+            requests, tokens = [requests[i] for i in picked], [tokens[i] for i in picked]
         updated = []
         now = time.time()
-        finished, fast = RequestStatus.FINISHED, self.vectorized
+        finished = RequestStatus.FINISHED
         for request, token in zip(requests, tokens):
             request.num_pending -= 1
             if request.status is finished:
                 continue
-            if (fast and request.grammar is None and token not in request.stop_ids
-                    and len(request.token_ids) + 1 < request.max_num_tokens):
-                request.token_ids.append(token)  # (what append_token does when the token ends nothing)
-            else:
-                request.append_token(token)
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-            if request.finish_reason is not None:
-                self.finish(request, request.finish_reason)
+            self._append(request, token, now)
             updated.append(request)
-        rows = self._rows
-        if rows is not None:  # keep the rows exact: each of them got its token, or start anew
-            if len(updated) == len(rows.requests) and rows.requests == batch.requests == self.running:
-                rows.pending -= 1
-                rows.num_tokens += 1
-            else:
-                self._rows = None
         return updated
+
+    def _append(self, request: Request, token: int, now: float) -> None:
+        request.append_token(token)
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
+        if request.finish_reason is not None:
+            self.finish(request, request.finish_reason)
+
+    def _update_rows(self, rows: RunningRows, tokens: list[int]) -> list[Request]:
+        """`update_from_output` for a step in which every running request sampled (and none
+        finished before): tokens that end nothing, the most, are appended in one loop, the
+        others as one by one; the rows stay exact if nobody finished."""
+        requests, sampled = rows.requests, np.asarray(tokens, np.int64)
+        general = rows.special | (rows.num_tokens + 1 >= rows.limits) | np.isin(sampled, self._stop_token_ids)
+        if general.any():
+            plain = np.flatnonzero(~general).tolist()
+            for i in plain:
+                request = requests[i]
+                request.num_pending -= 1
+                request.token_ids.append(tokens[i])
+            now = time.time()
+            for i in np.flatnonzero(general).tolist():  # (in order: finishing frees blocks in order)
+                requests[i].num_pending -= 1
+                self._append(requests[i], tokens[i], now)
+        else:
+            for request, token in zip(requests, tokens):
+                request.num_pending -= 1
+                request.token_ids.append(token)
+        if len(self.running) == len(requests):  # nobody finished: the rows are still those requests'
+            rows.pending -= 1
+            rows.num_tokens += 1
+            rows.last_tokens = sampled
+            rows.special = np.array([r.grammar is not None for r in requests], bool) if rows.special.any() else \
+                rows.special
+            self._rows = rows
+        return list(requests)
