@@ -9,6 +9,7 @@ what it builds.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import chain
@@ -73,6 +74,7 @@ class BatchBuilder:
         self.input_batch = InputBatch(max_num_seqs, self.max_blocks_per_seq)
         # The last step's requests and their rows: reused while no request leaves or joins.
         self._last_rows: tuple[list[Request], np.ndarray] | None = None
+        self._last_features: tuple[np.ndarray, bool, SamplerFeatures | None] | None = None  # over those rows
 
     # -- shapes ------------------------------------------------------------------------
 
@@ -95,6 +97,11 @@ class BatchBuilder:
         if not self.decode_only:
             return []
         return [b for b in self.buckets if b <= self.bucket_for(self.max_num_seqs)]
+
+    @functools.lru_cache(maxsize=None)  # noqa: B019 (one builder per engine: its few shapes)
+    def _layout(self, bucket: int, width: int, decode_only: bool) -> BatchLayout:
+        """A step shape's layout, made once (it caches its field offsets and padding)."""
+        return BatchLayout(bucket, self.rows_for(bucket), width, decode_only)
 
     def logprobs_width(self, k: int) -> int:
         """Top logprobs computed in a step whose rows ask for up to k: vLLM's default
@@ -144,7 +151,7 @@ class BatchBuilder:
         num_tokens = int(lens.sum())
         bucket = self.bucket_for(num_tokens)
         decode_only = num_tokens == n and bucket in self.decode_only_buckets  # one token per sequence
-        layout = BatchLayout(bucket, self.rows_for(bucket), self.width_for(max_blocks), decode_only)
+        layout = self._layout(bucket, self.width_for(max_blocks), decode_only)
         packed, v = layout.empty()
 
         qsl = v["query_start_loc"]
@@ -180,9 +187,11 @@ class BatchBuilder:
         """Each scheduled request's row, new requests admitted (in order), block tables brought
         up to date; and (row, request) of the admitted requests that use sampler state."""
         ib, requests = self.input_batch, scheduled.requests
-        if self._last_rows is not None and self._last_rows[0] == requests:  # the same requests as last step
+        reused = self._last_rows is not None and self._last_rows[0] == requests  # the same requests as last step
+        if reused:
             rows = self._last_rows[1]
         else:
+            self._last_features = None
             rows = np.array([ib.row_of.get(r.request_id, -1) for r in requests], np.int64)
         admitted = []
         for i in np.flatnonzero(rows < 0).tolist():
@@ -217,12 +226,17 @@ class BatchBuilder:
         v["counts_sample"][:n] = samples
         wanted = samples & ib.want_logprobs[rows]
         v["want_logprobs"][:n] = wanted
-        if not samples.any():
-            return None
-        width = self.logprobs_width(int(ib.num_logprobs[rows][wanted].max())) if wanted.any() else 0
-        tensors = SamplingTensors(**{k: v[k][:n] for k in SamplingTensors.__dataclass_fields__})
-        return SamplerFeatures.of(tensors, samples, bad_words=ib.has_bad_words[rows], logprobs_width=width,
-                                  grammar=grammar)
+        last = self._last_features  # (samples, grammar, features) of the last step, over the same rows
+        if last is not None and last[1] == grammar and np.array_equal(last[0], samples):
+            return last[2]  # (the rows' parameters are those of the last step)
+        features = None
+        if samples.any():
+            width = self.logprobs_width(int(ib.num_logprobs[rows][wanted].max())) if wanted.any() else 0
+            tensors = SamplingTensors(**{k: v[k][:n] for k in SamplingTensors.__dataclass_fields__})
+            features = SamplerFeatures.of(tensors, samples, bad_words=ib.has_bad_words[rows], logprobs_width=width,
+                                          grammar=grammar)
+        self._last_features = (samples, grammar, features)
+        return features
 
     def _fill_prompt_targets(self, v: dict[str, np.ndarray], scheduled: ScheduledBatch, rows: np.ndarray):
         """Rows whose prompt logprobs are asked for: (token rows, (scheduled index, prompt

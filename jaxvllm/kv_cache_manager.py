@@ -8,6 +8,7 @@ The device cache itself is a fixed array of `num_blocks` blocks per layer (see
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int], extra: bytes = b"
     request read another prefix's K/V, is as likely as guessing a sha256 preimage.
     """
     h = hashlib.sha256(parent if parent is not None else b"jaxvllm-root")
-    h.update(np.asarray(token_ids, np.int64).tobytes())
+    h.update(array("q", token_ids).tobytes())  # int64, as numpy's (no numpy call: one per block filled)
     if extra:
         h.update(len(extra).to_bytes(8, "little") + extra)
     return h.digest()

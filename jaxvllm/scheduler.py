@@ -201,11 +201,14 @@ class Scheduler:
         # A request whose last token is on the device has nothing more to compute.
         done = (pending > 0) & (num_tokens >= rows.limits)
         want = np.where(done, 0, num_tokens - rows.computed)
-        if (want[~done] <= 0).any():  # (never: a running request always has a token to compute)
+        if not (done | (want > 0)).all():  # (never: a running request always has a token to compute)
             return None
-        budget_before = budget - (np.cumsum(want) - want)  # what is left when its turn comes
-        chosen = (want > 0) & (budget_before > 0)
-        num_new = np.minimum(want, budget_before)
+        if want.sum() <= budget:  # (every decoding step)
+            chosen, num_new = want > 0, want
+        else:
+            budget_before = budget - (np.cumsum(want) - want)  # what is left when its turn comes
+            chosen = (want > 0) & (budget_before > 0)
+            num_new = np.minimum(want, budget_before)
         starts, ends = rows.computed, rows.computed + num_new
         grows = np.flatnonzero(chosen & (ends > rows.num_blocks * bs))
         new_blocks = -(-ends[grows] // bs) - rows.num_blocks[grows]
@@ -216,11 +219,12 @@ class Scheduler:
         samples = ends == num_tokens
         host_ends = np.minimum(ends, rows.num_tokens)
         # One-token chunks' inputs: the request's last token (decoding), or another one.
-        start_tokens = np.where((host_ends - starts == 1) & chosen, rows.last_tokens, -1)
-        for i in np.flatnonzero(chosen & (host_ends - starts == 1) & (starts < rows.num_tokens - 1)).tolist():
+        one = (host_ends - starts == 1) & chosen
+        start_tokens = np.where(one, rows.last_tokens, -1)
+        for i in np.flatnonzero(one & (host_ends < rows.num_tokens)).tolist():
             start_tokens[i] = rows.requests[i].token_ids[starts[i]]
-        picked = np.flatnonzero(chosen)
-        if len(picked) == len(rows.requests):  # (every decoding step)
+        if chosen.all():  # (every decoding step)
+            picked = slice(None)
             requests, blocks, num_blocks = list(rows.requests), rows.blocks, rows.num_blocks.copy()
             for request, end, sample in zip(requests, ends.tolist(), samples.tolist()):
                 request.num_computed_tokens = end
@@ -231,6 +235,7 @@ class Scheduler:
             rows.computed, rows.pending, rows.num_full = ends, pending + samples, host_ends // bs
             self._rows = rows
         else:
+            picked = np.flatnonzero(chosen)
             requests = [rows.requests[i] for i in picked.tolist()]
             blocks, num_blocks = [rows.blocks[i] for i in picked.tolist()], rows.num_blocks[picked]
             for request, end, sample in zip(requests, ends[picked].tolist(), samples[picked].tolist()):
