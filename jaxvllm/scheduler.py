@@ -411,7 +411,8 @@ class Scheduler:
         finished before): tokens that end nothing, the most, are appended in one loop, the
         others as one by one; the rows stay exact if nobody finished."""
         requests, sampled = rows.requests, np.asarray(tokens, np.int64)
-        general = rows.special | (rows.num_tokens + 1 >= rows.limits) | np.isin(sampled, self._stop_token_ids)
+        general = rows.special | (rows.num_tokens + 1 >= rows.limits)
+        general |= (sampled[:, None] == self._stop_token_ids).any(axis=1)  # (a stop id of some request)
         if general.any():
             plain = np.flatnonzero(~general).tolist()
             for i in plain:
