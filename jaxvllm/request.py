@@ -185,8 +185,9 @@ class ScheduledBatch:
         self.block_ids = block_ids  # each request's physical blocks, in logical order
         # Where the tokens known on the host end, when scheduled: a chunk ending past it ends
         # with the token the step before sampled, still on the device.
-        ends = self.starts + self.num_new_tokens
-        self.host_ends = np.minimum(ends, [len(r.token_ids) for r in requests]) if host_ends is None else host_ends
+        if host_ends is None:
+            host_ends = np.minimum(self.starts + self.num_new_tokens, [len(r.token_ids) for r in requests])
+        self.host_ends = host_ends
         self.num_blocks = np.array([len(b) for b in block_ids], np.int64) if num_blocks is None else num_blocks
         # A chunk of one host token: that token (a decoding step's input, mostly); else -1.
         if start_tokens is None:

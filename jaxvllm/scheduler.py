@@ -177,16 +177,14 @@ class Scheduler:
     # -- one step --------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        budget, preempted = self.config.max_num_batched_tokens, []
         running = self._schedule_running_columns(budget) if self.vectorized else None
         if running is None:  # (or blocks run short: preemption, one request at a time)
-            running = self._schedule_running(budget, out)
+            running = self._schedule_running(budget, preempted)
         batch, budget = running
-        if not out.preempted:
+        if not preempted:
             batch = batch.extend(self._admit(budget))
-        out.scheduled = batch
-        return out
+        return SchedulerOutput(batch, preempted)
 
     def _schedule_running_columns(self, budget: int) -> tuple[ScheduledBatch, int] | None:
         """The running requests' chunks, computed with numpy over all of them at once: the
@@ -247,7 +245,7 @@ class Scheduler:
         self.kv.cache_blocks(batch, candidates)
         return batch, budget - int(num_new.sum())
 
-    def _schedule_running(self, budget: int, out: SchedulerOutput) -> tuple[ScheduledBatch, int]:
+    def _schedule_running(self, budget: int, preempted: list[Request]) -> tuple[ScheduledBatch, int]:
         """The running requests' chunks, one request at a time, preempting when blocks run short."""
         scheduled: dict[str, ScheduledRequest] = {}
         running, req_blocks, bs = RequestStatus.RUNNING, self.kv.req_blocks, self.kv.block_size
@@ -262,7 +260,7 @@ class Scheduler:
             start = request.num_computed_tokens
             num_new = min(num_tokens - start, budget)
             if start + num_new > len(req_blocks[request.request_id]) * bs:  # (most decode steps fit)
-                freed, allocated = self._allocate_or_preempt(request, num_new, scheduled, out)
+                freed, allocated = self._allocate_or_preempt(request, num_new, scheduled, preempted)
                 budget += freed
                 if not allocated:  # it was preempted itself
                     continue
@@ -327,14 +325,14 @@ class Scheduler:
         return admitted
 
     def _allocate_or_preempt(self, request: Request, num_new: int, scheduled: dict[str, ScheduledRequest],
-                             out: SchedulerOutput) -> tuple[int, bool]:
+                             preempted: list[Request]) -> tuple[int, bool]:
         """Allocate blocks for `num_new` more tokens of a running request, preempting others
         (or, last, itself) until they fit. Returns (the budget given back by victims that
         were already scheduled this step, whether `request` got its blocks)."""
         freed = 0
         while self.kv.allocate_slots(request, num_new) is None:
             victim = self._pick_victim()
-            self._preempt(victim, out)
+            self._preempt(victim, preempted)
             if victim.request_id in scheduled:  # the priority policy may pick one already scheduled
                 dropped = scheduled.pop(victim.request_id)
                 freed += dropped.num_new_tokens
@@ -348,11 +346,11 @@ class Scheduler:
             return max(self.running, key=lambda r: (r.priority, r.arrival_index))
         return self.running[-1]
 
-    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, request: Request, preempted: list[Request]) -> None:
         self._requeue(request)
         request.num_preemptions += 1
         self.num_preemptions += 1
-        out.preempted.append(request)
+        preempted.append(request)
 
     def _requeue(self, request: Request) -> None:
         """A running request gives back its blocks and waits to be recomputed."""
