@@ -145,7 +145,8 @@ class BatchBuilder:
         # step before and is still on the device.
         host_ends = scheduled.host_ends
         pending = np.flatnonzero(ends > host_ends)
-        grammar_rows = [(i, requests[i].grammar) for i in np.flatnonzero(samples & ib.has_grammar[rows]).tolist()]
+        grammar_rows = [(i, requests[i].grammar) for i in np.flatnonzero(samples & ib.has_grammar[rows]).tolist()
+                        ] if ib.num_special else []
         max_blocks = int(ib.num_blocks[rows].max(initial=1))
 
         num_tokens = int(lens.sum())
@@ -242,6 +243,8 @@ class BatchBuilder:
         """Rows whose prompt logprobs are asked for: (token rows, (scheduled index, prompt
         position), the top-logprobs width they need)."""
         prompt_rows, prompt_positions, width = [], [], 0
+        if not self.input_batch.num_special:  # (no row has a grammar or prompt logprobs)
+            return prompt_rows, prompt_positions, 0
         qsl = v["query_start_loc"]
         for i in np.flatnonzero(self.input_batch.num_prompt_logprobs[rows] >= 0).tolist():
             request, start = scheduled.requests[i], int(scheduled.starts[i])

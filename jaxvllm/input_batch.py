@@ -179,6 +179,7 @@ class InputBatch:
         self.has_bad_words = np.zeros(max_num_seqs, bool)
         self.has_grammar = np.zeros(max_num_seqs, bool)  # structured output
         self.num_prompt_logprobs = np.full(max_num_seqs, -1, np.int64)  # -1: not asked for
+        self.num_special = 0  # rows with a grammar or prompt logprobs (none: a step skips looking for them)
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
 
@@ -202,6 +203,7 @@ class InputBatch:
         self.has_bad_words[row] = bool(request.bad_words_token_ids)
         self.has_grammar[row] = request.grammar is not None
         self.num_prompt_logprobs[row] = -1 if request.num_prompt_logprobs is None else request.num_prompt_logprobs
+        self.num_special += self._special(row)
         self.num_blocks[row] = 0
         return row
 
@@ -215,7 +217,11 @@ class InputBatch:
         row = self.row_of.pop(request_id, None)
         if row is not None:
             self._free_rows.append(row)
+            self.num_special -= self._special(row)
         return row is not None
+
+    def _special(self, row: int) -> bool:
+        return bool(self.has_grammar[row] or self.num_prompt_logprobs[row] >= 0)
 
     def set_blocks(self, row: int, block_ids: list[int]) -> None:
         """Copy the blocks a row's request got since the last call (blocks are only ever
