@@ -189,18 +189,18 @@ class BatchBuilder:
         up to date; and (row, request) of the admitted requests that use sampler state."""
         ib, requests = self.input_batch, scheduled.requests
         reused = self._last_rows is not None and self._last_rows[0] == requests  # the same requests as last step
+        admitted = []
         if reused:
             rows = self._last_rows[1]
         else:
             self._last_features = None
             rows = np.array([ib.row_of.get(r.request_id, -1) for r in requests], np.int64)
-        admitted = []
-        for i in np.flatnonzero(rows < 0).tolist():
-            request = requests[i]
-            rows[i] = row = ib.add(request)
-            if request.uses_sampler_state:
-                admitted.append((row, request))
-        self._last_rows = (list(requests), rows)
+            for i in np.flatnonzero(rows < 0).tolist():
+                request = requests[i]
+                rows[i] = row = ib.add(request)
+                if request.uses_sampler_state:
+                    admitted.append((row, request))
+            self._last_rows = (list(requests), rows)
         for i in np.flatnonzero(scheduled.num_blocks != ib.num_blocks[rows]).tolist():  # (those that got a block)
             ib.set_blocks(int(rows[i]), scheduled.block_ids[i])
         return rows, admitted
