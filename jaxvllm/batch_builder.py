@@ -9,6 +9,7 @@ what it builds.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import chain
@@ -16,8 +17,8 @@ from itertools import chain
 import numpy as np
 
 from jaxvllm.config import DEFAULT_MAX_LOGPROBS
-from jaxvllm.input_batch import ROW_COLUMNS, BatchLayout, InputBatch, block_table_widths
-from jaxvllm.request import Request, ScheduledRequest
+from jaxvllm.input_batch import BatchLayout, InputBatch, block_table_widths
+from jaxvllm.request import Request, ScheduledBatch, ScheduledRequest
 from jaxvllm.sampler import SamplerFeatures, SamplingTensors
 from jaxvllm.sampling_params import resolve_logprobs
 
@@ -71,6 +72,9 @@ class BatchBuilder:
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.widths = block_table_widths(self.max_blocks_per_seq)
         self.input_batch = InputBatch(max_num_seqs, self.max_blocks_per_seq)
+        # The last step's requests and their rows: reused while no request leaves or joins.
+        self._last_rows: tuple[list[Request], np.ndarray] | None = None
+        self._last_features: tuple[np.ndarray, bool, SamplerFeatures | None] | None = None  # over those rows
 
     # -- shapes ------------------------------------------------------------------------
 
@@ -94,6 +98,11 @@ class BatchBuilder:
             return []
         return [b for b in self.buckets if b <= self.bucket_for(self.max_num_seqs)]
 
+    @functools.lru_cache(maxsize=None)  # noqa: B019 (one builder per engine: its few shapes)
+    def _layout(self, bucket: int, width: int, decode_only: bool) -> BatchLayout:
+        """A step shape's layout, made once (it caches its field offsets and padding)."""
+        return BatchLayout(bucket, self.rows_for(bucket), width, decode_only)
+
     def logprobs_width(self, k: int) -> int:
         """Top logprobs computed in a step whose rows ask for up to k: vLLM's default
         max_logprobs (20) unless more is asked, then the engine's max_logprobs; at most the
@@ -113,56 +122,37 @@ class BatchBuilder:
     def release(self, request_ids) -> None:
         """Requests that left the running set (finished, aborted, preempted) give back their row."""
         for rid in request_ids:
-            self.input_batch.remove(rid)
+            if self.input_batch.remove(rid):
+                self._last_rows = None
 
     def release_all(self) -> None:
         self.release(list(self.input_batch.row_of))
 
     # -- one step ------------------------------------------------------------------------
 
-    def prepare(self, scheduled: list[ScheduledRequest]) -> HostBatch:
+    def prepare(self, scheduled: ScheduledBatch | list[ScheduledRequest]) -> HostBatch:
         """Admit new requests to the persistent batch, then fill one packed buffer from its
         rows (numpy gathers) and the few per-step values."""
-        n, bs, ib = len(scheduled), self.block_size, self.input_batch
+        if not isinstance(scheduled, ScheduledBatch):
+            scheduled = ScheduledBatch.of(list(scheduled))
+        n, bs, ib, requests = len(scheduled), self.block_size, self.input_batch, scheduled.requests
         if n > self.max_num_seqs:
             raise ValueError(f"{n} sequences scheduled, max_num_seqs is {self.max_num_seqs}")
-        rows, starts, lens, samples = [], [], [], []
-        pending = []  # scheduled index of rows whose last input token is still on the device
-        host_tokens = []
-        grammar_rows = []  # (sampling row, grammar) of structured-output rows
-        admitted = []
-        row_of, num_blocks = ib.row_of, ib.num_blocks
-        for i, s in enumerate(scheduled):
-            request = s.request
-            row = row_of.get(request.request_id)
-            if row is None:
-                row = ib.add(request)
-                if request.uses_sampler_state:
-                    admitted.append((row, request))
-            if len(s.block_ids) != num_blocks[row]:
-                ib.set_blocks(row, s.block_ids)
-            start, num_new = s.start, s.num_new_tokens
-            rows.append(row)
-            starts.append(start)
-            lens.append(num_new)
-            samples.append(s.samples)
-            if s.samples and request.grammar is not None:
-                grammar_rows.append((i, request.grammar))
-            end = start + num_new
-            token_ids = request.token_ids
-            if end > len(token_ids):  # the last token was sampled by the step before
-                pending.append(i)
-                end = len(token_ids)
-            if end > start:
-                host_tokens.append(token_ids[start:end])
-        max_blocks = max(map(num_blocks.__getitem__, rows), default=1)
-        rows, starts, lens = (np.array(x, np.int32) for x in (rows, starts, lens))
-        samples = np.array(samples, bool)
+        rows, admitted = self._rows(scheduled)
+        starts, lens = scheduled.starts.astype(np.int32), scheduled.num_new_tokens.astype(np.int32)
+        samples, ends = scheduled.samples, starts + lens
+        # Tokens [start, host_end) are on the host; the one after, if any, was sampled by the
+        # step before and is still on the device.
+        host_ends = scheduled.host_ends
+        pending = np.flatnonzero(ends > host_ends)
+        grammar_rows = [(i, requests[i].grammar) for i in np.flatnonzero(samples & ib.has_grammar[rows]).tolist()
+                        ] if ib.num_special else []
+        max_blocks = int(ib.num_blocks[rows].max(initial=1))
 
         num_tokens = int(lens.sum())
         bucket = self.bucket_for(num_tokens)
         decode_only = num_tokens == n and bucket in self.decode_only_buckets  # one token per sequence
-        layout = BatchLayout(bucket, self.rows_for(bucket), self.width_for(max_blocks), decode_only)
+        layout = self._layout(bucket, self.width_for(max_blocks), decode_only)
         packed, v = layout.empty()
 
         qsl = v["query_start_loc"]
@@ -172,15 +162,15 @@ class BatchBuilder:
         seq_of_token = np.repeat(np.arange(n, dtype=np.int32), lens)
         token_pos = np.arange(num_tokens, dtype=np.int32) - qsl[seq_of_token] + starts[seq_of_token]
         v["positions"][:num_tokens] = token_pos
-        tables = ib.block_table[rows, : layout.width]
-        v["block_tables"][:n] = tables
+        tables = ib.block_table[rows, :max_blocks]  # (the columns after are padding: no request reads them)
+        v["block_tables"][:n, :max_blocks] = tables
         v["slot_mapping"][:num_tokens] = tables[seq_of_token, token_pos // bs] * bs + token_pos % bs
-        v["seq_lens"][:n] = starts + lens
+        v["seq_lens"][:n] = ends
         v["logits_indices"][:n] = last
 
         ids = v["input_ids"][:num_tokens]
-        flat = np.fromiter(chain.from_iterable(host_tokens), np.int32)
-        if pending:  # those tokens come from the device's last sampled ids, at the request's row
+        flat = self._host_tokens(scheduled)
+        if len(pending):  # those tokens come from the device's last sampled ids, at the request's row
             v["prev_row"][last[pending]] = rows[pending]
             from_host = np.ones(num_tokens, bool)
             from_host[last[pending]] = False
@@ -188,18 +178,48 @@ class BatchBuilder:
         else:
             ids[:] = flat
 
-        features = self._fill_sampling_rows(v, rows, starts + lens, samples, bool(grammar_rows))
-        prompt_rows, prompt_positions, prompt_width = self._fill_prompt_targets(v, scheduled)
+        layout.row_columns(packed)[:, :n] = ib.packed_columns[:, rows]
+        features = self._fill_sampling_rows(v, rows, ends, samples, bool(grammar_rows))
+        prompt_rows, prompt_positions, prompt_width = self._fill_prompt_targets(v, scheduled, rows)
         return HostBatch(layout, packed, features, n, prompt_rows, prompt_positions, prompt_width, grammar_rows,
                          admitted)
 
+    def _rows(self, scheduled: ScheduledBatch) -> tuple[np.ndarray, list[tuple[int, Request]]]:
+        """Each scheduled request's row, new requests admitted (in order), block tables brought
+        up to date; and (row, request) of the admitted requests that use sampler state."""
+        ib, requests = self.input_batch, scheduled.requests
+        reused = self._last_rows is not None and self._last_rows[0] == requests  # the same requests as last step
+        admitted = []
+        if reused:
+            rows = self._last_rows[1]
+        else:
+            self._last_features = None
+            rows = np.array([ib.row_of.get(r.request_id, -1) for r in requests], np.int64)
+            for i in np.flatnonzero(rows < 0).tolist():
+                request = requests[i]
+                rows[i] = row = ib.add(request)
+                if request.uses_sampler_state:
+                    admitted.append((row, request))
+            self._last_rows = (list(requests), rows)
+        for i in np.flatnonzero(scheduled.num_blocks != ib.num_blocks[rows]).tolist():  # (those that got a block)
+            ib.set_blocks(int(rows[i]), scheduled.block_ids[i])
+        return rows, admitted
+
+    @staticmethod
+    def _host_tokens(scheduled: ScheduledBatch) -> np.ndarray:
+        """Each chunk's input tokens that the host knows, in order."""
+        starts, ends = scheduled.starts, scheduled.host_ends
+        counts = ends - starts
+        if (counts <= 1).all():  # decoding: one token each (or none: it is on the device)
+            return scheduled.start_tokens[counts == 1].astype(np.int32)
+        return np.fromiter(chain.from_iterable(r.token_ids[s:e] for r, s, e in
+                                               zip(scheduled.requests, starts.tolist(), ends.tolist())), np.int32)
+
     def _fill_sampling_rows(self, v: dict[str, np.ndarray], rows: np.ndarray, ends: np.ndarray,
                             samples: np.ndarray, grammar: bool = False) -> SamplerFeatures | None:
-        """The sampling rows, gathered from the persistent batch; returns the sampler
-        variant they need (None when no row samples)."""
+        """The sampling rows' per-step fields (the persistent ones are copied already); returns
+        the sampler variant they need (None when no row samples)."""
         ib, n = self.input_batch, len(rows)
-        for name, _ in ROW_COLUMNS:
-            v[name][:n] = ib.columns[name][rows]
         output_index = ends - ib.num_prompt_tokens[rows]  # outputs before the one sampled
         v["output_index"][:n] = output_index
         v["slot"][:n] = rows
@@ -207,26 +227,32 @@ class BatchBuilder:
         v["counts_sample"][:n] = samples
         wanted = samples & ib.want_logprobs[rows]
         v["want_logprobs"][:n] = wanted
-        if not samples.any():
-            return None
-        width = self.logprobs_width(int(ib.num_logprobs[rows][wanted].max())) if wanted.any() else 0
-        tensors = SamplingTensors(**{k: v[k][:n] for k in SamplingTensors.__dataclass_fields__})
-        return SamplerFeatures.of(tensors, samples, bad_words=ib.has_bad_words[rows], logprobs_width=width,
-                                  grammar=grammar)
+        last = self._last_features  # (samples, grammar, features) of the last step, over the same rows
+        if last is not None and last[1] == grammar and np.array_equal(last[0], samples):
+            return last[2]  # (the rows' parameters are those of the last step)
+        features = None
+        if samples.any():
+            width = self.logprobs_width(int(ib.num_logprobs[rows][wanted].max())) if wanted.any() else 0
+            tensors = SamplingTensors(**{k: v[k][:n] for k in SamplingTensors.__dataclass_fields__})
+            features = SamplerFeatures.of(tensors, samples, bad_words=ib.has_bad_words[rows], logprobs_width=width,
+                                          grammar=grammar)
+        self._last_features = (samples, grammar, features)
+        return features
 
-    def _fill_prompt_targets(self, v: dict[str, np.ndarray], scheduled: list[ScheduledRequest]):
+    def _fill_prompt_targets(self, v: dict[str, np.ndarray], scheduled: ScheduledBatch, rows: np.ndarray):
         """Rows whose prompt logprobs are asked for: (token rows, (scheduled index, prompt
         position), the top-logprobs width they need)."""
         prompt_rows, prompt_positions, width = [], [], 0
+        if not self.input_batch.num_special:  # (no row has a grammar or prompt logprobs)
+            return prompt_rows, prompt_positions, 0
         qsl = v["query_start_loc"]
-        for i, s in enumerate(scheduled):
-            if s.request.num_prompt_logprobs is None:
-                continue
-            width = max(width, s.request.num_prompt_logprobs)
+        for i in np.flatnonzero(self.input_batch.num_prompt_logprobs[rows] >= 0).tolist():
+            request, start = scheduled.requests[i], int(scheduled.starts[i])
+            width = max(width, request.num_prompt_logprobs)
             # The row of position p scores prompt token p + 1 (the first prompt token has none).
-            for pos in range(s.start, min(s.start + s.num_new_tokens, s.request.num_prompt_tokens - 1)):
-                row = int(qsl[i]) + pos - s.start
-                v["prompt_targets"][row] = s.request.prompt_token_ids[pos + 1]
+            for pos in range(start, min(start + int(scheduled.num_new_tokens[i]), request.num_prompt_tokens - 1)):
+                row = int(qsl[i]) + pos - start
+                v["prompt_targets"][row] = request.prompt_token_ids[pos + 1]
                 prompt_rows.append(row)
                 prompt_positions.append((i, pos + 1))
         return prompt_rows, prompt_positions, self.logprobs_width(width) if prompt_rows else 0

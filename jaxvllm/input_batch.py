@@ -53,6 +53,8 @@ _PADDING = {name: pad for name, _, pad, _ in SAMPLING_COLUMNS if pad} | {"prev_r
                                                                           "prompt_targets": -1}
 # The sampling columns a request's persistent row holds, and the Request attribute of each.
 ROW_COLUMNS = tuple((name, attrgetter(row)) for name, _, _, row in SAMPLING_COLUMNS if row is not None)
+# They lead the sampler's table, so a step copies them into the packed buffer in one gather.
+assert [name for name, _ in ROW_COLUMNS] == [name for name, _ in _SAMPLING_FIELDS[: len(ROW_COLUMNS)]]
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,11 @@ class BatchLayout:
         views["block_tables"] = views["block_tables"].reshape(self.num_rows, self.width)
         return views
 
+    def row_columns(self, packed: np.ndarray) -> np.ndarray:
+        """The sampling fields a persistent row holds (`ROW_COLUMNS`, the first ones), as one
+        writable [fields, S] int32 view of a host buffer."""
+        return packed[: len(ROW_COLUMNS) * self.num_rows].reshape(len(ROW_COLUMNS), self.num_rows)
+
     def _field(self, packed: jax.Array, name: str) -> jax.Array:
         a, b = self.spans[name]
         x = packed[a:b]
@@ -159,15 +166,20 @@ class InputBatch:
     def __init__(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
         self.max_num_seqs = max_num_seqs
         self.block_table = np.zeros((max_num_seqs, max_blocks_per_seq), np.int32)
-        self.num_blocks = [0] * max_num_seqs  # block_table columns filled, per row
+        self.num_blocks = np.zeros(max_num_seqs, np.int64)  # block_table columns filled, per row
         # The sampling columns (the sampler's table), then what the batch builder reads per row.
         self.columns = {name: np.full(max_num_seqs, pad, dtype) for name, dtype, pad, row in SAMPLING_COLUMNS
                         if row is not None}
+        # The same, as they travel (int32 bits, field-major): what a step gathers in one go.
+        self.packed_columns = np.stack([self._bits(self.columns[name]) for name, _ in ROW_COLUMNS])
         self.min_tokens = np.zeros(max_num_seqs, np.int32)
         self.num_prompt_tokens = np.zeros(max_num_seqs, np.int32)
         self.want_logprobs = np.zeros(max_num_seqs, bool)
         self.num_logprobs = np.zeros(max_num_seqs, np.int32)  # top logprobs per sampled token
         self.has_bad_words = np.zeros(max_num_seqs, bool)
+        self.has_grammar = np.zeros(max_num_seqs, bool)  # structured output
+        self.num_prompt_logprobs = np.full(max_num_seqs, -1, np.int64)  # -1: not asked for
+        self.num_special = 0  # rows with a grammar or prompt logprobs (none: a step skips looking for them)
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
 
@@ -180,24 +192,40 @@ class InputBatch:
             raise RuntimeError(f"more than max_num_seqs ({self.max_num_seqs}) requests are running")
         row = self._free_rows.pop()
         self.row_of[request.request_id] = row
-        for name, value_of in ROW_COLUMNS:
-            self.columns[name][row] = value_of(request)
+        for i, (name, value_of) in enumerate(ROW_COLUMNS):
+            column = self.columns[name]
+            column[row] = value_of(request)
+            self.packed_columns[i, row] = self._bits(column[row : row + 1])[0]
         self.min_tokens[row] = request.params.min_tokens
         self.num_prompt_tokens[row] = request.num_prompt_tokens
         self.want_logprobs[row] = request.num_logprobs is not None
         self.num_logprobs[row] = request.num_logprobs or 0
         self.has_bad_words[row] = bool(request.bad_words_token_ids)
+        self.has_grammar[row] = request.grammar is not None
+        self.num_prompt_logprobs[row] = -1 if request.num_prompt_logprobs is None else request.num_prompt_logprobs
+        self.num_special += self._special(row)
         self.num_blocks[row] = 0
         return row
 
-    def remove(self, request_id: str) -> None:
+    @staticmethod
+    def _bits(column: np.ndarray) -> np.ndarray:
+        """A column as the packed buffer holds it: int32 bits (bools as 0/1)."""
+        return column.astype(np.int32) if column.dtype == np.bool_ else column.view(np.int32)
+
+    def remove(self, request_id: str) -> bool:
+        """Free a request's row; returns whether it had one."""
         row = self.row_of.pop(request_id, None)
         if row is not None:
             self._free_rows.append(row)
+            self.num_special -= self._special(row)
+        return row is not None
+
+    def _special(self, row: int) -> bool:
+        return bool(self.has_grammar[row] or self.num_prompt_logprobs[row] >= 0)
 
     def set_blocks(self, row: int, block_ids: list[int]) -> None:
         """Copy the blocks a row's request got since the last call (blocks are only ever
         appended while it runs; the runner calls this when the count changed)."""
-        known = self.num_blocks[row]
+        known = int(self.num_blocks[row])
         self.block_table[row, known : len(block_ids)] = block_ids[known:]
         self.num_blocks[row] = len(block_ids)

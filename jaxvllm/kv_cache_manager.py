@@ -8,13 +8,14 @@ The device cache itself is a fixed array of `num_blocks` blocks per layer (see
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from jaxvllm.request import Request, ScheduledRequest
+from jaxvllm.request import Request, ScheduledBatch, ScheduledRequest
 
 
 def hash_block(parent: bytes | None, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
@@ -25,7 +26,7 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int], extra: bytes = b"
     request read another prefix's K/V, is as likely as guessing a sha256 preimage.
     """
     h = hashlib.sha256(parent if parent is not None else b"jaxvllm-root")
-    h.update(np.asarray(token_ids, np.int64).tobytes())
+    h.update(array("q", token_ids).tobytes())  # int64, as numpy's (no numpy call: one per block filled)
     if extra:
         h.update(len(extra).to_bytes(8, "little") + extra)
     return h.digest()
@@ -183,26 +184,53 @@ class KVCacheManager:
         blocks.extend(new)
         return new
 
-    def cache_blocks(self, scheduled: Iterable[ScheduledRequest]) -> None:
+    def grow(self, requests: Sequence[Request], num_blocks: Sequence[int]) -> bool:
+        """Append `num_blocks[i]` new blocks to each running request's blocks, in order (the
+        blocks `allocate_slots` would give them one after another); False, changing nothing,
+        when fewer are free."""
+        total = sum(num_blocks)
+        if total > self.pool.num_free_blocks:
+            return False
+        new, req_blocks = self.pool.allocate(total), self.req_blocks
+        end = 0
+        for request, n in zip(requests, num_blocks):
+            req_blocks[request.request_id].extend(new[end : end + n])
+            end += n
+        return True
+
+    def cache_blocks(self, scheduled: ScheduledBatch | Iterable[ScheduledRequest], candidates=None) -> None:
         """Register the blocks that the scheduled chunks fill: call it once the step that
         computes them is certain to run (the scheduler does, once no more preemption can
         take a request out of the step). Device order then puts their writes before any
         later step's reads. Only tokens known on the host can be hashed; a block ending in
-        a token still on the device waits for a later step."""
+        a token still on the device waits for a later step.
+
+        `candidates`: the indices of the chunks that may fill blocks not yet registered,
+        when the caller knows the others do not (default: all of them)."""
         if not self.enable_prefix_caching:
             return
-        registered, bs = self._num_registered, self.block_size
-        for s in scheduled:
-            request = s.request
-            num_full = min(s.start + s.num_new_tokens, len(request.token_ids)) // bs
-            start = registered.get(request.request_id, 0)
-            if num_full <= start:
-                continue
-            blocks, hashes = self.req_blocks[request.request_id], self.block_hashes(request)
-            for i in range(start, num_full):
-                if self.pool.cache(blocks[i], hashes[i]):
-                    self._uncommitted.append(blocks[i])
-            registered[request.request_id] = num_full
+        if not isinstance(scheduled, ScheduledBatch):
+            for s in scheduled:
+                self._register(s.request, min(s.start + s.num_new_tokens, len(s.request.token_ids)) // self.block_size)
+            return
+        requests, registered = scheduled.requests, self._num_registered
+        num_full = scheduled.host_ends // self.block_size
+        if candidates is None:
+            known = np.array([registered.get(r.request_id, 0) for r in requests], np.int64)
+            candidates = np.flatnonzero(num_full > known)  # (requests that filled a block)
+        for i in candidates.tolist():
+            self._register(requests[i], int(num_full[i]))
+
+    def _register(self, request: Request, num_full: int) -> None:
+        """Enter a request's first `num_full` blocks (those not in yet) into the prefix cache."""
+        start = self._num_registered.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        blocks, hashes = self.req_blocks[request.request_id], self.block_hashes(request)
+        for i in range(start, num_full):
+            if self.pool.cache(blocks[i], hashes[i]):
+                self._uncommitted.append(blocks[i])
+        self._num_registered[request.request_id] = num_full
 
     def commit(self) -> None:
         """The step of the blocks registered since the last commit is dispatched: keep them."""

@@ -8,6 +8,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from jaxvllm.outputs import RequestMetrics
 from jaxvllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -27,6 +29,15 @@ class Request:
     A request is prefilling while num_computed_tokens < num_tokens - 1 and decoding
     after; there is no phase flag (vLLM V1): each step computes some of the missing tokens.
     """
+
+    __slots__ = (
+        "request_id", "parent_id", "prompt", "prompt_token_ids", "token_ids", "params", "priority", "max_tokens",
+        "max_num_tokens", "eos_token_ids", "has_stop_strings", "stop_ids", "arrival_index", "seed",
+        "num_computed_tokens", "num_pending", "num_cached_tokens", "cache_salt", "read_prefix_cache", "num_logprobs",
+        "num_prompt_logprobs", "bad_words_token_ids", "block_hashes", "uses_sampler_state", "logprobs",
+        "cumulative_logprob", "prompt_logprobs", "grammar", "detokenizer", "num_detokenized", "num_preemptions",
+        "status", "finish_reason", "stop_reason", "metrics",
+    )
 
     def __init__(
         self,
@@ -52,9 +63,10 @@ class Request:
         self.params = params
         self.priority = priority
         self.max_tokens = max_tokens
+        self.max_num_tokens = len(self.prompt_token_ids) + max_tokens  # prompt + outputs at most
         self.eos_token_ids = () if params.ignore_eos else eos_token_ids
         self.has_stop_strings = bool(params.stop_strings)
-        self._stop_ids = frozenset(self.eos_token_ids) | frozenset(params.stop_token_ids)
+        self.stop_ids = frozenset(self.eos_token_ids) | frozenset(params.stop_token_ids)
         self.arrival_index = arrival_index  # FCFS order and priority tie-break
         self.seed = seed  # the engine derives it from params.seed (+ completion index) or its own seed
         self.num_computed_tokens = 0
@@ -122,12 +134,12 @@ class Request:
                 self.finish_reason = "abort"
                 return
             complete = self.grammar.finished
-        if token_id in self._stop_ids:
+        if token_id in self.stop_ids:
             self.finish_reason = "stop"
             self.stop_reason = None if token_id in self.eos_token_ids else token_id
         elif complete:
             self.finish_reason = "stop"
-        elif len(self.token_ids) - len(self.prompt_token_ids) >= self.max_tokens:
+        elif len(self.token_ids) >= self.max_num_tokens:
             self.finish_reason = "length"
 
 
@@ -151,6 +163,78 @@ class ScheduledRequest:
         if self.samples is None:
             r = self.request
             self.samples = self.start + self.num_new_tokens == r.num_tokens + r.num_pending
+
+
+class ScheduledBatch:
+    """A step's scheduled chunks as columns, in schedule order (running requests first,
+    then admitted ones): what the batch builder and `update_from_output` read with numpy.
+
+    Indexing or iterating gives `ScheduledRequest`s (made once, on first use) for code
+    that reads one request at a time.
+    """
+
+    __slots__ = ("requests", "starts", "num_new_tokens", "samples", "block_ids", "host_ends", "num_blocks",
+                 "start_tokens", "_items")
+
+    def __init__(self, requests: list[Request], starts, num_new_tokens, samples, block_ids: list[list[int]],
+                 host_ends=None, num_blocks=None, start_tokens=None) -> None:
+        self.requests = requests
+        self.starts = np.asarray(starts, np.int64)
+        self.num_new_tokens = np.asarray(num_new_tokens, np.int64)
+        self.samples = np.asarray(samples, bool)  # the chunk reaches the request's last token
+        self.block_ids = block_ids  # each request's physical blocks, in logical order
+        # Where the tokens known on the host end, when scheduled: a chunk ending past it ends
+        # with the token the step before sampled, still on the device.
+        if host_ends is None:
+            host_ends = np.minimum(self.starts + self.num_new_tokens, [len(r.token_ids) for r in requests])
+        self.host_ends = host_ends
+        self.num_blocks = np.array([len(b) for b in block_ids], np.int64) if num_blocks is None else num_blocks
+        # A chunk of one host token: that token (a decoding step's input, mostly); else -1.
+        if start_tokens is None:
+            one = (self.host_ends - self.starts == 1).tolist()
+            start_tokens = [r.token_ids[s] if o else -1 for r, s, o in zip(requests, self.starts.tolist(), one)]
+        self.start_tokens = np.asarray(start_tokens, np.int64)
+        self._items: list[ScheduledRequest] | None = None
+
+    @classmethod
+    def of(cls, scheduled: list[ScheduledRequest]) -> "ScheduledBatch":
+        batch = cls([s.request for s in scheduled], [s.start for s in scheduled],
+                    [s.num_new_tokens for s in scheduled], [s.samples for s in scheduled],
+                    [s.block_ids for s in scheduled])
+        batch._items = list(scheduled)
+        return batch
+
+    def extend(self, more: list[ScheduledRequest]) -> "ScheduledBatch":
+        """This batch followed by `more` (a new batch; this one when `more` is empty)."""
+        if not more:
+            return self
+        tail = ScheduledBatch.of(more)
+        return ScheduledBatch(self.requests + tail.requests, np.concatenate((self.starts, tail.starts)),
+                              np.concatenate((self.num_new_tokens, tail.num_new_tokens)),
+                              np.concatenate((self.samples, tail.samples)), self.block_ids + tail.block_ids,
+                              np.concatenate((self.host_ends, tail.host_ends)),
+                              np.concatenate((self.num_blocks, tail.num_blocks)),
+                              np.concatenate((self.start_tokens, tail.start_tokens)))
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.num_new_tokens.sum())
+
+    def items(self) -> list[ScheduledRequest]:
+        if self._items is None:
+            self._items = [ScheduledRequest(*x) for x in zip(self.requests, self.starts.tolist(),
+                                                               self.num_new_tokens.tolist(), self.block_ids,
+                                                               self.samples.tolist())]
+        return self._items
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def __iter__(self):
+        return iter(self.items())
+
+    def __getitem__(self, i):
+        return self.items()[i]
 
 
 @dataclass

@@ -14,20 +14,21 @@ import heapq
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from jaxvllm.config import POLICIES
 from jaxvllm.kv_cache_manager import KVCacheManager
-from jaxvllm.request import Request, RequestStatus, ScheduledRequest
-
+from jaxvllm.request import Request, RequestStatus, ScheduledBatch, ScheduledRequest
 
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    scheduled: ScheduledBatch = field(default_factory=lambda: ScheduledBatch.of([]))
     preempted: list[Request] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return self.scheduled.num_tokens
 
 
 @dataclass
@@ -82,6 +83,30 @@ class WaitingQueue:
         heapq.heapify(self._heap)
 
 
+class RunningRows:
+    """The running requests' counters as numpy rows, in running order: what the vectorized
+    schedule reads instead of each `Request`. Made from the requests, then kept up to date
+    by the scheduler from step to step while the running set stays the same (copies: the
+    requests keep their own counters too)."""
+
+    __slots__ = ("requests", "blocks", "pending", "num_tokens", "last_tokens", "computed", "limits", "num_blocks",
+                 "num_full", "special")
+
+    def __init__(self, requests: list[Request], req_blocks: dict[str, list[int]]) -> None:
+        self.requests = list(requests)
+        self.blocks = [req_blocks[r.request_id] for r in requests]
+        self.pending = np.array([r.num_pending for r in requests], np.int64)
+        self.num_tokens = np.array([len(r.token_ids) for r in requests], np.int64)  # on the host
+        self.last_tokens = np.array([r.token_ids[-1] if r.token_ids else -1 for r in requests], np.int64)
+        self.computed = np.array([r.num_computed_tokens for r in requests], np.int64)
+        self.limits = np.array([r.max_num_tokens for r in requests], np.int64)
+        self.num_blocks = np.array([len(b) for b in self.blocks], np.int64)
+        self.num_full: np.ndarray | None = None  # full host blocks when last registered (None: unknown)
+        # Requests whose next token takes the general way: structured outputs, or a first token.
+        self.special = np.array([r.grammar is not None or r.metrics.first_token_time is None for r in requests],
+                                bool)
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
         self.config = config
@@ -90,6 +115,12 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # Running requests are scheduled and updated with numpy and a tight loop; False: one
+        # request at a time always (the tests check that both give the same steps).
+        self.vectorized = True
+        self._rows: RunningRows | None = None  # the running requests' counters, while they are exact
+        self._stop_ids: frozenset[int] = frozenset()
+        self._stop_token_ids = np.zeros(0, np.int64)
 
     # -- requests in and out ---------------------------------------------------------
 
@@ -120,6 +151,9 @@ class Scheduler:
         self.check_fits(request.num_prompt_tokens, request.max_tokens)
         self.requests[request.request_id] = request
         self.waiting.add(request)
+        if not request.stop_ids <= self._stop_ids:  # every request's stop ids: tokens the vectorized update checks
+            self._stop_ids |= request.stop_ids
+            self._stop_token_ids = np.array(sorted(self._stop_ids), np.int64)
 
     def finish(self, request: Request, reason: str) -> None:
         """End a request (stopped, at its length, or aborted) and release its blocks."""
@@ -143,24 +177,90 @@ class Scheduler:
     # -- one step --------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        c = self.config
-        out = SchedulerOutput()
-        budget = c.max_num_batched_tokens
-        scheduled: dict[str, ScheduledRequest] = {}
+        budget, preempted = self.config.max_num_batched_tokens, []
+        running = self._schedule_running_columns(budget) if self.vectorized else None
+        if running is None:  # (or blocks run short: preemption, one request at a time)
+            running = self._schedule_running(budget, preempted)
+        batch, budget = running
+        if not preempted:
+            batch = batch.extend(self._admit(budget))
+        return SchedulerOutput(batch, preempted)
 
-        running, kv, req_blocks, bs = RequestStatus.RUNNING, self.kv, self.kv.req_blocks, self.kv.block_size
+    def _schedule_running_columns(self, budget: int) -> tuple[ScheduledBatch, int] | None:
+        """The running requests' chunks, computed with numpy over all of them at once: the
+        one-by-one loop's result whenever it preempts nothing. None when the blocks the
+        chunks need exceed the free ones (that loop then picks the victims)."""
+        kv, bs = self.kv, self.kv.block_size
+        rows = self._rows if self._rows is not None and self._rows.requests == self.running else None
+        self._rows = None  # (set again below, once the step is decided)
+        if rows is None:
+            rows = RunningRows(self.running, kv.req_blocks)
+        pending, num_tokens = rows.pending, rows.num_tokens + rows.pending  # (with the tokens on the device)
+        # A request whose last token is on the device has nothing more to compute.
+        done = (pending > 0) & (num_tokens >= rows.limits)
+        want = np.where(done, 0, num_tokens - rows.computed)
+        if not (done | (want > 0)).all():  # (never: a running request always has a token to compute)
+            return None
+        if want.sum() <= budget:  # (every decoding step)
+            chosen, num_new = want > 0, want
+        else:
+            budget_before = budget - (np.cumsum(want) - want)  # what is left when its turn comes
+            chosen = (want > 0) & (budget_before > 0)
+            num_new = np.minimum(want, budget_before)
+        starts, ends = rows.computed, rows.computed + num_new
+        grows = np.flatnonzero(chosen & (ends > rows.num_blocks * bs))
+        new_blocks = -(-ends[grows] // bs) - rows.num_blocks[grows]
+        # In running order, as the loop allocates them: the same block ids.
+        if not kv.grow([rows.requests[i] for i in grows.tolist()], new_blocks.tolist()):
+            return None
+        rows.num_blocks[grows] += new_blocks
+        samples = ends == num_tokens
+        host_ends = np.minimum(ends, rows.num_tokens)
+        # One-token chunks' inputs: the request's last token (decoding), or another one.
+        one = (host_ends - starts == 1) & chosen
+        start_tokens = np.where(one, rows.last_tokens, -1)
+        for i in np.flatnonzero(one & (host_ends < rows.num_tokens)).tolist():
+            start_tokens[i] = rows.requests[i].token_ids[starts[i]]
+        if chosen.all():  # (every decoding step)
+            picked = slice(None)
+            requests, blocks, num_blocks = list(rows.requests), rows.blocks, rows.num_blocks.copy()
+            for request, end, sample in zip(requests, ends.tolist(), samples.tolist()):
+                request.num_computed_tokens = end
+                request.num_pending += sample
+            # Blocks a request filled since the last step are in the cache map already but for
+            # those past their last full block then (`cache_blocks` checks each of them).
+            candidates = None if rows.num_full is None else np.flatnonzero(host_ends // bs > rows.num_full)
+            rows.computed, rows.pending, rows.num_full = ends, pending + samples, host_ends // bs
+            self._rows = rows
+        else:
+            picked = np.flatnonzero(chosen)
+            requests = [rows.requests[i] for i in picked.tolist()]
+            blocks, num_blocks = [rows.blocks[i] for i in picked.tolist()], rows.num_blocks[picked]
+            for request, end, sample in zip(requests, ends[picked].tolist(), samples[picked].tolist()):
+                request.num_computed_tokens = end
+                request.num_pending += sample
+            candidates = None
+        batch = ScheduledBatch(requests, starts[picked], num_new[picked], samples[picked], blocks, host_ends[picked],
+                               num_blocks, start_tokens[picked])
+        self.kv.cache_blocks(batch, candidates)
+        return batch, budget - int(num_new.sum())
+
+    def _schedule_running(self, budget: int, preempted: list[Request]) -> tuple[ScheduledBatch, int]:
+        """The running requests' chunks, one request at a time, preempting when blocks run short."""
+        scheduled: dict[str, ScheduledRequest] = {}
+        running, req_blocks, bs = RequestStatus.RUNNING, self.kv.req_blocks, self.kv.block_size
         for request in list(self.running):
             if budget <= 0:
                 break
             if request.status is not running:  # preempted as a victim this step
                 continue
             num_tokens = len(request.token_ids) + request.num_pending
-            if request.num_pending and num_tokens >= len(request.prompt_token_ids) + request.max_tokens:
+            if request.num_pending and num_tokens >= request.max_num_tokens:
                 continue  # its last token is on the device: nothing more to compute
             start = request.num_computed_tokens
             num_new = min(num_tokens - start, budget)
             if start + num_new > len(req_blocks[request.request_id]) * bs:  # (most decode steps fit)
-                freed, allocated = self._allocate_or_preempt(request, num_new, scheduled, out)
+                freed, allocated = self._allocate_or_preempt(request, num_new, scheduled, preempted)
                 budget += freed
                 if not allocated:  # it was preempted itself
                     continue
@@ -171,66 +271,68 @@ class Scheduler:
             request.num_computed_tokens = start + num_new
             request.num_pending += samples
             budget -= num_new
-
+        batch = ScheduledBatch.of(list(scheduled.values()))
         # Victims are out; the requests still scheduled will run this step, so their blocks
         # can be found from now on (a victim's, never written, are never registered).
-        kv.cache_blocks(scheduled.values())
+        self.kv.cache_blocks(batch)
+        return batch, budget
 
-        if not out.preempted:
-            compiling = []  # structured-output requests whose grammar is not compiled yet
-            while len(self.waiting) and len(self.running) < c.max_num_seqs and budget > 0:
-                request = self.waiting.peek()
-                if request.grammar is not None and not request.grammar.ready:
-                    compiling.append(self.waiting.pop())  # the others go first meanwhile
-                    continue
-                if request.num_pending:  # preempted with a token in flight: it joins once that is here
-                    break
-                # Fresh and preempted requests start from whatever prefix is cached.
-                computed = self.kv.get_computed_blocks(request)
-                num_cached = len(computed) * self.kv.block_size
-                num_new = request.num_tokens - num_cached
-                # Without chunked prefill a prompt waits for a step with room for all of it; a
-                # preempted request's recompute (prompt + outputs) may exceed any budget, so it is chunked.
-                if not c.enable_chunked_prefill and num_new > budget and request.num_preemptions == 0:
-                    break
-                num_new = min(num_new, budget)
-                if self.kv.allocate_slots(request, num_new, computed) is None:
-                    break
-                # Nothing is preempted once admissions start, so this step will write these
-                # blocks: a request admitted next with the same prefix shares them in the
-                # same forward pass (each layer writes its K/V before attention reads it).
-                scheduled_request = ScheduledRequest(
-                    request, num_cached, num_new, kv.req_blocks[request.request_id],
-                    num_cached + num_new == request.num_tokens,  # nothing pending: it was not running
-                )
-                kv.cache_blocks((scheduled_request,))
-                self.waiting.pop()
-                self.running.append(request)
-                request.status = RequestStatus.RUNNING
-                request.num_computed_tokens = num_cached + num_new
-                request.num_pending += scheduled_request.samples
-                self.kv.record_prefix_hits(request.num_tokens, num_cached)
-                if request.num_cached_tokens is None:
-                    request.num_cached_tokens = num_cached
-                if request.metrics.first_scheduled_time is None:
-                    request.metrics.first_scheduled_time = time.time()
-                scheduled[request.request_id] = scheduled_request
-                budget -= num_new
-            for request in compiling:
-                self.waiting.add(request)
-
-        out.scheduled = list(scheduled.values())
-        return out
+    def _admit(self, budget: int) -> list[ScheduledRequest]:
+        """Waiting requests that join this step, in queue order, while budget, sequences and blocks last."""
+        c, kv = self.config, self.kv
+        admitted = []
+        compiling = []  # structured-output requests whose grammar is not compiled yet
+        while len(self.waiting) and len(self.running) < c.max_num_seqs and budget > 0:
+            request = self.waiting.peek()
+            if request.grammar is not None and not request.grammar.ready:
+                compiling.append(self.waiting.pop())  # the others go first meanwhile
+                continue
+            if request.num_pending:  # preempted with a token in flight: it joins once that is here
+                break
+            # Fresh and preempted requests start from whatever prefix is cached.
+            computed = kv.get_computed_blocks(request)
+            num_cached = len(computed) * kv.block_size
+            num_new = request.num_tokens - num_cached
+            # Without chunked prefill a prompt waits for a step with room for all of it; a
+            # preempted request's recompute (prompt + outputs) may exceed any budget, so it is chunked.
+            if not c.enable_chunked_prefill and num_new > budget and request.num_preemptions == 0:
+                break
+            num_new = min(num_new, budget)
+            if kv.allocate_slots(request, num_new, computed) is None:
+                break
+            # Nothing is preempted once admissions start, so this step will write these
+            # blocks: a request admitted next with the same prefix shares them in the
+            # same forward pass (each layer writes its K/V before attention reads it).
+            scheduled_request = ScheduledRequest(
+                request, num_cached, num_new, kv.req_blocks[request.request_id],
+                num_cached + num_new == request.num_tokens,  # nothing pending: it was not running
+            )
+            kv.cache_blocks((scheduled_request,))
+            self.waiting.pop()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached + num_new
+            request.num_pending += scheduled_request.samples
+            kv.record_prefix_hits(request.num_tokens, num_cached)
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_cached
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = time.time()
+            admitted.append(scheduled_request)
+            budget -= num_new
+        for request in compiling:
+            self.waiting.add(request)
+        return admitted
 
     def _allocate_or_preempt(self, request: Request, num_new: int, scheduled: dict[str, ScheduledRequest],
-                             out: SchedulerOutput) -> tuple[int, bool]:
+                             preempted: list[Request]) -> tuple[int, bool]:
         """Allocate blocks for `num_new` more tokens of a running request, preempting others
         (or, last, itself) until they fit. Returns (the budget given back by victims that
         were already scheduled this step, whether `request` got its blocks)."""
         freed = 0
         while self.kv.allocate_slots(request, num_new) is None:
             victim = self._pick_victim()
-            self._preempt(victim, out)
+            self._preempt(victim, preempted)
             if victim.request_id in scheduled:  # the priority policy may pick one already scheduled
                 dropped = scheduled.pop(victim.request_id)
                 freed += dropped.num_new_tokens
@@ -244,11 +346,11 @@ class Scheduler:
             return max(self.running, key=lambda r: (r.priority, r.arrival_index))
         return self.running[-1]
 
-    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, request: Request, preempted: list[Request]) -> None:
         self._requeue(request)
         request.num_preemptions += 1
         self.num_preemptions += 1
-        out.preempted.append(request)
+        preempted.append(request)
 
     def _requeue(self, request: Request) -> None:
         """A running request gives back its blocks and waits to be recomputed."""
@@ -267,27 +369,67 @@ class Scheduler:
         for request in self.requests.values():
             request.num_pending = 0
 
-    def update_from_output(self, out: SchedulerOutput, sampled: list[int]) -> list[Request]:
+    def update_from_output(self, out: SchedulerOutput, sampled) -> list[Request]:
         """Append each sampling request's token, finish those that stop; returns requests with new tokens.
 
         Under async scheduling this runs after the next step was dispatched: a token of a
         request that finished meanwhile (stopped by its previous token, or aborted) is
         dropped. A request preempted meanwhile keeps its token (its recompute includes it).
         """
+        batch = out.scheduled
+        tokens = sampled.tolist() if hasattr(sampled, "tolist") else list(sampled)
+        rows, self._rows = self._rows, None
+        if (rows is not None and len(tokens) == len(batch) and batch.samples.all()
+                and rows.requests == batch.requests == self.running):
+            return self._update_rows(rows, tokens)
+        requests = batch.requests
+        if not batch.samples.all():  # (partial prefill chunks sample nothing)
+            picked = np.flatnonzero(batch.samples[: len(tokens)]).tolist()
+            requests, tokens = [requests[i] for i in picked], [tokens[i] for i in picked]
         updated = []
         now = time.time()
         finished = RequestStatus.FINISHED
-        for s, token in zip(out.scheduled, sampled.tolist() if hasattr(sampled, "tolist") else sampled):
-            if not s.samples:  # a partial prefill chunk
-                continue
-            request = s.request
+        for request, token in zip(requests, tokens):
             request.num_pending -= 1
             if request.status is finished:
                 continue
-            request.append_token(token)
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-            if request.finish_reason is not None:
-                self.finish(request, request.finish_reason)
+            self._append(request, token, now)
             updated.append(request)
         return updated
+
+    def _append(self, request: Request, token: int, now: float) -> None:
+        request.append_token(token)
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
+        if request.finish_reason is not None:
+            self.finish(request, request.finish_reason)
+
+    def _update_rows(self, rows: RunningRows, tokens: list[int]) -> list[Request]:
+        """`update_from_output` for a step in which every running request sampled (and none
+        finished before): tokens that end nothing, the most, are appended in one loop, the
+        others as one by one; the rows stay exact if nobody finished."""
+        requests, sampled = rows.requests, np.asarray(tokens, np.int64)
+        general = rows.special | (rows.num_tokens + 1 >= rows.limits)
+        general |= (sampled[:, None] == self._stop_token_ids).any(axis=1)  # (a stop id of some request)
+        if general.any():
+            plain = np.flatnonzero(~general).tolist()
+            for i in plain:
+                request = requests[i]
+                request.num_pending -= 1
+                request.token_ids.append(tokens[i])
+            now = time.time()
+            for i in np.flatnonzero(general).tolist():  # (in order: finishing frees blocks in order)
+                requests[i].num_pending -= 1
+                self._append(requests[i], tokens[i], now)
+        else:
+            for request, token in zip(requests, tokens):
+                request.num_pending -= 1
+                request.token_ids.append(token)
+        if len(self.running) == len(requests):  # nobody finished: the rows are still those requests'
+            rows.pending -= 1
+            rows.num_tokens += 1
+            rows.last_tokens = sampled
+            rows.special = np.array([r.grammar is not None for r in requests], bool) if rows.special.any() else \
+                rows.special
+            self._rows = rows
+        return list(requests)

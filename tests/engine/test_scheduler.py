@@ -251,3 +251,100 @@ def test_random_add_step_abort(ops, num_blocks, budget, max_num_seqs, policy, ch
         if ended.get(r.request_id) != "abort":
             assert r.num_output_tokens == r.max_tokens and r.finish_reason == "length"
         check_tokens(r)
+
+
+def snapshot(s: Scheduler, out=None):
+    """Everything a step decided and everything the scheduler holds, comparable across schedulers."""
+    kv = s.kv
+    state = (
+        [(r.request_id, r.num_computed_tokens, r.num_pending, r.status, r.finish_reason, tuple(r.token_ids))
+         for r in s.requests.values()],
+        [r.request_id for r in s.running], [r.request_id for r in s.waiting],
+        {rid: list(b) for rid, b in kv.req_blocks.items()}, kv.pool.free_blocks(), dict(kv.pool.cached),
+        dict(kv._num_registered), s.num_preemptions,
+    )
+    if out is None:
+        return state
+    steps = ([(x.request.request_id, x.start, x.num_new_tokens, x.samples, list(x.block_ids)) for x in out.scheduled],
+             [r.request_id for r in out.preempted], out.scheduled.host_ends.tolist(),
+             out.scheduled.num_blocks.tolist())
+    return state, steps
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ops=st.lists(st.one_of(
+        st.tuples(st.just("add"), st.integers(1, 24), st.integers(1, 16), st.integers(0, 3), st.booleans()),
+        st.tuples(st.just("step"), st.integers(1, 6)),
+        st.tuples(st.just("abort"), st.integers(0, 30)),
+    ), min_size=1, max_size=30),
+    num_blocks=st.integers(8, 30),
+    budget=st.integers(4, 64),
+    max_num_seqs=st.integers(1, 8),
+    policy=st.sampled_from(["fcfs", "priority"]),
+    chunked=st.booleans(),
+    async_scheduling=st.booleans(),
+    prefix_caching=st.booleans(),
+)
+@example(ops=[("add", 5, 16, 0, False)] * 6 + [("step", 3), ("abort", 2), ("add", 9, 9, 1, True), ("step", 6)],
+         num_blocks=20, budget=8, max_num_seqs=6, policy="fcfs", chunked=True, async_scheduling=True,
+         prefix_caching=True)
+# Running requests that use up the budget exactly, ahead of others.
+@example(ops=[("add", 7, 4, 0, False), ("add", 3, 4, 0, False), ("add", 9, 4, 0, False), ("step", 6)],
+         num_blocks=30, budget=4, max_num_seqs=3, policy="fcfs", chunked=True, async_scheduling=False,
+         prefix_caching=False)
+def test_vectorized_steps_equal_one_by_one(ops, num_blocks, budget, max_num_seqs, policy, chunked, async_scheduling,
+                                           prefix_caching):
+    """The numpy path (running counters as rows, decode steps scheduled and updated at once)
+    decides every step exactly as the one-request-at-a-time loop: same chunks, preemptions,
+    blocks, prefix-cache entries, tokens and finishes, over random mixes of prefills, decodes,
+    stops, aborts and preemptions, with async scheduling's tokens in flight."""
+    max_num_seqs = min(max_num_seqs, budget)
+    pair = []
+    for vectorized in (True, False):
+        config = SchedulerConfig(max_model_len=64, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+                                 policy=policy, enable_chunked_prefill=chunked)
+        s = Scheduler(config, KVCacheManager(num_blocks, 4, enable_prefix_caching=prefix_caching))
+        s.vectorized = vectorized
+        pair.append({"s": s, "in_flight": None, "added": []})
+
+    def step(run):
+        s = run["s"]
+        out = s.schedule()
+        sampled = [fake_token(x.request.request_id, x.start + x.num_new_tokens - x.request.num_prompt_tokens)
+                   for x in out.scheduled]
+        launched = (out, sampled) if len(out.scheduled) else None
+        if async_scheduling:
+            launched, run["in_flight"] = run["in_flight"], launched
+        updated = [r.request_id for r in s.update_from_output(*launched)] if launched else []
+        return snapshot(s, out), updated
+
+    for op in ops:
+        if op[0] == "add":
+            _, prompt_len, max_tokens, priority, shared = op
+            if prompt_len + max_tokens > 64 or -(-(prompt_len + max_tokens) // 4) > num_blocks or (
+                    not chunked and prompt_len > budget):
+                continue
+            for run in pair:
+                rid = f"r{len(run['added'])}"
+                r = make_request(rid, prompt_len, max_tokens, len(run["added"]), priority,
+                                 eos=(fake_token(rid, 3),) if priority == 3 else ())  # (stops at its 4th token)
+                if shared:  # a common prefix: prefix-cache hits
+                    r.prompt_token_ids, r.token_ids = [7] * prompt_len, [7] * prompt_len
+                    r.max_num_tokens = prompt_len + max_tokens
+                run["s"].add_request(r)
+                run["added"].append(r)
+        elif op[0] == "step":
+            for _ in range(op[1]):
+                assert step(pair[0]) == step(pair[1])
+        elif pair[0]["added"]:
+            for run in pair:
+                r = run["added"][op[1] % len(run["added"])]
+                if not r.is_finished:
+                    run["s"].finish(r, "abort")
+        assert snapshot(pair[0]["s"]) == snapshot(pair[1]["s"])
+    for _ in range(300):
+        if not pair[0]["s"].has_unfinished_requests() and pair[0]["in_flight"] is None:
+            break
+        assert step(pair[0]) == step(pair[1])
+    assert not pair[1]["s"].has_unfinished_requests()
