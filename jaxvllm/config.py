@@ -37,7 +37,7 @@ COMPILATION_CACHE_ENV = "JAXVLLM_COMPILATION_CACHE_DIR"
 # smaller steps: a CPU computes every padded token of a step, and compiles a bucket per
 # power of two up to this at start-up.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-CPU_MAX_NUM_BATCHED_TOKENS = 512
+CPU_MAX_NUM_BATCHED_TOKENS = 2048
 
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "guidance")  # "auto" is llguidance
 
@@ -73,7 +73,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     max_num_seqs: int = 256
-    # None: chosen for the platform (`for_platform`): 8192, or 512 on a CPU.
+    # None: chosen for the platform (`for_platform`): 8192, or 2048 on a CPU.
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True

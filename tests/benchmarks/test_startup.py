@@ -31,7 +31,7 @@ def test_second_process_compiles_nothing(tmp_path, capsys):
 def test_max_num_batched_tokens_defaults_by_platform():
     config = EngineConfig(model="m")
     assert config.max_num_batched_tokens is None  # chosen when the engine knows its platform
-    assert config.for_platform("cpu").max_num_batched_tokens == 512
+    assert config.for_platform("cpu").max_num_batched_tokens == 2048
     assert config.for_platform("gpu").max_num_batched_tokens == 8192
     # a full decode batch fits one step; given buckets decide; a value given is kept
     assert EngineConfig(model="m", max_num_seqs=1024).for_platform("cpu").max_num_batched_tokens == 1024
