@@ -34,6 +34,6 @@ def test_max_num_batched_tokens_defaults_by_platform():
     assert config.for_platform("cpu").max_num_batched_tokens == 2048
     assert config.for_platform("gpu").max_num_batched_tokens == 8192
     # a full decode batch fits one step; given buckets decide; a value given is kept
-    assert EngineConfig(model="m", max_num_seqs=1024).for_platform("cpu").max_num_batched_tokens == 1024
+    assert EngineConfig(model="m", max_num_seqs=4096).for_platform("cpu").max_num_batched_tokens == 4096
     assert EngineConfig(model="m", max_num_seqs=8, token_buckets=[8, 24]).for_platform("gpu").max_num_batched_tokens == 24
     assert EngineConfig(model="m", max_num_seqs=8, max_num_batched_tokens=64).for_platform("cpu").max_num_batched_tokens == 64
