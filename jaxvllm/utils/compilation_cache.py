@@ -24,12 +24,10 @@ def use_compilation_cache(folder: str | None) -> None:
 
 @dataclass
 class CompileCounts:
-    """What compiling cost over a span (`count_compilations`): XLA compilations (each
-    persistent-cache hit included), their wall seconds added up (more than the span's
-    own wall time when they ran in parallel), and the persistent cache's hits and misses."""
+    """What compiled over a span (`count_compilations`): XLA compilations (each
+    persistent-cache hit included), and the persistent cache's hits and misses."""
 
     compilations: int = 0
-    compile_seconds: float = 0.0
     cache_hits: int = 0
     cache_misses: int = 0
 
@@ -53,7 +51,6 @@ def count_compilations() -> Iterator[CompileCounts]:
         if event == _COMPILE_EVENT:
             with lock:
                 counts.compilations += 1
-                counts.compile_seconds += seconds
 
     jax.monitoring.register_event_listener(on_event)
     jax.monitoring.register_event_duration_secs_listener(on_duration)
