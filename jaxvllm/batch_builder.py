@@ -46,9 +46,12 @@ class HostBatch:
     packed: np.ndarray  # int32 [layout.size]
     features: SamplerFeatures | None  # None: no row samples, the sampler is not run
     num_scheduled: int
-    prompt_rows: list[int]  # token rows whose prompt logprobs are read back
-    prompt_positions: list[tuple[int, int]]  # (scheduled index, prompt position scored), per prompt row
-    prompt_width: int = 0  # top logprobs per prompt row
+    # Prompt logprobs: the token rows scored, the prompt token each scores, (scheduled index,
+    # prompt position) of each, and the top logprobs per row (0: the token's own only).
+    prompt_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    prompt_targets: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    prompt_positions: list[tuple[int, int]] = field(default_factory=list)
+    prompt_width: int = 0
     # Structured outputs: (sampling row, grammar) of each constrained row. Their bitmask
     # is filled once the tokens before are known: the sampler runs then (`ModelRunner.sample`).
     grammar_rows: list = field(default_factory=list)
@@ -115,7 +118,7 @@ class BatchBuilder:
                       decode_only: bool = False) -> HostBatch:
         """An all-padding batch of a bucket's shape: writes nothing to the cache."""
         layout = BatchLayout(bucket, self.rows_for(bucket), width, decode_only)
-        return HostBatch(layout, layout.empty()[0], features, 0, [], [])
+        return HostBatch(layout, layout.empty()[0], features, 0)
 
     # -- rows ----------------------------------------------------------------------------
 
@@ -180,9 +183,10 @@ class BatchBuilder:
 
         layout.row_columns(packed)[:, :n] = ib.packed_columns[:, rows]
         features = self._fill_sampling_rows(v, rows, ends, samples, bool(grammar_rows))
-        prompt_rows, prompt_positions, prompt_width = self._fill_prompt_targets(v, scheduled, rows)
-        return HostBatch(layout, packed, features, n, prompt_rows, prompt_positions, prompt_width, grammar_rows,
-                         admitted)
+        batch = HostBatch(layout, packed, features, n, grammar_rows=grammar_rows, admitted=admitted)
+        if self.input_batch.num_special:  # (else no row has a grammar or prompt logprobs)
+            self._prompt_targets(batch, v["query_start_loc"], scheduled, rows)
+        return batch
 
     def _rows(self, scheduled: ScheduledBatch) -> tuple[np.ndarray, list[tuple[int, Request]]]:
         """Each scheduled request's row, new requests admitted (in order), block tables brought
@@ -239,20 +243,22 @@ class BatchBuilder:
         self._last_features = (samples, grammar, features)
         return features
 
-    def _fill_prompt_targets(self, v: dict[str, np.ndarray], scheduled: ScheduledBatch, rows: np.ndarray):
-        """Rows whose prompt logprobs are asked for: (token rows, (scheduled index, prompt
-        position), the top-logprobs width they need)."""
-        prompt_rows, prompt_positions, width = [], [], 0
-        if not self.input_batch.num_special:  # (no row has a grammar or prompt logprobs)
-            return prompt_rows, prompt_positions, 0
-        qsl = v["query_start_loc"]
+    def _prompt_targets(self, batch: HostBatch, query_start_loc: np.ndarray, scheduled: ScheduledBatch,
+                        rows: np.ndarray) -> None:
+        """Fill the batch's prompt-logprob rows: those of the scheduled prompt positions p
+        from the request's first scored position - 1 on, the row of p scoring prompt token p + 1."""
+        token_rows, targets, width = [], [], 0
         for i in np.flatnonzero(self.input_batch.num_prompt_logprobs[rows] >= 0).tolist():
             request, start = scheduled.requests[i], int(scheduled.starts[i])
+            first = max(start, (request.prompt_logprobs_start or 1) - 1)
+            end = min(start + int(scheduled.num_new_tokens[i]), request.num_prompt_tokens - 1)
+            if first >= end:
+                continue
             width = max(width, request.num_prompt_logprobs)
-            # The row of position p scores prompt token p + 1 (the first prompt token has none).
-            for pos in range(start, min(start + int(scheduled.num_new_tokens[i]), request.num_prompt_tokens - 1)):
-                row = int(qsl[i]) + pos - start
-                v["prompt_targets"][row] = request.prompt_token_ids[pos + 1]
-                prompt_rows.append(row)
-                prompt_positions.append((i, pos + 1))
-        return prompt_rows, prompt_positions, self.logprobs_width(width) if prompt_rows else 0
+            token_rows.append(np.arange(first, end) + (int(query_start_loc[i]) - start))
+            targets.append(request.prompt_token_ids[first + 1 : end + 1])
+            batch.prompt_positions += [(i, p) for p in range(first + 1, end + 1)]
+        if token_rows:
+            batch.prompt_rows = np.concatenate(token_rows).astype(np.int32)
+            batch.prompt_targets = np.concatenate(targets).astype(np.int32)
+            batch.prompt_width = self.logprobs_width(width) if width else 0

@@ -42,15 +42,13 @@ _FIELDS = _SAMPLING_FIELDS + (
     ("prev_row", "T"),  # >= 0: take the id from the device's last sampled tokens at this row
     ("positions", "T"),
     ("slot_mapping", "T"),
-    ("prompt_targets", "T"),  # the next prompt token scored at this row, -1 = none
     ("block_tables", "SW"),
 )
 _DTYPES = {name: np.dtype(dtype) for name, dtype, _, _ in SAMPLING_COLUMNS}
 _FLOATS = {name for name, dtype in _DTYPES.items() if dtype == np.float32}
 _BOOLS = {name for name, dtype in _DTYPES.items() if dtype == np.bool_}
 _UINTS = {name for name, dtype in _DTYPES.items() if dtype == np.uint32}
-_PADDING = {name: pad for name, _, pad, _ in SAMPLING_COLUMNS if pad} | {"prev_row": -1, "slot_mapping": -1,
-                                                                          "prompt_targets": -1}
+_PADDING = {name: pad for name, _, pad, _ in SAMPLING_COLUMNS if pad} | {"prev_row": -1, "slot_mapping": -1}
 # The sampling columns a request's persistent row holds, and the Request attribute of each.
 ROW_COLUMNS = tuple((name, attrgetter(row)) for name, _, _, row in SAMPLING_COLUMNS if row is not None)
 # They lead the sampler's table, so a step copies them into the packed buffer in one gather.
@@ -138,9 +136,6 @@ class BatchLayout:
         input_ids = jnp.where(prev >= 0, last_sampled[jnp.maximum(prev, 0)], f("input_ids"))
         return ModelInputs(input_ids, f("positions"), f("slot_mapping"), f("query_start_loc"), f("seq_lens"),
                            f("block_tables"), f("logits_indices"), self.decode_only)
-
-    def prompt_targets(self, packed: jax.Array) -> jax.Array:
-        return self._field(packed, "prompt_targets")
 
     def sampling(self, packed: jax.Array) -> SamplingTensors:
         return SamplingTensors(**{k: self._field(packed, k) for k in SamplingTensors.__dataclass_fields__})

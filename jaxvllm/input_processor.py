@@ -168,6 +168,7 @@ class InputProcessor:
                 )
             token_ids = token_ids[-keep:]
         self.check_prompt_length(len(token_ids))
+        params.check_prompt_logprobs_start(len(token_ids))
         room = max_model_len - len(token_ids)
         # As vLLM: generation stops at max_model_len (finish reason "length"), whatever max_tokens asks.
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)

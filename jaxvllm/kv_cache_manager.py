@@ -148,11 +148,16 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> list[int]:
         """The longest run of cached blocks that prefixes the request (nothing is taken yet).
 
-        At least the last token is left out, so that the step computes logits to sample from.
+        At least the last token is left out, so that the step computes logits to sample from,
+        and with prompt logprobs from position k on, the tokens from k - 1 on (the row of
+        position p scores prompt token p + 1).
         """
         if not self.enable_prefix_caching or not request.read_prefix_cache:
             return []
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        max_tokens = request.num_tokens - 1
+        if request.prompt_logprobs_start is not None:
+            max_tokens = min(max_tokens, request.prompt_logprobs_start - 1)
+        max_blocks = max_tokens // self.block_size
         hits = []
         for h in self.block_hashes(request)[:max_blocks]:
             block = self.pool.cached.get(h)

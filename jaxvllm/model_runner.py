@@ -39,8 +39,9 @@ from jaxvllm.utils.compilation_cache import CompileCounts, count_compilations
 logger = logging.getLogger(__name__)
 
 
-# Prompt logprobs need logits for every prompt row: computed this many rows at a time.
-PROMPT_LOGPROBS_CHUNK = 256
+# Prompt logprobs: the rows asked for, gathered this many at a time (one dispatch each):
+# each compiled variant is per token bucket and width, not per row count.
+PROMPT_LOGPROBS_CHUNK = 128
 # Compiles the warm-up runs at once: one per core, a few at most.
 COMPILE_THREADS = max(2, min(8, os.cpu_count() or 1))
 
@@ -62,7 +63,7 @@ class PendingStep:
     batch: HostBatch
     sampled: jax.Array | None
     logprobs: Logprobs | None
-    prompt_logprobs: Logprobs | None
+    prompt_logprobs: list[Logprobs]  # per chunk of the batch's prompt rows
     # Until a constrained step is sampled: the forward's logits and sampling prefix.
     logits: jax.Array | None = None
     sampling_rows: jax.Array | None = None
@@ -75,11 +76,14 @@ class PendingStep:
         if self.awaits_bitmask:
             raise RuntimeError("a structured-output step is read before it was sampled (ModelRunner.sample)")
         n, b = self.batch.num_scheduled, self.batch
-        rows_of = lambda lp, rows: jax.tree.map(lambda x: to_host(x)[rows], lp)  # noqa: E731
+        prompt = None
+        if self.prompt_logprobs:  # the chunks' rows in order, less the last chunk's padding
+            prompt = jax.tree.map(lambda *chunks: np.concatenate([to_host(c) for c in chunks])[: len(b.prompt_rows)],
+                                  *self.prompt_logprobs)
         return RunnerOutput(
             sampled=to_host(self.sampled)[:n] if self.sampled is not None else np.zeros(n, np.int32),
-            logprobs=rows_of(self.logprobs, slice(0, n)) if self.logprobs is not None else None,
-            prompt_logprobs=rows_of(self.prompt_logprobs, b.prompt_rows) if b.prompt_rows else None,
+            logprobs=jax.tree.map(lambda x: to_host(x)[:n], self.logprobs) if self.logprobs is not None else None,
+            prompt_logprobs=prompt,
             prompt_positions=b.prompt_positions,
         )
 
@@ -110,18 +114,12 @@ def _sample(sampling_rows, logits, last_sampled, state, bitmask, *, num_rows: in
     return sampled, logprobs, last_sampled.at[rows].set(sampled, mode="drop"), state
 
 
-def _prompt_logprobs(params, hidden, packed, *, cfg: ModelConfig, layout: BatchLayout, width: int) -> Logprobs:
-    """Logprobs of each row's next prompt token (-1 = none), with the top `width`, chunked
-    over rows. (Always logprobs of the model's logits, whatever the logprobs mode, as vLLM.)"""
-    model = MODELS[cfg.architecture]
-    targets = layout.prompt_targets(packed)
-    rows = hidden.shape[0]
-    chunk = min(rows, PROMPT_LOGPROBS_CHUNK)
-    padded = -(-rows // chunk) * chunk
-    hidden = jnp.pad(hidden, ((0, padded - rows), (0, 0))).reshape(padded // chunk, chunk, -1)
-    ids = jnp.pad(jnp.maximum(targets, 0), (0, padded - rows)).reshape(padded // chunk, chunk)
-    out = jax.lax.map(lambda xs: compute_logprobs(model.compute_logits(params, xs[0], cfg), xs[1], width), (hidden, ids))
-    return jax.tree.map(lambda x: x.reshape(padded, *x.shape[2:])[:rows], out)
+def _prompt_logprobs(params, hidden, rows, *, cfg: ModelConfig, width: int) -> Logprobs:
+    """Logprobs of prompt tokens `rows[1]` at the token rows `rows[0]` of `hidden` (int32
+    [2, chunk]), with the top `width`: only the rows asked for meet the lm_head. (Always
+    logprobs of the model's logits, whatever the logprobs mode, as vLLM.)"""
+    logits = MODELS[cfg.architecture].compute_logits(params, hidden[rows[0]], cfg)
+    return compute_logprobs(logits, rows[1], width)
 
 
 def jit_forward(cfg: ModelConfig, backend: str, mesh: Mesh | None = None, kv_scaled: bool = False):
@@ -147,7 +145,7 @@ def jit_sampler(logprobs_mode: str = "raw_logprobs", mesh: Mesh | None = None):
 
 
 def jit_prompt_logprobs(cfg: ModelConfig):
-    return jax.jit(partial(_prompt_logprobs, cfg=cfg), static_argnames=("layout", "width"))
+    return jax.jit(partial(_prompt_logprobs, cfg=cfg), static_argnames="width")
 
 
 def resolve_backend(backend: str, softcapped: bool = False) -> str:
@@ -267,6 +265,7 @@ class ModelRunner:
                 for bucket, width, decode_only in shapes]
         jobs += [partial(self._compile_sampler, rows, features)
                  for rows in sorted({b.rows_for(bucket) for bucket in b.buckets}) for features in COMMON_FEATURES]
+        jobs += [partial(self._compile_prompt_logprobs, bucket, width=0) for bucket in b.buckets]
         row = jax.tree.map(lambda x: x[0], self.sampler_state)
         jobs.append(lambda: self._write_row.lower(self.sampler_state, 0, row).compile())
         with count_compilations() as counts, ThreadPoolExecutor(COMPILE_THREADS) as pool:
@@ -284,6 +283,13 @@ class ModelRunner:
         self._forward_shapes.add(batch.layout)
         packed = step_input(batch.packed, self._replicated)
         self._forward.lower(self.params, self.kv_caches, packed, self.last_sampled, layout=batch.layout).compile()
+
+    def _compile_prompt_logprobs(self, bucket: int, width: int) -> None:
+        """Prompt logprobs of a bucket's hidden states: warmed for width 0 (each token's own
+        logprob and rank, what loglikelihood scoring reads), the others compile when first used."""
+        hidden = jax.ShapeDtypeStruct((bucket, self.cfg.hidden_size), self.dtype, sharding=self._replicated)
+        rows = step_input(np.zeros((2, min(PROMPT_LOGPROBS_CHUNK, bucket)), np.int32), self._replicated)
+        self._prompt_logprobs.lower(self.params, hidden, rows, width=width).compile()
 
     def _compile_sampler(self, num_rows: int, features: SamplerFeatures) -> None:
         """The sampler for a row count, on the shapes and placement the forward hands it."""
@@ -316,10 +322,15 @@ class ModelRunner:
         if kv_caches is None:
             self.kv_caches = caches
             self._forward_shapes.add(layout)
-        step = PendingStep(batch, None, None, None)
-        if batch.prompt_rows:
-            step.prompt_logprobs = self._prompt_logprobs(self.params, hidden, packed, layout=layout,
-                                                         width=batch.prompt_width)
+        step = PendingStep(batch, None, None, [])
+        chunk = min(PROMPT_LOGPROBS_CHUNK, layout.num_tokens)
+        for start in range(0, len(batch.prompt_rows), chunk):
+            rows = np.zeros((2, chunk), np.int32)  # (padding: row 0, token 0; dropped on the host)
+            part = slice(start, start + chunk)
+            rows[0, : len(batch.prompt_rows[part])] = batch.prompt_rows[part]
+            rows[1, : len(batch.prompt_rows[part])] = batch.prompt_targets[part]
+            step.prompt_logprobs.append(self._prompt_logprobs(self.params, hidden, step_input(rows, self._replicated),
+                                                              width=batch.prompt_width))
         if batch.features is not None:
             step.logits, step.sampling_rows = logits, sampling_rows
             if not batch.features.grammar:

@@ -35,8 +35,8 @@ class Request:
         "max_num_tokens", "eos_token_ids", "has_stop_strings", "stop_ids", "arrival_index", "seed",
         "num_computed_tokens", "num_pending", "num_cached_tokens", "cache_salt", "read_prefix_cache", "num_logprobs",
         "num_prompt_logprobs", "bad_words_token_ids", "block_hashes", "uses_sampler_state", "logprobs",
-        "cumulative_logprob", "prompt_logprobs", "grammar", "detokenizer", "num_detokenized", "num_preemptions",
-        "status", "finish_reason", "stop_reason", "metrics",
+        "cumulative_logprob", "prompt_logprobs", "prompt_logprobs_start", "grammar", "detokenizer", "num_detokenized",
+        "num_preemptions", "status", "finish_reason", "stop_reason", "metrics",
     )
 
     def __init__(
@@ -79,6 +79,9 @@ class Request:
         # Top logprobs per token, -1 (the whole vocabulary) resolved; None: not asked for.
         self.num_logprobs = params.num_logprobs(vocab_size)
         self.num_prompt_logprobs = params.num_prompt_logprobs(vocab_size)
+        # The first prompt position scored, when not every one is (None: from 1, position 0
+        # has none); the cache may serve the blocks before it (`KVCacheManager.get_computed_blocks`).
+        self.prompt_logprobs_start = params.prompt_logprobs_start
         self.bad_words_token_ids = [list(w) for w in bad_words_token_ids]
         self.block_hashes: list[bytes] = []  # of full blocks, filled by the KV cache manager
         self.uses_sampler_state = bool(

@@ -283,12 +283,21 @@ def _top_p_threshold(logits, top_p, below):
 
 def compute_logprobs(logits: jax.Array, token_ids: jax.Array, width: int, normalize: bool = True) -> Logprobs:
     """Logprobs of `token_ids` [rows] under float32 `logits` [rows, vocab] (the logits
-    themselves when not `normalize`), with ranks and the top `width` (at most the vocabulary)."""
-    values = jax.nn.log_softmax(logits, axis=-1) if normalize else logits
-    token_lp = jnp.take_along_axis(values, token_ids[:, None], axis=-1)[:, 0]
-    rank = jnp.sum(values > token_lp[:, None], axis=-1).astype(jnp.int32) + 1
-    top_lp, top_ids = jax.lax.top_k(values, min(width, logits.shape[-1]))
-    return Logprobs(token_lp, rank, top_ids.astype(jnp.int32), top_lp)
+    themselves when not `normalize`), with ranks and the top `width` (at most the
+    vocabulary; 0: no top-k, only the tokens' own logprobs and ranks). The whole
+    log-softmax is never formed: each value is (logit - max) - log(sum(exp(logits - max))),
+    `jax.nn.log_softmax`'s own arithmetic, for the few entries read."""
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    lse = jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1, keepdims=True)) if normalize else 0.0
+    shift = top if normalize else 0.0
+    token_logit = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)
+    token_lp = ((token_logit - shift) - lse)[:, 0]
+    rank = jnp.sum(logits > token_logit, axis=-1).astype(jnp.int32) + 1
+    rows = logits.shape[0]
+    if width == 0:
+        return Logprobs(token_lp, rank, jnp.zeros((rows, 0), jnp.int32), jnp.zeros((rows, 0), jnp.float32))
+    top_logits, top_ids = jax.lax.top_k(logits, min(width, logits.shape[-1]))
+    return Logprobs(token_lp, rank, top_ids.astype(jnp.int32), (top_logits - shift) - lse)
 
 
 def sample(

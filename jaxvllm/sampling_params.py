@@ -10,6 +10,13 @@ from dataclasses import dataclass
 from jaxvllm.config import check_bool, check_int, check_number
 
 
+# extra_args key: prompt logprobs only from this prompt position on (an int >= 1), the
+# positions before it None. The prefix cache may then serve the blocks before it, since
+# their logprobs are not asked for: scoring a continuation (lm-eval's loglikelihood) costs
+# its own tokens, and contexts that several requests share are computed once.
+PROMPT_LOGPROBS_START = "prompt_logprobs_start"
+
+
 def resolve_logprobs(k: int | None, vocab_size: int) -> int | None:
     """vLLM's -1 (for logprobs, prompt_logprobs and max_logprobs): the whole vocabulary."""
     return vocab_size if k == -1 else k
@@ -106,7 +113,8 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     # None: skip reading the prefix cache only when prompt_logprobs are asked for (as vLLM).
     skip_reading_prefix_cache: bool | None = None
-    # Passed through untouched, for code of the user's that reads the params back.
+    # Passed through untouched, for code of the user's that reads the params back, except
+    # jaxvllm's one key: "prompt_logprobs_start" (`PROMPT_LOGPROBS_START`).
     extra_args: dict | None = None
     # vLLM V1's rules: best_of > 1 and per-request logits processors are refused when the
     # request is added (ValueError), with V1's messages.
@@ -171,6 +179,7 @@ class SamplingParams:
                              f"{type(self.structured_outputs).__name__}")
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise ValueError(f"extra_args must be a dict or None, got {type(self.extra_args).__name__}")
+        self.check_prompt_logprobs_start()
         for name in ("skip_special_tokens", "spaces_between_special_tokens", "detokenize", "ignore_eos",
                      "include_stop_str_in_output"):
             check_bool(name, getattr(self, name))
@@ -201,12 +210,35 @@ class SamplingParams:
         so an assignment after construction counts, as in vLLM."""
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
+    def check_prompt_logprobs_start(self, num_prompt_tokens: int | None = None) -> None:
+        """extra_args["prompt_logprobs_start"], when given: an int from 1 to the prompt's last
+        position (checked again when a request is added, for extra_args set later)."""
+        start = self.prompt_logprobs_start
+        if start is None:
+            return
+        if self.prompt_logprobs is None:
+            raise ValueError(f"extra_args[{PROMPT_LOGPROBS_START!r}] needs prompt_logprobs (0 for the tokens' own "
+                             "logprobs and ranks only)")
+        if isinstance(start, bool) or not isinstance(start, int) or start < 1:
+            raise ValueError(f"extra_args[{PROMPT_LOGPROBS_START!r}] must be an integer >= 1 (the first prompt "
+                             f"position scored; position 0 has no logprob), got {start!r}")
+        if num_prompt_tokens is not None and start >= num_prompt_tokens:
+            raise ValueError(f"extra_args[{PROMPT_LOGPROBS_START!r}]={start} is past the prompt's last position "
+                             f"({num_prompt_tokens - 1}): no prompt logprob would be computed")
+
+    @property
+    def prompt_logprobs_start(self) -> int | None:
+        """The first prompt position whose logprob is computed (extra_args["prompt_logprobs_start"]);
+        None: every position from 1, vLLM's prompt_logprobs."""
+        return (self.extra_args or {}).get(PROMPT_LOGPROBS_START)
+
     @property
     def reads_prefix_cache(self) -> bool:
         if self.skip_reading_prefix_cache is not None:
             return not self.skip_reading_prefix_cache
-        # Prompt logprobs need every prompt token computed (vLLM's default).
-        return self.prompt_logprobs is None
+        # Prompt logprobs need every prompt token computed (vLLM's default), or those from
+        # prompt_logprobs_start on: the blocks before it may come from the cache.
+        return self.prompt_logprobs is None or self.prompt_logprobs_start is not None
 
     @property
     def greedy(self) -> bool:

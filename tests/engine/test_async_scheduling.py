@@ -428,8 +428,10 @@ def test_step_executables_do_not_branch(engines):
     assert_no_host_sync(hlo, "sampler")
     assert re.search(r"\bwhile\(", hlo), "expected the top-k/top-p bisection loops"
     hidden = jax.ShapeDtypeStruct((layout.num_tokens, runner.cfg.hidden_size), runner.dtype)
-    prompt_logprobs = runner._prompt_logprobs.lower(runner.params, hidden, packed, layout=layout, width=20)
-    assert_no_host_sync(prompt_logprobs.compile().as_text(), "prompt logprobs")
+    rows = np.zeros((2, 16), np.int32)
+    for width in (0, 20):
+        prompt_logprobs = runner._prompt_logprobs.lower(runner.params, hidden, rows, width=width)
+        assert_no_host_sync(prompt_logprobs.compile().as_text(), "prompt logprobs")
 
 
 def test_generate_after_stepping_by_hand_until_the_last_output(engines):

@@ -16,6 +16,24 @@ def make_builder(**overrides) -> BatchBuilder:
     return BatchBuilder(**{**kw, **overrides})
 
 
+def test_prompt_rows_from_the_start_position():
+    """Prompt logprobs from position 18 of a 20-token prompt: of the chunk 16-19, the rows
+    of positions 17 and 18 score prompt tokens 18 and 19; a whole-prompt request's rows
+    score from token 1 on; width 0 asks for no top-k, and a wider one for the default 20."""
+    builder = make_builder()
+    late = Request("late", list(range(10, 30)), SamplingParams(max_tokens=1, prompt_logprobs=0,
+                                                               extra_args={"prompt_logprobs_start": 18}), max_tokens=1)
+    whole = Request("whole", [7, 8, 9], SamplingParams(max_tokens=1, prompt_logprobs=0), max_tokens=1)
+    batch = builder.prepare([ScheduledRequest(late, 16, 4, [3, 1]), ScheduledRequest(whole, 0, 3, [2])])
+    np.testing.assert_array_equal(batch.prompt_rows, [1, 2, 4, 5])  # rows of positions 17, 18 | 0, 1
+    np.testing.assert_array_equal(batch.prompt_targets, [28, 29, 8, 9])
+    assert batch.prompt_positions == [(0, 18), (0, 19), (1, 1), (1, 2)] and batch.prompt_width == 0
+    early = builder.prepare([ScheduledRequest(late, 0, 16, [3])])  # the first chunk: nothing scored yet
+    assert len(early.prompt_rows) == 0 and early.prompt_positions == []
+    wide = Request("wide", [7, 8, 9], SamplingParams(max_tokens=1, prompt_logprobs=2), max_tokens=1)
+    assert make_builder().prepare([ScheduledRequest(wide, 0, 3, [2])]).prompt_width == 20
+
+
 def test_default_buckets():
     assert default_buckets(8192) == [16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
     assert default_buckets(100) == [16, 32, 64, 100]
@@ -30,9 +48,9 @@ def test_prepare_builds_the_packed_batch():
     batch = builder.prepare([ScheduledRequest(a, 16, 4, [3, 1]), ScheduledRequest(b, 3, 1, [2])])
     assert batch.layout == BatchLayout(num_tokens=32, num_rows=4, width=4)  # padded to the bucket
     assert batch.packed.shape == (batch.layout.size,) and batch.packed.dtype == np.int32  # one transfer
-    assert batch.features == SamplerFeatures(random=True) and batch.prompt_rows == []
+    assert batch.features == SamplerFeatures(random=True) and len(batch.prompt_rows) == 0
     v = batch.layout.views(batch.packed)
-    assert (v["prompt_targets"] == -1).all() and (v["prev_row"] == -1).all()
+    assert (v["prev_row"] == -1).all()
     np.testing.assert_array_equal(v["input_ids"][:6], [26, 27, 28, 29, 11, 0])
     np.testing.assert_array_equal(v["positions"][:5], [16, 17, 18, 19, 3])
     np.testing.assert_array_equal(v["slot_mapping"][:6], [1 * 16 + 0, 17, 18, 19, 2 * 16 + 3, -1])

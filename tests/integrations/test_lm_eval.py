@@ -148,10 +148,10 @@ def runs(task_dir, tiny_checkpoint):
     out = {}
     try:
         LLM.generate = counting_generate
-        for name, args in (("jaxvllm", JAXVLLM_ARGS), ("hf", HF_ARGS)):
+        for name, args, batch_size in (("jaxvllm", JAXVLLM_ARGS, "auto"), ("hf", HF_ARGS, 16)):
             start = time.perf_counter()
             result = lm_eval.simple_evaluate(
-                model=name, model_args=f"pretrained={path},{args}", tasks=TASKS, batch_size=16,
+                model=name, model_args=f"pretrained={path},{args}", tasks=TASKS, batch_size=batch_size,
                 task_manager=tasks, log_samples=True, bootstrap_iters=0,
             )
             out[name] = result
@@ -261,6 +261,20 @@ def test_requests_are_batched_through_the_engine(runs):
     assert len(calls) == 3
     assert num_loglikelihood // 2 < calls[0] <= num_loglikelihood  # at once (identical token lists scored once)
     assert 10 in calls  # the generations
+
+
+def test_batch_size_is_refused_not_ignored(tiny_checkpoint):
+    """lm-eval's batch_size: its default 1 and "auto" leave batching to the engine; a value
+    that asks for something is refused, naming the engine arguments that do bound a step."""
+    import jaxvllm.integrations.lm_eval as integration
+
+    for fine in (None, 1, "1", "auto", "auto:4"):
+        integration.check_batch_size(fine, None)
+    for bad, max_bad in ((16, None), ("8", None), ("auto", 64)):
+        with pytest.raises(ValueError, match="batches the requests by itself.*max_num_seqs"):
+            integration.check_batch_size(bad, max_bad)
+    with pytest.raises(ValueError, match="batch_size=16"):
+        integration.JaxvllmLM(pretrained=str(tiny_checkpoint("qwen3")), batch_size=16)
 
 
 @pytest.mark.slow

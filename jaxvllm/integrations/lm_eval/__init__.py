@@ -19,19 +19,27 @@ line with the same arguments):
 since the engine also needs room for the one token each scoring request generates),
 `max_gen_toks` (default 256), `add_bos_token`, `prefix_token_id`, and any `LLM(...)` engine
 argument (`dtype`, `max_model_len`, `max_num_seqs`, `max_num_batched_tokens`,
-`gpu_memory_utilization`, `attention_backend`, ...). lm-eval's `batch_size` and `device` are
-accepted and ignored: every request of a call goes to the engine at once, and its scheduler
-batches them (continuous batching within `max_num_seqs` / `max_num_batched_tokens`); JAX
-picks the device. From Python, `JaxvllmLM(llm=an_existing_LLM)` reuses a loaded engine.
+`gpu_memory_utilization`, `attention_backend`, ...). lm-eval's `batch_size` is not a knob here:
+every request of a call goes to the engine at once, and its scheduler batches them
+(continuous batching within `max_num_seqs` / `max_num_batched_tokens`, the engine arguments
+that bound a step). So `batch_size` 1 (lm-eval's command-line default) and "auto" are
+accepted, and any other value, or a `max_batch_size`, is refused with a message saying so.
+`device` is accepted and ignored: JAX picks the device. From Python,
+`JaxvllmLM(llm=an_existing_LLM)` reuses a loaded engine.
 
 How each request type runs (all requests of one call in ONE `LLM.generate`):
 - loglikelihood: context and continuation are tokenized as lm-eval's HF model does (the
   whole string encoded and split at the context's length, trailing spaces of the context
   moved to the continuation); the prompt is context + continuation (left-truncated to
-  max_length + 1 tokens), generated with `max_tokens=1, prompt_logprobs=0`; the score is the
-  sum of the continuation tokens' prompt logprobs, greedy when each of them has rank 1.
-  Identical token sequences are scored once; past PROMPT_TOKENS_PER_CALL prompt tokens the
-  requests are split over several `generate` calls, which bounds the host memory of the outputs.
+  max_length + 1 tokens), generated with `max_tokens=1, prompt_logprobs=0` and
+  `extra_args={"prompt_logprobs_start": first continuation position}`: only the continuation
+  tokens meet the lm_head, and the context's blocks may come from the prefix cache. The
+  prompts go in sorted order, so the choices of one document (and documents that share
+  few-shot examples) are adjacent: the scheduler admits them together and the shared
+  context's blocks are computed once. The score is the sum of the continuation tokens'
+  prompt logprobs, greedy when each of them has rank 1. Identical token sequences are
+  scored once; past PROMPT_TOKENS_PER_CALL prompt tokens the requests are split over
+  several `generate` calls.
 - loglikelihood_rolling: lm-eval's rolling windows (`get_rolling_token_windows`, context 1),
   each window a loglikelihood request as above, summed per document.
 - generate_until: the context left-truncated to max_length - max_gen_toks tokens,
@@ -57,20 +65,36 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from jaxvllm.dummy import get_dummy, is_dummy, write_dummy_model
 from jaxvllm.llm import LLM
-from jaxvllm.sampling_params import SamplingParams
+from jaxvllm.sampling_params import PROMPT_LOGPROBS_START, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["JaxvllmLM"]
 
 # Loglikelihood requests go to the engine together, in one `LLM.generate` up to this many prompt
-# tokens (every position's logprob is a Python object until the call returns).
+# tokens (the outputs' token lists and scored logprobs are Python objects until the call returns).
 PROMPT_TOKENS_PER_CALL = 1 << 19
 
 # Generation kwargs of lm-eval tasks that map onto SamplingParams as they are.
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams) if f.init} - {
     "n", "max_tokens", "stop", "detokenize", "logprobs", "prompt_logprobs", "temperature",
 }
+
+
+def check_batch_size(batch_size: Any, max_batch_size: Any) -> None:
+    """lm-eval's batch_size means nothing to an engine that batches by itself: refuse a
+    value that asks for something, rather than ignore it."""
+    if batch_size is None or str(batch_size).strip() == "1" or str(batch_size).startswith("auto"):
+        if max_batch_size is None:
+            return
+        asked = f"max_batch_size={max_batch_size}"
+    else:
+        asked = f"batch_size={batch_size}"
+    raise ValueError(
+        f"{asked}: jaxvllm's engine batches the requests by itself (continuous batching, every request of a "
+        "task at once), so lm-eval's batch_size is not used; leave it at 1 or auto, and bound a step with the "
+        "engine arguments max_num_seqs=N and max_num_batched_tokens=N in model_args"
+    )
 
 
 @register_model("jaxvllm")
@@ -88,12 +112,13 @@ class JaxvllmLM(TemplateLM):
         max_gen_toks: int = _DEFAULT_MAX_GEN_TOKS,
         add_bos_token: bool | None = None,
         prefix_token_id: int | None = None,
-        batch_size: Any = None,  # lm-eval's; the engine batches by itself
+        batch_size: Any = None,  # lm-eval's: 1 or "auto" only, the engine batches by itself
         max_batch_size: Any = None,
         device: Any = None,
         **engine_kwargs: Any,
     ) -> None:
         super().__init__()
+        check_batch_size(batch_size, max_batch_size)
         self._dummy_dir: tempfile.TemporaryDirectory | None = None
         if llm is not None:
             if pretrained is not None or engine_kwargs:
@@ -208,18 +233,16 @@ class JaxvllmLM(TemplateLM):
         return scores
 
     def _score_windows(self, windows: list[tuple[list[int], int]], disable_tqdm: bool) -> list[tuple[float, bool]]:
-        """Score the last n tokens of each token list through prompt logprobs.
+        """Score the last n tokens of each token list through prompt logprobs from there on.
 
-        The distinct token lists go to the engine together, in one `generate` (several only
-        past PROMPT_TOKENS_PER_CALL prompt tokens, which bounds the host memory that the
-        per-position logprob dicts of the outputs take)."""
+        The distinct token lists go to the engine together and sorted (shared contexts
+        adjacent), in one `generate`, several only past PROMPT_TOKENS_PER_CALL prompt tokens."""
         need: dict[tuple[int, ...], int] = {}  # distinct token list -> the most continuation tokens asked of it
         for tokens, n in windows:
             key = tuple(tokens)
             need[key] = max(need.get(key, 0), n)
-        params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
         scored: dict[tuple[int, ...], list[tuple[float, int]]] = {}  # per token: (logprob, rank), for the tail asked
-        keys = list(need)
+        keys = sorted(need)
         start = 0
         while start < len(keys):
             end, total = start, 0
@@ -227,6 +250,8 @@ class JaxvllmLM(TemplateLM):
                 total += len(keys[end])
                 end += 1
             chunk = keys[start:end]
+            params = [SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False,
+                                     extra_args={PROMPT_LOGPROBS_START: len(key) - need[key]}) for key in chunk]
             outputs = self.llm.generate([{"prompt_token_ids": list(k)} for k in chunk], params,
                                         use_tqdm=not disable_tqdm)
             for key, out in zip(chunk, outputs):
