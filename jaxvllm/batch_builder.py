@@ -65,15 +65,17 @@ class BatchBuilder:
 
     `decode_only`: the attention backend has a decode-only forward (`ModelInputs.decode_only`,
     the pallas backend's), so steps of one token per sequence take that layout.
+    `smallest_width`: the narrowest block table (`input_batch.SMALLEST_WIDTH`).
     """
 
     def __init__(self, *, max_num_seqs: int, max_model_len: int, block_size: int, buckets: list[int],
-                 vocab_size: int, max_logprobs: int = DEFAULT_MAX_LOGPROBS, decode_only: bool = False) -> None:
+                 vocab_size: int, max_logprobs: int = DEFAULT_MAX_LOGPROBS, decode_only: bool = False,
+                 smallest_width: int = 64) -> None:
         self.max_num_seqs, self.block_size, self.vocab_size = max_num_seqs, block_size, vocab_size
         self.max_logprobs, self.decode_only = max_logprobs, decode_only
         self.buckets = sorted(set(buckets))
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        self.widths = block_table_widths(self.max_blocks_per_seq)
+        self.widths = block_table_widths(self.max_blocks_per_seq, smallest_width)
         self.input_batch = InputBatch(max_num_seqs, self.max_blocks_per_seq)
         # The last step's requests and their rows: reused while no request leaves or joins.
         self._last_rows: tuple[list[Request], np.ndarray] | None = None

@@ -141,14 +141,23 @@ class BatchLayout:
         return SamplingTensors(**{k: self._field(packed, k) for k in SamplingTensors.__dataclass_fields__})
 
 
+# The narrowest block-table width, per attention backend. The reference attention gathers
+# and scores every column for every token, so on it a short context in a wide table costs
+# what max_model_len would (at max_model_len 1024, a step of ~100-token sequences ran 3x
+# slower at width 64 than at 8); the kernels visit a sequence's own blocks only, so for
+# them a narrower table saves just its upload.
+SMALLEST_WIDTH = {"reference": 8, "pallas": 64}
+
+
 def block_table_widths(max_blocks: int, smallest: int = 64, factor: int = 8) -> list[int]:
     """Block-table widths a step may take: `max_blocks`, then down by `factor` while at least
-    `smallest`. A step's table is as wide as the first width that holds its longest request,
-    so short contexts neither upload nor (reference backend) gather `max_model_len` columns.
+    `smallest` (`SMALLEST_WIDTH`). A step's table is as wide as the first width that holds
+    its longest request, so short contexts neither upload nor (reference backend) gather
+    `max_model_len` columns.
 
-    Each width is one more compiled forward per token bucket, so the ladder is coarse: up
-    to 64 blocks (1024 tokens at block size 16) one width is cheap enough to send always;
-    Qwen3's 40,960 positions give [320, 2560]."""
+    Each width is one more compiled forward per token bucket, so the ladder is coarse: for
+    the kernels, up to 64 blocks (1024 tokens at block size 16) one width is cheap enough to
+    send always; Qwen3's 40,960 positions give [320, 2560]."""
     widths = [max_blocks]
     while widths[0] // factor >= smallest:
         widths.insert(0, -(-widths[0] // factor))

@@ -125,7 +125,7 @@ def _dense_reference(
 
 # (context, new tokens) per sequence. "mixed": decode, whole prompt, chunked prefill, a
 # one-token context, a sequence with no query token this step, contexts over many pages.
-# "long": more than 256 tokens, not a multiple of 256 (the public chunk). "decode": one
+# "long": more than 256 tokens, not a multiple of 128 (the public chunk). "decode": one
 # token per sequence.
 _BATCHES = {
     "mixed": [(97, 1), (40, 40), (150, 23), (1, 1), (30, 0), (64, 1)],
@@ -175,7 +175,7 @@ _SWEEP = [
 @pytest.mark.parametrize("group, block_size, window, batch, kv_chunk", _SWEEP)
 def test_chunked_reference_matches_dense(group, block_size, window, batch, kv_chunk):
     """7-token query chunks with one or two pages per KV step (and, past 256 tokens, the
-    public chunking) give the dense result on the real rows, and finite padding rows."""
+    public chunking of 128) give the dense result on the real rows, and finite padding rows."""
     rng = np.random.default_rng([group, block_size, window or 0, kv_chunk])
     args, real = _paged_batch(rng, _BATCHES[batch], group=group, block_size=block_size, dtype=jnp.float32)
     want = _dense(*args, sm_scale=0.3, sliding_window=window)
@@ -241,7 +241,7 @@ def test_reference_fits_at_engine_shapes():
     """T = 8192 tokens of 64 sequences, 4096-token contexts, bf16: compiled only.
 
     The dense reference needs 2 * 8 * 8192 * 4096 * 128 * 2 B = 128 GiB for the gathered
-    K and V; the chunked one 2 * 8 * 256 * 128 * 128 * 2 B = 128 MiB of tiles plus q- and
+    K and V; the chunked one 2 * 8 * 128 * 128 * 128 * 2 B = 64 MiB of tiles plus q- and
     output-sized buffers (64 MiB each), and the same whatever max_model_len is.
     """
     GiB = 2**30
