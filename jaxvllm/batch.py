@@ -25,6 +25,9 @@ class ModelInputs:
     decode_only (static): the host's promise that sequence s owns token s alone (or
         nothing): every row brings one token. The pallas backend then runs the decode
         kernel only, on the tokens as they are (no ragged kernel, gather or scatter).
+    dynamic_loops (static): loops may run a number of times that depends on the batch (the
+        reference attention's KV loop stops at the last column used). Only on a CPU, whose
+        runtime runs loops without the host; on a GPU every loop keeps a known trip count.
     """
 
     input_ids: jax.Array
@@ -35,3 +38,4 @@ class ModelInputs:
     block_tables: jax.Array
     logits_indices: jax.Array
     decode_only: bool = field(default=False, metadata=dict(static=True))
+    dynamic_loops: bool = field(default=False, metadata=dict(static=True))

@@ -66,13 +66,14 @@ class BatchBuilder:
     `decode_only`: the attention backend has a decode-only forward (`ModelInputs.decode_only`,
     the pallas backend's), so steps of one token per sequence take that layout.
     `smallest_width`: the narrowest block table (`input_batch.SMALLEST_WIDTH`).
+    `dynamic_loops`: every layout's `ModelInputs.dynamic_loops` (a CPU engine).
     """
 
     def __init__(self, *, max_num_seqs: int, max_model_len: int, block_size: int, buckets: list[int],
                  vocab_size: int, max_logprobs: int = DEFAULT_MAX_LOGPROBS, decode_only: bool = False,
-                 smallest_width: int = 64) -> None:
+                 smallest_width: int = 64, dynamic_loops: bool = False) -> None:
         self.max_num_seqs, self.block_size, self.vocab_size = max_num_seqs, block_size, vocab_size
-        self.max_logprobs, self.decode_only = max_logprobs, decode_only
+        self.max_logprobs, self.decode_only, self.dynamic_loops = max_logprobs, decode_only, dynamic_loops
         self.buckets = sorted(set(buckets))
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.widths = block_table_widths(self.max_blocks_per_seq, smallest_width)
@@ -106,7 +107,7 @@ class BatchBuilder:
     @functools.lru_cache(maxsize=None)  # noqa: B019 (one builder per engine: its few shapes)
     def _layout(self, bucket: int, width: int, decode_only: bool) -> BatchLayout:
         """A step shape's layout, made once (it caches its field offsets and padding)."""
-        return BatchLayout(bucket, self.rows_for(bucket), width, decode_only)
+        return BatchLayout(bucket, self.rows_for(bucket), width, decode_only, self.dynamic_loops)
 
     def logprobs_width(self, k: int) -> int:
         """Top logprobs computed in a step whose rows ask for up to k: vLLM's default
@@ -119,7 +120,7 @@ class BatchBuilder:
     def padding_batch(self, bucket: int, width: int, features: SamplerFeatures | None,
                       decode_only: bool = False) -> HostBatch:
         """An all-padding batch of a bucket's shape: writes nothing to the cache."""
-        layout = BatchLayout(bucket, self.rows_for(bucket), width, decode_only)
+        layout = self._layout(bucket, width, decode_only)
         return HostBatch(layout, layout.empty()[0], features, 0)
 
     # -- rows ----------------------------------------------------------------------------

@@ -63,6 +63,7 @@ class BatchLayout:
     num_rows: int  # S
     width: int  # W, block-table columns
     decode_only: bool = False  # every sequence brings one token (`ModelInputs.decode_only`)
+    dynamic_loops: bool = False  # `ModelInputs.dynamic_loops` (a CPU step)
 
     @cached_property
     def spans(self) -> dict[str, tuple[int, int]]:
@@ -135,7 +136,7 @@ class BatchLayout:
         prev = f("prev_row")
         input_ids = jnp.where(prev >= 0, last_sampled[jnp.maximum(prev, 0)], f("input_ids"))
         return ModelInputs(input_ids, f("positions"), f("slot_mapping"), f("query_start_loc"), f("seq_lens"),
-                           f("block_tables"), f("logits_indices"), self.decode_only)
+                           f("block_tables"), f("logits_indices"), self.decode_only, self.dynamic_loops)
 
     def sampling(self, packed: jax.Array) -> SamplingTensors:
         return SamplingTensors(**{k: self._field(packed, k) for k in SamplingTensors.__dataclass_fields__})

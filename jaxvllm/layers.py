@@ -176,7 +176,7 @@ def _paged_attention(q, k, v, kv_cache, inputs: ModelInputs, *, sm_scale, slidin
     k_scale, v_scale = (scales[0][:, 0], scales[0][:, 1]) if scales else (None, None)
     k_cache, v_cache = write_kv_reference(k_cache, v_cache, k, v, inputs.slot_mapping, k_scale, v_scale)
     attend = (partial(mixed_paged_attention, decode_only=inputs.decode_only) if backend == "pallas"
-              else ragged_paged_attention_reference)
+              else partial(ragged_paged_attention_reference, dynamic_kv_steps=inputs.dynamic_loops))
     if logits_soft_cap is not None:  # the reference (paged_attention refuses it for the kernels)
         attend = partial(attend, logits_soft_cap=logits_soft_cap)
     out = attend(

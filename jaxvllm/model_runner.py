@@ -188,6 +188,7 @@ class ModelRunner:
             buckets=c.token_buckets or default_buckets(c.max_num_batched_tokens), vocab_size=self.cfg.vocab_size,
             max_logprobs=c.max_logprobs, decode_only=self.backend == "pallas",
             smallest_width=SMALLEST_WIDTH[self.backend],
+            dynamic_loops=self.backend == "reference" and self.devices[0].platform == "cpu",
         )
         # The KV cache's element type, and for an fp8 cache its (k_scale, v_scale) per layer and KV head.
         self.kv_spec = KVCacheSpec(self.cfg, c.block_size, resolve_kv_cache_dtype(c.kv_cache_dtype, self.dtype),

@@ -97,6 +97,7 @@ def ragged_paged_attention_reference(
     k_scale: jax.Array | float | None = None,
     v_scale: jax.Array | float | None = None,
     logits_soft_cap: float | None = None,
+    dynamic_kv_steps: bool = False,
 ) -> jax.Array:
     """Attention output [T, num_q_heads, head_dim] in q's dtype (softmax in float32).
 
@@ -124,19 +125,25 @@ def ragged_paged_attention_reference(
     (XLA:CPU reports 0.19 GiB of temporaries, for any max_model_len), where gathering
     every token's whole context, 2 * kv_heads * T * max_blocks_per_seq * block_size *
     head_dim, took 128 GiB at max_model_len 4096.
+
+    `dynamic_kv_steps`: each query chunk runs its KV loop only up to the last column its
+    tokens see, a loop whose trip count depends on the batch. For XLA:CPU only, which runs
+    loops in its own runtime (no graphs, no host sync): a 2048-token prefill of short
+    sequences skips the columns past their ends, up to 7x faster. Never on a GPU, where
+    such a loop leaves the CUDA graph and syncs with the host every iteration.
     """
     return _chunked_reference(
         q, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables,
         sm_scale=sm_scale, sliding_window=sliding_window,
         query_chunk=_REF_QUERY_CHUNK, kv_chunk=_REF_KV_CHUNK, k_scale=k_scale, v_scale=v_scale,
-        logits_soft_cap=logits_soft_cap,
+        logits_soft_cap=logits_soft_cap, dynamic_kv_steps=dynamic_kv_steps,
     )
 
 
 def _chunked_reference(
     q, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables,
     *, sm_scale, sliding_window, query_chunk: int, kv_chunk: int, k_scale=None, v_scale=None,
-    logits_soft_cap: float | None = None,
+    logits_soft_cap: float | None = None, dynamic_kv_steps: bool = False,
 ):
     """`ragged_paged_attention_reference` with the chunk sizes as parameters (tests shrink them)."""
     _check_shapes(q, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables)
@@ -209,7 +216,13 @@ def _chunked_reference(
             jnp.zeros((chunk, num_kv_heads, group), jnp.float32),
             jnp.zeros((chunk, num_kv_heads, group, head_dim), jnp.float32),
         )
-        (_, row_sum, acc), _ = lax.scan(kv_step, init, (step_starts, step_tables))
+        if dynamic_kv_steps:  # up to the last column any token of the chunk sees
+            last = jnp.max(jnp.minimum(query_pos, context_len[:, 0] - 1))
+            steps = jnp.clip(last // keys_per_step + 1, 0, num_steps)
+            _, row_sum, acc = lax.fori_loop(
+                0, steps, lambda i, carry: kv_step(carry, (step_starts[i], step_tables[i]))[0], init)
+        else:
+            (_, row_sum, acc), _ = lax.scan(kv_step, init, (step_starts, step_tables))
         # A row that saw no key (padding) has sum 0: output zeros, not 0/0.
         out = acc / jnp.where(row_sum > 0, row_sum, 1.0)[..., None]
         if v_scale is not None:

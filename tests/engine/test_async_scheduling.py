@@ -2,6 +2,7 @@
 prefix hits, n > 1, seeded sampling, aborts, stops), no compiles after warm-up, output
 kinds through LLMEngine.step(), and per-step executables that never branch on device data."""
 
+import dataclasses
 import re
 
 import numpy as np
@@ -415,11 +416,17 @@ def test_step_executables_do_not_branch(engines):
                                  grammar=True)
     b = runner.builder
     batch = b.padding_batch(b.buckets[-1], b.widths[-1], everything)
-    layout = batch.layout
-    assert isinstance(layout, BatchLayout)
+    assert isinstance(batch.layout, BatchLayout) and batch.layout.dynamic_loops  # a CPU engine's steps
+    # The step as a GPU compiles it: no loop of unknown trip count. (On the CPU, the
+    # reference attention's KV loop stops at the last column used: XLA:CPU runs loops
+    # without the host, so that costs no sync.)
+    layout = dataclasses.replace(batch.layout, dynamic_loops=False)
     packed = jnp.asarray(batch.packed)
     forward = runner._forward.lower(runner.params, runner.kv_caches, packed, runner.last_sampled, layout=layout)
     assert_no_host_sync(forward.compile().as_text(), "forward")
+    cpu_forward = runner._forward.lower(runner.params, runner.kv_caches, packed, runner.last_sampled,
+                                        layout=batch.layout).compile().as_text()
+    assert not re.search(r"\bconditional\(", cpu_forward)
     logits = jax.ShapeDtypeStruct((layout.num_rows, runner.cfg.vocab_size), jnp.float32)
     bitmask = jax.ShapeDtypeStruct((layout.num_rows, -(-runner.cfg.vocab_size // 32)), jnp.int32)
     sampler = runner._sampler.lower(packed[: layout.sampling_size], logits, runner.last_sampled,

@@ -154,7 +154,7 @@ def _paged_batch(rng, specs, *, group, block_size, dtype, kv_heads=2, dim=16, pa
     ), sum(new)
 
 
-_STATIC = ("sm_scale", "sliding_window", "query_chunk", "kv_chunk")
+_STATIC = ("sm_scale", "sliding_window", "query_chunk", "kv_chunk", "dynamic_kv_steps")
 _dense = jax.jit(_dense_reference, static_argnames=("sm_scale", "sliding_window"))
 _chunked = jax.jit(_chunked_reference, static_argnames=_STATIC)
 _public = jax.jit(ragged_paged_attention_reference, static_argnames=("sm_scale", "sliding_window"))
@@ -174,12 +174,15 @@ _SWEEP = [
 
 @pytest.mark.parametrize("group, block_size, window, batch, kv_chunk", _SWEEP)
 def test_chunked_reference_matches_dense(group, block_size, window, batch, kv_chunk):
-    """7-token query chunks with one or two pages per KV step (and, past 256 tokens, the
-    public chunking of 128) give the dense result on the real rows, and finite padding rows."""
+    """7-token query chunks with one or two pages per KV step, with the KV loop whole or
+    stopped at the chunk's last column (and, past 256 tokens, the public chunking of 128) give the dense result on the real rows, and finite padding rows."""
     rng = np.random.default_rng([group, block_size, window or 0, kv_chunk])
     args, real = _paged_batch(rng, _BATCHES[batch], group=group, block_size=block_size, dtype=jnp.float32)
     want = _dense(*args, sm_scale=0.3, sliding_window=window)
-    outs = {"chunked": _chunked(*args, sm_scale=0.3, sliding_window=window, query_chunk=7, kv_chunk=kv_chunk)}
+    outs = {"chunked": _chunked(*args, sm_scale=0.3, sliding_window=window, query_chunk=7, kv_chunk=kv_chunk),
+            # (the CPU engine's: each chunk's KV loop stops at the last column it sees)
+            "dynamic": _chunked(*args, sm_scale=0.3, sliding_window=window, query_chunk=7, kv_chunk=kv_chunk,
+                                dynamic_kv_steps=True)}
     if real > 256:
         outs["public"] = _public(*args, sm_scale=0.3, sliding_window=window)
     for name, out in outs.items():
