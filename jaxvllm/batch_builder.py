@@ -17,7 +17,7 @@ from itertools import chain
 import numpy as np
 
 from jaxvllm.config import DEFAULT_MAX_LOGPROBS
-from jaxvllm.input_batch import BatchLayout, InputBatch, block_table_widths
+from jaxvllm.input_batch import SMALLEST_WIDTH, BatchLayout, InputBatch, block_table_widths
 from jaxvllm.request import Request, ScheduledBatch, ScheduledRequest
 from jaxvllm.sampler import SamplerFeatures, SamplingTensors
 from jaxvllm.sampling_params import resolve_logprobs
@@ -65,13 +65,13 @@ class BatchBuilder:
 
     `decode_only`: the attention backend has a decode-only forward (`ModelInputs.decode_only`,
     the pallas backend's), so steps of one token per sequence take that layout.
-    `smallest_width`: the narrowest block table (`input_batch.SMALLEST_WIDTH`).
+    `smallest_width`: the narrowest block table (`input_batch.SMALLEST_WIDTH` or `NARROW_WIDTH`).
     `dynamic_loops`: every layout's `ModelInputs.dynamic_loops` (a CPU engine).
     """
 
     def __init__(self, *, max_num_seqs: int, max_model_len: int, block_size: int, buckets: list[int],
                  vocab_size: int, max_logprobs: int = DEFAULT_MAX_LOGPROBS, decode_only: bool = False,
-                 smallest_width: int = 64, dynamic_loops: bool = False) -> None:
+                 smallest_width: int = SMALLEST_WIDTH, dynamic_loops: bool = False) -> None:
         self.max_num_seqs, self.block_size, self.vocab_size = max_num_seqs, block_size, vocab_size
         self.max_logprobs, self.decode_only, self.dynamic_loops = max_logprobs, decode_only, dynamic_loops
         self.buckets = sorted(set(buckets))

@@ -142,17 +142,19 @@ class BatchLayout:
         return SamplingTensors(**{k: self._field(packed, k) for k in SamplingTensors.__dataclass_fields__})
 
 
-# The narrowest block-table width, per attention backend. The reference attention gathers
-# and scores every column for every token, so on it a short context in a wide table costs
-# what max_model_len would (at max_model_len 1024, a step of ~100-token sequences ran 3x
-# slower at width 64 than at 8); the kernels visit a sequence's own blocks only, so for
-# them a narrower table saves just its upload.
-SMALLEST_WIDTH = {"reference": 8, "pallas": 64}
+# The narrowest block-table width. An attention whose cost follows the table's width (the
+# reference's KV loop at a fixed trip count scores every column for every token, so a short
+# context in a wide table costs what max_model_len would: at max_model_len 1024, a step of
+# ~100-token sequences ran 3x slower at width 64 than at 8) gets a ladder down to
+# NARROW_WIDTH. The kernels, and the reference with CPU loops (`ModelInputs.dynamic_loops`),
+# visit the columns in use only: for them a narrower table saves just its upload.
+SMALLEST_WIDTH = 64
+NARROW_WIDTH = 8
 
 
-def block_table_widths(max_blocks: int, smallest: int = 64, factor: int = 8) -> list[int]:
+def block_table_widths(max_blocks: int, smallest: int = SMALLEST_WIDTH, factor: int = 8) -> list[int]:
     """Block-table widths a step may take: `max_blocks`, then down by `factor` while at least
-    `smallest` (`SMALLEST_WIDTH`). A step's table is as wide as the first width that holds
+    `smallest` (`SMALLEST_WIDTH`, or `NARROW_WIDTH`). A step's table is as wide as the first width that holds
     its longest request, so short contexts neither upload nor (reference backend) gather
     `max_model_len` columns.
 

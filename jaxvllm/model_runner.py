@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from jaxvllm.batch_builder import BatchBuilder, HostBatch, default_buckets
 from jaxvllm.config import ATTENTION_BACKENDS, EngineConfig
-from jaxvllm.input_batch import SMALLEST_WIDTH, BatchLayout
+from jaxvllm.input_batch import NARROW_WIDTH, SMALLEST_WIDTH, BatchLayout
 from jaxvllm.kv_cache import KVCacheSpec, allocate_kv_caches, kv_cache_scales, num_kv_blocks, resolve_kv_cache_dtype
 from jaxvllm.loader import load_model, resolve_dtype
 from jaxvllm.model_config import ModelConfig
@@ -183,12 +183,14 @@ class ModelRunner:
                 f"({self.cfg.max_position_embeddings})"
             )
         self.backend = resolve_backend(c.attention_backend, softcapped=self.cfg.attn_logit_softcapping is not None)
+        # CPU steps may loop a batch-dependent number of times (`ModelInputs.dynamic_loops`).
+        dynamic_loops = self.backend == "reference" and self.devices[0].platform == "cpu"
         self.builder = BatchBuilder(
             max_num_seqs=c.max_num_seqs, max_model_len=self.max_model_len, block_size=c.block_size,
             buckets=c.token_buckets or default_buckets(c.max_num_batched_tokens), vocab_size=self.cfg.vocab_size,
             max_logprobs=c.max_logprobs, decode_only=self.backend == "pallas",
-            smallest_width=SMALLEST_WIDTH[self.backend],
-            dynamic_loops=self.backend == "reference" and self.devices[0].platform == "cpu",
+            smallest_width=NARROW_WIDTH if self.backend == "reference" and not dynamic_loops else SMALLEST_WIDTH,
+            dynamic_loops=dynamic_loops,
         )
         # The KV cache's element type, and for an fp8 cache its (k_scale, v_scale) per layer and KV head.
         self.kv_spec = KVCacheSpec(self.cfg, c.block_size, resolve_kv_cache_dtype(c.kv_cache_dtype, self.dtype),

@@ -128,8 +128,8 @@ def ragged_paged_attention_reference(
 
     `dynamic_kv_steps`: each query chunk runs its KV loop only up to the last column its
     tokens see, a loop whose trip count depends on the batch. For XLA:CPU only, which runs
-    loops in its own runtime (no graphs, no host sync): a 2048-token prefill of short
-    sequences skips the columns past their ends, up to 7x faster. Never on a GPU, where
+    loops in its own runtime (no graphs, no host sync): a batch of short sequences skips
+    the columns past their ends. Never on a GPU, where
     such a loop leaves the CUDA graph and syncs with the host every iteration.
     """
     return _chunked_reference(

@@ -85,7 +85,7 @@ def test_prepare_builds_the_packed_batch():
 def test_block_table_width_follows_the_longest_request():
     assert block_table_widths(4) == [4] and block_table_widths(256) == [256]
     assert block_table_widths(512) == [64, 512] and block_table_widths(2560) == [320, 2560]
-    # the reference backend's ladder (SMALLEST_WIDTH["reference"]): short contexts gather 8 columns
+    # the ladder of the reference attention with a fixed KV loop (NARROW_WIDTH): short contexts gather 8 columns
     assert block_table_widths(64, smallest=8) == [8, 64] and block_table_widths(32, smallest=8) == [32]
     builder = make_builder(max_model_len=1024, block_size=2)
     assert builder.widths == [64, 512]

@@ -67,8 +67,8 @@ def test_kv_cache_cpu_default_and_override(tiny_checkpoint, caplog):
 def test_every_block_table_width_is_warmed_up(tiny_checkpoint):
     runner = ModelRunner(EngineConfig(model=str(tiny_checkpoint("llama")), max_model_len=1024, block_size=2,
                                       max_num_seqs=4, max_num_batched_tokens=32, token_buckets=[32]))
-    # the reference backend's ladder goes down to 8 blocks (SMALLEST_WIDTH): every width warmed up
-    assert runner.builder.widths == [8, 64, 512] and runner.num_compiled_buckets() == 3
+    # (on CPU the reference attention's loop stops at the columns in use: the default ladder)
+    assert runner.builder.widths == [64, 512] and runner.num_compiled_buckets() == 2  # both widths warmed up
 
 
 def test_missing_tokenizer_is_a_clear_error(tiny_checkpoint, tmp_path):
