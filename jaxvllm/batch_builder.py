@@ -187,7 +187,7 @@ class BatchBuilder:
         layout.row_columns(packed)[:, :n] = ib.packed_columns[:, rows]
         features = self._fill_sampling_rows(v, rows, ends, samples, bool(grammar_rows))
         batch = HostBatch(layout, packed, features, n, grammar_rows=grammar_rows, admitted=admitted)
-        if self.input_batch.num_special:  # (else no row has a grammar or prompt logprobs)
+        if ib.num_special:  # (else no row has a grammar or prompt logprobs)
             self._prompt_targets(batch, v["query_start_loc"], scheduled, rows)
         return batch
 

@@ -154,9 +154,9 @@ NARROW_WIDTH = 8
 
 def block_table_widths(max_blocks: int, smallest: int = SMALLEST_WIDTH, factor: int = 8) -> list[int]:
     """Block-table widths a step may take: `max_blocks`, then down by `factor` while at least
-    `smallest` (`SMALLEST_WIDTH`, or `NARROW_WIDTH`). A step's table is as wide as the first width that holds
-    its longest request, so short contexts neither upload nor (reference backend) gather
-    `max_model_len` columns.
+    `smallest` (`SMALLEST_WIDTH`, or `NARROW_WIDTH`). A step's table is as wide as the first
+    width that holds its longest request, so short contexts neither upload nor (reference
+    backend) gather `max_model_len` columns.
 
     Each width is one more compiled forward per token bucket, so the ladder is coarse: for
     the kernels, up to 64 blocks (1024 tokens at block size 16) one width is cheap enough to

@@ -329,10 +329,9 @@ class ModelRunner:
         step = PendingStep(batch, None, None, [])
         chunk = min(PROMPT_LOGPROBS_CHUNK, layout.num_tokens)
         for start in range(0, len(batch.prompt_rows), chunk):
+            part = np.stack([batch.prompt_rows[start : start + chunk], batch.prompt_targets[start : start + chunk]])
             rows = np.zeros((2, chunk), np.int32)  # (padding: row 0, token 0; dropped on the host)
-            part = slice(start, start + chunk)
-            rows[0, : len(batch.prompt_rows[part])] = batch.prompt_rows[part]
-            rows[1, : len(batch.prompt_rows[part])] = batch.prompt_targets[part]
+            rows[:, : part.shape[1]] = part
             step.prompt_logprobs.append(self._prompt_logprobs(self.params, hidden, step_input(rows, self._replicated),
                                                               width=batch.prompt_width))
         if batch.features is not None:

@@ -112,8 +112,8 @@ def ragged_paged_attention_reference(
     or per KV head: [num_kv_heads]; None: 1.0) dequantize them, K = stored * k_scale and
     V = stored * v_scale, applied (as in the kernels) to the scores and to the output.
 
-    Plain jnp with static loops only: `lax.map` over chunks of C = min(T, 128) query
-    tokens, each a `lax.scan` over the block-table columns, P = min(max_blocks_per_seq,
+    Plain jnp with static loops (unless `dynamic_kv_steps`): `lax.map` over chunks of
+    C = min(T, 128) query tokens, each a `lax.scan` over the block-table columns, P = min(max_blocks_per_seq,
     max(1, 128 // block_size)) pages (K = P * block_size keys) per step, with an online
     (running max and sum) float32 softmax. Each step gathers only that step's pages of
     each token's sequence, so the peak intermediates, independent of T and of
@@ -129,8 +129,8 @@ def ragged_paged_attention_reference(
     `dynamic_kv_steps`: each query chunk runs its KV loop only up to the last column its
     tokens see, a loop whose trip count depends on the batch. For XLA:CPU only, which runs
     loops in its own runtime (no graphs, no host sync): a batch of short sequences skips
-    the columns past their ends. Never on a GPU, where
-    such a loop leaves the CUDA graph and syncs with the host every iteration.
+    the columns past their ends. Never on a GPU, where such a loop leaves the CUDA graph
+    and syncs with the host every iteration.
     """
     return _chunked_reference(
         q, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables,
