@@ -67,13 +67,16 @@ class BatchBuilder:
     the pallas backend's), so steps of one token per sequence take that layout.
     `smallest_width`: the narrowest block table (`input_batch.SMALLEST_WIDTH` or `NARROW_WIDTH`).
     `dynamic_loops`: every layout's `ModelInputs.dynamic_loops` (a CPU engine).
+    `spec_tokens`: speculative decoding's K; a step with drafts takes a layout with room
+    for K per row (`BatchLayout.spec_tokens`).
     """
 
     def __init__(self, *, max_num_seqs: int, max_model_len: int, block_size: int, buckets: list[int],
                  vocab_size: int, max_logprobs: int = DEFAULT_MAX_LOGPROBS, decode_only: bool = False,
-                 smallest_width: int = SMALLEST_WIDTH, dynamic_loops: bool = False) -> None:
+                 smallest_width: int = SMALLEST_WIDTH, dynamic_loops: bool = False, spec_tokens: int = 0) -> None:
         self.max_num_seqs, self.block_size, self.vocab_size = max_num_seqs, block_size, vocab_size
         self.max_logprobs, self.decode_only, self.dynamic_loops = max_logprobs, decode_only, dynamic_loops
+        self.spec_tokens = spec_tokens
         self.buckets = sorted(set(buckets))
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.widths = block_table_widths(self.max_blocks_per_seq, smallest_width)
@@ -105,9 +108,10 @@ class BatchBuilder:
         return [b for b in self.buckets if b <= self.bucket_for(self.max_num_seqs)]
 
     @functools.lru_cache(maxsize=None)  # noqa: B019 (one builder per engine: its few shapes)
-    def _layout(self, bucket: int, width: int, decode_only: bool) -> BatchLayout:
+    def _layout(self, bucket: int, width: int, decode_only: bool, spec: bool = False) -> BatchLayout:
         """A step shape's layout, made once (it caches its field offsets and padding)."""
-        return BatchLayout(bucket, self.rows_for(bucket), width, decode_only, self.dynamic_loops)
+        return BatchLayout(bucket, self.rows_for(bucket), width, decode_only, self.dynamic_loops,
+                           self.spec_tokens if spec else 0)
 
     def logprobs_width(self, k: int) -> int:
         """Top logprobs computed in a step whose rows ask for up to k: vLLM's default
@@ -118,9 +122,9 @@ class BatchBuilder:
         return max(1, min(width, vocab))
 
     def padding_batch(self, bucket: int, width: int, features: SamplerFeatures | None,
-                      decode_only: bool = False) -> HostBatch:
+                      decode_only: bool = False, spec: bool = False) -> HostBatch:
         """An all-padding batch of a bucket's shape: writes nothing to the cache."""
-        layout = self._layout(bucket, width, decode_only)
+        layout = self._layout(bucket, width, decode_only, spec)
         return HostBatch(layout, layout.empty()[0], features, 0)
 
     # -- rows ----------------------------------------------------------------------------
@@ -146,11 +150,12 @@ class BatchBuilder:
             raise ValueError(f"{n} sequences scheduled, max_num_seqs is {self.max_num_seqs}")
         rows, admitted = self._rows(scheduled)
         starts, lens = scheduled.starts.astype(np.int32), scheduled.num_new_tokens.astype(np.int32)
-        samples, ends = scheduled.samples, starts + lens
-        # Tokens [start, host_end) are on the host; the one after, if any, was sampled by the
-        # step before and is still on the device.
+        samples, ends, drafts = scheduled.samples, starts + lens, scheduled.num_drafts
+        # Tokens [start, host_end) are on the host, then the request's drafts if any; the one
+        # after, if any, was sampled by the step before and is still on the device.
         host_ends = scheduled.host_ends
-        pending = np.flatnonzero(ends > host_ends)
+        spec = bool(drafts.any())
+        pending = np.flatnonzero(ends - drafts > host_ends) if spec else np.flatnonzero(ends > host_ends)
         grammar_rows = [(i, requests[i].grammar) for i in np.flatnonzero(samples & ib.has_grammar[rows]).tolist()
                         ] if ib.num_special else []
         max_blocks = int(ib.num_blocks[rows].max(initial=1))
@@ -158,7 +163,7 @@ class BatchBuilder:
         num_tokens = int(lens.sum())
         bucket = self.bucket_for(num_tokens)
         decode_only = num_tokens == n and bucket in self.decode_only_buckets  # one token per sequence
-        layout = self._layout(bucket, self.width_for(max_blocks), decode_only)
+        layout = self._layout(bucket, self.width_for(max_blocks), decode_only, spec)
         packed, v = layout.empty()
 
         qsl = v["query_start_loc"]
@@ -172,7 +177,16 @@ class BatchBuilder:
         v["block_tables"][:n, :max_blocks] = tables
         v["slot_mapping"][:num_tokens] = tables[seq_of_token, token_pos // bs] * bs + token_pos % bs
         v["seq_lens"][:n] = ends
-        v["logits_indices"][:n] = last
+        if spec:  # each row's first verified token and its drafts' rows, row after row
+            counts = 1 + drafts
+            start = np.cumsum(counts) - counts
+            v["logits_start"][:n] = start
+            v["logits_indices"][: counts.sum()] = np.repeat(last - drafts - start, counts) + np.arange(counts.sum())
+            v["num_drafts"][:n] = drafts
+            for i in np.flatnonzero(drafts).tolist():
+                v["draft_ids"][i, : drafts[i]] = requests[i].spec_token_ids[: drafts[i]]
+        else:
+            v["logits_indices"][:n] = last
 
         ids = v["input_ids"][:num_tokens]
         flat = self._host_tokens(scheduled)
@@ -185,7 +199,7 @@ class BatchBuilder:
             ids[:] = flat
 
         layout.row_columns(packed)[:, :n] = ib.packed_columns[:, rows]
-        features = self._fill_sampling_rows(v, rows, ends, samples, bool(grammar_rows))
+        features = self._fill_sampling_rows(v, rows, ends - drafts if spec else ends, samples, bool(grammar_rows))
         batch = HostBatch(layout, packed, features, n, grammar_rows=grammar_rows, admitted=admitted)
         if ib.num_special:  # (else no row has a grammar or prompt logprobs)
             self._prompt_targets(batch, v["query_start_loc"], scheduled, rows)
@@ -214,13 +228,14 @@ class BatchBuilder:
 
     @staticmethod
     def _host_tokens(scheduled: ScheduledBatch) -> np.ndarray:
-        """Each chunk's input tokens that the host knows, in order."""
-        starts, ends = scheduled.starts, scheduled.host_ends
+        """Each chunk's input tokens that the host knows (its drafts after its own), in order."""
+        starts, ends, drafts = scheduled.starts, scheduled.host_ends, scheduled.num_drafts
         counts = ends - starts
-        if (counts <= 1).all():  # decoding: one token each (or none: it is on the device)
+        if (counts <= 1).all() and not drafts.any():  # decoding: one token each (or none: it is on the device)
             return scheduled.start_tokens[counts == 1].astype(np.int32)
-        return np.fromiter(chain.from_iterable(r.token_ids[s:e] for r, s, e in
-                                               zip(scheduled.requests, starts.tolist(), ends.tolist())), np.int32)
+        return np.fromiter(chain.from_iterable(r.token_ids[s:e] + r.spec_token_ids[:d] for r, s, e, d in
+                                               zip(scheduled.requests, starts.tolist(), ends.tolist(),
+                                                   drafts.tolist())), np.int32)
 
     def _fill_sampling_rows(self, v: dict[str, np.ndarray], rows: np.ndarray, ends: np.ndarray,
                             samples: np.ndarray, grammar: bool = False) -> SamplerFeatures | None:

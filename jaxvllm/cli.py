@@ -4,6 +4,8 @@
     jaxvllm generate --model dummy:tiny --prompt "Yes or no?" --choice yes no
     jaxvllm bench throughput --model dummy:tiny --dataset random --num-prompts 64 --backend both
     jaxvllm bench latency --model PATH --batch-size 8 --input-len 32 --output-len 128
+    jaxvllm bench latency --model PATH --dataset repeat --compare-speculative \
+        --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
 
 Exit codes: 0 done, 2 a usage error (argparse's, a missing model folder, a value the
 engine refuses, a bad prompt: named by its --prompts-file line), 130 Ctrl-C, with one line

@@ -9,6 +9,7 @@ sampler, scheduler) import its allowed names from here.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import numbers
 import os
@@ -16,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
 
 # The allowed values of the engine's arguments, in the order the error messages list them.
 ATTENTION_BACKENDS = ("reference", "pallas")  # "auto" picks one (jaxvllm/model_runner.py)
@@ -57,6 +60,79 @@ class StructuredOutputsConfig:
                              f"choose from {STRUCTURED_OUTPUTS_BACKENDS} ('auto' is llguidance)")
         for name in ("disable_any_whitespace", "disable_additional_properties"):
             check_bool(f"structured_outputs_config {name}", getattr(self, name))
+
+
+SPECULATIVE_METHODS = ("ngram", "draft_model")  # vLLM's others ("eagle", "eagle3", ...) are refused by name
+_LATER_SPECULATIVE_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
+# vLLM's prompt lookup window when the config names neither end.
+DEFAULT_PROMPT_LOOKUP = 5
+
+
+@dataclass
+class SpeculativeConfig:
+    """vLLM's `speculative_config` engine argument (a dict of these fields, or this).
+
+    "ngram" (vLLM's prompt lookup): the longest suffix n-gram of a request's tokens, for
+    prompt_lookup_min <= n <= prompt_lookup_max, that occurs earlier proposes the
+    `num_speculative_tokens` tokens that followed its first occurrence. With one end of
+    the window given, the other is the same; with neither, both are 5 (vLLM's defaults).
+    "draft_model" (inferred, as vLLM does, when only `model` is given): that smaller model,
+    with the target's vocabulary, drafts the tokens greedily."""
+
+    method: str | None = None
+    num_speculative_tokens: int | None = None
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    model: str | None = None
+    draft_tensor_parallel_size: int | None = None
+
+    def __post_init__(self) -> None:
+        method = self.method
+        if method is None:
+            if self.model is None:
+                raise ValueError("speculative_config needs a method ('ngram') or a draft model")
+            method = "ngram" if self.model in ("ngram", "[ngram]") else "draft_model"  # as vLLM infers it
+        if method == "[ngram]":
+            method = "ngram"
+        if method in _LATER_SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config method {method!r} is not supported by jaxvllm yet; "
+                             f"choose from {SPECULATIVE_METHODS}")
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"unknown speculative_config method {method!r}; choose from {SPECULATIVE_METHODS}")
+        self.method = method
+        if self.num_speculative_tokens is None:
+            raise ValueError("speculative_config needs num_speculative_tokens (the tokens proposed per step)")
+        self.num_speculative_tokens = check_int("num_speculative_tokens", self.num_speculative_tokens, low=1)
+        if method == "draft_model":
+            if not isinstance(self.model, str) or not self.model:
+                raise ValueError(f"speculative_config method 'draft_model' needs the draft's folder as model, "
+                                 f"got {self.model!r}")
+            return
+        if self.draft_tensor_parallel_size not in (None, 1):
+            raise ValueError(f"draft_tensor_parallel_size={self.draft_tensor_parallel_size!r}: the n-gram "
+                             "proposer runs on the host and has no model to split")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is None and hi is None:
+            lo = hi = DEFAULT_PROMPT_LOOKUP
+        lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
+        for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if not is_int(value) or value < 1:
+                raise ValueError(f"{name}={value!r} must be > 0")
+        if lo > hi:
+            raise ValueError(f"prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}")
+        self.prompt_lookup_min, self.prompt_lookup_max = int(lo), int(hi)
+
+    @classmethod
+    def of(cls, value: "SpeculativeConfig | dict | None") -> "SpeculativeConfig | None":
+        """The engine argument as given: None, a dict of the fields, or a config."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict or None, got {value!r}")
+        unknown = sorted(set(value) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"speculative_config: unknown or unsupported key(s) {unknown}")
+        return cls(**value)
 
 
 @dataclass
@@ -140,6 +216,8 @@ class EngineConfig:
     # set wins). None: $JAXVLLM_COMPILATION_CACHE_DIR if set, else ~/.cache/jaxvllm/jax;
     # "": no cache.
     compilation_cache_dir: str | None = None
+    # vLLM's speculative decoding: a SpeculativeConfig or a dict of its fields (None: off).
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self) -> None:
         """Check every argument's type and range here, so that `LLM(...)` and the command
@@ -164,6 +242,16 @@ class EngineConfig:
                 raise ValueError(f"structured_outputs_config {so!r}: {e}") from e
         elif not isinstance(so, StructuredOutputsConfig):
             raise ValueError(f"structured_outputs_config must be a StructuredOutputsConfig or a dict, got {so!r}")
+        self.speculative_config = spec = SpeculativeConfig.of(self.speculative_config)
+        if spec is not None and spec.method == "draft_model" and spec.draft_tensor_parallel_size not in (
+                None, self.tensor_parallel_size):
+            raise ValueError(f"draft_tensor_parallel_size={spec.draft_tensor_parallel_size!r}: the draft model is split "
+                             f"as the target is (tensor_parallel_size={self.tensor_parallel_size})")
+        if self.speculative_config is not None and self.async_scheduling:
+            # The n-gram proposer reads each step's accepted tokens on the host before it
+            # drafts the next step (docs/design.md, "Speculative decoding").
+            logger.info("speculative decoding: steps run synchronously (async_scheduling=False)")
+            self.async_scheduling = False
 
     def for_platform(self, platform: str) -> "EngineConfig":
         """This config with the arguments left to the platform chosen for `platform` (JAX's

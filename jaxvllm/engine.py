@@ -32,6 +32,8 @@ from jaxvllm.request import ParentRequest, Request, RequestStatus
 from jaxvllm.sampling_params import SamplingParams
 from jaxvllm.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jaxvllm.sharding import gather_over_processes
+from jaxvllm.spec_decode.draft_model import check_draft_model
+from jaxvllm.spec_decode.ngram_proposer import ContextArrays, NgramProposer
 from jaxvllm.structured_output import StructuredOutputManager
 from jaxvllm.utils.compilation_cache import use_compilation_cache
 
@@ -50,6 +52,8 @@ class LLMEngine:
         self._model_source = resolve_model(config.model)
         self.config = config = self._model_source.engine_config(config).for_platform(jax.default_backend())
         self.tokenizer = load_tokenizer(config)
+        if config.speculative_config is not None and config.speculative_config.method == "draft_model":
+            check_draft_model(config, self.tokenizer)  # (before any weights load)
         self.runner = runner_class(config)
         self.model_config = self.runner.cfg
         eos = set(self.model_config.eos_token_ids)
@@ -81,6 +85,18 @@ class LLMEngine:
                                               self.scheduler.check_fits, self.structured_outputs,
                                               digests=self._multiprocess)
         self.output_processor = OutputProcessor(self.tokenizer)
+        # Speculative decoding: drafts proposed on the host after each (synchronous) step.
+        # The scheduler then takes requests one at a time: its vectorized path has no drafts.
+        self.proposer, self._contexts = None, None
+        spec = config.speculative_config
+        if spec is not None and spec.method == "ngram":
+            self.proposer = NgramProposer(config, max_model_len=max_model_len)
+            self._contexts = ContextArrays()
+        elif spec is not None:
+            self.proposer = self.runner.draft
+        if spec is not None:
+            self.scheduler.vectorized = False
+            self.metrics.enable_spec_decode(config.speculative_config.num_speculative_tokens)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineConfig) -> "LLMEngine":
@@ -202,8 +218,13 @@ class LLMEngine:
         `grammar_rows`: the step's (scheduled index, grammar) of structured-output rows."""
         now = time.time()  # when the host has this step's tokens (the scheduler stamps first tokens too)
         ended = self._end_dead_ends(out, grammar_rows)
-        updated = self.scheduler.update_from_output(out, result.sampled)
-        self.metrics.record_step(updated, now)
+        lengths = [r.num_tokens for r in out.scheduled.requests] if result.num_accepted is not None else None
+        updated = self.scheduler.update_from_output(out, result.sampled, result.num_accepted)
+        num_new = None
+        if lengths is not None:  # (tokens a request got: more than one when it accepted drafts)
+            num_new = sum(r.num_tokens - n for r, n in zip(out.scheduled.requests, lengths))
+            self.metrics.record_spec_decode(out.scheduled.num_drafts, result.num_accepted)
+        self.metrics.record_step(updated, now, num_new)
         if result.logprobs is not None or result.prompt_logprobs is not None:
             self.output_processor.record_logprobs(out.scheduled, result, set(map(id, updated)))
         finished = [r.request_id for r in ended]
@@ -214,11 +235,46 @@ class LLMEngine:
                 finished.append(request.request_id)
                 self.metrics.record_finished(request)  # its finish reason is final: stop strings were checked
         self.runner.release(finished)
+        if self.proposer is not None:
+            self._propose_drafts()
         outputs, done = self.output_processor.step_outputs(updated + ended, self._parents)
         for parent in done:
             del self._parents[parent.request_id]
             self.metrics.record_parent_finished(parent.children)
         return outputs
+
+    def _propose_drafts(self) -> None:
+        """Draft tokens for each running request's next step, from its tokens so far (vLLM's
+        prompt lookup). As vLLM, only requests whose sampling the rejection sampler covers
+        get drafts: none with penalties, logit bias, allowed ids, bad words, min_tokens (the
+        sampler's per-request state), logprobs or a structured output; and only once a
+        request decodes, with room left for a draft under its max_tokens."""
+        requests, contexts, caps, contexts_of = [], [], [], self._contexts
+        for request in self.scheduler.running:
+            request.spec_token_ids = []
+            room = request.max_num_tokens - request.num_tokens - 1  # (a step adds drafts + 1 at most)
+            if (room <= 0 or request.num_pending or request.num_computed_tokens != request.num_tokens - 1
+                    or request.uses_sampler_state or request.grammar is not None or request.num_logprobs is not None):
+                continue
+            requests.append(request)
+            if contexts_of is not None:
+                contexts.append(contexts_of.get(request.request_id, request.token_ids))
+            caps.append(room)
+        if isinstance(self.proposer, NgramProposer):
+            contexts_of.keep({r.request_id for r in requests})
+            for request, drafts in zip(requests, self.proposer.propose_batch(contexts, caps)):
+                request.spec_token_ids = drafts
+            return
+        # The draft model writes its K/V for K tokens from the newest on: their slots first.
+        k, kv = self.proposer.k, self.kv_cache_manager
+        ready = [(r, cap) for r, cap in zip(requests, caps) if kv.allocate_slots(r, k) is not None]
+        if not ready:
+            return
+        drafts = self.runner.propose_drafts([r.request_id for r, _ in ready], [r.token_ids[-1] for r, _ in ready],
+                                            [r.num_tokens - 1 for r, _ in ready],
+                                            [kv.req_blocks[r.request_id] for r, _ in ready])
+        for (request, cap), row in zip(ready, drafts.tolist()):
+            request.spec_token_ids = row[:cap]
 
     def _end_dead_ends(self, out: SchedulerOutput, grammar_rows) -> list[Request]:
         """Finish the requests of this step whose grammar the model's vocabulary cannot go on
@@ -295,7 +351,19 @@ class LLMEngine:
             # host time spent filling structured-output bitmasks, and the steps that needed one
             "structured_output_mask_seconds": so.mask_seconds if so else 0.0,
             "structured_output_mask_steps": so.mask_steps if so else 0,
+            **self._spec_decode_stats(),
         }
+
+    def _spec_decode_stats(self) -> dict:
+        """Speculative decoding's acceptance rate (accepted / proposed drafts) and mean
+        accepted length (tokens a verifying row emits per step: 1 + accepted / rows), as vLLM logs them."""
+        m = self.metrics
+        if self.proposer is None:
+            return {}
+        return {"spec_decode_num_drafts": m.spec_num_drafts, "spec_decode_num_draft_tokens": m.spec_num_draft_tokens,
+                "spec_decode_num_accepted_tokens": m.spec_num_accepted_tokens,
+                "spec_decode_acceptance_rate": m.spec_num_accepted_tokens / max(1, m.spec_num_draft_tokens),
+                "spec_decode_mean_accepted_length": 1 + m.spec_num_accepted_tokens / max(1, m.spec_num_drafts)}
 
     def get_metrics(self) -> list[Metric]:
         """vLLM's `LLMEngine.get_metrics()`: every metric now, with vLLM's names and labels

@@ -9,13 +9,28 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+from collections.abc import Callable
 from typing import Any
 
 from jaxvllm.config import DTYPES, KV_CACHE_DTYPES, EngineConfig
 from jaxvllm.dummy import MODEL_HELP, ModelSource
 
+
+def json_object(text: str) -> dict[str, Any]:
+    """argparse type of a flag whose value is a JSON object (vLLM's --speculative-config):
+    a usage error naming what is wrong, before any model loads."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object {{...}}, got {text!r}")
+    return value
+
+
 # flag name -> (type, help); the keyword argument is the flag with '_' for '-'.
-_VALUE_FLAGS: dict[str, tuple[type, str]] = {
+_VALUE_FLAGS: dict[str, tuple[Callable[[str], Any], str]] = {
     "dtype": (str, "weights and KV cache dtype ('auto' = the checkpoint's)"),
     "kv-cache-dtype": (str, "KV cache dtype: 'auto' (the model's dtype), 'fp8' / 'fp8_e4m3' (float8_e4m3fn "
                             "with k/v scales from the checkpoint, else 1.0: twice the blocks) or "
@@ -34,6 +49,9 @@ _VALUE_FLAGS: dict[str, tuple[type, str]] = {
     "max-logprobs": (int, "most logprobs a request may ask for (-1: the whole vocabulary)"),
     "logprobs-mode": (str, "raw_logprobs, raw_logits, processed_logprobs or processed_logits"),
     "generation-config": (str, "default sampling params from: 'auto' (the model's), 'vllm' or a folder"),
+    "speculative-config": (json_object, 'speculative decoding, as a JSON object, e.g. \'{"method": "ngram", '
+                                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+                                        '"prompt_lookup_min": 2}\' (steps then run synchronously)'),
 }
 _BOOL_FLAGS: dict[str, str] = {
     "enable-chunked-prefill": "cut long prompts into chunks that share steps with decoding requests",
@@ -53,6 +71,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         extra: dict[str, Any] = {"choices": ["auto", *DTYPES, "half", "float"]} if flag == "dtype" else {}
         if flag == "kv-cache-dtype":
             extra = {"choices": list(KV_CACHE_DTYPES)}
+        if kind is json_object:
+            extra = {"metavar": "JSON"}
         group.add_argument(f"--{flag}", type=kind, default=None, help=help_text, **extra)
     for flag, help_text in _BOOL_FLAGS.items():
         group.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=None, help=help_text)

@@ -29,15 +29,22 @@ from jaxvllm.batch import ModelInputs
 from jaxvllm.request import Request
 from jaxvllm.sampler import SAMPLING_COLUMNS, SamplingTensors
 
-# (field, length: "T" tokens, "S" rows, "S+1", "SW" block table) in packing order. The
-# sampling rows (the sampler's table) come first, so that their offsets depend on S alone:
-# the forward hands the sampler that prefix, and the sampler compiles per row count, not
-# per bucket/width.
-_SAMPLING_FIELDS = tuple((name, "S") for name, *_ in SAMPLING_COLUMNS)
+# (field, length: "T" tokens, "S" rows, "S+1", "SW" block table, "SK" K draft tokens per
+# row, "SD" S in a speculative layout (K > 0) else none, "L" logits rows: S, or with drafts
+# min(S (1 + K), T), as every logits row is a distinct token's) in packing order. The sampling rows (the sampler's table, and a speculative step's drafts)
+# come first, so that their offsets depend on S and K alone: the forward hands the sampler
+# that prefix, and the sampler compiles per row count, not per bucket/width.
+_SAMPLING_FIELDS = tuple((name, "S") for name, *_ in SAMPLING_COLUMNS) + (
+    ("draft_ids", "SK"),  # a row's draft tokens, verified this step (speculative decoding)
+    ("num_drafts", "SD"),  # how many of them are real (the others: padding)
+    ("logits_start", "SD"),  # the row's first logits row (its 1 + num_drafts rows follow)
+)
 _FIELDS = _SAMPLING_FIELDS + (
     ("query_start_loc", "S+1"),
     ("seq_lens", "S"),
-    ("logits_indices", "S"),
+    # The token rows that get logits: each row's last token; with drafts, each row's first
+    # verified token and one per draft, row after row (from `logits_start`).
+    ("logits_indices", "L"),
     ("input_ids", "T"),  # host-known token ids (0 where prev_row says where to look)
     ("prev_row", "T"),  # >= 0: take the id from the device's last sampled tokens at this row
     ("positions", "T"),
@@ -64,11 +71,13 @@ class BatchLayout:
     width: int  # W, block-table columns
     decode_only: bool = False  # every sequence brings one token (`ModelInputs.decode_only`)
     dynamic_loops: bool = False  # `ModelInputs.dynamic_loops` (a CPU step)
+    spec_tokens: int = 0  # K: draft tokens a row may verify (0: no drafts this step)
 
     @cached_property
     def spans(self) -> dict[str, tuple[int, int]]:
-        sizes = {"T": self.num_tokens, "S": self.num_rows, "S+1": self.num_rows + 1,
-                 "SW": self.num_rows * self.width}
+        s, k = self.num_rows, self.spec_tokens
+        sizes = {"T": self.num_tokens, "S": s, "S+1": s + 1, "SW": s * self.width, "SK": s * k,
+                 "SD": s if k else 0, "L": self.num_logits}
         spans, start = {}, 0
         for name, kind in _FIELDS:
             spans[name] = (start, start + sizes[kind])
@@ -80,15 +89,21 @@ class BatchLayout:
         return self.spans[_FIELDS[-1][0]][1]
 
     @property
+    def num_logits(self) -> int:
+        """Logits rows of a step: one per sequence row; with drafts, one per verified token."""
+        s, k = self.num_rows, self.spec_tokens
+        return min(s * (1 + k), self.num_tokens) if k else s
+
+    @property
     def sampling_size(self) -> int:
         """Length of the sampling rows' prefix of the packed vector."""
-        return len(_SAMPLING_FIELDS) * self.num_rows
+        return self.spans[_SAMPLING_FIELDS[-1][0]][1]
 
     @classmethod
-    def rows_only(cls, num_rows: int) -> "BatchLayout":
+    def rows_only(cls, num_rows: int, spec_tokens: int = 0) -> "BatchLayout":
         """A layout that reads just the sampling rows (the prefix every layout with
-        `num_rows` rows shares)."""
-        return cls(0, num_rows, 0)
+        `num_rows` rows and `spec_tokens` drafts per row shares)."""
+        return cls(0, num_rows, 0, spec_tokens=spec_tokens)
 
     def empty(self) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """A fresh all-padding buffer and its field views.
@@ -110,6 +125,7 @@ class BatchLayout:
         for name in _UINTS:
             views[name] = views[name].view(np.uint32)
         views["block_tables"] = views["block_tables"].reshape(self.num_rows, self.width)
+        views["draft_ids"] = views["draft_ids"].reshape(self.num_rows, self.spec_tokens)
         return views
 
     def row_columns(self, packed: np.ndarray) -> np.ndarray:
@@ -140,6 +156,12 @@ class BatchLayout:
 
     def sampling(self, packed: jax.Array) -> SamplingTensors:
         return SamplingTensors(**{k: self._field(packed, k) for k in SamplingTensors.__dataclass_fields__})
+
+    def drafts(self, packed: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """A speculative step's draft tokens [S, K], each row's count of them [S] and its
+        first logits row [S]."""
+        return (self._field(packed, "draft_ids").reshape(self.num_rows, self.spec_tokens),
+                self._field(packed, "num_drafts"), self._field(packed, "logits_start"))
 
 
 # The narrowest block-table width. An attention whose cost follows the table's width (the

@@ -179,13 +179,31 @@ class MetricsCollector:
         self._prefix_stats: PrefixCacheStats | None = None
         self._prefix_queries_before = 0
         self._prefix_hits_before = 0
+        # Speculative decoding (vLLM's counters, present only when it is on): rows that
+        # verified drafts, their drafts, the accepted ones, and accepted ones per position.
+        self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
+        self.spec_accepted_per_pos: list[int] | None = None
+
+    def enable_spec_decode(self, num_speculative_tokens: int) -> None:
+        self.spec_accepted_per_pos = [0] * num_speculative_tokens
 
     # -- updates ------------------------------------------------------------------------
 
-    def record_step(self, updated: Sequence[Request], now: float | None = None) -> None:
-        """A step's new tokens: every request in `updated` got exactly one, at `now`
-        (when the host read them). For a request now holding one output token it is the
-        first, stamped `metrics.first_token_time` by the scheduler."""
+    def record_spec_decode(self, num_drafts: Sequence[int], num_accepted: Sequence[int]) -> None:
+        """A step's verified drafts and how many of each row's were accepted."""
+        for drafts, accepted in zip(num_drafts, num_accepted):
+            if drafts:
+                self.spec_num_drafts += 1
+                self.spec_num_draft_tokens += int(drafts)
+                self.spec_num_accepted_tokens += int(accepted)
+                for position in range(int(accepted)):
+                    self.spec_accepted_per_pos[position] += 1
+
+    def record_step(self, updated: Sequence[Request], now: float | None = None, num_tokens: int | None = None) -> None:
+        """A step's new tokens: every request in `updated` got one at `now` (when the host
+        read them), or more with speculative decoding (`num_tokens`: how many in all). For a
+        request now holding one output token it is the first, stamped
+        `metrics.first_token_time` by the scheduler."""
         now = time.time() if now is None else now
         last = self._last_token_time
         step_prompt_tokens = 0
@@ -204,9 +222,10 @@ class MetricsCollector:
                 last[request] = now
         for previous, n in gaps.items():
             self.inter_token_latency.observe(now - previous, n)
+        num_tokens = len(updated) if num_tokens is None else num_tokens
         self.prompt_tokens += step_prompt_tokens
-        self.generation_tokens += len(updated)
-        self.iteration_tokens.observe(step_prompt_tokens + len(updated))
+        self.generation_tokens += num_tokens
+        self.iteration_tokens.observe(step_prompt_tokens + num_tokens)
 
     def _first_token(self, request: Request) -> int:
         """Count a request's prompt once its first token is here; returns its length."""
@@ -299,6 +318,14 @@ class MetricsCollector:
             counter("vllm:generation_tokens", self.generation_tokens),
             *(counter("vllm:request_success", n, finished_reason=r) for r, n in self.request_success.items()),
         ]
+        if self.spec_accepted_per_pos is not None:
+            metrics += [
+                counter("vllm:spec_decode_num_drafts", self.spec_num_drafts),
+                counter("vllm:spec_decode_num_draft_tokens", self.spec_num_draft_tokens),
+                counter("vllm:spec_decode_num_accepted_tokens", self.spec_num_accepted_tokens),
+                *(counter("vllm:spec_decode_num_accepted_tokens_per_pos", n, position=str(i))
+                  for i, n in enumerate(self.spec_accepted_per_pos)),
+            ]
         histograms = (
             ("vllm:request_prompt_tokens", self.request_prompt_tokens),
             ("vllm:request_generation_tokens", self.request_generation_tokens),

@@ -34,6 +34,8 @@ from jaxvllm.request import ScheduledRequest
 from jaxvllm.sampler import (COMMON_FEATURES, Logprobs, SamplerFeatures, SamplerState, compute_logprobs, init_state,
                              sample, state_row, write_state_row)
 from jaxvllm.sharding import device_group, kv_cache_sharding, make_mesh, put, replicated, step_input, to_host
+from jaxvllm.spec_decode.draft_model import DraftModel
+from jaxvllm.spec_decode.rejection_sampler import sample_with_drafts
 from jaxvllm.utils.compilation_cache import CompileCounts, count_compilations
 
 logger = logging.getLogger(__name__)
@@ -54,6 +56,7 @@ class RunnerOutput:
     logprobs: Logprobs | None  # numpy fields, [n] rows; only when a row asked
     prompt_logprobs: Logprobs | None  # numpy fields, one row per `prompt_positions` entry
     prompt_positions: list[tuple[int, int]]  # (scheduled index, prompt position scored)
+    num_accepted: np.ndarray | None = None  # [n] drafts each row accepted, in a step that verified drafts
 
 
 @dataclass
@@ -64,6 +67,7 @@ class PendingStep:
     sampled: jax.Array | None
     logprobs: Logprobs | None
     prompt_logprobs: list[Logprobs]  # per chunk of the batch's prompt rows
+    accepted: jax.Array | None = None  # a speculative step's accepted drafts per row
     # Until a constrained step is sampled: the forward's logits and sampling prefix.
     logits: jax.Array | None = None
     sampling_rows: jax.Array | None = None
@@ -85,6 +89,7 @@ class PendingStep:
             logprobs=jax.tree.map(lambda x: to_host(x)[:n], self.logprobs) if self.logprobs is not None else None,
             prompt_logprobs=prompt,
             prompt_positions=b.prompt_positions,
+            num_accepted=to_host(self.accepted)[:n] if self.accepted is not None else None,
         )
 
 
@@ -104,14 +109,22 @@ def _forward(params, kv_caches, packed, last_sampled, *, cfg: ModelConfig, backe
 
 
 def _sample(sampling_rows, logits, last_sampled, state, bitmask, *, num_rows: int, features: SamplerFeatures,
-            logprobs_mode: str):
+            logprobs_mode: str, spec_tokens: int = 0):
     """Sample every row (`sampling_rows`: the packed batch's sampling prefix; `bitmask`: the
     structured-output masks, or None); record each sampling row's token at its persistent
-    row of `last_sampled`, where the next step's decode inputs are read from."""
-    t = BatchLayout.rows_only(num_rows).sampling(sampling_rows)
-    sampled, logprobs, state = sample(logits, t, state, features, logprobs_mode, bitmask)
+    row of `last_sampled`, where the next step's decode inputs are read from. With
+    `spec_tokens` K, rows verify their drafts first (`logits`: one row per verified token)
+    and the accepted counts come back too (else None)."""
+    layout = BatchLayout.rows_only(num_rows, spec_tokens)
+    t = layout.sampling(sampling_rows)
+    accepted = None
+    if spec_tokens:
+        sampled, accepted, logprobs, state = sample_with_drafts(logits, t, state, features, *layout.drafts(sampling_rows),
+                                                                logprobs_mode, bitmask)
+    else:
+        sampled, logprobs, state = sample(logits, t, state, features, logprobs_mode, bitmask)
     rows = jnp.where(t.counts_sample, t.slot, last_sampled.shape[0])  # other rows: dropped
-    return sampled, logprobs, last_sampled.at[rows].set(sampled, mode="drop"), state
+    return sampled, accepted, logprobs, last_sampled.at[rows].set(sampled, mode="drop"), state
 
 
 def _prompt_logprobs(params, hidden, rows, *, cfg: ModelConfig, width: int) -> Logprobs:
@@ -140,7 +153,7 @@ def jit_sampler(logprobs_mode: str = "raw_logprobs", mesh: Mesh | None = None):
     """The sampler as the runner compiles it, per (row count, features): the last sampled
     tokens and the sampler state donated. With a mesh it runs whole on every device."""
     # partial: a function of its own, so that each runner counts only its own variants
-    return jax.jit(partial(_sample, logprobs_mode=logprobs_mode), static_argnames=("num_rows", "features"),
+    return jax.jit(partial(_sample, logprobs_mode=logprobs_mode), static_argnames=("num_rows", "features", "spec_tokens"),
                    donate_argnums=(2, 3), out_shardings=None if mesh is None else replicated(mesh))
 
 
@@ -183,6 +196,8 @@ class ModelRunner:
                 f"({self.cfg.max_position_embeddings})"
             )
         self.backend = resolve_backend(c.attention_backend, softcapped=self.cfg.attn_logit_softcapping is not None)
+        # Speculative decoding's K: steps with drafts take layouts and samplers with room for K a row.
+        self.spec_tokens = c.speculative_config.num_speculative_tokens if c.speculative_config else 0
         # CPU steps may loop a batch-dependent number of times (`ModelInputs.dynamic_loops`).
         dynamic_loops = self.backend == "reference" and self.devices[0].platform == "cpu"
         self.builder = BatchBuilder(
@@ -190,25 +205,36 @@ class ModelRunner:
             buckets=c.token_buckets or default_buckets(c.max_num_batched_tokens), vocab_size=self.cfg.vocab_size,
             max_logprobs=c.max_logprobs, decode_only=self.backend == "pallas",
             smallest_width=NARROW_WIDTH if self.backend == "reference" and not dynamic_loops else SMALLEST_WIDTH,
-            dynamic_loops=dynamic_loops,
+            dynamic_loops=dynamic_loops, spec_tokens=self.spec_tokens,
         )
         # The KV cache's element type, and for an fp8 cache its (k_scale, v_scale) per layer and KV head.
         self.kv_spec = KVCacheSpec(self.cfg, c.block_size, resolve_kv_cache_dtype(c.kv_cache_dtype, self.dtype),
                                    len(self.devices))
         self.kv_scales = kv_cache_scales(c, self.cfg)
+        # Speculative decoding's draft model: its own params, and a cache with the target's blocks.
+        self.draft = None
+        if c.speculative_config is not None and c.speculative_config.method == "draft_model":
+            self.draft = DraftModel(c, mesh=self.mesh, device=self.devices[0], backend=self.backend,
+                                    dynamic_loops=dynamic_loops, num_devices=len(self.devices))
         self._forward = jit_forward(self.cfg, self.backend, self.mesh, kv_scaled=self.kv_scales is not None)
         self._sampler = jit_sampler(c.logprobs_mode, self.mesh)
         self._prompt_logprobs = jit_prompt_logprobs(self.cfg)
         self._write_row = jax.jit(write_state_row, donate_argnums=(0,))
-        # The forward layouts and (row count, features) sampler variants compiled so far.
+        # The forward layouts and (row count, drafts, features) sampler variants compiled so far.
         self._forward_shapes: set[BatchLayout] = set()
-        self._sampler_variants: set[tuple[int, SamplerFeatures]] = set()
+        self._sampler_variants: set[tuple[int, int, SamplerFeatures]] = set()  # (rows, logits rows, features)
         self.sampler_state: SamplerState = self._new_sampler_state()
         # Each persistent row's last sampled token: where decode inputs come from under async scheduling.
         self.last_sampled = self._new_last_sampled()
         start = time.perf_counter()
         self.num_blocks = num_kv_blocks(c, self.kv_spec, self.devices, self.max_model_len, self._profile,
                                         self._profile_step_bytes)
+        if self.draft is not None and c.num_gpu_blocks_override is None:  # the draft's cache shares the room
+            target, draft = self.kv_spec.bytes_per_block, self.draft.kv_spec.bytes_per_block
+            self.num_blocks = self.num_blocks * target // (target + draft)
+            if self.num_blocks < self.builder.max_blocks_per_seq:
+                raise ValueError(f"with the draft model's KV cache, only {self.num_blocks} KV blocks fit; one "
+                                 f"sequence of max_model_len={self.max_model_len} needs {self.builder.max_blocks_per_seq}")
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         self.profile_seconds = time.perf_counter() - start
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.3f GiB (%s)", self.num_blocks, c.block_size,
@@ -223,6 +249,8 @@ class ModelRunner:
     # -- KV cache ----------------------------------------------------------------------
 
     def _allocate_kv_caches(self, num_blocks: int):
+        if self.draft is not None:
+            self.draft.allocate(num_blocks)
         return allocate_kv_caches(self.cfg, num_blocks, self.kv_spec.block_size, self.kv_spec.dtype, self.mesh,
                                   self.devices[0], self.kv_scales, self.config.calculate_kv_scales)
 
@@ -233,7 +261,9 @@ class ModelRunner:
 
     def _profile(self) -> None:
         """Run the largest step once, on a cache of one sequence's blocks."""
-        probe = self._allocate_kv_caches(self.builder.max_blocks_per_seq)
+        probe = allocate_kv_caches(self.cfg, self.builder.max_blocks_per_seq, self.kv_spec.block_size,
+                                   self.kv_spec.dtype, self.mesh, self.devices[0], self.kv_scales,
+                                   self.config.calculate_kv_scales)
         self.launch(self._profile_batch(), probe)
         jax.block_until_ready((self.last_sampled, self.sampler_state))
 
@@ -241,7 +271,9 @@ class ModelRunner:
         """Device memory the largest step allocates beyond its inputs (per device): the
         forward's temporaries and outputs, from XLA's analysis of the compiled step."""
         batch = self._profile_batch()
-        probe = self._allocate_kv_caches(self.builder.max_blocks_per_seq)
+        probe = allocate_kv_caches(self.cfg, self.builder.max_blocks_per_seq, self.kv_spec.block_size,
+                                   self.kv_spec.dtype, self.mesh, self.devices[0], self.kv_scales,
+                                   self.config.calculate_kv_scales)
         probe = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), probe)
         packed = step_input(batch.packed, self._replicated)
         compiled = self._forward.lower(self.params, probe, packed, self.last_sampled, layout=batch.layout).compile()
@@ -263,15 +295,25 @@ class ModelRunner:
         so they run on a thread pool. Each `lower(...).compile()` fills the same cache a
         call would, and the persistent compilation cache serves a second process."""
         start, b = time.perf_counter(), self.builder
-        shapes = [(bucket, w, False) for bucket in b.buckets for w in b.widths]
-        shapes += [(bucket, w, True) for bucket in b.decode_only_buckets for w in b.widths]
-        jobs = [partial(self._compile_forward, b.padding_batch(bucket, width, None, decode_only))
-                for bucket, width, decode_only in shapes]
-        jobs += [partial(self._compile_sampler, rows, features)
-                 for rows in sorted({b.rows_for(bucket) for bucket in b.buckets}) for features in COMMON_FEATURES]
+        spec = (False, True) if self.spec_tokens else (False,)  # (with drafts: every bucket but 1-token ones)
+        shapes = [(bucket, w, False, s) for bucket in b.buckets for w in b.widths for s in spec if bucket > 1 or not s]
+        shapes += [(bucket, w, True, False) for bucket in b.decode_only_buckets for w in b.widths]
+        jobs = [partial(self._compile_forward, b.padding_batch(bucket, width, None, decode_only, s))
+                for bucket, width, decode_only, s in shapes]
+        # One sampler per row count (and, with drafts, logits rows): the layouts' distinct ones.
+        samplers = {(layout.num_rows, layout.num_logits): layout for layout in
+                    (b.padding_batch(bucket, b.widths[0], None, False, s).layout for bucket in b.buckets for s in spec
+                     if bucket > 1 or not s)}
+        jobs += [partial(self._compile_sampler, layout, features) for layout in samplers.values()
+                 for features in COMMON_FEATURES]
         jobs += [partial(self._compile_prompt_logprobs, bucket, width=0) for bucket in b.buckets]
         row = jax.tree.map(lambda x: x[0], self.sampler_state)
         jobs.append(lambda: self._write_row.lower(self.sampler_state, 0, row).compile())
+        if self.draft is not None:  # its forward over each target layout, its proposer per width
+            jobs += [partial(self._compile_draft, b.padding_batch(bucket, width, None, decode_only, s).layout)
+                     for bucket, width, decode_only, s in shapes]
+            jobs += [partial(self.draft.compile, None, None, rows=self.config.max_num_seqs, width=width,
+                             place=self._replicated) for width in b.widths]
         with count_compilations() as counts, ThreadPoolExecutor(COMPILE_THREADS) as pool:
             desc = f"Compiling token buckets {b.buckets[0]}-{b.buckets[-1]}"  # (max_num_batched_tokens: the last)
             for _ in tqdm(pool.map(lambda job: job(), jobs), total=len(jobs), desc=desc, dynamic_ncols=True):
@@ -288,6 +330,10 @@ class ModelRunner:
         packed = step_input(batch.packed, self._replicated)
         self._forward.lower(self.params, self.kv_caches, packed, self.last_sampled, layout=batch.layout).compile()
 
+    def _compile_draft(self, layout: BatchLayout) -> None:
+        packed = step_input(np.zeros(layout.size, np.int32), self._replicated)
+        self.draft.compile(packed, self.last_sampled, layout)
+
     def _compile_prompt_logprobs(self, bucket: int, width: int) -> None:
         """Prompt logprobs of a bucket's hidden states: warmed for width 0 (each token's own
         logprob and rank, what loglikelihood scoring reads), the others compile when first used."""
@@ -295,15 +341,16 @@ class ModelRunner:
         rows = step_input(np.zeros((2, min(PROMPT_LOGPROBS_CHUNK, bucket)), np.int32), self._replicated)
         self._prompt_logprobs.lower(self.params, hidden, rows, width=width).compile()
 
-    def _compile_sampler(self, num_rows: int, features: SamplerFeatures) -> None:
-        """The sampler for a row count, on the shapes and placement the forward hands it."""
+    def _compile_sampler(self, layout: BatchLayout, features: SamplerFeatures) -> None:
+        """The sampler of a layout's rows (and drafts), on the shapes and placement the forward hands it."""
         on_device = partial(jax.ShapeDtypeStruct, sharding=self._replicated)
-        sampling_rows = on_device((BatchLayout.rows_only(num_rows).sampling_size,), jnp.int32)
-        logits = on_device((num_rows, self.cfg.vocab_size), jnp.float32)
+        num_rows, spec_tokens = layout.num_rows, layout.spec_tokens
+        sampling_rows = on_device((layout.sampling_size,), jnp.int32)
+        logits = on_device((layout.num_logits, self.cfg.vocab_size), jnp.float32)
         state = self.sampler_state if features.state else None
-        self._sampler_variants.add((num_rows, features))
+        self._sampler_variants.add((num_rows, logits.shape[0], features))
         self._sampler.lower(sampling_rows, logits, self.last_sampled, state, None, num_rows=num_rows,
-                            features=features).compile()
+                            features=features, spec_tokens=spec_tokens).compile()
 
     # -- one step ----------------------------------------------------------------------
 
@@ -326,6 +373,8 @@ class ModelRunner:
         if kv_caches is None:
             self.kv_caches = caches
             self._forward_shapes.add(layout)
+            if self.draft is not None:
+                self.draft.forward(packed, self.last_sampled, layout)
         step = PendingStep(batch, None, None, [])
         chunk = min(PROMPT_LOGPROBS_CHUNK, layout.num_tokens)
         for start in range(0, len(batch.prompt_rows), chunk):
@@ -342,17 +391,38 @@ class ModelRunner:
 
     def sample(self, step: PendingStep, bitmask: np.ndarray | None = None) -> None:
         """Dispatch a step's sampler (`bitmask`: its structured-output masks, [rows, words])."""
-        features = step.batch.features
+        features, layout = step.batch.features, step.batch.layout
         state = self.sampler_state if features.state else None
         mask = step_input(bitmask, self._replicated) if features.grammar else None
-        self._sampler_variants.add((step.batch.layout.num_rows, features))
-        step.sampled, step.logprobs, self.last_sampled, state = self._sampler(
+        self._sampler_variants.add((layout.num_rows, layout.num_logits, features))
+        step.sampled, step.accepted, step.logprobs, self.last_sampled, state = self._sampler(
             step.sampling_rows, step.logits, self.last_sampled, state, mask,
-            num_rows=step.batch.layout.num_rows, features=features,
+            num_rows=layout.num_rows, features=features, spec_tokens=layout.spec_tokens,
         )
         step.logits = step.sampling_rows = None
         if features.state:
             self.sampler_state = state
+
+    def propose_drafts(self, request_ids: list[str], tokens: list[int], positions: list[int],
+                       block_ids: list[list[int]]) -> np.ndarray:
+        """The draft model's drafts [n, K] for running requests whose newest token (not yet
+        computed) is `tokens[i]` at `positions[i]`; their blocks (`block_ids`) must already
+        hold K more tokens from there (the engine allocates them)."""
+        b, rows = self.builder, self.config.max_num_seqs
+        ib = b.input_batch
+        for rid, blocks in zip(request_ids, block_ids):
+            row = ib.row_of[rid]
+            if len(blocks) != ib.num_blocks[row]:
+                ib.set_blocks(row, blocks)
+        live = np.zeros(rows, bool)
+        live[: len(request_ids)] = True
+        token, position = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+        token[: len(tokens)], position[: len(positions)] = tokens, positions
+        row = np.array([ib.row_of[rid] for rid in request_ids], np.int64)
+        width = b.width_for(int(ib.num_blocks[row].max(initial=1)))
+        tables = np.zeros((rows, width), np.int32)
+        tables[: len(row)] = ib.block_table[row, :width]
+        return self.draft.propose(token, position, live, tables, self._replicated)[: len(request_ids)]
 
     def release(self, request_ids) -> None:
         """Requests that left the running set (finished, aborted, preempted) give back their row."""
@@ -368,7 +438,7 @@ class ModelRunner:
             self.sampler_state = self._new_sampler_state()
         if gone(self.last_sampled):
             self.last_sampled = self._new_last_sampled()
-        if gone(self.kv_caches):
+        if gone(self.kv_caches) or (self.draft is not None and gone(self.draft.kv_caches)):
             self.kv_caches = self._allocate_kv_caches(self.num_blocks)
             return True
         return False
@@ -406,9 +476,10 @@ class ModelRunner:
         The runner cannot run again; calling close twice is harmless."""
         if self.closed:
             return
-        for array in jax.tree.leaves((self.params, self.kv_caches, self.sampler_state, self.last_sampled)):
+        draft = self.draft.arrays() if self.draft is not None else []
+        for array in jax.tree.leaves((self.params, self.kv_caches, self.sampler_state, self.last_sampled, draft)):
             if isinstance(array, jax.Array) and not array.is_deleted():
                 array.delete()
         self.params = self.kv_caches = self.sampler_state = self.last_sampled = None
-        self._forward = self._sampler = self._prompt_logprobs = self._write_row = None
+        self._forward = self._sampler = self._prompt_logprobs = self._write_row = self.draft = None
         self.builder = None

@@ -27,12 +27,18 @@ class OutputProcessor:
         new = request.output_token_ids[request.num_detokenized :]
         if request.detokenizer is None or not new:
             return None
-        request.num_detokenized += len(new)
-        # vLLM looks for stop strings only once more than min_tokens tokens exist.
-        stop = request.detokenizer.update(new, check_stop=request.num_output_tokens > request.params.min_tokens)
-        if stop is not None:
-            request.finish_reason, request.stop_reason = "stop", stop
-        return stop
+        # Several new tokens (accepted drafts): one at a time, so that a stop string ends the
+        # completion at the token that completes it and the tokens after it are dropped.
+        parts = [new] if len(new) == 1 or not request.has_stop_strings else [[token] for token in new]
+        for i, part in enumerate(parts):
+            request.num_detokenized += len(part)
+            # vLLM looks for stop strings only once more than min_tokens tokens exist.
+            stop = request.detokenizer.update(part, check_stop=request.num_detokenized > request.params.min_tokens)
+            if stop is not None:
+                del request.token_ids[len(request.token_ids) - (len(parts) - 1 - i) :]
+                request.finish_reason, request.stop_reason = "stop", stop
+                return stop
+        return None
 
     def record_logprobs(self, scheduled: list[ScheduledRequest], result, updated: set[int]) -> None:
         """Append the step's sampled-token logprobs to the requests in `updated` (their ids)

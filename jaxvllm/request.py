@@ -36,7 +36,7 @@ class Request:
         "num_computed_tokens", "num_pending", "num_cached_tokens", "cache_salt", "read_prefix_cache", "num_logprobs",
         "num_prompt_logprobs", "bad_words_token_ids", "block_hashes", "uses_sampler_state", "logprobs",
         "cumulative_logprob", "prompt_logprobs", "prompt_logprobs_start", "grammar", "detokenizer", "num_detokenized",
-        "num_preemptions", "status", "finish_reason", "stop_reason", "metrics",
+        "num_preemptions", "status", "finish_reason", "stop_reason", "metrics", "spec_token_ids",
     )
 
     def __init__(
@@ -100,6 +100,9 @@ class Request:
         self.detokenizer = None  # an IncrementalDetokenizer when params.detokenize
         self.num_detokenized = 0  # output tokens the detokenizer has seen
         self.num_preemptions = 0
+        # Speculative decoding: draft tokens proposed for the next step to verify (not tokens
+        # of the request until accepted).
+        self.spec_token_ids: list[int] = []
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -161,6 +164,8 @@ class ScheduledRequest:
     # Whether this chunk reaches the request's last token, so its logits give a new
     # token (fixed when scheduled, before the token is counted as pending).
     samples: bool | None = None
+    # Of `num_new_tokens`, the request's draft tokens (`spec_token_ids`) verified this step.
+    num_drafts: int = 0
 
     def __post_init__(self) -> None:
         if self.samples is None:
@@ -177,10 +182,10 @@ class ScheduledBatch:
     """
 
     __slots__ = ("requests", "starts", "num_new_tokens", "samples", "block_ids", "host_ends", "num_blocks",
-                 "start_tokens", "_items")
+                 "start_tokens", "num_drafts", "_items")
 
     def __init__(self, requests: list[Request], starts, num_new_tokens, samples, block_ids: list[list[int]],
-                 host_ends=None, num_blocks=None, start_tokens=None) -> None:
+                 host_ends=None, num_blocks=None, start_tokens=None, num_drafts=None) -> None:
         self.requests = requests
         self.starts = np.asarray(starts, np.int64)
         self.num_new_tokens = np.asarray(num_new_tokens, np.int64)
@@ -189,7 +194,8 @@ class ScheduledBatch:
         # Where the tokens known on the host end, when scheduled: a chunk ending past it ends
         # with the token the step before sampled, still on the device.
         if host_ends is None:
-            host_ends = np.minimum(self.starts + self.num_new_tokens, [len(r.token_ids) for r in requests])
+            host_ends = np.minimum(self.starts + self.num_new_tokens, np.array([len(r.token_ids) for r in requests],
+                                                                                np.int64))
         self.host_ends = host_ends
         self.num_blocks = np.array([len(b) for b in block_ids], np.int64) if num_blocks is None else num_blocks
         # A chunk of one host token: that token (a decoding step's input, mostly); else -1.
@@ -197,13 +203,15 @@ class ScheduledBatch:
             one = (self.host_ends - self.starts == 1).tolist()
             start_tokens = [r.token_ids[s] if o else -1 for r, s, o in zip(requests, self.starts.tolist(), one)]
         self.start_tokens = np.asarray(start_tokens, np.int64)
+        # Draft tokens each chunk verifies: the last ones of the chunk, after its host tokens.
+        self.num_drafts = np.zeros(len(requests), np.int64) if num_drafts is None else np.asarray(num_drafts, np.int64)
         self._items: list[ScheduledRequest] | None = None
 
     @classmethod
     def of(cls, scheduled: list[ScheduledRequest]) -> "ScheduledBatch":
         batch = cls([s.request for s in scheduled], [s.start for s in scheduled],
                     [s.num_new_tokens for s in scheduled], [s.samples for s in scheduled],
-                    [s.block_ids for s in scheduled])
+                    [s.block_ids for s in scheduled], num_drafts=[s.num_drafts for s in scheduled])
         batch._items = list(scheduled)
         return batch
 
@@ -217,7 +225,8 @@ class ScheduledBatch:
                               np.concatenate((self.samples, tail.samples)), self.block_ids + tail.block_ids,
                               np.concatenate((self.host_ends, tail.host_ends)),
                               np.concatenate((self.num_blocks, tail.num_blocks)),
-                              np.concatenate((self.start_tokens, tail.start_tokens)))
+                              np.concatenate((self.start_tokens, tail.start_tokens)),
+                              np.concatenate((self.num_drafts, tail.num_drafts)))
 
     @property
     def num_tokens(self) -> int:
@@ -227,7 +236,7 @@ class ScheduledBatch:
         if self._items is None:
             self._items = [ScheduledRequest(*x) for x in zip(self.requests, self.starts.tolist(),
                                                                self.num_new_tokens.tolist(), self.block_ids,
-                                                               self.samples.tolist())]
+                                                               self.samples.tolist(), self.num_drafts.tolist())]
         return self._items
 
     def __len__(self) -> int:

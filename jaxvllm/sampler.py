@@ -302,12 +302,14 @@ def compute_logprobs(logits: jax.Array, token_ids: jax.Array, width: int, normal
 
 def sample(
     logits: jax.Array, t: SamplingTensors, state: SamplerState | None, features: SamplerFeatures,
-    logprobs_mode: str = "raw_logprobs", bitmask: jax.Array | None = None,
+    logprobs_mode: str = "raw_logprobs", bitmask: jax.Array | None = None, banned: jax.Array | None = None,
 ) -> tuple[jax.Array, Logprobs | None, SamplerState | None]:
     """Token ids [S] from float32 logits [S, vocab]; logprobs when `features.logprobs`, as
     `logprobs_mode` says; the new state when `features.state` (else `state` is unused).
     With `features.grammar`, the structured-output `bitmask` masks the logits first (as
-    vLLM, before the sampler: raw logprobs are of the masked logits)."""
+    vLLM, before the sampler: raw logprobs are of the masked logits). `banned` [S] (-1:
+    none): a token a random row may not draw, masked after every transform (speculative
+    decoding's rejected draft: the rest of the distribution, renormalized)."""
     if features.grammar:
         logits = apply_token_bitmask(logits, bitmask)
     raw = logits
@@ -328,6 +330,8 @@ def sample(
     if features.random:
         temperature = jnp.where(t.temperature > 0, t.temperature, 1.0)[:, None]
         x = apply_top_k_top_p_min_p(logits / temperature, t.top_k, t.top_p, t.min_p, features)
+        if banned is not None:
+            x = jnp.where(jnp.arange(x.shape[-1]) == banned[:, None], -jnp.inf, x)
 
         def row_gumbel(seed, index):
             key = jax.random.fold_in(jax.random.key(seed), index)

@@ -258,15 +258,17 @@ class Scheduler:
             if request.num_pending and num_tokens >= request.max_num_tokens:
                 continue  # its last token is on the device: nothing more to compute
             start = request.num_computed_tokens
-            num_new = min(num_tokens - start, budget)
+            # Draft tokens (speculative decoding) are computed after the request's own, as far
+            # as the budget goes; the chunk samples once it reaches the last of its own.
+            num_new = min(num_tokens + len(request.spec_token_ids) - start, budget)
             if start + num_new > len(req_blocks[request.request_id]) * bs:  # (most decode steps fit)
                 freed, allocated = self._allocate_or_preempt(request, num_new, scheduled, preempted)
                 budget += freed
                 if not allocated:  # it was preempted itself
                     continue
-            samples = start + num_new == num_tokens
+            samples = start + num_new >= num_tokens
             scheduled[request.request_id] = ScheduledRequest(
-                request, start, num_new, req_blocks[request.request_id], samples
+                request, start, num_new, req_blocks[request.request_id], samples, max(0, start + num_new - num_tokens)
             )
             request.num_computed_tokens = start + num_new
             request.num_pending += samples
@@ -369,14 +371,17 @@ class Scheduler:
         for request in self.requests.values():
             request.num_pending = 0
 
-    def update_from_output(self, out: SchedulerOutput, sampled) -> list[Request]:
+    def update_from_output(self, out: SchedulerOutput, sampled, num_accepted=None) -> list[Request]:
         """Append each sampling request's token, finish those that stop; returns requests with new tokens.
 
         Under async scheduling this runs after the next step was dispatched: a token of a
         request that finished meanwhile (stopped by its previous token, or aborted) is
         dropped. A request preempted meanwhile keeps its token (its recompute includes it).
+        `num_accepted`: with speculative decoding, how many of each row's drafts were accepted.
         """
         batch = out.scheduled
+        if num_accepted is not None and batch.num_drafts.any():
+            return self._update_speculative(batch, sampled, num_accepted)
         tokens = sampled.tolist() if hasattr(sampled, "tolist") else list(sampled)
         rows, self._rows = self._rows, None
         if (rows is not None and len(tokens) == len(batch) and batch.samples.all()
@@ -394,6 +399,28 @@ class Scheduler:
             if request.status is finished:
                 continue
             self._append(request, token, now)
+            updated.append(request)
+        return updated
+
+    def _update_speculative(self, batch, sampled, num_accepted) -> list[Request]:
+        """`update_from_output` for a step that verified drafts (synchronous steps only): each
+        request gets its accepted drafts, then the token sampled after them, one at a time
+        with the stop checks, so that a stop among them ends it there. The K/V of its rejected
+        drafts is forgotten (`num_computed_tokens` goes back): their slots are written again
+        later, and they were never registered in the prefix cache (only host tokens are)."""
+        updated, now, finished = [], time.time(), RequestStatus.FINISHED
+        for i, request in enumerate(batch.requests):
+            if not batch.samples[i]:
+                continue
+            request.num_pending -= 1
+            if request.status is finished:
+                continue
+            drafts, accepted = int(batch.num_drafts[i]), int(num_accepted[i])
+            request.num_computed_tokens -= drafts - accepted
+            for token in request.spec_token_ids[:accepted] + [int(sampled[i])]:
+                self._append(request, token, now)
+                if request.status is finished:
+                    break
             updated.append(request)
         return updated
 

@@ -39,13 +39,15 @@ STATE_ARRAYS = 4  # SamplerState's donated [max_num_seqs, vocab] arrays
 def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int = 256, max_num_seqs: int = 256,
                       context: int = 1024, block_size: int = 16, dtype=jnp.bfloat16,
                       sampler: tuple[str, ...] = ("greedy", "all"), kv_cache_dtype=None,
-                      decode_only: bool = False) -> list[Case]:
+                      decode_only: bool = False, spec_tokens: int = 0) -> list[Case]:
     """The model runner's per-step executables for a bucket of `num_tokens` tokens, one
     sequence each at `context` tokens: the forward (KV caches donated) and the sampler
     (last sampled ids and sampler state donated) with no feature, or every one, on.
     `kv_cache_dtype`: the cache's dtype when not the model's (fp8: each layer's cache
     carries its KV heads' float32 (k_scale, v_scale), donated with it). `decode_only`: the
-    forward the pallas backend runs for a step of one token per sequence.
+    forward the pallas backend runs for a step of one token per sequence. `spec_tokens` K: a
+    speculative step's (drafts verified in the sampler), and the draft model's proposer of K
+    tokens (the model drafting for itself).
 
     The only code here that knows the runner's API (imported here, so that the rest of
     the module does not depend on it): params name the donated buffers (`copy_shapes`,
@@ -58,7 +60,7 @@ def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int =
 
     cfg = ModelConfig.from_hf(get_dummy(model).make_config())
     rows = sequence_rows(max_num_seqs, num_tokens)
-    layout = BatchLayout(num_tokens, rows, context // block_size, decode_only)
+    layout = BatchLayout(num_tokens, rows, context // block_size, decode_only, spec_tokens=spec_tokens)
     cache = spec((cfg.num_kv_heads, rows * layout.width, block_size, cfg.head_dim), kv_cache_dtype or dtype)
     scales = spec((cfg.num_kv_heads, 2), jnp.float32)  # an fp8 cache's, per KV head
     layer_cache = (cache, cache) if kv_cache_dtype is None else (cache, cache, scales)
@@ -68,6 +70,8 @@ def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int =
         common["decode_only"] = True
     if kv_cache_dtype is not None:
         common["kv_cache"] = jnp.dtype(kv_cache_dtype).name
+    if spec_tokens:
+        common["spec_tokens"] = spec_tokens
     forward = jit_forward(cfg, backend, kv_scaled=kv_cache_dtype is not None)
     cases = [Case("engine_forward", dict(common, num_layers=cfg.num_layers, copy_shapes=[list(cache.shape)],
                                          donated=2 * cfg.num_layers),
@@ -82,9 +86,21 @@ def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int =
         cases.append(Case("engine_sampler", dict(common, features=features.name,
                                                  copy_shapes=[[max_num_seqs, cfg.vocab_size]] if state else [],
                                                  donated=1 + (STATE_ARRAYS if state else 0)),
-                          SimpleNamespace(trace=partial(jit_sampler().trace, num_rows=rows, features=features)),
-                          [spec((layout.sampling_size,)), spec((rows, cfg.vocab_size), jnp.float32), last_sampled,
-                           state, spec((rows, bitmask_words(cfg.vocab_size))) if features.grammar else None]))
+                          SimpleNamespace(trace=partial(jit_sampler().trace, num_rows=rows, features=features,
+                                                        spec_tokens=spec_tokens)),
+                          [spec((layout.sampling_size,)), spec((layout.num_logits, cfg.vocab_size), jnp.float32),
+                           last_sampled, state,
+                           spec((rows, bitmask_words(cfg.vocab_size))) if features.grammar else None]))
+    if spec_tokens:
+        from jaxvllm.spec_decode.draft_model import jit_propose
+
+        propose = jit_propose(cfg, backend, None, spec_tokens, block_size)
+        cases.append(Case("draft_propose", dict(common, num_layers=cfg.num_layers, copy_shapes=[list(cache.shape)],
+                                                donated=2 * cfg.num_layers),
+                          SimpleNamespace(trace=propose.trace),
+                          [jax.eval_shape(lambda: dummy_params(cfg, dtype)), [layer_cache] * cfg.num_layers,
+                           spec((max_num_seqs,)), spec((max_num_seqs,)), spec((max_num_seqs,), jnp.bool_),
+                           spec((max_num_seqs, layout.width))]))
     return cases
 
 
@@ -99,6 +115,8 @@ def engine_cases(quick: bool = False) -> list[Case]:
         cases += engine_step_cases("pallas", sampler=(), kv_cache_dtype=kv_cache_dtype, decode_only=True)
     cases += engine_step_cases("pallas", model="tiny", num_tokens=64, max_num_seqs=8, context=256, dtype=jnp.float32,
                                sampler=())
+    # Speculative decoding: a step verifying 4 drafts a row, and the draft model's proposer.
+    cases += engine_step_cases("pallas", num_tokens=256, max_num_seqs=64, sampler=("greedy", "all"), spec_tokens=4)
     return cases
 
 

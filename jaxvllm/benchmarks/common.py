@@ -56,6 +56,17 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and of dummy weights")
     parser.add_argument("--output-json", type=Path, help="write the figures, config and environment here")
     parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar during generation")
+    parser.add_argument("--compare-speculative", action="store_true",
+                        help="run jaxvllm with --speculative-config, then without it (the same other flags), and "
+                             "report the acceptance, the ratio of output tokens/s and, greedy, identical completions")
+
+
+def check_speculative_args(args: argparse.Namespace) -> None:
+    """Before anything loads: what --compare-speculative needs."""
+    if args.compare_speculative and args.speculative_config is None:
+        raise ValueError("--compare-speculative needs --speculative-config JSON (the run to compare)")
+    if args.compare_speculative and args.backend == "hf":
+        raise ValueError("--compare-speculative needs the jaxvllm backend")
 
 
 def backend_names(backend: str) -> list[str]:
@@ -70,6 +81,49 @@ def stats(values: list[float]) -> dict[str, float]:
         return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
     a = np.asarray(values, dtype=np.float64)
     return {"mean": float(a.mean()), **{f"p{q}": float(np.percentile(a, q)) for q in (50, 90, 99)}}
+
+
+# -- speculative decoding -------------------------------------------------------------------
+
+NO_SPEC_KEY = "jaxvllm_no_spec"  # the run without speculative decoding, under --compare-speculative
+_SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
+def spec_decode_figures(before: dict, after: dict) -> dict[str, Any] | None:
+    """Acceptance over the runs between two `stats()` of one engine (its counters are
+    cumulative: this leaves warm-up runs out), by the engine's own formulas: acceptance
+    rate = accepted / drafted tokens, mean accepted length = 1 + accepted / verifying rows.
+    None when the engine has no speculative decoding."""
+    if "spec_decode_num_drafts" not in after:
+        return None
+    n = {k: after[f"spec_decode_{k}"] - before.get(f"spec_decode_{k}", 0) for k in _SPEC_COUNTERS}
+    return {**n, "acceptance_rate": n["num_accepted_tokens"] / max(1, n["num_draft_tokens"]),
+            "mean_accepted_length": 1 + n["num_accepted_tokens"] / max(1, n["num_drafts"])}
+
+
+def speculative_report(results: dict, outputs: dict, greedy: bool) -> dict[str, Any] | None:
+    """The speculative run's acceptance and, beside a run without it (NO_SPEC_KEY), the ratio
+    of their output tokens/s (spec / no spec) and, greedy, how many completions agree.
+    `results` and `outputs` are keyed by run; the speculative run is "jaxvllm". Printed too."""
+    spec = results.get("jaxvllm", {})
+    if spec.get("spec_decode") is None:
+        return None
+    report = dict(spec["spec_decode"])
+    line = (f"speculative decoding: acceptance rate {report['acceptance_rate']:.3f}, mean accepted length "
+            f"{report['mean_accepted_length']:.2f} ({report['num_accepted_tokens']} of "
+            f"{report['num_draft_tokens']} drafted tokens accepted, {report['num_drafts']} drafts)")
+    base = results.get(NO_SPEC_KEY)
+    if base is not None:
+        rate, base_rate = spec["output_tokens_per_second"], base["output_tokens_per_second"]
+        report.update(output_tokens_per_second_spec=rate, output_tokens_per_second_no_spec=base_rate,
+                      speedup=rate / base_rate)
+        line += f"; {rate:.1f} vs {base_rate:.1f} output tokens/s without ({report['speedup']:.2f}x)"
+        if greedy:
+            same = sum(a == b for a, b in zip(outputs["jaxvllm"], outputs[NO_SPEC_KEY]))
+            report.update(identical_completions=same, num_completions=len(outputs["jaxvllm"]))
+            line += f"; identical greedy completions {same}/{len(outputs['jaxvllm'])}"
+    print(line)
+    return report
 
 
 # The harness's names for its fields -> the names this report has always had (scripts read them).

@@ -4,8 +4,10 @@ Prompts are random token ids, as in vLLM's random dataset and nano-vllm's bench.
 what is measured is the engine, not the text, and token ids need no tokenizer that
 matches the model (dummy models have none). Every list depends only on its
 arguments and the seed, so jaxvllm and HF transformers get identical work.
-json-schema is the exception: text prompts, tokenized, each with a JSON schema its
-completion must follow (structured outputs, jaxvllm only).
+json-schema and repeat are the exceptions: text prompts, tokenized. json-schema's each
+come with a JSON schema their completion must follow (structured outputs, jaxvllm only);
+repeat's ask the model to copy, reformat or continue a passage given in the prompt, the
+work speculative decoding by prompt lookup (n-gram drafts) is meant for.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import numpy as np
 
 from jaxvllm.sampling_params import StructuredOutputsParams
 
-DATASETS = ("random", "nanovllm", "shared-prefix", "json-schema")
+DATASETS = ("random", "nanovllm", "shared-prefix", "json-schema", "repeat")
 
 # B1 (the README's "Command line"): nano-vllm's bench.py workload.
 NANOVLLM_NUM_PROMPTS = 256
@@ -146,3 +148,85 @@ def is_valid_json(text: str, schema: dict = JSON_SCHEMA) -> bool:
     except (ValueError, jsonschema.ValidationError):
         return False
     return True
+
+
+# -- repeat: prompts whose answers copy much of the prompt ------------------------------------
+
+_PROSE = (
+    "The lighthouse stood on a low rock at the mouth of the harbour. Every evening the keeper climbed "
+    "the one hundred and twelve steps, trimmed the wick, wound the clockwork that turned the lens, and "
+    "wrote the weather in a thick blue logbook. Ships that passed at night saw the light sweep across "
+    "the water once every ten seconds, and knew from that rhythm which coast they were following. When "
+    "the lamp was finally replaced by an electric beacon, the keeper kept the logbook, and the town "
+    "museum still shows it open at the page of the great storm of 1911.",
+    "Bread needs only four things: flour, water, salt and yeast. Mix them into a rough dough and leave "
+    "it covered for half an hour, so that the flour can absorb the water. Knead it until it is smooth "
+    "and springs back when pressed, then let it rise in a warm place until it has doubled in size. "
+    "Shape the loaf gently, let it rise a second time, and bake it in a hot oven until the crust is "
+    "deep brown and the bottom sounds hollow when tapped. Let it cool before cutting it.",
+    "Honeybees tell each other where food is by dancing. A forager that has found a rich patch of "
+    "flowers returns to the hive and runs a short straight line across the comb while waggling her "
+    "body, then circles back and repeats it. The angle of the straight run against the vertical gives "
+    "the direction of the flowers relative to the sun, and the length of the waggle tells the distance. "
+    "Other bees follow the dancer, learn the route, and fly out to the same flowers.",
+)
+_LIST = ("apples\nbananas\ncarrots\ndates\neggs\nflour\ngarlic\nhoney\nonions\npotatoes\nrice\n"
+         "spinach\ntomatoes\nyoghurt")
+_CODE = (
+    "def moving_average(values, window):\n"
+    "    if window <= 0:\n"
+    "        raise ValueError(\"window must be positive\")\n"
+    "    averages = []\n"
+    "    total = 0.0\n"
+    "    for i, value in enumerate(values):\n"
+    "        total += value\n"
+    "        if i >= window:\n"
+    "            total -= values[i - window]\n"
+    "        if i >= window - 1:\n"
+    "            averages.append(total / window)\n"
+    "    return averages\n"
+)
+# What each kind of passage is asked for: copied, reformatted or continued.
+_REPEAT_TASKS = {
+    "prose": ("Repeat the following text exactly:\n\n{}",
+              "Rewrite the following text with each sentence on a line of its own:\n\n{}",
+              "Copy the following paragraph, then continue it with one more paragraph in the same style:\n\n{}"),
+    "list": ("Rewrite this list as a numbered list:\n{}",
+             "Repeat the following list exactly, one item per line:\n\n{}",
+             "Rewrite this list as a comma-separated line, keeping the order:\n{}"),
+    "code": ("Copy this code and add a comment to each line:\n{}",
+             "Repeat the following code exactly:\n\n{}",
+             "Rewrite this function with type hints and a docstring:\n{}"),
+}
+REPEAT_PROMPTS = tuple(task.format(passage)
+                       for kind, passages in (("prose", _PROSE), ("list", (_LIST,)), ("code", (_CODE,)))
+                       for passage in passages for task in _REPEAT_TASKS[kind])
+
+
+def chat_encoder(tokenizer) -> Callable[[str], list[int]]:
+    """text -> the token ids of a one-turn chat asking it, as `LLM.chat` makes them: the
+    tokenizer's chat template with the generation prompt, rendered then tokenized without
+    special tokens (the template writes its own); plain encoding where it has no template."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return tokenizer.encode
+
+    def encode(text: str) -> list[int]:
+        chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=False)
+        return tokenizer.encode(chat, add_special_tokens=False)
+
+    return encode
+
+
+def repeat_requests(num_prompts: int, output_len: int, encode: Callable[[str], list[int]], *,
+                    seed: int = 0) -> list[BenchRequest]:
+    """Prompts asking to repeat, reformat or continue one of a few fixed passages: answers
+    that copy long runs of the prompt, so n-gram drafts get accepted. Shuffled by the seed;
+    every prompt is used once before any is used twice."""
+    if num_prompts < 1 or output_len < 1:
+        raise ValueError("num_prompts and output_len must be >= 1")
+    rng = np.random.default_rng(seed)
+    order: list[int] = []
+    while len(order) < num_prompts:
+        order += rng.permutation(len(REPEAT_PROMPTS)).tolist()
+    return [BenchRequest(encode(REPEAT_PROMPTS[i]), output_len) for i in order[:num_prompts]]

@@ -9,12 +9,16 @@ bottleneck; this measures it for N decoding requests without loading a model:
         [--output-len 1000]           # each request has already generated this many tokens
         [--device-ms 2 8]             # pipelining: LLMEngine.step against a stub device
         [--nanovllm PATH]             # nano-vllm's scheduler + batch building, same run
+        [--ngram K]                   # speculative decoding: n-gram drafts of K tokens ("propose")
 
 A real `LLMEngine` runs over dummy:tiny's config and tokenizer, with `StubRunner` as its
 model runner: the real `BatchBuilder` builds every batch, and a stub device stands in for
 the jitted step, so no model is loaded and nothing compiles. The sampled tokens are
 random ids below the tiny tokenizer's vocabulary. The parts are timed one by one: the
 scheduler, the batch builder, appending tokens, and the output processor's outputs.
+
+With `--ngram K` the engine drafts by n-gram prompt lookup (window 1-4) and the stub device
+accepts a random number of each row's drafts; "propose" is the proposer's part.
 
 Pipelining: the whole `LLMEngine.step()` runs against a stub device whose results are
 ready D ms after it starts a step (steps run one after another, as on one stream).
@@ -46,7 +50,7 @@ from jaxvllm.sampling_params import RequestOutputKind, SamplingParams
 
 # "outputs" is detokenizing every running request into a RequestOutput, which a
 # streaming caller of `LLMEngine.step()` pays; `LLM.generate` (final_only) skips it.
-PARTS = ("schedule", "prepare", "update", "outputs", "total")
+PARTS = ("schedule", "prepare", "update", "propose", "outputs", "total")
 VOCAB = 384  # the tiny tokenizer's vocabulary
 MAX_MODEL_LEN = 4096
 BLOCK_SIZE = 16
@@ -76,9 +80,11 @@ class StubRunner:
         self.cfg = load_config(config.model)
         self.max_model_len, self.num_blocks = config.max_model_len, config.num_gpu_blocks_override
         # decode_only: a GPU's pallas backend, so decode steps take the decode-only layout
+        spec = config.speculative_config
         self.builder = BatchBuilder(max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
                                     block_size=config.block_size, buckets=default_buckets(config.max_num_batched_tokens),
-                                    vocab_size=self.cfg.vocab_size, decode_only=True)
+                                    vocab_size=self.cfg.vocab_size, decode_only=True,
+                                    spec_tokens=spec.num_speculative_tokens if spec else 0)
         self.seconds, self.rng, self.free_at = device_ms / 1e3, rng, 0.0
         self.closed = False
 
@@ -99,17 +105,19 @@ class StubRunner:
 
 
 def build(num_requests: int, prompt_len: int, output_len: int, folder: str, rng: np.random.Generator, *,
-          device_ms: float = 0.0, async_scheduling: bool = False) -> LLMEngine:
+          device_ms: float = 0.0, async_scheduling: bool = False, ngram: int = 0) -> LLMEngine:
     """An engine over the stub runner with `num_requests` queued requests (room for all in
     the KV cache: no preemption).
 
     Each request starts with `output_len` tokens already generated (like a preempted
     request being recomputed), since per-step output cost may grow with the output.
     """
+    spec = {"method": "ngram", "num_speculative_tokens": ngram, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
     config = EngineConfig(model=folder, load_format="dummy", max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE,
-                          max_num_seqs=num_requests, max_num_batched_tokens=max(8192, num_requests),
+                          max_num_seqs=num_requests, max_num_batched_tokens=max(8192, num_requests * (1 + ngram)),
                           num_gpu_blocks_override=num_requests * -(-MAX_MODEL_LEN // BLOCK_SIZE),
-                          async_scheduling=async_scheduling, compilation_cache_dir="")
+                          async_scheduling=async_scheduling, compilation_cache_dir="",
+                          speculative_config=spec if ngram else None)
     engine = LLMEngine(config, runner_class=partial(StubRunner, device_ms=device_ms, rng=rng))
     params = SamplingParams(temperature=0, max_tokens=MAX_MODEL_LEN - prompt_len, ignore_eos=True)
     for i in range(num_requests):
@@ -146,13 +154,17 @@ def time_steps(engine: LLMEngine, steps: int, rng, profile: cProfile.Profile | N
         t1 = clock()
         builder.prepare(out.scheduled)
         t2 = clock()
-        updated = scheduler.update_from_output(out, sampled_all[k, : len(out.scheduled)])
+        accepted = rng.integers(0, out.scheduled.num_drafts + 1) if engine.proposer else None
+        updated = scheduler.update_from_output(out, sampled_all[k, : len(out.scheduled)], accepted)
         builder.release(r.request_id for r in updated if r.is_finished)
         t3 = clock()
-        outputs = [output_processor.output(engine._parents[r.parent_id]) for r in updated]
+        if engine.proposer:
+            engine._propose_drafts()
         t4 = clock()
+        outputs = [output_processor.output(engine._parents[r.parent_id]) for r in updated]
+        t5 = clock()
         assert len(out.scheduled) == n == len(outputs), "every request should decode every step"
-        for part, dt in zip(PARTS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0)):
+        for part, dt in zip(PARTS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t5 - t0)):
             times[part].append(dt)
     if profile:
         profile.disable()
@@ -160,16 +172,18 @@ def time_steps(engine: LLMEngine, steps: int, rng, profile: cProfile.Profile | N
 
 
 def run(num_requests: int, steps: int, prompt_len: int, output_len: int, folder: str, seed: int = 0,
-        profile: cProfile.Profile | None = None) -> dict:
+        profile: cProfile.Profile | None = None, ngram: int = 0) -> dict:
     rng = np.random.default_rng(seed)
-    engine = build(num_requests, prompt_len, output_len, folder, rng)
+    engine = build(num_requests, prompt_len, output_len, folder, rng, ngram=ngram)
     prefill_steps = prefill(engine, rng)
     if len(engine.scheduler.running) < num_requests:  # the first ones decode while the last ones prefill
         raise ValueError(f"requests reached max_model_len ({MAX_MODEL_LEN}) during {prefill_steps} prefill "
                          "steps; lower --prompt-len or --output-len")
     times = time_steps(engine, steps, rng, profile)
+    if not ngram:
+        del times["propose"]
     return {"num_requests": num_requests, "steps": steps, "prompt_len": prompt_len, "output_len": output_len,
-            "prefill_steps": prefill_steps, "parts": summarize(times, num_requests)}
+            "prefill_steps": prefill_steps, "ngram": ngram, "parts": summarize(times, num_requests)}
 
 
 def wall_per_step(num_requests: int, steps: int, prompt_len: int, folder: str, device_ms: float,
@@ -223,6 +237,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="simulated device step times for the pipelining figures (none: skip them)")
     ap.add_argument("--nanovllm", metavar="PATH", help="a nano-vllm checkout: time its scheduler and batch "
                     "building on the same workload, in this run (a peer, never a dependency)")
+    ap.add_argument("--ngram", type=int, default=0, metavar="K",
+                    help="n-gram speculative decoding with K drafts a step (times the proposer as 'propose')")
     args = ap.parse_args(argv)
     if args.steps < 1 or args.prompt_len < 1 or args.output_len < 0:
         ap.error("--steps and --prompt-len must be >= 1, --output-len >= 0")
@@ -234,7 +250,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         write_dummy_model("dummy:tiny", folder)  # its config and tokenizer; no weights are made
         for n in args.num_requests:
             profile = cProfile.Profile() if args.profile else None
-            results.append(run(n, args.steps, args.prompt_len, args.output_len, folder, profile=profile))
+            results.append(run(n, args.steps, args.prompt_len, args.output_len, folder, profile=profile,
+                               ngram=args.ngram))
             print_host_step(results[-1], f"output {results[-1]['output_len']}+")
             if profile:
                 pstats.Stats(profile).sort_stats("cumulative").print_stats(args.profile)

@@ -9,6 +9,10 @@ the same process and the ratio jaxvllm / hf is printed.
 constrained by a JSON schema, then unconstrained with the same output lengths, and
 the ratio of their output tokens/s is printed with the share of completions that
 validate and the host time spent filling token masks per step.
+
+`--dataset repeat` asks for copies and rewrites of passages in the prompt, the work of
+`--speculative-config` (n-gram prompt lookup), whose acceptance is then reported;
+`--compare-speculative` also runs the requests without it (see `common.speculative_report`).
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from typing import Any
 
 from jaxvllm.benchmarks import datasets as ds
 from jaxvllm.benchmarks.backends import make_backend
-from jaxvllm.benchmarks.common import RunTimings, add_bench_args, backend_names, write_report
+from jaxvllm.benchmarks.common import (NO_SPEC_KEY, RunTimings, add_bench_args, backend_names,
+                                       check_speculative_args, spec_decode_figures, speculative_report,
+                                       write_report)
 from jaxvllm.dummy import ModelSource, resolve_model
 from jaxvllm.engine_args import add_engine_args, engine_kwargs
 from jaxvllm.loader import load_config
@@ -35,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "requests, prompt and output lengths uniform in [100, 1024]); shared-prefix: "
                             "--prefix-len shared tokens + --input-len own tokens per request; json-schema: "
                             "prompts asking for a JSON object, run constrained by a JSON schema, then "
-                            "unconstrained with the same output lengths (jaxvllm only)")
+                            "unconstrained with the same output lengths (jaxvllm only); repeat: chat prompts "
+                            "asking to repeat, reformat or continue a passage (for speculative decoding)")
     group.add_argument("--num-prompts", type=int, default=None,
                        help=f"number of requests (default {DEFAULT_NUM_PROMPTS}; nanovllm: {ds.NANOVLLM_NUM_PROMPTS})")
     group.add_argument("--input-len", type=int, default=1024, help="prompt tokens (shared-prefix: after the prefix)")
@@ -78,6 +85,9 @@ def make_requests(args: argparse.Namespace, source: ModelSource) -> list[ds.Benc
     if args.dataset == "json-schema":
         return ds.json_schema_requests(n or DEFAULT_NUM_PROMPTS, output_len(args),
                                        load_tokenizer(source, args.tokenizer).encode)
+    if args.dataset == "repeat":
+        return ds.repeat_requests(n or DEFAULT_NUM_PROMPTS, output_len(args),
+                                  ds.chat_encoder(load_tokenizer(source, args.tokenizer)), seed=args.seed)
     vocab_size = prompt_vocab_size(source, args.tokenizer)
     if args.dataset == "nanovllm":
         return ds.nanovllm_requests(vocab_size, num_prompts=n or ds.NANOVLLM_NUM_PROMPTS, seed=args.seed)
@@ -120,6 +130,8 @@ _COMPARISONS = {
                                "prefix caching off"),
     "compare_async_scheduling": ("async_scheduling", True, False, "jaxvllm_sync", "async scheduling off"),
     "compare_kv_cache_dtype": ("kv_cache_dtype", "fp8", "auto", "jaxvllm_kv_cache_auto", "model-dtype KV cache"),
+    # the first run's value is --speculative-config's
+    "compare_speculative": ("speculative_config", None, None, NO_SPEC_KEY, "speculative decoding off"),
 }
 
 
@@ -179,6 +191,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, dict[str, Any]] = {}
     outputs: dict[str, list[list[int]]] = {}
     hf_device = None
+    check_speculative_args(args)
     structured = args.dataset == "json-schema"
     if structured and args.backend != "jaxvllm":
         raise ValueError("--dataset json-schema needs --backend jaxvllm (structured outputs are jaxvllm's)")
@@ -194,6 +207,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 raise ValueError(f"--{flag.replace('_', '-')} needs the jaxvllm backend")
             if option == "kv_cache_dtype" and kwargs.get(option, "auto") != "auto":
                 first = kwargs[option]  # the user's fp8 name
+            if option == "speculative_config":
+                first = kwargs[option]  # --speculative-config's (check_speculative_args: it is set)
             kwargs = {**kwargs, option: first}
             runs = [(k, name, kwargs if name == "jaxvllm" else kw) for k, name, kw in runs]
             runs.append((key, "jaxvllm", {**kwargs, option: second}))
@@ -203,7 +218,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 backend.warmup(requests)
                 if structured:  # the grammar and the masked sampler variants compile when first used
                     backend.run(requests, temperature=args.temperature, use_tqdm=False)
-                before = backend.stats() if structured else {}
+                before = backend.stats() if name == "jaxvllm" else {}
                 timings = backend.run(requests, temperature=args.temperature, use_tqdm=not args.disable_tqdm)
                 result = summarize(timings, requests)
                 result["load_seconds"] = backend.load_seconds
@@ -215,6 +230,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     stats = backend.stats()
                     result.update(step_timing=backend.last_step_timing.to_dict(), engine_stats=stats,
                                   computed_prefill_tokens=result["total_prompt_tokens"] - stats["prefix_cache_hits"])
+                    spec = spec_decode_figures(before, stats)
+                    if spec is not None:
+                        result["spec_decode"] = spec
                     if structured:
                         baseline = summarize(run_unconstrained(backend, requests, timings, args), requests)
                         result["structured_output"] = structured_output_figures(
@@ -241,6 +259,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     if structured:
         report["structured_output"] = results["jaxvllm"]["structured_output"]
+    speculative = speculative_report(results, outputs, greedy=args.temperature == 0)
+    if speculative is not None:
+        report["speculative"] = speculative
     if args.compare_prefix_caching:
         on, off = results["jaxvllm"], results["jaxvllm_no_prefix_caching"]
         report["prefix_caching"] = {

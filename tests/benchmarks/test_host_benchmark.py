@@ -12,8 +12,8 @@ def test_host_step_benchmark_writes_json(tmp_path, capsys):
     assert "outputs" in capsys.readouterr().out
     (result,) = json.loads(path.read_text())
     assert result["num_requests"] == 32 and result["steps"] == 3 and result["prefill_steps"] >= 1
-    for part in PARTS:
-        figures = result["parts"][part]
+    assert list(result["parts"]) == [p for p in PARTS if p != "propose"]  # (no drafts without --ngram)
+    for part, figures in result["parts"].items():
         assert all(figures[k] > 0 for k in ("mean_ms", "p50_ms", "p90_ms", "us_per_request")), (part, figures)
 
     pipe = result["pipelining"]
@@ -23,3 +23,11 @@ def test_host_step_benchmark_writes_json(tmp_path, capsys):
     # device step, and async steps still queue on one stream (3 steps take at least 2 of D).
     assert row["sync_wall_ms"] >= 4 and row["async_wall_ms"] >= 4 * 2 / 3
     assert 0 < row["async_device_busy"] <= 1 and 0 < row["sync_device_busy"] <= 1
+
+
+def test_host_step_with_ngram_drafts_times_the_proposer(tmp_path):
+    path = tmp_path / "host.json"
+    main(["--num-requests", "16", "--steps", "3", "--prompt-len", "64", "--ngram", "4", "--device-ms",
+          "--json", str(path)])
+    (result,) = json.loads(path.read_text())
+    assert result["ngram"] == 4 and result["parts"]["propose"]["mean_ms"] > 0

@@ -123,6 +123,22 @@ def data_parallel(path: Path) -> dict:
     return out
 
 
+def speculative(path: Path) -> dict:
+    """n-gram speculative decoding under tensor parallelism 2 against one device without it:
+    greedy outputs of prompts that repeat (a random model's outputs loop, so drafts match)."""
+    prompts = [{"prompt_token_ids": p} for p in ([1, 2, 3, 4, 1, 2, 3], [9, 8, 9, 8, 9], list(range(20, 50)))]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    out = {}
+    draft = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}  # (the target itself)
+    for name, kwargs in (("tp1", {}), ("tp2_spec", dict(tensor_parallel_size=2, speculative_config=spec)),
+                         ("tp2_draft", dict(tensor_parallel_size=2, speculative_config=draft))):
+        with LLM(path, **ENGINE, **kwargs) as llm:
+            out[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            out[name + "_stats"] = {k: v for k, v in llm.stats().items() if k.startswith("spec_decode")}
+    return out
+
+
 def main(folder: str) -> None:
     results: dict = {"devices": jax.device_count(), "cases": {}, "errors": {}}
     for name, arch, overrides, sizes in CASES:
@@ -156,6 +172,7 @@ def main(folder: str) -> None:
     path = Path(folder) / "llama"
     results["sizing"] = per_device_sizing(path)
     results["dp"] = data_parallel(path)
+    results["spec"] = speculative(path)
     try:
         LLM(path, **ENGINE, tensor_parallel_size=4, data_parallel_size=4)
     except ValueError as e:

@@ -137,3 +137,18 @@ def test_bad_sizes_are_refused_naming_the_numbers(results):
     assert results["errors"]["4x4"].startswith("tensor_parallel_size=4 x data_parallel_size=4 needs 16 devices")
     assert results["errors"]["ep"] == "tensor_parallel_size=4 with enable_expert_parallel does not divide the 6 experts"
 
+
+
+def test_speculative_decoding_tp2_greedy_parity(results):
+    """n-gram drafts verified on 2 devices: the greedy outputs of one device without them."""
+    spec = results["spec"]
+    assert spec["tp2_spec"] == spec["tp1"]
+    stats = spec["tp2_spec_stats"]
+    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+
+
+def test_draft_model_tp2_greedy_parity(results):
+    """A draft model split over 2 devices as the target is (here the target itself: every draft accepted)."""
+    spec = results["spec"]
+    assert spec["tp2_draft"] == spec["tp1"]
+    assert spec["tp2_draft_stats"]["spec_decode_acceptance_rate"] == 1.0

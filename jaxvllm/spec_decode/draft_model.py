@@ -1,0 +1,131 @@
+"""A draft model for speculative decoding (vLLM's "draft_model" method): a smaller model
+with the target's vocabulary proposes K tokens a step, greedily, over its own paged KV cache.
+
+The draft's cache has the target's blocks: the same block tables and slots address both.
+Two executables keep it in step with the target:
+
+- `forward`: the draft runs over every target step's batch (the same packed buffer), so its
+  cache holds every token the target computed, prefix-cache hits and recomputes included;
+- `propose`: after a step's tokens are known, K decode steps from each drafting request's
+  newest token, unrolled in one executable (a static trip count, each step's K/V written in
+  place). The argmax of each is a draft, so the drafts' distribution q is one-hot, as in
+  vLLM's V1 proposers, and the rejection sampler treats them as n-gram drafts.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxvllm.batch import ModelInputs
+from jaxvllm.config import EngineConfig
+from jaxvllm.input_batch import BatchLayout
+from jaxvllm.kv_cache import KVCacheSpec, allocate_kv_caches
+from jaxvllm.loader import load_model, resolve_dtype
+from jaxvllm.model_config import ModelConfig
+from jaxvllm.models import MODELS
+from jaxvllm.sharding import kv_cache_sharding, replicated
+
+
+def _forward(params, kv_caches, packed, last_sampled, *, cfg: ModelConfig, backend: str, mesh: Mesh | None,
+             layout: BatchLayout):
+    """The draft over a target step's batch: only its K/V is kept."""
+    inputs = layout.model_inputs(packed, last_sampled)
+    return MODELS[cfg.architecture].hidden_states(params, kv_caches, inputs, cfg, backend, mesh)[1]
+
+
+def _propose(params, kv_caches, tokens, positions, live, block_tables, *, cfg: ModelConfig, backend: str,
+             mesh: Mesh | None, k: int, block_size: int, dynamic_loops: bool):
+    """K greedy decode steps from `tokens` [S] at `positions` [S] (rows not `live`: padding,
+    writing nothing); returns the drafts [S, K] and the caches."""
+    model, rows = MODELS[cfg.architecture], tokens.shape[0]
+    index = jnp.arange(rows, dtype=jnp.int32)
+    drafts = []
+    for step in range(k):
+        pos = jnp.where(live, positions + step, 0)
+        slot = jnp.where(live, block_tables[index, pos // block_size] * block_size + pos % block_size, -1)
+        inputs = ModelInputs(tokens, pos, slot, jnp.arange(rows + 1, dtype=jnp.int32), pos + 1, block_tables, index,
+                             decode_only=backend == "pallas", dynamic_loops=dynamic_loops)
+        hidden, kv_caches = model.hidden_states(params, kv_caches, inputs, cfg, backend, mesh)
+        tokens = jnp.argmax(model.compute_logits(params, hidden, cfg), axis=-1).astype(jnp.int32)
+        drafts.append(tokens)
+    return jnp.stack(drafts, axis=1), kv_caches
+
+
+def check_draft_model(config: EngineConfig, tokenizer) -> None:
+    """Refuse, before anything loads, a draft whose vocabulary or tokenizer differs from the
+    target's (`tokenizer`; the draft's own is compared when its folder has one)."""
+    from jaxvllm.loader import load_config
+
+    draft = config.speculative_config.model
+    target_vocab, draft_vocab = load_config(config.model).vocab_size, load_config(draft).vocab_size
+    if draft_vocab != target_vocab:
+        raise ValueError(f"the draft model {draft!r} has a vocabulary of {draft_vocab} tokens, the target's has "
+                         f"{target_vocab}: speculative decoding needs the same vocabulary")
+    if tokenizer is None or not any(Path(draft, name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return
+    from transformers import AutoTokenizer
+
+    if AutoTokenizer.from_pretrained(draft, local_files_only=True).get_vocab() != tokenizer.get_vocab():
+        raise ValueError(f"the draft model {draft!r} has a tokenizer of its own that differs from the target's: "
+                         "speculative decoding needs the same tokens")
+
+
+def jit_propose(cfg: ModelConfig, backend: str, mesh: Mesh | None, k: int, block_size: int,
+                dynamic_loops: bool = False):
+    """The proposer as the runner compiles it (per block-table width): the caches donated."""
+    caches = None if mesh is None else kv_cache_sharding(mesh)
+    return jax.jit(partial(_propose, cfg=cfg, backend=backend, mesh=mesh, k=k, block_size=block_size,
+                           dynamic_loops=dynamic_loops),
+                   donate_argnums=(1,), out_shardings=None if mesh is None else (replicated(mesh), caches))
+
+
+class DraftModel:
+    """The draft's params and KV cache, and its two compiled steps (see the module's doc)."""
+
+    def __init__(self, config: EngineConfig, *, mesh: Mesh | None, device, backend: str,
+                 dynamic_loops: bool, num_devices: int) -> None:
+        spec = config.speculative_config
+        self.k, self.block_size, self.mesh, self.device = spec.num_speculative_tokens, config.block_size, mesh, device
+        self.cfg, self.params = load_model(spec.model, dtype=config.dtype, load_format=config.load_format,
+                                           seed=config.seed, mesh=mesh, device=device)
+        self.kv_spec = KVCacheSpec(self.cfg, config.block_size, resolve_dtype(config.dtype, self.cfg), num_devices)
+        caches = None if mesh is None else kv_cache_sharding(mesh)
+        self._forward = jax.jit(partial(_forward, cfg=self.cfg, backend=backend, mesh=mesh),
+                                static_argnames="layout", donate_argnums=(1,), out_shardings=caches)
+        self._propose = jit_propose(self.cfg, backend, mesh, self.k, config.block_size, dynamic_loops)
+        self.kv_caches = None
+
+    def allocate(self, num_blocks: int) -> None:
+        """A zeroed cache of the target's block count (after a failed step, too)."""
+        self.kv_caches = allocate_kv_caches(self.cfg, num_blocks, self.block_size, self.kv_spec.dtype, self.mesh,
+                                            self.device)
+
+    def forward(self, packed, last_sampled, layout: BatchLayout) -> None:
+        """Dispatch the draft over a target step's batch."""
+        self.kv_caches = self._forward(self.params, self.kv_caches, packed, last_sampled, layout=layout)
+
+    def propose(self, tokens: np.ndarray, positions: np.ndarray, live: np.ndarray, block_tables: np.ndarray,
+                place) -> np.ndarray:
+        """Drafts [S, K] (host) for the `live` rows' newest tokens at their positions."""
+        args = [jax.device_put(x, place) for x in (tokens, positions, live, block_tables)]
+        drafts, self.kv_caches = self._propose(self.params, self.kv_caches, *args)
+        return np.asarray(drafts)
+
+    def compile(self, packed, last_sampled, layout: BatchLayout | None = None, rows: int = 0, width: int = 0,
+                place=None) -> None:
+        """Compile, without running, the forward of a target layout or the proposer of a width."""
+        if layout is not None:
+            self._forward.lower(self.params, self.kv_caches, packed, last_sampled, layout=layout).compile()
+            return
+        spec = lambda shape, dtype=jnp.int32: jax.ShapeDtypeStruct(shape, dtype, sharding=place)  # noqa: E731
+        self._propose.lower(self.params, self.kv_caches, spec((rows,)), spec((rows,)), spec((rows,), jnp.bool_),
+                            spec((rows, width))).compile()
+
+    def arrays(self) -> list:
+        return jax.tree.leaves((self.params, self.kv_caches))

@@ -1,0 +1,1 @@
+"""Speculative decoding: the n-gram proposer against vLLM's cases and a brute-force reference."""

@@ -1,0 +1,159 @@
+"""Speculative decoding with n-gram prompt lookup in the engine: greedy outputs equal
+those without it, for every architecture and under preemption, chunked prefill, prefix
+caching, n > 1 and stops that fall among accepted drafts; drafts are proposed and partly
+accepted (else equality proves nothing); seeded sampling repeats; vLLM's metrics add up;
+nothing compiles after warm-up; bad configs are refused by name."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxvllm import LLM, SamplingParams
+from jaxvllm.utils.compilation_cache import count_compilations
+
+ALL_ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral"]
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+ENGINE = dict(max_model_len=160, max_num_seqs=8, max_num_batched_tokens=64, token_buckets=[16, 64], dtype="float32")
+# Random weights loop readily, so a random model's greedy outputs repeat themselves: drafts match.
+PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9, 7, 8, 9, 7], [11, 12, 13, 14], [5] * 6, list(range(20, 60))]
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+def token_ids(llm: LLM, params, prompts=PROMPTS) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(c.token_ids) for out in outputs for c in out.outputs]
+
+
+def assert_partly_accepted(llm: LLM) -> None:
+    stats = llm.stats()
+    assert stats["spec_decode_num_draft_tokens"] > 0
+    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_checkpoint):
+    path = str(tiny_checkpoint("llama"))
+    plain, spec = LLM(path, **ENGINE), LLM(path, speculative_config=SPEC, **ENGINE)
+    yield plain, spec
+    plain.shutdown()
+    spec.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ALL_ARCHS)
+def test_greedy_outputs_unchanged_every_architecture(arch, tiny_checkpoint):
+    path = str(tiny_checkpoint(arch))
+    plain = LLM(path, **ENGINE)
+    try:
+        expected = token_ids(plain, GREEDY)
+    finally:
+        plain.shutdown()
+    spec = LLM(path, speculative_config=SPEC, **ENGINE)
+    try:
+        assert token_ids(spec, GREEDY) == expected
+        assert_partly_accepted(spec)
+    finally:
+        spec.shutdown()
+
+
+def test_greedy_outputs_unchanged_and_synchronous(engines):
+    plain, spec = engines
+    assert token_ids(spec, GREEDY) == token_ids(plain, GREEDY)
+    assert_partly_accepted(spec)
+    assert spec.stats()["async_scheduling"] is False and plain.stats()["async_scheduling"] is True
+
+
+def test_stops_among_accepted_drafts(engines):
+    """A stop id or stop string that a verified step accepts ends the output at that token,
+    as without drafts (the drafts after it are dropped)."""
+    plain, spec = engines
+    outputs = token_ids(plain, GREEDY)
+    for out in outputs:
+        if len(set(out[10:])) < len(out[10:]):  # a token that repeats late: accepted drafts come there
+            stop_id = out[12]
+            break
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop_id])
+    assert token_ids(spec, params) == token_ids(plain, params)
+    texts = [o.outputs[0].text for o in plain.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY,
+                                                       use_tqdm=False)]
+    stop = next(t[len(t) // 2 : len(t) // 2 + 2] for t in texts if len(t) > 8)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop])
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    want = plain.generate(prompts, params, use_tqdm=False)
+    got = spec.generate(prompts, params, use_tqdm=False)
+    assert [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].stop_reason) for o in got] == \
+        [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].stop_reason) for o in want]
+    assert any(o.outputs[0].stop_reason == stop for o in got)
+
+
+@pytest.mark.slow
+def test_preemption_chunked_prefill_prefix_caching_and_n(tiny_checkpoint):
+    """A KV cache of few blocks (preemption), a 16-token budget (chunked prefills), shared
+    prefixes (prefix cache hits) and n = 2: the same greedy outputs with drafts as without."""
+    path = str(tiny_checkpoint("llama"))
+    engine = dict(ENGINE, max_num_batched_tokens=16, token_buckets=[16], num_gpu_blocks_override=14)
+    prompts = [[3, 4, 5, 6] * 6 + [i] for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, n=2)
+    results = []
+    for spec in (None, SPEC):
+        llm = LLM(path, speculative_config=spec, **engine)
+        try:
+            results.append(token_ids(llm, params, prompts))
+            stats = llm.stats()
+        finally:
+            llm.shutdown()
+    assert results[0] == results[1]
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert stats["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_seeded_sampling_repeats(engines):
+    _, spec = engines
+    params = SamplingParams(temperature=0.8, top_k=20, max_tokens=30, seed=7, ignore_eos=True)
+    before = spec.stats()["spec_decode_num_accepted_tokens"]
+    first = token_ids(spec, params)
+    assert token_ids(spec, params) == first
+    assert spec.stats()["spec_decode_num_accepted_tokens"] > before
+
+
+def test_metrics_are_consistent(engines):
+    """vLLM's `test_engine_metrics` checks for n-gram speculative decoding."""
+    _, spec = engines
+    token_ids(spec, GREEDY)
+    metrics = {(m.name, m.labels.get("position")): m.value for m in spec.get_metrics() if "spec_decode" in m.name}
+    drafts = metrics[("vllm:spec_decode_num_drafts", None)]
+    draft_tokens = metrics[("vllm:spec_decode_num_draft_tokens", None)]
+    accepted = metrics[("vllm:spec_decode_num_accepted_tokens", None)]
+    per_pos = [metrics[("vllm:spec_decode_num_accepted_tokens_per_pos", str(i))] for i in range(3)]
+    assert 0 < drafts <= draft_tokens and 0 < accepted <= draft_tokens
+    assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
+    stats = spec.stats()
+    assert stats["spec_decode_acceptance_rate"] == pytest.approx(accepted / draft_tokens)
+    assert stats["spec_decode_mean_accepted_length"] == pytest.approx(1 + accepted / drafts)
+
+
+def test_no_compilation_after_warmup(engines):
+    _, spec = engines
+    with count_compilations() as counts:
+        token_ids(spec, GREEDY)
+        token_ids(spec, SamplingParams(temperature=1.0, max_tokens=20, seed=1))
+        token_ids(spec, SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_tokens=20, seed=2))
+    assert counts.compilations == 0
+
+
+@pytest.mark.parametrize("config,message", [
+    ({"method": "lookahead", "num_speculative_tokens": 2}, "unknown speculative_config method 'lookahead'"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram"}, "needs num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     "prompt_lookup_min=4 must be <= prompt_lookup_max=2"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min=0 must be > 0"),
+    ({"method": "eagle3", "model": "x", "num_speculative_tokens": 2}, "'eagle3' is not supported by jaxvllm yet"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs the draft's folder as model"),
+    ({"model": "some/draft", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2},
+     "draft_tensor_parallel_size=2: the draft model is split as the target is"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "typo": 1}, "unknown or unsupported key"),
+])
+def test_bad_configs_are_refused_before_loading(config, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        LLM("/nonexistent/model", speculative_config=config)
