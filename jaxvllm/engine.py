@@ -220,13 +220,13 @@ class LLMEngine:
         ended = self._end_dead_ends(out, grammar_rows)
         lengths = [r.num_tokens for r in out.scheduled.requests] if result.num_accepted is not None else None
         updated = self.scheduler.update_from_output(out, result.sampled, result.num_accepted)
-        num_new = None
+        appended = None
         if lengths is not None:  # (tokens a request got: more than one when it accepted drafts)
-            num_new = sum(r.num_tokens - n for r, n in zip(out.scheduled.requests, lengths))
+            appended = [r.num_tokens - n for r, n in zip(out.scheduled.requests, lengths)]
             self.metrics.record_spec_decode(out.scheduled.num_drafts, result.num_accepted)
-        self.metrics.record_step(updated, now, num_new)
+        self.metrics.record_step(updated, now, None if appended is None else sum(appended))
         if result.logprobs is not None or result.prompt_logprobs is not None:
-            self.output_processor.record_logprobs(out.scheduled, result, set(map(id, updated)))
+            self.output_processor.record_logprobs(out.scheduled, result, set(map(id, updated)), appended)
         finished = [r.request_id for r in ended]
         for request in updated:
             if request.has_stop_strings and self.output_processor.detokenize(request) and not request.is_finished:
@@ -247,14 +247,17 @@ class LLMEngine:
         """Draft tokens for each running request's next step, from its tokens so far (vLLM's
         prompt lookup). As vLLM, only requests whose sampling the rejection sampler covers
         get drafts: none with penalties, logit bias, allowed ids, bad words, min_tokens (the
-        sampler's per-request state), logprobs or a structured output; and only once a
-        request decodes, with room left for a draft under its max_tokens."""
+        sampler's per-request state), a structured output, or logprobs in a processed
+        `logprobs_mode`; and only once a request decodes, with room left for a draft under
+        its max_tokens."""
+        processed = self.config.logprobs_mode.startswith("processed")
         requests, contexts, caps, contexts_of = [], [], [], self._contexts
         for request in self.scheduler.running:
             request.spec_token_ids = []
             room = request.max_num_tokens - request.num_tokens - 1  # (a step adds drafts + 1 at most)
             if (room <= 0 or request.num_pending or request.num_computed_tokens != request.num_tokens - 1
-                    or request.uses_sampler_state or request.grammar is not None or request.num_logprobs is not None):
+                    or request.uses_sampler_state or request.grammar is not None
+                    or (processed and request.num_logprobs is not None)):
                 continue
             requests.append(request)
             if contexts_of is not None:

@@ -57,6 +57,9 @@ class RunnerOutput:
     prompt_logprobs: Logprobs | None  # numpy fields, one row per `prompt_positions` entry
     prompt_positions: list[tuple[int, int]]  # (scheduled index, prompt position scored)
     num_accepted: np.ndarray | None = None  # [n] drafts each row accepted, in a step that verified drafts
+    # There: each row's first logits row; `logprobs` then has a row per logits row, row
+    # logits_start[i] + j that of row i's j-th new token.
+    logits_start: np.ndarray | None = None
 
 
 @dataclass
@@ -80,16 +83,19 @@ class PendingStep:
         if self.awaits_bitmask:
             raise RuntimeError("a structured-output step is read before it was sampled (ModelRunner.sample)")
         n, b = self.batch.num_scheduled, self.batch
+        spec = self.accepted is not None
+        rows = b.layout.num_logits if spec else n
         prompt = None
         if self.prompt_logprobs:  # the chunks' rows in order, less the last chunk's padding
             prompt = jax.tree.map(lambda *chunks: np.concatenate([to_host(c) for c in chunks])[: len(b.prompt_rows)],
                                   *self.prompt_logprobs)
         return RunnerOutput(
             sampled=to_host(self.sampled)[:n] if self.sampled is not None else np.zeros(n, np.int32),
-            logprobs=jax.tree.map(lambda x: to_host(x)[:n], self.logprobs) if self.logprobs is not None else None,
+            logprobs=jax.tree.map(lambda x: to_host(x)[:rows], self.logprobs) if self.logprobs is not None else None,
             prompt_logprobs=prompt,
             prompt_positions=b.prompt_positions,
-            num_accepted=to_host(self.accepted)[:n] if self.accepted is not None else None,
+            num_accepted=to_host(self.accepted)[:n] if spec else None,
+            logits_start=b.layout.views(b.packed)["logits_start"][:n].copy() if spec else None,
         )
 
 

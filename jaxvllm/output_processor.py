@@ -35,26 +35,35 @@ class OutputProcessor:
             # vLLM looks for stop strings only once more than min_tokens tokens exist.
             stop = request.detokenizer.update(part, check_stop=request.num_detokenized > request.params.min_tokens)
             if stop is not None:
-                del request.token_ids[len(request.token_ids) - (len(parts) - 1 - i) :]
+                dropped = len(parts) - 1 - i
+                if dropped and request.logprobs is not None:  # (their logprobs, recorded already, go too)
+                    for token, entry in zip(request.token_ids[-dropped:], request.logprobs[-dropped:]):
+                        request.cumulative_logprob -= entry[token].logprob
+                    del request.logprobs[-dropped:]
+                del request.token_ids[len(request.token_ids) - dropped :]
                 request.finish_reason, request.stop_reason = "stop", stop
                 return stop
         return None
 
-    def record_logprobs(self, scheduled: list[ScheduledRequest], result, updated: set[int]) -> None:
+    def record_logprobs(self, scheduled: list[ScheduledRequest], result, updated: set[int],
+                        appended: list[int] | None = None) -> None:
         """Append the step's sampled-token logprobs to the requests in `updated` (their ids)
-        and fill the prompt logprobs it computed."""
+        and fill the prompt logprobs it computed. `appended`: how many tokens each scheduled
+        request got (speculative decoding: its accepted drafts too; default one)."""
         if result.logprobs is not None:
             lp = result.logprobs
             for i, s in enumerate(scheduled):
                 request = s.request
                 if request.logprobs is None or id(request) not in updated:
                     continue
-                token = request.token_ids[-1]
-                request.logprobs.append(self._logprob_dict(
-                    token, lp.token_logprob[i], lp.token_rank[i], lp.top_ids[i], lp.top_logprobs[i],
-                    request.num_logprobs, request.params.detokenize,
-                ))
-                request.cumulative_logprob += float(lp.token_logprob[i])
+                count = 1 if appended is None else appended[i]
+                first = i if result.logits_start is None else int(result.logits_start[i])
+                for row, token in enumerate(request.token_ids[len(request.token_ids) - count :], start=first):
+                    request.logprobs.append(self._logprob_dict(
+                        token, lp.token_logprob[row], lp.token_rank[row], lp.top_ids[row], lp.top_logprobs[row],
+                        request.num_logprobs, request.params.detokenize,
+                    ))
+                    request.cumulative_logprob += float(lp.token_logprob[row])
         if result.prompt_logprobs is not None:
             lp = result.prompt_logprobs
             for row, (i, pos) in enumerate(result.prompt_positions):

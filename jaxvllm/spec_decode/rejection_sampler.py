@@ -24,11 +24,20 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxvllm.sampler import Logprobs, SamplerFeatures, SamplerState, SamplingTensors, apply_top_k_top_p_min_p, sample
+from jaxvllm.sampler import (Logprobs, SamplerFeatures, SamplerState, SamplingTensors, apply_top_k_top_p_min_p,
+                             compute_logprobs, sample)
 
 # Folded into an acceptance draw's key, so that it is independent of the sampler's draw
 # for the same (seed, output index).
 ACCEPT_STREAM = 1
+
+
+def _draft_rows(draft_ids: jax.Array, num_drafts: jax.Array, logits_start: jax.Array, num_logits: int):
+    """(which drafts are real [S, K], the logits row scoring each [S, K] (padding: past the
+    end), the draft each logits row scores [L] (none: 0))."""
+    valid = jnp.arange(draft_ids.shape[1]) < num_drafts[:, None]
+    at = jnp.where(valid, logits_start[:, None] + jnp.arange(draft_ids.shape[1]), num_logits)
+    return valid, at, jnp.zeros(num_logits, jnp.int32).at[at].set(draft_ids, mode="drop")
 
 
 def num_accepted(logits: jax.Array, t: SamplingTensors, draft_ids: jax.Array, num_drafts: jax.Array,
@@ -38,13 +47,11 @@ def num_accepted(logits: jax.Array, t: SamplingTensors, draft_ids: jax.Array, nu
     [S] (the rest of a row's drafts: padding)."""
     rows, k = draft_ids.shape
     num_logits = logits.shape[0]
-    valid = jnp.arange(k) < num_drafts[:, None]
-    at = jnp.where(valid, logits_start[:, None] + jnp.arange(k), num_logits)  # [S, K]; invalid: past the end
+    valid, at, scored = _draft_rows(draft_ids, num_drafts, logits_start, num_logits)
     accepted = jnp.argmax(logits, axis=-1)[jnp.minimum(at, num_logits - 1)] == draft_ids
     if features.random:
-        # Each logits row's sequence row and the draft it scores (rows scoring none: row 0's, unused).
+        # Each logits row's sequence row (rows scoring no draft: row 0's, unused).
         owner = jnp.zeros(num_logits, jnp.int32).at[at].set(jnp.arange(rows)[:, None], mode="drop")
-        scored = jnp.zeros(num_logits, jnp.int32).at[at].set(draft_ids, mode="drop")
         temperature = jnp.where(t.temperature > 0, t.temperature, 1.0)[owner, None]
         x = apply_top_k_top_p_min_p(logits / temperature, t.top_k[owner], t.top_p[owner], t.min_p[owner], features)
         p = jnp.take_along_axis(jax.nn.softmax(x, axis=-1), scored[:, None], axis=-1)[:, 0]
@@ -69,13 +76,21 @@ def sample_with_drafts(
     """(the token each row samples after its accepted drafts [S], how many it accepted [S],
     logprobs, state) from float32 `logits` [L, vocab], row i's 1 + num_drafts[i] of them from
     logits_start[i]. Rows with no drafts sample at their one logits row as `sample` would;
-    the others never use state, logprobs or a grammar (the engine drafts only for rows that
-    do not)."""
+    the others use no state and no grammar (the engine drafts only for rows that do not).
+    Logprobs, when asked, come per logits row [L]: row logits_start[i] + j is that of row
+    i's j-th emitted token, its accepted drafts' of the raw logits (the engine drafts for
+    rows with logprobs only in the raw modes), the last one's as `sample` gives it."""
     rows, k = draft_ids.shape
+    num_logits = logits.shape[0]
     accepted = num_accepted(logits, t, draft_ids, num_drafts, logits_start, features)
-    at = logits[jnp.minimum(logits_start + accepted, logits.shape[0] - 1)]
+    at = logits[jnp.minimum(logits_start + accepted, num_logits - 1)]
     rejected = jnp.take_along_axis(draft_ids, jnp.minimum(accepted, k - 1)[:, None], axis=1)[:, 0]
     banned = jnp.where(accepted < num_drafts, rejected, -1)
     t = dataclasses.replace(t, output_index=t.output_index + accepted)
     sampled, logprobs, state = sample(at, t, state, features, logprobs_mode, bitmask, banned)
+    if features.logprobs:
+        scored = _draft_rows(draft_ids, num_drafts, logits_start, num_logits)[2]
+        drafts = compute_logprobs(logits, scored, features.logprobs, normalize=logprobs_mode.endswith("logprobs"))
+        emitted = jnp.where(t.counts_sample, logits_start + accepted, num_logits)  # (others: dropped)
+        logprobs = jax.tree.map(lambda d, last: d.at[emitted].set(last, mode="drop"), drafts, logprobs)
     return sampled, accepted, logprobs, state

@@ -157,3 +157,35 @@ def test_no_compilation_after_warmup(engines):
 def test_bad_configs_are_refused_before_loading(config, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
         LLM("/nonexistent/model", speculative_config=config)
+
+
+def test_logprobs_of_every_emitted_token(engines):
+    """Requests with logprobs are drafted for (raw modes): each emitted token, accepted draft or
+    not, has the target's logprob and top logprobs, as without drafts."""
+    plain, spec = engines
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=3)
+    before = spec.stats()["spec_decode_num_accepted_tokens"]
+    want = plain.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    got = spec.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert spec.stats()["spec_decode_num_accepted_tokens"] > before
+    for w, g in zip(want, got):
+        w, g = w.outputs[0], g.outputs[0]
+        assert g.token_ids == w.token_ids and len(g.logprobs) == len(g.token_ids)
+        for token, wd, gd in zip(g.token_ids, w.logprobs, g.logprobs):
+            assert list(gd) == list(wd) and gd[token].rank == wd[token].rank
+            assert [e.logprob for e in gd.values()] == pytest.approx([e.logprob for e in wd.values()], abs=1e-4)
+        assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, abs=1e-3)
+
+
+def test_a_stop_string_among_drafts_drops_the_logprobs_after_it(engines):
+    plain, spec = engines
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    texts = [o.outputs[0].text for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
+    stop = next(t[len(t) // 2 : len(t) // 2 + 2] for t in texts if len(t) > 8)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop], logprobs=1)
+    for w, g in zip(plain.generate(prompts, params, use_tqdm=False), spec.generate(prompts, params, use_tqdm=False)):
+        w, g = w.outputs[0], g.outputs[0]
+        assert g.token_ids == w.token_ids and len(g.logprobs) == len(g.token_ids)
+        assert g.cumulative_logprob == pytest.approx(sum(d[t].logprob for t, d in zip(g.token_ids, g.logprobs)),
+                                                     abs=1e-4)
+        assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, abs=1e-3)
