@@ -318,8 +318,8 @@ class ModelRunner:
         if self.draft is not None:  # its forward over each target layout, its proposer per width
             jobs += [partial(self._compile_draft, b.padding_batch(bucket, width, None, decode_only, s).layout)
                      for bucket, width, decode_only, s in shapes]
-            jobs += [partial(self.draft.compile, None, None, rows=self.config.max_num_seqs, width=width,
-                             place=self._replicated) for width in b.widths]
+            jobs += [partial(self.draft.compile, None, None, rows=rows, width=width, place=self._replicated)
+                     for rows in sorted({b.rows_for(bucket) for bucket in b.buckets}) for width in b.widths]
         with count_compilations() as counts, ThreadPoolExecutor(COMPILE_THREADS) as pool:
             desc = f"Compiling token buckets {b.buckets[0]}-{b.buckets[-1]}"  # (max_num_batched_tokens: the last)
             for _ in tqdm(pool.map(lambda job: job(), jobs), total=len(jobs), desc=desc, dynamic_ncols=True):
@@ -414,8 +414,8 @@ class ModelRunner:
         """The draft model's drafts [n, K] for running requests whose newest token (not yet
         computed) is `tokens[i]` at `positions[i]`; their blocks (`block_ids`) must already
         hold K more tokens from there (the engine allocates them)."""
-        b, rows = self.builder, self.config.max_num_seqs
-        ib = b.input_batch
+        b = self.builder
+        rows, ib = b.rows_for(b.bucket_for(len(request_ids))), b.input_batch  # (a row count of the buckets')
         for rid, blocks in zip(request_ids, block_ids):
             row = ib.row_of[rid]
             if len(blocks) != ib.num_blocks[row]:
