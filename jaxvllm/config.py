@@ -85,6 +85,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     model: str | None = None
     draft_tensor_parallel_size: int | None = None
+    # No drafts in a step while more requests than this run (drafts pay in small batches).
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         method = self.method
@@ -103,6 +105,10 @@ class SpeculativeConfig:
         if self.num_speculative_tokens is None:
             raise ValueError("speculative_config needs num_speculative_tokens (the tokens proposed per step)")
         self.num_speculative_tokens = check_int("num_speculative_tokens", self.num_speculative_tokens, low=1)
+        if self.disable_by_batch_size is not None and (not is_int(self.disable_by_batch_size)
+                                                       or self.disable_by_batch_size < 2):
+            raise ValueError("Expect the batch size threshold of disabling speculative decoding is > 1, but got "
+                             f"disable_by_batch_size={self.disable_by_batch_size!r}")  # (vLLM's message)
         if method == "draft_model":
             if not isinstance(self.model, str) or not self.model:
                 raise ValueError(f"speculative_config method 'draft_model' needs the draft's folder as model, "

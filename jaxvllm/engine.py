@@ -249,11 +249,15 @@ class LLMEngine:
         get drafts: none with penalties, logit bias, allowed ids, bad words, min_tokens (the
         sampler's per-request state), a structured output, or logprobs in a processed
         `logprobs_mode`; and only once a request decodes, with room left for a draft under
-        its max_tokens."""
+        its max_tokens. None while more requests run than `disable_by_batch_size`."""
         processed = self.config.logprobs_mode.startswith("processed")
         requests, contexts, caps, contexts_of = [], [], [], self._contexts
+        threshold = self.config.speculative_config.disable_by_batch_size
+        busy = threshold is not None and len(self.scheduler.running) > threshold
         for request in self.scheduler.running:
             request.spec_token_ids = []
+            if busy:
+                continue
             room = request.max_num_tokens - request.num_tokens - 1  # (a step adds drafts + 1 at most)
             if (room <= 0 or request.num_pending or request.num_computed_tokens != request.num_tokens - 1
                     or request.uses_sampler_state or request.grammar is not None

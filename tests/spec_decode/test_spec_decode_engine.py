@@ -189,3 +189,15 @@ def test_a_stop_string_among_drafts_drops_the_logprobs_after_it(engines):
         assert g.cumulative_logprob == pytest.approx(sum(d[t].logprob for t, d in zip(g.token_ids, g.logprobs)),
                                                      abs=1e-4)
         assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, abs=1e-3)
+
+
+def test_disable_by_batch_size(tiny_checkpoint):
+    """vLLM's `disable_by_batch_size`: no drafts while more requests than it run."""
+    config = dict(SPEC, disable_by_batch_size=2)
+    with LLM(str(tiny_checkpoint("llama")), speculative_config=config, **ENGINE) as llm:
+        token_ids(llm, GREEDY, PROMPTS[:4])  # four run together to the end: never drafted for
+        assert llm.stats()["spec_decode_num_drafts"] == 0
+        token_ids(llm, GREEDY, PROMPTS[:2])
+        assert llm.stats()["spec_decode_num_drafts"] > 0
+    with pytest.raises(ValueError, match="disable_by_batch_size=1"):
+        LLM("/nonexistent/model", speculative_config=dict(SPEC, disable_by_batch_size=1))
