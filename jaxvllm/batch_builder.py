@@ -155,7 +155,8 @@ class BatchBuilder:
         # after, if any, was sampled by the step before and is still on the device.
         host_ends = scheduled.host_ends
         spec = bool(drafts.any())
-        pending = np.flatnonzero(ends - drafts > host_ends) if spec else np.flatnonzero(ends > host_ends)
+        own_ends = ends - drafts if spec else ends  # where each request's own tokens end
+        pending = np.flatnonzero(own_ends > host_ends)
         grammar_rows = [(i, requests[i].grammar) for i in np.flatnonzero(samples & ib.has_grammar[rows]).tolist()
                         ] if ib.num_special else []
         max_blocks = int(ib.num_blocks[rows].max(initial=1))
@@ -199,7 +200,7 @@ class BatchBuilder:
             ids[:] = flat
 
         layout.row_columns(packed)[:, :n] = ib.packed_columns[:, rows]
-        features = self._fill_sampling_rows(v, rows, ends - drafts if spec else ends, samples, bool(grammar_rows))
+        features = self._fill_sampling_rows(v, rows, own_ends, samples, bool(grammar_rows))
         batch = HostBatch(layout, packed, features, n, grammar_rows=grammar_rows, admitted=admitted)
         if ib.num_special:  # (else no row has a grammar or prompt logprobs)
             self._prompt_targets(batch, v["query_start_loc"], scheduled, rows)

@@ -24,7 +24,7 @@ from jaxvllm.dummy import resolve_model
 from jaxvllm.input_processor import InputProcessor, load_tokenizer
 from jaxvllm.interrupts import defer_interrupts
 from jaxvllm.kv_cache_manager import KVCacheManager
-from jaxvllm.metrics import Metric, MetricsCollector
+from jaxvllm.metrics import Metric, MetricsCollector, spec_decode_rates
 from jaxvllm.model_runner import ModelRunner, PendingStep, RunnerOutput
 from jaxvllm.output_processor import OutputProcessor
 from jaxvllm.outputs import RequestOutput
@@ -251,7 +251,7 @@ class LLMEngine:
         `logprobs_mode`; and only once a request decodes, with room left for a draft under
         its max_tokens. None while more requests run than `disable_by_batch_size`."""
         processed = self.config.logprobs_mode.startswith("processed")
-        requests, contexts, caps, contexts_of = [], [], [], self._contexts
+        requests, caps = [], []
         threshold = self.config.speculative_config.disable_by_batch_size
         busy = threshold is not None and len(self.scheduler.running) > threshold
         for request in self.scheduler.running:
@@ -264,11 +264,10 @@ class LLMEngine:
                     or (processed and request.num_logprobs is not None)):
                 continue
             requests.append(request)
-            if contexts_of is not None:
-                contexts.append(contexts_of.get(request.request_id, request.token_ids))
             caps.append(room)
         if isinstance(self.proposer, NgramProposer):
-            contexts_of.keep({r.request_id for r in requests})
+            contexts = [self._contexts.get(r.request_id, r.token_ids) for r in requests]
+            self._contexts.keep({r.request_id for r in requests})
             for request, drafts in zip(requests, self.proposer.propose_batch(contexts, caps)):
                 request.spec_token_ids = drafts
             return
@@ -362,15 +361,13 @@ class LLMEngine:
         }
 
     def _spec_decode_stats(self) -> dict:
-        """Speculative decoding's acceptance rate (accepted / proposed drafts) and mean
-        accepted length (tokens a verifying row emits per step: 1 + accepted / rows), as vLLM logs them."""
-        m = self.metrics
+        """Speculative decoding's counters, acceptance rate and mean accepted length."""
         if self.proposer is None:
             return {}
-        return {"spec_decode_num_drafts": m.spec_num_drafts, "spec_decode_num_draft_tokens": m.spec_num_draft_tokens,
-                "spec_decode_num_accepted_tokens": m.spec_num_accepted_tokens,
-                "spec_decode_acceptance_rate": m.spec_num_accepted_tokens / max(1, m.spec_num_draft_tokens),
-                "spec_decode_mean_accepted_length": 1 + m.spec_num_accepted_tokens / max(1, m.spec_num_drafts)}
+        m = self.metrics
+        counts = {"num_drafts": m.spec_num_drafts, "num_draft_tokens": m.spec_num_draft_tokens,
+                  "num_accepted_tokens": m.spec_num_accepted_tokens}
+        return {f"spec_decode_{k}": v for k, v in {**counts, **spec_decode_rates(**counts)}.items()}
 
     def get_metrics(self) -> list[Metric]:
         """vLLM's `LLMEngine.get_metrics()`: every metric now, with vLLM's names and labels

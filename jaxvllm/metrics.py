@@ -23,6 +23,14 @@ if TYPE_CHECKING:
     from jaxvllm.request import Request
 
 
+def spec_decode_rates(num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int) -> dict[str, float]:
+    """Speculative decoding's acceptance rate (accepted / proposed draft tokens) and mean
+    accepted length (tokens a verifying row emits per step: 1 + accepted / rows), as vLLM
+    logs them, from its three counters (over an engine's life, or between two readings)."""
+    return {"acceptance_rate": num_accepted_tokens / max(1, num_draft_tokens),
+            "mean_accepted_length": 1 + num_accepted_tokens / max(1, num_drafts)}
+
+
 # -- vLLM's reader dataclasses --------------------------------------------------------
 
 

@@ -226,9 +226,9 @@ class ModelRunner:
         self._sampler = jit_sampler(c.logprobs_mode, self.mesh)
         self._prompt_logprobs = jit_prompt_logprobs(self.cfg)
         self._write_row = jax.jit(write_state_row, donate_argnums=(0,))
-        # The forward layouts and (row count, drafts, features) sampler variants compiled so far.
+        # The forward layouts and (row count, logits rows, features) sampler variants compiled so far.
         self._forward_shapes: set[BatchLayout] = set()
-        self._sampler_variants: set[tuple[int, int, SamplerFeatures]] = set()  # (rows, logits rows, features)
+        self._sampler_variants: set[tuple[int, int, SamplerFeatures]] = set()
         self.sampler_state: SamplerState = self._new_sampler_state()
         # Each persistent row's last sampled token: where decode inputs come from under async scheduling.
         self.last_sampled = self._new_last_sampled()
@@ -242,6 +242,8 @@ class ModelRunner:
                 raise ValueError(f"with the draft model's KV cache, only {self.num_blocks} KV blocks fit; one "
                                  f"sequence of max_model_len={self.max_model_len} needs {self.builder.max_blocks_per_seq}")
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
+        if self.draft is not None:
+            self.draft.allocate(self.num_blocks)
         self.profile_seconds = time.perf_counter() - start
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.3f GiB (%s)", self.num_blocks, c.block_size,
                     self.num_blocks * c.block_size, self.num_blocks * self.kv_spec.bytes_per_block / 2**30,
@@ -255,8 +257,6 @@ class ModelRunner:
     # -- KV cache ----------------------------------------------------------------------
 
     def _allocate_kv_caches(self, num_blocks: int):
-        if self.draft is not None:
-            self.draft.allocate(num_blocks)
         return allocate_kv_caches(self.cfg, num_blocks, self.kv_spec.block_size, self.kv_spec.dtype, self.mesh,
                                   self.devices[0], self.kv_scales, self.config.calculate_kv_scales)
 
@@ -267,9 +267,7 @@ class ModelRunner:
 
     def _profile(self) -> None:
         """Run the largest step once, on a cache of one sequence's blocks."""
-        probe = allocate_kv_caches(self.cfg, self.builder.max_blocks_per_seq, self.kv_spec.block_size,
-                                   self.kv_spec.dtype, self.mesh, self.devices[0], self.kv_scales,
-                                   self.config.calculate_kv_scales)
+        probe = self._allocate_kv_caches(self.builder.max_blocks_per_seq)
         self.launch(self._profile_batch(), probe)
         jax.block_until_ready((self.last_sampled, self.sampler_state))
 
@@ -277,9 +275,7 @@ class ModelRunner:
         """Device memory the largest step allocates beyond its inputs (per device): the
         forward's temporaries and outputs, from XLA's analysis of the compiled step."""
         batch = self._profile_batch()
-        probe = allocate_kv_caches(self.cfg, self.builder.max_blocks_per_seq, self.kv_spec.block_size,
-                                   self.kv_spec.dtype, self.mesh, self.devices[0], self.kv_scales,
-                                   self.config.calculate_kv_scales)
+        probe = self._allocate_kv_caches(self.builder.max_blocks_per_seq)
         probe = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), probe)
         packed = step_input(batch.packed, self._replicated)
         compiled = self._forward.lower(self.params, probe, packed, self.last_sampled, layout=batch.layout).compile()
@@ -304,21 +300,18 @@ class ModelRunner:
         spec = (False, True) if self.spec_tokens else (False,)  # (with drafts: every bucket but 1-token ones)
         shapes = [(bucket, w, False, s) for bucket in b.buckets for w in b.widths for s in spec if bucket > 1 or not s]
         shapes += [(bucket, w, True, False) for bucket in b.decode_only_buckets for w in b.widths]
-        jobs = [partial(self._compile_forward, b.padding_batch(bucket, width, None, decode_only, s))
-                for bucket, width, decode_only, s in shapes]
+        batches = [b.padding_batch(bucket, width, None, decode_only, s) for bucket, width, decode_only, s in shapes]
+        jobs = [partial(self._compile_forward, batch) for batch in batches]
         # One sampler per row count (and, with drafts, logits rows): the layouts' distinct ones.
-        samplers = {(layout.num_rows, layout.num_logits): layout for layout in
-                    (b.padding_batch(bucket, b.widths[0], None, False, s).layout for bucket in b.buckets for s in spec
-                     if bucket > 1 or not s)}
+        samplers = {(batch.layout.num_rows, batch.layout.num_logits): batch.layout for batch in batches}
         jobs += [partial(self._compile_sampler, layout, features) for layout in samplers.values()
                  for features in COMMON_FEATURES]
         jobs += [partial(self._compile_prompt_logprobs, bucket, width=0) for bucket in b.buckets]
         row = jax.tree.map(lambda x: x[0], self.sampler_state)
         jobs.append(lambda: self._write_row.lower(self.sampler_state, 0, row).compile())
         if self.draft is not None:  # its forward over each target layout, its proposer per width
-            jobs += [partial(self._compile_draft, b.padding_batch(bucket, width, None, decode_only, s).layout)
-                     for bucket, width, decode_only, s in shapes]
-            jobs += [partial(self.draft.compile, None, None, rows=rows, width=width, place=self._replicated)
+            jobs += [partial(self._compile_draft, batch) for batch in batches]
+            jobs += [partial(self.draft.compile_propose, rows, width, self._replicated)
                      for rows in sorted({b.rows_for(bucket) for bucket in b.buckets}) for width in b.widths]
         with count_compilations() as counts, ThreadPoolExecutor(COMPILE_THREADS) as pool:
             desc = f"Compiling token buckets {b.buckets[0]}-{b.buckets[-1]}"  # (max_num_batched_tokens: the last)
@@ -336,9 +329,8 @@ class ModelRunner:
         packed = step_input(batch.packed, self._replicated)
         self._forward.lower(self.params, self.kv_caches, packed, self.last_sampled, layout=batch.layout).compile()
 
-    def _compile_draft(self, layout: BatchLayout) -> None:
-        packed = step_input(np.zeros(layout.size, np.int32), self._replicated)
-        self.draft.compile(packed, self.last_sampled, layout)
+    def _compile_draft(self, batch: HostBatch) -> None:
+        self.draft.compile_forward(step_input(batch.packed, self._replicated), self.last_sampled, batch.layout)
 
     def _compile_prompt_logprobs(self, bucket: int, width: int) -> None:
         """Prompt logprobs of a bucket's hidden states: warmed for width 0 (each token's own
@@ -446,6 +438,8 @@ class ModelRunner:
             self.last_sampled = self._new_last_sampled()
         if gone(self.kv_caches) or (self.draft is not None and gone(self.draft.kv_caches)):
             self.kv_caches = self._allocate_kv_caches(self.num_blocks)
+            if self.draft is not None:
+                self.draft.allocate(self.num_blocks)
             return True
         return False
 

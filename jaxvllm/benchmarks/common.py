@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from jaxvllm.dummy import MODEL_HELP
+from jaxvllm.metrics import spec_decode_rates
 from pallas_kernels import harness
 
 BACKENDS = ("jaxvllm", "hf", "both")
@@ -91,14 +92,12 @@ _SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
 def spec_decode_figures(before: dict, after: dict) -> dict[str, Any] | None:
     """Acceptance over the runs between two `stats()` of one engine (its counters are
-    cumulative: this leaves warm-up runs out), by the engine's own formulas: acceptance
-    rate = accepted / drafted tokens, mean accepted length = 1 + accepted / verifying rows.
-    None when the engine has no speculative decoding."""
+    cumulative: this leaves warm-up runs out), by the engine's own formulas
+    (`metrics.spec_decode_rates`). None when the engine has no speculative decoding."""
     if "spec_decode_num_drafts" not in after:
         return None
     n = {k: after[f"spec_decode_{k}"] - before.get(f"spec_decode_{k}", 0) for k in _SPEC_COUNTERS}
-    return {**n, "acceptance_rate": n["num_accepted_tokens"] / max(1, n["num_draft_tokens"]),
-            "mean_accepted_length": 1 + n["num_accepted_tokens"] / max(1, n["num_drafts"])}
+    return {**n, **spec_decode_rates(**n)}
 
 
 def speculative_report(results: dict, outputs: dict, greedy: bool) -> dict[str, Any] | None:

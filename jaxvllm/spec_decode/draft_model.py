@@ -29,7 +29,7 @@ from jaxvllm.kv_cache import KVCacheSpec, allocate_kv_caches
 from jaxvllm.loader import load_model, resolve_dtype
 from jaxvllm.model_config import ModelConfig
 from jaxvllm.models import MODELS
-from jaxvllm.sharding import kv_cache_sharding, replicated
+from jaxvllm.sharding import kv_cache_sharding, replicated, step_input
 
 
 def _forward(params, kv_caches, packed, last_sampled, *, cfg: ModelConfig, backend: str, mesh: Mesh | None,
@@ -113,16 +113,16 @@ class DraftModel:
     def propose(self, tokens: np.ndarray, positions: np.ndarray, live: np.ndarray, block_tables: np.ndarray,
                 place) -> np.ndarray:
         """Drafts [S, K] (host) for the `live` rows' newest tokens at their positions."""
-        args = [jax.device_put(x, place) for x in (tokens, positions, live, block_tables)]
+        args = [step_input(x, place) for x in (tokens, positions, live, block_tables)]
         drafts, self.kv_caches = self._propose(self.params, self.kv_caches, *args)
         return np.asarray(drafts)
 
-    def compile(self, packed, last_sampled, layout: BatchLayout | None = None, rows: int = 0, width: int = 0,
-                place=None) -> None:
-        """Compile, without running, the forward of a target layout or the proposer of a width."""
-        if layout is not None:
-            self._forward.lower(self.params, self.kv_caches, packed, last_sampled, layout=layout).compile()
-            return
+    def compile_forward(self, packed, last_sampled, layout: BatchLayout) -> None:
+        """Compile, without running, the draft's forward over a target layout."""
+        self._forward.lower(self.params, self.kv_caches, packed, last_sampled, layout=layout).compile()
+
+    def compile_propose(self, rows: int, width: int, place) -> None:
+        """Compile, without running, the proposer of a row count and block-table width."""
         spec = lambda shape, dtype=jnp.int32: jax.ShapeDtypeStruct(shape, dtype, sharding=place)  # noqa: E731
         self._propose.lower(self.params, self.kv_caches, spec((rows,)), spec((rows,)), spec((rows,), jnp.bool_),
                             spec((rows, width))).compile()
