@@ -62,8 +62,9 @@ class StructuredOutputsConfig:
             check_bool(f"structured_outputs_config {name}", getattr(self, name))
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")  # vLLM's others ("eagle", "eagle3", ...) are refused by name
-_LATER_SPECULATIVE_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")  # vLLM's others are refused by name
+_LATER_SPECULATIVE_METHODS = ("medusa", "mlp_speculator", "mtp")
+MODEL_SPECULATIVE_METHODS = ("draft_model", "eagle", "eagle3")  # (the ones with a model to load)
 # vLLM's prompt lookup window when the config names neither end.
 DEFAULT_PROMPT_LOOKUP = 5
 
@@ -77,7 +78,8 @@ class SpeculativeConfig:
     `num_speculative_tokens` tokens that followed its first occurrence. With one end of
     the window given, the other is the same; with neither, both are 5 (vLLM's defaults).
     "draft_model" (inferred, as vLLM does, when only `model` is given): that smaller model,
-    with the target's vocabulary, drafts the tokens greedily."""
+    with the target's vocabulary, drafts the tokens greedily. "eagle" / "eagle3": an EAGLE
+    head (its folder as `model`) drafts them from the target's hidden states."""
 
     method: str | None = None
     num_speculative_tokens: int | None = None
@@ -109,9 +111,9 @@ class SpeculativeConfig:
                                                        or self.disable_by_batch_size < 2):
             raise ValueError("Expect the batch size threshold of disabling speculative decoding is > 1, but got "
                              f"disable_by_batch_size={self.disable_by_batch_size!r}")  # (vLLM's message)
-        if method == "draft_model":
+        if method in MODEL_SPECULATIVE_METHODS:
             if not isinstance(self.model, str) or not self.model:
-                raise ValueError(f"speculative_config method 'draft_model' needs the draft's folder as model, "
+                raise ValueError(f"speculative_config method {method!r} needs the draft's folder as model, "
                                  f"got {self.model!r}")
             return
         if self.draft_tensor_parallel_size not in (None, 1):
@@ -249,7 +251,7 @@ class EngineConfig:
         elif not isinstance(so, StructuredOutputsConfig):
             raise ValueError(f"structured_outputs_config must be a StructuredOutputsConfig or a dict, got {so!r}")
         self.speculative_config = spec = SpeculativeConfig.of(self.speculative_config)
-        if spec is not None and spec.method == "draft_model" and spec.draft_tensor_parallel_size not in (
+        if spec is not None and spec.method in MODEL_SPECULATIVE_METHODS and spec.draft_tensor_parallel_size not in (
                 None, self.tensor_parallel_size):
             raise ValueError(f"draft_tensor_parallel_size={spec.draft_tensor_parallel_size!r}: the draft model is split "
                              f"as the target is (tensor_parallel_size={self.tensor_parallel_size})")

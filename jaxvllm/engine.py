@@ -28,11 +28,12 @@ from jaxvllm.metrics import Metric, MetricsCollector, spec_decode_rates
 from jaxvllm.model_runner import ModelRunner, PendingStep, RunnerOutput
 from jaxvllm.output_processor import OutputProcessor
 from jaxvllm.outputs import RequestOutput
-from jaxvllm.request import ParentRequest, Request, RequestStatus
+from jaxvllm.request import ParentRequest, Request, RequestStatus, ScheduledBatch
 from jaxvllm.sampling_params import SamplingParams
 from jaxvllm.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jaxvllm.sharding import gather_over_processes
 from jaxvllm.spec_decode.draft_model import check_draft_model
+from jaxvllm.spec_decode.eagle import EagleHead, check_eagle_head
 from jaxvllm.spec_decode.ngram_proposer import ContextArrays, NgramProposer
 from jaxvllm.structured_output import StructuredOutputManager
 from jaxvllm.utils.compilation_cache import use_compilation_cache
@@ -52,8 +53,11 @@ class LLMEngine:
         self._model_source = resolve_model(config.model)
         self.config = config = self._model_source.engine_config(config).for_platform(jax.default_backend())
         self.tokenizer = load_tokenizer(config)
-        if config.speculative_config is not None and config.speculative_config.method == "draft_model":
+        method = config.speculative_config.method if config.speculative_config is not None else None
+        if method == "draft_model":
             check_draft_model(config, self.tokenizer)  # (before any weights load)
+        elif method in ("eagle", "eagle3"):
+            check_eagle_head(config)  # (the same)
         self.runner = runner_class(config)
         self.model_config = self.runner.cfg
         eos = set(self.model_config.eos_token_ids)
@@ -93,7 +97,7 @@ class LLMEngine:
             self.proposer = NgramProposer(config, max_model_len=max_model_len)
             self._contexts = ContextArrays()
         elif spec is not None:
-            self.proposer = self.runner.draft
+            self.proposer = self.runner.drafter
         if spec is not None:
             self.scheduler.vectorized = False
             self.metrics.enable_spec_decode(config.speculative_config.num_speculative_tokens)
@@ -236,20 +240,22 @@ class LLMEngine:
                 self.metrics.record_finished(request)  # its finish reason is final: stop strings were checked
         self.runner.release(finished)
         if self.proposer is not None:
-            self._propose_drafts()
+            self._propose_drafts(out.scheduled)
         outputs, done = self.output_processor.step_outputs(updated + ended, self._parents)
         for parent in done:
             del self._parents[parent.request_id]
             self.metrics.record_parent_finished(parent.children)
         return outputs
 
-    def _propose_drafts(self) -> None:
+    def _propose_drafts(self, scheduled: ScheduledBatch) -> None:
         """Draft tokens for each running request's next step, from its tokens so far (vLLM's
         prompt lookup). As vLLM, only requests whose sampling the rejection sampler covers
         get drafts: none with penalties, logit bias, allowed ids, bad words, min_tokens (the
         sampler's per-request state), a structured output, or logprobs in a processed
         `logprobs_mode`; and only once a request decodes, with room left for a draft under
-        its max_tokens. None while more requests run than `disable_by_batch_size`."""
+        its max_tokens. None while more requests run than `disable_by_batch_size`. An EAGLE
+        head drafts for requests of the step just done (`scheduled`) only, and reads every
+        step, drafts or not."""
         processed = self.config.logprobs_mode.startswith("processed")
         requests, caps = [], []
         threshold = self.config.speculative_config.disable_by_batch_size
@@ -271,14 +277,22 @@ class LLMEngine:
             for request, drafts in zip(requests, self.proposer.propose_batch(contexts, caps)):
                 request.spec_token_ids = drafts
             return
-        # The draft model writes its K/V for K tokens from the newest on: their slots first.
         k, kv = self.proposer.k, self.kv_cache_manager
+        eagle = isinstance(self.proposer, EagleHead)
+        if eagle:  # (it drafts from the hidden states of the step just done: for its requests only)
+            in_step = set(map(id, scheduled.requests))
+            kept = [i for i, r in enumerate(requests) if id(r) in in_step]
+            requests, caps = [requests[i] for i in kept], [caps[i] for i in kept]
+        # The draft model and the head write their K/V for K tokens from the newest on: their slots first.
         ready = [(r, cap) for r, cap in zip(requests, caps) if kv.allocate_slots(r, k) is not None]
-        if not ready:
+        ids, blocks = [r.request_id for r, _ in ready], [kv.req_blocks[r.request_id] for r, _ in ready]
+        if eagle:  # (every step, drafts or not: the head's K/V of the step's tokens)
+            drafts = self.runner.propose_eagle(scheduled, [r for r, _ in ready], blocks)
+        elif ready:
+            drafts = self.runner.propose_drafts(ids, [r.token_ids[-1] for r, _ in ready],
+                                                [r.num_tokens - 1 for r, _ in ready], blocks)
+        else:
             return
-        drafts = self.runner.propose_drafts([r.request_id for r, _ in ready], [r.token_ids[-1] for r, _ in ready],
-                                            [r.num_tokens - 1 for r, _ in ready],
-                                            [kv.req_blocks[r.request_id] for r, _ in ready])
         for (request, cap), row in zip(ready, drafts.tolist()):
             request.spec_token_ids = row[:cap]
 

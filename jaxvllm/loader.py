@@ -80,7 +80,7 @@ def load_model(
     return run_cfg, load_safetensors(Path(model), cfg, jdtype, shardings, repeats)
 
 
-def _tensor_files(path: Path) -> dict[str, Path]:
+def tensor_files(path: Path) -> dict[str, Path]:
     """Map each tensor name to its file, from the index (sharded) or the files' headers."""
     index = path / _INDEX_FILE
     if index.is_file():
@@ -111,11 +111,13 @@ def _open(file: Path):
 
 
 def load_safetensors(path: Path, cfg: ModelConfig, dtype, shardings: dict,
-                     repeats: int = 1) -> dict:
+                     repeats: int = 1, specs: list | None = None, read_elsewhere: frozenset = frozenset()) -> dict:
     """Each device reads only its slice of each tensor (safetensors `get_slice`), so no
-    tensor is ever whole on one device, nor in host memory when it is split."""
-    specs = MODELS[cfg.architecture].param_specs(cfg)
-    files = _tensor_files(path)
+    tensor is ever whole on one device, nor in host memory when it is split. `specs`:
+    the params to read (default: those of `cfg`'s architecture); `read_elsewhere`: other
+    tensors the caller knows of (not reported as unused)."""
+    specs = specs or MODELS[cfg.architecture].param_specs(cfg)
+    files = tensor_files(path)
     # transformers 5's own layout where the checkpoint has it (experts fused), else HF's usual one.
     fused = {s.path for s in specs if s.fused_name in files and s.hf_names()[0] not in files}
     names = {s.path: [s.fused_name] if s.path in fused else s.hf_names() for s in specs}
@@ -158,15 +160,15 @@ def load_safetensors(path: Path, cfg: ModelConfig, dtype, shardings: dict,
                 raise ValueError(f"cannot read tensor {name}{f' from {files[name]}' if one else ''}: {e}") from e
             _put(params, spec.path, value)
             bar.update(1)
-    unused = set(files) - {name for s in specs for name in names[s.path]} - {"lm_head.weight"}
+    unused = set(files) - {name for s in specs for name in names[s.path]} - {"lm_head.weight"} - read_elsewhere
     unused = {name for name in unused if not _KV_SCALE.fullmatch(name)}  # an fp8 KV cache's: load_kv_scales
     if unused:
         logger.warning("ignoring %d tensor(s) not used by %s: %s", len(unused), cfg.architecture, sorted(unused)[:5])
     return params
 
 
-def _param_shardings(cfg: ModelConfig, mesh: Mesh | None, device=None) -> dict:
-    specs = MODELS[cfg.architecture].param_specs(cfg)
+def _param_shardings(cfg: ModelConfig, mesh: Mesh | None, device=None, specs: list | None = None) -> dict:
+    specs = specs or MODELS[cfg.architecture].param_specs(cfg)
     if mesh is None:
         return {spec.path: SingleDeviceSharding(device or jax.devices()[0]) for spec in specs}
     return param_shardings(specs, cfg, mesh)
@@ -247,14 +249,14 @@ def _random_param(key, scale, *, shape, dtype, init: str, repeats: int):
 
 
 def dummy_params(cfg: ModelConfig, dtype, seed: int = 0, shardings: dict | None = None,
-                 repeats: int = 1) -> dict:
+                 repeats: int = 1, specs: list | None = None) -> dict:
     """Random weights of the right shapes (normal with the config's initializer_range), made
     on their devices as `shardings` places them (default: one device), the same values
     whatever the split."""
     key = jax.random.key(seed)
     params: dict = {}
-    specs = MODELS[cfg.architecture].param_specs(cfg)
-    shardings = shardings or _param_shardings(cfg, None)
+    specs = specs or MODELS[cfg.architecture].param_specs(cfg)
+    shardings = shardings or _param_shardings(cfg, None, specs=specs)
     by_sharding = {}  # one jitted initializer per placement (each caches its shapes)
     for i, spec in enumerate(tqdm(specs, desc="Initializing dummy weights", dynamic_ncols=True)):
         sharding = shardings[spec.path]
@@ -297,7 +299,7 @@ def load_kv_scales(model: str | Path, run_cfg: ModelConfig) -> tuple[np.ndarray,
     heads = cfg.num_kv_heads
     scales = np.ones((run_cfg.num_layers, heads, 2), np.float32)
     found = {}
-    for name, file in _tensor_files(Path(model)).items():
+    for name, file in tensor_files(Path(model)).items():
         m = _KV_SCALE.fullmatch(name)
         if m and int(m.group(1)) < run_cfg.num_layers:
             found.setdefault(file, []).append((name, int(m.group(1)), "kv".index(m.group(2))))

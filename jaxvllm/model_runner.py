@@ -30,11 +30,12 @@ from jaxvllm.kv_cache import KVCacheSpec, allocate_kv_caches, kv_cache_scales, n
 from jaxvllm.loader import load_model, resolve_dtype
 from jaxvllm.model_config import ModelConfig
 from jaxvllm.models import MODELS
-from jaxvllm.request import ScheduledRequest
+from jaxvllm.request import Request, ScheduledBatch, ScheduledRequest
 from jaxvllm.sampler import (COMMON_FEATURES, Logprobs, SamplerFeatures, SamplerState, compute_logprobs, init_state,
                              sample, state_row, write_state_row)
 from jaxvllm.sharding import device_group, kv_cache_sharding, make_mesh, put, replicated, step_input, to_host
 from jaxvllm.spec_decode.draft_model import DraftModel
+from jaxvllm.spec_decode.eagle import EagleHead
 from jaxvllm.spec_decode.rejection_sampler import sample_with_drafts
 from jaxvllm.utils.compilation_cache import CompileCounts, count_compilations
 
@@ -100,18 +101,21 @@ class PendingStep:
 
 
 def _forward(params, kv_caches, packed, last_sampled, *, cfg: ModelConfig, backend: str, mesh: Mesh | None,
-             layout: BatchLayout):
+             aux_layers: tuple[int, ...], layout: BatchLayout):
     """The model on one step's batch: float32 logits of the sampling rows, every token's
-    final hidden state (for prompt logprobs), the batch's sampling prefix (for the
-    sampler, which then compiles per row count only), and the updated caches. Logits of
-    a vocabulary-split lm_head are gathered: the sampler reads whole rows."""
+    final hidden state (for prompt logprobs and EAGLE), the residual streams entering
+    `aux_layers` side by side [T, n * hidden] (EAGLE-3's input; None without), the batch's
+    sampling prefix (for the sampler, which then compiles per row count only), and the
+    updated caches. Logits of a vocabulary-split lm_head are gathered: the sampler reads
+    whole rows."""
     model = MODELS[cfg.architecture]
     inputs = layout.model_inputs(packed, last_sampled)
-    hidden, kv_caches = model.hidden_states(params, kv_caches, inputs, cfg, backend, mesh)
+    hidden, kv_caches, aux = model.hidden_states(params, kv_caches, inputs, cfg, backend, mesh, aux_layers)
     logits = model.compute_logits(params, hidden[inputs.logits_indices], cfg)
     if mesh is not None:
         logits = jax.lax.with_sharding_constraint(logits, replicated(mesh))
-    return logits, hidden, packed[: layout.sampling_size], kv_caches
+    aux = jnp.concatenate(aux, axis=-1) if aux else None
+    return logits, hidden, aux, packed[: layout.sampling_size], kv_caches
 
 
 def _sample(sampling_rows, logits, last_sampled, state, bitmask, *, num_rows: int, features: SamplerFeatures,
@@ -141,17 +145,20 @@ def _prompt_logprobs(params, hidden, rows, *, cfg: ModelConfig, width: int) -> L
     return compute_logprobs(logits, rows[1], width)
 
 
-def jit_forward(cfg: ModelConfig, backend: str, mesh: Mesh | None = None, kv_scaled: bool = False):
+def jit_forward(cfg: ModelConfig, backend: str, mesh: Mesh | None = None, kv_scaled: bool = False,
+                aux_layers: tuple[int, ...] = ()):
     """The model step as the runner compiles it, per layout: the KV caches donated. With a
     mesh, the model is split over its devices (tensor parallelism); None: one device.
-    `kv_scaled`: an fp8 cache, each layer's (k_cache, v_cache, scales)."""
+    `kv_scaled`: an fp8 cache, each layer's (k_cache, v_cache, scales). `aux_layers`:
+    the layers whose inputs the step also returns (an EAGLE-3 head's)."""
     # Outputs placed as the inputs are (else a donated cache could come back placed otherwise,
     # and the next step would compile anew); an fp8 cache's scales split on KV heads with it.
     caches = None if mesh is None else kv_cache_sharding(mesh)
     if mesh is not None and kv_scaled:
         caches = [(caches,) * 3] * cfg.num_layers
-    out = None if mesh is None else (replicated(mesh),) * 3 + (caches,)
-    return jax.jit(partial(_forward, cfg=cfg, backend=backend, mesh=mesh), static_argnames="layout",
+    out = None if mesh is None else (replicated(mesh),) * 4 + (caches,)
+    return jax.jit(partial(_forward, cfg=cfg, backend=backend, mesh=mesh, aux_layers=tuple(aux_layers)),
+                   static_argnames="layout",
                    donate_argnums=(1,), out_shardings=out)
 
 
@@ -217,12 +224,20 @@ class ModelRunner:
         self.kv_spec = KVCacheSpec(self.cfg, c.block_size, resolve_kv_cache_dtype(c.kv_cache_dtype, self.dtype),
                                    len(self.devices))
         self.kv_scales = kv_cache_scales(c, self.cfg)
-        # Speculative decoding's draft model: its own params, and a cache with the target's blocks.
-        self.draft = None
-        if c.speculative_config is not None and c.speculative_config.method == "draft_model":
-            self.draft = DraftModel(c, mesh=self.mesh, device=self.devices[0], backend=self.backend,
-                                    dynamic_loops=dynamic_loops, num_devices=len(self.devices))
-        self._forward = jit_forward(self.cfg, self.backend, self.mesh, kv_scaled=self.kv_scales is not None)
+        # Speculative decoding's draft model or EAGLE head: its own params, and a cache with the
+        # target's blocks (`drafter`: whichever there is).
+        self.draft = self.eagle = None
+        method = c.speculative_config.method if c.speculative_config is not None else None
+        where = dict(mesh=self.mesh, device=self.devices[0], backend=self.backend, dynamic_loops=dynamic_loops,
+                     num_devices=len(self.devices))
+        if method == "draft_model":
+            self.draft = DraftModel(c, **where)
+        elif method in ("eagle", "eagle3"):
+            self.eagle = EagleHead(c, self.cfg, **where)
+        self.drafter = self.draft or self.eagle
+        aux_layers = self.eagle.aux_layers if self.eagle is not None else ()
+        self._forward = jit_forward(self.cfg, self.backend, self.mesh, kv_scaled=self.kv_scales is not None,
+                                    aux_layers=aux_layers)
         self._sampler = jit_sampler(c.logprobs_mode, self.mesh)
         self._prompt_logprobs = jit_prompt_logprobs(self.cfg)
         self._write_row = jax.jit(write_state_row, donate_argnums=(0,))
@@ -235,15 +250,15 @@ class ModelRunner:
         start = time.perf_counter()
         self.num_blocks = num_kv_blocks(c, self.kv_spec, self.devices, self.max_model_len, self._profile,
                                         self._profile_step_bytes)
-        if self.draft is not None and c.num_gpu_blocks_override is None:  # the draft's cache shares the room
-            target, draft = self.kv_spec.bytes_per_block, self.draft.kv_spec.bytes_per_block
+        if self.drafter is not None and c.num_gpu_blocks_override is None:  # the draft's cache shares the room
+            target, draft = self.kv_spec.bytes_per_block, self.drafter.kv_spec.bytes_per_block
             self.num_blocks = self.num_blocks * target // (target + draft)
             if self.num_blocks < self.builder.max_blocks_per_seq:
                 raise ValueError(f"with the draft model's KV cache, only {self.num_blocks} KV blocks fit; one "
                                  f"sequence of max_model_len={self.max_model_len} needs {self.builder.max_blocks_per_seq}")
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
-        if self.draft is not None:
-            self.draft.allocate(self.num_blocks)
+        if self.drafter is not None:
+            self.drafter.allocate(self.num_blocks)
         self.profile_seconds = time.perf_counter() - start
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.3f GiB (%s)", self.num_blocks, c.block_size,
                     self.num_blocks * c.block_size, self.num_blocks * self.kv_spec.bytes_per_block / 2**30,
@@ -313,6 +328,8 @@ class ModelRunner:
             jobs += [partial(self._compile_draft, batch) for batch in batches]
             jobs += [partial(self.draft.compile_propose, rows, width, self._replicated)
                      for rows in sorted({b.rows_for(bucket) for bucket in b.buckets}) for width in b.widths]
+        if self.eagle is not None:  # its proposer after each target layout
+            jobs += [partial(self._compile_eagle, batch) for batch in batches]
         with count_compilations() as counts, ThreadPoolExecutor(COMPILE_THREADS) as pool:
             desc = f"Compiling token buckets {b.buckets[0]}-{b.buckets[-1]}"  # (max_num_batched_tokens: the last)
             for _ in tqdm(pool.map(lambda job: job(), jobs), total=len(jobs), desc=desc, dynamic_ncols=True):
@@ -331,6 +348,10 @@ class ModelRunner:
 
     def _compile_draft(self, batch: HostBatch) -> None:
         self.draft.compile_forward(step_input(batch.packed, self._replicated), self.last_sampled, batch.layout)
+
+    def _compile_eagle(self, batch: HostBatch) -> None:
+        self.eagle.compile(self.params, step_input(batch.packed, self._replicated), self.last_sampled, batch.layout,
+                           self.builder.widths[-1], self._replicated)
 
     def _compile_prompt_logprobs(self, bucket: int, width: int) -> None:
         """Prompt logprobs of a bucket's hidden states: warmed for width 0 (each token's own
@@ -365,7 +386,7 @@ class ModelRunner:
         with structured-output rows is sampled later, by `sample`, with their bitmask."""
         layout = batch.layout
         packed = step_input(batch.packed, self._replicated)
-        logits, hidden, sampling_rows, caches = self._forward(
+        logits, hidden, aux, sampling_rows, caches = self._forward(
             self.params, self.kv_caches if kv_caches is None else kv_caches, packed, self.last_sampled, layout=layout
         )
         if kv_caches is None:
@@ -373,6 +394,8 @@ class ModelRunner:
             self._forward_shapes.add(layout)
             if self.draft is not None:
                 self.draft.forward(packed, self.last_sampled, layout)
+            if self.eagle is not None:
+                self.eagle.keep(packed, layout, hidden, aux)
         step = PendingStep(batch, None, None, [])
         chunk = min(PROMPT_LOGPROBS_CHUNK, layout.num_tokens)
         for start in range(0, len(batch.prompt_rows), chunk):
@@ -407,20 +430,53 @@ class ModelRunner:
         computed) is `tokens[i]` at `positions[i]`; their blocks (`block_ids`) must already
         hold K more tokens from there (the engine allocates them)."""
         b = self.builder
-        rows, ib = b.rows_for(b.bucket_for(len(request_ids))), b.input_batch  # (a row count of the buckets')
+        rows = b.rows_for(b.bucket_for(len(request_ids)))  # (a row count of the buckets')
+        live = np.arange(rows) < len(request_ids)
+        token, position = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+        token[: len(tokens)], position[: len(positions)] = tokens, positions
+        tables = self._draft_tables(request_ids, block_ids, rows)
+        return self.draft.propose(token, position, live, tables, self._replicated)[: len(request_ids)]
+
+    def propose_eagle(self, scheduled: ScheduledBatch, drafting: list[Request], block_ids: list[list[int]]
+                      ) -> np.ndarray:
+        """After the step `scheduled` (its tokens appended): the EAGLE head's K/V for each of
+        its tokens whose next token is known, then drafts [n, K] for the requests
+        `drafting` of that step, each from its newest token; their blocks (`block_ids`)
+        must already hold K more tokens from there (the engine allocates them)."""
+        layout = self.eagle.step[1]
+        next_tokens, valid = np.zeros(layout.num_tokens, np.int32), np.zeros(layout.num_tokens, bool)
+        starts, lens = scheduled.starts.tolist(), scheduled.num_new_tokens.tolist()
+        first = np.cumsum([0] + lens[:-1]).tolist()  # each chunk's first token in the batch
+        for request, start, n, q in zip(scheduled.requests, starts, lens, first):
+            if not request.is_finished:
+                ahead = request.token_ids[start + 1 : start + n + 1]  # (rejected drafts' positions: none)
+                next_tokens[q : q + len(ahead)] = ahead
+                valid[q : q + len(ahead)] = True
+        at = {id(request): i for i, request in enumerate(scheduled.requests)}
+        rows = layout.num_rows
+        draft_index, live = np.zeros(rows, np.int32), np.arange(rows) < len(drafting)
+        for j, request in enumerate(drafting):  # the newest computed position: the step's last accepted
+            i = at[id(request)]
+            draft_index[j] = first[i] + request.num_tokens - 2 - starts[i]
+        tables = self._draft_tables([r.request_id for r in drafting], block_ids, rows, self.builder.widths[-1])
+        drafts = self.eagle.propose(self.params, self.last_sampled, next_tokens, valid, draft_index, live, tables,
+                                    self._replicated)
+        return drafts[: len(drafting)]
+
+    def _draft_tables(self, request_ids: list[str], block_ids: list[list[int]], rows: int, width: int | None = None
+                      ) -> np.ndarray:
+        """Block tables [rows, width] of drafting requests (their rows' blocks updated first);
+        `width` by default the narrowest that holds them."""
+        ib = self.builder.input_batch
         for rid, blocks in zip(request_ids, block_ids):
             row = ib.row_of[rid]
             if len(blocks) != ib.num_blocks[row]:
                 ib.set_blocks(row, blocks)
-        live = np.zeros(rows, bool)
-        live[: len(request_ids)] = True
-        token, position = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
-        token[: len(tokens)], position[: len(positions)] = tokens, positions
         row = np.array([ib.row_of[rid] for rid in request_ids], np.int64)
-        width = b.width_for(int(ib.num_blocks[row].max(initial=1)))
+        width = width or self.builder.width_for(int(ib.num_blocks[row].max(initial=1)))
         tables = np.zeros((rows, width), np.int32)
         tables[: len(row)] = ib.block_table[row, :width]
-        return self.draft.propose(token, position, live, tables, self._replicated)[: len(request_ids)]
+        return tables
 
     def release(self, request_ids) -> None:
         """Requests that left the running set (finished, aborted, preempted) give back their row."""
@@ -436,10 +492,12 @@ class ModelRunner:
             self.sampler_state = self._new_sampler_state()
         if gone(self.last_sampled):
             self.last_sampled = self._new_last_sampled()
-        if gone(self.kv_caches) or (self.draft is not None and gone(self.draft.kv_caches)):
+        if self.eagle is not None:
+            self.eagle.step = None
+        if gone(self.kv_caches) or (self.drafter is not None and gone(self.drafter.kv_caches)):
             self.kv_caches = self._allocate_kv_caches(self.num_blocks)
-            if self.draft is not None:
-                self.draft.allocate(self.num_blocks)
+            if self.drafter is not None:
+                self.drafter.allocate(self.num_blocks)
             return True
         return False
 
@@ -476,10 +534,11 @@ class ModelRunner:
         The runner cannot run again; calling close twice is harmless."""
         if self.closed:
             return
-        draft = self.draft.arrays() if self.draft is not None else []
+        draft = self.drafter.arrays() if self.drafter is not None else []
         for array in jax.tree.leaves((self.params, self.kv_caches, self.sampler_state, self.last_sampled, draft)):
             if isinstance(array, jax.Array) and not array.is_deleted():
                 array.delete()
         self.params = self.kv_caches = self.sampler_state = self.last_sampled = None
-        self._forward = self._sampler = self._prompt_logprobs = self._write_row = self.draft = None
+        self._forward = self._sampler = self._prompt_logprobs = self._write_row = None
+        self.draft = self.eagle = self.drafter = None
         self.builder = None

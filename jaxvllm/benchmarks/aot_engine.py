@@ -101,7 +101,29 @@ def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int =
                           [jax.eval_shape(lambda: dummy_params(cfg, dtype)), [layer_cache] * cfg.num_layers,
                            spec((max_num_seqs,)), spec((max_num_seqs,)), spec((max_num_seqs,), jnp.bool_),
                            spec((max_num_seqs, layout.width))]))
+        cases.append(eagle_propose_case(cfg, backend, layout, block_size, dtype, layer_cache, [packed, last_sampled],
+                                        common))
     return cases
+
+
+def eagle_propose_case(cfg: ModelConfig, backend: str, layout, block_size: int, dtype, layer_cache, step: list,
+                       common: dict) -> Case:
+    """An EAGLE-3 head of one layer (a draft vocabulary of a quarter of the target's) after a
+    target step of `layout`: its K/V of the step's tokens, then K drafts a row."""
+    import dataclasses
+
+    from jaxvllm.spec_decode.eagle import EagleConfig, default_aux_layers, jit_eagle_propose, param_specs
+
+    head = dataclasses.replace(cfg, num_layers=1)
+    e = EagleConfig("eagle3", head, cfg.vocab_size // 4, cfg.hidden_size, default_aux_layers(cfg.num_layers))
+    propose = jit_eagle_propose(e, head, cfg, backend, None, layout.spec_tokens, block_size)
+    t, s = layout.num_tokens, layout.num_rows
+    params = jax.eval_shape(lambda: dummy_params(head, dtype, specs=param_specs(e, set())))
+    target = jax.eval_shape(lambda: dummy_params(cfg, dtype))
+    return Case("eagle_propose", dict(common, num_layers=1, copy_shapes=[list(layer_cache[0].shape)], donated=2),
+                SimpleNamespace(trace=partial(propose.trace, layout=layout)),
+                [params, target, [layer_cache], spec((t, 3 * cfg.hidden_size), dtype), *step, spec((t,)),
+                 spec((t,), jnp.bool_), spec((s,)), spec((s,), jnp.bool_), spec((s, layout.width))])
 
 
 def engine_cases(quick: bool = False) -> list[Case]:
@@ -115,7 +137,7 @@ def engine_cases(quick: bool = False) -> list[Case]:
         cases += engine_step_cases("pallas", sampler=(), kv_cache_dtype=kv_cache_dtype, decode_only=True)
     cases += engine_step_cases("pallas", model="tiny", num_tokens=64, max_num_seqs=8, context=256, dtype=jnp.float32,
                                sampler=())
-    # Speculative decoding: a step verifying 4 drafts a row, and the draft model's proposer.
+    # Speculative decoding: a step verifying 4 drafts a row, the draft model's proposer and an EAGLE-3 head's.
     cases += engine_step_cases("pallas", num_tokens=256, max_num_seqs=64, sampler=("greedy", "all"), spec_tokens=4)
     return cases
 

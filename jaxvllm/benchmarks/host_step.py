@@ -159,7 +159,7 @@ def time_steps(engine: LLMEngine, steps: int, rng, profile: cProfile.Profile | N
         builder.release(r.request_id for r in updated if r.is_finished)
         t3 = clock()
         if engine.proposer:
-            engine._propose_drafts()
+            engine._propose_drafts(out.scheduled)
         t4 = clock()
         outputs = [output_processor.output(engine._parents[r.parent_id]) for r in updated]
         t5 = clock()

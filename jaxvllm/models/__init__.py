@@ -2,7 +2,7 @@
 
 Each architecture is a module of plain functions that satisfies `common.Model`:
 `param_specs(cfg)`, `hidden_states(params, kv_caches, inputs, cfg, attention_backend,
-mesh)` and `compute_logits(params, hidden, cfg)`. `forward` below runs any of them on a batch.
+mesh, aux_layers)` and `compute_logits(params, hidden, cfg)`. `forward` below runs any of them on a batch.
 """
 
 from __future__ import annotations
@@ -28,5 +28,5 @@ def forward(params: dict, kv_caches: list, inputs: ModelInputs, cfg: ModelConfig
     for `logits_indices`, new caches). A pure function of (params, kv_caches, inputs): jit
     it with `cfg` and the backend static and the caches donated."""
     model = MODELS[cfg.architecture]
-    hidden, kv_caches = model.hidden_states(params, kv_caches, inputs, cfg, attention_backend, mesh)
+    hidden, kv_caches, _ = model.hidden_states(params, kv_caches, inputs, cfg, attention_backend, mesh)
     return model.compute_logits(params, hidden[inputs.logits_indices], cfg), kv_caches

@@ -58,8 +58,10 @@ class Model(Protocol):
         """Every parameter, with its HF name and our shape (the loader reads these)."""
 
     def hidden_states(self, params: Params, kv_caches: KVCaches, inputs: ModelInputs, cfg: ModelConfig,
-                      attention_backend: str = "reference", mesh: Mesh | None = None) -> tuple[jax.Array, KVCaches]:
-        """Final-normed hidden states [T, hidden] of every token, and the new caches."""
+                      attention_backend: str = "reference", mesh: Mesh | None = None,
+                      aux_layers: tuple[int, ...] = ()) -> tuple[jax.Array, KVCaches, list[jax.Array]]:
+        """Final-normed hidden states [T, hidden] of every token, the new caches, and the
+        residual stream [T, hidden] entering each of `aux_layers` (EAGLE-3's inputs)."""
 
     def compute_logits(self, params: Params, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:
         """float32 logits [rows, vocab] of final-normed hidden rows."""
@@ -148,20 +150,23 @@ def layer_kinds(cfg: ModelConfig) -> list[int]:
 
 
 def run_layers(layer_fn: Callable, params: Params, kv_caches: KVCaches, x: jax.Array, inputs: ModelInputs,
-               cfg: ModelConfig) -> tuple[jax.Array, KVCaches]:
+               cfg: ModelConfig, collect: tuple[int, ...] = ()) -> tuple[jax.Array, KVCaches, list[jax.Array]]:
     """x through every decoder layer: `layer_fn(layer, x, kv_cache, inputs, kind)` -> (x, kv_cache),
-    `kind` a layer index (`layer_kinds`) whose static settings the layer shares.
+    `kind` a layer index (`layer_kinds`) whose static settings the layer shares. Also
+    returns x as it enters each layer of `collect`, in that order.
 
     Each call is a jit nested in the step's, so JAX traces and lowers one layer of each
     kind, not every layer: start-up (even from the persistent cache, whose key needs the
     lowered step) does not grow with depth. XLA inlines the calls: the compiled step is
     the one the unrolled layers gave."""
     step = jax.jit(layer_fn, static_argnums=4)
-    new_caches = []
-    for layer, cache, kind in zip(params["layers"], kv_caches, layer_kinds(cfg)):
+    new_caches, entering = [], {}
+    for i, (layer, cache, kind) in enumerate(zip(params["layers"], kv_caches, layer_kinds(cfg))):
+        if i in collect:
+            entering[i] = x
         x, cache = step(layer, x, cache, inputs, kind)
         new_caches.append(cache)
-    return x, new_caches
+    return x, new_caches, [entering[i] for i in collect]
 
 
 def activation(x: jax.Array, hidden_act: str) -> jax.Array:

@@ -56,8 +56,10 @@ def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
 
 
 def hidden_states(params: Params, kv_caches: KVCaches, inputs: ModelInputs, cfg: ModelConfig,
-                  attention_backend: str = "reference", mesh: Mesh | None = None) -> tuple[jax.Array, KVCaches]:
-    """Final-normed hidden states [T, hidden] of every token, and the new caches."""
+                  attention_backend: str = "reference", mesh: Mesh | None = None,
+                  aux_layers: tuple[int, ...] = ()) -> tuple[jax.Array, KVCaches, list[jax.Array]]:
+    """Final-normed hidden states [T, hidden] of every token, the new caches, and the
+    residual stream entering each of `aux_layers`."""
     embed = params["embed"]
     # HF casts sqrt(hidden) to the embeddings' dtype (bf16: sqrt(3072) = 55.4256 -> 55.5).
     x = embed[inputs.input_ids] * jnp.asarray(cfg.hidden_size**0.5, jnp.float32).astype(embed.dtype)
@@ -70,8 +72,8 @@ def hidden_states(params: Params, kv_caches: KVCaches, inputs: ModelInputs, cfg:
         h = mlp(layer, rms_norm(x, layer["pre_ffn_norm"], eps), cfg)
         return x + rms_norm(h, layer["post_ffn_norm"], eps), kv_cache
 
-    x, new_caches = run_layers(layer_step, params, kv_caches, x, inputs, cfg)
-    return rms_norm(x, params["norm"], eps), new_caches
+    x, new_caches, aux = run_layers(layer_step, params, kv_caches, x, inputs, cfg, aux_layers)
+    return rms_norm(x, params["norm"], eps), new_caches, aux
 
 
 def compute_logits(params: Params, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:

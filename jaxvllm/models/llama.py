@@ -34,8 +34,10 @@ def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
 
 
 def hidden_states(params: Params, kv_caches: KVCaches, inputs: ModelInputs, cfg: ModelConfig,
-                  attention_backend: str = "reference", mesh: Mesh | None = None) -> tuple[jax.Array, KVCaches]:
-    """Final-normed hidden states [T, hidden] of every token, and the new caches. With a
+                  attention_backend: str = "reference", mesh: Mesh | None = None,
+                  aux_layers: tuple[int, ...] = ()) -> tuple[jax.Array, KVCaches, list[jax.Array]]:
+    """Final-normed hidden states [T, hidden] of every token, the new caches, and the
+    residual stream entering each of `aux_layers` (EAGLE-3 reads those). With a
     mesh (tensor parallelism), attention runs per device on its heads; the rest is XLA's
     SPMD partitioning of the sharded params (see `jaxvllm/sharding.py`)."""
     def layer_step(layer, x, kv_cache, inputs, i):
@@ -46,8 +48,9 @@ def hidden_states(params: Params, kv_caches: KVCaches, inputs: ModelInputs, cfg:
         x = x + (sparse_moe(layer, h, cfg, attention_backend, mesh) if cfg.is_moe_layer(i) else mlp(layer, h, cfg))
         return x, kv_cache
 
-    x, new_caches = run_layers(layer_step, params, kv_caches, params["embed"][inputs.input_ids], inputs, cfg)
-    return rms_norm(x, params["norm"], cfg.rms_norm_eps), new_caches
+    x = params["embed"][inputs.input_ids]
+    x, new_caches, aux = run_layers(layer_step, params, kv_caches, x, inputs, cfg, aux_layers)
+    return rms_norm(x, params["norm"], cfg.rms_norm_eps), new_caches, aux
 
 
 def compute_logits(params: Params, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:

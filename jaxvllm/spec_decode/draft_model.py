@@ -51,7 +51,7 @@ def _propose(params, kv_caches, tokens, positions, live, block_tables, *, cfg: M
         slot = jnp.where(live, block_tables[index, pos // block_size] * block_size + pos % block_size, -1)
         inputs = ModelInputs(tokens, pos, slot, jnp.arange(rows + 1, dtype=jnp.int32), pos + 1, block_tables, index,
                              decode_only=backend == "pallas", dynamic_loops=dynamic_loops)
-        hidden, kv_caches = model.hidden_states(params, kv_caches, inputs, cfg, backend, mesh)
+        hidden, kv_caches, _ = model.hidden_states(params, kv_caches, inputs, cfg, backend, mesh)
         tokens = jnp.argmax(model.compute_logits(params, hidden, cfg), axis=-1).astype(jnp.int32)
         drafts.append(tokens)
     return jnp.stack(drafts, axis=1), kv_caches

@@ -81,8 +81,8 @@ def test_bad_speculative_config_is_a_usage_error(capsys, command, value, match):
 
 def test_a_config_the_engine_refuses_is_a_usage_error(capsys):
     assert main(["generate", "--model", "dummy:tiny", "--prompt", "hi",
-                 "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}']) == 2
-    assert "method 'eagle' is not supported" in capsys.readouterr().err
+                 "--speculative-config", '{"method": "medusa", "num_speculative_tokens": 2}']) == 2
+    assert "method 'medusa' is not supported" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("kind", ["latency", "throughput"])

@@ -152,3 +152,13 @@ def test_draft_model_tp2_greedy_parity(results):
     spec = results["spec"]
     assert spec["tp2_draft"] == spec["tp1"]
     assert spec["tp2_draft_stats"]["spec_decode_acceptance_rate"] == 1.0
+
+
+def test_eagle_heads_tp2_greedy_parity(results):
+    """EAGLE and EAGLE-3 heads split over 2 devices: the greedy outputs of one device without
+    drafts, and the drafts of one device with them (the same counts accepted)."""
+    spec = results["spec"]
+    for method in ("eagle", "eagle3"):
+        assert spec[f"tp2_{method}"] == spec[f"tp1_{method}"] == spec["tp1"]
+        assert spec[f"tp2_{method}_stats"] == spec[f"tp1_{method}_stats"]
+    assert spec["tp2_eagle_stats"]["spec_decode_num_accepted_tokens"] > 0

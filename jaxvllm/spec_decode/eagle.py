@@ -1,0 +1,313 @@
+"""EAGLE and EAGLE-3 draft heads (vLLM's "eagle" and "eagle3" methods): a decoder layer or
+two that drafts from the target's own hidden states, over a paged KV cache of its own.
+
+The head's input at position p is the embedding of token p + 1 beside a hidden state of
+position p: the target's (EAGLE: its final-normed hidden state; EAGLE-3: the residual
+streams entering three of its layers, side by side, brought to the head's width by `fc`),
+or, for a token the head drafted itself, the head's own output before it. So the head's
+K/V of position p can only be written once token p + 1 is known, after the target's step:
+
+- `propose` runs after each step, over that step's packed batch (the same layout, its
+  hidden states kept on the device), its tokens shifted by one: each position's next
+  token where the request has one (the prompt's, an accepted draft or the token the step
+  sampled), else the slot is not written (rejected drafts, the chunk's end);
+- then, for each drafting request, its newest position's output gives the first draft and
+  K - 1 unrolled decode steps the rest (a static trip count, K/V written in place, in
+  slots the engine allocated). Drafts are argmaxes (q one-hot), as in vLLM's V1 proposer.
+
+Checkpoints are read in their published layouts, as vLLM's `llama_eagle.py` and
+`llama_eagle3.py` read them:
+
+- EAGLE: `fc.weight` [H, 2H] over (embedding, hidden), `layers.{i}.*` Llama layers, the first
+  without an input norm; no final norm; the target's embeddings and lm_head unless the
+  folder has its own (`embed_tokens.weight`, `lm_head.weight`).
+- EAGLE-3: `fc.weight` [H, 3 x target hidden], `midlayer.*` whose q/k/v take (normed
+  embedding, `hidden_norm`-ed hidden) [2H], `norm.weight`, an lm_head over a draft
+  vocabulary and `d2t`, the target id of each draft id less that id. `t2d` is not needed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxvllm.batch import ModelInputs
+from jaxvllm.config import EngineConfig
+from jaxvllm.input_batch import BatchLayout
+from jaxvllm.kv_cache import KVCacheSpec, allocate_kv_caches
+from jaxvllm.layers import linear, rms_norm
+from jaxvllm.loader import _param_shardings, dummy_params, load_safetensors, resolve_dtype, tensor_files
+from jaxvllm.model_config import ModelConfig
+from jaxvllm.models import MODELS
+from jaxvllm.models.common import ParamSpec, attention, attention_specs, mlp, mlp_specs
+from jaxvllm.sharding import kv_cache_sharding, kv_repeats, put, replicated, sharded_config, step_input
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    """An EAGLE head as its config.json describes it, checked against the target's."""
+
+    method: str  # "eagle" or "eagle3"
+    model: ModelConfig  # the head's decoder layers (Llama layers)
+    draft_vocab_size: int  # EAGLE-3's lm_head may cover a part of the vocabulary (`d2t` maps it)
+    target_hidden_size: int
+    # EAGLE-3: the target layers whose inputs `fc` combines; () when the head reads the
+    # target's final hidden state (`use_aux_hidden_state: false`).
+    aux_layers: tuple[int, ...] = ()
+    norm_before_residual: bool = False  # EAGLE-3: the residual is the normed hidden state
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """vLLM's choice of the target layers an EAGLE-3 head reads when its config names none."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def load_eagle_config(model: str, method: str, target: ModelConfig) -> EagleConfig:
+    """Read and check an EAGLE head's config.json against the target's config, before any
+    weight loads: the head must work at the target's hidden size and vocabulary."""
+    from transformers import LlamaConfig
+
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"the {method} head {model!r} has no config.json")
+    try:
+        raw = json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"cannot read {path}: {e}") from e
+    if raw.get("add_para_norm"):
+        raise ValueError(f"the {method} head {model!r} is a HASS head (add_para_norm), not supported by jaxvllm yet")
+    hf = LlamaConfig.from_dict({k: v for k, v in raw.items() if k not in ("architectures", "model_type")})
+    hf.architectures = ["LlamaForCausalLM"]  # the head's layers are Llama layers, whatever it drafts for
+    cfg = ModelConfig.from_hf(hf)
+    eagle = raw.get("eagle_config") or {}
+    target_hidden = raw.get("target_hidden_size") or cfg.hidden_size
+    if target_hidden != target.hidden_size:
+        raise ValueError(f"the {method} head {model!r} is for a target of hidden size {target_hidden}; the target's "
+                         f"is {target.hidden_size}")
+    aux: tuple[int, ...] = ()
+    if method == "eagle3" and eagle.get("use_aux_hidden_state", True):
+        aux = tuple(eagle.get("eagle_aux_hidden_state_layer_ids") or default_aux_layers(target.num_layers))
+        if len(aux) != 3 or not all(0 <= i < target.num_layers for i in aux):
+            raise ValueError(f"the eagle3 head {model!r} reads target layers {list(aux)}: it needs three of the "
+                             f"target's {target.num_layers} layers (eagle_config.eagle_aux_hidden_state_layer_ids)")
+    if not aux and cfg.hidden_size != target.hidden_size:  # (only EAGLE-3's fc changes the width)
+        raise ValueError(f"the {method} head {model!r} has hidden size {cfg.hidden_size}; the target's is "
+                         f"{target.hidden_size}")
+    if cfg.vocab_size != target.vocab_size:
+        raise ValueError(f"the {method} head {model!r} has a vocabulary of {cfg.vocab_size} tokens, the target's has "
+                         f"{target.vocab_size}: speculative decoding needs the same vocabulary")
+    return EagleConfig(method, cfg, raw.get("draft_vocab_size") or cfg.vocab_size, target_hidden, aux,
+                       bool(raw.get("norm_before_residual", False)))
+
+
+def check_eagle_head(config: EngineConfig) -> None:
+    """Refuse, before any weight loads, a head that does not fit the target (its config.json
+    against the target's)."""
+    from jaxvllm.loader import load_config
+
+    load_eagle_config(config.speculative_config.model, config.speculative_config.method, load_config(config.model))
+
+
+def param_specs(e: EagleConfig, names: set[str]) -> list[ParamSpec]:
+    """The head's parameters, in the checkpoint's names (`names`: the tensors it holds;
+    optional ones, such as its own embeddings, are read when there). A head with dummy
+    weights (`names` empty) has what it cannot share with the target."""
+    cfg, specs = e.model, []
+    d = cfg.hidden_size
+
+    def one(path, name, shape, init="normal"):
+        specs.append(ParamSpec(path, name, shape, shape, init))
+
+    if e.method == "eagle" or e.aux_layers:  # (embedding, hidden) or EAGLE-3's three target states
+        one(("fc",), "fc.weight", (d, 3 * e.target_hidden_size if e.aux_layers else 2 * d))
+    if "fc.bias" in names:
+        one(("fc_bias",), "fc.bias", (d,), "zeros")
+    if "embed_tokens.weight" in names:
+        one(("embed",), "embed_tokens.weight", (cfg.vocab_size, d))
+    for i in range(cfg.num_layers):
+        first3 = e.method == "eagle3" and i == 0  # its q/k/v read (embedding, hidden) side by side
+        prefix = "midlayer." if first3 and not any(n.startswith("layers.0.") for n in names) else f"layers.{i}."
+
+        def add(name, hf_name, hf_shape, shape=None, init="normal", *_):
+            shape = shape or hf_shape
+            if first3 and name in ("q_proj", "k_proj", "v_proj"):
+                hf_shape, shape = (*hf_shape[:-1], 2 * d), (*shape[:-1], 2 * d)
+            specs.append(ParamSpec(("layers", i, name), prefix + hf_name, hf_shape, shape, init))
+
+        if i > 0 or e.method == "eagle3":  # (EAGLE's first layer has no input norm)
+            add("input_norm", "input_layernorm.weight", (d,), init="ones")
+        if first3:
+            add("hidden_norm", "hidden_norm.weight", (d,), init="ones")
+        attention_specs(add, cfg)
+        add("post_norm", "post_attention_layernorm.weight", (d,), init="ones")
+        mlp_specs(add, cfg)
+    if e.method == "eagle3":
+        one(("norm",), "norm.weight", (d,), "ones")
+    if "lm_head.weight" in names or (not names and e.draft_vocab_size != cfg.vocab_size):
+        one(("head",), "lm_head.weight", (e.draft_vocab_size, d))  # (replicated: a draft vocabulary need not split)
+    return specs
+
+
+def load_eagle(model: str, e: EagleConfig, *, dtype, load_format: str, seed: int, mesh: Mesh | None, device
+               ) -> tuple[ModelConfig, dict]:
+    """The head's (run config, params), split over `mesh` as a target's layers are."""
+    names = set() if load_format == "dummy" else set(tensor_files(Path(model)))
+    specs = param_specs(e, names)
+    run_cfg = sharded_config(e.model, 1 if mesh is None else mesh.size)
+    shardings, repeats = _param_shardings(run_cfg, mesh, device, specs), kv_repeats(e.model, run_cfg)
+    if load_format == "dummy":
+        params = dummy_params(e.model, dtype, seed, shardings, repeats, specs)
+    else:
+        params = load_safetensors(Path(model), e.model, dtype, shardings, repeats, specs, frozenset({"d2t", "t2d"}))
+    if e.draft_vocab_size != e.model.vocab_size and "head" not in params:
+        raise ValueError(f"the eagle3 head {model!r} drafts over {e.draft_vocab_size} tokens but has no lm_head.weight")
+    if "d2t" in names:
+        from safetensors import safe_open
+
+        with safe_open(str(tensor_files(Path(model))["d2t"]), framework="numpy") as f:
+            d2t = f.get_tensor("d2t")
+        if d2t.shape != (e.draft_vocab_size,):
+            raise ValueError(f"tensor d2t of {model!r} has shape {d2t.shape}, draft_vocab_size implies "
+                             f"{(e.draft_vocab_size,)}")
+        params["d2t"] = put(d2t.astype(np.int32), replicated(mesh) if mesh is not None else jax.sharding.
+                            SingleDeviceSharding(device))
+    elif e.draft_vocab_size != e.model.vocab_size and load_format != "dummy":
+        raise ValueError(f"the eagle3 head {model!r} drafts over {e.draft_vocab_size} tokens but has no d2t map")
+    return run_cfg, params
+
+
+def _head(params, embed, kv_caches, input_ids, hidden, inputs: ModelInputs, e: EagleConfig, cfg: ModelConfig,
+          backend: str, mesh: Mesh | None):
+    """The head's layers over tokens `input_ids` with the hidden states [T, H] before them:
+    (the states its logits come from, the states the next position reads, caches)."""
+    layers, eps, x_embed = params["layers"], cfg.rms_norm_eps, embed[input_ids]
+    first = layers[0]
+    if e.method == "eagle":
+        x = linear(jnp.concatenate([x_embed, hidden.astype(x_embed.dtype)], -1), params["fc"], params.get("fc_bias"))
+        h, cache = attention(first, x, kv_caches[0], inputs, cfg, 0, backend, mesh)
+    else:
+        normed = rms_norm(hidden, first["hidden_norm"], eps)
+        x = normed if e.norm_before_residual else hidden
+        h = jnp.concatenate([rms_norm(x_embed, first["input_norm"], eps), normed], -1)
+        h, cache = attention(first, h, kv_caches[0], inputs, cfg, 0, backend, mesh)
+    x = x + h
+    x = x + mlp(first, rms_norm(x, first["post_norm"], eps), cfg)
+    caches = [cache]
+    for i, (layer, cache) in enumerate(zip(layers[1:], kv_caches[1:]), start=1):
+        h, cache = attention(layer, rms_norm(x, layer["input_norm"], eps), cache, inputs, cfg, i, backend, mesh)
+        x = x + h
+        x = x + mlp(layer, rms_norm(x, layer["post_norm"], eps), cfg)
+        caches.append(cache)
+    return (x if e.method == "eagle" else rms_norm(x, params["norm"], eps)), x, caches
+
+
+def _drafts(params, target_params, states, target: ModelConfig):
+    """Each row's argmax token, in the target's ids."""
+    if "head" in params:
+        logits = linear(states, params["head"], preferred_element_type=jnp.float32)
+    else:
+        logits = MODELS[target.architecture].compute_logits(target_params, states, target)
+    best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return best + params["d2t"][best] if "d2t" in params else best
+
+
+def _propose(params, target_params, kv_caches, hidden, packed, last_sampled, next_tokens, valid, draft_index, live,
+             block_tables, *, e: EagleConfig, cfg: ModelConfig, target: ModelConfig, backend: str, mesh: Mesh | None,
+             k: int, block_size: int, dynamic_loops: bool, layout: BatchLayout):
+    """The head over a target step's batch (`hidden`: the step's hidden states; each token's
+    next one `next_tokens` [T], written where `valid`), then K drafts [S, K] for the rows
+    whose newest position is token `draft_index` [S] of the batch (`live`), decoding with
+    `block_tables` [S, W]; returns the drafts and the caches."""
+    inputs = layout.model_inputs(packed, last_sampled)
+    inputs = dataclasses.replace(inputs, input_ids=next_tokens, slot_mapping=jnp.where(valid, inputs.slot_mapping, -1))
+    if e.aux_layers:
+        hidden = linear(hidden, params["fc"], params.get("fc_bias"))
+    embed = params.get("embed", target_params["embed"])
+    states, carry, kv_caches = _head(params, embed, kv_caches, next_tokens, hidden, inputs, e, cfg, backend, mesh)
+    tokens = _drafts(params, target_params, states[draft_index], target)
+    carry, position = carry[draft_index], inputs.positions[draft_index] + 1
+    rows = draft_index.shape[0]
+    index, drafts = jnp.arange(rows, dtype=jnp.int32), [tokens]
+    for step in range(k - 1):  # a draft at a time, each at the position after the last
+        pos = jnp.where(live, position + step, 0)
+        slot = jnp.where(live, block_tables[index, pos // block_size] * block_size + pos % block_size, -1)
+        step_inputs = ModelInputs(tokens, pos, slot, jnp.arange(rows + 1, dtype=jnp.int32), pos + 1, block_tables,
+                                  index, decode_only=backend == "pallas", dynamic_loops=dynamic_loops)
+        states, carry, kv_caches = _head(params, embed, kv_caches, tokens, carry, step_inputs, e, cfg, backend, mesh)
+        tokens = _drafts(params, target_params, states, target)
+        drafts.append(tokens)
+    return jnp.stack(drafts, axis=1), kv_caches
+
+
+def jit_eagle_propose(e: EagleConfig, cfg: ModelConfig, target: ModelConfig, backend: str, mesh: Mesh | None, k: int,
+                      block_size: int, dynamic_loops: bool = False):
+    """The proposer as the runner compiles it, per target layout: the head's caches donated."""
+    caches = None if mesh is None else kv_cache_sharding(mesh)
+    return jax.jit(partial(_propose, e=e, cfg=cfg, target=target, backend=backend, mesh=mesh, k=k,
+                           block_size=block_size, dynamic_loops=dynamic_loops),
+                   static_argnames="layout", donate_argnums=(2,),
+                   out_shardings=None if mesh is None else (replicated(mesh), caches))
+
+
+class EagleHead:
+    """The head's params and KV cache (the target's block count), the target step it drafts
+    after, and its compiled proposer (see the module's doc)."""
+
+    def __init__(self, config: EngineConfig, target: ModelConfig, *, mesh: Mesh | None, device, backend: str,
+                 dynamic_loops: bool, num_devices: int) -> None:
+        spec = config.speculative_config
+        self.k, self.block_size, self.mesh, self.device = spec.num_speculative_tokens, config.block_size, mesh, device
+        self.eagle = load_eagle_config(spec.model, spec.method, target)
+        dtype = resolve_dtype(config.dtype, target)
+        self.cfg, self.params = load_eagle(spec.model, self.eagle, dtype=dtype, load_format=config.load_format,
+                                           seed=config.seed, mesh=mesh, device=device)
+        self.kv_spec = KVCacheSpec(self.cfg, config.block_size, dtype, num_devices)
+        self._propose = jit_eagle_propose(self.eagle, self.cfg, target, backend, mesh, self.k, config.block_size,
+                                          dynamic_loops)
+        self.kv_caches = None
+        self.step = None  # (packed, layout, hidden) of the target step the next proposal follows
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        return self.eagle.aux_layers
+
+    def allocate(self, num_blocks: int) -> None:
+        """A zeroed cache of the target's block count (after a failed step, too)."""
+        self.kv_caches = allocate_kv_caches(self.cfg, num_blocks, self.block_size, self.kv_spec.dtype, self.mesh,
+                                            self.device)
+        self.step = None
+
+    def keep(self, packed, layout: BatchLayout, hidden, aux) -> None:
+        """Hold a dispatched target step's inputs and hidden states until its tokens are known."""
+        self.step = (packed, layout, aux if self.eagle.aux_layers else hidden)
+
+    def propose(self, target_params, last_sampled, next_tokens: np.ndarray, valid: np.ndarray,
+                draft_index: np.ndarray, live: np.ndarray, block_tables: np.ndarray, place) -> np.ndarray:
+        """Drafts [S, K] (host) after the kept step (see `_propose`)."""
+        packed, layout, hidden = self.step
+        args = [step_input(x, place) for x in (next_tokens, valid, draft_index, live, block_tables)]
+        drafts, self.kv_caches = self._propose(self.params, target_params, self.kv_caches, hidden, packed,
+                                               last_sampled, *args, layout=layout)
+        self.step = None
+        return np.asarray(drafts)
+
+    def compile(self, target_params, packed, last_sampled, layout: BatchLayout, width: int, place) -> None:
+        """Compile, without running, the proposer after a target layout."""
+        t, s = layout.num_tokens, layout.num_rows
+        width_in = (len(self.eagle.aux_layers) or 1) * self.eagle.target_hidden_size
+        hidden = jax.ShapeDtypeStruct((t, width_in), self.kv_spec.dtype, sharding=place)
+        host = [np.zeros(t, np.int32), np.zeros(t, bool), np.zeros(s, np.int32), np.zeros(s, bool),
+                np.zeros((s, width), np.int32)]
+        self._propose.lower(self.params, target_params, self.kv_caches, hidden, packed, last_sampled,
+                            *[step_input(x, place) for x in host], layout=layout).compile()
+
+    def arrays(self) -> list:
+        return jax.tree.leaves((self.params, self.kv_caches))

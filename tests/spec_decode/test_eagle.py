@@ -1,0 +1,166 @@
+"""Speculative decoding with EAGLE and EAGLE-3 heads (vLLM's "eagle" / "eagle3" methods),
+read in their published checkpoint layouts: each head drafts what a torch reference of
+it drafts after the same context; greedy outputs equal those without drafts (under
+preemption, chunked prefill, prefix caching and n > 1 too) with some drafts accepted;
+seeded sampling repeats and nothing compiles after warm-up; heads that do not fit the
+target are refused before any weight loads."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from jaxvllm import LLM, SamplingParams
+from jaxvllm.utils.compilation_cache import count_compilations
+from tests.spec_decode.eagle_heads import make_head, reference_drafts
+
+ENGINE = dict(max_model_len=160, max_num_seqs=8, max_num_batched_tokens=64, token_buckets=[16, 64], dtype="float32")
+PROMPTS = [{"prompt_token_ids": p} for p in ([1, 2, 3, 4, 5], [7, 8, 9], list(range(20, 60)), [300] * 9)]
+GREEDY = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+K = 3
+AUX = [0, 2, 3]  # the EAGLE-3 head's target layers (of 4)
+
+
+def eagle_config(method: str, head, k: int = K) -> dict:
+    return {"method": method, "model": str(head), "num_speculative_tokens": k}
+
+
+def token_ids(llm: LLM, params=GREEDY, prompts=PROMPTS) -> list[list[int]]:
+    return [list(c.token_ids) for o in llm.generate(prompts, params, use_tqdm=False) for c in o.outputs]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_checkpoint):
+    return tiny_checkpoint("llama", num_hidden_layers=4)
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    with LLM(str(target), **ENGINE) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def heads(target, tmp_path_factory):
+    """Random heads of both kinds, and heads built to agree with the tiny target now and then:
+    an EAGLE head that passes the target's state through (drafting the token the target
+    last chose, which a random model often repeats) and an EAGLE-3 head whose every draft
+    is token 91 (the second prompt's loop)."""
+    root = tmp_path_factory.mktemp("eagle")
+    d = 64
+    zero = lambda *shape: np.zeros(shape, np.float32)  # noqa: E731
+    passing = dict(zip(["fc.weight", "layers.0.self_attn.o_proj.weight", "layers.0.mlp.down_proj.weight"],
+                       [np.concatenate([zero(d, d), np.eye(d, dtype=np.float32)], 1), zero(d, d), zero(d, 128)]))
+    d2t = np.zeros(256, np.int64)
+    d2t[0] = 91
+    return {
+        "eagle": make_head(target, root / "eagle", "eagle"),
+        "eagle3": make_head(target, root / "eagle3", "eagle3", draft_vocab=256, aux_layers=AUX),
+        "eagle-repeat": make_head(target, root / "eagle-repeat", "eagle", **passing),
+        "eagle3-const": make_head(target, root / "eagle3-const", "eagle3", draft_vocab=256, aux_layers=AUX,
+                                  **{"norm.weight": zero(d), "d2t": d2t}),
+    }
+
+
+def _spied(llm: LLM) -> list[tuple[list[int], list[int]]]:
+    """Record each (context, drafts) the engine's head proposes."""
+    runner, seen = llm.llm_engine.runner, []
+    propose = runner.propose_eagle
+
+    def spy(scheduled, drafting, blocks):
+        drafts = propose(scheduled, drafting, blocks)
+        seen.extend((list(r.token_ids), row.tolist()) for r, row in zip(drafting, drafts))
+        return drafts
+
+    runner.propose_eagle = spy
+    return seen
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_drafts_equal_the_reference_and_greedy_outputs_are_kept(method, target, heads, plain):
+    from transformers import AutoModelForCausalLM
+
+    want = token_ids(plain)
+    with LLM(str(target), speculative_config=eagle_config(method, heads[method]), **ENGINE) as llm:
+        seen = _spied(llm)
+        with count_compilations() as counts:
+            assert token_ids(llm) == want
+        stats = llm.stats()
+    assert counts.compilations == 0
+    assert stats["spec_decode_num_drafts"] > 0
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    picked = seen[:: max(1, len(seen) // 16)]  # (contexts of every length, prompts of every request)
+    assert len(picked) >= 12
+    for context, drafts in picked:
+        assert drafts == reference_drafts(hf, heads[method], method, context, K, AUX), len(context)
+
+
+@pytest.mark.parametrize("method, head", [("eagle", "eagle-repeat"), ("eagle3", "eagle3-const")])
+def test_heads_that_agree_get_drafts_accepted(method, head, target, heads, plain):
+    with LLM(str(target), speculative_config=eagle_config(method, heads[head]), **ENGINE) as llm:
+        assert token_ids(llm) == token_ids(plain)
+        stats = llm.stats()
+        params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_tokens=20, seed=3, ignore_eos=True)
+        with count_compilations() as counts:
+            first = token_ids(llm, params)
+            assert token_ids(llm, params) == first
+        assert counts.compilations == 0
+    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+
+
+@pytest.mark.slow
+def test_preemption_chunked_prefill_prefix_caching_and_n(target, heads):
+    """Few KV blocks (preemption: the head's K/V is rewritten as the target recomputes),
+    prompts longer than the token budget (chunks: each chunk's next tokens are the
+    prompt's), shared prefixes (cache hits) and two samples a prompt."""
+    engine = dict(ENGINE, num_gpu_blocks_override=16, max_num_batched_tokens=32, token_buckets=[16, 32])
+    prompts = [{"prompt_token_ids": [3, 4, 5, 6] * 12 + [i]} for i in range(5)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, n=2)
+    results = []
+    for spec in (None, eagle_config("eagle", heads["eagle-repeat"])):
+        with LLM(str(target), speculative_config=spec, **engine) as llm:
+            results.append(token_ids(llm, params, prompts))
+            stats = llm.stats()
+    assert results[0] == results[1]
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert stats["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_stop_strings_inside_accepted_drafts(target, heads, plain):
+    """A stop string that falls inside a step's accepted tokens ends the output there."""
+    prompt = {"prompt_token_ids": [7, 8, 9]}
+    full = plain.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0]
+    stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 2]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop])
+    with LLM(str(target), speculative_config=eagle_config("eagle", heads["eagle-repeat"]), **ENGINE) as llm:
+        got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        stats = llm.stats()
+    want = plain.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert (got.text, got.finish_reason, got.stop_reason) == (want.text, "stop", stop)
+    assert stats["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_heads_that_do_not_fit_are_refused_before_loading(target, heads, tmp_path):
+    def edited(name: str, **changes):
+        folder = tmp_path / name
+        folder.mkdir()
+        cfg = json.loads((heads["eagle3"] / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**cfg, **changes}))  # (no weights: refused before)
+        return folder
+
+    cases = [
+        (edited("wide", hidden_size=96), "eagle", "hidden size 96; the target's is 64"),
+        (edited("for-wide", target_hidden_size=96), "eagle3", "for a target of hidden size 96; the target's is 64"),
+        (edited("vocab", vocab_size=640), "eagle3", "vocabulary of 640 tokens, the target's has 512"),
+        (edited("layers", eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 4]}), "eagle3",
+         r"reads target layers \[0, 1, 4\]: it needs three of the target's 4 layers"),
+        (edited("hass", add_para_norm=True), "eagle", "HASS head"),
+    ]
+    for folder, method, message in cases:
+        with pytest.raises(ValueError, match=message):
+            LLM(str(target), speculative_config=eagle_config(method, folder), **ENGINE)
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        LLM(str(target), speculative_config=eagle_config("eagle", tmp_path), **ENGINE)
