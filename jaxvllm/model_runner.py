@@ -328,8 +328,10 @@ class ModelRunner:
             jobs += [partial(self._compile_draft, batch) for batch in batches]
             jobs += [partial(self.draft.compile_propose, rows, width, self._replicated)
                      for rows in sorted({b.rows_for(bucket) for bucket in b.buckets}) for width in b.widths]
-        if self.eagle is not None:  # its proposer after each target layout
+        if self.eagle is not None:  # its prefill after each target layout, its decode per row counts
             jobs += [partial(self._compile_eagle, batch) for batch in batches]
+            rows = sorted({self._eagle_rows(n) for n in range(1, self.config.max_num_seqs + 1)})
+            jobs += [partial(self.eagle.compile_decode, self.params, r, b.widths[-1], self._replicated) for r in rows]
         with count_compilations() as counts, ThreadPoolExecutor(COMPILE_THREADS) as pool:
             desc = f"Compiling token buckets {b.buckets[0]}-{b.buckets[-1]}"  # (max_num_batched_tokens: the last)
             for _ in tqdm(pool.map(lambda job: job(), jobs), total=len(jobs), desc=desc, dynamic_ncols=True):
@@ -350,8 +352,8 @@ class ModelRunner:
         self.draft.compile_forward(step_input(batch.packed, self._replicated), self.last_sampled, batch.layout)
 
     def _compile_eagle(self, batch: HostBatch) -> None:
-        self.eagle.compile(self.params, step_input(batch.packed, self._replicated), self.last_sampled, batch.layout,
-                           self.builder.widths[-1], self._replicated)
+        self.eagle.compile_prefill(self.params, step_input(batch.packed, self._replicated), self.last_sampled,
+                                   batch.layout, self._replicated)
 
     def _compile_prompt_logprobs(self, bucket: int, width: int) -> None:
         """Prompt logprobs of a bucket's hidden states: warmed for width 0 (each token's own
@@ -453,15 +455,22 @@ class ModelRunner:
                 next_tokens[q : q + len(ahead)] = ahead
                 valid[q : q + len(ahead)] = True
         at = {id(request): i for i, request in enumerate(scheduled.requests)}
-        rows = layout.num_rows
-        draft_index, live = np.zeros(rows, np.int32), np.arange(rows) < len(drafting)
+        draft_index = np.zeros(self.config.max_num_seqs, np.int32)
         for j, request in enumerate(drafting):  # the newest computed position: the step's last accepted
             i = at[id(request)]
             draft_index[j] = first[i] + request.num_tokens - 2 - starts[i]
+        rows = self._eagle_rows(len(drafting))
+        positions = np.zeros(rows, np.int32)
+        positions[: len(drafting)] = [r.num_tokens - 1 for r in drafting]
         tables = self._draft_tables([r.request_id for r in drafting], block_ids, rows, self.builder.widths[-1])
-        drafts = self.eagle.propose(self.params, self.last_sampled, next_tokens, valid, draft_index, live, tables,
-                                    self._replicated)
+        drafts = self.eagle.propose(self.params, self.last_sampled, next_tokens, valid, draft_index, positions,
+                                    np.arange(rows) < len(drafting), tables, self._replicated)
         return drafts[: len(drafting)]
+
+    def _eagle_rows(self, n: int) -> int:
+        """The EAGLE decode's row count for `n` drafting requests: the next power of two (its
+        lm_head runs K times a row, the main cost of a small batch's drafts on a CPU)."""
+        return min(1 << max(n - 1, 0).bit_length(), self.config.max_num_seqs)
 
     def _draft_tables(self, request_ids: list[str], block_ids: list[list[int]], rows: int, width: int | None = None
                       ) -> np.ndarray:

@@ -101,29 +101,33 @@ def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int =
                           [jax.eval_shape(lambda: dummy_params(cfg, dtype)), [layer_cache] * cfg.num_layers,
                            spec((max_num_seqs,)), spec((max_num_seqs,)), spec((max_num_seqs,), jnp.bool_),
                            spec((max_num_seqs, layout.width))]))
-        cases.append(eagle_propose_case(cfg, backend, layout, block_size, dtype, layer_cache, [packed, last_sampled],
-                                        common))
+        cases += eagle_cases(cfg, backend, layout, block_size, dtype, layer_cache, [packed, last_sampled], common,
+                             max_num_seqs)
     return cases
 
 
-def eagle_propose_case(cfg: ModelConfig, backend: str, layout, block_size: int, dtype, layer_cache, step: list,
-                       common: dict) -> Case:
+def eagle_cases(cfg: ModelConfig, backend: str, layout, block_size: int, dtype, layer_cache, step: list,
+                common: dict, max_num_seqs: int) -> list[Case]:
     """An EAGLE-3 head of one layer (a draft vocabulary of a quarter of the target's) after a
-    target step of `layout`: its K/V of the step's tokens, then K drafts a row."""
+    target step of `layout`: its prefill over the step's tokens, and K drafts for every row."""
     import dataclasses
 
-    from jaxvllm.spec_decode.eagle import EagleConfig, default_aux_layers, jit_eagle_propose, param_specs
+    from jaxvllm.spec_decode.eagle import EagleConfig, default_aux_layers, jit_eagle, param_specs
 
     head = dataclasses.replace(cfg, num_layers=1)
     e = EagleConfig("eagle3", head, cfg.vocab_size // 4, cfg.hidden_size, default_aux_layers(cfg.num_layers))
-    propose = jit_eagle_propose(e, head, cfg, backend, None, layout.spec_tokens, block_size)
-    t, s = layout.num_tokens, layout.num_rows
+    prefill, decode = jit_eagle(e, head, cfg, backend, None, layout.spec_tokens, block_size)
+    t, s = layout.num_tokens, max_num_seqs
     params = jax.eval_shape(lambda: dummy_params(head, dtype, specs=param_specs(e, set())))
     target = jax.eval_shape(lambda: dummy_params(cfg, dtype))
-    return Case("eagle_propose", dict(common, num_layers=1, copy_shapes=[list(layer_cache[0].shape)], donated=2),
-                SimpleNamespace(trace=partial(propose.trace, layout=layout)),
-                [params, target, [layer_cache], spec((t, 3 * cfg.hidden_size), dtype), *step, spec((t,)),
-                 spec((t,), jnp.bool_), spec((s,)), spec((s,), jnp.bool_), spec((s, layout.width))])
+    one_layer = dict(common, num_layers=1, copy_shapes=[list(layer_cache[0].shape)], donated=2)
+    states = spec((s, cfg.hidden_size), dtype)
+    return [Case("eagle_prefill", one_layer, SimpleNamespace(trace=partial(prefill.trace, layout=layout)),
+                 [params, target, [layer_cache], spec((t, 3 * cfg.hidden_size), dtype), *step, spec((t,)),
+                  spec((t,), jnp.bool_), spec((s,))]),
+            Case("eagle_decode", one_layer, SimpleNamespace(trace=decode.trace),
+                 [params, target, [layer_cache], states, states, spec((s,)), spec((s,), jnp.bool_),
+                  spec((s, layout.width))])]
 
 
 def engine_cases(quick: bool = False) -> list[Case]:

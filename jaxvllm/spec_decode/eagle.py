@@ -7,23 +7,26 @@ streams entering three of its layers, side by side, brought to the head's width 
 or, for a token the head drafted itself, the head's own output before it. So the head's
 K/V of position p can only be written once token p + 1 is known, after the target's step:
 
-- `propose` runs after each step, over that step's packed batch (the same layout, its
+- `_prefill` runs after each step, over that step's packed batch (the same layout, its
   hidden states kept on the device), its tokens shifted by one: each position's next
   token where the request has one (the prompt's, an accepted draft or the token the step
   sampled), else the slot is not written (rejected drafts, the chunk's end);
-- then, for each drafting request, its newest position's output gives the first draft and
-  K - 1 unrolled decode steps the rest (a static trip count, K/V written in place, in
-  slots the engine allocated). Drafts are argmaxes (q one-hot), as in vLLM's V1 proposer.
+- then `_decode`, for each drafting request: its newest position's output gives the first
+  draft and K - 1 unrolled decode steps the rest (a static trip count, K/V written in
+  place, in slots the engine allocated). Drafts are argmaxes (q one-hot), as in vLLM's V1
+  proposer.
 
 Checkpoints are read in their published layouts, as vLLM's `llama_eagle.py` and
 `llama_eagle3.py` read them:
 
-- EAGLE: `fc.weight` [H, 2H] over (embedding, hidden), `layers.{i}.*` Llama layers, the first
-  without an input norm; no final norm; the target's embeddings and lm_head unless the
-  folder has its own (`embed_tokens.weight`, `lm_head.weight`).
+- EAGLE: `fc.weight` [H, 2H] over (embedding, hidden) (and `fc.bias` where the EAGLE authors'
+  heads have one), `layers.{i}.*` Llama layers, the first without an input norm; no final
+  norm; the target's embeddings (a copy in the folder is not read, as in vLLM) and the
+  target's lm_head unless the folder has its own.
 - EAGLE-3: `fc.weight` [H, 3 x target hidden], `midlayer.*` whose q/k/v take (normed
   embedding, `hidden_norm`-ed hidden) [2H], `norm.weight`, an lm_head over a draft
-  vocabulary and `d2t`, the target id of each draft id less that id. `t2d` is not needed.
+  vocabulary and `d2t`, the target id of each draft id less that id (`t2d` is not needed);
+  its own `embed_tokens.weight` when it has one.
 """
 
 from __future__ import annotations
@@ -130,7 +133,7 @@ def param_specs(e: EagleConfig, names: set[str]) -> list[ParamSpec]:
         one(("fc",), "fc.weight", (d, 3 * e.target_hidden_size if e.aux_layers else 2 * d))
     if "fc.bias" in names:
         one(("fc_bias",), "fc.bias", (d,), "zeros")
-    if "embed_tokens.weight" in names:
+    if "embed_tokens.weight" in names and e.method == "eagle3":  # (an EAGLE head's copy: the target's, as vLLM)
         one(("embed",), "embed_tokens.weight", (cfg.vocab_size, d))
     for i in range(cfg.num_layers):
         first3 = e.method == "eagle3" and i == 0  # its q/k/v read (embedding, hidden) side by side
@@ -166,7 +169,8 @@ def load_eagle(model: str, e: EagleConfig, *, dtype, load_format: str, seed: int
     if load_format == "dummy":
         params = dummy_params(e.model, dtype, seed, shardings, repeats, specs)
     else:
-        params = load_safetensors(Path(model), e.model, dtype, shardings, repeats, specs, frozenset({"d2t", "t2d"}))
+        params = load_safetensors(Path(model), e.model, dtype, shardings, repeats, specs,
+                                  frozenset({"d2t", "t2d", "embed_tokens.weight"}))
     if e.draft_vocab_size != e.model.vocab_size and "head" not in params:
         raise ValueError(f"the eagle3 head {model!r} drafts over {e.draft_vocab_size} tokens but has no lm_head.weight")
     if "d2t" in names:
@@ -219,42 +223,54 @@ def _drafts(params, target_params, states, target: ModelConfig):
     return best + params["d2t"][best] if "d2t" in params else best
 
 
-def _propose(params, target_params, kv_caches, hidden, packed, last_sampled, next_tokens, valid, draft_index, live,
-             block_tables, *, e: EagleConfig, cfg: ModelConfig, target: ModelConfig, backend: str, mesh: Mesh | None,
-             k: int, block_size: int, dynamic_loops: bool, layout: BatchLayout):
+def _prefill(params, target_params, kv_caches, hidden, packed, last_sampled, next_tokens, valid, draft_index, *,
+             e: EagleConfig, cfg: ModelConfig, backend: str, mesh: Mesh | None, layout: BatchLayout):
     """The head over a target step's batch (`hidden`: the step's hidden states; each token's
-    next one `next_tokens` [T], written where `valid`), then K drafts [S, K] for the rows
-    whose newest position is token `draft_index` [S] of the batch (`live`), decoding with
-    `block_tables` [S, W]; returns the drafts and the caches."""
+    next one `next_tokens` [T], its K/V written where `valid`); returns the head's states
+    and carries at tokens `draft_index` [max_num_seqs] (the drafting rows' newest positions,
+    then padding), and the caches."""
     inputs = layout.model_inputs(packed, last_sampled)
     inputs = dataclasses.replace(inputs, input_ids=next_tokens, slot_mapping=jnp.where(valid, inputs.slot_mapping, -1))
     if e.aux_layers:
         hidden = linear(hidden, params["fc"], params.get("fc_bias"))
     embed = params.get("embed", target_params["embed"])
     states, carry, kv_caches = _head(params, embed, kv_caches, next_tokens, hidden, inputs, e, cfg, backend, mesh)
-    tokens = _drafts(params, target_params, states[draft_index], target)
-    carry, position = carry[draft_index], inputs.positions[draft_index] + 1
-    rows = draft_index.shape[0]
+    return states[draft_index], carry[draft_index], kv_caches
+
+
+def _decode(params, target_params, kv_caches, states, carry, positions, live, block_tables, *, e: EagleConfig,
+            cfg: ModelConfig, target: ModelConfig, backend: str, mesh: Mesh | None, k: int, block_size: int,
+            dynamic_loops: bool):
+    """K drafts [R, K] for the first R = len(positions) rows of `_prefill`'s states: the first
+    from each row's state, then one decode step a draft at `positions` [R] on (`live` rows,
+    `block_tables` [R, W]); returns the drafts and the caches. (R follows the drafting
+    requests, not the step's rows: the lm_head, K times a row, is most of the cost.)"""
+    rows = positions.shape[0]
+    tokens, carry = _drafts(params, target_params, states[:rows], target), carry[:rows]
+    embed = params.get("embed", target_params["embed"])
     index, drafts = jnp.arange(rows, dtype=jnp.int32), [tokens]
     for step in range(k - 1):  # a draft at a time, each at the position after the last
-        pos = jnp.where(live, position + step, 0)
+        pos = jnp.where(live, positions + step, 0)
         slot = jnp.where(live, block_tables[index, pos // block_size] * block_size + pos % block_size, -1)
-        step_inputs = ModelInputs(tokens, pos, slot, jnp.arange(rows + 1, dtype=jnp.int32), pos + 1, block_tables,
-                                  index, decode_only=backend == "pallas", dynamic_loops=dynamic_loops)
-        states, carry, kv_caches = _head(params, embed, kv_caches, tokens, carry, step_inputs, e, cfg, backend, mesh)
+        inputs = ModelInputs(tokens, pos, slot, jnp.arange(rows + 1, dtype=jnp.int32), pos + 1, block_tables, index,
+                             decode_only=backend == "pallas", dynamic_loops=dynamic_loops)
+        states, carry, kv_caches = _head(params, embed, kv_caches, tokens, carry, inputs, e, cfg, backend, mesh)
         tokens = _drafts(params, target_params, states, target)
         drafts.append(tokens)
     return jnp.stack(drafts, axis=1), kv_caches
 
 
-def jit_eagle_propose(e: EagleConfig, cfg: ModelConfig, target: ModelConfig, backend: str, mesh: Mesh | None, k: int,
-                      block_size: int, dynamic_loops: bool = False):
-    """The proposer as the runner compiles it, per target layout: the head's caches donated."""
+def jit_eagle(e: EagleConfig, cfg: ModelConfig, target: ModelConfig, backend: str, mesh: Mesh | None, k: int,
+              block_size: int, dynamic_loops: bool = False):
+    """The head's two executables as the runner compiles them, the head's caches donated:
+    the prefill per target layout, the decode per drafting row count (and width)."""
     caches = None if mesh is None else kv_cache_sharding(mesh)
-    return jax.jit(partial(_propose, e=e, cfg=cfg, target=target, backend=backend, mesh=mesh, k=k,
-                           block_size=block_size, dynamic_loops=dynamic_loops),
-                   static_argnames="layout", donate_argnums=(2,),
-                   out_shardings=None if mesh is None else (replicated(mesh), caches))
+    out = None if mesh is None else (replicated(mesh), caches)
+    prefill = jax.jit(partial(_prefill, e=e, cfg=cfg, backend=backend, mesh=mesh), static_argnames="layout",
+                      donate_argnums=(2,), out_shardings=None if mesh is None else (replicated(mesh),) * 2 + (caches,))
+    decode = jax.jit(partial(_decode, e=e, cfg=cfg, target=target, backend=backend, mesh=mesh, k=k,
+                             block_size=block_size, dynamic_loops=dynamic_loops), donate_argnums=(2,), out_shardings=out)
+    return prefill, decode
 
 
 class EagleHead:
@@ -265,13 +281,14 @@ class EagleHead:
                  dynamic_loops: bool, num_devices: int) -> None:
         spec = config.speculative_config
         self.k, self.block_size, self.mesh, self.device = spec.num_speculative_tokens, config.block_size, mesh, device
+        self.max_num_seqs = config.max_num_seqs  # (the prefill's rows of states: one per possible drafting request)
         self.eagle = load_eagle_config(spec.model, spec.method, target)
         dtype = resolve_dtype(config.dtype, target)
         self.cfg, self.params = load_eagle(spec.model, self.eagle, dtype=dtype, load_format=config.load_format,
                                            seed=config.seed, mesh=mesh, device=device)
         self.kv_spec = KVCacheSpec(self.cfg, config.block_size, dtype, num_devices)
-        self._propose = jit_eagle_propose(self.eagle, self.cfg, target, backend, mesh, self.k, config.block_size,
-                                          dynamic_loops)
+        self._prefill, self._decode = jit_eagle(self.eagle, self.cfg, target, backend, mesh, self.k,
+                                                config.block_size, dynamic_loops)
         self.kv_caches = None
         self.step = None  # (packed, layout, hidden) of the target step the next proposal follows
 
@@ -290,24 +307,34 @@ class EagleHead:
         self.step = (packed, layout, aux if self.eagle.aux_layers else hidden)
 
     def propose(self, target_params, last_sampled, next_tokens: np.ndarray, valid: np.ndarray,
-                draft_index: np.ndarray, live: np.ndarray, block_tables: np.ndarray, place) -> np.ndarray:
-        """Drafts [S, K] (host) after the kept step (see `_propose`)."""
+                draft_index: np.ndarray, positions: np.ndarray, live: np.ndarray, block_tables: np.ndarray,
+                place) -> np.ndarray:
+        """Drafts [R, K] (host) after the kept step: `_prefill`, then `_decode` for R rows."""
         packed, layout, hidden = self.step
-        args = [step_input(x, place) for x in (next_tokens, valid, draft_index, live, block_tables)]
-        drafts, self.kv_caches = self._propose(self.params, target_params, self.kv_caches, hidden, packed,
-                                               last_sampled, *args, layout=layout)
+        first = [step_input(x, place) for x in (next_tokens, valid, draft_index)]
+        states, carry, self.kv_caches = self._prefill(self.params, target_params, self.kv_caches, hidden, packed,
+                                                      last_sampled, *first, layout=layout)
+        rest = [step_input(x, place) for x in (positions, live, block_tables)]
+        drafts, self.kv_caches = self._decode(self.params, target_params, self.kv_caches, states, carry, *rest)
         self.step = None
         return np.asarray(drafts)
 
-    def compile(self, target_params, packed, last_sampled, layout: BatchLayout, width: int, place) -> None:
-        """Compile, without running, the proposer after a target layout."""
-        t, s = layout.num_tokens, layout.num_rows
+    def compile_prefill(self, target_params, packed, last_sampled, layout: BatchLayout, place) -> None:
+        """Compile, without running, the prefill after a target layout."""
+        t = layout.num_tokens
         width_in = (len(self.eagle.aux_layers) or 1) * self.eagle.target_hidden_size
         hidden = jax.ShapeDtypeStruct((t, width_in), self.kv_spec.dtype, sharding=place)
-        host = [np.zeros(t, np.int32), np.zeros(t, bool), np.zeros(s, np.int32), np.zeros(s, bool),
-                np.zeros((s, width), np.int32)]
-        self._propose.lower(self.params, target_params, self.kv_caches, hidden, packed, last_sampled,
+        host = [np.zeros(t, np.int32), np.zeros(t, bool), np.zeros(self.max_num_seqs, np.int32)]
+        self._prefill.lower(self.params, target_params, self.kv_caches, hidden, packed, last_sampled,
                             *[step_input(x, place) for x in host], layout=layout).compile()
+
+    def compile_decode(self, target_params, rows: int, width: int, place) -> None:
+        """Compile, without running, the decode of `rows` drafting rows."""
+        states = jax.ShapeDtypeStruct((self.max_num_seqs, self.eagle.model.hidden_size), self.kv_spec.dtype,
+                                      sharding=place)
+        host = [np.zeros(rows, np.int32), np.zeros(rows, bool), np.zeros((rows, width), np.int32)]
+        self._decode.lower(self.params, target_params, self.kv_caches, states, states,
+                           *[step_input(x, place) for x in host]).compile()
 
     def arrays(self) -> list:
         return jax.tree.leaves((self.params, self.kv_caches))
