@@ -285,11 +285,11 @@ class LLMEngine:
             requests, caps = [requests[i] for i in kept], [caps[i] for i in kept]
         # The draft model and the head write their K/V for K tokens from the newest on: their slots first.
         ready = [(r, cap) for r, cap in zip(requests, caps) if kv.allocate_slots(r, k) is not None]
-        ids, blocks = [r.request_id for r, _ in ready], [kv.req_blocks[r.request_id] for r, _ in ready]
+        blocks = [kv.req_blocks[r.request_id] for r, _ in ready]
         if eagle:  # (every step, drafts or not: the head's K/V of the step's tokens)
             drafts = self.runner.propose_eagle(scheduled, [r for r, _ in ready], blocks)
         elif ready:
-            drafts = self.runner.propose_drafts(ids, [r.token_ids[-1] for r, _ in ready],
+            drafts = self.runner.propose_drafts([r.request_id for r, _ in ready], [r.token_ids[-1] for r, _ in ready],
                                                 [r.num_tokens - 1 for r, _ in ready], blocks)
         else:
             return

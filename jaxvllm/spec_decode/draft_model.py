@@ -39,18 +39,26 @@ def _forward(params, kv_caches, packed, last_sampled, *, cfg: ModelConfig, backe
     return MODELS[cfg.architecture].hidden_states(params, kv_caches, inputs, cfg, backend, mesh)[1]
 
 
+def decode_inputs(tokens, positions, live, block_tables, *, block_size: int, backend: str,
+                  dynamic_loops: bool) -> ModelInputs:
+    """A proposer's decode step: row s computes `tokens[s]` at `positions[s]` over its
+    `block_tables[s]` (rows not `live`: padding, writing nothing)."""
+    rows = tokens.shape[0]
+    index = jnp.arange(rows, dtype=jnp.int32)
+    pos = jnp.where(live, positions, 0)
+    slot = jnp.where(live, block_tables[index, pos // block_size] * block_size + pos % block_size, -1)
+    return ModelInputs(tokens, pos, slot, jnp.arange(rows + 1, dtype=jnp.int32), pos + 1, block_tables, index,
+                       decode_only=backend == "pallas", dynamic_loops=dynamic_loops)
+
+
 def _propose(params, kv_caches, tokens, positions, live, block_tables, *, cfg: ModelConfig, backend: str,
              mesh: Mesh | None, k: int, block_size: int, dynamic_loops: bool):
     """K greedy decode steps from `tokens` [S] at `positions` [S] (rows not `live`: padding,
     writing nothing); returns the drafts [S, K] and the caches."""
-    model, rows = MODELS[cfg.architecture], tokens.shape[0]
-    index = jnp.arange(rows, dtype=jnp.int32)
-    drafts = []
+    model, drafts = MODELS[cfg.architecture], []
     for step in range(k):
-        pos = jnp.where(live, positions + step, 0)
-        slot = jnp.where(live, block_tables[index, pos // block_size] * block_size + pos % block_size, -1)
-        inputs = ModelInputs(tokens, pos, slot, jnp.arange(rows + 1, dtype=jnp.int32), pos + 1, block_tables, index,
-                             decode_only=backend == "pallas", dynamic_loops=dynamic_loops)
+        inputs = decode_inputs(tokens, positions + step, live, block_tables, block_size=block_size, backend=backend,
+                               dynamic_loops=dynamic_loops)
         hidden, kv_caches, _ = model.hidden_states(params, kv_caches, inputs, cfg, backend, mesh)
         tokens = jnp.argmax(model.compute_logits(params, hidden, cfg), axis=-1).astype(jnp.int32)
         drafts.append(tokens)

@@ -52,6 +52,7 @@ from jaxvllm.model_config import ModelConfig
 from jaxvllm.models import MODELS
 from jaxvllm.models.common import ParamSpec, attention, attention_specs, mlp, mlp_specs
 from jaxvllm.sharding import kv_cache_sharding, kv_repeats, put, replicated, sharded_config, step_input
+from jaxvllm.spec_decode.draft_model import decode_inputs
 
 
 @dataclass(frozen=True)
@@ -162,29 +163,28 @@ def param_specs(e: EagleConfig, names: set[str]) -> list[ParamSpec]:
 def load_eagle(model: str, e: EagleConfig, *, dtype, load_format: str, seed: int, mesh: Mesh | None, device
                ) -> tuple[ModelConfig, dict]:
     """The head's (run config, params), split over `mesh` as a target's layers are."""
-    names = set() if load_format == "dummy" else set(tensor_files(Path(model)))
-    specs = param_specs(e, names)
+    files = {} if load_format == "dummy" else tensor_files(Path(model))
+    if files and e.draft_vocab_size != e.model.vocab_size:  # (refused before any weight loads)
+        for name, what in (("lm_head.weight", "lm_head.weight"), ("d2t", "d2t map")):
+            if name not in files:
+                raise ValueError(f"the eagle3 head {model!r} drafts over {e.draft_vocab_size} tokens but has no {what}")
+    specs = param_specs(e, set(files))
     run_cfg = sharded_config(e.model, 1 if mesh is None else mesh.size)
     shardings, repeats = _param_shardings(run_cfg, mesh, device, specs), kv_repeats(e.model, run_cfg)
     if load_format == "dummy":
-        params = dummy_params(e.model, dtype, seed, shardings, repeats, specs)
-    else:
-        params = load_safetensors(Path(model), e.model, dtype, shardings, repeats, specs,
-                                  frozenset({"d2t", "t2d", "embed_tokens.weight"}))
-    if e.draft_vocab_size != e.model.vocab_size and "head" not in params:
-        raise ValueError(f"the eagle3 head {model!r} drafts over {e.draft_vocab_size} tokens but has no lm_head.weight")
-    if "d2t" in names:
+        return run_cfg, dummy_params(e.model, dtype, seed, shardings, repeats, specs)
+    params = load_safetensors(Path(model), e.model, dtype, shardings, repeats, specs,
+                              frozenset({"d2t", "t2d", "embed_tokens.weight"}))
+    if "d2t" in files:
         from safetensors import safe_open
 
-        with safe_open(str(tensor_files(Path(model))["d2t"]), framework="numpy") as f:
+        with safe_open(str(files["d2t"]), framework="numpy") as f:
             d2t = f.get_tensor("d2t")
         if d2t.shape != (e.draft_vocab_size,):
             raise ValueError(f"tensor d2t of {model!r} has shape {d2t.shape}, draft_vocab_size implies "
                              f"{(e.draft_vocab_size,)}")
         params["d2t"] = put(d2t.astype(np.int32), replicated(mesh) if mesh is not None else jax.sharding.
                             SingleDeviceSharding(device))
-    elif e.draft_vocab_size != e.model.vocab_size and load_format != "dummy":
-        raise ValueError(f"the eagle3 head {model!r} drafts over {e.draft_vocab_size} tokens but has no d2t map")
     return run_cfg, params
 
 
@@ -247,13 +247,10 @@ def _decode(params, target_params, kv_caches, states, carry, positions, live, bl
     requests, not the step's rows: the lm_head, K times a row, is most of the cost.)"""
     rows = positions.shape[0]
     tokens, carry = _drafts(params, target_params, states[:rows], target), carry[:rows]
-    embed = params.get("embed", target_params["embed"])
-    index, drafts = jnp.arange(rows, dtype=jnp.int32), [tokens]
+    embed, drafts = params.get("embed", target_params["embed"]), [tokens]
     for step in range(k - 1):  # a draft at a time, each at the position after the last
-        pos = jnp.where(live, positions + step, 0)
-        slot = jnp.where(live, block_tables[index, pos // block_size] * block_size + pos % block_size, -1)
-        inputs = ModelInputs(tokens, pos, slot, jnp.arange(rows + 1, dtype=jnp.int32), pos + 1, block_tables, index,
-                             decode_only=backend == "pallas", dynamic_loops=dynamic_loops)
+        inputs = decode_inputs(tokens, positions + step, live, block_tables, block_size=block_size, backend=backend,
+                               dynamic_loops=dynamic_loops)
         states, carry, kv_caches = _head(params, embed, kv_caches, tokens, carry, inputs, e, cfg, backend, mesh)
         tokens = _drafts(params, target_params, states, target)
         drafts.append(tokens)
