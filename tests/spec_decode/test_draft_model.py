@@ -13,19 +13,12 @@ from safetensors.numpy import load_file, save_file
 
 from jaxvllm import LLM, SamplingParams
 from jaxvllm.utils.compilation_cache import count_compilations
+from tests.spec_decode.common import ENGINE, check_same_under_pressure, token_ids
 from weights.make_tiny import make_tiny
-
-ENGINE = dict(max_model_len=160, max_num_seqs=8, max_num_batched_tokens=64, token_buckets=[16, 64], dtype="float32")
-PROMPTS = [{"prompt_token_ids": p} for p in ([1, 2, 3, 4, 5], [7, 8, 9], list(range(20, 60)), [300] * 9)]
-GREEDY = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
 
 
 def draft_config(model, k: int = 3) -> dict:
     return {"method": "draft_model", "model": str(model), "num_speculative_tokens": k}
-
-
-def token_ids(llm: LLM, params=GREEDY, prompts=PROMPTS) -> list[list[int]]:
-    return [list(c.token_ids) for o in llm.generate(prompts, params, use_tqdm=False) for c in o.outputs]
 
 
 @pytest.fixture(scope="module")
@@ -93,17 +86,8 @@ def test_preemption_and_prefix_caching(perturbed):
     """Few KV blocks (preemption: the draft's cache is recomputed with the target's) and
     shared prefixes (cache hits: the draft's K/V of a shared block was written with it)."""
     target, draft = perturbed
-    engine = dict(ENGINE, num_gpu_blocks_override=14)
     prompts = [{"prompt_token_ids": [3, 4, 5, 6] * 6 + [i]} for i in range(6)]
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, n=2)
-    results = []
-    for spec in (None, draft_config(draft)):
-        with LLM(str(target), speculative_config=spec, **engine) as llm:
-            results.append(token_ids(llm, params, prompts))
-            stats = llm.stats()
-    assert results[0] == results[1]
-    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
-    assert stats["spec_decode_num_accepted_tokens"] > 0
+    check_same_under_pressure(target, draft_config(draft), dict(ENGINE, num_gpu_blocks_override=14), prompts)
 
 
 def test_a_draft_of_another_vocabulary_or_tokenizer_is_refused(tiny_checkpoint, tmp_path):

@@ -12,24 +12,19 @@ import json
 import numpy as np
 import pytest
 import torch
+from safetensors.numpy import load_file, save_file
 
 from jaxvllm import LLM, SamplingParams
 from jaxvllm.utils.compilation_cache import count_compilations
+from tests.spec_decode.common import ENGINE, GREEDY, check_same_under_pressure, token_ids
 from tests.spec_decode.eagle_heads import make_head, reference_drafts
 
-ENGINE = dict(max_model_len=160, max_num_seqs=8, max_num_batched_tokens=64, token_buckets=[16, 64], dtype="float32")
-PROMPTS = [{"prompt_token_ids": p} for p in ([1, 2, 3, 4, 5], [7, 8, 9], list(range(20, 60)), [300] * 9)]
-GREEDY = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
 K = 3
 AUX = [0, 2, 3]  # the EAGLE-3 head's target layers (of 4)
 
 
 def eagle_config(method: str, head, k: int = K) -> dict:
     return {"method": method, "model": str(head), "num_speculative_tokens": k}
-
-
-def token_ids(llm: LLM, params=GREEDY, prompts=PROMPTS) -> list[list[int]]:
-    return [list(c.token_ids) for o in llm.generate(prompts, params, use_tqdm=False) for c in o.outputs]
 
 
 @pytest.fixture(scope="module")
@@ -118,15 +113,7 @@ def test_preemption_chunked_prefill_prefix_caching_and_n(target, heads):
     prompt's), shared prefixes (cache hits) and two samples a prompt."""
     engine = dict(ENGINE, num_gpu_blocks_override=16, max_num_batched_tokens=32, token_buckets=[16, 32])
     prompts = [{"prompt_token_ids": [3, 4, 5, 6] * 12 + [i]} for i in range(5)]
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, n=2)
-    results = []
-    for spec in (None, eagle_config("eagle", heads["eagle-repeat"])):
-        with LLM(str(target), speculative_config=spec, **engine) as llm:
-            results.append(token_ids(llm, params, prompts))
-            stats = llm.stats()
-    assert results[0] == results[1]
-    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
-    assert stats["spec_decode_num_accepted_tokens"] > 0
+    check_same_under_pressure(target, eagle_config("eagle", heads["eagle-repeat"]), engine, prompts)
 
 
 def test_stop_strings_inside_accepted_drafts(target, heads, plain):
@@ -164,3 +151,10 @@ def test_heads_that_do_not_fit_are_refused_before_loading(target, heads, tmp_pat
             LLM(str(target), speculative_config=eagle_config(method, folder), **ENGINE)
     with pytest.raises(FileNotFoundError, match="has no config.json"):
         LLM(str(target), speculative_config=eagle_config("eagle", tmp_path), **ENGINE)
+    for name in ("d2t", "lm_head.weight"):  # (a draft vocabulary needs both; refused before loading)
+        tensors = load_file(heads["eagle3"] / "model.safetensors")
+        del tensors[name]
+        folder = make_head(target, tmp_path / f"no-{name}", "eagle3", draft_vocab=256, aux_layers=AUX)
+        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+        with pytest.raises(ValueError, match=f"drafts over 256 tokens but has no {name.split('.')[0]}"):
+            LLM(str(target), speculative_config=eagle_config("eagle3", folder), **ENGINE)
