@@ -52,12 +52,21 @@ class HostBatch:
     prompt_targets: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     prompt_positions: list[tuple[int, int]] = field(default_factory=list)
     prompt_width: int = 0
-    # Structured outputs: (sampling row, grammar) of each constrained row. Their bitmask
-    # is filled once the tokens before are known: the sampler runs then (`ModelRunner.sample`).
+    # Structured outputs: (sampling row, grammar, drafts verified) of each constrained row.
+    # Their bitmask is filled once the tokens before are known: the sampler runs then
+    # (`ModelRunner.sample`).
     grammar_rows: list = field(default_factory=list)
     # (row, request) of the requests admitted this step that use sampler state: the runner
     # writes their device state rows before it dispatches the step.
     admitted: list[tuple[int, Request]] = field(default_factory=list)
+
+    def grammar_masks(self) -> list[tuple[int, object, list[int]]]:
+        """(first logits row, grammar, drafts) of each constrained row: its bitmask rows are
+        the first and, in a speculative step, one after each of its drafts."""
+        if not self.layout.spec_tokens:
+            return [(i, grammar, drafts) for i, grammar, drafts in self.grammar_rows]
+        starts = self.layout.views(self.packed)["logits_start"]
+        return [(int(starts[i]), grammar, drafts) for i, grammar, drafts in self.grammar_rows]
 
 
 class BatchBuilder:
@@ -157,8 +166,8 @@ class BatchBuilder:
         spec = bool(drafts.any())
         own_ends = ends - drafts if spec else ends  # where each request's own tokens end
         pending = np.flatnonzero(own_ends > host_ends)
-        grammar_rows = [(i, requests[i].grammar) for i in np.flatnonzero(samples & ib.has_grammar[rows]).tolist()
-                        ] if ib.num_special else []
+        grammar_rows = [(i, requests[i].grammar, requests[i].spec_token_ids[: drafts[i]])
+                        for i in np.flatnonzero(samples & ib.has_grammar[rows]).tolist()] if ib.num_special else []
         max_blocks = int(ib.num_blocks[rows].max(initial=1))
 
         num_tokens = int(lens.sum())
@@ -246,7 +255,6 @@ class BatchBuilder:
         output_index = ends - ib.num_prompt_tokens[rows]  # outputs before the one sampled
         v["output_index"][:n] = output_index
         v["slot"][:n] = rows
-        v["suppress_stop"][:n] = output_index < ib.min_tokens[rows]
         v["counts_sample"][:n] = samples
         wanted = samples & ib.want_logprobs[rows]
         v["want_logprobs"][:n] = wanted

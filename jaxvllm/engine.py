@@ -214,16 +214,19 @@ class LLMEngine:
         if launched is None or not launched[1].awaits_bitmask:
             return
         step = launched[1]
-        mask = self.structured_outputs.bitmask(step.batch.grammar_rows, step.batch.layout.num_rows)
+        mask = self.structured_outputs.bitmask(step.batch.grammar_masks(), step.batch.layout.num_logits)
         self.runner.sample(step, mask)
 
     def _process(self, out: SchedulerOutput, result: RunnerOutput, grammar_rows=()) -> list[RequestOutput]:
         """Append a step's tokens and apply the stop checks; the outputs to return.
-        `grammar_rows`: the step's (scheduled index, grammar) of structured-output rows."""
+        `grammar_rows`: the step's (scheduled index, grammar, drafts) of structured-output rows."""
         now = time.time()  # when the host has this step's tokens (the scheduler stamps first tokens too)
-        ended = self._end_dead_ends(out, grammar_rows)
+        ended, ending = self._end_dead_ends(out, result, grammar_rows)
         lengths = [r.num_tokens for r in out.scheduled.requests] if result.num_accepted is not None else None
         updated = self.scheduler.update_from_output(out, result.sampled, result.num_accepted)
+        for request in ending:
+            if not request.is_finished:
+                self._finish_at_dead_end(request)
         appended = None
         if lengths is not None:  # (tokens a request got: more than one when it accepted drafts)
             appended = [r.num_tokens - n for r, n in zip(out.scheduled.requests, lengths)]
@@ -248,15 +251,11 @@ class LLMEngine:
         return outputs
 
     def _propose_drafts(self, scheduled: ScheduledBatch) -> None:
-        """Draft tokens for each running request's next step, from its tokens so far (vLLM's
-        prompt lookup). As vLLM, only requests whose sampling the rejection sampler covers
-        get drafts: none with penalties, logit bias, allowed ids, bad words, min_tokens (the
-        sampler's per-request state), a structured output, or logprobs in a processed
-        `logprobs_mode`; and only once a request decodes, with room left for a draft under
-        its max_tokens. None while more requests run than `disable_by_batch_size`. An EAGLE
-        head drafts for requests of the step just done (`scheduled`) only, and reads every
-        step, drafts or not."""
-        processed = self.config.logprobs_mode.startswith("processed")
+        """Draft tokens for each running request's next step, from its tokens so far. Only
+        once a request decodes, with room left for a draft under its max_tokens; none while
+        more requests run than `disable_by_batch_size`. A structured output's drafts stop
+        before the first its grammar refuses. An EAGLE head drafts for requests of the step
+        just done (`scheduled`) only, and reads every step, drafts or not."""
         requests, caps = [], []
         threshold = self.config.speculative_config.disable_by_batch_size
         busy = threshold is not None and len(self.scheduler.running) > threshold
@@ -265,9 +264,7 @@ class LLMEngine:
             if busy:
                 continue
             room = request.max_num_tokens - request.num_tokens - 1  # (a step adds drafts + 1 at most)
-            if (room <= 0 or request.num_pending or request.num_computed_tokens != request.num_tokens - 1
-                    or request.uses_sampler_state or request.grammar is not None
-                    or (processed and request.num_logprobs is not None)):
+            if room <= 0 or request.num_pending or request.num_computed_tokens != request.num_tokens - 1:
                 continue
             requests.append(request)
             caps.append(room)
@@ -275,7 +272,7 @@ class LLMEngine:
             contexts = [self._contexts.get(r.request_id, r.token_ids) for r in requests]
             self._contexts.keep({r.request_id for r in requests})
             for request, drafts in zip(requests, self.proposer.propose_batch(contexts, caps)):
-                request.spec_token_ids = drafts
+                self._set_drafts(request, drafts)
             return
         k, kv = self.proposer.k, self.kv_cache_manager
         eagle = isinstance(self.proposer, EagleHead)
@@ -294,24 +291,43 @@ class LLMEngine:
         else:
             return
         for (request, cap), row in zip(ready, drafts.tolist()):
-            request.spec_token_ids = row[:cap]
+            self._set_drafts(request, row[:cap])
 
-    def _end_dead_ends(self, out: SchedulerOutput, grammar_rows) -> list[Request]:
-        """Finish the requests of this step whose grammar the model's vocabulary cannot go on
-        with (their mask allowed only ids the tokenizer alone has): before their tokens are
-        appended, so the token each row sampled without a constraint is dropped."""
-        ended = []
-        for i, grammar in grammar_rows:
+    @staticmethod
+    def _set_drafts(request: Request, drafts: list[int]) -> None:
+        if request.grammar is not None and drafts:
+            drafts = drafts[: request.grammar.valid_prefix(drafts)]
+        request.spec_token_ids = drafts
+
+    def _end_dead_ends(self, out: SchedulerOutput, result: RunnerOutput, grammar_rows
+                       ) -> tuple[list[Request], list[Request]]:
+        """The requests of this step whose grammar the model's vocabulary cannot go on with
+        (their mask allowed only ids the tokenizer alone has). At a row's first position the
+        request is finished now, before its tokens are appended, so the token it sampled
+        without a constraint is dropped (the first list). Past drafts it accepted, it keeps
+        those drafts and nothing after (`result` is cut back here), and the caller finishes
+        it once they are appended (the second list)."""
+        ended, ending = [], []
+        for i, grammar, drafts in grammar_rows:
             request = out.scheduled[i].request
-            if not grammar.dead_end or request.is_finished:
+            if request.is_finished:
                 continue
-            if grammar.dead_end_reason == "abort":
-                logger.warning("request %s: its grammar allows only token ids past the model's vocabulary (%d) "
-                               "next; ended", request.request_id, self.model_config.vocab_size)
-            self.scheduler.finish(request, grammar.dead_end_reason)
-            self.metrics.record_finished(request)
-            ended.append(request)
-        return ended
+            if grammar.dead_end:
+                self._finish_at_dead_end(request)
+                self.metrics.record_finished(request)
+                ended.append(request)
+            elif grammar.dead_end_at is not None and result.num_accepted[i] >= grammar.dead_end_at:
+                result.num_accepted, result.sampled = result.num_accepted.copy(), result.sampled.copy()  # (read-only)
+                result.num_accepted[i], result.sampled[i] = grammar.dead_end_at - 1, drafts[grammar.dead_end_at - 1]
+                ending.append(request)
+        return ended, ending
+
+    def _finish_at_dead_end(self, request: Request) -> None:
+        reason = request.grammar.dead_end_reason
+        if reason == "abort":
+            logger.warning("request %s: its grammar allows only token ids past the model's vocabulary (%d) next; "
+                           "ended", request.request_id, self.model_config.vocab_size)
+        self.scheduler.finish(request, reason)
 
     def _check_same_requests(self) -> None:
         """Across processes every process runs this same engine and the steps are collective:

@@ -109,13 +109,14 @@ class BatchLayout:
         """A fresh all-padding buffer and its field views.
 
         Padding is neutral: no K/V written (slot -1), greedy, no state (slot 0 with
-        use_state off). A fresh buffer every step: the device may still read the last
+        use_state off), no logits row of its own. A fresh buffer every step: the device may still read the last
         one (on CPU, a device_put may alias host memory).
         """
         packed = np.zeros(self.size, np.int32)
         views = self.views(packed)
         for name, value in _PADDING.items():
             views[name][:] = value
+        views["logits_start"][:] = self.num_logits  # (a padding row verifies nothing: its logits row is past the end)
         return packed, views
 
     def views(self, packed: np.ndarray) -> dict[str, np.ndarray]:
@@ -201,7 +202,6 @@ class InputBatch:
                         if row is not None}
         # The same, as they travel (int32 bits, field-major): what a step gathers in one go.
         self.packed_columns = np.stack([self._bits(self.columns[name]) for name, _ in ROW_COLUMNS])
-        self.min_tokens = np.zeros(max_num_seqs, np.int32)
         self.num_prompt_tokens = np.zeros(max_num_seqs, np.int32)
         self.want_logprobs = np.zeros(max_num_seqs, bool)
         self.num_logprobs = np.zeros(max_num_seqs, np.int32)  # top logprobs per sampled token
@@ -225,7 +225,6 @@ class InputBatch:
             column = self.columns[name]
             column[row] = value_of(request)
             self.packed_columns[i, row] = self._bits(column[row : row + 1])[0]
-        self.min_tokens[row] = request.params.min_tokens
         self.num_prompt_tokens[row] = request.num_prompt_tokens
         self.want_logprobs[row] = request.num_logprobs is not None
         self.num_logprobs[row] = request.num_logprobs or 0

@@ -57,11 +57,11 @@ class SamplingTensors:
     repetition_penalty: jax.Array = _column(np.float32, 1.0, "params.repetition_penalty")
     seeds: jax.Array = _column(np.uint32, 0, "seed")
     use_state: jax.Array = _column(bool, False, "uses_sampler_state")  # bias / penalties / min_tokens apply
+    min_tokens: jax.Array = _column(np.int32, 0, "params.min_tokens")  # stop ids masked below this output index
     output_index: jax.Array = _column(np.int32)  # tokens generated before this one
     # The request's persistent row (its SamplerState and last_sampled row); a padding row's
     # is 0, with use_state and counts_sample off, so it reads and writes nothing there.
     slot: jax.Array = _column(np.int32)
-    suppress_stop: jax.Array = _column(bool)  # below min_tokens, stop ids are masked
     counts_sample: jax.Array = _column(bool)  # the sample is appended to the request (update its counts)
     want_logprobs: jax.Array = _column(bool)
 
@@ -300,60 +300,94 @@ def compute_logprobs(logits: jax.Array, token_ids: jax.Array, width: int, normal
     return Logprobs(token_lp, rank, top_ids.astype(jnp.int32), (top_logits - shift) - lse)
 
 
+def apply_state(logits, t: SamplingTensors, state: SamplerState, features: SamplerFeatures,
+                counts: jax.Array | None = None, recent: jax.Array | None = None) -> jax.Array:
+    """The transforms of rows that use the sampler state: logit bias and allowed ids, bad
+    words, stop ids masked below min_tokens, penalties. `counts` [S, vocab] and `recent`
+    [S, L - 1] replace the state's output counts and last outputs of each row (a verified
+    position's, which count the drafts before it)."""
+    use = t.use_state[:, None]
+    x = logits + jnp.where(use, state.bias[t.slot], 0.0)
+    if features.bad_words:
+        x = ban_bad_words(x, state.bad_words[t.slot], state.recent[t.slot] if recent is None else recent)
+    suppress = use & (t.output_index < t.min_tokens)[:, None] & state.stop_mask[t.slot]
+    x = jnp.where(suppress, -jnp.inf, x)
+    penalized = apply_penalties(
+        x, state.prompt_mask[t.slot], state.output_counts[t.slot] if counts is None else counts,
+        t.presence_penalty, t.frequency_penalty, t.repetition_penalty,
+    )
+    return jnp.where(use, penalized, x)
+
+
+def is_random(t: SamplingTensors) -> jax.Array:
+    """Rows that sample ([S] bool); top_k = 1 is greedy, ties included (thresholds by value
+    would keep tied tokens)."""
+    return (t.temperature > 0) & (t.top_k != 1)
+
+
+def random_logits(logits, t: SamplingTensors, features: SamplerFeatures, banned: jax.Array | None = None):
+    """The logits a random row draws from: temperature, then min-p, top-k and top-p, then
+    the `banned` token [S] (-1: none) masked."""
+    temperature = jnp.where(t.temperature > 0, t.temperature, 1.0)[:, None]
+    x = apply_top_k_top_p_min_p(logits / temperature, t.top_k, t.top_p, t.min_p, features)
+    if banned is not None:
+        x = jnp.where(jnp.arange(x.shape[-1]) == banned[:, None], -jnp.inf, x)
+    return x
+
+
+def draw(logits, t: SamplingTensors, features: SamplerFeatures, banned: jax.Array | None = None):
+    """(each row's token [S], the logits it was drawn from: the processed logprobs' source)
+    from logits after the state's transforms: the argmax, or for random rows a draw keyed by
+    (seed, output index)."""
+    sampled = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # ties -> lowest id, as torch.argmax
+    if not features.random:
+        return sampled, logits
+    x = random_logits(logits, t, features, banned)
+
+    def row_gumbel(seed, index):
+        key = jax.random.fold_in(jax.random.key(seed), index)
+        return jax.random.gumbel(key, (x.shape[-1],), jnp.float32)
+
+    gumbel = jax.vmap(row_gumbel)(t.seeds, t.output_index)
+    # Gumbel-max: argmax(x + G) is a sample of softmax(x).
+    random = jnp.argmax(x + gumbel, axis=-1).astype(jnp.int32)
+    rows = is_random(t)
+    return jnp.where(rows, random, sampled), jnp.where(rows[:, None], x, logits)
+
+
+def record_outputs(state: SamplerState, t: SamplingTensors, tokens: jax.Array, num: jax.Array,
+                   features: SamplerFeatures) -> SamplerState:
+    """The state after each counted row (`counts_sample` and `use_state`) got the first
+    num[i] of its `tokens` [S, n]: their output counts, and the last outputs bad words match."""
+    counted = t.use_state & t.counts_sample
+    new = (jnp.arange(tokens.shape[1]) < num[:, None]) & counted[:, None]
+    rows = jnp.broadcast_to(t.slot[:, None], tokens.shape)
+    counts = state.output_counts.at[rows, tokens].add(new.astype(jnp.int32), mode="drop")
+    recent = state.recent
+    if features.bad_words:
+        width = recent.shape[1]
+        history = jnp.concatenate([recent[t.slot], tokens], axis=1)  # the last outputs, then the new ones
+        shifted = jnp.take_along_axis(history, num[:, None] + jnp.arange(width), axis=1)
+        recent = recent.at[jnp.where(counted, t.slot, recent.shape[0])].set(shifted, mode="drop")  # others: dropped
+    return SamplerState(state.bias, state.prompt_mask, counts, state.stop_mask, state.bad_words, recent)
+
+
 def sample(
     logits: jax.Array, t: SamplingTensors, state: SamplerState | None, features: SamplerFeatures,
-    logprobs_mode: str = "raw_logprobs", bitmask: jax.Array | None = None, banned: jax.Array | None = None,
+    logprobs_mode: str = "raw_logprobs", bitmask: jax.Array | None = None,
 ) -> tuple[jax.Array, Logprobs | None, SamplerState | None]:
     """Token ids [S] from float32 logits [S, vocab]; logprobs when `features.logprobs`, as
     `logprobs_mode` says; the new state when `features.state` (else `state` is unused).
     With `features.grammar`, the structured-output `bitmask` masks the logits first (as
-    vLLM, before the sampler: raw logprobs are of the masked logits). `banned` [S] (-1:
-    none): a token a random row may not draw, masked after every transform (speculative
-    decoding's rejected draft: the rest of the distribution, renormalized)."""
+    vLLM, before the sampler: raw logprobs are of the masked logits)."""
     if features.grammar:
         logits = apply_token_bitmask(logits, bitmask)
     raw = logits
     if features.state:
-        use = t.use_state[:, None]
-        x = logits + jnp.where(use, state.bias[t.slot], 0.0)
-        if features.bad_words:
-            x = ban_bad_words(x, state.bad_words[t.slot], state.recent[t.slot])
-        x = jnp.where(use & t.suppress_stop[:, None] & state.stop_mask[t.slot], -jnp.inf, x)
-        penalized = apply_penalties(
-            x, state.prompt_mask[t.slot], state.output_counts[t.slot],
-            t.presence_penalty, t.frequency_penalty, t.repetition_penalty,
-        )
-        logits = jnp.where(use, penalized, x)
-    sampled = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # ties -> lowest id, as torch.argmax
-    processed = logits
-
-    if features.random:
-        temperature = jnp.where(t.temperature > 0, t.temperature, 1.0)[:, None]
-        x = apply_top_k_top_p_min_p(logits / temperature, t.top_k, t.top_p, t.min_p, features)
-        if banned is not None:
-            x = jnp.where(jnp.arange(x.shape[-1]) == banned[:, None], -jnp.inf, x)
-
-        def row_gumbel(seed, index):
-            key = jax.random.fold_in(jax.random.key(seed), index)
-            return jax.random.gumbel(key, (x.shape[-1],), jnp.float32)
-
-        gumbel = jax.vmap(row_gumbel)(t.seeds, t.output_index)
-        # Gumbel-max: argmax(x + G) is a sample of softmax(x).
-        random = jnp.argmax(x + gumbel, axis=-1).astype(jnp.int32)
-        # top_k = 1 is greedy, ties included (thresholds by value would keep tied tokens).
-        is_random = (t.temperature > 0) & (t.top_k != 1)
-        sampled = jnp.where(is_random, random, sampled)
-        processed = jnp.where(is_random[:, None], x, logits)
-
+        logits = apply_state(logits, t, state, features)
+    sampled, processed = draw(logits, t, features)
     if features.state:
-        counted = t.use_state & t.counts_sample
-        counts = state.output_counts.at[t.slot, sampled].add(counted.astype(jnp.int32), mode="drop")
-        recent = state.recent
-        if features.bad_words:
-            rows = jnp.where(counted, t.slot, recent.shape[0])  # others: dropped
-            shifted = jnp.concatenate([state.recent[t.slot][:, 1:], sampled[:, None]], axis=1)
-            recent = recent.at[rows].set(shifted, mode="drop")
-        state = SamplerState(state.bias, state.prompt_mask, counts, state.stop_mask, state.bad_words, recent)
+        state = record_outputs(state, t, sampled[:, None], jnp.ones_like(sampled), features)
     logprobs = None
     if features.logprobs:
         source = raw if logprobs_mode.startswith("raw") else processed

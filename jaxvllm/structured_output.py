@@ -132,6 +132,9 @@ class Grammar:
         # Set when filling a mask: no id of the model's vocabulary may come next (only ids
         # that the tokenizer alone has); the engine ends the request, dropping that row's token.
         self.dead_end = False
+        # In a speculative step: the first position after a draft that is at a dead end (None:
+        # none). A request that accepts the drafts up to there ends after them.
+        self.dead_end_at: int | None = None
 
     @property
     def ready(self) -> bool:
@@ -143,6 +146,10 @@ class Grammar:
         if self._matcher is None:
             self._matcher = self._compiled.result().deep_copy()
         return self._matcher
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many leading `tokens` the grammar accepts from here (drafts past them are dropped)."""
+        return 0 if self.finished else self.matcher.validate_tokens(tokens)
 
     def accept(self, token_id: int) -> bool:
         """Advance past a sampled token; False if the grammar refuses it."""
@@ -220,10 +227,13 @@ class StructuredOutputManager:
             logger.error("structured outputs: %s", matcher.get_error())
         return matcher
 
-    def bitmask(self, rows: list[tuple[int, Grammar]], num_rows: int) -> np.ndarray:
-        """int32 [num_rows, ceil(vocab / 32)] over the model's vocabulary: each (row, grammar)'s
-        allowed next tokens, all bits set elsewhere (a finished grammar's row too: its token
-        is dropped; and a row newly at a dead end, whose grammar is marked so)."""
+    def bitmask(self, rows: list[tuple[int, Grammar, list[int]]], num_rows: int) -> np.ndarray:
+        """int32 [num_rows, ceil(vocab / 32)] over the model's vocabulary, every bit set but in
+        the rows of each (row, grammar, drafts): the grammar's allowed next tokens at `row`,
+        and in a speculative step, after each of its drafts at the rows that follow (the
+        matcher advances over the drafts, then rolls back). A finished grammar's rows keep
+        every bit (their tokens are dropped). So does a row at a dead end: its grammar is
+        marked (`Grammar.dead_end` at `row`, `Grammar.dead_end_at` after a draft)."""
         llguidance = _llguidance()
         start = time.perf_counter()
         vocab, words = self.vocab_size, bitmask_words(self.vocab_size)
@@ -231,7 +241,7 @@ class StructuredOutputManager:
         # past the model's vocabulary.
         extra = self.tokenizer.vocab_size > vocab
         mask = np.full((num_rows, bitmask_words(self.tokenizer.vocab_size)), -1, np.int32)
-        live = [(g, row) for row, g in rows if not (g.finished or g.dead_end)]
+        live = [(g, row) for row, g, _ in rows if not (g.finished or g.dead_end)]
         matchers = [(g.matcher, row) for g, row in live]
         if len(matchers) == 1:
             llguidance.numpy.fill_next_token_bitmask(matchers[0][0], mask, matchers[0][1])
@@ -239,16 +249,37 @@ class StructuredOutputManager:
             if self._mask_executor is None:
                 self._mask_executor = llguidance.LLExecutor()
             llguidance.numpy.fill_next_token_bitmask_par(self._mask_executor, matchers, mask)
+        after_drafts = []  # (grammar, row, position) filled past a draft
+        for row, g, drafts in rows:
+            g.dead_end_at = None
+            if g.finished or g.dead_end or not drafts:
+                continue
+            matcher = g.matcher
+            valid = drafts[: matcher.validate_tokens(drafts)]  # (the engine drafts valid tokens only)
+            consumed = 0
+            for position, token in enumerate(valid, 1):
+                matcher.consume_token(token)
+                consumed = position
+                if matcher.is_stopped():  # (no row after a stop is read)
+                    break
+                llguidance.numpy.fill_next_token_bitmask(matcher, mask, row + position)
+                after_drafts.append((g, row + position, position))
+            matcher.rollback(consumed)
         if extra:
             mask = np.ascontiguousarray(mask[:, :words])
-            if live:
-                live_rows = [row for _, row in live]
+            filled = [(g, row, 0) for g, row in live] + after_drafts
+            if filled:
+                filled_rows = [row for _, row, _ in filled]
                 if vocab % 32:  # the last word's bits at or past the vocabulary
-                    mask[live_rows, -1] &= np.int32((1 << vocab % 32) - 1)
-                for (g, row), allowed in zip(live, mask[live_rows].any(axis=1)):
-                    if not allowed:
+                    mask[filled_rows, -1] &= np.int32((1 << vocab % 32) - 1)
+                for (g, row, position), allowed in zip(filled, mask[filled_rows].any(axis=1)):
+                    if allowed:
+                        continue
+                    if position == 0:
                         g.dead_end = True
-                        mask[row] = -1  # (its token is dropped; an all -inf row would sample junk anyway)
+                    elif g.dead_end_at is None:
+                        g.dead_end_at = position
+                    mask[row] = -1  # (its token is dropped; an all -inf row would sample junk anyway)
         self.mask_seconds += time.perf_counter() - start
         self.mask_steps += 1
         return mask

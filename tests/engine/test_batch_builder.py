@@ -137,5 +137,5 @@ def test_sampling_fields_come_from_the_sampler_table():
             np.testing.assert_allclose(v[name][0], np.asarray(attrgetter(row)(request), dtype))
             assert builder.input_batch.columns[name].dtype == np.dtype(dtype)
     assert set(builder.input_batch.columns) == {name for name, *_, row in SAMPLING_COLUMNS if row is not None}
-    assert (v["use_state"][0], v["suppress_stop"][0], v["counts_sample"][0]) == (1, 1, 1)  # min_tokens=1
+    assert (v["use_state"][0], v["min_tokens"][0], v["output_index"][0], v["counts_sample"][0]) == (1, 1, 0, 1)
     assert batch.admitted == [(v["slot"][0], request)]  # its device state row is written at dispatch

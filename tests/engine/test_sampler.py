@@ -22,7 +22,7 @@ N = 20_000
 
 
 def tensors(n, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, presence=0.0, frequency=0.0, repetition=1.0,
-            seeds=None, use_state=False, suppress_stop=False, want_logprobs=False, output_index=0):
+            seeds=None, use_state=False, min_tokens=0, want_logprobs=False, output_index=0):
     full = lambda v, dt: np.full(n, v, dt)  # noqa: E731
     return SamplingTensors(
         temperature=full(temperature, np.float32), top_k=full(top_k, np.int32), top_p=full(top_p, np.float32),
@@ -30,7 +30,7 @@ def tensors(n, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, presence=0.0, 
         frequency_penalty=full(frequency, np.float32), repetition_penalty=full(repetition, np.float32),
         seeds=np.arange(n, dtype=np.uint32) if seeds is None else np.asarray(seeds, np.uint32),
         output_index=full(output_index, np.int32), slot=np.zeros(n, np.int32), use_state=full(use_state, bool),
-        suppress_stop=full(suppress_stop, bool), counts_sample=full(True, bool), want_logprobs=full(want_logprobs, bool),
+        min_tokens=full(min_tokens, np.int32), counts_sample=full(True, bool), want_logprobs=full(want_logprobs, bool),
     )
 
 
@@ -174,9 +174,9 @@ def test_state_rows_bias_allowed_min_tokens_and_counts():
     allowed = np.full(V, -np.inf, np.float32)
     allowed[[3, 6]] = 0.0
     assert np.asarray(sample_jit(logits, t, state_with_row(bias=allowed))[0]).tolist() == [3, 3]
-    t.suppress_stop[:] = True  # below min_tokens: the stop ids (0 = EOS here) are masked
+    t.min_tokens[:] = 1  # below min_tokens: the stop ids (0 = EOS here) are masked
     assert np.asarray(sample_jit(logits, t, state_with_row(stop=[0, 1]))[0]).tolist() == [2, 2]
-    t.suppress_stop[:] = False
+    t.min_tokens[:] = 0
     assert np.asarray(sample_jit(logits, t, state_with_row(stop=[0, 1]))[0]).tolist() == [0, 0]
     t.repetition_penalty[:] = 2.0  # token 0 seen in the prompt: 2.0 / 2 = 1.0 < 1.5
     assert np.asarray(sample_jit(logits, t, state_with_row(prompt=[0]))[0]).tolist() == [1, 1]

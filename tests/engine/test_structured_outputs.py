@@ -388,11 +388,52 @@ def test_a_complete_match_that_only_an_eos_past_the_vocabulary_could_follow_stop
     manager = StructuredOutputManager(tokenizer, vocab, StructuredOutputsConfig(), wait=True)
     grammar = manager.grammar(StructuredOutputsParams(grammar='start: "a" <|extra_0|>?'))
     a = tokenizer.encode("a", add_special_tokens=False)
-    mask = manager.bitmask([(1, grammar)], 3)
+    mask = manager.bitmask([(1, grammar, [])], 3)
     assert mask.shape == (3, bitmask_words(vocab))
     assert np.flatnonzero(np.unpackbits(mask[1].view(np.uint8), bitorder="little")).tolist() == a
     assert (mask[[0, 2]] == -1).all() and not grammar.dead_end
     assert grammar.accept(a[0]) and grammar.matcher.is_accepting() and not grammar.finished
-    mask = manager.bitmask([(1, grammar)], 3)  # only <|extra_0|> (EOS, or the grammar's) may follow
+    mask = manager.bitmask([(1, grammar, [])], 3)  # only <|extra_0|> (EOS, or the grammar's) may follow
     assert grammar.dead_end and grammar.dead_end_reason == "stop" and (mask == -1).all()
     manager.shutdown()
+
+
+def test_masks_after_drafts_and_a_dead_end_past_them(short_vocab_path):
+    """A speculative step's rows: the grammar's next tokens at the first, then after each
+    draft, the matcher rolled back after; a dead end past a draft marks `dead_end_at`."""
+    tokenizer = AutoTokenizer.from_pretrained(short_vocab_path)
+    manager = StructuredOutputManager(tokenizer, SHORT_VOCAB["vocab_size"], StructuredOutputsConfig(), wait=True)
+    grammar = manager.grammar(StructuredOutputsParams(grammar='start: "a" "b" <|extra_0|>'))
+    a, b = (tokenizer.encode(s, add_special_tokens=False) for s in "ab")
+    allowed = lambda row: np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")).tolist()  # noqa: E731
+    assert grammar.valid_prefix(a + b + a) == 2
+    mask = manager.bitmask([(1, grammar, a + b)], 4)
+    reference = grammar.matcher.deep_copy()
+    want = llguidance.numpy.allocate_token_bitmask(1, manager.tokenizer.vocab_size)
+    llguidance.numpy.fill_next_token_bitmask(reference, want, 0)
+    assert allowed(mask[1]) == allowed(want[0][: mask.shape[1]])
+    assert reference.consume_token(a[0])
+    llguidance.numpy.fill_next_token_bitmask(reference, want, 0)
+    assert allowed(mask[2]) == allowed(want[0][: mask.shape[1]]) == b
+    assert (mask[[0, 3]] == -1).all()  # row 3, after "ab", could only take <|extra_0|>: a dead end
+    assert grammar.dead_end_at == 2 and not grammar.dead_end
+    assert grammar.accept(a[0])  # (rolled back: still at the start)
+    manager.shutdown()
+
+
+def test_a_dead_end_among_accepted_drafts_ends_the_request_there(engines, short_vocab_path):
+    """N-gram drafts "a a a" under a grammar that needs <|extra_0|> after three: the request
+    keeps the drafts up to the dead end and ends there as without drafts ("abort")."""
+    plain = engines(short_vocab=True, async_scheduling=False)
+    a = plain.get_tokenizer().encode("a", add_special_tokens=False)
+    params = SamplingParams(temperature=0, max_tokens=20, logprobs=1, structured_outputs=StructuredOutputsParams(
+        grammar='start: "a" "a" "a" <|extra_0|> "b"'))
+    prompt = [{"prompt_token_ids": a * 6}]
+    want = plain.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 1}
+    with LLM(short_vocab_path, **ENGINE, speculative_config=spec) as llm:
+        got = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
+        assert llm.llm_engine.kv_cache_manager.num_free_blocks == llm.llm_engine.runner.num_blocks
+    assert (got.token_ids, got.finish_reason, len(got.logprobs)) == (want.token_ids, "abort", 3)
+    assert list(got.token_ids) == a * 3

@@ -6,6 +6,9 @@ nothing compiles after warm-up; bad configs are refused by name."""
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 
 from jaxvllm import LLM, SamplingParams
@@ -202,3 +205,55 @@ def test_disable_by_batch_size(tiny_checkpoint):
         assert llm.stats()["spec_decode_num_drafts"] > 0
     with pytest.raises(ValueError, match="disable_by_batch_size=1"):
         LLM("/nonexistent/model", speculative_config=dict(SPEC, disable_by_batch_size=1))
+
+
+def drafted(llm: LLM, run) -> tuple[list, int, int]:
+    """(run's result, draft tokens proposed during it, accepted during it)."""
+    before = llm.stats()
+    result = run()
+    after = llm.stats()
+    return result, *(after[k] - before[k] for k in ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"))
+
+
+def test_requests_with_sampler_state_get_drafts(engines):
+    """Penalties, logit bias, allowed ids, bad words and min_tokens judge every verified
+    position with the drafts before it counted: greedy outputs equal the plain engine's."""
+    plain, spec = engines
+    looped = token_ids(plain, GREEDY)
+    word = plain.get_tokenizer().decode([looped[1][4]])
+    common = dict(temperature=0, max_tokens=40)
+    cases = [
+        SamplingParams(repetition_penalty=1.2, ignore_eos=True, **common),
+        SamplingParams(frequency_penalty=0.2, presence_penalty=0.3, ignore_eos=True, **common),
+        SamplingParams(logit_bias={looped[2][5]: 1.5}, allowed_token_ids=sorted({t for s in looped for t in s}),
+                       ignore_eos=True, **common),
+        SamplingParams(bad_words=[word], ignore_eos=True, **common),
+        SamplingParams(stop_token_ids=[looped[0][2], looped[1][2]], min_tokens=25, **common),
+    ]
+    accepted = []
+    for params in cases:
+        got, proposed, passed = drafted(spec, lambda: token_ids(spec, params))
+        assert got == token_ids(plain, params), params
+        assert proposed > 0
+        accepted.append(passed)
+    assert all(a > 0 for a in accepted[2:]) and sum(accepted) > 0, accepted
+
+
+def test_structured_outputs_get_drafts(engines):
+    """A grammar's bitmask is filled at each verified position, past the drafts before it:
+    constrained greedy outputs equal the plain engine's, and drafts pass."""
+    from jaxvllm import StructuredOutputsParams
+
+    plain, spec = engines
+    schema = {"type": "array", "items": {"enum": ["ab", "cd"]}, "minItems": 8, "maxItems": 8}
+    regex = r"(ab|cd)( (ab|cd)){15}"
+    cases = [StructuredOutputsParams(regex=regex), StructuredOutputsParams(json=schema, disable_any_whitespace=True)]
+    for structured, valid in zip(cases, [lambda text: re.fullmatch(regex, text),
+                                         lambda text: len(json.loads(text)) == 8]):
+        params = SamplingParams(temperature=0, max_tokens=80, structured_outputs=structured)
+        want = [o.outputs[0].text for o in plain.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
+                                                            use_tqdm=False)]
+        got, proposed, passed = drafted(spec, lambda: [o.outputs[0].text for o in spec.generate(
+            [{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)])
+        assert got == want and all(valid(text) for text in got)
+        assert 0 < passed < proposed, (structured, proposed, passed)
