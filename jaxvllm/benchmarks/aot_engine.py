@@ -90,7 +90,7 @@ def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int =
                                                         spec_tokens=spec_tokens)),
                           [spec((layout.sampling_size,)), spec((layout.num_logits, cfg.vocab_size), jnp.float32),
                            last_sampled, state,
-                           spec((rows, bitmask_words(cfg.vocab_size))) if features.grammar else None]))
+                           spec((layout.num_logits, bitmask_words(cfg.vocab_size))) if features.grammar else None]))
     if spec_tokens:
         from jaxvllm.spec_decode.draft_model import jit_propose
 
