@@ -237,6 +237,9 @@ def test_requests_with_sampler_state_get_drafts(engines):
         assert proposed > 0
         accepted.append(passed)
     assert all(a > 0 for a in accepted[2:]) and sum(accepted) > 0, accepted
+    seeded = SamplingParams(temperature=0.8, seed=3, frequency_penalty=0.5, bad_words=[word], max_tokens=30,
+                            ignore_eos=True)
+    assert token_ids(spec, seeded) == token_ids(spec, seeded)  # seeded sampling with state repeats
 
 
 def test_structured_outputs_get_drafts(engines):
