@@ -260,3 +260,22 @@ def test_structured_outputs_get_drafts(engines):
             [{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)])
         assert got == want and all(valid(text) for text in got)
         assert 0 < passed < proposed, (structured, proposed, passed)
+
+
+def test_processed_logprobs_of_every_emitted_token(tiny_checkpoint):
+    """Under `processed_logprobs` each emitted token's logprobs are the target's after the
+    request's penalties, accepted draft or not, as without drafts."""
+    path = str(tiny_checkpoint("llama"))
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2, repetition_penalty=1.2)
+    results = []
+    for spec in (None, SPEC):
+        with LLM(path, speculative_config=spec, logprobs_mode="processed_logprobs", **ENGINE) as llm:
+            results.append(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False))
+            if spec:
+                assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
+    for w, g in zip(*results):
+        w, g = w.outputs[0], g.outputs[0]
+        assert g.token_ids == w.token_ids and len(g.logprobs) == len(g.token_ids)
+        for wd, gd in zip(w.logprobs, g.logprobs):
+            assert list(gd) == list(wd)
+            assert [e.logprob for e in gd.values()] == pytest.approx([e.logprob for e in wd.values()], abs=1e-4)
