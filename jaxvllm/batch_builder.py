@@ -63,9 +63,8 @@ class HostBatch:
     def grammar_masks(self) -> list[tuple[int, object, list[int]]]:
         """(first logits row, grammar, drafts) of each constrained row: its bitmask rows are
         the first and, in a speculative step, one after each of its drafts."""
-        if not self.layout.spec_tokens:
-            return [(i, grammar, drafts) for i, grammar, drafts in self.grammar_rows]
-        starts = self.layout.views(self.packed)["logits_start"]
+        spec = self.layout.spec_tokens
+        starts = self.layout.views(self.packed)["logits_start"] if spec else range(self.num_scheduled)
         return [(int(starts[i]), grammar, drafts) for i, grammar, drafts in self.grammar_rows]
 
 

@@ -90,7 +90,7 @@ class SamplerFeatures:
         """The features of host (numpy) tensors, over the rows that sample (`rows`, a bool
         mask); `bad_words`: which rows ban words; `logprobs_width`: top logprobs to compute
         when a row wants logprobs; `grammar`: a sampling row is constrained."""
-        random = rows & (t.temperature > 0) & (t.top_k != 1)
+        random = rows & is_random(t)
         any_random = bool(random.any())
         return cls(
             random=any_random,

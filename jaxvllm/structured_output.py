@@ -255,10 +255,10 @@ class StructuredOutputManager:
             if g.finished or g.dead_end or not drafts:
                 continue
             matcher = g.matcher
-            valid = drafts[: matcher.validate_tokens(drafts)]  # (the engine drafts valid tokens only)
             consumed = 0
-            for position, token in enumerate(valid, 1):
-                matcher.consume_token(token)
+            for position, token in enumerate(drafts, 1):  # (valid: the engine cut them, `Grammar.valid_prefix`)
+                if not matcher.consume_token(token):
+                    break
                 consumed = position
                 if matcher.is_stopped():  # (no row after a stop is read)
                     break

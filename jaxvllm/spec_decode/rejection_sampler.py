@@ -76,7 +76,7 @@ def sample_with_drafts(
     at their one logits row as `sample` would. The state counts every emitted token.
     Logprobs, when asked, come per logits row [L]: row logits_start[i] + j is that of row
     i's j-th emitted token."""
-    rows, k = draft_ids.shape
+    k = draft_ids.shape[1]
     num_logits = logits.shape[0]
     rows_t, owner, position, at = _logits_rows(t, num_drafts, logits_start, num_logits, k)
     if features.grammar:
