@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import re
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +63,7 @@ def load_model(
     mesh: Mesh | None = None,
     device=None,
     expert_parallel: bool = False,
+    stack_layers: bool | None = None,
 ) -> tuple[ModelConfig, dict]:
     """Return (config, params) with params in `dtype` ("auto" = the checkpoint's dtype),
     split over `mesh` as `jaxvllm.sharding` says (None: all on `device`, default the first); the
@@ -68,16 +71,27 @@ def load_model(
     when fewer; a mixture of experts' experts split whole over the mesh if `expert_parallel`).
 
     load_format "dummy" builds random weights from config.json alone, for benchmarks.
+    `stack_layers` (`ModelConfig.stack_layers`; None: as `stacks_layers` says for the
+    devices): each kind of layer weight one array over the layers, or one per layer.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not supported; choose from {LOAD_FORMATS}")
     cfg = load_config(model)
+    target = device or (mesh.devices.flat[0] if mesh is not None else jax.devices()[0])
+    cfg = dataclasses.replace(cfg, stack_layers=stacks_layers(target) if stack_layers is None else stack_layers)
     jdtype = resolve_dtype(dtype, cfg)
     run_cfg = sharded_config(cfg, 1 if mesh is None else mesh.size, expert_parallel)
     shardings, repeats = _param_shardings(run_cfg, mesh, device), kv_repeats(cfg, run_cfg)
     if load_format == "dummy":
         return run_cfg, dummy_params(cfg, jdtype, seed, shardings, repeats)
     return run_cfg, load_safetensors(Path(model), cfg, jdtype, shardings, repeats)
+
+
+def stacks_layers(device) -> bool:
+    """Whether layer weights are stacked on `device`'s platform: not on a CPU, where XLA
+    copies each layer's slice out of the stack on every step, which costs more than the
+    dispatch the stacks save (docs/design.md has the figures)."""
+    return device.platform != "cpu"
 
 
 def tensor_files(path: Path) -> dict[str, Path]:
@@ -113,15 +127,17 @@ def _open(file: Path):
 def load_safetensors(path: Path, cfg: ModelConfig, dtype, shardings: dict,
                      repeats: int = 1, specs: list | None = None, read_elsewhere: frozenset = frozenset()) -> dict:
     """Each device reads only its slice of each tensor (safetensors `get_slice`), so no
-    tensor is ever whole on one device, nor in host memory when it is split. `specs`:
-    the params to read (default: those of `cfg`'s architecture); `read_elsewhere`: other
-    tensors the caller knows of (not reported as unused)."""
+    tensor is ever whole on one device, nor in host memory when it is split; a stack of
+    layers is read layer by layer into each device's block. `specs`: the params to read
+    (default: those of `cfg`'s architecture); `read_elsewhere`: other tensors the caller
+    knows of (not reported as unused)."""
     specs = specs or MODELS[cfg.architecture].param_specs(cfg)
     files = tensor_files(path)
+    tensors = [m for s in specs if s.init != "rows" for m in (s.layers or (s,))]  # one per HF tensor (or expert set)
     # transformers 5's own layout where the checkpoint has it (experts fused), else HF's usual one.
-    fused = {s.path for s in specs if s.fused_name in files and s.hf_names()[0] not in files}
-    names = {s.path: [s.fused_name] if s.path in fused else s.hf_names() for s in specs}
-    missing = [name for s in specs for name in names[s.path] if name not in files]
+    fused = {s.path for s in tensors if s.fused_name in files and s.hf_names()[0] not in files}
+    names = {s.path: [s.fused_name] if s.path in fused else s.hf_names() for s in tensors}
+    missing = [name for s in tensors for name in names[s.path] if name not in files]
     if missing:
         raise ValueError(f"checkpoint {path} is missing tensor(s): {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
     params: dict = {}
@@ -142,35 +158,71 @@ def load_safetensors(path: Path, cfg: ModelConfig, dtype, shardings: dict,
                 raise ValueError(f"tensor {name} in {file.name} has shape {shape}, config.json implies {hf_shape}")
             return tensor_slice
 
-        for spec in specs:
+        def reader(spec) -> tuple[tuple[int, ...], Callable]:
+            """(global shape, block of an index) of one tensor, or one layer's."""
             # Stacked experts: one HF tensor per expert, from whichever files hold them, or one fused tensor.
             hf_shape = spec.fused_shape if spec.path in fused else spec.hf_shape
             slices = [checked_slice(name, hf_shape) for name in names[spec.path]]
-            try:
-                if spec.stacked and spec.path in fused:
-                    value = _fused_tensor(slices[0], spec, dtype, shardings[spec.path])
-                elif spec.stacked:
-                    value = _stacked_tensor(slices, spec, dtype, shardings[spec.path])
-                else:
-                    value = _sharded_tensor(slices[0], spec, dtype, shardings[spec.path],
-                                            repeats if _repeated(spec) else 1)
-            except SafetensorError as e:
-                one = len(slices) == 1
-                name = names[spec.path][0] if one else spec.hf_name.format("*")
-                raise ValueError(f"cannot read tensor {name}{f' from {files[name]}' if one else ''}: {e}") from e
+            if spec.stacked and spec.path in fused:
+                shape, block = spec.shape, _fused_block(slices[0], spec, dtype)
+            elif spec.stacked:
+                shape, block = spec.shape, _stacked_block(slices, spec, dtype)
+            else:
+                shape, block = _sharded_block(slices[0], spec, dtype, repeats if _repeated(spec) else 1)
+            one = len(slices) == 1
+            name = names[spec.path][0] if one else spec.hf_name.format("*")
+            where = f" from {files[name]}" if one else ""
+
+            def read(index):
+                try:
+                    return block(index)
+                except SafetensorError as e:
+                    raise ValueError(f"cannot read tensor {name}{where}: {e}") from e
+
+            return shape, read
+
+        for spec in specs:
+            if spec.init == "rows":
+                rows = np.arange(spec.shape[0], dtype=np.int32)
+                value = _placed((spec.shape, rows.__getitem__), shardings[spec.path])
+            elif spec.layers and spec.stack:
+                value = _layer_stack([reader(m) for m in spec.layers], shardings[spec.path])
+            elif spec.layers:
+                value = [_placed(reader(m), shardings[m.path]) for m in spec.layers]
+            else:
+                value = _placed(reader(spec), shardings[spec.path])
             _put(params, spec.path, value)
             bar.update(1)
-    unused = set(files) - {name for s in specs for name in names[s.path]} - {"lm_head.weight"} - read_elsewhere
+    unused = set(files) - {name for s in tensors for name in names[s.path]} - {"lm_head.weight"} - read_elsewhere
     unused = {name for name in unused if not _KV_SCALE.fullmatch(name)}  # an fp8 KV cache's: load_kv_scales
     if unused:
         logger.warning("ignoring %d tensor(s) not used by %s: %s", len(unused), cfg.architecture, sorted(unused)[:5])
     return params
 
 
+def _placed(reader: tuple, sharding) -> jax.Array:
+    """One array placed by `sharding` from its reader ((shape, block of an index))."""
+    shape, block = reader
+    return jax.make_array_from_callback(shape, sharding, block)
+
+
+def _layer_stack(readers: list, sharding) -> jax.Array:
+    """One array [layers, ...] placed by `sharding` (never split on its layer axis), each
+    device's block read layer by layer from `readers` ((shape, block) of each layer)."""
+    shape = (len(readers), *readers[0][0])
+
+    def block(index: tuple[slice, ...]) -> np.ndarray:
+        lo, hi = index[0].indices(shape[0])[:2]
+        return np.stack([readers[j][1](index[1:]) for j in range(lo, hi)])
+
+    return jax.make_array_from_callback(shape, sharding, block)
+
+
 def _param_shardings(cfg: ModelConfig, mesh: Mesh | None, device=None, specs: list | None = None) -> dict:
     specs = specs or MODELS[cfg.architecture].param_specs(cfg)
     if mesh is None:
-        return {spec.path: SingleDeviceSharding(device or jax.devices()[0]) for spec in specs}
+        single = SingleDeviceSharding(device or jax.devices()[0])
+        return {path: single for spec in specs for path in (spec.path, *(m.path for m in spec.layers))}
     return param_shardings(specs, cfg, mesh)
 
 
@@ -179,8 +231,9 @@ def _repeated(spec) -> bool:
     return spec.path[-1] in ("k_proj", "v_proj", "k_bias", "v_bias")
 
 
-def _sharded_tensor(tensor_slice, spec, dtype, sharding, repeats: int) -> jax.Array:
-    """A parameter placed by `sharding`, each device's block read from the file alone.
+def _sharded_block(tensor_slice, spec, dtype, repeats: int) -> tuple[tuple[int, ...], Callable]:
+    """(global shape, block of an index) of a parameter, each device's block read from the
+    file alone.
 
     Our shape is the HF shape with at most one axis split into (heads, head_dim), heads
     first (see `param_specs`): heads [a:b] are HF rows (or columns) [a*hd : b*hd]. With
@@ -210,12 +263,12 @@ def _sharded_tensor(tensor_slice, spec, dtype, sharding, repeats: int) -> jax.Ar
             local = local[np.arange(lo, hi) // repeats - ranges[0][0]]
         return local.astype(dtype)
 
-    return jax.make_array_from_callback(global_shape, sharding, block)
+    return global_shape, block
 
 
-def _stacked_tensor(slices: list, spec, dtype, sharding) -> jax.Array:
-    """Stacked experts [E, in, out] placed by `sharding` from HF's per-expert [out, in]
-    tensors (`slices`, one per expert): each device reads its experts' blocks only."""
+def _stacked_block(slices: list, spec, dtype) -> Callable:
+    """A block of stacked experts [E, in, out] from HF's per-expert [out, in] tensors
+    (`slices`, one per expert): each device reads its experts' blocks only."""
 
     def block(index: tuple[slice, ...]) -> np.ndarray:
         ranges = [sl.indices(n)[:2] for sl, n in zip(index, spec.shape)]
@@ -223,24 +276,30 @@ def _stacked_tensor(slices: list, spec, dtype, sharding) -> jax.Array:
         hf_index = tuple(reversed(rest))  # our axes (in, out) are HF's (out, in) reversed
         return np.stack([np.asarray(slices[j][hf_index]).T for j in range(lo, hi)]).astype(dtype)
 
-    return jax.make_array_from_callback(spec.shape, sharding, block)
+    return block
 
 
-def _fused_tensor(tensor_slice, spec, dtype, sharding) -> jax.Array:
-    """Stacked experts [E, in, out] placed by `sharding` from transformers 5's fused [E, out
-    (of every part), in] tensor, whose rows from `spec.fused_row` are ours: each device
-    reads its block only."""
+def _fused_block(tensor_slice, spec, dtype) -> Callable:
+    """A block of stacked experts [E, in, out] from transformers 5's fused [E, out (of
+    every part), in] tensor, whose rows from `spec.fused_row` are ours: each device reads
+    its block only."""
 
     def block(index: tuple[slice, ...]) -> np.ndarray:
         (e0, e1), (i0, i1), (o0, o1) = [sl.indices(n)[:2] for sl, n in zip(index, spec.shape)]
         row = spec.fused_row
         return np.asarray(tensor_slice[e0:e1, row + o0 : row + o1, i0:i1]).transpose(0, 2, 1).astype(dtype)
 
-    return jax.make_array_from_callback(spec.shape, sharding, block)
+    return block
 
 
 def _random_param(key, scale, *, shape, dtype, init: str, repeats: int):
-    """One dummy parameter (jitted by `dummy_params` per placement)."""
+    """One dummy parameter (jitted by `dummy_params` per placement); a stack of layers'
+    from a key per layer (`key` [layers], `shape` one layer's)."""
+    if key.ndim:
+        one = partial(_random_param, shape=shape, dtype=dtype, init=init, repeats=repeats)
+        return jax.vmap(one, in_axes=(0, None))(key, scale)
+    if init == "rows":  # the stacks' row indices (`models.common.stack_layers`)
+        return jnp.arange(shape[0], dtype=jnp.int32)
     if init == "normal":
         value = (jax.random.normal(key, shape, dtype) * scale).astype(dtype)
     else:
@@ -258,13 +317,24 @@ def dummy_params(cfg: ModelConfig, dtype, seed: int = 0, shardings: dict | None 
     specs = specs or MODELS[cfg.architecture].param_specs(cfg)
     shardings = shardings or _param_shardings(cfg, None, specs=specs)
     by_sharding = {}  # one jitted initializer per placement (each caches its shapes)
-    for i, spec in enumerate(tqdm(specs, desc="Initializing dummy weights", dynamic_ncols=True)):
-        sharding = shardings[spec.path]
+
+    def random(key, spec, path, shape):
+        sharding = shardings[path]
         if sharding not in by_sharding:
             by_sharding[sharding] = jax.jit(_random_param, out_shardings=sharding,
                                             static_argnames=("shape", "dtype", "init", "repeats"))
-        value = by_sharding[sharding](jax.random.fold_in(key, i), cfg.initializer_range, shape=spec.shape, dtype=dtype,
-                     init=spec.init, repeats=repeats if _repeated(spec) else 1)
+        return by_sharding[sharding](key, cfg.initializer_range, shape=shape, dtype=dtype, init=spec.init,
+                                     repeats=repeats if _repeated(spec) else 1)
+
+    for i, spec in enumerate(tqdm(specs, desc="Initializing dummy weights", dynamic_ncols=True)):
+        key_i = jax.random.fold_in(key, i)
+        if spec.layers and spec.stack:  # a key per layer
+            keys = jax.vmap(partial(jax.random.fold_in, key_i))(jnp.arange(len(spec.layers)))
+            value = random(keys, spec, spec.path, spec.shape[1:])
+        elif spec.layers:
+            value = [random(jax.random.fold_in(key_i, j), m, m.path, m.shape) for j, m in enumerate(spec.layers)]
+        else:
+            value = random(key_i, spec, spec.path, spec.shape)
         _put(params, spec.path, value)
     return params
 

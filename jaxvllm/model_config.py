@@ -80,6 +80,10 @@ class ModelConfig:
     # How a tensor-parallel run splits the stacked experts (set by `sharding.sharded_config`):
     # False: every expert by its intermediate dimension; True: whole experts, E / N per device.
     expert_parallel: bool = False
+    # Each kind of layer weight one array over the layers (`models.common.stack_layers`),
+    # else one array per layer: set by `loader.load_model` for its devices (a GPU stacks;
+    # XLA:CPU copies each layer's slice out of a stack, every step).
+    stack_layers: bool = True
     # Gemma 3 (jaxvllm/models/gemma3.py): the MLP's activation; the softmax scale is
     # query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5); tanh soft-capping of the
     # attention scores and of the final logits (None: none); the RoPE of the sliding-window

@@ -171,8 +171,15 @@ def param_partition(path: tuple, cfg: ModelConfig, tp: int) -> P:
 
 
 def param_shardings(specs, cfg: ModelConfig, mesh: Mesh) -> dict[tuple, NamedSharding]:
-    tp = mesh.shape[AXIS]
-    return {spec.path: NamedSharding(mesh, param_partition(spec.path, cfg, tp)) for spec in specs}
+    """Each param's placement, by path: a stack of layers is split as one layer is, never
+    on its layer axis; each member layer's as well (the loader places a list's elements)."""
+    tp, out = mesh.shape[AXIS], {}
+    for spec in specs:
+        partition = param_partition(spec.path, cfg, tp)
+        stacked = spec.layers and spec.stack
+        out[spec.path] = NamedSharding(mesh, P(None, *partition) if stacked else partition)
+        out.update({m.path: NamedSharding(mesh, partition) for m in spec.layers})
+    return out
 
 
 def kv_cache_sharding(mesh: Mesh) -> NamedSharding:

@@ -5,6 +5,15 @@ Params keep HF's [out, in] matrices, only reshaped so the head axis is explicit
 (q_proj [num_heads, head_dim, hidden], o_proj [hidden, num_heads, head_dim]): loading
 is a reshape, never a transpose, and tensor-parallel sharding rules can name the head
 axis per parameter. Every matmul with such a weight goes through `layers.linear`.
+
+Each kind of layer parameter is one array stacked over the layers that have it
+(`params["layers"]["q_proj"]` [num_layers, heads, head_dim, hidden]), so a step's
+argument leaves do not grow with depth. Each layer reads its row with a dynamic slice at
+an index XLA cannot see (`params["layer_rows"]`, 0, 1, ...), which XLA's GPU backend
+fuses into the matmul reading it; a static slice it copies out first. Expert stacks,
+which the grouped-matmul kernel reads whole, stay one array per layer (a list), and so
+does every layer weight on a CPU (`ModelConfig.stack_layers`), whose XLA copies a
+layer's rows out of a stack on every step.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ class ParamSpec:
     hf_name: str
     hf_shape: tuple[int, ...]
     shape: tuple[int, ...]
-    init: str  # "normal", "ones" or "zeros" (for load_format="dummy")
+    init: str  # "normal", "ones" or "zeros" (for load_format="dummy"); "rows": `stack_layers`' indices
     # Stacked experts: one HF tensor per index of our first axis (`hf_name` has "{}" for the
     # expert's number; `hf_shape` is one expert's), each transposed: our [E, in, out] of
     # HF's per-expert [out, in] (see `jaxvllm/models/moe.py`).
@@ -44,8 +53,15 @@ class ParamSpec:
     fused_name: str | None = None
     fused_shape: tuple[int, ...] = ()
     fused_row: int = 0
+    # A parameter of several layers (path ("layers", name)): one member spec per layer that
+    # has it, in layer order (each member's path is ("layers", i, name)); `shape` is
+    # (len(layers), *member shape) when stacked, the members' shape when a list (`stack` False).
+    layers: tuple["ParamSpec", ...] = ()
+    stack: bool = True
 
     def hf_names(self) -> list[str]:
+        if self.layers:
+            return [name for member in self.layers for name in member.hf_names()]
         return [self.hf_name.format(j) for j in range(self.stacked)] if self.stacked else [self.hf_name]
 
 
@@ -67,11 +83,55 @@ class Model(Protocol):
         """float32 logits [rows, vocab] of final-normed hidden rows."""
 
 
+# Kept one array per layer (a list), not stacked: the grouped-matmul kernel reads an
+# expert stack whole, and a slice of a stacked array handed to a kernel is a copy.
+UNSTACKED = ("experts_gate", "experts_up", "experts_down")
+
+
+def stack_layers(specs: list[ParamSpec], stack: bool = True) -> list[ParamSpec]:
+    """Per-layer specs (paths ("layers", i, name)) merged into one spec per name, over the
+    layers that have it, in the place of its first member; other specs as they are. Each
+    is one stacked array, or (`stack` False, or an expert stack) a list of the layers'."""
+    members: dict[str, list[ParamSpec]] = {}
+    for spec in specs:
+        if spec.path[0] == "layers":
+            members.setdefault(spec.path[-1], []).append(spec)
+    out = []
+    for spec in specs:
+        if spec.path[0] != "layers":
+            out.append(spec)
+        elif members[spec.path[-1]][0] is spec:
+            group, stacked = tuple(members[spec.path[-1]]), stack and spec.path[-1] not in UNSTACKED
+            if stacked and any(m.shape != spec.shape for m in group):
+                raise ValueError(f"{spec.path[-1]}: layers differ in shape; it cannot be stacked")
+            shape = (len(group), *spec.shape) if stacked else spec.shape
+            out.append(ParamSpec(("layers", spec.path[-1]), spec.hf_name, spec.hf_shape, shape, spec.init,
+                                 layers=group, stack=stacked))
+    rows = max((len(s.layers) for s in out if s.stack and s.layers), default=0)
+    if rows:  # the rows' indices, an argument of the step (`run_layers`), not a checkpoint tensor
+        out.append(ParamSpec(("layer_rows",), "", (), (rows,), "rows"))
+    return out
+
+
+def layer_rows(specs: list[ParamSpec]) -> list[dict[str, int]]:
+    """For each layer, its parameters' names and its row in each one's stack (or list)."""
+    members = [(m.path[1], spec.path[-1], row) for spec in specs for row, m in enumerate(spec.layers)]
+    rows: list[dict[str, int]] = [{} for _ in range(1 + max((i for i, _, _ in members), default=-1))]
+    for i, name, row in members:
+        rows[i][name] = row
+    return rows
+
+
+def layer_params(params: Params, specs: list[ParamSpec], i: int) -> dict:
+    """Layer i's parameters, each its slice of the stack (or its element of the list)."""
+    return {name: params["layers"][name][row] for name, row in layer_rows(specs)[i].items()}
+
+
 def decoder_specs(cfg: ModelConfig, layer_specs, norm_init: str) -> list[ParamSpec]:
     """The frame every decoder's params share: embeddings, each layer's own params
     (`layer_specs(add, i)`, where `add(name, hf_name, hf_shape, shape, init, stacked)`
-    records one under `model.layers.{i}.`), the final norm (dummy init `norm_init`) and an
-    untied lm_head."""
+    records one under `model.layers.{i}.`), stacked over the layers (`stack_layers`), the
+    final norm (dummy init `norm_init`) and an untied lm_head."""
     d, vocab = cfg.hidden_size, cfg.vocab_size
     specs = [ParamSpec(("embed",), "model.embed_tokens.weight", (vocab, d), (vocab, d), "normal")]
     for i in range(cfg.num_layers):
@@ -86,7 +146,7 @@ def decoder_specs(cfg: ModelConfig, layer_specs, norm_init: str) -> list[ParamSp
     specs.append(ParamSpec(("norm",), "model.norm.weight", (d,), (d,), norm_init))
     if not cfg.tie_word_embeddings:
         specs.append(ParamSpec(("lm_head",), "lm_head.weight", (vocab, d), (vocab, d), "normal"))
-    return specs
+    return stack_layers(specs, cfg.stack_layers)
 
 
 def attention_specs(add, cfg: ModelConfig, norm_init: str = "ones") -> None:
@@ -150,10 +210,12 @@ def layer_kinds(cfg: ModelConfig) -> list[int]:
 
 
 def run_layers(layer_fn: Callable, params: Params, kv_caches: KVCaches, x: jax.Array, inputs: ModelInputs,
-               cfg: ModelConfig, collect: tuple[int, ...] = ()) -> tuple[jax.Array, KVCaches, list[jax.Array]]:
+               cfg: ModelConfig, specs: list[ParamSpec],
+               collect: tuple[int, ...] = ()) -> tuple[jax.Array, KVCaches, list[jax.Array]]:
     """x through every decoder layer: `layer_fn(layer, x, kv_cache, inputs, kind)` -> (x, kv_cache),
-    `kind` a layer index (`layer_kinds`) whose static settings the layer shares. Also
-    returns x as it enters each layer of `collect`, in that order.
+    `layer` the layer's slices of the stacked params (`specs` say which rows), `kind` a
+    layer index (`layer_kinds`) whose static settings the layer shares. Also returns x as
+    it enters each layer of `collect`, in that order.
 
     Each call is a jit nested in the step's, so JAX traces and lowers one layer of each
     kind, not every layer: start-up (even from the persistent cache, whose key needs the
@@ -161,7 +223,15 @@ def run_layers(layer_fn: Callable, params: Params, kv_caches: KVCaches, x: jax.A
     the one the unrolled layers gave."""
     step = jax.jit(layer_fn, static_argnums=4)
     new_caches, entering = [], {}
-    for i, (layer, cache, kind) in enumerate(zip(params["layers"], kv_caches, layer_kinds(cfg))):
+    stacks = params["layers"]
+
+    def row_of(stack, row: int):
+        if isinstance(stack, list):
+            return stack[row]
+        return jax.lax.dynamic_index_in_dim(stack, params["layer_rows"][row], keepdims=False)
+
+    for i, (rows, cache, kind) in enumerate(zip(layer_rows(specs), kv_caches, layer_kinds(cfg))):
+        layer = {name: row_of(stacks[name], row) for name, row in rows.items()}
         if i in collect:
             entering[i] = x
         x, cache = step(layer, x, cache, inputs, kind)

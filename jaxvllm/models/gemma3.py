@@ -72,7 +72,7 @@ def hidden_states(params: Params, kv_caches: KVCaches, inputs: ModelInputs, cfg:
         h = mlp(layer, rms_norm(x, layer["pre_ffn_norm"], eps), cfg)
         return x + rms_norm(h, layer["post_ffn_norm"], eps), kv_cache
 
-    x, new_caches, aux = run_layers(layer_step, params, kv_caches, x, inputs, cfg, aux_layers)
+    x, new_caches, aux = run_layers(layer_step, params, kv_caches, x, inputs, cfg, param_specs(cfg), aux_layers)
     return rms_norm(x, params["norm"], eps), new_caches, aux
 
 

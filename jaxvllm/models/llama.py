@@ -49,7 +49,7 @@ def hidden_states(params: Params, kv_caches: KVCaches, inputs: ModelInputs, cfg:
         return x, kv_cache
 
     x = params["embed"][inputs.input_ids]
-    x, new_caches, aux = run_layers(layer_step, params, kv_caches, x, inputs, cfg, aux_layers)
+    x, new_caches, aux = run_layers(layer_step, params, kv_caches, x, inputs, cfg, param_specs(cfg), aux_layers)
     return rms_norm(x, params["norm"], cfg.rms_norm_eps), new_caches, aux
 
 

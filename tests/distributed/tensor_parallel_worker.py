@@ -6,6 +6,7 @@ of its own (the device count is fixed when jax starts): prints one JSON object o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import sys
@@ -16,7 +17,10 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
+import jaxvllm.loader as loader
 from jaxvllm import LLM, SamplingParams
+from jaxvllm.models import MODELS
+from jaxvllm.models.common import layer_params
 from tests.models.paged import hf_greedy
 from tests.spec_decode.eagle_heads import make_head
 from weights.make_tiny import make_tiny
@@ -53,10 +57,27 @@ def hf_completions(path: Path) -> list[list[int]]:
     return hf_greedy(model, PROMPTS, MAX_TOKENS)
 
 
+@contextlib.contextmanager
+def stacked_layers():
+    """Engines made inside load their layer weights stacked, as on a GPU (a CPU's default
+    is one array per layer)."""
+    default = loader.stacks_layers
+    loader.stacks_layers = lambda device: True
+    try:
+        yield
+    finally:
+        loader.stacks_layers = default
+
+
+def first_layer(runner) -> dict:
+    """Layer 0's params: its slices of the stacks, placed as the stacks are."""
+    return layer_params(runner.params, MODELS[runner.cfg.architecture].param_specs(runner.cfg), 0)
+
+
 def shard_shapes(llm: LLM) -> dict[str, list]:
     """The shape of every device's block of a few parameters and of a KV cache."""
     runner = llm.llm_engine.runner
-    layer = runner.params["layers"][0]
+    layer = first_layer(runner)
     arrays = {name: layer[name] for name in ("q_proj", "k_proj", "o_proj", "gate_proj", "down_proj", "input_norm")}
     arrays["embed"] = runner.params["embed"]
     arrays["k_cache"] = runner.kv_caches[0][0]
@@ -81,7 +102,7 @@ def all_gathers(llm: LLM, shape: tuple) -> dict:
 
 def expert_shards(llm: LLM) -> dict[str, list]:
     """The shape of every device's block of the first layer's router and experts."""
-    layer = llm.llm_engine.runner.params["layers"][0]
+    layer = first_layer(llm.llm_engine.runner)
     return {n: sorted({tuple(s.data.shape) for s in layer[n].addressable_shards})
             for n in ("router", "experts_gate", "experts_up", "experts_down")}
 
@@ -175,7 +196,7 @@ def main(folder: str) -> None:
                     case[f"tp{tp}_ep"] = greedy(llm)
                     case[f"tp{tp}_ep_shards"] = expert_shards(llm)
                     if tp == 4:
-                        case["ep_hlo"] = all_gathers(llm, llm.llm_engine.runner.params["layers"][0]["experts_gate"].shape)
+                        case["ep_hlo"] = all_gathers(llm, first_layer(llm.llm_engine.runner)["experts_gate"].shape)
         if name == "qwen3":  # the Pallas kernels (interpret mode) per device, KV heads repeated 4x
             with LLM(path, **ENGINE, tensor_parallel_size=4, attention_backend="pallas") as llm:
                 case["tp4_pallas"] = greedy(llm)
@@ -183,6 +204,13 @@ def main(folder: str) -> None:
             with LLM(path, **ENGINE, tensor_parallel_size=2, attention_backend="pallas",
                      enable_expert_parallel=True) as llm:
                 case["tp2_ep_pallas"] = greedy(llm)
+        if name in ("qwen3", "qwen3_moe"):  # layer weights stacked, as on a GPU, each stack split as a layer
+            ep = {"enable_expert_parallel": True} if name == "qwen3_moe" else {}
+            with stacked_layers(), LLM(path, **ENGINE, tensor_parallel_size=4, **ep) as llm:
+                case["tp4_stacked"] = greedy(llm)
+                q_proj = llm.llm_engine.runner.params["layers"]["q_proj"]
+                case["tp4_stacked_q_proj"] = [list(q_proj.shape), sorted({tuple(s.data.shape)
+                                                                          for s in q_proj.addressable_shards})]
         results["cases"][name] = case
     path = Path(folder) / "llama"
     results["sizing"] = per_device_sizing(path)

@@ -38,6 +38,16 @@ def test_greedy_parity_with_one_device_and_hf(results, name):
         assert case[key] == case["tp1"], key
 
 
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
+def test_stacked_layer_weights_split_as_one_layer(results, name):
+    """Layer weights stacked (a GPU's layout) over 4 devices: each stack split on its head
+    axis, never on its layer axis, and the same greedy outputs as one device's per-layer weights."""
+    case = results["cases"][name]
+    assert case["tp4_stacked"] == case["tp1"]
+    shape, shards = case["tp4_stacked_q_proj"]
+    assert shards == [[shape[0], shape[1] // 4, *shape[2:]]]  # JSON gives lists
+
+
 def test_kv_heads_are_repeated_when_fewer_than_devices(results):
     assert results["cases"]["qwen3"]["tp2_kv_heads"] == 2  # 1 KV head, repeated for 2 devices
     assert results["cases"]["qwen3"]["tp4_kv_heads"] == 4

@@ -1,5 +1,6 @@
 """Loader: sharded and single-file safetensors, dtypes, dummy weights, and clear errors."""
 
+import dataclasses
 import json
 import shutil
 
@@ -194,3 +195,42 @@ def test_torch_reference_files_are_float32(tiny_checkpoint):
     """Guard for the parity tests: tiny checkpoints hold float32 weights."""
     tensors = load_file(str(tiny_checkpoint("llama") / "model.safetensors"))
     assert {t.dtype for t in tensors.values()} == {torch.float32}
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "qwen3_moe"])
+def test_param_leaves_do_not_grow_with_depth(arch, tiny_checkpoint):
+    """Each kind of layer weight is one array stacked over the layers (a step's jit
+    dispatch costs per argument leaf): 2 and 30 layers give the same leaves, bar the
+    experts, one stack per sparse layer. (The tiny checkpoints have 2 to 4 layers.)"""
+    from jaxvllm.loader import dummy_params, load_config
+
+    def leaves(**overrides):
+        cfg = dataclasses.replace(load_config(tiny_checkpoint(arch, **overrides)), stack_layers=True)
+        params = jax.eval_shape(lambda: dummy_params(cfg, jnp.float32))
+        sparse = sum(cfg.moe_layers) if any(cfg.moe_layers) else 0
+        return len(jax.tree.leaves(params)) - 3 * sparse, params["layers"]["q_proj"].shape[0]
+
+    # (Qwen3-MoE's tiny layer 1 is dense; Gemma 3's layer types then come from its pattern.)
+    kw = {"layer_types": None} if arch == "gemma3" else {}
+    few, thirty = leaves(), leaves(num_hidden_layers=30, **kw)
+    assert few[1] <= 4 and thirty[1] == 30
+    assert few[0] == thirty[0] < 20
+
+
+def test_stacked_layers_hold_each_layers_tensor(tmp_path):
+    """Row i of a stack is layer i's checkpoint tensor (reshaped head-explicit), and a
+    parameter only some layers have (the dense MLP of `mlp_only_layers`) stacks those."""
+    from safetensors.numpy import load_file as load_numpy
+    from weights.make_tiny import make_tiny
+
+    path = make_tiny("qwen3_moe", tmp_path / "moe", num_hidden_layers=3, mlp_only_layers=[0, 2])
+    cfg, params = load_model(path, stack_layers=True)
+    tensors = load_numpy(str(path / "model.safetensors"))
+    layers = params["layers"]
+    assert layers["q_proj"].shape[0] == 3 and layers["gate_proj"].shape[0] == 2 and len(layers["router"]) == 1
+    for i in range(3):
+        want = tensors[f"model.layers.{i}.self_attn.q_proj.weight"].reshape(layers["q_proj"].shape[1:])
+        np.testing.assert_array_equal(layers["q_proj"][i], want)
+    for row, i in enumerate((0, 2)):
+        np.testing.assert_array_equal(layers["down_proj"][row], tensors[f"model.layers.{i}.mlp.down_proj.weight"])
+    np.testing.assert_array_equal(layers["router"][0], tensors["model.layers.1.mlp.gate.weight"])

@@ -16,7 +16,8 @@ from safetensors import safe_open
 from jaxvllm import load_model
 from jaxvllm.model_config import ModelConfig
 from jaxvllm.kv_cache import allocate_kv_caches
-from jaxvllm.models import moe
+from jaxvllm.models import MODELS, moe
+from jaxvllm.models.common import layer_params
 from tests.models.paged import Chunk, build_inputs
 
 MOE_ARCHS = ["qwen3_moe", "mixtral"]
@@ -29,19 +30,25 @@ def moe_setup(request, tiny_checkpoint, hf_model):
     return request.param, path, cfg, params, hf_model(path)
 
 
+def first_layers(cfg, params) -> tuple[dict, dict]:
+    """Layers 0 and 1's params, from their stacks (or lists: the experts)."""
+    specs = MODELS[cfg.architecture].param_specs(cfg)
+    return layer_params(params, specs, 0), layer_params(params, specs, 1)
+
+
 def test_config_and_stacked_params(moe_setup):
     arch, _, cfg, params, hf = moe_setup
     # qwen3_moe: layer 1 is in `mlp_only_layers` (a dense MLP); Mixtral: every layer sparse.
     assert cfg.moe_layers == ((True, False) if arch == "qwen3_moe" else (True, True))
     assert cfg.norm_topk_prob == (arch == "mixtral")
     e, f = cfg.num_experts, cfg.moe_intermediate_size
-    layer = params["layers"][0]
+    layer, layer1 = first_layers(cfg, params)
     assert layer["router"].shape == (e, cfg.hidden_size)
     assert layer["experts_gate"].shape == layer["experts_up"].shape == (e, cfg.hidden_size, f)
     assert layer["experts_down"].shape == (e, f, cfg.hidden_size)
     assert "gate_proj" not in layer
     if arch == "qwen3_moe":
-        assert "router" not in params["layers"][1] and params["layers"][1]["gate_proj"].shape == (128, 64)
+        assert "router" not in layer1 and layer1["gate_proj"].shape == (128, 64)
     assert cfg.num_params == sum(p.numel() for n, p in hf.named_parameters() if "_norm" not in n)
 
 
@@ -121,7 +128,7 @@ def test_experts_are_a_grouped_matmul(moe_setup):
     _, _, cfg, params, _ = moe_setup
     t = 16
     x = jnp.ones((t, cfg.hidden_size), jnp.float32)
-    jaxpr = jax.make_jaxpr(lambda layer, x: moe.sparse_moe(layer, x, cfg))(params["layers"][0], x).jaxpr
+    jaxpr = jax.make_jaxpr(lambda layer, x: moe.sparse_moe(layer, x, cfg))(first_layers(cfg, params)[0], x).jaxpr
     eqns = list(jaxpr.eqns)
     ragged = [e for e in eqns if e.primitive.name.startswith("ragged_dot")]
     assert len(ragged) == 3
@@ -135,7 +142,7 @@ def test_pallas_backend_runs_the_grouped_matmul_kernel(moe_setup):
     """backend "pallas": the experts are three Pallas grouped matmuls (interpret mode on CPU),
     no ragged_dot, and the same output as the ragged_dot path."""
     _, _, cfg, params, _ = moe_setup
-    layer = params["layers"][0]
+    layer = first_layers(cfg, params)[0]
     x = jnp.asarray(np.random.default_rng(6).normal(size=(21, cfg.hidden_size)), jnp.float32)
     jaxpr = jax.make_jaxpr(lambda layer, x: moe.sparse_moe(layer, x, cfg, "pallas"))(layer, x).jaxpr
     names = [e.primitive.name for e in jaxpr.eqns]
@@ -152,7 +159,7 @@ def test_routing_matches_hf_router(moe_setup):
     block = hf.model.layers[0].mlp
     with torch.no_grad():
         _, want_w, want_ids = block.gate(torch.from_numpy(x))
-    weights, ids = moe.route(jnp.asarray(x), params["layers"][0]["router"], cfg)
+    weights, ids = moe.route(jnp.asarray(x), first_layers(cfg, params)[0]["router"], cfg)
     np.testing.assert_array_equal(np.sort(ids, -1), np.sort(want_ids.numpy(), -1))
     order, want_order = np.argsort(ids, -1), np.argsort(want_ids.numpy(), -1)
     np.testing.assert_allclose(np.take_along_axis(np.asarray(weights), order, -1),
@@ -163,9 +170,8 @@ def test_routing_matches_hf_router(moe_setup):
 def test_qwen3_30b_a3b_traces():
     """dummy:qwen3-30b-a3b's config builds and its step traces with the real shapes (no weights)."""
     from jaxvllm.dummy import write_dummy_model
-    from jaxvllm.loader import _put, load_config
+    from jaxvllm.loader import dummy_params, load_config
     from jaxvllm.models import forward
-    from jaxvllm.models.llama import param_specs
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(write_dummy_model("dummy:qwen3-30b-a3b", tmp))
@@ -173,9 +179,7 @@ def test_qwen3_30b_a3b_traces():
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.vocab_size) == (128, 8, 768, 151936)
     assert all(cfg.moe_layers) and cfg.norm_topk_prob and not cfg.tie_word_embeddings
     assert abs(cfg.num_params / 1e9 - 30.5) < 0.05 and abs(cfg.num_active_params / 1e9 - 3.35) < 0.05
-    params: dict = {}
-    for spec in param_specs(cfg):
-        _put(params, spec.path, jax.ShapeDtypeStruct(spec.shape, jnp.bfloat16))
+    params = jax.eval_shape(lambda: dummy_params(cfg, jnp.bfloat16))
     caches = jax.eval_shape(lambda: allocate_kv_caches(cfg, 8, 16, jnp.bfloat16))
     inputs = build_inputs([Chunk(list(range(3, 35)), 0, [0, 1])], 16)
     logits, _ = jax.eval_shape(lambda p, c: forward(p, c, inputs, cfg, "reference"), params, caches)
