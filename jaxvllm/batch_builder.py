@@ -23,9 +23,16 @@ from jaxvllm.sampler import SamplerFeatures, SamplingTensors
 from jaxvllm.sampling_params import resolve_logprobs
 
 
-def default_buckets(max_num_batched_tokens: int, smallest: int = 16) -> list[int]:
-    """Powers of two from `smallest`, ending with `max_num_batched_tokens` itself."""
-    buckets, b = [], smallest
+# Below the powers of two, a CPU's buckets also have these: a CPU computes every padded
+# token, so a small batch's decode step pays for 16, where a GPU reads the same weights.
+CPU_SMALL_BUCKETS = (1, 4)
+
+
+def default_buckets(max_num_batched_tokens: int, smallest: int = 16, cpu: bool = False) -> list[int]:
+    """Powers of two from `smallest`, ending with `max_num_batched_tokens` itself; on a CPU,
+    `CPU_SMALL_BUCKETS` first."""
+    buckets = [s for s in CPU_SMALL_BUCKETS if s < min(smallest, max_num_batched_tokens)] if cpu else []
+    b = smallest
     while b < max_num_batched_tokens:
         buckets.append(b)
         b *= 2

@@ -215,7 +215,8 @@ class ModelRunner:
         dynamic_loops = self.backend == "reference" and self.devices[0].platform == "cpu"
         self.builder = BatchBuilder(
             max_num_seqs=c.max_num_seqs, max_model_len=self.max_model_len, block_size=c.block_size,
-            buckets=c.token_buckets or default_buckets(c.max_num_batched_tokens), vocab_size=self.cfg.vocab_size,
+            buckets=c.token_buckets or default_buckets(c.max_num_batched_tokens, cpu=self.devices[0].platform == "cpu"),
+            vocab_size=self.cfg.vocab_size,
             max_logprobs=c.max_logprobs, decode_only=self.backend == "pallas",
             smallest_width=NARROW_WIDTH if self.backend == "reference" and not dynamic_loops else SMALLEST_WIDTH,
             dynamic_loops=dynamic_loops, spec_tokens=self.spec_tokens,

@@ -21,6 +21,7 @@ def test_second_process_compiles_nothing(tmp_path, capsys):
         assert run["ready_seconds"] > run["warmup_seconds"] > 0 and run["load_seconds"] > 0
         assert run["profile_seconds"] >= 0
         assert run["max_num_batched_tokens"] == 256 == run["token_buckets"][-1]  # dummy:tiny's own default
+        assert run["token_buckets"][:3] == [1, 4, 16]  # (a CPU's)
     # every bucket and warmed sampler variant was compiled, the first time for real ...
     assert cold["warmup_compilations"] >= len(cold["token_buckets"]) and cold["compilation_cache_hits"] == 0
     # ... and in a second process entirely from the persistent cache

@@ -37,6 +37,10 @@ def test_prompt_rows_from_the_start_position():
 def test_default_buckets():
     assert default_buckets(8192) == [16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
     assert default_buckets(100) == [16, 32, 64, 100]
+    # a CPU computes every padded token: small batches get buckets of their own
+    assert default_buckets(2048, cpu=True) == [1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048]
+    assert default_buckets(8, cpu=True) == [1, 4, 8] and default_buckets(4, cpu=True) == [1, 4]
+    assert default_buckets(1, cpu=True) == [1]
 
 
 def test_prepare_builds_the_packed_batch():
