@@ -1,8 +1,10 @@
 """The device KV cache: its shape and element type, how many blocks fit, and its allocation.
 
-Per layer, K and V are separate arrays [num_kv_heads, num_blocks, block_size, head_dim]
-(the layout is documented in `pallas_kernels/__init__.py`), split on KV heads under a
-mesh. An fp8 cache adds each layer's float32 (k_scale, v_scale) per KV head. The cache is
+K and V are one array each for all layers, [num_kv_heads, num_layers, num_blocks,
+block_size, head_dim] (the layout is documented in `pallas_kernels/__init__.py`), split on
+KV heads under a mesh: a step takes two cache arguments (three with an fp8 cache's scales)
+whatever the depth, and each layer's kernels read its pages in place. An fp8 cache adds
+each layer's float32 (k_scale, v_scale) per KV head. The cache is
 allocated once, after a profiling run of the largest step has shown how much memory is
 left (vLLM's `gpu_memory_utilization`); the block pool that hands its blocks out is
 `jaxvllm/kv_cache_manager.py`.
@@ -30,9 +32,10 @@ logger = logging.getLogger(__name__)
 # Without a device memory figure (CPU), the KV cache gets this much memory at most.
 CPU_KV_CACHE_BYTES = 2 << 30
 
-# The attention kernels (Triton) and the K/V scatter address one device's layer cache with
-# 32-bit element offsets: it must hold fewer elements than this.
-MAX_CACHE_ELEMENTS = 2**31 - 1
+# The attention kernels and the K/V scatter index a KV head's rows (tokens of every layer)
+# with 32-bit integers: one device's cache must hold fewer rows per head than this. (Its
+# element offsets are 64-bit past 4 GiB, which Pallas' Triton lowering switches to itself.)
+MAX_CACHE_ROWS = 2**31 - 1
 
 # kv_cache_dtype (config.KV_CACHE_DTYPES, vLLM's engine argument) -> the cache's element
 # type; "auto" (absent here): the model's dtype.
@@ -78,22 +81,27 @@ class KVCacheSpec:
 
     @property
     def max_blocks(self) -> int:
-        """The most blocks whose per-device layer cache [kv_heads / devices, blocks,
-        block_size, head_dim] stays addressable with 32-bit offsets."""
-        c = self.cfg
-        return MAX_CACHE_ELEMENTS // (c.num_kv_heads // self.num_devices * self.block_size * c.head_dim)
+        """The most blocks whose per-device cache keeps fewer than 2^31 rows per KV head
+        (num_layers * blocks * block_size), which 32-bit indices address."""
+        return MAX_CACHE_ROWS // (self.cfg.num_layers * self.block_size)
 
     def addressable(self, num_blocks: int, override: bool = False) -> int:
-        """Cap the block count at what 32-bit offsets address (a tiny model on a large GPU
-        would get more); an explicit override past it is refused."""
+        """Cap the block count at what 32-bit indices address (a tiny model on a large GPU
+        would get more); an explicit override past it is refused. A 1-byte (fp8) cache of
+        2^31 to 2^32 elements per device is also cut below 2^31: Pallas' Triton lowering
+        keeps 32-bit element offsets up to 4 GiB, which overflow past 2^31 elements."""
         limit = self.max_blocks
+        c = self.cfg
+        elements = c.num_layers * c.num_kv_heads // self.num_devices * self.block_size * c.head_dim  # a block's
+        if jnp.dtype(self.dtype).itemsize == 1 and (2**31 - 1) // elements < min(num_blocks, limit) <= 2**32 // elements:
+            limit = (2**31 - 1) // elements
         if num_blocks <= limit:
             return num_blocks
         if override:
             raise ValueError(f"num_gpu_blocks_override={num_blocks} exceeds the {limit} KV blocks that 32-bit "
                              "offsets address in one device's cache")
-        logger.info("KV cache: capped at %d blocks (from %d): one device's layer cache must hold fewer than "
-                    "2^31 elements for the kernels' 32-bit offsets", limit, num_blocks)
+        logger.info("KV cache: capped at %d blocks (from %d): one device's cache must hold fewer than 2^31 "
+                    "rows per KV head for the kernels' 32-bit indices", limit, num_blocks)
         return limit
 
 
@@ -160,18 +168,17 @@ def num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, devices: list, max_mo
 def allocate_kv_caches(
     cfg: ModelConfig, num_blocks: int, block_size: int, dtype, mesh: Mesh | None = None, device=None,
     scales: np.ndarray | None = None, calculate_scales: bool = False,
-) -> list[tuple[jax.Array, ...]]:
-    """Zeroed per-layer (k_cache, v_cache), each [num_kv_heads, num_blocks, block_size, head_dim],
-    split on KV heads over `mesh` (each device allocates only its part), else on `device`
-    (default: the first). With `scales` (an fp8 cache: float32 [num_layers, num_kv_heads, 2],
-    each layer's and KV head's (k_scale, v_scale)), (k_cache, v_cache, scales): the layer's
-    [num_kv_heads, 2], split on KV heads with the cache, or with `calculate_scales`
-    [num_kv_heads, 3], (k_scale, v_scale, 1): to calculate from the first batch
-    (`layers.calculate_kv_scales`). One array per layer: each is a donated argument of every step."""
-    shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
+) -> tuple[jax.Array, ...]:
+    """Zeroed (k_cache, v_cache), each [num_kv_heads, num_layers, num_blocks, block_size,
+    head_dim], split on KV heads over `mesh` (each device allocates only its part), else on
+    `device` (default: the first). With `scales` (an fp8 cache: float32 [num_layers,
+    num_kv_heads, 2], each layer's and KV head's (k_scale, v_scale)), (k_cache, v_cache,
+    scales): [num_kv_heads, num_layers, 2], split on KV heads with the cache, or with
+    `calculate_scales` [num_kv_heads, num_layers, 3], (k_scale, v_scale, 1): to calculate
+    from the first batch (`layers.calculate_kv_scales`). Each is a donated argument of every step."""
+    shape = (cfg.num_kv_heads, cfg.num_layers, num_blocks, block_size, cfg.head_dim)
     place = kv_cache_sharding(mesh) if mesh is not None else SingleDeviceSharding(device or jax.devices()[0])
-    caches = [(jnp.zeros(shape, dtype, device=place), jnp.zeros(shape, dtype, device=place))
-              for _ in range(cfg.num_layers)]
+    caches = (jnp.zeros(shape, dtype, device=place), jnp.zeros(shape, dtype, device=place))
     if scales is None:
         return caches
     scales = np.asarray(scales, np.float32)
@@ -180,4 +187,4 @@ def allocate_kv_caches(
                          f"(k_scale, v_scale), got {scales.shape}")
     if calculate_scales:
         scales = np.concatenate([scales, np.ones_like(scales[..., :1])], axis=-1)
-    return [(k, v, put(layer, place)) for (k, v), layer in zip(caches, scales)]  # split on KV heads as the cache
+    return (*caches, put(np.ascontiguousarray(scales.swapaxes(0, 1)), place))  # split on KV heads as the cache

@@ -130,6 +130,7 @@ def paged_attention(
     k: jax.Array,
     v: jax.Array,
     kv_cache: tuple[jax.Array, ...],
+    layer: jax.Array,
     inputs: ModelInputs,
     *,
     sm_scale: float,
@@ -138,13 +139,17 @@ def paged_attention(
     mesh: Mesh | None = None,
     logits_soft_cap: float | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """Write this step's k/v into the cache, then attend; returns (out, new cache).
+    """Write this step's k/v into layer `layer`'s pages of the cache, then attend; returns
+    (out, new cache).
 
-    A layer's cache is (k_cache, v_cache) in the model's dtype, or for an fp8 KV cache
-    (k_cache, v_cache, scales): float8 arrays and each KV head's float32 (k_scale, v_scale)
-    (see `jaxvllm.kv_cache.allocate_kv_caches`): the write quantizes, attention dequantizes; under a mesh
-    the scales are split on KV heads with the cache. Scales with a third column are still
-    to calculate from the first batch written (`calculate_kv_scales`).
+    The cache holds every layer (see `jaxvllm.kv_cache.allocate_kv_caches`): (k_cache,
+    v_cache) [kv_heads, num_layers, num_blocks, block_size, head_dim] in the model's dtype,
+    or for an fp8 KV cache (k_cache, v_cache, scales): float8 arrays and each layer's and KV
+    head's float32 (k_scale, v_scale) [kv_heads, num_layers, 2]: the write quantizes,
+    attention dequantizes; under a mesh the scales are split on KV heads with the cache.
+    Scales with a third column are still to calculate from the first batch written
+    (`calculate_kv_scales`). `layer` is an int32 scalar, traced or not: the kernels take
+    the whole cache and the layer's first block (`block_offset`), so no layer is sliced out.
     With a mesh, each device does this for its own heads (`jax.shard_map`): q/k/v and the
     cache are split on heads, the batch's index arrays replicated. `logits_soft_cap` c
     (Gemma's `attn_logit_softcapping`) caps the scaled scores at c * tanh(s / c): the
@@ -158,23 +163,33 @@ def paged_attention(
         )
     local = partial(_paged_attention, sm_scale=sm_scale, sliding_window=sliding_window, backend=backend,
                     logits_soft_cap=logits_soft_cap)
+    layer = jnp.asarray(layer, jnp.int32)
     if mesh is None:
-        return local(q, k, v, kv_cache, inputs)
+        return local(q, k, v, kv_cache, layer, inputs)
     heads = P(None, AXIS)
     cache = (P(AXIS),) * len(kv_cache)  # k, v [and an fp8 cache's scales]: split on KV heads
     return jax.shard_map(
-        local, mesh=mesh, in_specs=(heads, heads, heads, cache, P()), out_specs=(heads, cache),
+        local, mesh=mesh, in_specs=(heads, heads, heads, cache, P(), P()), out_specs=(heads, cache),
         check_vma=False,  # Pallas calls carry no varying-axis annotations
-    )(q, k, v, kv_cache, inputs)
+    )(q, k, v, kv_cache, layer, inputs)
 
 
-def _paged_attention(q, k, v, kv_cache, inputs: ModelInputs, *, sm_scale, sliding_window, backend,
+def _paged_attention(q, k, v, kv_cache, layer, inputs: ModelInputs, *, sm_scale, sliding_window, backend,
                      logits_soft_cap):
-    k_cache, v_cache, *scales = kv_cache  # [scales] of an fp8 cache: [kv_heads, 2 or 3]
-    if scales and scales[0].shape[1] == 3:
-        scales = [calculate_kv_scales(scales[0], k, v, inputs.slot_mapping)]
-    k_scale, v_scale = (scales[0][:, 0], scales[0][:, 1]) if scales else (None, None)
-    k_cache, v_cache = write_kv_reference(k_cache, v_cache, k, v, inputs.slot_mapping, k_scale, v_scale)
+    k_cache, v_cache, *scales = kv_cache  # [scales] of an fp8 cache: [kv_heads, num_layers, 2 or 3]
+    heads, num_layers, num_blocks, block_size, head_dim = k_cache.shape
+    if scales:
+        layer_scales = jax.lax.dynamic_index_in_dim(scales[0], layer, axis=1, keepdims=False)
+        if layer_scales.shape[1] == 3:
+            layer_scales = calculate_kv_scales(layer_scales, k, v, inputs.slot_mapping)
+            scales = [jax.lax.dynamic_update_index_in_dim(scales[0], layer_scales, layer, axis=1)]
+    k_scale, v_scale = (layer_scales[:, 0], layer_scales[:, 1]) if scales else (None, None)
+    # Every layer's pages as one block axis (a free reshape), this layer's from block_offset on.
+    k_cache = k_cache.reshape(heads, num_layers * num_blocks, block_size, head_dim)
+    v_cache = v_cache.reshape(k_cache.shape)
+    block_offset = layer * num_blocks
+    k_cache, v_cache = write_kv_reference(k_cache, v_cache, k, v, inputs.slot_mapping, k_scale, v_scale,
+                                          block_offset=block_offset)
     attend = (partial(mixed_paged_attention, decode_only=inputs.decode_only) if backend == "pallas"
               else partial(ragged_paged_attention_reference, dynamic_kv_steps=inputs.dynamic_loops))
     if logits_soft_cap is not None:  # the reference (paged_attention refuses it for the kernels)
@@ -191,8 +206,10 @@ def _paged_attention(q, k, v, kv_cache, inputs: ModelInputs, *, sm_scale, slidin
         sliding_window=sliding_window,
         k_scale=k_scale,
         v_scale=v_scale,
+        block_offset=block_offset,
     )
-    return out, (k_cache, v_cache, *scales)
+    stacked = (heads, num_layers, num_blocks, block_size, head_dim)
+    return out, (k_cache.reshape(stacked), v_cache.reshape(stacked), *scales)
 
 
 # vLLM's K_SCALE_CONSTANT and V_SCALE_CONSTANT: calculated scales store the first batch's

@@ -145,17 +145,13 @@ def _prompt_logprobs(params, hidden, rows, *, cfg: ModelConfig, width: int) -> L
     return compute_logprobs(logits, rows[1], width)
 
 
-def jit_forward(cfg: ModelConfig, backend: str, mesh: Mesh | None = None, kv_scaled: bool = False,
-                aux_layers: tuple[int, ...] = ()):
+def jit_forward(cfg: ModelConfig, backend: str, mesh: Mesh | None = None, aux_layers: tuple[int, ...] = ()):
     """The model step as the runner compiles it, per layout: the KV caches donated. With a
     mesh, the model is split over its devices (tensor parallelism); None: one device.
-    `kv_scaled`: an fp8 cache, each layer's (k_cache, v_cache, scales). `aux_layers`:
-    the layers whose inputs the step also returns (an EAGLE-3 head's)."""
+    `aux_layers`: the layers whose inputs the step also returns (an EAGLE-3 head's)."""
     # Outputs placed as the inputs are (else a donated cache could come back placed otherwise,
     # and the next step would compile anew); an fp8 cache's scales split on KV heads with it.
     caches = None if mesh is None else kv_cache_sharding(mesh)
-    if mesh is not None and kv_scaled:
-        caches = [(caches,) * 3] * cfg.num_layers
     out = None if mesh is None else (replicated(mesh),) * 4 + (caches,)
     return jax.jit(partial(_forward, cfg=cfg, backend=backend, mesh=mesh, aux_layers=tuple(aux_layers)),
                    static_argnames="layout",
@@ -237,8 +233,7 @@ class ModelRunner:
             self.eagle = EagleHead(c, self.cfg, **where)
         self.drafter = self.draft or self.eagle
         aux_layers = self.eagle.aux_layers if self.eagle is not None else ()
-        self._forward = jit_forward(self.cfg, self.backend, self.mesh, kv_scaled=self.kv_scales is not None,
-                                    aux_layers=aux_layers)
+        self._forward = jit_forward(self.cfg, self.backend, self.mesh, aux_layers=aux_layers)
         self._sampler = jit_sampler(c.logprobs_mode, self.mesh)
         self._prompt_logprobs = jit_prompt_logprobs(self.cfg)
         self._write_row = jax.jit(write_state_row, donate_argnums=(0,))

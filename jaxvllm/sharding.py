@@ -183,7 +183,8 @@ def param_shardings(specs, cfg: ModelConfig, mesh: Mesh) -> dict[tuple, NamedSha
 
 
 def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
-    """[kv_heads, num_blocks, block_size, head_dim] split on KV heads."""
+    """The KV cache [kv_heads, num_layers, num_blocks, block_size, head_dim] (and an fp8
+    cache's scales [kv_heads, num_layers, 2]) split on KV heads."""
     return NamedSharding(mesh, P(AXIS))
 
 

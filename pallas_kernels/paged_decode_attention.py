@@ -81,6 +81,7 @@ def _decode_kernel(
     len_ref,  # [S]              seq_lens
     pos_ref,  # [S]              query positions
     scale_ref,  # [2] f32        (k_scale, v_scale) of this KV head (1.0 unless fp8)
+    offset_ref,  # [1]           block_offset, added to every block id
     o_ref,  # [S, G, D]          this partition's outputs, each normalized by its softmax sum
     #                            (f32; q's dtype when unsplit: then it is the output, no merge)
     m_ref,  # [S, G] f32         partition max score
@@ -120,11 +121,12 @@ def _decode_kernel(
     k_scale, v_scale = scale_ref[0], scale_ref[1]
     scale = sm_scale * LOG2_E * k_scale
     offsets = jnp.arange(block_kv)
+    block_offset = offset_ref[0]
 
     def pages_of(tile):
         keys = tile * block_kv + offsets
         valid = (keys >= lo) & (keys < hi)
-        return plgpu.load(bt_ref.at[seq, lax.div(keys, block_size)], mask=valid, other=0)
+        return plgpu.load(bt_ref.at[seq, lax.div(keys, block_size)], mask=valid, other=0) + block_offset
 
     def dequantize(x):  # an fp8 tile, converted in registers; a cache in q's dtype as it is
         return x if x.dtype == compute else x.astype(compute)
@@ -180,7 +182,8 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_tiles: int) -> int:
     return max(1, min(want, MAX_SPLITS, max_tiles))
 
 
-def _call_triton(order, q4, k_slots, v_slots, block_tables, seq_lens, positions, scales, *, num_splits, block_h,
+def _call_triton(order, q4, k_slots, v_slots, block_tables, seq_lens, positions, scales, block_offset, *,
+                 num_splits, block_h,
                  num_warps, num_stages, interpret, **kernel_args):
     num_seqs, num_kv_heads, group, head_dim = q4.shape
     num_slots = k_slots.shape[1]
@@ -201,6 +204,7 @@ def _call_triton(order, q4, k_slots, v_slots, block_tables, seq_lens, positions,
             whole((num_seqs,)),
             whole((num_seqs,)),
             pl.BlockSpec((None, 2), lambda h, p, i: (h, 0)),
+            whole((1,)),
         ],
         out_specs=[
             pl.BlockSpec((num_seqs, None, None, group, head_dim), lambda h, p, i: (0, h, p, 0, 0)),
@@ -215,7 +219,7 @@ def _call_triton(order, q4, k_slots, v_slots, block_tables, seq_lens, positions,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="jaxvllm_paged_decode_attention",
-    )(order, q4, k_slots, v_slots, block_tables, seq_lens, positions, scales)
+    )(order, q4, k_slots, v_slots, block_tables, seq_lens, positions, scales, block_offset)
 
 
 def combine_partitions(o: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
@@ -241,6 +245,7 @@ def paged_decode_attention(
     k_scale: jax.Array | float | None = None,
     v_scale: jax.Array | float | None = None,
     seq_order: jax.Array | None = None,
+    block_offset: jax.Array | int = 0,
     num_splits: int | None = None,
     block_kv: int | None = None,
     block_h: int | None = None,
@@ -256,6 +261,8 @@ def paged_decode_attention(
     or not, or per KV head: [num_kv_heads]; None: 1.0) dequantize it: K = stored * k_scale,
     V = stored * v_scale, folded into the softmax scale and the output.
 
+    block_offset: int32 scalar added to every block id of block_tables (a cache that
+    stacks the pages of several layers, see `pallas_kernels/__init__.py`).
     seq_order: int32 [S], a permutation of the sequences, the order in which programs take
     them (None: longest first, `jnp.argsort(-seq_lens)`; under jit, XLA computes it once
     for every layer's call on the same seq_lens).
@@ -321,6 +328,7 @@ def paged_decode_attention(
         seq_lens,
         positions,
         kv_scales(k_scale, v_scale, num_kv_heads),
+        jnp.asarray(block_offset, jnp.int32).reshape(1),
         num_splits=num_splits,
         block_h=block_h,
         num_warps=num_warps,
@@ -349,6 +357,7 @@ def paged_decode_attention_reference(
     query_positions: jax.Array | None = None,
     k_scale: jax.Array | float | None = None,
     v_scale: jax.Array | float | None = None,
+    block_offset: jax.Array | int = 0,
 ) -> jax.Array:
     """The decode contract through the ragged reference (one query token per sequence).
 
@@ -360,5 +369,6 @@ def paged_decode_attention_reference(
         q, k_cache, v_cache, jnp.maximum(positions, 0).astype(jnp.int32),
         jnp.arange(num_seqs + 1, dtype=jnp.int32), seq_lens.astype(jnp.int32), block_tables,
         sm_scale=sm_scale, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale,
+        block_offset=block_offset,
     )
     return jnp.where((seq_lens > 0)[:, None, None], out, 0).astype(q.dtype)

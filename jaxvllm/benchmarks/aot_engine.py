@@ -61,9 +61,13 @@ def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int =
     cfg = ModelConfig.from_hf(get_dummy(model).make_config())
     rows = sequence_rows(max_num_seqs, num_tokens)
     layout = BatchLayout(num_tokens, rows, context // block_size, decode_only, spec_tokens=spec_tokens)
-    cache = spec((cfg.num_kv_heads, rows * layout.width, block_size, cfg.head_dim), kv_cache_dtype or dtype)
-    scales = spec((cfg.num_kv_heads, 2), jnp.float32)  # an fp8 cache's, per KV head
-    layer_cache = (cache, cache) if kv_cache_dtype is None else (cache, cache, scales)
+    def caches(num_layers: int) -> tuple:  # every layer's, as `allocate_kv_caches` lays them out
+        cache = spec((cfg.num_kv_heads, num_layers, rows * layout.width, block_size, cfg.head_dim),
+                     kv_cache_dtype or dtype)
+        scales = spec((cfg.num_kv_heads, num_layers, 2), jnp.float32)  # an fp8 cache's, per KV head
+        return (cache, cache) if kv_cache_dtype is None else (cache, cache, scales)
+
+    kv_caches = caches(cfg.num_layers)
     packed, last_sampled = spec((layout.size,)), spec((max_num_seqs,))
     common = dict(backend=backend, model=model, dtype=jnp.dtype(dtype).name, num_tokens=num_tokens, context=context)
     if decode_only:
@@ -72,12 +76,11 @@ def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int =
         common["kv_cache"] = jnp.dtype(kv_cache_dtype).name
     if spec_tokens:
         common["spec_tokens"] = spec_tokens
-    forward = jit_forward(cfg, backend, kv_scaled=kv_cache_dtype is not None)
-    cases = [Case("engine_forward", dict(common, num_layers=cfg.num_layers, copy_shapes=[list(cache.shape)],
-                                         donated=2 * cfg.num_layers),
+    forward = jit_forward(cfg, backend)
+    cases = [Case("engine_forward", dict(common, num_layers=cfg.num_layers, copy_shapes=[list(kv_caches[0].shape)],
+                                         donated=len(kv_caches)),
                   SimpleNamespace(trace=partial(forward.trace, layout=layout)),
-                  [jax.eval_shape(lambda: dummy_params(cfg, dtype)), [layer_cache] * cfg.num_layers, packed,
-                   last_sampled])]
+                  [jax.eval_shape(lambda: dummy_params(cfg, dtype)), kv_caches, packed, last_sampled])]
     everything = SamplerFeatures(random=True, min_p=True, top_k=True, top_p=True, state=True, bad_words=True, logprobs=20,
                                  grammar=True)
     for name in sampler:
@@ -95,18 +98,18 @@ def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int =
         from jaxvllm.spec_decode.draft_model import jit_propose
 
         propose = jit_propose(cfg, backend, None, spec_tokens, block_size)
-        cases.append(Case("draft_propose", dict(common, num_layers=cfg.num_layers, copy_shapes=[list(cache.shape)],
-                                                donated=2 * cfg.num_layers),
+        cases.append(Case("draft_propose", dict(common, num_layers=cfg.num_layers,
+                                                copy_shapes=[list(kv_caches[0].shape)], donated=len(kv_caches)),
                           SimpleNamespace(trace=propose.trace),
-                          [jax.eval_shape(lambda: dummy_params(cfg, dtype)), [layer_cache] * cfg.num_layers,
+                          [jax.eval_shape(lambda: dummy_params(cfg, dtype)), kv_caches,
                            spec((max_num_seqs,)), spec((max_num_seqs,)), spec((max_num_seqs,), jnp.bool_),
                            spec((max_num_seqs, layout.width))]))
-        cases += eagle_cases(cfg, backend, layout, block_size, dtype, layer_cache, [packed, last_sampled], common,
+        cases += eagle_cases(cfg, backend, layout, block_size, dtype, caches(1), [packed, last_sampled], common,
                              max_num_seqs)
     return cases
 
 
-def eagle_cases(cfg: ModelConfig, backend: str, layout, block_size: int, dtype, layer_cache, step: list,
+def eagle_cases(cfg: ModelConfig, backend: str, layout, block_size: int, dtype, head_caches, step: list,
                 common: dict, max_num_seqs: int) -> list[Case]:
     """An EAGLE-3 head of one layer (a draft vocabulary of a quarter of the target's) after a
     target step of `layout`: its prefill over the step's tokens, and K drafts for every row."""
@@ -120,13 +123,13 @@ def eagle_cases(cfg: ModelConfig, backend: str, layout, block_size: int, dtype, 
     t, s = layout.num_tokens, max_num_seqs
     params = jax.eval_shape(lambda: dummy_params(head, dtype, specs=param_specs(e, set())))
     target = jax.eval_shape(lambda: dummy_params(cfg, dtype))
-    one_layer = dict(common, num_layers=1, copy_shapes=[list(layer_cache[0].shape)], donated=2)
+    one_layer = dict(common, num_layers=1, copy_shapes=[list(head_caches[0].shape)], donated=len(head_caches))
     states = spec((s, cfg.hidden_size), dtype)
     return [Case("eagle_prefill", one_layer, SimpleNamespace(trace=partial(prefill.trace, layout=layout)),
-                 [params, target, [layer_cache], spec((t, 3 * cfg.hidden_size), dtype), *step, spec((t,)),
+                 [params, target, head_caches, spec((t, 3 * cfg.hidden_size), dtype), *step, spec((t,)),
                   spec((t,), jnp.bool_), spec((s,))]),
             Case("eagle_decode", one_layer, SimpleNamespace(trace=decode.trace),
-                 [params, target, [layer_cache], states, states, spec((s,)), spec((s,), jnp.bool_),
+                 [params, target, head_caches, states, states, spec((s,)), spec((s,), jnp.bool_),
                   spec((s, layout.width))])]
 
 

@@ -92,7 +92,7 @@ def bench_step(cfg: dict, iters: int, backends=tuple(BACKENDS)) -> dict:
             caches = allocate_kv_caches(mcfg, num_blocks, bs, cache_dtype, scales=scales)
             fn = step_of(backend)
             compiled = fn.lower(params, caches, inputs).compile()
-            copies = count_cache_copies(compiled.as_text(), caches[0][0].shape)
+            copies = count_cache_copies(compiled.as_text(), caches[0].shape)
             # Not harness.time_fn: the donated caches must be handed from one call to the next.
             times, dispatch = [], []
             for i in range(iters + 1):

@@ -22,7 +22,7 @@ MODELS: dict[str, Model] = dict.fromkeys(SUPPORTED_ARCHITECTURES, llama)
 MODELS["Gemma3ForCausalLM"] = gemma3
 
 
-def forward(params: dict, kv_caches: list, inputs: ModelInputs, cfg: ModelConfig, attention_backend: str = "reference",
+def forward(params: dict, kv_caches: tuple, inputs: ModelInputs, cfg: ModelConfig, attention_backend: str = "reference",
             mesh: Mesh | None = None) -> tuple[jax.Array, list]:
     """Run the flat batch through `cfg`'s architecture; returns (float32 logits [S, vocab]
     for `logits_indices`, new caches). A pure function of (params, kv_caches, inputs): jit

@@ -23,6 +23,7 @@ from typing import Callable, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 from jaxvllm.batch import ModelInputs
@@ -30,7 +31,7 @@ from jaxvllm.layers import apply_rope, linear, paged_attention, rms_norm
 from jaxvllm.model_config import ModelConfig
 
 Params = dict
-KVCaches = list  # per layer: (k_cache, v_cache[, scales])
+KVCaches = tuple  # (k_cache, v_cache[, scales]), every layer's (see `jaxvllm/kv_cache.py`)
 
 
 @dataclass(frozen=True)
@@ -180,9 +181,11 @@ def mlp_specs(add, cfg: ModelConfig) -> None:
         add("down_bias", "mlp.down_proj.bias", (d,), init="zeros")
 
 
-def attention(layer: dict, x, kv_cache, inputs: ModelInputs, cfg: ModelConfig, i: int, backend, mesh, norm=rms_norm):
-    """Layer i's self-attention over the paged cache: q/k normed by `norm` (when the config
-    has q/k norms), the layer's RoPE, window, softmax scale and soft-cap."""
+def attention(layer: dict, x, kv_cache, layer_index, inputs: ModelInputs, cfg: ModelConfig, i: int, backend, mesh,
+              norm=rms_norm):
+    """Self-attention over layer `layer_index`'s pages of the cache (an int32 scalar, traced):
+    q/k normed by `norm` (when the config has q/k norms), the RoPE, window, softmax scale
+    and soft-cap of layer i (the static twin of layer_index: its kind, `layer_kinds`)."""
     q = linear(x, layer["q_proj"], layer.get("q_bias"))
     k = linear(x, layer["k_proj"], layer.get("k_bias"))
     v = linear(x, layer["v_proj"], layer.get("v_bias"))
@@ -195,7 +198,7 @@ def attention(layer: dict, x, kv_cache, inputs: ModelInputs, cfg: ModelConfig, i
     window = cfg.sliding_windows[i] if cfg.sliding_windows else None
     cap = cfg.attn_logit_softcapping
     out, kv_cache = paged_attention(
-        q, k, v, kv_cache, inputs, sm_scale=cfg.sm_scale, sliding_window=window, backend=backend, mesh=mesh,
+        q, k, v, kv_cache, layer_index, inputs, sm_scale=cfg.sm_scale, sliding_window=window, backend=backend, mesh=mesh,
         logits_soft_cap=None if cap is None else float(cap),
     )
     return linear(out, layer["o_proj"], layer.get("o_bias")), kv_cache
@@ -212,17 +215,18 @@ def layer_kinds(cfg: ModelConfig) -> list[int]:
 def run_layers(layer_fn: Callable, params: Params, kv_caches: KVCaches, x: jax.Array, inputs: ModelInputs,
                cfg: ModelConfig, specs: list[ParamSpec],
                collect: tuple[int, ...] = ()) -> tuple[jax.Array, KVCaches, list[jax.Array]]:
-    """x through every decoder layer: `layer_fn(layer, x, kv_cache, inputs, kind)` -> (x, kv_cache),
-    `layer` the layer's slices of the stacked params (`specs` say which rows), `kind` a
-    layer index (`layer_kinds`) whose static settings the layer shares. Also returns x as
-    it enters each layer of `collect`, in that order.
+    """x through every decoder layer: `layer_fn(layer, x, kv_cache, layer_index, inputs, kind)`
+    -> (x, kv_cache), `layer` the layer's slices of the stacked params (`specs` say which
+    rows), kv_cache every layer's, `layer_index` the layer's (an int32 scalar, traced),
+    `kind` a layer index (`layer_kinds`) whose static settings the layer shares. Also
+    returns x as it enters each layer of `collect`, in that order.
 
     Each call is a jit nested in the step's, so JAX traces and lowers one layer of each
     kind, not every layer: start-up (even from the persistent cache, whose key needs the
     lowered step) does not grow with depth. XLA inlines the calls: the compiled step is
     the one the unrolled layers gave."""
-    step = jax.jit(layer_fn, static_argnums=4)
-    new_caches, entering = [], {}
+    step = jax.jit(layer_fn, static_argnums=5)
+    entering = {}
     stacks = params["layers"]
 
     def row_of(stack, row: int):
@@ -230,13 +234,12 @@ def run_layers(layer_fn: Callable, params: Params, kv_caches: KVCaches, x: jax.A
             return stack[row]
         return jax.lax.dynamic_index_in_dim(stack, params["layer_rows"][row], keepdims=False)
 
-    for i, (rows, cache, kind) in enumerate(zip(layer_rows(specs), kv_caches, layer_kinds(cfg))):
+    for i, (rows, kind) in enumerate(zip(layer_rows(specs), layer_kinds(cfg))):
         layer = {name: row_of(stacks[name], row) for name, row in rows.items()}
         if i in collect:
             entering[i] = x
-        x, cache = step(layer, x, cache, inputs, kind)
-        new_caches.append(cache)
-    return x, new_caches, [entering[i] for i in collect]
+        x, kv_caches = step(layer, x, kv_caches, np.int32(i), inputs, kind)
+    return x, kv_caches, [entering[i] for i in collect]
 
 
 def activation(x: jax.Array, hidden_act: str) -> jax.Array:

@@ -65,8 +65,8 @@ def hidden_states(params: Params, kv_caches: KVCaches, inputs: ModelInputs, cfg:
     x = embed[inputs.input_ids] * jnp.asarray(cfg.hidden_size**0.5, jnp.float32).astype(embed.dtype)
     eps = cfg.rms_norm_eps
 
-    def layer_step(layer, x, kv_cache, inputs, i):
-        h, kv_cache = attention(layer, rms_norm(x, layer["input_norm"], eps), kv_cache, inputs, cfg, i,
+    def layer_step(layer, x, kv_cache, index, inputs, i):
+        h, kv_cache = attention(layer, rms_norm(x, layer["input_norm"], eps), kv_cache, index, inputs, cfg, i,
                                 attention_backend, mesh, norm=rms_norm)
         x = x + rms_norm(h, layer["post_norm"], eps)
         h = mlp(layer, rms_norm(x, layer["pre_ffn_norm"], eps), cfg)

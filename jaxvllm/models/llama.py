@@ -40,9 +40,9 @@ def hidden_states(params: Params, kv_caches: KVCaches, inputs: ModelInputs, cfg:
     residual stream entering each of `aux_layers` (EAGLE-3 reads those). With a
     mesh (tensor parallelism), attention runs per device on its heads; the rest is XLA's
     SPMD partitioning of the sharded params (see `jaxvllm/sharding.py`)."""
-    def layer_step(layer, x, kv_cache, inputs, i):
+    def layer_step(layer, x, kv_cache, index, inputs, i):
         h = rms_norm(x, layer["input_norm"], cfg.rms_norm_eps)
-        h, kv_cache = attention(layer, h, kv_cache, inputs, cfg, i, attention_backend, mesh)
+        h, kv_cache = attention(layer, h, kv_cache, index, inputs, cfg, i, attention_backend, mesh)
         x = x + h
         h = rms_norm(x, layer["post_norm"], cfg.rms_norm_eps)
         x = x + (sparse_moe(layer, h, cfg, attention_backend, mesh) if cfg.is_moe_layer(i) else mlp(layer, h, cfg))

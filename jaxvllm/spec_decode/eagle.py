@@ -196,21 +196,20 @@ def _head(params, embed, kv_caches, input_ids, hidden, inputs: ModelInputs, e: E
     first = layers[0]
     if e.method == "eagle":
         x = linear(jnp.concatenate([x_embed, hidden.astype(x_embed.dtype)], -1), params["fc"], params.get("fc_bias"))
-        h, cache = attention(first, x, kv_caches[0], inputs, cfg, 0, backend, mesh)
+        h, kv_caches = attention(first, x, kv_caches, 0, inputs, cfg, 0, backend, mesh)
     else:
         normed = rms_norm(hidden, first["hidden_norm"], eps)
         x = normed if e.norm_before_residual else hidden
         h = jnp.concatenate([rms_norm(x_embed, first["input_norm"], eps), normed], -1)
-        h, cache = attention(first, h, kv_caches[0], inputs, cfg, 0, backend, mesh)
+        h, kv_caches = attention(first, h, kv_caches, 0, inputs, cfg, 0, backend, mesh)
     x = x + h
     x = x + mlp(first, rms_norm(x, first["post_norm"], eps), cfg)
-    caches = [cache]
-    for i, (layer, cache) in enumerate(zip(layers[1:], kv_caches[1:]), start=1):
-        h, cache = attention(layer, rms_norm(x, layer["input_norm"], eps), cache, inputs, cfg, i, backend, mesh)
+    for i, layer in enumerate(layers[1:], start=1):
+        h, kv_caches = attention(layer, rms_norm(x, layer["input_norm"], eps), kv_caches, i, inputs, cfg, i, backend,
+                                 mesh)
         x = x + h
         x = x + mlp(layer, rms_norm(x, layer["post_norm"], eps), cfg)
-        caches.append(cache)
-    return (x if e.method == "eagle" else rms_norm(x, params["norm"], eps)), x, caches
+    return (x if e.method == "eagle" else rms_norm(x, params["norm"], eps)), x, kv_caches
 
 
 def _drafts(params, target_params, states, target: ModelConfig):

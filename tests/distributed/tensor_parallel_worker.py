@@ -80,7 +80,7 @@ def shard_shapes(llm: LLM) -> dict[str, list]:
     layer = first_layer(runner)
     arrays = {name: layer[name] for name in ("q_proj", "k_proj", "o_proj", "gate_proj", "down_proj", "input_norm")}
     arrays["embed"] = runner.params["embed"]
-    arrays["k_cache"] = runner.kv_caches[0][0]
+    arrays["k_cache"] = runner.kv_caches[0]
     return {name: sorted({tuple(s.data.shape) for s in a.addressable_shards}) + [len(a.addressable_shards)]
             for name, a in arrays.items()}
 
@@ -190,7 +190,7 @@ def main(folder: str) -> None:
                     case["moe_shards"] = expert_shards(llm)
                 if name == "llama-8-heads" and tp == 8:
                     case["shards"] = shard_shapes(llm)
-                    case["hlo"] = all_gathers(llm, llm.llm_engine.runner.kv_caches[0][0].shape)
+                    case["hlo"] = all_gathers(llm, llm.llm_engine.runner.kv_caches[0].shape)
             if arch in ("qwen3_moe", "mixtral"):  # expert parallelism: whole experts per device
                 with LLM(path, **ENGINE, tensor_parallel_size=tp, enable_expert_parallel=True) as llm:
                     case[f"tp{tp}_ep"] = greedy(llm)

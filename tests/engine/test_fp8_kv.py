@@ -198,17 +198,17 @@ def test_scales_come_from_the_checkpoint(tiny_checkpoint, tmp_path):
     runner = llm.llm_engine.runner
     want = [[[0.05, 0.02], [0.05, 0.02]], [[0.1, 1.0], [0.3, 1.0]]]  # [layer, KV head, (k, v)]
     np.testing.assert_allclose(runner.kv_scales, want, rtol=1e-6)
-    np.testing.assert_allclose([np.asarray(layer[2]) for layer in runner.kv_caches], want, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(runner.kv_caches[2]).swapaxes(0, 1), want, rtol=1e-6)  # [KV head, layer]
     prompt = prompts()[0]
     out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
-    k_cache = np.asarray(runner.kv_caches[0][0].astype(jnp.float32))
+    k_cache = np.asarray(runner.kv_caches[0][:, 0].astype(jnp.float32))  # layer 0
     # With k_scale 0.05 the stored keys are 20x the keys: well inside e4m3's range, not clipped.
     assert 5 < np.abs(k_cache).max() < 448
     llm.shutdown()
     # Without kv_cache_dtype="fp8" the scales are ignored, with no warning about unused tensors.
     llm = LLM(str(path), **ENGINE, enforce_eager=True)
-    assert llm.llm_engine.runner.kv_scales is None and len(llm.llm_engine.runner.kv_caches[0]) == 2
+    assert llm.llm_engine.runner.kv_scales is None and len(llm.llm_engine.runner.kv_caches) == 2
     llm.shutdown()
     # Under a mesh with more devices than KV heads each repeated head keeps its head's scales.
     run_cfg = dataclasses.replace(load_config(path), num_kv_heads=4)
@@ -248,17 +248,17 @@ def test_engine_calculates_kv_scales_from_the_first_batch(tiny_checkpoint, runs)
     llm = LLM(path, kv_cache_dtype="fp8", calculate_kv_scales=True, logprobs_mode="raw_logits", max_logprobs=-1,
               **ENGINE)
     runner = llm.llm_engine.runner
-    assert all((np.asarray(layer[2]) == 1.0).all() for layer in runner.kv_caches)  # after the warm-up
+    assert (np.asarray(runner.kv_caches[2]) == 1.0).all()  # after the warm-up
     first = min(prompts(), key=len)
     assert len(first) <= ENGINE["max_num_batched_tokens"]  # one batch
     llm.generate({"prompt_token_ids": first}, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-    scales = np.asarray([np.asarray(layer[2]) for layer in runner.kv_caches])  # [layer, KV head, 3]
+    scales = np.asarray(runner.kv_caches[2])  # [KV head, layer, 3]
     assert (scales[..., 2] == 0).all() and (scales[..., :2] != 1.0).all()
-    k_cache = np.abs(np.asarray(runner.kv_caches[0][0].astype(jnp.float32)))
+    k_cache = np.abs(np.asarray(runner.kv_caches[0][:, 0].astype(jnp.float32)))  # layer 0
     assert 184 <= k_cache.max() <= 216  # the first batch's largest key: 200, e4m3-rounded (a step of 16 there)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=-1)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
-    np.testing.assert_array_equal(np.asarray([np.asarray(layer[2]) for layer in runner.kv_caches]), scales)  # kept
+    np.testing.assert_array_equal(np.asarray(runner.kv_caches[2]), scales)  # kept
     llm.shutdown()
     ref = runs["auto"][0]
     same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(ref, outs))
@@ -300,12 +300,12 @@ for tp in (1, 2):
         llm = LLM(sys.argv[1], kv_cache_dtype="fp8", tensor_parallel_size=tp, calculate_kv_scales=calculate, **ENGINE)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         runner = llm.llm_engine.runner
-        k_cache, v_cache, scales = runner.kv_caches[0]
+        k_cache, v_cache, scales = runner.kv_caches
         out[f"{tp}{'-calculated' if calculate else ''}"] = dict(
             tokens=[o.outputs[0].token_ids for o in outs], dtype=str(k_cache.dtype),
             cache_shards=sorted({tuple(s.data.shape) for s in k_cache.addressable_shards}),
             scale_shards=sorted({tuple(s.data.shape) for s in scales.addressable_shards}),
-            scales=[jax.device_get(layer[2]).tolist() for layer in runner.kv_caches],
+            scales=jax.device_get(scales).swapaxes(0, 1).tolist(),  # [layer, KV head, 2 or 3]
             blocks=llm.stats()["num_gpu_blocks"])
         llm.shutdown()
 print(json.dumps(out))
@@ -323,13 +323,14 @@ def test_tensor_parallel_with_fp8_cache(tiny_checkpoint):
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     one, two = out["1"], out["2"]
     assert one["dtype"] == two["dtype"] == "float8_e4m3fn"
-    assert one["scale_shards"] == [[2, 2]] and two["scale_shards"] == [[1, 2]]  # split on KV heads, as the cache
+    # [KV heads, layers, 2], split on KV heads, as the cache
+    assert one["scale_shards"] == [[2, 2, 2]] and two["scale_shards"] == [[1, 2, 2]]
     (heads1, *rest1), (heads2, *rest2) = one["cache_shards"][0], two["cache_shards"][0]
     assert heads2 * 2 == heads1 and rest1 == rest2
     assert two["tokens"] == one["tokens"]
     # Calculated scales: each device its own KV head's, as one device calculates them.
     one, two = out["1-calculated"], out["2-calculated"]
-    assert one["scale_shards"] == [[2, 3]] and two["scale_shards"] == [[1, 3]]
+    assert one["scale_shards"] == [[2, 2, 3]] and two["scale_shards"] == [[1, 2, 3]]
     # Each is one bf16 K or V value (max |x| / 200) out of differently split matmuls: within
     # a bf16 rounding or two (2^-8 relative each) of one device's. (So greedy tokens, which
     # the tiny random model's near-ties make sensitive to them, are compared above.)

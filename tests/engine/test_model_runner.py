@@ -4,11 +4,13 @@ and a clear error for a missing tokenizer."""
 import dataclasses
 import shutil
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 import jaxvllm.kv_cache as kv_cache
 from jaxvllm import LLM, EngineConfig
-from jaxvllm.kv_cache import MAX_CACHE_ELEMENTS, num_kv_blocks
+from jaxvllm.kv_cache import MAX_CACHE_ROWS, num_kv_blocks
 from jaxvllm.model_runner import ModelRunner
 from jaxvllm.sampling_params import SamplingParams
 
@@ -83,17 +85,22 @@ def test_missing_tokenizer_is_a_clear_error(tiny_checkpoint, tmp_path):
 
 
 def test_kv_blocks_are_capped_at_32_bit_offsets(tiny_checkpoint, monkeypatch, caplog):
-    """A tiny model on a large device would get more blocks than 32-bit element offsets
-    address in one layer's cache (the kernels' and the K/V scatter's index math): the count
-    is capped there, with a log line; an explicit override past it is refused."""
+    """A tiny model on a large device would get more blocks than 32-bit indices address in
+    its cache (the kernels' and the K/V scatter's row index over every layer's tokens of a
+    KV head): the count is capped there, with a log line; an explicit override past it is
+    refused. A 1-byte cache also skips 2^31..2^32 elements, where Pallas keeps 32-bit
+    element offsets (past them it takes 64-bit ones)."""
     path = str(tiny_checkpoint("llama"))
     config = EngineConfig(model=path, **SMALL)
     runner = ModelRunner(config)
     spec = runner.kv_spec
     limit = spec.max_blocks
-    per_block = runner.cfg.num_kv_heads * spec.block_size * runner.cfg.head_dim  # 2 x 16 x 16 = 512 elements
-    assert limit * per_block <= MAX_CACHE_ELEMENTS < (limit + 1) * per_block
-    assert limit * per_block * 2 > 2**31 - 2 * per_block  # the largest cache just under 2^31 elements
+    rows_per_block = runner.cfg.num_layers * spec.block_size  # 2 layers x 16 tokens
+    assert limit * rows_per_block <= MAX_CACHE_ROWS < (limit + 1) * rows_per_block
+    fp8 = dataclasses.replace(spec, dtype=jnp.float8_e4m3fn)
+    elements = 2 * runner.cfg.num_kv_heads * spec.block_size * runner.cfg.head_dim  # a block, both layers: 1024
+    assert fp8.addressable(3 << 20) == (2**31 - 1) // elements  # 3 x 2^30 elements: cut below 2^31
+    assert fp8.addressable(1 << 23) == 1 << 23 and spec.addressable(3 << 20) == 3 << 20  # past 2^32; bf16
     # 1 TiB of device memory would give 2^27 blocks of 8 KiB: capped (sized only, nothing allocated here).
     monkeypatch.setattr(kv_cache, "device_memory_stats", lambda device: {"bytes_limit": 3 << 38,
                                                                         "bytes_in_use": 0, "peak_bytes_in_use": 0})
@@ -103,3 +110,26 @@ def test_kv_blocks_are_capped_at_32_bit_offsets(tiny_checkpoint, monkeypatch, ca
     override = dataclasses.replace(config, num_gpu_blocks_override=limit + 1)
     with pytest.raises(ValueError, match=f"num_gpu_blocks_override={limit + 1} exceeds the {limit} KV blocks"):
         num_kv_blocks(override, spec, runner.devices, 64, runner._profile, runner._profile_step_bytes)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_one_cache_for_every_layer_updated_in_place(kv_cache_dtype, tiny_checkpoint):
+    """The step takes one K and one V cache (and an fp8 cache's scales) whatever the depth,
+    [kv_heads, layers, blocks, block_size, head_dim], and the compiled CPU step updates it
+    in place in every bucket: a 1-token one too, where XLA would otherwise turn the write
+    into a dynamic-update-slice and copy the whole cache for each layer."""
+    from pallas_kernels.hlo import count_cache_copies
+
+    path = str(tiny_checkpoint("llama", num_hidden_layers=5))
+    config = EngineConfig(model=path, **dict(SMALL, token_buckets=[1, 4, 32]), kv_cache_dtype=kv_cache_dtype)
+    runner = ModelRunner(config)
+    caches = runner.kv_caches
+    assert len(caches) == (3 if kv_cache_dtype == "fp8" else 2)
+    assert caches[0].shape == (runner.cfg.num_kv_heads, 5, runner.num_blocks, config.block_size, runner.cfg.head_dim)
+    b = runner.builder
+    for bucket in b.buckets:
+        batch = b.padding_batch(bucket, b.widths[-1], None)
+        packed = jax.device_put(batch.packed, runner._replicated)
+        hlo = runner._forward.lower(runner.params, caches, packed, runner.last_sampled,
+                                    layout=batch.layout).compile().as_text()
+        assert count_cache_copies(hlo, caches[0].shape) == 0, bucket

@@ -76,7 +76,10 @@ def test_model_step_lowers_with_the_pallas_backend(monkeypatch):
     monkeypatch.setenv(INTERPRET_ENV, "0")  # what a GPU default backend gives
     cfg = ModelConfig.from_hf(get_dummy("tiny").make_config())
     params = jax.eval_shape(lambda: dummy_params(cfg, jnp.bfloat16))
-    caches = jax.eval_shape(lambda: allocate_kv_caches(cfg, 64, 16, jnp.bfloat16))
+    # Placed as a layer's output comes back under the mesh, so that every layer's call sees one signature.
+    auto = jax.sharding.NamedSharding(H200, jax.sharding.PartitionSpec())
+    caches = jax.tree.map(lambda c: jax.ShapeDtypeStruct(c.shape, c.dtype, sharding=auto),
+                          jax.eval_shape(lambda: allocate_kv_caches(cfg, 64, 16, jnp.bfloat16)))
     inputs = ModelInputs(spec(T), spec(T), spec(T), spec(S + 1), spec(S), spec(S, 8), spec(S))
     # Every layer calls one lowered layer function (models.common.run_layers), which holds
     # both kernels (XLA inlines it back per layer).
