@@ -13,8 +13,9 @@ into the softmax scale and the output).
 The pages of several layers may share one K and one V array (an engine's stacked cache,
 [num_kv_heads, num_layers, num_blocks, block_size, head_dim], viewed as [num_kv_heads,
 num_layers * num_blocks, ...], a free reshape): every kernel, reference and the write take
-`block_offset`, added to each block id (layer l's: l * num_blocks), so a step passes the
-whole cache to each layer's call and nothing is sliced out or copied.
+`block_offset`, added to each block id (layer l's: l * num_blocks; the wrappers add it to
+the block tables in XLA), so a step passes the whole cache to each layer's call and
+nothing is sliced out or copied.
 
 Token slot `s` lives at block `s // block_size`, offset `s % block_size`. Head-major keeps
 each (head, block) page contiguous in memory, which is what a decode kernel that walks

@@ -265,7 +265,6 @@ def _ragged_kernel(
     v_ref,  # [num_slots, D]
     bt_ref,  # [S * max_blocks]     every block table, flattened
     scale_ref,  # [2] f32           (k_scale, v_scale) of this KV head (1.0 unless fp8)
-    offset_ref,  # [1]              block_offset, added to every block id
     o_ref,  # [T, G, D]
     *,
     sm_scale: float,
@@ -307,12 +306,11 @@ def _ragged_kernel(
     else:
         full_end = first_tile
     offsets = jnp.arange(block_kv)
-    block_offset = offset_ref[0]
 
     def pages_of(tile):
         keys = tile * block_kv + offsets
         kv_ok = (keys >= lo) & (keys < hi)
-        return plgpu.load(bt_ref.at[bt0 + lax.div(keys, block_size)], mask=kv_ok, other=0) + block_offset
+        return plgpu.load(bt_ref.at[bt0 + lax.div(keys, block_size)], mask=kv_ok, other=0)
 
     def step(tile, carry, masked: bool):
         acc, m_prev, l_prev, page = carry  # page ids of this tile, loaded one step ahead
@@ -387,8 +385,8 @@ def _tile_metadata(
     return jnp.stack([c.astype(jnp.int32) for c in cols], axis=1)
 
 
-def _call_triton(meta, q4, k_slots, v_slots, block_tables_flat, scales, block_offset, *, num_warps, num_stages,
-                 interpret, **kernel_args):
+def _call_triton(meta, q4, k_slots, v_slots, block_tables_flat, scales, *, num_warps, num_stages, interpret,
+                 **kernel_args):
     num_tokens, num_kv_heads, group, head_dim = q4.shape
     num_slots = k_slots.shape[1]
     num_tiles = meta.shape[0]
@@ -407,14 +405,13 @@ def _call_triton(meta, q4, k_slots, v_slots, block_tables_flat, scales, block_of
             kv_spec,
             pl.BlockSpec(block_tables_flat.shape, lambda h, i: (0,)),
             pl.BlockSpec((None, 2), lambda h, i: (h, 0)),
-            pl.BlockSpec((1,), lambda h, i: (0,)),
         ],
         out_specs=qo_spec,
         out_shape=jax.ShapeDtypeStruct(q4.shape, q4.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="jaxvllm_ragged_paged_attention",
-    )(meta, q4, k_slots, v_slots, block_tables_flat, scales, block_offset)
+    )(meta, q4, k_slots, v_slots, block_tables_flat, scales)
 
 
 def ragged_paged_attention_raw(
@@ -493,9 +490,8 @@ def ragged_paged_attention_raw(
         q.reshape(num_tokens, num_kv_heads, group, head_dim),
         k_cache.reshape(num_kv_heads, num_slots, head_dim),  # free: contiguous
         v_cache.reshape(num_kv_heads, num_slots, head_dim),
-        block_tables.astype(jnp.int32).reshape(-1),
+        (block_tables.astype(jnp.int32) + jnp.asarray(block_offset, jnp.int32)).reshape(-1),  # (in XLA, see decode)
         kv_scales(k_scale, v_scale, num_kv_heads),
-        jnp.asarray(block_offset, jnp.int32).reshape(1),
         num_warps=num_warps,
         num_stages=num_stages,
         interpret=interpret,
