@@ -149,7 +149,8 @@ def paged_attention(
     attention dequantizes; under a mesh the scales are split on KV heads with the cache.
     Scales with a third column are still to calculate from the first batch written
     (`calculate_kv_scales`). `layer` is an int32 scalar, traced or not: the kernels take
-    the whole cache and the layer's first block (`block_offset`), so no layer is sliced out.
+    the whole cache and block tables shifted to the layer's first block, so no layer is
+    sliced out.
     With a mesh, each device does this for its own heads (`jax.shard_map`): q/k/v and the
     cache are split on heads, the batch's index arrays replicated. `logits_soft_cap` c
     (Gemma's `attn_logit_softcapping`) caps the scaled scores at c * tanh(s / c): the
@@ -184,12 +185,14 @@ def _paged_attention(q, k, v, kv_cache, layer, inputs: ModelInputs, *, sm_scale,
             layer_scales = calculate_kv_scales(layer_scales, k, v, inputs.slot_mapping)
             scales = [jax.lax.dynamic_update_index_in_dim(scales[0], layer_scales, layer, axis=1)]
     k_scale, v_scale = (layer_scales[:, 0], layer_scales[:, 1]) if scales else (None, None)
-    # Every layer's pages as one block axis (a free reshape), this layer's from block_offset on.
+    # Every layer's pages as one block axis (a free reshape), this layer's from its first
+    # block on: its block ids and slots shifted there (padding slots, < 0, stay dropped).
+    # XLA fuses the shifts into the tables' producer (sm_90a: no launch more a step).
     k_cache = k_cache.reshape(heads, num_layers * num_blocks, block_size, head_dim)
     v_cache = v_cache.reshape(k_cache.shape)
-    block_offset = layer * num_blocks
-    k_cache, v_cache = write_kv_reference(k_cache, v_cache, k, v, inputs.slot_mapping, k_scale, v_scale,
-                                          block_offset=block_offset)
+    first_block = layer * num_blocks
+    slots = jnp.where(inputs.slot_mapping < 0, inputs.slot_mapping, inputs.slot_mapping + first_block * block_size)
+    k_cache, v_cache = write_kv_reference(k_cache, v_cache, k, v, slots, k_scale, v_scale)
     attend = (partial(mixed_paged_attention, decode_only=inputs.decode_only) if backend == "pallas"
               else partial(ragged_paged_attention_reference, dynamic_kv_steps=inputs.dynamic_loops))
     if logits_soft_cap is not None:  # the reference (paged_attention refuses it for the kernels)
@@ -201,12 +204,11 @@ def _paged_attention(q, k, v, kv_cache, layer, inputs: ModelInputs, *, sm_scale,
         inputs.positions,
         inputs.query_start_loc,
         inputs.seq_lens,
-        inputs.block_tables,
+        inputs.block_tables + first_block,
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         k_scale=k_scale,
         v_scale=v_scale,
-        block_offset=block_offset,
     )
     stacked = (heads, num_layers, num_blocks, block_size, head_dim)
     return out, (k_cache.reshape(stacked), v_cache.reshape(stacked), *scales)

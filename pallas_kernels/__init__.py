@@ -10,12 +10,11 @@ the references take as `k_scale` / `v_scale`; the kernels convert each fp8 tile 
 queries' dtype or, in the decode kernel under bf16 queries, to float16, and fold the scales
 into the softmax scale and the output).
 
-The pages of several layers may share one K and one V array (an engine's stacked cache,
-[num_kv_heads, num_layers, num_blocks, block_size, head_dim], viewed as [num_kv_heads,
-num_layers * num_blocks, ...], a free reshape): every kernel, reference and the write take
-`block_offset`, added to each block id (layer l's: l * num_blocks; the wrappers add it to
-the block tables in XLA), so a step passes the whole cache to each layer's call and
-nothing is sliced out or copied.
+The pages of several layers may share one K and one V array (an engine's cache for every
+layer, [num_kv_heads, num_layers, num_blocks, block_size, head_dim], viewed as
+[num_kv_heads, num_layers * num_blocks, ...], a free reshape): the caller then shifts a
+layer's block ids and slots by its first block (layer l's: l * num_blocks), and passes
+the whole cache to each layer's call, so nothing is sliced out or copied.
 
 Token slot `s` lives at block `s // block_size`, offset `s % block_size`. Head-major keeps
 each (head, block) page contiguous in memory, which is what a decode kernel that walks

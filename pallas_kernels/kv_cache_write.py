@@ -21,7 +21,6 @@ def write_kv_reference(
     slot_mapping: jax.Array,
     k_scale: jax.Array | float | None = None,
     v_scale: jax.Array | float | None = None,
-    block_offset: jax.Array | int = 0,
 ) -> tuple[jax.Array, jax.Array]:
     """Scatter `k`, `v` [T, num_kv_heads, head_dim] into slots `slot_mapping` [T].
 
@@ -32,9 +31,8 @@ def write_kv_reference(
     is given).
 
     A negative slot marks a padding row: it is dropped, never written (a plain
-    negative index would wrap around and clobber the last block). `block_offset` (int32
-    scalar) is added to the block of every other slot: a cache that stacks the pages of
-    several layers. Under `jit` with the caches donated, XLA updates them in place.
+    negative index would wrap around and clobber the last block). Under `jit` with the
+    caches donated, XLA updates them in place.
     """
     num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape
     if k.shape != (slot_mapping.shape[0], num_kv_heads, head_dim) or v.shape != k.shape:
@@ -42,7 +40,7 @@ def write_kv_reference(
             f"k/v must be [T={slot_mapping.shape[0]}, {num_kv_heads}, {head_dim}], got {k.shape} and {v.shape}"
         )
     num_slots = num_blocks * block_size
-    slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping + block_offset * block_size)  # <0: dropped
+    slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)  # out of range -> dropped
     if slots.shape[0] == 1:
         # XLA makes a one-row scatter a dynamic-update-slice, which reads the old row back
         # in case it is dropped; with several layers' pages in one cache, XLA:CPU then reads

@@ -44,12 +44,10 @@ def mixed_paged_attention(
     decode_tuning: dict | None = None,
     ragged_tuning: dict | None = None,
     decode_only: bool = False,
-    block_offset: jax.Array | int = 0,
 ) -> jax.Array:
     """Same contract and layout as `ragged_paged_attention_reference` (an fp8 cache and its
     k_scale / v_scale included); padding rows are zeros. `decode_only`: the caller's promise
-    that sequence s owns token s alone, or no token (query_start_loc = 0, 1, .., n, n, ..).
-    `block_offset`: added to every block id, as in the reference."""
+    that sequence s owns token s alone, or no token (query_start_loc = 0, 1, .., n, n, ..)."""
     _check_shapes(q, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables)
     num_tokens, num_seqs = q.shape[0], seq_lens.shape[0]
 
@@ -58,8 +56,7 @@ def mixed_paged_attention(
         return paged_decode_attention(
             seq_q, k_cache, v_cache, jnp.where(is_decode, seq_lens, 0), block_tables,
             sm_scale=sm_scale, sliding_window=sliding_window, query_positions=seq_positions,
-            k_scale=k_scale, v_scale=v_scale, block_offset=block_offset, interpret=interpret,
-            **(decode_tuning or {}),
+            k_scale=k_scale, v_scale=v_scale, interpret=interpret, **(decode_tuning or {}),
         )
 
     if decode_only:
@@ -75,7 +72,7 @@ def mixed_paged_attention(
     ragged = ragged_paged_attention_raw(
         q, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables,
         sm_scale=sm_scale, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, min_query_len=2,
-        block_offset=block_offset, interpret=interpret, **(ragged_tuning or {}),
+        interpret=interpret, **(ragged_tuning or {}),
     )
     # Scatter the decode rows to their tokens (other sequences' index is out of range: dropped).
     target = jnp.where(is_decode, starts, num_tokens)

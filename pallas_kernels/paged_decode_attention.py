@@ -241,7 +241,6 @@ def paged_decode_attention(
     k_scale: jax.Array | float | None = None,
     v_scale: jax.Array | float | None = None,
     seq_order: jax.Array | None = None,
-    block_offset: jax.Array | int = 0,
     num_splits: int | None = None,
     block_kv: int | None = None,
     block_h: int | None = None,
@@ -257,8 +256,6 @@ def paged_decode_attention(
     or not, or per KV head: [num_kv_heads]; None: 1.0) dequantize it: K = stored * k_scale,
     V = stored * v_scale, folded into the softmax scale and the output.
 
-    block_offset: int32 scalar added to every block id of block_tables (a cache that
-    stacks the pages of several layers, see `pallas_kernels/__init__.py`).
     seq_order: int32 [S], a permutation of the sequences, the order in which programs take
     them (None: longest first, `jnp.argsort(-seq_lens)`; under jit, XLA computes it once
     for every layer's call on the same seq_lens).
@@ -320,10 +317,7 @@ def paged_decode_attention(
         q.reshape(num_seqs, num_kv_heads, group, head_dim),
         k_cache.reshape(num_kv_heads, num_slots, head_dim),  # free: contiguous
         v_cache.reshape(num_kv_heads, num_slots, head_dim),
-        # The offset added in XLA, where it fuses into the tables' producer (the sm_90a step
-        # keeps its launch count), not in the kernel: one more register there made ptxas
-        # spill the fp8 tile loop at block_kv 128 and 8 warps.
-        block_tables.astype(jnp.int32) + jnp.asarray(block_offset, jnp.int32),
+        block_tables.astype(jnp.int32),
         seq_lens,
         positions,
         kv_scales(k_scale, v_scale, num_kv_heads),
@@ -355,7 +349,6 @@ def paged_decode_attention_reference(
     query_positions: jax.Array | None = None,
     k_scale: jax.Array | float | None = None,
     v_scale: jax.Array | float | None = None,
-    block_offset: jax.Array | int = 0,
 ) -> jax.Array:
     """The decode contract through the ragged reference (one query token per sequence).
 
@@ -367,6 +360,5 @@ def paged_decode_attention_reference(
         q, k_cache, v_cache, jnp.maximum(positions, 0).astype(jnp.int32),
         jnp.arange(num_seqs + 1, dtype=jnp.int32), seq_lens.astype(jnp.int32), block_tables,
         sm_scale=sm_scale, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale,
-        block_offset=block_offset,
     )
     return jnp.where((seq_lens > 0)[:, None, None], out, 0).astype(q.dtype)

@@ -98,7 +98,6 @@ def ragged_paged_attention_reference(
     v_scale: jax.Array | float | None = None,
     logits_soft_cap: float | None = None,
     dynamic_kv_steps: bool = False,
-    block_offset: jax.Array | int = 0,
 ) -> jax.Array:
     """Attention output [T, num_q_heads, head_dim] in q's dtype (softmax in float32).
 
@@ -112,8 +111,6 @@ def ragged_paged_attention_reference(
     q's dtype as they are gathered, and k_scale / v_scale (float32, per tensor: scalars,
     or per KV head: [num_kv_heads]; None: 1.0) dequantize them, K = stored * k_scale and
     V = stored * v_scale, applied (as in the kernels) to the scores and to the output.
-    `block_offset` (int32 scalar) is added to every block id: a cache that stacks the
-    pages of several layers (see `pallas_kernels/__init__.py`).
 
     Plain jnp with static loops (unless `dynamic_kv_steps`): `lax.map` over chunks of
     C = min(T, 128) query tokens, each a `lax.scan` over the block-table columns, P = min(max_blocks_per_seq,
@@ -139,14 +136,14 @@ def ragged_paged_attention_reference(
         q, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables,
         sm_scale=sm_scale, sliding_window=sliding_window,
         query_chunk=_REF_QUERY_CHUNK, kv_chunk=_REF_KV_CHUNK, k_scale=k_scale, v_scale=v_scale,
-        logits_soft_cap=logits_soft_cap, dynamic_kv_steps=dynamic_kv_steps, block_offset=block_offset,
+        logits_soft_cap=logits_soft_cap, dynamic_kv_steps=dynamic_kv_steps,
     )
 
 
 def _chunked_reference(
     q, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables,
     *, sm_scale, sliding_window, query_chunk: int, kv_chunk: int, k_scale=None, v_scale=None,
-    logits_soft_cap: float | None = None, dynamic_kv_steps: bool = False, block_offset: jax.Array | int = 0,
+    logits_soft_cap: float | None = None, dynamic_kv_steps: bool = False,
 ):
     """`ragged_paged_attention_reference` with the chunk sizes as parameters (tests shrink them)."""
     _check_shapes(q, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables)
@@ -174,7 +171,7 @@ def _chunked_reference(
     pages_per_step = max(1, min(max_blocks, kv_chunk // block_size))
     num_steps = cdiv(max_blocks, pages_per_step)
     keys_per_step = pages_per_step * block_size
-    tables = jnp.pad(block_tables, ((0, 0), (0, num_steps * pages_per_step - max_blocks))) + block_offset
+    tables = jnp.pad(block_tables, ((0, 0), (0, num_steps * pages_per_step - max_blocks)))
     step_tables = tables.reshape(num_seqs, num_steps, pages_per_step).transpose(1, 0, 2)
     step_starts = jnp.arange(num_steps) * keys_per_step
 
@@ -428,7 +425,6 @@ def ragged_paged_attention_raw(
     k_scale: jax.Array | float | None = None,
     v_scale: jax.Array | float | None = None,
     min_query_len: int = 1,
-    block_offset: jax.Array | int = 0,
     block_q: int | None = None,
     block_kv: int | None = None,
     num_warps: int | None = None,
@@ -437,8 +433,7 @@ def ragged_paged_attention_raw(
 ) -> jax.Array:
     """The kernel alone: rows of sequences with fewer than `min_query_len` query tokens,
     and padding rows, are left UNWRITTEN (garbage). `ragged_paged_attention` zeroes them;
-    the mixed backend sends 1-token sequences to the decode kernel instead. `block_offset`:
-    as in the reference.
+    the mixed backend sends 1-token sequences to the decode kernel instead.
     """
     _check_shapes(q, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables)
     check_dtypes(q, k_cache)
@@ -490,7 +485,7 @@ def ragged_paged_attention_raw(
         q.reshape(num_tokens, num_kv_heads, group, head_dim),
         k_cache.reshape(num_kv_heads, num_slots, head_dim),  # free: contiguous
         v_cache.reshape(num_kv_heads, num_slots, head_dim),
-        (block_tables.astype(jnp.int32) + jnp.asarray(block_offset, jnp.int32)).reshape(-1),  # (in XLA, see decode)
+        block_tables.astype(jnp.int32).reshape(-1),
         kv_scales(k_scale, v_scale, num_kv_heads),
         num_warps=num_warps,
         num_stages=num_stages,
@@ -518,7 +513,6 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     k_scale: jax.Array | float | None = None,
     v_scale: jax.Array | float | None = None,
-    block_offset: jax.Array | int = 0,
     **tuning,
 ) -> jax.Array:
     """The reference's contract on the Pallas kernel: [T, num_q_heads, head_dim] in q's dtype.
@@ -534,8 +528,7 @@ def ragged_paged_attention(
     """
     out = ragged_paged_attention_raw(
         q, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables,
-        sm_scale=sm_scale, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale,
-        block_offset=block_offset, **tuning,
+        sm_scale=sm_scale, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, **tuning,
     )
     live = jnp.arange(q.shape[0]) < query_start_loc[-1]
     return jnp.where(live[:, None, None], out, 0).astype(q.dtype)

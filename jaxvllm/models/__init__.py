@@ -23,7 +23,7 @@ MODELS["Gemma3ForCausalLM"] = gemma3
 
 
 def forward(params: dict, kv_caches: tuple, inputs: ModelInputs, cfg: ModelConfig, attention_backend: str = "reference",
-            mesh: Mesh | None = None) -> tuple[jax.Array, list]:
+            mesh: Mesh | None = None) -> tuple[jax.Array, tuple]:
     """Run the flat batch through `cfg`'s architecture; returns (float32 logits [S, vocab]
     for `logits_indices`, new caches). A pure function of (params, kv_caches, inputs): jit
     it with `cfg` and the backend static and the caches donated."""
