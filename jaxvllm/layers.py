@@ -31,10 +31,13 @@ def linear(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None, *,
     times weight [*out, *in] -> [T, *out] (q_proj [heads, head_dim, hidden] gives [T, heads,
     head_dim]; o_proj [hidden, heads, head_dim] takes them back). Every model matmul goes
     through here, so that a weight format (quantized) or an adapter plugs in once."""
-    n = x.ndim - 1  # x's axes after the first are contracted with the weight's last n
-    dims = ((tuple(range(1, x.ndim)), tuple(range(weight.ndim - n, weight.ndim))), ((), ()))
+    out_axes = weight.shape[: weight.ndim - (x.ndim - 1)]  # x's axes after the first meet the weight's last
+    # As one [T, in] x [out, in] matmul (free reshapes): XLA:CPU otherwise copies a weight
+    # with several out or in axes into [in, out] order on every step.
     dtype = jnp.result_type(x, weight)
-    out = jax.lax.dot_general(x.astype(dtype), weight.astype(dtype), dims, preferred_element_type=preferred_element_type)
+    x2, w2 = x.reshape(x.shape[0], -1).astype(dtype), weight.reshape(math.prod(out_axes), -1).astype(dtype)
+    out = jax.lax.dot_general(x2, w2, (((1,), (1,)), ((), ())), preferred_element_type=preferred_element_type)
+    out = out.reshape(x.shape[0], *out_axes)
     return out if bias is None else out + bias
 
 

@@ -20,6 +20,7 @@ token, so no vocabulary-sized array crosses to the device per step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -219,8 +220,10 @@ def apply_penalties(logits, prompt_mask, output_counts, presence, frequency, rep
 
 def _largest_true(pred, lo, hi, iters: int = 32):
     """Per row, bisect for the largest t in [lo, hi] with pred(t) (pred true below a threshold).
-    Unrolled: a loop would run from the host (XLA's GPU runtime launches each iteration),
-    outside the step's CUDA graph; unrolled, its few fusions per iteration join the graph."""
+    Unrolled on accelerators: a loop would run from the host (XLA's GPU runtime launches
+    each iteration), outside the step's CUDA graph; unrolled, its few fusions per iteration
+    join the graph. A loop on CPU, where XLA runs loops itself and compiling 32 copies of
+    the body doubled the sampler's compile time."""
 
     def body(_, bounds):
         lo, hi = bounds
@@ -228,7 +231,10 @@ def _largest_true(pred, lo, hi, iters: int = 32):
         ok = pred(mid)
         return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
 
-    return jax.lax.fori_loop(0, iters, body, (lo, hi), unroll=True)[0]
+    def bisect(lo, hi, unroll: bool):
+        return jax.lax.fori_loop(0, iters, body, (lo, hi), unroll=unroll)[0]
+
+    return jax.lax.platform_dependent(lo, hi, cpu=partial(bisect, unroll=False), default=partial(bisect, unroll=True))
 
 
 def apply_top_k_top_p_min_p(logits, top_k, top_p, min_p, features: SamplerFeatures):

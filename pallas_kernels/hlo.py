@@ -1,5 +1,5 @@
-"""Copies of donated buffers in XLA's optimized HLO text, and how much of a GPU executable
-runs inside CUDA graphs.
+"""Copies of donated buffers and rewrites of weights in XLA's optimized HLO text, and how
+much of a GPU executable runs inside CUDA graphs.
 
 A donated buffer (a KV cache) is updated in place only when XLA can alias it to an
 output; otherwise the ENTRY computation copies it first, which costs its full size in
@@ -35,6 +35,23 @@ def count_cache_copies(hlo: str, shape: tuple[int, ...], dtype: str | None = Non
             count += 1
     return count
 
+
+def parameter_rewrites(hlo: str) -> dict[str, int]:
+    """Instructions of the ENTRY computation that rewrite a whole parameter of two or more
+    axes (a copy, transpose, convert or loop fusion whose only operand is the parameter,
+    with its element count), each with that count. Such is a weight re-laid out or
+    converted on every call, which costs its size in memory traffic each step."""
+    entry = entry_computation(hlo)
+    params = {m.group(1): math.prod(int(x) for x in m.group(2).split(","))
+              for m in re.finditer(r"(%[\w.\-]+) = \w+\[(\d+,[\d,]+)\]\S* parameter\(", entry)}
+    found = {}
+    for m in re.finditer(r"(%[\w.\-]+) = \w+\[([\d,]*)\]\S* (copy|transpose|convert|fusion)\((%[\w.\-]+)\)(.*)",
+                         entry):
+        name, dims, op, operand, rest = m.groups()
+        numel = math.prod(int(x) for x in dims.split(",") if x)
+        if operand in params and numel == params[operand] and (op != "fusion" or "kind=kLoop" in rest):
+            found[f"{name} = {op}({operand})"] = numel
+    return found
 
 def graphed_thunks(thunk_sequence: str) -> tuple[int, int]:
     """(thunks inside XLA's command buffers, thunks launched one by one) in a GPU

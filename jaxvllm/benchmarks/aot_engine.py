@@ -7,6 +7,8 @@ The same compile-only sm_90a device and CUDA PJRT plugin as `pallas_kernels.aot_
 (its docstring says what to install). A step fails when its compiled HLO
 - copies a donated KV cache or sampler state: the copy costs the buffer's full size in
   memory traffic on every step;
+- copies, transposes or converts a whole weight or cache (`parameter_rewrites`): the same
+  cost, for a layout or dtype XLA wanted otherwise;
 - updates fewer donated buffers in place (input_output_alias) than it was given;
 - holds a `conditional`: XLA's GPU runtime copies each predicate to the host and waits
   for it, a device-to-host sync in the middle of every step;
@@ -31,7 +33,7 @@ from jaxvllm.model_config import ModelConfig
 from jaxvllm.dummy import get_dummy
 from jaxvllm.loader import dummy_params
 from pallas_kernels.aot_check import Case, check, problems as compile_problems, spec
-from pallas_kernels.hlo import count_cache_copies
+from pallas_kernels.hlo import count_cache_copies, parameter_rewrites
 
 STATE_ARRAYS = 4  # SamplerState's donated [max_num_seqs, vocab] arrays
 
@@ -181,6 +183,7 @@ def launches(hlo_text: str) -> int:
 def inspect(case: Case, hlo: str) -> dict:
     """The compiled step's figures that `problems` judges, and its kernel count."""
     return {"cache_copies": sum(count_cache_copies(hlo, tuple(s)) for s in case.params["copy_shapes"]),
+            "parameter_rewrites": len(parameter_rewrites(hlo)),
             "aliased_outputs": aliased_outputs(hlo), "conditionals": conditionals(hlo),
             "unbounded_loops": unbounded_loops(hlo), "launches": launches(hlo)}
 
@@ -193,6 +196,8 @@ def problems(case: Case) -> list[str]:
         return found
     if r["cache_copies"]:
         found.append(f"{r['cache_copies']} copies of a KV cache or sampler state in the compiled step")
+    if r.get("parameter_rewrites"):
+        found.append(f"{r['parameter_rewrites']} weights or caches copied or converted whole in the compiled step")
     if r["aliased_outputs"] < case.params["donated"]:
         found.append(f"only {r['aliased_outputs']} of {case.params['donated']} donated buffers are updated in place")
     if r["conditionals"]:

@@ -2,6 +2,7 @@
 and a clear error for a missing tokenizer."""
 
 import dataclasses
+import math
 import shutil
 
 import jax
@@ -117,8 +118,11 @@ def test_one_cache_for_every_layer_updated_in_place(kv_cache_dtype, tiny_checkpo
     """The step takes one K and one V cache (and an fp8 cache's scales) whatever the depth,
     [kv_heads, layers, blocks, block_size, head_dim], and the compiled CPU step updates it
     in place in every bucket: a 1-token one too, where XLA would otherwise turn the write
-    into a dynamic-update-slice and copy the whole cache for each layer."""
-    from pallas_kernels.hlo import count_cache_copies
+    into a dynamic-update-slice and copy the whole cache for each layer. No weight is
+    re-laid out either (q/k/v/o with their head axes were transposed on every step). (An
+    fp8 cache is converted whole, to f16 and back, around its scatter: XLA:CPU has no fp8
+    scatter; docs/design.md.)"""
+    from pallas_kernels.hlo import count_cache_copies, parameter_rewrites
 
     path = str(tiny_checkpoint("llama", num_hidden_layers=5))
     config = EngineConfig(model=path, **dict(SMALL, token_buckets=[1, 4, 32]), kv_cache_dtype=kv_cache_dtype)
@@ -133,3 +137,5 @@ def test_one_cache_for_every_layer_updated_in_place(kv_cache_dtype, tiny_checkpo
         hlo = runner._forward.lower(runner.params, caches, packed, runner.last_sampled,
                                     layout=batch.layout).compile().as_text()
         assert count_cache_copies(hlo, caches[0].shape) == 0, bucket
+        cache_size = math.prod(caches[0].shape)
+        assert [r for r, n in parameter_rewrites(hlo).items() if n != cache_size] == [], bucket

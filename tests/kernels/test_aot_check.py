@@ -15,7 +15,7 @@ import pytest
 from jaxvllm.benchmarks import aot_engine
 from pallas_kernels import aot_check
 from pallas_kernels.common import default_block_kv
-from pallas_kernels.hlo import count_cache_copies, graphed_thunks
+from pallas_kernels.hlo import count_cache_copies, graphed_thunks, parameter_rewrites
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_aot_check.sh"
 
@@ -46,6 +46,26 @@ def test_counts_copies_of_donated_buffers_in_the_entry_computation():
     assert count_cache_copies(HLO, (4, 100)) == 1  # the branch's copy is not a donated buffer
 
 
+def test_counts_weights_rewritten_in_the_entry_computation():
+    hlo = """ENTRY %main (w.1: f32[576,9,64], n.1: f32[576], x.1: f32[32,576]) -> f32[32,576] {
+  %w.1 = f32[576,9,64]{2,1,0} parameter(0)
+  %n.1 = f32[576]{0} parameter(1)
+  %x.1 = f32[32,576]{1,0} parameter(2)
+  %copy_bitcast_fusion = f32[576,576]{1,0} fusion(%w.1), kind=kLoop, calls=%fused_computation.728
+  %transpose.3 = f32[9,64,576]{2,1,0} transpose(%w.1), dimensions={1,2,0}
+  %slice_fusion = f32[576,9]{1,0} fusion(%w.1), kind=kLoop, calls=%fused_computation.9
+  %ynn_fusion = f32[576,576]{1,0} fusion(%w.1), kind=kCustom, calls=%fused_computation.3
+  %copy.2 = f32[576]{0} copy(%n.1)
+  %dot_fusion = f32[32,576]{1,0} fusion(%x.1, %copy_bitcast_fusion), kind=kLoop, calls=%fused_computation.1
+}
+"""
+    # the loop fusion and the transpose of the 3-axis weight; not a part of it, a dot
+    # reading it, a 1-axis parameter, or a fusion of several operands
+    assert parameter_rewrites(hlo) == {"%copy_bitcast_fusion = fusion(%w.1)": 331776,
+                                       "%transpose.3 = transpose(%w.1)": 331776}
+    assert parameter_rewrites(HLO) == {}
+
+
 def test_counts_aliased_outputs_and_conditionals():
     assert aot_engine.aliased_outputs(HLO) == 2
     assert aot_engine.aliased_outputs("HloModule jit_f, entry_computation_layout={()->f32[]}\n") == 0
@@ -72,12 +92,13 @@ def test_problems_name_spills_and_errors():
     assert not aot_check.problems(aot_check.Case("ragged", {"dtype": "float32"}, None, [], dict(spilled)))
 
 
-def test_engine_problems_name_copies_aliasing_and_conditionals():
+def test_engine_problems_name_copies_rewrites_aliasing_and_conditionals():
     case = aot_check.Case("engine_step", {"donated": 8}, None, [])
     case.result = {"ok": True, "kernels": [dict(name="k", registers=255, spill_bytes=96, cp_async=True, mma="")],
-                   "cache_copies": 3, "aliased_outputs": 4, "conditionals": 2}
+                   "cache_copies": 3, "parameter_rewrites": 1, "aliased_outputs": 4, "conditionals": 2}
     assert aot_engine.problems(case) == [
         "k spills 96 bytes", "3 copies of a KV cache or sampler state in the compiled step",
+        "1 weights or caches copied or converted whole in the compiled step",
         "only 4 of 8 donated buffers are updated in place", "2 conditionals in the compiled step (a host sync each)",
     ]
     case.result = {"ok": True, "cache_copies": 0, "aliased_outputs": 8, "conditionals": 0}
@@ -94,8 +115,8 @@ def test_engine_problems_name_copies_aliasing_and_conditionals():
 
 def test_engine_inspect_reads_the_donated_shapes_off_the_case():
     case = aot_check.Case("engine_step", {"copy_shapes": [[8, 16384, 16, 128], [4, 100]]}, None, [])
-    assert aot_engine.inspect(case, HLO) == {"cache_copies": 2, "aliased_outputs": 2, "conditionals": 1,
-                                             "unbounded_loops": 0, "launches": 4}
+    assert aot_engine.inspect(case, HLO) == {"cache_copies": 2, "parameter_rewrites": 0, "aliased_outputs": 2,
+                                             "conditionals": 1, "unbounded_loops": 0, "launches": 4}
 
 
 def test_launches_count_the_entry_computations_kernels():
