@@ -53,6 +53,7 @@ def parameter_rewrites(hlo: str) -> dict[str, int]:
             found[f"{name} = {op}({operand})"] = numel
     return found
 
+
 def graphed_thunks(thunk_sequence: str) -> tuple[int, int]:
     """(thunks inside XLA's command buffers, thunks launched one by one) in a GPU
     executable's thunk sequence as XLA dumps it (`*thunk_sequence_after_thunk_passes.txt`).

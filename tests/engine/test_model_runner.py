@@ -130,6 +130,7 @@ def test_one_cache_for_every_layer_updated_in_place(kv_cache_dtype, tiny_checkpo
     caches = runner.kv_caches
     assert len(caches) == (3 if kv_cache_dtype == "fp8" else 2)
     assert caches[0].shape == (runner.cfg.num_kv_heads, 5, runner.num_blocks, config.block_size, runner.cfg.head_dim)
+    cache_size = math.prod(caches[0].shape)
     b = runner.builder
     for bucket in b.buckets:
         batch = b.padding_batch(bucket, b.widths[-1], None)
@@ -137,5 +138,4 @@ def test_one_cache_for_every_layer_updated_in_place(kv_cache_dtype, tiny_checkpo
         hlo = runner._forward.lower(runner.params, caches, packed, runner.last_sampled,
                                     layout=batch.layout).compile().as_text()
         assert count_cache_copies(hlo, caches[0].shape) == 0, bucket
-        cache_size = math.prod(caches[0].shape)
         assert [r for r, n in parameter_rewrites(hlo).items() if n != cache_size] == [], bucket
