@@ -12,6 +12,7 @@ left (vLLM's `gpu_memory_utilization`); the block pool that hands its blocks out
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from jaxvllm.config import EngineConfig
 from jaxvllm.loader import load_kv_scales
 from jaxvllm.model_config import ModelConfig
 from jaxvllm.sharding import gather_over_processes, kv_cache_sharding, local_devices, put
+from pallas_kernels.common import bits_dtype, from_bits
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +48,23 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype):
     """The KV cache's element type for `kv_cache_dtype` (checked by `EngineConfig`) and the
     model's dtype."""
     return _FP8_DTYPES.get(kv_cache_dtype, model_dtype)
+
+
+def with_cache_storage(cfg: ModelConfig, dtype, platform: str) -> ModelConfig:
+    """`cfg` with `kv_cache_bits` set when a cache of `dtype` is best stored as unsigned ints
+    of its width: a 16-bit or fp8 cache on a CPU. XLA:CPU has no scatter or gather of
+    narrow floats and converts the operand to a wider float, the whole cache around every
+    layer's write and read, so the step moves the bits (`pallas_kernels.common.as_bits`).
+    The step takes and returns the bits; each layer views them as `dtype` and back, and
+    those same-width bitcasts cancel out. Elsewhere the cache is stored as itself."""
+    if platform != "cpu" or bits_dtype(dtype) is None:
+        return cfg
+    return dataclasses.replace(cfg, kv_cache_bits=jnp.dtype(dtype).name)
+
+
+def cache_view(cache: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """A stored K or V cache as its element type (`with_cache_storage`), to inspect it."""
+    return cache if cfg.kv_cache_bits is None else from_bits(cache, cfg.kv_cache_bits)
 
 
 def device_memory_stats(device) -> dict | None:
@@ -177,6 +196,8 @@ def allocate_kv_caches(
     `calculate_scales` [num_kv_heads, num_layers, 3], (k_scale, v_scale, 1): to calculate
     from the first batch (`layers.calculate_kv_scales`). Each is a donated argument of every step."""
     shape = (cfg.num_kv_heads, cfg.num_layers, num_blocks, block_size, cfg.head_dim)
+    if cfg.kv_cache_bits is not None:  # stored as bits (`with_cache_storage`)
+        dtype = bits_dtype(cfg.kv_cache_bits)
     place = kv_cache_sharding(mesh) if mesh is not None else SingleDeviceSharding(device or jax.devices()[0])
     caches = (jnp.zeros(shape, dtype, device=place), jnp.zeros(shape, dtype, device=place))
     if scales is None:

@@ -23,6 +23,7 @@ from jaxvllm.config import ATTENTION_BACKENDS
 from jaxvllm.model_config import RopeConfig
 from jaxvllm.sharding import AXIS
 from pallas_kernels import mixed_paged_attention, ragged_paged_attention_reference, write_kv_reference
+from pallas_kernels.common import as_bits, from_bits
 
 
 def linear(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None, *,
@@ -36,8 +37,20 @@ def linear(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None, *,
     # with several out or in axes into [in, out] order on every step.
     dtype = jnp.result_type(x, weight)
     x2, w2 = x.reshape(x.shape[0], -1).astype(dtype), weight.reshape(math.prod(out_axes), -1).astype(dtype)
-    out = jax.lax.dot_general(x2, w2, (((1,), (1,)), ((), ())), preferred_element_type=preferred_element_type)
-    out = out.reshape(x.shape[0], *out_axes)
+    # 16-bit operands accumulate in float32 and round once, as the platforms do anyway; asked
+    # for, XLA:CPU multiplies bf16 weights as they are instead of converting every weight
+    # to float32 on every step.
+    accumulate = preferred_element_type or (jnp.float32 if jnp.dtype(dtype).itemsize < 4 else None)
+    dot = partial(jax.lax.dot_general, dimension_numbers=(((1,), (1,)), ((), ())), preferred_element_type=accumulate)
+    if x2.shape[0] == 1 and jnp.dtype(dtype).itemsize < 4:
+        # XLA:CPU converts the whole weight for a one-row product of 16-bit operands (a
+        # bf16 model's 1-token step, 10x slower): two rows, one of them zeros, take the path
+        # that reads the weight as it is.
+        out = jax.lax.platform_dependent(
+            x2, w2, cpu=lambda a, b: dot(jnp.pad(a, ((0, 1), (0, 0))), b)[:1], default=dot)
+    else:
+        out = dot(x2, w2)
+    out = out.reshape(x.shape[0], *out_axes).astype(preferred_element_type or dtype)
     return out if bias is None else out + bias
 
 
@@ -141,6 +154,7 @@ def paged_attention(
     backend: str,
     mesh: Mesh | None = None,
     logits_soft_cap: float | None = None,
+    cache_bits: str | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Write this step's k/v into layer `layer`'s pages of the cache, then attend; returns
     (out, new cache).
@@ -157,7 +171,9 @@ def paged_attention(
     With a mesh, each device does this for its own heads (`jax.shard_map`): q/k/v and the
     cache are split on heads, the batch's index arrays replicated. `logits_soft_cap` c
     (Gemma's `attn_logit_softcapping`) caps the scaled scores at c * tanh(s / c): the
-    reference backend only, the Pallas kernels have no soft-capping."""
+    reference backend only, the Pallas kernels have no soft-capping. `cache_bits`: the
+    cache's element type when k_cache and v_cache hold its bits as unsigned ints (see
+    `jaxvllm.kv_cache.with_cache_storage`); viewed as that type inside, they cancel out."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose from {ATTENTION_BACKENDS}")
     if logits_soft_cap is not None and backend != "reference":
@@ -166,7 +182,7 @@ def paged_attention(
             f"{backend!r} attention backend (its kernels have no soft-capping); use attention_backend='reference'"
         )
     local = partial(_paged_attention, sm_scale=sm_scale, sliding_window=sliding_window, backend=backend,
-                    logits_soft_cap=logits_soft_cap)
+                    logits_soft_cap=logits_soft_cap, cache_bits=cache_bits)
     layer = jnp.asarray(layer, jnp.int32)
     if mesh is None:
         return local(q, k, v, kv_cache, layer, inputs)
@@ -179,8 +195,10 @@ def paged_attention(
 
 
 def _paged_attention(q, k, v, kv_cache, layer, inputs: ModelInputs, *, sm_scale, sliding_window, backend,
-                     logits_soft_cap):
+                     logits_soft_cap, cache_bits):
     k_cache, v_cache, *scales = kv_cache  # [scales] of an fp8 cache: [kv_heads, num_layers, 2 or 3]
+    if cache_bits is not None:
+        k_cache, v_cache = from_bits(k_cache, cache_bits), from_bits(v_cache, cache_bits)
     heads, num_layers, num_blocks, block_size, head_dim = k_cache.shape
     if scales:
         layer_scales = jax.lax.dynamic_index_in_dim(scales[0], layer, axis=1, keepdims=False)
@@ -214,7 +232,10 @@ def _paged_attention(q, k, v, kv_cache, layer, inputs: ModelInputs, *, sm_scale,
         v_scale=v_scale,
     )
     stacked = (heads, num_layers, num_blocks, block_size, head_dim)
-    return out, (k_cache.reshape(stacked), v_cache.reshape(stacked), *scales)
+    k_cache, v_cache = k_cache.reshape(stacked), v_cache.reshape(stacked)
+    if cache_bits is not None:
+        k_cache, v_cache = as_bits(k_cache), as_bits(v_cache)
+    return out, (k_cache, v_cache, *scales)
 
 
 # vLLM's K_SCALE_CONSTANT and V_SCALE_CONSTANT: calculated scales store the first batch's

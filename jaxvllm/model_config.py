@@ -84,6 +84,9 @@ class ModelConfig:
     # else one array per layer: set by `loader.load_model` for its devices (a GPU stacks;
     # XLA:CPU copies each layer's slice out of a stack, every step).
     stack_layers: bool = True
+    # The KV cache's element type when the cache is stored as unsigned ints of that width
+    # (`kv_cache.with_cache_storage`: a 16-bit or fp8 cache on a CPU); None: stored as itself.
+    kv_cache_bits: str | None = None
     # Gemma 3 (jaxvllm/models/gemma3.py): the MLP's activation; the softmax scale is
     # query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5); tanh soft-capping of the
     # attention scores and of the final logits (None: none); the RoPE of the sliding-window

@@ -26,7 +26,14 @@ from tqdm.auto import tqdm
 from jaxvllm.batch_builder import BatchBuilder, HostBatch, default_buckets
 from jaxvllm.config import ATTENTION_BACKENDS, EngineConfig
 from jaxvllm.input_batch import NARROW_WIDTH, SMALLEST_WIDTH, BatchLayout
-from jaxvllm.kv_cache import KVCacheSpec, allocate_kv_caches, kv_cache_scales, num_kv_blocks, resolve_kv_cache_dtype
+from jaxvllm.kv_cache import (
+    KVCacheSpec,
+    allocate_kv_caches,
+    kv_cache_scales,
+    num_kv_blocks,
+    resolve_kv_cache_dtype,
+    with_cache_storage,
+)
 from jaxvllm.loader import load_model, resolve_dtype
 from jaxvllm.model_config import ModelConfig
 from jaxvllm.models import MODELS
@@ -218,8 +225,9 @@ class ModelRunner:
             dynamic_loops=dynamic_loops, spec_tokens=self.spec_tokens,
         )
         # The KV cache's element type, and for an fp8 cache its (k_scale, v_scale) per layer and KV head.
-        self.kv_spec = KVCacheSpec(self.cfg, c.block_size, resolve_kv_cache_dtype(c.kv_cache_dtype, self.dtype),
-                                   len(self.devices))
+        cache_dtype = resolve_kv_cache_dtype(c.kv_cache_dtype, self.dtype)
+        self.cfg = with_cache_storage(self.cfg, cache_dtype, self.devices[0].platform)
+        self.kv_spec = KVCacheSpec(self.cfg, c.block_size, cache_dtype, len(self.devices))
         self.kv_scales = kv_cache_scales(c, self.cfg)
         # Speculative decoding's draft model or EAGLE head: its own params, and a cache with the
         # target's blocks (`drafter`: whichever there is).

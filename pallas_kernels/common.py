@@ -77,6 +77,32 @@ def fp8_max(dtype) -> float:
     return float(jnp.finfo(dtype).max)
 
 
+def bits_dtype(dtype):
+    """The unsigned int type of a narrow float's width (bf16 and f16: uint16, fp8: uint8);
+    None for any other type."""
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize >= 4:
+        return None
+    return jnp.dtype(f"uint{8 * dtype.itemsize}")
+
+
+def as_bits(x: jax.Array) -> jax.Array:
+    """A narrow float array (`bits_dtype`) as unsigned ints of its width; others as they are.
+
+    XLA:CPU has no 16-bit or 8-bit float scatter or gather: it converts the operand to a
+    wider float, and when that operand is the whole KV cache the conversion copies all of
+    it, every layer and step. A same-width bitcast is free, so cache writes and page
+    gathers move bits instead.
+    """
+    bits = bits_dtype(x.dtype)
+    return x if bits is None else jax.lax.bitcast_convert_type(x, bits)
+
+
+def from_bits(x: jax.Array, dtype) -> jax.Array:
+    """The inverse of `as_bits`: `x` back as `dtype`."""
+    return x if x.dtype == jnp.dtype(dtype) else jax.lax.bitcast_convert_type(x, dtype)
+
+
 def check_dtypes(q, k_cache) -> None:
     """tl.dot multiplies operands of one element type: the cache is q's dtype, or fp8,
     which the kernels convert to q's dtype after each load."""

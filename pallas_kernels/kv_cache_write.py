@@ -10,7 +10,7 @@ step writes T rows per layer and never copies the cache, which is all a kernel c
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import fp8_max, is_fp8, per_head_scale
+from pallas_kernels.common import as_bits, fp8_max, from_bits, is_fp8, per_head_scale
 
 
 def write_kv_reference(
@@ -32,7 +32,8 @@ def write_kv_reference(
 
     A negative slot marks a padding row: it is dropped, never written (a plain
     negative index would wrap around and clobber the last block). Under `jit` with the
-    caches donated, XLA updates them in place.
+    caches donated, XLA updates them in place. A 16-bit or fp8 cache is scattered as its
+    bits (`as_bits`), which XLA:CPU does in place where it converts a float one whole.
     """
     num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape
     if k.shape != (slot_mapping.shape[0], num_kv_heads, head_dim) or v.shape != k.shape:
@@ -55,8 +56,8 @@ def write_kv_reference(
             new = new.astype(jnp.float32) / per_head_scale(scale, num_kv_heads)[:, None, None]
         if is_fp8(cache.dtype):
             new = jnp.clip(new.astype(jnp.float32), -fp8_max(cache.dtype), fp8_max(cache.dtype))
-        flat = cache.reshape(num_kv_heads, num_slots, head_dim)
-        flat = flat.at[:, slots].set(new.astype(cache.dtype), mode="drop")
-        return flat.reshape(cache.shape)
+        flat = as_bits(cache.reshape(num_kv_heads, num_slots, head_dim))
+        flat = flat.at[:, slots].set(as_bits(new.astype(cache.dtype)), mode="drop")
+        return from_bits(flat, cache.dtype).reshape(cache.shape)
 
     return write(k_cache, k, k_scale), write(v_cache, v, v_scale)

@@ -43,11 +43,13 @@ from pallas_kernels.common import (
     LOG2_E,
     MASK_VALUE,
     MIN_DOT_DIM,
+    as_bits,
     cdiv,
     check_dtypes,
     check_power_of_2,
     default_block_kv,
     default_num_stages,
+    from_bits,
     is_fp8,
     kv_scales,
     next_power_of_2,
@@ -237,14 +239,14 @@ def _gather_pages(cache: jax.Array, pages: jax.Array, step: jax.Array, dtype=Non
     """cache[:, pages] inside a loop whose step counter is `step`, converted to `dtype` (an
     fp8 cache: dequantized pages, before the scale).
 
-    XLA:CPU gathers 16-bit floats in float32, converting the gather's whole operand;
-    with the cache loop-invariant it hoists that conversion out of the loop and keeps a
-    float32 copy of the entire cache. Tying the cache to the step (a no-op barrier)
-    keeps the conversion inside, fused into the gather, on the pages read only (a bf16
-    decode call over a 32k-page cache: 16 ms instead of 275 ms).
+    The gather moves bits (`as_bits`): XLA:CPU gathers a narrow float in a wider one,
+    converting the gather's whole operand, and with the cache loop-invariant it hoists
+    that conversion out of the loop and keeps a converted copy of the entire cache. Tying
+    the cache to the step (a no-op barrier) keeps what remains inside the loop, on the
+    pages read only.
     """
-    cache, _ = lax.optimization_barrier((cache, step))
-    pages = cache[:, pages]
+    bits, _ = lax.optimization_barrier((as_bits(cache), step))
+    pages = from_bits(bits[:, pages], cache.dtype)
     return pages if dtype is None or pages.dtype == dtype else pages.astype(dtype)
 
 

@@ -199,7 +199,7 @@ def attention(layer: dict, x, kv_cache, layer_index, inputs: ModelInputs, cfg: M
     cap = cfg.attn_logit_softcapping
     out, kv_cache = paged_attention(
         q, k, v, kv_cache, layer_index, inputs, sm_scale=cfg.sm_scale, sliding_window=window, backend=backend, mesh=mesh,
-        logits_soft_cap=None if cap is None else float(cap),
+        logits_soft_cap=None if cap is None else float(cap), cache_bits=cfg.kv_cache_bits,
     )
     return linear(out, layer["o_proj"], layer.get("o_bias")), kv_cache
 

@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 from jaxvllm.batch import ModelInputs
 from jaxvllm.config import EngineConfig
 from jaxvllm.input_batch import BatchLayout
-from jaxvllm.kv_cache import KVCacheSpec, allocate_kv_caches
+from jaxvllm.kv_cache import KVCacheSpec, allocate_kv_caches, with_cache_storage
 from jaxvllm.loader import load_model, resolve_dtype
 from jaxvllm.model_config import ModelConfig
 from jaxvllm.models import MODELS
@@ -102,7 +102,9 @@ class DraftModel:
         self.k, self.block_size, self.mesh, self.device = spec.num_speculative_tokens, config.block_size, mesh, device
         self.cfg, self.params = load_model(spec.model, dtype=config.dtype, load_format=config.load_format,
                                            seed=config.seed, mesh=mesh, device=device)
-        self.kv_spec = KVCacheSpec(self.cfg, config.block_size, resolve_dtype(config.dtype, self.cfg), num_devices)
+        dtype = resolve_dtype(config.dtype, self.cfg)
+        self.cfg = with_cache_storage(self.cfg, dtype, device.platform)
+        self.kv_spec = KVCacheSpec(self.cfg, config.block_size, dtype, num_devices)
         caches = None if mesh is None else kv_cache_sharding(mesh)
         self._forward = jax.jit(partial(_forward, cfg=self.cfg, backend=backend, mesh=mesh),
                                 static_argnames="layout", donate_argnums=(1,), out_shardings=caches)

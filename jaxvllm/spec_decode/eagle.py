@@ -45,7 +45,7 @@ from jax.sharding import Mesh
 from jaxvllm.batch import ModelInputs
 from jaxvllm.config import EngineConfig
 from jaxvllm.input_batch import BatchLayout
-from jaxvllm.kv_cache import KVCacheSpec, allocate_kv_caches
+from jaxvllm.kv_cache import KVCacheSpec, allocate_kv_caches, with_cache_storage
 from jaxvllm.layers import linear, rms_norm
 from jaxvllm.loader import _param_shardings, dummy_params, load_safetensors, resolve_dtype, tensor_files
 from jaxvllm.model_config import ModelConfig
@@ -282,6 +282,7 @@ class EagleHead:
         dtype = resolve_dtype(config.dtype, target)
         self.cfg, self.params = load_eagle(spec.model, self.eagle, dtype=dtype, load_format=config.load_format,
                                            seed=config.seed, mesh=mesh, device=device)
+        self.cfg = with_cache_storage(self.cfg, dtype, device.platform)
         self.kv_spec = KVCacheSpec(self.cfg, config.block_size, dtype, num_devices)
         self._prefill, self._decode = jit_eagle(self.eagle, self.cfg, target, backend, mesh, self.k,
                                                 config.block_size, dynamic_loops)

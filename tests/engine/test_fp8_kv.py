@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from jaxvllm import LLM, SamplingParams
+from jaxvllm.kv_cache import cache_view
 from jaxvllm.layers import K_SCALE_RANGE, V_SCALE_RANGE, calculate_kv_scales
 from pallas_kernels import write_kv_reference
 
@@ -202,7 +203,7 @@ def test_scales_come_from_the_checkpoint(tiny_checkpoint, tmp_path):
     prompt = prompts()[0]
     out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
-    k_cache = np.asarray(runner.kv_caches[0][:, 0].astype(jnp.float32))  # layer 0
+    k_cache = np.asarray(cache_view(runner.kv_caches[0], runner.cfg)[:, 0].astype(jnp.float32))  # layer 0
     # With k_scale 0.05 the stored keys are 20x the keys: well inside e4m3's range, not clipped.
     assert 5 < np.abs(k_cache).max() < 448
     llm.shutdown()
@@ -254,7 +255,7 @@ def test_engine_calculates_kv_scales_from_the_first_batch(tiny_checkpoint, runs)
     llm.generate({"prompt_token_ids": first}, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
     scales = np.asarray(runner.kv_caches[2])  # [KV head, layer, 3]
     assert (scales[..., 2] == 0).all() and (scales[..., :2] != 1.0).all()
-    k_cache = np.abs(np.asarray(runner.kv_caches[0][:, 0].astype(jnp.float32)))  # layer 0
+    k_cache = np.abs(np.asarray(cache_view(runner.kv_caches[0], runner.cfg)[:, 0].astype(jnp.float32)))
     assert 184 <= k_cache.max() <= 216  # the first batch's largest key: 200, e4m3-rounded (a step of 16 there)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=-1)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
@@ -291,6 +292,7 @@ _TP_SCRIPT = """
 import json, sys
 import jax
 from jaxvllm import LLM, SamplingParams
+from jaxvllm.kv_cache import cache_view
 ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, token_buckets=[64], dtype="bfloat16")
 prompts = [list(range(5, 5 + n)) for n in (3, 17, 70)]
 params = SamplingParams(temperature=0, max_tokens=6)
@@ -302,7 +304,7 @@ for tp in (1, 2):
         runner = llm.llm_engine.runner
         k_cache, v_cache, scales = runner.kv_caches
         out[f"{tp}{'-calculated' if calculate else ''}"] = dict(
-            tokens=[o.outputs[0].token_ids for o in outs], dtype=str(k_cache.dtype),
+            tokens=[o.outputs[0].token_ids for o in outs], dtype=str(cache_view(k_cache, runner.cfg).dtype),
             cache_shards=sorted({tuple(s.data.shape) for s in k_cache.addressable_shards}),
             scale_shards=sorted({tuple(s.data.shape) for s in scales.addressable_shards}),
             scales=jax.device_get(scales).swapaxes(0, 1).tolist(),  # [layer, KV head, 2 or 3]
