@@ -12,8 +12,8 @@ argument leaves do not grow with depth. Each layer reads its row with a dynamic 
 an index XLA cannot see (`params["layer_rows"]`, 0, 1, ...), which XLA's GPU backend
 fuses into the matmul reading it; a static slice it copies out first. Expert stacks,
 which the grouped-matmul kernel reads whole, stay one array per layer (a list), and so
-does every layer weight on a CPU (`ModelConfig.stack_layers`), whose XLA copies a
-layer's rows out of a stack on every step.
+does every layer matrix on a CPU (`ModelConfig.stack_layers`), whose XLA copies a
+layer's rows out of a stack on every step; norms and biases stack there too.
 """
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ UNSTACKED = ("experts_gate", "experts_up", "experts_down")
 def stack_layers(specs: list[ParamSpec], stack: bool = True) -> list[ParamSpec]:
     """Per-layer specs (paths ("layers", i, name)) merged into one spec per name, over the
     layers that have it, in the place of its first member; other specs as they are. Each
-    is one stacked array, or (`stack` False, or an expert stack) a list of the layers'."""
+    is one stacked array, or (`stack` False, or an expert stack) a list of the layers';
+    vectors (1-D in the checkpoint) stack whatever `stack` says."""
     members: dict[str, list[ParamSpec]] = {}
     for spec in specs:
         if spec.path[0] == "layers":
@@ -102,7 +103,10 @@ def stack_layers(specs: list[ParamSpec], stack: bool = True) -> list[ParamSpec]:
         if spec.path[0] != "layers":
             out.append(spec)
         elif members[spec.path[-1]][0] is spec:
-            group, stacked = tuple(members[spec.path[-1]]), stack and spec.path[-1] not in UNSTACKED
+            # A layer's vectors (norms, biases) stack everywhere: a row of them is too small
+            # for XLA:CPU's copy out of the stack to cost what an argument leaf does.
+            stacked = (stack or len(spec.hf_shape) == 1) and spec.path[-1] not in UNSTACKED
+            group = tuple(members[spec.path[-1]])
             if stacked and any(m.shape != spec.shape for m in group):
                 raise ValueError(f"{spec.path[-1]}: layers differ in shape; it cannot be stacked")
             shape = (len(group), *spec.shape) if stacked else spec.shape
