@@ -316,7 +316,7 @@ def run(cases: list[Case], device: jax.Device, ptxas: str | None, inspect: Inspe
         case.result.update(figures)
         case.result["problems"] = judge(case)
         kernels = "; ".join(describe(k) for k in case.result.get("kernels", []))
-        graphs = {k: case.result[k] for k in ("graphed_thunks", "ungraphed_thunks") if k in case.result}
+        graphs = {k: case.result[k] for k in ("graphed_thunks", "ungraphed_thunks", "compile_s") if k in case.result}
         extra = "".join(f" {k}={v}" for k, v in {**figures, **graphs}.items())
         status = "ok  " if not case.result["problems"] else "FAIL"
         print(f"{status} {case.kind} {case.params}{extra} {kernels} {'; '.join(case.result['problems'])}", flush=True)
