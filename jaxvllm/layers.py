@@ -44,8 +44,8 @@ def linear(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None, *,
     dot = partial(jax.lax.dot_general, dimension_numbers=(((1,), (1,)), ((), ())), preferred_element_type=accumulate)
     if x2.shape[0] == 1 and jnp.dtype(dtype).itemsize < 4:
         # XLA:CPU converts the whole weight for a one-row product of 16-bit operands (a
-        # bf16 model's 1-token step, 10x slower): two rows, one of them zeros, take the path
-        # that reads the weight as it is.
+        # bf16 model's 1-token step): two rows, one of them zeros, take the path that
+        # reads the weight as it is.
         out = jax.lax.platform_dependent(
             x2, w2, cpu=lambda a, b: dot(jnp.pad(a, ((0, 1), (0, 0))), b)[:1], default=dot)
     else:

@@ -118,9 +118,10 @@ def test_one_cache_for_every_layer_updated_in_place(dtype, kv_cache_dtype, tiny_
     [kv_heads, layers, blocks, block_size, head_dim], and the compiled CPU step updates it
     in place in every bucket: a 1-token one too, where XLA would otherwise turn the write
     into a dynamic-update-slice and copy the whole cache for each layer. Nothing else is
-    re-laid out or converted either: not q/k/v/o with their head axes (transposed on every
-    step once), not a 16-bit or fp8 cache, which XLA:CPU cannot scatter or gather (stored
-    as bits on a CPU), not bf16 weights (converted to float32 before their matmuls once)."""
+    re-laid out or converted either: not q/k/v/o with their head axes (which XLA:CPU once
+    transposed on every step), not a 16-bit or fp8 cache, which XLA:CPU cannot scatter or
+    gather (stored as bits on a CPU), not bf16 weights (which it once converted to float32
+    before their matmuls)."""
     from pallas_kernels.hlo import count_cache_copies, parameter_rewrites
 
     path = str(tiny_checkpoint("llama", num_hidden_layers=5))

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import ragged_paged_attention_reference, write_kv_reference
+from pallas_kernels.common import bits_dtype, from_bits
 from pallas_kernels.ragged_paged_attention import _chunked_reference
 
 
@@ -240,12 +241,11 @@ def _as_bits(shapes):
     (`jaxvllm.kv_cache.with_cache_storage`): the reference gathers pages as bits, and a
     bf16 cache argument costs XLA:CPU a converted copy of it whole."""
     q, k, v, *rest = shapes
-    return (q, *(jax.ShapeDtypeStruct(c.shape, jnp.uint16) for c in (k, v)), *rest)
+    return (q, *(jax.ShapeDtypeStruct(c.shape, bits_dtype(c.dtype)) for c in (k, v)), *rest)
 
 
 def _on_bits(q, k_bits, v_bits, *rest, **kwargs):
-    view = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.bfloat16)
-    return ragged_paged_attention_reference(q, view(k_bits), view(v_bits), *rest, **kwargs)
+    return ragged_paged_attention_reference(q, from_bits(k_bits, q.dtype), from_bits(v_bits, q.dtype), *rest, **kwargs)
 
 
 def _temp_bytes(fn, *shapes):
