@@ -22,6 +22,7 @@ from jaxvllm.config import DTYPES, LOAD_FORMATS
 from jaxvllm.dummy import missing_model_message
 from jaxvllm.model_config import ModelConfig
 from jaxvllm.models import MODELS
+from jaxvllm.models.common import SIDE_BY_SIDE, merge_parts
 from jaxvllm.sharding import kv_repeats, param_shardings, sharded_config
 
 logger = logging.getLogger(__name__)
@@ -72,13 +73,15 @@ def load_model(
 
     load_format "dummy" builds random weights from config.json alone, for benchmarks.
     `stack_layers` (`ModelConfig.stack_layers`; None: as `stacks_layers` says for the
-    devices): each kind of layer weight one array over the layers, or one per layer.
+    devices): each kind of layer weight one array over the layers, or one per layer, and
+    then q/k/v and gate/up merged (`ModelConfig.merge_projections`).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not supported; choose from {LOAD_FORMATS}")
     cfg = load_config(model)
     target = device or (mesh.devices.flat[0] if mesh is not None else jax.devices()[0])
-    cfg = dataclasses.replace(cfg, stack_layers=stacks_layers(target) if stack_layers is None else stack_layers)
+    stack = stacks_layers(target) if stack_layers is None else stack_layers
+    cfg = dataclasses.replace(cfg, stack_layers=stack, merge_projections=not stack)  # (the CPU layout: both)
     jdtype = resolve_dtype(dtype, cfg)
     run_cfg = sharded_config(cfg, 1 if mesh is None else mesh.size, expert_parallel)
     shardings, repeats = _param_shardings(run_cfg, mesh, device), kv_repeats(cfg, run_cfg)
@@ -162,8 +165,13 @@ def load_safetensors(path: Path, cfg: ModelConfig, dtype, shardings: dict,
             """(global shape, block of an index) of one tensor, or one layer's."""
             # Stacked experts: one HF tensor per expert, from whichever files hold them, or one fused tensor.
             hf_shape = spec.fused_shape if spec.path in fused else spec.hf_shape
-            slices = [checked_slice(name, hf_shape) for name in names[spec.path]]
-            if spec.stacked and spec.path in fused:
+            if spec.parts:  # (each its own HF shape)
+                slices = [checked_slice(part.hf_name, part.hf_shape) for part in spec.parts]
+            else:
+                slices = [checked_slice(name, hf_shape) for name in names[spec.path]]
+            if spec.parts:
+                shape, block = _merged_block(slices, spec, dtype, repeats)
+            elif spec.stacked and spec.path in fused:
                 shape, block = spec.shape, _fused_block(slices[0], spec, dtype)
             elif spec.stacked:
                 shape, block = spec.shape, _stacked_block(slices, spec, dtype)
@@ -266,6 +274,34 @@ def _sharded_block(tensor_slice, spec, dtype, repeats: int) -> tuple[tuple[int, 
     return global_shape, block
 
 
+def _merged_block(slices: list, spec, dtype, repeats: int) -> tuple[tuple[int, ...], Callable]:
+    """(global shape, block of an index) of a parameter of several HF tensors (`slices`, one
+    per part): each part's block read as its own parameter's would be, then joined."""
+    readers = [_sharded_block(s, part, dtype, repeats if _repeated(part) else 1) for s, part in zip(slices, spec.parts)]
+    if spec.merge == SIDE_BY_SIDE:  # [parts, ...]
+        shape = (len(readers), *readers[0][0])
+
+        def block(index: tuple[slice, ...]) -> np.ndarray:
+            lo, hi = index[0].indices(shape[0])[:2]
+            return merge_parts(spec.merge, [readers[j][1](index[1:]) for j in range(lo, hi)])
+
+        return shape, block
+    (q_shape, q_block), (k_shape, k_block), (_, v_block) = readers  # KV_GROUPS
+    heads = k_shape[0]  # (repeated up to the devices when fewer: each then has fewer query heads)
+    group = q_shape[0] // heads
+    shape = (heads, group + 2, *q_shape[1:])
+
+    def block(index: tuple[slice, ...]) -> np.ndarray:
+        lo, hi = index[0].indices(heads)[:2]
+        if index[1].indices(shape[1])[:2] != (0, shape[1]):
+            raise ValueError(f"{spec.hf_name}: a KV head's group cannot be split")
+        rest = index[2:]
+        return merge_parts(spec.merge, [q_block((slice(lo * group, hi * group), *rest)),
+                                        k_block((slice(lo, hi), *rest)), v_block((slice(lo, hi), *rest))])
+
+    return shape, block
+
+
 def _stacked_block(slices: list, spec, dtype) -> Callable:
     """A block of stacked experts [E, in, out] from HF's per-expert [out, in] tensors
     (`slices`, one per expert): each device reads its experts' blocks only."""
@@ -292,12 +328,17 @@ def _fused_block(tensor_slice, spec, dtype) -> Callable:
     return block
 
 
-def _random_param(key, scale, *, shape, dtype, init: str, repeats: int):
+def _random_param(key, scale, *, shape, dtype, init: str, repeats: int, parts: tuple = (), merge: str = ""):
     """One dummy parameter (jitted by `dummy_params` per placement); a stack of layers'
-    from a key per layer (`key` [layers], `shape` one layer's)."""
+    from a key per layer (`key` [layers], `shape` one layer's); a merged one's from a key
+    per part (`parts`: each one's (shape, init, repeats))."""
     if key.ndim:
-        one = partial(_random_param, shape=shape, dtype=dtype, init=init, repeats=repeats)
+        one = partial(_random_param, shape=shape, dtype=dtype, init=init, repeats=repeats, parts=parts, merge=merge)
         return jax.vmap(one, in_axes=(0, None))(key, scale)
+    if parts:
+        keys = jax.random.split(key, len(parts))
+        return merge_parts(merge, [_random_param(k, scale, shape=s, dtype=dtype, init=i, repeats=r)
+                                   for k, (s, i, r) in zip(keys, parts)])
     if init == "rows":  # the stacks' row indices (`models.common.stack_layers`)
         return jnp.arange(shape[0], dtype=jnp.int32)
     if init == "normal":
@@ -322,15 +363,16 @@ def dummy_params(cfg: ModelConfig, dtype, seed: int = 0, shardings: dict | None 
         sharding = shardings[path]
         if sharding not in by_sharding:
             by_sharding[sharding] = jax.jit(_random_param, out_shardings=sharding,
-                                            static_argnames=("shape", "dtype", "init", "repeats"))
+                                            static_argnames=("shape", "dtype", "init", "repeats", "parts", "merge"))
+        parts = tuple((p.shape, p.init, repeats if _repeated(p) else 1) for p in spec.parts)
         return by_sharding[sharding](key, cfg.initializer_range, shape=shape, dtype=dtype, init=spec.init,
-                                     repeats=repeats if _repeated(spec) else 1)
+                                     repeats=repeats if _repeated(spec) else 1, parts=parts, merge=spec.merge)
 
     for i, spec in enumerate(tqdm(specs, desc="Initializing dummy weights", dynamic_ncols=True)):
         key_i = jax.random.fold_in(key, i)
         if spec.layers and spec.stack:  # a key per layer
             keys = jax.vmap(partial(jax.random.fold_in, key_i))(jnp.arange(len(spec.layers)))
-            value = random(keys, spec, spec.path, spec.shape[1:])
+            value = random(keys, spec.layers[0], spec.path, spec.shape[1:])
         elif spec.layers:
             value = [random(jax.random.fold_in(key_i, j), m, m.path, m.shape) for j, m in enumerate(spec.layers)]
         else:

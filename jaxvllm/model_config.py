@@ -84,6 +84,10 @@ class ModelConfig:
     # else one array per layer: set by `loader.load_model` for its devices (a GPU stacks;
     # XLA:CPU copies each layer's slice out of a stack, every step).
     stack_layers: bool = True
+    # q/k/v as one weight and gate/up as another (`models.common.attention_specs`), each one
+    # matmul: set by `loader.load_model` where layers are not stacked (XLA:CPU). XLA's GPU
+    # backend merges those matmuls itself, and copies the slices of a merged one out.
+    merge_projections: bool = False
     # The KV cache's element type when the cache is stored as unsigned ints of that width
     # (`kv_cache.with_cache_storage`: a 16-bit or fp8 cache on a CPU); None: stored as itself.
     kv_cache_bits: str | None = None

@@ -154,6 +154,10 @@ def param_partition(path: tuple, cfg: ModelConfig, tp: int) -> P:
     if name in ("q_proj", "k_proj", "v_proj", "q_bias", "k_bias", "v_bias", "gate_proj", "up_proj", "gate_bias",
                 "up_bias"):
         return P(AXIS)  # [heads, ...] or [intermediate, ...]
+    if name in ("qkv_proj", "qkv_bias"):
+        return P(AXIS)  # [kv_heads, group + 2, ...]: each device its KV heads and their query heads
+    if name in ("gate_up_proj", "gate_up_bias"):
+        return P(None, AXIS)  # [2, intermediate, ...]
     if name in ("o_proj", "down_proj"):
         return P(None, AXIS)  # [hidden, heads, head_dim] or [hidden, intermediate]
     # Stacked experts, whole (expert parallelism): E / N experts per device. Otherwise by their

@@ -4,7 +4,12 @@ self-attention over the paged cache, the gated MLP and the lm_head.
 Params keep HF's [out, in] matrices, only reshaped so the head axis is explicit
 (q_proj [num_heads, head_dim, hidden], o_proj [hidden, num_heads, head_dim]): loading
 is a reshape, never a transpose, and tensor-parallel sharding rules can name the head
-axis per parameter. Every matmul with such a weight goes through `layers.linear`.
+axis per parameter. Every matmul with such a weight goes through `layers.linear`. On a
+CPU, as in vLLM, q/k/v are one weight and gate/up another, each one matmul
+(`ModelConfig.merge_projections`): qkv_proj [num_kv_heads, group + 2, head_dim, hidden]
+(each KV head's query heads, then its k and its v, so that a split on KV heads gives
+each device whole groups) and gate_up_proj [2, intermediate, hidden] (`ParamSpec.parts`).
+XLA's GPU backend merges those matmuls itself.
 
 Each kind of layer parameter is one array stacked over the layers that have it
 (`params["layers"]["q_proj"]` [num_layers, heads, head_dim, hidden]), so a step's
@@ -59,11 +64,45 @@ class ParamSpec:
     # (len(layers), *member shape) when stacked, the members' shape when a list (`stack` False).
     layers: tuple["ParamSpec", ...] = ()
     stack: bool = True
+    # A parameter made of several HF tensors (`merged`): one spec per tensor, as a parameter
+    # of its own would have it, joined as `merge` says (KV_GROUPS or SIDE_BY_SIDE).
+    parts: tuple["ParamSpec", ...] = ()
+    merge: str = ""
 
     def hf_names(self) -> list[str]:
-        if self.layers:
-            return [name for member in self.layers for name in member.hf_names()]
+        if self.layers or self.parts:
+            return [name for member in self.layers or self.parts for name in member.hf_names()]
         return [self.hf_name.format(j) for j in range(self.stacked)] if self.stacked else [self.hf_name]
+
+
+# How `ParamSpec.parts` join: q, k, v (weights [heads, head_dim, hidden] or biases [heads,
+# head_dim]) into [kv_heads, group + 2, ...], each KV head's query heads then its k and v;
+# or gate, up into [2, ...].
+KV_GROUPS, SIDE_BY_SIDE = "kv_groups", "side_by_side"
+
+
+def merged(path: tuple, parts: list[ParamSpec], merge: str) -> ParamSpec:
+    """One parameter of several HF tensors (`parts`, each spec'd as a parameter of its own).
+    Its hf_shape is its first part's, so that a merged vector still counts as one."""
+    first = parts[0]
+    if merge == KV_GROUPS:
+        q, k = first.shape, parts[1].shape
+        shape = (k[0], q[0] // k[0] + 2, *q[1:])
+    else:
+        shape = (len(parts), *first.shape)
+    return ParamSpec(path, " + ".join(p.hf_name for p in parts), first.hf_shape, shape, first.init,
+                     parts=tuple(parts), merge=merge)
+
+
+def merge_parts(merge: str, parts: list):
+    """The merged parameter's array from its parts' (numpy or jax; k and v already repeated
+    to the KV heads the model runs with), or a block of it from the parts' blocks."""
+    xp = np if all(isinstance(p, np.ndarray) for p in parts) else jnp
+    if merge == SIDE_BY_SIDE:
+        return xp.stack(parts)
+    q, k, v = parts
+    heads = k.shape[0]
+    return xp.concatenate([q.reshape(heads, -1, *q.shape[1:]), k[:, None], v[:, None]], axis=1)
 
 
 @runtime_checkable
@@ -142,7 +181,12 @@ def decoder_specs(cfg: ModelConfig, layer_specs, norm_init: str) -> list[ParamSp
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
 
-        def add(name, hf_name, hf_shape, shape=None, init="normal", stacked=0, fused=None):
+        def add(name, hf_name=None, hf_shape=None, shape=None, init="normal", stacked=0, fused=None, parts=(),
+                merge=""):
+            if parts:  # (name, hf_name, hf_shape, shape) of each
+                members = [ParamSpec(("layers", i, n), p + h, hs, s, init) for n, h, hs, s in parts]
+                specs.append(merged(("layers", i, name), members, merge))
+                return
             fused_name, fused_shape, fused_row = fused or (None, (), 0)  # (name, shape, row)
             specs.append(ParamSpec(("layers", i, name), p + hf_name, hf_shape, shape or hf_shape, init, stacked,
                                    fused_name and p + fused_name, fused_shape, fused_row))
@@ -155,17 +199,17 @@ def decoder_specs(cfg: ModelConfig, layer_specs, norm_init: str) -> list[ParamSp
 
 
 def attention_specs(add, cfg: ModelConfig, norm_init: str = "ones") -> None:
-    """A layer's attention parameters (`decoder_specs`' `add` records each): q/k/v/o with
-    the head axis explicit, their biases, the q/k norms."""
+    """A layer's attention parameters (`decoder_specs`' `add` records each): q/k/v (one
+    qkv_proj when `merge_projections`) and o with the head axis explicit, their biases,
+    the q/k norms."""
     d, hd, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-    add("q_proj", "self_attn.q_proj.weight", (hq * hd, d), (hq, hd, d))
-    add("k_proj", "self_attn.k_proj.weight", (hkv * hd, d), (hkv, hd, d))
-    add("v_proj", "self_attn.v_proj.weight", (hkv * hd, d), (hkv, hd, d))
+    heads = (("q", hq), ("k", hkv), ("v", hkv))
+    weights = [(f"{x}_proj", f"self_attn.{x}_proj.weight", (h * hd, d), (h, hd, d)) for x, h in heads]
+    biases = [(f"{x}_bias", f"self_attn.{x}_proj.bias", (h * hd,), (h, hd)) for x, h in heads]
+    projections(add, cfg, "qkv_proj", weights, KV_GROUPS)
     add("o_proj", "self_attn.o_proj.weight", (d, hq * hd), (d, hq, hd))
     if cfg.qkv_bias:
-        add("q_bias", "self_attn.q_proj.bias", (hq * hd,), (hq, hd), init="zeros")
-        add("k_bias", "self_attn.k_proj.bias", (hkv * hd,), (hkv, hd), init="zeros")
-        add("v_bias", "self_attn.v_proj.bias", (hkv * hd,), (hkv, hd), init="zeros")
+        projections(add, cfg, "qkv_bias", biases, KV_GROUPS, init="zeros")
     if cfg.o_bias:
         add("o_bias", "self_attn.o_proj.bias", (d,), init="zeros")
     if cfg.qk_norm:
@@ -174,15 +218,26 @@ def attention_specs(add, cfg: ModelConfig, norm_init: str = "ones") -> None:
 
 
 def mlp_specs(add, cfg: ModelConfig) -> None:
-    """A dense layer's gated MLP (gate/up/down, and their biases where the config has them)."""
+    """A dense layer's gated MLP (gate/up, one gate_up_proj when `merge_projections`, and
+    down) and their biases where the config has them."""
     d, f = cfg.hidden_size, cfg.intermediate_size
-    add("gate_proj", "mlp.gate_proj.weight", (f, d))
-    add("up_proj", "mlp.up_proj.weight", (f, d))
+    projections(add, cfg, "gate_up_proj", [(f"{x}_proj", f"mlp.{x}_proj.weight", (f, d), (f, d))
+                                           for x in ("gate", "up")], SIDE_BY_SIDE)
     add("down_proj", "mlp.down_proj.weight", (d, f))
     if cfg.mlp_bias:
-        add("gate_bias", "mlp.gate_proj.bias", (f,), init="zeros")
-        add("up_bias", "mlp.up_proj.bias", (f,), init="zeros")
+        projections(add, cfg, "gate_up_bias", [(f"{x}_bias", f"mlp.{x}_proj.bias", (f,), (f,))
+                                               for x in ("gate", "up")], SIDE_BY_SIDE, init="zeros")
         add("down_bias", "mlp.down_proj.bias", (d,), init="zeros")
+
+
+def projections(add, cfg: ModelConfig, name: str, parts: list[tuple], merge: str, init: str = "normal") -> None:
+    """Parameters read by one input: one merged parameter `name` (`merge_projections`), else
+    one each. `parts`: each one's (name, hf_name, hf_shape, shape)."""
+    if cfg.merge_projections:
+        add(name, parts=parts, merge=merge, init=init)
+    else:
+        for part, hf_name, hf_shape, shape in parts:
+            add(part, hf_name, hf_shape, shape, init=init)
 
 
 def attention(layer: dict, x, kv_cache, layer_index, inputs: ModelInputs, cfg: ModelConfig, i: int, backend, mesh,
@@ -190,9 +245,13 @@ def attention(layer: dict, x, kv_cache, layer_index, inputs: ModelInputs, cfg: M
     """Self-attention over layer `layer_index`'s pages of the cache (an int32 scalar, traced):
     q/k normed by `norm` (when the config has q/k norms), the RoPE, window, softmax scale
     and soft-cap of layer i (the static twin of layer_index: its kind, `layer_kinds`)."""
-    q = linear(x, layer["q_proj"], layer.get("q_bias"))
-    k = linear(x, layer["k_proj"], layer.get("k_bias"))
-    v = linear(x, layer["v_proj"], layer.get("v_bias"))
+    if "qkv_proj" in layer:  # [T, kv_heads, group + 2, head_dim]
+        qkv = linear(x, layer["qkv_proj"], layer.get("qkv_bias"))
+        q, k, v = qkv[:, :, :-2].reshape(qkv.shape[0], -1, qkv.shape[-1]), qkv[:, :, -2], qkv[:, :, -1]
+    else:
+        q = linear(x, layer["q_proj"], layer.get("q_bias"))
+        k = linear(x, layer["k_proj"], layer.get("k_bias"))
+        v = linear(x, layer["v_proj"], layer.get("v_bias"))
     if cfg.qk_norm:
         q = norm(q, layer["q_norm"], cfg.rms_norm_eps)
         k = norm(k, layer["k_norm"], cfg.rms_norm_eps)
@@ -255,8 +314,12 @@ def activation(x: jax.Array, hidden_act: str) -> jax.Array:
 
 def mlp(layer: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     """The gated MLP: down(act(gate(x)) * up(x)), with biases where the params have them."""
-    gate = linear(x, layer["gate_proj"], layer.get("gate_bias"))
-    up = linear(x, layer["up_proj"], layer.get("up_bias"))
+    if "gate_up_proj" in layer:  # [T, 2, intermediate]
+        gate_up = linear(x, layer["gate_up_proj"], layer.get("gate_up_bias"))
+        gate, up = gate_up[:, 0], gate_up[:, 1]
+    else:
+        gate = linear(x, layer["gate_proj"], layer.get("gate_bias"))
+        up = linear(x, layer["up_proj"], layer.get("up_bias"))
     return linear(activation(gate, cfg.hidden_act) * up, layer["down_proj"], layer.get("down_bias"))
 
 

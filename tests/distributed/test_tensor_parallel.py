@@ -62,12 +62,12 @@ def test_pallas_kernels_per_device(results):
 
 def test_each_device_holds_its_share(results):
     """8 query heads (head_dim 16), 2 KV heads repeated to 8, hidden 64, MLP 128, vocab 512,
-    over 8 devices: every split parameter has 1/8 per device; norms are whole everywhere."""
+    over 8 devices: every split parameter has 1/8 per device (q/k/v: one KV head with its one
+    query head); norms are whole everywhere."""
     shards = results["cases"]["llama-8-heads"]["shards"]
-    assert shards["q_proj"] == [[1, 16, 64], 8]
-    assert shards["k_proj"] == [[1, 16, 64], 8]
+    assert shards["qkv_proj"] == [[1, 3, 16, 64], 8]
     assert shards["o_proj"] == [[64, 1, 16], 8]
-    assert shards["gate_proj"] == [[16, 64], 8]
+    assert shards["gate_up_proj"] == [[2, 16, 64], 8]
     assert shards["down_proj"] == [[64, 16], 8]
     assert shards["embed"] == [[64, 64], 8]
     assert shards["input_norm"] == [[64], 8]

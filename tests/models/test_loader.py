@@ -218,20 +218,35 @@ def test_param_leaves_do_not_grow_with_depth(arch, tiny_checkpoint):
     assert few[0] == thirty[0] < 20
 
 
-def test_stacked_layers_hold_each_layers_tensor(tmp_path):
-    """Row i of a stack is layer i's checkpoint tensor (reshaped head-explicit), and a
-    parameter only some layers have (the dense MLP of `mlp_only_layers`) stacks those."""
+@pytest.mark.parametrize("stacked", [True, False])
+def test_stacked_layers_hold_each_layers_tensor(tmp_path, stacked):
+    """Row i of a stack (or element i of a list, a CPU's layout) is layer i's checkpoint
+    tensor, reshaped head-explicit; a parameter only some layers have (the dense MLP of
+    `mlp_only_layers`) stacks those. A CPU's merged q/k/v hold each KV head's query heads,
+    then its k and v, HF's rows head by head; its gate/up, gate then up."""
     from safetensors.numpy import load_file as load_numpy
     from weights.make_tiny import make_tiny
 
     path = make_tiny("qwen3_moe", tmp_path / "moe", num_hidden_layers=3, mlp_only_layers=[0, 2])
-    cfg, params = load_model(path, stack_layers=True)
+    cfg, params = load_model(path, stack_layers=stacked)
     tensors = load_numpy(str(path / "model.safetensors"))
     layers = params["layers"]
-    assert layers["q_proj"].shape[0] == 3 and layers["gate_proj"].shape[0] == 2 and len(layers["router"]) == 1
+    hkv, hd, d = cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+    assert len(layers["down_proj"]) == 2 and len(layers["router"]) == 1 and cfg.merge_projections != stacked
     for i in range(3):
-        want = tensors[f"model.layers.{i}.self_attn.q_proj.weight"].reshape(layers["q_proj"].shape[1:])
-        np.testing.assert_array_equal(layers["q_proj"][i], want)
+        tensor = lambda x: tensors[f"model.layers.{i}.self_attn.{x}_proj.weight"]  # noqa: E731
+        if stacked:
+            np.testing.assert_array_equal(layers["q_proj"][i], tensor("q").reshape(layers["q_proj"].shape[1:]))
+            continue
+        qkv = np.asarray(layers["qkv_proj"][i])
+        assert qkv.shape == (hkv, cfg.num_heads // hkv + 2, hd, d)
+        np.testing.assert_array_equal(qkv[:, :-2].reshape(-1, d), tensor("q"))
+        np.testing.assert_array_equal(qkv[:, -2].reshape(-1, d), tensor("k"))
+        np.testing.assert_array_equal(qkv[:, -1].reshape(-1, d), tensor("v"))
     for row, i in enumerate((0, 2)):
-        np.testing.assert_array_equal(layers["down_proj"][row], tensors[f"model.layers.{i}.mlp.down_proj.weight"])
+        tensor = lambda x: tensors[f"model.layers.{i}.mlp.{x}_proj.weight"]  # noqa: E731
+        np.testing.assert_array_equal(layers["down_proj"][row], tensor("down"))
+        gate, up = (layers["gate_proj"][row], layers["up_proj"][row]) if stacked else layers["gate_up_proj"][row]
+        np.testing.assert_array_equal(gate, tensor("gate"))
+        np.testing.assert_array_equal(up, tensor("up"))
     np.testing.assert_array_equal(layers["router"][0], tensors["model.layers.1.mlp.gate.weight"])

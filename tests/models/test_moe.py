@@ -46,9 +46,9 @@ def test_config_and_stacked_params(moe_setup):
     assert layer["router"].shape == (e, cfg.hidden_size)
     assert layer["experts_gate"].shape == layer["experts_up"].shape == (e, cfg.hidden_size, f)
     assert layer["experts_down"].shape == (e, f, cfg.hidden_size)
-    assert "gate_proj" not in layer
+    assert "gate_up_proj" not in layer
     if arch == "qwen3_moe":
-        assert "router" not in layer1 and layer1["gate_proj"].shape == (128, 64)
+        assert "router" not in layer1 and layer1["gate_up_proj"].shape == (2, 128, 64)
     assert cfg.num_params == sum(p.numel() for n, p in hf.named_parameters() if "_norm" not in n)
 
 
@@ -109,7 +109,7 @@ def test_expert_parallel_config_and_split():
     ep = sharded_config(cfg, 4, expert_parallel=True)
     assert ep.expert_parallel and not sharded_config(cfg, 1, expert_parallel=True).expert_parallel
     assert [param_partition((name,), ep, 4) for name in moe.EXPERTS] == [P(AXIS)] * 3
-    assert param_partition(("router",), ep, 4) == P() and param_partition(("q_proj",), ep, 4) == P(AXIS)
+    assert param_partition(("router",), ep, 4) == P() and param_partition(("qkv_proj",), ep, 4) == P(AXIS)
     # 6 intermediate columns do not split over 4 devices, but 8 whole experts do (and 6 do not)
     with pytest.raises(ValueError, match=r"tensor_parallel_size=4 does not divide the experts' intermediate size 6"):
         sharded_config(cfg, 4)

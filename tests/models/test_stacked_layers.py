@@ -17,7 +17,7 @@ def completions(path, monkeypatch, stacked: bool, **kwargs):
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=2)
     with LLM(str(path), **ENGINE, **kwargs) as llm:
         layers = llm.llm_engine.runner.params["layers"]
-        assert isinstance(layers["q_proj"], list) != stacked
+        assert isinstance(layers["q_proj" if stacked else "qkv_proj"], list) != stacked
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
             for o in outs]
