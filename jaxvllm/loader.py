@@ -165,10 +165,9 @@ def load_safetensors(path: Path, cfg: ModelConfig, dtype, shardings: dict,
             """(global shape, block of an index) of one tensor, or one layer's."""
             # Stacked experts: one HF tensor per expert, from whichever files hold them, or one fused tensor.
             hf_shape = spec.fused_shape if spec.path in fused else spec.hf_shape
-            if spec.parts:  # (each its own HF shape)
-                slices = [checked_slice(part.hf_name, part.hf_shape) for part in spec.parts]
-            else:
-                slices = [checked_slice(name, hf_shape) for name in names[spec.path]]
+            # (a merged parameter's parts: each its own HF shape)
+            hf_shapes = [part.hf_shape for part in spec.parts] or [hf_shape] * len(names[spec.path])
+            slices = [checked_slice(name, shape) for name, shape in zip(names[spec.path], hf_shapes)]
             if spec.parts:
                 shape, block = _merged_block(slices, spec, dtype, repeats)
             elif spec.stacked and spec.path in fused:

@@ -152,10 +152,8 @@ def param_partition(path: tuple, cfg: ModelConfig, tp: int) -> P:
     if name in ("embed", "lm_head"):
         return P(AXIS, None) if cfg.vocab_size % tp == 0 else P()
     if name in ("q_proj", "k_proj", "v_proj", "q_bias", "k_bias", "v_bias", "gate_proj", "up_proj", "gate_bias",
-                "up_bias"):
-        return P(AXIS)  # [heads, ...] or [intermediate, ...]
-    if name in ("qkv_proj", "qkv_bias"):
-        return P(AXIS)  # [kv_heads, group + 2, ...]: each device its KV heads and their query heads
+                "up_bias", "qkv_proj", "qkv_bias"):
+        return P(AXIS)  # [heads, ...], [intermediate, ...], or [kv_heads, group + 2, ...] (whole groups)
     if name in ("gate_up_proj", "gate_up_bias"):
         return P(None, AXIS)  # [2, intermediate, ...]
     if name in ("o_proj", "down_proj"):

@@ -50,7 +50,7 @@ from jaxvllm.layers import linear, rms_norm
 from jaxvllm.loader import _param_shardings, dummy_params, load_safetensors, resolve_dtype, tensor_files
 from jaxvllm.model_config import ModelConfig
 from jaxvllm.models import MODELS
-from jaxvllm.models.common import ParamSpec, attention, attention_specs, merged, mlp, mlp_specs
+from jaxvllm.models.common import ParamSpec, attention, attention_specs, mlp, mlp_specs
 from jaxvllm.sharding import kv_cache_sharding, kv_repeats, put, replicated, sharded_config, step_input
 from jaxvllm.spec_decode.draft_model import decode_inputs
 
@@ -140,13 +140,7 @@ def param_specs(e: EagleConfig, names: set[str]) -> list[ParamSpec]:
         first3 = e.method == "eagle3" and i == 0  # its q/k/v read (embedding, hidden) side by side
         prefix = "midlayer." if first3 and not any(n.startswith("layers.0.") for n in names) else f"layers.{i}."
 
-        def add(name, hf_name=None, hf_shape=None, shape=None, init="normal", *_, parts=(), merge=""):
-            if parts:  # (name, hf_name, hf_shape, shape) of each
-                if first3 and name == "qkv_proj":
-                    parts = [(n, h, (*hs[:-1], 2 * d), (*s[:-1], 2 * d)) for n, h, hs, s in parts]
-                members = [ParamSpec(("layers", i, n), prefix + h, hs, s, init) for n, h, hs, s in parts]
-                specs.append(merged(("layers", i, name), members, merge))
-                return
+        def add(name, hf_name, hf_shape, shape=None, init="normal", *_):
             shape = shape or hf_shape
             if first3 and name in ("q_proj", "k_proj", "v_proj"):
                 hf_shape, shape = (*hf_shape[:-1], 2 * d), (*shape[:-1], 2 * d)
