@@ -184,6 +184,23 @@ def num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, devices: list, max_mo
     return spec.addressable(num_blocks)
 
 
+def kv_cache_specs(
+    cfg: ModelConfig, num_blocks: int, block_size: int, dtype, mesh: Mesh | None = None, device=None,
+    scales: bool = False, calculate_scales: bool = False,
+) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """The shapes, types and placements of what `allocate_kv_caches` returns: what a step
+    compiles against, so that a warm-up need not wait for the zero-fill."""
+    shape = (cfg.num_kv_heads, cfg.num_layers, num_blocks, block_size, cfg.head_dim)
+    if cfg.kv_cache_bits is not None:  # stored as bits (`with_cache_storage`)
+        dtype = bits_dtype(cfg.kv_cache_bits)
+    place = kv_cache_sharding(mesh) if mesh is not None else SingleDeviceSharding(device or jax.devices()[0])
+    cache = jax.ShapeDtypeStruct(shape, dtype, sharding=place)
+    if not scales:
+        return cache, cache
+    scales_shape = (cfg.num_kv_heads, cfg.num_layers, 3 if calculate_scales else 2)
+    return cache, cache, jax.ShapeDtypeStruct(scales_shape, jnp.float32, sharding=place)
+
+
 def allocate_kv_caches(
     cfg: ModelConfig, num_blocks: int, block_size: int, dtype, mesh: Mesh | None = None, device=None,
     scales: np.ndarray | None = None, calculate_scales: bool = False,
@@ -195,11 +212,9 @@ def allocate_kv_caches(
     scales): [num_kv_heads, num_layers, 2], split on KV heads with the cache, or with
     `calculate_scales` [num_kv_heads, num_layers, 3], (k_scale, v_scale, 1): to calculate
     from the first batch (`layers.calculate_kv_scales`). Each is a donated argument of every step."""
-    shape = (cfg.num_kv_heads, cfg.num_layers, num_blocks, block_size, cfg.head_dim)
-    if cfg.kv_cache_bits is not None:  # stored as bits (`with_cache_storage`)
-        dtype = bits_dtype(cfg.kv_cache_bits)
-    place = kv_cache_sharding(mesh) if mesh is not None else SingleDeviceSharding(device or jax.devices()[0])
-    caches = (jnp.zeros(shape, dtype, device=place), jnp.zeros(shape, dtype, device=place))
+    cache = kv_cache_specs(cfg, num_blocks, block_size, dtype, mesh, device)[0]
+    place = cache.sharding
+    caches = (jnp.zeros(cache.shape, cache.dtype, device=place), jnp.zeros(cache.shape, cache.dtype, device=place))
     if scales is None:
         return caches
     scales = np.asarray(scales, np.float32)

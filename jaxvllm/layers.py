@@ -194,6 +194,21 @@ def paged_attention(
     )(q, k, v, kv_cache, layer, inputs)
 
 
+# The CPU reference attention's query blocks in buckets that take prefills: a block of up
+# to 8 tokens of one sequence gathers that sequence's pages once, not once a token.
+CPU_QUERY_BLOCK = 8
+
+
+def reference_query_block(num_tokens: int, inputs: ModelInputs) -> int:
+    """Query tokens per block of the reference attention in a step of `num_tokens` (the
+    bucket). Blocks only with CPU loops, whose KV steps skip the unused blocks, and only in
+    a bucket at least twice its sequence rows (max_num_seqs): every step of decodes alone
+    fits the bucket below, and a decode token alone in a block of 8 would compute 8 rows."""
+    if inputs.dynamic_loops and num_tokens >= 2 * inputs.block_tables.shape[0]:
+        return CPU_QUERY_BLOCK
+    return 1
+
+
 def _paged_attention(q, k, v, kv_cache, layer, inputs: ModelInputs, *, sm_scale, sliding_window, backend,
                      logits_soft_cap, cache_bits):
     k_cache, v_cache, *scales = kv_cache  # [scales] of an fp8 cache: [kv_heads, num_layers, 2 or 3]
@@ -215,7 +230,8 @@ def _paged_attention(q, k, v, kv_cache, layer, inputs: ModelInputs, *, sm_scale,
     slots = jnp.where(inputs.slot_mapping < 0, inputs.slot_mapping, inputs.slot_mapping + first_block * block_size)
     k_cache, v_cache = write_kv_reference(k_cache, v_cache, k, v, slots, k_scale, v_scale)
     attend = (partial(mixed_paged_attention, decode_only=inputs.decode_only) if backend == "pallas"
-              else partial(ragged_paged_attention_reference, dynamic_kv_steps=inputs.dynamic_loops))
+              else partial(ragged_paged_attention_reference, dynamic_kv_steps=inputs.dynamic_loops,
+                           query_block=reference_query_block(q.shape[0], inputs)))
     if logits_soft_cap is not None:  # the reference (paged_attention refuses it for the kernels)
         attend = partial(attend, logits_soft_cap=logits_soft_cap)
     out = attend(

@@ -30,6 +30,7 @@ from jaxvllm.kv_cache import (
     KVCacheSpec,
     allocate_kv_caches,
     kv_cache_scales,
+    kv_cache_specs,
     num_kv_blocks,
     resolve_kv_cache_dtype,
     with_cache_storage,
@@ -260,7 +261,6 @@ class ModelRunner:
             if self.num_blocks < self.builder.max_blocks_per_seq:
                 raise ValueError(f"with the draft model's KV cache, only {self.num_blocks} KV blocks fit; one "
                                  f"sequence of max_model_len={self.max_model_len} needs {self.builder.max_blocks_per_seq}")
-        self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         if self.drafter is not None:
             self.drafter.allocate(self.num_blocks)
         self.profile_seconds = time.perf_counter() - start
@@ -268,8 +268,16 @@ class ModelRunner:
                     self.num_blocks * c.block_size, self.num_blocks * self.kv_spec.bytes_per_block / 2**30,
                     self.kv_spec.dtype_name)
         self.warmup_seconds, self.warmup_compiles = 0.0, CompileCounts()
-        if not c.enforce_eager:
-            self.warmup()
+        # On a CPU the cache's zero-fill (page faults: up to seconds for gigabytes) runs beside
+        # the warm-up, which compiles against the caches' shapes; a GPU allocates first, so
+        # that the compiles' autotuning cannot take the cache's room.
+        with ThreadPoolExecutor(1) as pool:
+            caches = pool.submit(self._allocate_kv_caches, self.num_blocks)
+            cpu = self.devices[0].platform == "cpu"
+            self.kv_caches = self._kv_cache_specs(self.num_blocks) if cpu else caches.result()
+            if not c.enforce_eager:
+                self.warmup()
+            self.kv_caches = caches.result()
         logger.info("start-up: weights loaded in %.1f s, KV cache sized in %.1f s, warm-up compiled in %.1f s",
                     self.load_seconds, self.profile_seconds, self.warmup_seconds)
 
@@ -278,6 +286,10 @@ class ModelRunner:
     def _allocate_kv_caches(self, num_blocks: int):
         return allocate_kv_caches(self.cfg, num_blocks, self.kv_spec.block_size, self.kv_spec.dtype, self.mesh,
                                   self.devices[0], self.kv_scales, self.config.calculate_kv_scales)
+
+    def _kv_cache_specs(self, num_blocks: int):
+        return kv_cache_specs(self.cfg, num_blocks, self.kv_spec.block_size, self.kv_spec.dtype, self.mesh,
+                              self.devices[0], self.kv_scales is not None, self.config.calculate_kv_scales)
 
     def _profile_batch(self) -> HostBatch:
         """The largest step: the memory profile runs it."""
@@ -294,8 +306,7 @@ class ModelRunner:
         """Device memory the largest step allocates beyond its inputs (per device): the
         forward's temporaries and outputs, from XLA's analysis of the compiled step."""
         batch = self._profile_batch()
-        probe = self._allocate_kv_caches(self.builder.max_blocks_per_seq)
-        probe = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), probe)
+        probe = self._kv_cache_specs(self.builder.max_blocks_per_seq)
         packed = step_input(batch.packed, self._replicated)
         compiled = self._forward.lower(self.params, probe, packed, self.last_sampled, layout=batch.layout).compile()
         m = compiled.memory_analysis()

@@ -100,6 +100,7 @@ def ragged_paged_attention_reference(
     v_scale: jax.Array | float | None = None,
     logits_soft_cap: float | None = None,
     dynamic_kv_steps: bool = False,
+    query_block: int = 1,
 ) -> jax.Array:
     """Attention output [T, num_q_heads, head_dim] in q's dtype (softmax in float32).
 
@@ -133,19 +134,25 @@ def ragged_paged_attention_reference(
     loops in its own runtime (no graphs, no host sync): a batch of short sequences skips
     the columns past their ends. Never on a GPU, where such a loop leaves the CUDA graph
     and syncs with the host every iteration.
+
+    `query_block` B > 1 (with `dynamic_kv_steps`): the chunks hold blocks of up to B
+    consecutive tokens of one sequence (`_query_blocks`: cdiv(T, B) + S of them at most,
+    the unused ones last, which no KV step visits), and each block gathers its sequence's
+    pages once for its B queries, where B = 1 gathers them once per token. A prefill's
+    gather shrinks B-fold; a decode token, alone in its block, computes B rows for one.
     """
     return _chunked_reference(
         q, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables,
         sm_scale=sm_scale, sliding_window=sliding_window,
         query_chunk=_REF_QUERY_CHUNK, kv_chunk=_REF_KV_CHUNK, k_scale=k_scale, v_scale=v_scale,
-        logits_soft_cap=logits_soft_cap, dynamic_kv_steps=dynamic_kv_steps,
+        logits_soft_cap=logits_soft_cap, dynamic_kv_steps=dynamic_kv_steps, query_block=query_block,
     )
 
 
 def _chunked_reference(
     q, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables,
     *, sm_scale, sliding_window, query_chunk: int, kv_chunk: int, k_scale=None, v_scale=None,
-    logits_soft_cap: float | None = None, dynamic_kv_steps: bool = False,
+    logits_soft_cap: float | None = None, dynamic_kv_steps: bool = False, query_block: int = 1,
 ):
     """`ragged_paged_attention_reference` with the chunk sizes as parameters (tests shrink them)."""
     _check_shapes(q, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables)
@@ -159,14 +166,26 @@ def _chunked_reference(
     seq_of_token = jnp.searchsorted(query_start_loc[1:], token_ids, side="right")
     seq_of_token = jnp.minimum(seq_of_token, num_seqs - 1)
 
-    # Query chunks [num_chunks, C, ...]: the batch padded to whole chunks, the extra rows
-    # (position 0 of sequence 0) computed and dropped.
-    chunk = max(1, min(num_tokens, query_chunk))
-    num_chunks = cdiv(num_tokens, chunk)
-    pad = num_chunks * chunk - num_tokens
-    qg = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(num_chunks, chunk, num_kv_heads, group, head_dim)
-    chunk_positions = jnp.pad(positions, (0, pad)).reshape(num_chunks, chunk)
-    chunk_seqs = jnp.pad(seq_of_token, (0, pad)).reshape(num_chunks, chunk)
+    # Query blocks: up to B = query_block consecutive tokens of one sequence, which gather
+    # that sequence's pages once. B = 1: every token is its own block.
+    blocks = _query_blocks(positions, query_start_loc, seq_of_token, query_block) if query_block > 1 else None
+    if blocks is None:
+        block_q, block_pos, block_seqs = q[:, None], positions[:, None], seq_of_token
+    else:
+        token_of_slot, block_pos, block_seqs, _ = blocks
+        block_q = q[token_of_slot]
+    num_blocks, width = block_pos.shape
+
+    # Chunks [num_chunks, C, B, ...] of C = query_chunk // B blocks: the blocks padded to
+    # whole chunks, the extra ones (no queries: position -1) computed and dropped.
+    chunk = max(1, min(num_blocks, query_chunk // width))
+    num_chunks = cdiv(num_blocks, chunk)
+    pad = num_chunks * chunk - num_blocks
+    qg = jnp.pad(block_q, ((0, pad), (0, 0), (0, 0), (0, 0)))
+    qg = qg.reshape(num_chunks, chunk, width, num_kv_heads, group, head_dim)
+    fill = 0 if blocks is None else -1
+    chunk_positions = jnp.pad(block_pos, ((0, pad), (0, 0)), constant_values=fill).reshape(num_chunks, chunk, width)
+    chunk_seqs = jnp.pad(block_seqs, (0, pad)).reshape(num_chunks, chunk)
 
     # KV steps: P block-table columns (K keys) each, the table padded to whole steps with
     # page 0, whose keys lie at positions >= max_blocks * block_size >= seq_len (masked).
@@ -178,30 +197,30 @@ def _chunked_reference(
     step_starts = jnp.arange(num_steps) * keys_per_step
 
     # The softmax scale with the k_scale of an fp8 cache folded in: q . (s k) = s (q . k);
-    # per KV head, [kv_heads, 1, 1] against scores [C, kv_heads, G, K].
+    # per KV head, [kv_heads, 1, 1] against scores [C, B, kv_heads, G, K].
     score_scale = sm_scale if k_scale is None else sm_scale * per_head_scale(k_scale, num_kv_heads)[:, None, None]
 
     def attend_chunk(args):
-        q_c, query_pos, seqs = args  # [C, kv_heads, G, D], [C], [C]
-        context_len = seq_lens[seqs][:, None]
+        q_c, query_pos, seqs = args  # [C, B, kv_heads, G, D], [C, B], [C]
+        context_len = seq_lens[seqs][:, None, None]
 
         def kv_step(carry, step):
-            row_max, row_sum, acc = carry  # [C, kv_heads, G] x2, [C, kv_heads, G, D]; float32
+            row_max, row_sum, acc = carry  # [C, B, kv_heads, G] x2, [C, B, kv_heads, G, D]; float32
             start, columns = step  # first key position of this step, [num_seqs, P] page ids
-            # This step's pages of every token's sequence: [kv_heads, C, K, D].
+            # This step's pages of every block's sequence: [kv_heads, C, K, D].
             pages = columns[seqs]
             k = _gather_pages(k_cache, pages, start, q.dtype).reshape(num_kv_heads, chunk, keys_per_step, head_dim)
             v = _gather_pages(v_cache, pages, start, q.dtype).reshape(num_kv_heads, chunk, keys_per_step, head_dim)
-            scores = jnp.einsum("thgd,htkd->thgk", q_c, k, preferred_element_type=jnp.float32)
+            scores = jnp.einsum("cbhgd,hckd->cbhgk", q_c, k, preferred_element_type=jnp.float32)
             scores = scores * score_scale
             if logits_soft_cap is not None:
                 scores = logits_soft_cap * jnp.tanh(scores / logits_soft_cap)
 
-            key_pos = start + jnp.arange(keys_per_step)[None, :]
-            mask = (key_pos <= query_pos[:, None]) & (key_pos < context_len)
+            key_pos = start + jnp.arange(keys_per_step)[None, None, :]
+            mask = (key_pos <= query_pos[..., None]) & (key_pos < context_len)
             if sliding_window is not None:
-                mask &= key_pos > query_pos[:, None] - sliding_window
-            scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
+                mask &= key_pos > query_pos[..., None] - sliding_window
+            scores = jnp.where(mask[:, :, None, None, :], scores, -jnp.inf)
 
             # Online softmax: rescale what was summed so far to the new running max. A row
             # that has seen no key yet keeps max -inf; subtracting 0 instead keeps it NaN-free.
@@ -210,16 +229,16 @@ def _chunked_reference(
             probs = jnp.exp(scores - shift[..., None])
             rescale = jnp.exp(row_max - shift)
             row_sum = row_sum * rescale + probs.sum(-1)
-            pv = jnp.einsum("thgk,htkd->thgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            pv = jnp.einsum("cbhgk,hckd->cbhgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
             return (new_max, row_sum, acc * rescale[..., None] + pv), None
 
         init = (
-            jnp.full((chunk, num_kv_heads, group), -jnp.inf, jnp.float32),
-            jnp.zeros((chunk, num_kv_heads, group), jnp.float32),
-            jnp.zeros((chunk, num_kv_heads, group, head_dim), jnp.float32),
+            jnp.full((chunk, width, num_kv_heads, group), -jnp.inf, jnp.float32),
+            jnp.zeros((chunk, width, num_kv_heads, group), jnp.float32),
+            jnp.zeros((chunk, width, num_kv_heads, group, head_dim), jnp.float32),
         )
-        if dynamic_kv_steps:  # up to the last column any token of the chunk sees
-            last = jnp.max(jnp.minimum(query_pos, context_len[:, 0] - 1))
+        if dynamic_kv_steps:  # up to the last column any query of the chunk sees
+            last = jnp.max(jnp.minimum(query_pos, context_len[..., 0] - 1))
             steps = jnp.clip(last // keys_per_step + 1, 0, num_steps)
             _, row_sum, acc = lax.fori_loop(
                 0, steps, lambda i, carry: kv_step(carry, (step_starts[i], step_tables[i]))[0], init)
@@ -232,7 +251,33 @@ def _chunked_reference(
         return out.astype(q.dtype)
 
     out = lax.map(attend_chunk, (qg, chunk_positions, chunk_seqs))
-    return out.reshape(num_chunks * chunk, num_q_heads, head_dim)[:num_tokens]
+    out = out.reshape(num_chunks * chunk * width, num_q_heads, head_dim)
+    return out[:num_tokens] if blocks is None else out[blocks[3]]
+
+
+def _query_blocks(positions: jax.Array, query_start_loc: jax.Array, seq_of_token: jax.Array, block: int):
+    """The tokens in blocks of up to `block` consecutive tokens of one sequence, each
+    sequence's blocks in turn, the unused ones last; at most cdiv(T, block) + S of them
+    (each sequence leaves at most one block part-full), and never more than T.
+
+    Returns (token_of_slot [N, block], position_of_slot [N, block] (-1: no query),
+    sequence_of_block [N], slot_of_token [T]) for N blocks."""
+    num_tokens, num_seqs = positions.shape[0], query_start_loc.shape[0] - 1
+    num_blocks = min(num_tokens, cdiv(num_tokens, block) + num_seqs)
+    starts = query_start_loc[:-1]
+    lens = query_start_loc[1:] - starts
+    blocks = (lens + block - 1) // block
+    ends = jnp.cumsum(blocks)
+    first = ends - blocks  # each sequence's first block
+    b = jnp.arange(num_blocks)
+    seq = jnp.minimum(jnp.searchsorted(ends, b, side="right"), num_seqs - 1)
+    offset = (b - first[seq])[:, None] * block + jnp.arange(block)[None, :]  # within the sequence
+    live = (offset < lens[seq][:, None]) & (b < ends[-1])[:, None]
+    token = jnp.where(live, starts[seq][:, None] + offset, 0)
+    position = jnp.where(live, positions[token], -1)
+    within = jnp.arange(num_tokens) - starts[seq_of_token]  # each token's offset in its sequence
+    slot = (first[seq_of_token] + within // block) * block + within % block
+    return token, position, seq, jnp.clip(slot, 0, num_blocks * block - 1)
 
 
 def _gather_pages(cache: jax.Array, pages: jax.Array, step: jax.Array, dtype=None) -> jax.Array:

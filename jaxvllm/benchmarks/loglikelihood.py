@@ -1,7 +1,7 @@
 """Loglikelihood scoring, lm-eval's main workload, against lm-eval's own `hf` backend:
 
     python -m jaxvllm.benchmarks.loglikelihood --model weights/smollm2-135m-instruct
-        [--workloads mmlu hellaswag] [--docs 40] [--hf-batch-size 16] [--no-full-prompt]
+        [--workloads mmlu hellaswag] [--docs 40] [--hf-batch-size 16] [--no-full-prompt] [--hf-float64]
         [--json PATH] [--engine-args '{"max_num_seqs": 64}']
 
 Two synthetic workloads of random token ids (timing and equality need no real text):
@@ -18,6 +18,10 @@ context once when the choices are single tokens). Figures: documents/s of the sc
 phase, start-up seconds, the max abs difference of the loglikelihoods from HF's and how
 many greedy flags differ. A dummy model (`dummy:NAME`, random weights) has no HF peer:
 jaxvllm's two paths only.
+
+`--hf-float64` also scores with lm-eval's `hf` backend in float64, the exact value to a
+float32 run's rounding, and reports how far jaxvllm's and HF's float32 scores each lie
+from it: the floor under any float32 comparison of the two.
 """
 
 from __future__ import annotations
@@ -81,7 +85,7 @@ def compare(scores: list[tuple[float, bool]], reference: list[tuple[float, bool]
 
 
 def run(model: str, workloads: list[str], num_docs: int, hf_batch_size: int, engine_args: dict,
-        full_prompt: bool = True) -> dict:
+        full_prompt: bool = True, hf_float64: bool = False) -> dict:
     import jaxvllm.integrations.lm_eval as integration
     from jaxvllm import LLM
     from jaxvllm.dummy import get_dummy
@@ -98,6 +102,7 @@ def run(model: str, workloads: list[str], num_docs: int, hf_batch_size: int, eng
         start = time.perf_counter()
         hf = HFLM(pretrained=model, device="cpu", dtype="float32", batch_size=hf_batch_size)
         report["hf_ready_seconds"] = time.perf_counter() - start
+    exact = HFLM(pretrained=model, device="cpu", dtype="float64", batch_size=hf_batch_size) if hf and hf_float64 else None
     vocab = llm.llm_engine.runner.cfg.vocab_size
     for name in workloads:
         docs = workload(name, num_docs, vocab)
@@ -117,6 +122,9 @@ def run(model: str, workloads: list[str], num_docs: int, hf_batch_size: int, eng
             figures["hf"] = {"seconds": seconds, "docs_per_s": len(docs) / seconds}
             figures["jaxvllm"].update(compare(ours, theirs))
             figures["speedup_vs_hf"] = figures["hf"]["seconds"] / figures["jaxvllm"]["seconds"]
+        if exact is not None:
+            truth = exact._loglikelihood_tokens(requests, disable_tqdm=True)
+            figures["float64"] = {"jaxvllm": compare(ours, truth), "hf": compare(theirs, truth)}
         report["workloads"][name] = figures
     report["jaxvllm_stats"] = {k: v for k, v in llm.stats().items() if k.startswith("prefix_cache")}
     llm.shutdown()
@@ -134,12 +142,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-args", type=json.loads, default={}, help="more LLM(...) arguments, as JSON")
     parser.add_argument("--no-full-prompt", action="store_true",
                         help="skip the whole-prompt path (the slowest: every context computed per choice)")
+    parser.add_argument("--hf-float64", action="store_true",
+                        help="also score with hf in float64 and compare both float32 runs with it")
     parser.add_argument("--json", type=Path, help="write the figures and the environment here")
     args = parser.parse_args(argv)
     engine_args = {"max_model_len": args.max_model_len, "dtype": args.dtype, **args.engine_args}
     report = {"model": args.model, "engine_args": engine_args, "hf_batch_size": args.hf_batch_size,
               **run(args.model, args.workloads, args.docs, args.hf_batch_size, engine_args,
-                    full_prompt=not args.no_full_prompt)}
+                    full_prompt=not args.no_full_prompt, hf_float64=args.hf_float64)}
     print(f"{args.model}: jaxvllm ready in {report['jaxvllm_ready_seconds']:.1f} s"
           + (f", hf in {report['hf_ready_seconds']:.1f} s" if "hf_ready_seconds" in report else ""))
     for name, f in report["workloads"].items():
@@ -155,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
                                                               ("speedup_vs_full_prompt", "the full-prompt path"))
                   if key in f]
         print("  jaxvllm: " + ", ".join(ratios))
+        if "float64" in f:
+            print("  from hf's float64 scores: max |diff| " + ", ".join(
+                f"{backend} {f['float64'][backend]['max_abs_diff']:.2e}" for backend in ("jaxvllm", "hf")))
     write_report(args.json, report, "cpu")
     return 0
 

@@ -24,7 +24,7 @@ def test_workload_shapes():
 def test_scores_equal_hf(tiny_checkpoint, tmp_path, capsys):
     out = tmp_path / "ll.json"
     main(["--model", str(tiny_checkpoint("llama")), "--docs", "4", "--max-model-len", "1024",
-          "--hf-batch-size", "4", "--json", str(out)])
+          "--hf-batch-size", "4", "--hf-float64", "--json", str(out)])
     assert "docs/s" in capsys.readouterr().out
     report = json.loads(out.read_text())
     for name in ("mmlu", "hellaswag"):
@@ -32,4 +32,7 @@ def test_scores_equal_hf(tiny_checkpoint, tmp_path, capsys):
         assert figures["jaxvllm"]["max_abs_diff"] < 1e-4 and figures["jaxvllm"]["greedy_differs"] == 0
         assert figures["jaxvllm_full_prompt"]["max_abs_diff"] < 1e-5
         assert figures["speedup_vs_hf"] > 0 and figures["speedup_vs_full_prompt"] > 0
+        for backend in ("jaxvllm", "hf"):  # each float32 run near the float64 scores, the flags equal
+            assert figures["float64"][backend]["max_abs_diff"] < 1e-4
+            assert figures["float64"][backend]["greedy_differs"] == 0
     assert report["jaxvllm_stats"]["prefix_cache_hits"] > 0  # the shared contexts were read from the cache

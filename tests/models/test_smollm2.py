@@ -48,9 +48,10 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def llm(smollm2_path):
-    # Two token buckets: a decode step (up to 16 tokens) and a full prefill chunk; each bucket is a
-    # compile and a warm-up step of a 30-layer model.
-    llm = LLM(str(smollm2_path), dtype="float32", max_model_len=512, max_num_batched_tokens=256, max_num_seqs=16,
+    # Two token buckets: a decode step and a full prefill chunk; each bucket is a compile of a
+    # 30-layer model. With 24 sequence rows, the 32-token bucket runs the reference attention
+    # per token and the 256-token one in query blocks (`layers.reference_query_block`).
+    llm = LLM(str(smollm2_path), dtype="float32", max_model_len=512, max_num_batched_tokens=256, max_num_seqs=24,
               token_buckets=[32, 256])
     yield llm
     llm.shutdown()
