@@ -183,8 +183,7 @@ def _chunked_reference(
     pad = num_chunks * chunk - num_blocks
     qg = jnp.pad(block_q, ((0, pad), (0, 0), (0, 0), (0, 0)))
     qg = qg.reshape(num_chunks, chunk, width, num_kv_heads, group, head_dim)
-    fill = 0 if blocks is None else -1
-    chunk_positions = jnp.pad(block_pos, ((0, pad), (0, 0)), constant_values=fill).reshape(num_chunks, chunk, width)
+    chunk_positions = jnp.pad(block_pos, ((0, pad), (0, 0)), constant_values=-1).reshape(num_chunks, chunk, width)
     chunk_seqs = jnp.pad(block_seqs, (0, pad)).reshape(num_chunks, chunk)
 
     # KV steps: P block-table columns (K keys) each, the table padded to whole steps with

@@ -102,7 +102,9 @@ def run(model: str, workloads: list[str], num_docs: int, hf_batch_size: int, eng
         start = time.perf_counter()
         hf = HFLM(pretrained=model, device="cpu", dtype="float32", batch_size=hf_batch_size)
         report["hf_ready_seconds"] = time.perf_counter() - start
-    exact = HFLM(pretrained=model, device="cpu", dtype="float64", batch_size=hf_batch_size) if hf and hf_float64 else None
+    exact = None  # the float64 scores' model
+    if hf is not None and hf_float64:
+        exact = HFLM(pretrained=model, device="cpu", dtype="float64", batch_size=hf_batch_size)
     vocab = llm.llm_engine.runner.cfg.vocab_size
     for name in workloads:
         docs = workload(name, num_docs, vocab)
