@@ -71,7 +71,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                             max_model_len=max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
-                            policy=config.scheduling_policy),
+                            policy=config.scheduling_policy, fill_buckets=self.runner.fill_buckets),
             self.kv_cache_manager,
         )
         # for get_metrics(); vLLM labels each data-parallel replica

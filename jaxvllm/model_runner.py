@@ -225,6 +225,8 @@ class ModelRunner:
             smallest_width=NARROW_WIDTH if self.backend == "reference" and not dynamic_loops else SMALLEST_WIDTH,
             dynamic_loops=dynamic_loops, spec_tokens=self.spec_tokens,
         )
+        # On a CPU a padding token costs what a real one does: the scheduler fills buckets to their edge.
+        self.fill_buckets = tuple(self.builder.buckets) if self.devices[0].platform == "cpu" else None
         # The KV cache's element type, and for an fp8 cache its (k_scale, v_scale) per layer and KV head.
         cache_dtype = resolve_kv_cache_dtype(c.kv_cache_dtype, self.dtype)
         self.cfg = with_cache_storage(self.cfg, cache_dtype, self.devices[0].platform)

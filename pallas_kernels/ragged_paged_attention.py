@@ -196,30 +196,36 @@ def _chunked_reference(
     step_starts = jnp.arange(num_steps) * keys_per_step
 
     # The softmax scale with the k_scale of an fp8 cache folded in: q . (s k) = s (q . k);
-    # per KV head, [kv_heads, 1, 1] against scores [C, B, kv_heads, G, K].
-    score_scale = sm_scale if k_scale is None else sm_scale * per_head_scale(k_scale, num_kv_heads)[:, None, None]
+    # per KV head, [kv_heads, 1, 1, 1] against scores [kv_heads, C, B*G, K].
+    score_scale = sm_scale if k_scale is None else sm_scale * per_head_scale(k_scale, num_kv_heads)[:, None, None, None]
+    rows = width * group  # query rows of a block per KV head: its B tokens' G query heads each
 
     def attend_chunk(args):
         q_c, query_pos, seqs = args  # [C, B, kv_heads, G, D], [C, B], [C]
-        context_len = seq_lens[seqs][:, None, None]
+        # Head-major, [kv_heads, C, B*G, ...]: both products are plain matmuls batched over
+        # (KV head, block), and nothing in the loop is transposed (XLA:CPU otherwise moves
+        # the scores and V between layouts on every KV step).
+        q_h = q_c.transpose(2, 0, 1, 3, 4).reshape(num_kv_heads, chunk, rows, head_dim)
+        row_pos = jnp.repeat(query_pos, group, axis=1)[None, :, :, None]  # [1, C, B*G, 1]
+        context_len = seq_lens[seqs]
 
         def kv_step(carry, step):
-            row_max, row_sum, acc = carry  # [C, B, kv_heads, G] x2, [C, B, kv_heads, G, D]; float32
+            row_max, row_sum, acc = carry  # [kv_heads, C, B*G] x2, [kv_heads, C, B*G, D]; float32
             start, columns = step  # first key position of this step, [num_seqs, P] page ids
             # This step's pages of every block's sequence: [kv_heads, C, K, D].
             pages = columns[seqs]
             k = _gather_pages(k_cache, pages, start, q.dtype).reshape(num_kv_heads, chunk, keys_per_step, head_dim)
             v = _gather_pages(v_cache, pages, start, q.dtype).reshape(num_kv_heads, chunk, keys_per_step, head_dim)
-            scores = jnp.einsum("cbhgd,hckd->cbhgk", q_c, k, preferred_element_type=jnp.float32)
+            scores = jnp.einsum("hcqd,hckd->hcqk", q_h, k, preferred_element_type=jnp.float32)
             scores = scores * score_scale
             if logits_soft_cap is not None:
                 scores = logits_soft_cap * jnp.tanh(scores / logits_soft_cap)
 
-            key_pos = start + jnp.arange(keys_per_step)[None, None, :]
-            mask = (key_pos <= query_pos[..., None]) & (key_pos < context_len)
+            key_pos = start + jnp.arange(keys_per_step)
+            mask = (key_pos <= row_pos) & (key_pos < context_len[None, :, None, None])
             if sliding_window is not None:
-                mask &= key_pos > query_pos[..., None] - sliding_window
-            scores = jnp.where(mask[:, :, None, None, :], scores, -jnp.inf)
+                mask &= key_pos > row_pos - sliding_window
+            scores = jnp.where(mask, scores, -jnp.inf)
 
             # Online softmax: rescale what was summed so far to the new running max. A row
             # that has seen no key yet keeps max -inf; subtracting 0 instead keeps it NaN-free.
@@ -228,16 +234,16 @@ def _chunked_reference(
             probs = jnp.exp(scores - shift[..., None])
             rescale = jnp.exp(row_max - shift)
             row_sum = row_sum * rescale + probs.sum(-1)
-            pv = jnp.einsum("cbhgk,hckd->cbhgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            pv = jnp.einsum("hcqk,hckd->hcqd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
             return (new_max, row_sum, acc * rescale[..., None] + pv), None
 
         init = (
-            jnp.full((chunk, width, num_kv_heads, group), -jnp.inf, jnp.float32),
-            jnp.zeros((chunk, width, num_kv_heads, group), jnp.float32),
-            jnp.zeros((chunk, width, num_kv_heads, group, head_dim), jnp.float32),
+            jnp.full((num_kv_heads, chunk, rows), -jnp.inf, jnp.float32),
+            jnp.zeros((num_kv_heads, chunk, rows), jnp.float32),
+            jnp.zeros((num_kv_heads, chunk, rows, head_dim), jnp.float32),
         )
         if dynamic_kv_steps:  # up to the last column any query of the chunk sees
-            last = jnp.max(jnp.minimum(query_pos, context_len[..., 0] - 1))
+            last = jnp.max(jnp.minimum(query_pos, context_len[:, None] - 1))
             steps = jnp.clip(last // keys_per_step + 1, 0, num_steps)
             _, row_sum, acc = lax.fori_loop(
                 0, steps, lambda i, carry: kv_step(carry, (step_starts[i], step_tables[i]))[0], init)
@@ -246,7 +252,8 @@ def _chunked_reference(
         # A row that saw no key (padding) has sum 0: output zeros, not 0/0.
         out = acc / jnp.where(row_sum > 0, row_sum, 1.0)[..., None]
         if v_scale is not None:
-            out = out * per_head_scale(v_scale, num_kv_heads)[:, None, None]
+            out = out * per_head_scale(v_scale, num_kv_heads)[:, None, None, None]
+        out = out.reshape(num_kv_heads, chunk, width, group, head_dim).transpose(1, 2, 0, 3, 4)
         return out.astype(q.dtype)
 
     out = lax.map(attend_chunk, (qg, chunk_positions, chunk_seqs))

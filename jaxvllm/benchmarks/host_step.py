@@ -85,6 +85,7 @@ class StubRunner:
                                     block_size=config.block_size, buckets=default_buckets(config.max_num_batched_tokens),
                                     vocab_size=self.cfg.vocab_size, decode_only=True,
                                     spec_tokens=spec.num_speculative_tokens if spec else 0)
+        self.fill_buckets = None  # (a GPU's: chunks take all the budget)
         self.seconds, self.rng, self.free_at = device_ms / 1e3, rng, 0.0
         self.closed = False
 

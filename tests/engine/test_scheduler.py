@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from jaxvllm.kv_cache_manager import BlockPool, KVCacheManager
 from jaxvllm.request import Request, RequestStatus
 from jaxvllm.sampling_params import SamplingParams
-from jaxvllm.scheduler import Scheduler, SchedulerConfig
+from jaxvllm.scheduler import Scheduler, SchedulerConfig, bucket_edge
 
 VOCAB = 1000
 
@@ -75,6 +75,43 @@ def test_chunked_prefill_cuts_long_prompts():
     assert [run_step(s).scheduled[0].num_new_tokens for _ in range(2)] == [1, 1]
     assert not s.has_unfinished_requests()
     assert s.kv.num_free_blocks == 64
+
+
+def test_bucket_edge_cuts_only_a_small_spill():
+    buckets = (16, 32, 64, 128)
+    assert bucket_edge(buckets, 0, 70) == 64  # 6 past 64, 58 of padding in 128: cut
+    assert bucket_edge(buckets, 60, 10) == 4
+    assert bucket_edge(buckets, 0, 100) == 100  # 36 past 64, 28 of padding: not cut
+    assert bucket_edge(buckets, 0, 64) == 64  # an exact fit
+    assert bucket_edge(buckets, 66, 10) == 10  # already past 64: nothing to cut back to
+    assert bucket_edge(buckets, 0, 10) == 10  # fits the smallest bucket
+    assert bucket_edge(buckets, 0, 20) == 20  # 12 of padding: less than one more step costs
+
+
+def test_last_admitted_chunk_stops_at_a_bucket_edge():
+    """With buckets (a CPU's), the last request to join a step stops at a bucket's edge
+    instead of spilling a little past it, and its rest runs next step; an earlier request
+    is never cut (those after it fill the bucket)."""
+    s = make_scheduler(max_num_batched_tokens=128, max_num_seqs=4, fill_buckets=(16, 32, 64, 128))
+    requests = [make_request("a", 40, 2, 0), make_request("b", 30, 2, 1)]
+    for r in requests:
+        s.add_request(r)
+    out = run_step(s)
+    assert [(x.request.request_id, x.num_new_tokens, x.samples) for x in out.scheduled] == [("a", 40, True),
+                                                                                          ("b", 24, False)]
+    out = run_step(s)
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("b", 6)]
+    while s.has_unfinished_requests():
+        run_step(s)
+    for r in requests:
+        assert r.num_output_tokens == 2
+        check_tokens(r)
+    assert s.kv.num_free_blocks == 64
+    # Without buckets (a GPU's), the chunk takes all it can.
+    s = make_scheduler(max_num_batched_tokens=128, max_num_seqs=4)
+    s.add_request(make_request("a", 40, 2, 0))
+    s.add_request(make_request("b", 30, 2, 1))
+    assert [x.num_new_tokens for x in run_step(s).scheduled] == [40, 30]
 
 
 def test_running_first_then_waiting_within_budget():
@@ -188,15 +225,18 @@ ops = st.lists(
     max_num_seqs=st.integers(1, 8),
     policy=st.sampled_from(["fcfs", "priority"]),
     chunked=st.booleans(),
+    fill=st.booleans(),
 )
 # Found by hypothesis: without chunked prefill, a preempted request's recompute (prompt +
 # outputs = 13 tokens) exceeded the 12-token budget and waited forever.
 @example(ops=[("add", 1, 3, 0), ("add", 11, 3, 0)], num_blocks=4, budget=12, max_num_seqs=2, policy="fcfs",
-         chunked=False)
-def test_random_add_step_abort(ops, num_blocks, budget, max_num_seqs, policy, chunked):
+         chunked=False, fill=False)
+def test_random_add_step_abort(ops, num_blocks, budget, max_num_seqs, policy, chunked, fill):
     max_num_seqs = min(max_num_seqs, budget)
+    buckets = tuple(b for b in (1, 4, 16, 32) if b < budget) + (budget,) if fill else None  # (a CPU's)
     s = make_scheduler(num_blocks=num_blocks, block_size=4, max_model_len=64, max_num_batched_tokens=budget,
-                       max_num_seqs=max_num_seqs, policy=policy, enable_chunked_prefill=chunked)
+                       max_num_seqs=max_num_seqs, policy=policy, enable_chunked_prefill=chunked,
+                       fill_buckets=buckets)
     added, ended = [], {}
 
     def check(out):
