@@ -78,29 +78,30 @@ def test_chunked_prefill_cuts_long_prompts():
 
 
 def test_bucket_edge_cuts_only_a_small_spill():
-    buckets = (16, 32, 64, 128)
-    assert bucket_edge(buckets, 0, 70) == 64  # 6 past 64, 58 of padding in 128: cut
-    assert bucket_edge(buckets, 60, 10) == 4
-    assert bucket_edge(buckets, 0, 100) == 100  # 36 past 64, 28 of padding: not cut
-    assert bucket_edge(buckets, 0, 64) == 64  # an exact fit
-    assert bucket_edge(buckets, 66, 10) == 10  # already past 64: nothing to cut back to
+    buckets = (16, 32, 64, 128, 256)
+    assert bucket_edge(buckets, 0, 140) == 128  # 12 past 128, 116 of padding in 256: cut
+    assert bucket_edge(buckets, 100, 40) == 28
+    assert bucket_edge(buckets, 0, 170) == 170  # 42 past 128: the rest would be a step of its own
+    assert bucket_edge(buckets, 0, 70) == 64  # 6 past 64, 58 of padding
+    assert bucket_edge(buckets, 0, 20) == 20  # 4 past 16, but 12 of padding: less than one more step
+    assert bucket_edge(buckets, 0, 128) == 128  # an exact fit
+    assert bucket_edge(buckets, 130, 10) == 10  # already past 128: nothing to cut back to
     assert bucket_edge(buckets, 0, 10) == 10  # fits the smallest bucket
-    assert bucket_edge(buckets, 0, 20) == 20  # 12 of padding: less than one more step costs
 
 
 def test_last_admitted_chunk_stops_at_a_bucket_edge():
     """With buckets (a CPU's), the last request to join a step stops at a bucket's edge
     instead of spilling a little past it, and its rest runs next step; an earlier request
     is never cut (those after it fill the bucket)."""
-    s = make_scheduler(max_num_batched_tokens=128, max_num_seqs=4, fill_buckets=(16, 32, 64, 128))
-    requests = [make_request("a", 40, 2, 0), make_request("b", 30, 2, 1)]
+    s = make_scheduler(max_num_batched_tokens=256, max_num_seqs=4, fill_buckets=(16, 32, 64, 128, 256))
+    requests = [make_request("a", 100, 2, 0), make_request("b", 40, 2, 1)]
     for r in requests:
         s.add_request(r)
     out = run_step(s)
-    assert [(x.request.request_id, x.num_new_tokens, x.samples) for x in out.scheduled] == [("a", 40, True),
-                                                                                          ("b", 24, False)]
+    assert [(x.request.request_id, x.num_new_tokens, x.samples) for x in out.scheduled] == [("a", 100, True),
+                                                                                          ("b", 28, False)]
     out = run_step(s)
-    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("b", 6)]
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("b", 12)]
     while s.has_unfinished_requests():
         run_step(s)
     for r in requests:
@@ -108,10 +109,10 @@ def test_last_admitted_chunk_stops_at_a_bucket_edge():
         check_tokens(r)
     assert s.kv.num_free_blocks == 64
     # Without buckets (a GPU's), the chunk takes all it can.
-    s = make_scheduler(max_num_batched_tokens=128, max_num_seqs=4)
-    s.add_request(make_request("a", 40, 2, 0))
-    s.add_request(make_request("b", 30, 2, 1))
-    assert [x.num_new_tokens for x in run_step(s).scheduled] == [40, 30]
+    s = make_scheduler(max_num_batched_tokens=256, max_num_seqs=4)
+    s.add_request(make_request("a", 100, 2, 0))
+    s.add_request(make_request("b", 40, 2, 1))
+    assert [x.num_new_tokens for x in run_step(s).scheduled] == [100, 40]
 
 
 def test_running_first_then_waiting_within_budget():
