@@ -215,18 +215,19 @@ class ModelRunner:
         self.backend = resolve_backend(c.attention_backend, softcapped=self.cfg.attn_logit_softcapping is not None)
         # Speculative decoding's K: steps with drafts take layouts and samplers with room for K a row.
         self.spec_tokens = c.speculative_config.num_speculative_tokens if c.speculative_config else 0
+        cpu = self.devices[0].platform == "cpu"
         # CPU steps may loop a batch-dependent number of times (`ModelInputs.dynamic_loops`).
-        dynamic_loops = self.backend == "reference" and self.devices[0].platform == "cpu"
+        dynamic_loops = self.backend == "reference" and cpu
         self.builder = BatchBuilder(
             max_num_seqs=c.max_num_seqs, max_model_len=self.max_model_len, block_size=c.block_size,
-            buckets=c.token_buckets or default_buckets(c.max_num_batched_tokens, cpu=self.devices[0].platform == "cpu"),
+            buckets=c.token_buckets or default_buckets(c.max_num_batched_tokens, cpu=cpu),
             vocab_size=self.cfg.vocab_size,
             max_logprobs=c.max_logprobs, decode_only=self.backend == "pallas",
             smallest_width=NARROW_WIDTH if self.backend == "reference" and not dynamic_loops else SMALLEST_WIDTH,
             dynamic_loops=dynamic_loops, spec_tokens=self.spec_tokens,
         )
         # On a CPU a padding token costs what a real one does: the scheduler fills buckets to their edge.
-        self.fill_buckets = tuple(self.builder.buckets) if self.devices[0].platform == "cpu" else None
+        self.fill_buckets = tuple(self.builder.buckets) if cpu else None
         # The KV cache's element type, and for an fp8 cache its (k_scale, v_scale) per layer and KV head.
         cache_dtype = resolve_kv_cache_dtype(c.kv_cache_dtype, self.dtype)
         self.cfg = with_cache_storage(self.cfg, cache_dtype, self.devices[0].platform)
@@ -275,7 +276,6 @@ class ModelRunner:
         # that the compiles' autotuning cannot take the cache's room.
         with ThreadPoolExecutor(1) as pool:
             caches = pool.submit(self._allocate_kv_caches, self.num_blocks)
-            cpu = self.devices[0].platform == "cpu"
             self.kv_caches = self._kv_cache_specs(self.num_blocks) if cpu else caches.result()
             if not c.enforce_eager:
                 self.warmup()
