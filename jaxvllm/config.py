@@ -25,6 +25,8 @@ ATTENTION_BACKENDS = ("reference", "pallas")  # "auto" picks one (jaxvllm/model_
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # "auto": the model's dtype
 DTYPES = ("float32", "bfloat16", "float16")  # and "auto": the checkpoint's
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+# `quantization=`: vLLM's online fp8 (a full-precision checkpoint's linear weights, at load).
+QUANTIZATION_METHODS = ("fp8",)
 # vLLM's logprobs modes: of the model's logits, or of those the sampler drew from (after
 # bias, bad words, penalties, temperature, min_p / top-k / top-p); logprobs or logits.
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
@@ -239,9 +241,11 @@ class EngineConfig:
                      "enforce_eager", "disable_log_stats", "trust_remote_code", "calculate_kv_scales",
                      "enable_expert_parallel"):
             check_bool(name, getattr(self, name))
-        for name, off in (("quantization", None), ("enable_lora", False)):
-            if getattr(self, name) != off:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not supported by jaxvllm (only {off!r})")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization={self.quantization!r} is not supported by jaxvllm; choose from None, "
+                             + ", ".join(repr(m) for m in QUANTIZATION_METHODS))
+        if self.enable_lora:
+            raise ValueError(f"enable_lora={self.enable_lora!r} is not supported by jaxvllm (only False)")
         so = self.structured_outputs_config
         if so is None or isinstance(so, dict):
             try:

@@ -364,6 +364,8 @@ class LLMEngine:
             "tensor_parallel_size": len(runner.devices),
             "kv_cache_per_device": runner.kv_cache_per_device(),  # blocks and bytes on each device
             "kv_cache_dtype": runner.kv_spec.dtype_name,  # e.g. "bfloat16", "float8_e4m3fn"
+            "weight_bytes_per_device": runner.weight_bytes_per_device(),  # (fp8: values and scales)
+            "quantization": self.config.quantization,
             "num_free_blocks": kv.num_free_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_compiled_buckets": runner.num_compiled_buckets(),

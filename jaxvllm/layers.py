@@ -21,6 +21,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxvllm.batch import ModelInputs
 from jaxvllm.config import ATTENTION_BACKENDS
 from jaxvllm.model_config import RopeConfig
+from jaxvllm.quantization import QuantizedWeight, quantized_matmul
 from jaxvllm.sharding import AXIS
 from pallas_kernels import mixed_paged_attention, ragged_paged_attention_reference, write_kv_reference
 from pallas_kernels.common import as_bits, from_bits
@@ -31,8 +32,13 @@ def linear(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None, *,
     """x @ W for a weight in HF's [out, in] layout with its head axes explicit: x [T, *in]
     times weight [*out, *in] -> [T, *out] (q_proj [heads, head_dim, hidden] gives [T, heads,
     head_dim]; o_proj [hidden, heads, head_dim] takes them back). Every model matmul goes
-    through here, so that a weight format (quantized) or an adapter plugs in once."""
+    through here, so that a weight format (quantized: `jaxvllm.quantization`) or an adapter
+    plugs in once."""
     out_axes = weight.shape[: weight.ndim - (x.ndim - 1)]  # x's axes after the first meet the weight's last
+    if isinstance(weight, QuantizedWeight):
+        out = quantized_matmul(x.reshape(x.shape[0], -1), weight, math.prod(out_axes))
+        out = out.reshape(x.shape[0], *out_axes).astype(preferred_element_type or x.dtype)
+        return out if bias is None else out + bias
     # As one [T, in] x [out, in] matmul (free reshapes): XLA:CPU otherwise copies a weight
     # with several out or in axes into [in, out] order on every step.
     dtype = jnp.result_type(x, weight)

@@ -23,6 +23,7 @@ from jaxvllm.dummy import missing_model_message
 from jaxvllm.model_config import ModelConfig
 from jaxvllm.models import MODELS
 from jaxvllm.models.common import SIDE_BY_SIDE, merge_parts
+from jaxvllm.quantization import check_quantization, quantize_params
 from jaxvllm.sharding import kv_repeats, param_shardings, sharded_config
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ def load_model(
     device=None,
     expert_parallel: bool = False,
     stack_layers: bool | None = None,
+    quantization: str | None = None,
 ) -> tuple[ModelConfig, dict]:
     """Return (config, params) with params in `dtype` ("auto" = the checkpoint's dtype),
     split over `mesh` as `jaxvllm.sharding` says (None: all on `device`, default the first); the
@@ -74,11 +76,13 @@ def load_model(
     load_format "dummy" builds random weights from config.json alone, for benchmarks.
     `stack_layers` (`ModelConfig.stack_layers`; None: as `stacks_layers` says for the
     devices): each kind of layer weight one array over the layers, or one per layer, and
-    then q/k/v and gate/up merged (`ModelConfig.merge_projections`).
+    then q/k/v and gate/up merged (`ModelConfig.merge_projections`). `quantization` "fp8":
+    the layers' linear weights quantized as they load (`jaxvllm.quantization`).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not supported; choose from {LOAD_FORMATS}")
     cfg = load_config(model)
+    check_quantization(quantization, cfg)
     target = device or (mesh.devices.flat[0] if mesh is not None else jax.devices()[0])
     stack = stacks_layers(target) if stack_layers is None else stack_layers
     cfg = dataclasses.replace(cfg, stack_layers=stack, merge_projections=not stack)  # (the CPU layout: both)
@@ -86,8 +90,12 @@ def load_model(
     run_cfg = sharded_config(cfg, 1 if mesh is None else mesh.size, expert_parallel)
     shardings, repeats = _param_shardings(run_cfg, mesh, device), kv_repeats(cfg, run_cfg)
     if load_format == "dummy":
-        return run_cfg, dummy_params(cfg, jdtype, seed, shardings, repeats)
-    return run_cfg, load_safetensors(Path(model), cfg, jdtype, shardings, repeats)
+        params = dummy_params(cfg, jdtype, seed, shardings, repeats)
+    else:
+        params = load_safetensors(Path(model), cfg, jdtype, shardings, repeats)
+    if quantization == "fp8":
+        params = quantize_params(params, MODELS[cfg.architecture].param_specs(cfg))
+    return run_cfg, params
 
 
 def stacks_layers(device) -> bool:

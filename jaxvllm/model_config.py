@@ -80,6 +80,8 @@ class ModelConfig:
     # How a tensor-parallel run splits the stacked experts (set by `sharding.sharded_config`):
     # False: every expert by its intermediate dimension; True: whole experts, E / N per device.
     expert_parallel: bool = False
+    # A quantized checkpoint's `quantization_config.quant_method` (None: full precision).
+    quant_method: str | None = None
     # Each kind of layer weight one array over the layers (`models.common.stack_layers`),
     # else one array per layer: set by `loader.load_model` for its devices (a GPU stacks;
     # XLA:CPU copies each layer's slice out of a stack, every step).
@@ -170,9 +172,18 @@ class ModelConfig:
             initializer_range=getattr(hf, "initializer_range", 0.02),
             bos_token_id=getattr(hf, "bos_token_id", None),
             eos_token_ids=eos_ids,
+            quant_method=_quant_method(hf),
             **_moe_from_hf(hf, arch),
             **_gemma3_from_hf(hf, arch, act),
         )
+
+
+def _quant_method(hf: Any) -> str | None:
+    quant = getattr(hf, "quantization_config", None)
+    if quant is None:
+        return None
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    return str(getattr(method, "value", method))  # (transformers may hold an enum)
 
 
 def _moe_from_hf(hf: Any, arch: str) -> dict:

@@ -11,6 +11,7 @@ tokens when it needs them (after dispatching the next step, under async scheduli
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -203,7 +204,7 @@ class ModelRunner:
         start = time.perf_counter()
         self.cfg, self.params = load_model(c.model, dtype=c.dtype, load_format=c.load_format, seed=c.seed,
                                            mesh=self.mesh, device=self.devices[0],
-                                           expert_parallel=c.enable_expert_parallel)
+                                           expert_parallel=c.enable_expert_parallel, quantization=c.quantization)
         self.load_seconds = time.perf_counter() - start
         self.dtype = resolve_dtype(c.dtype, self.cfg)
         self.max_model_len = c.max_model_len or self.cfg.max_position_embeddings
@@ -539,6 +540,14 @@ class ModelRunner:
         """Where per-step inputs and sampler buffers live: whole on every device of the mesh, or
         on the default device (committed there, as the params are: jit keys on it)."""
         return SingleDeviceSharding(self.devices[0]) if self.mesh is None else replicated(self.mesh)
+
+    def weight_bytes_per_device(self) -> list[int]:
+        """Bytes of the weights held on each of this replica's devices, in device order."""
+        held = dict.fromkeys(self.devices, 0)
+        for array in jax.tree.leaves(self.params):
+            for device in array.sharding.device_set:
+                held[device] += math.prod(array.sharding.shard_shape(array.shape)) * array.dtype.itemsize
+        return list(held.values())
 
     def num_compiled_buckets(self) -> int:
         """Compiled forward shapes (token bucket x block-table width, and the decode-only

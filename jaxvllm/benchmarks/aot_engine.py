@@ -41,7 +41,7 @@ STATE_ARRAYS = 4  # SamplerState's donated [max_num_seqs, vocab] arrays
 def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int = 256, max_num_seqs: int = 256,
                       context: int = 1024, block_size: int = 16, dtype=jnp.bfloat16,
                       sampler: tuple[str, ...] = ("greedy", "all"), kv_cache_dtype=None,
-                      decode_only: bool = False, spec_tokens: int = 0) -> list[Case]:
+                      decode_only: bool = False, spec_tokens: int = 0, quantization: str | None = None) -> list[Case]:
     """The model runner's per-step executables for a bucket of `num_tokens` tokens, one
     sequence each at `context` tokens: the forward (KV caches donated) and the sampler
     (last sampled ids and sampler state donated) with no feature, or every one, on.
@@ -49,7 +49,8 @@ def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int =
     carries its KV heads' float32 (k_scale, v_scale), donated with it). `decode_only`: the
     forward the pallas backend runs for a step of one token per sequence. `spec_tokens` K: a
     speculative step's (drafts verified in the sampler), and the draft model's proposer of K
-    tokens (the model drafting for itself).
+    tokens (the model drafting for itself). `quantization` "fp8": the forward over online
+    fp8 weights (`jaxvllm.quantization`).
 
     The only code here that knows the runner's API (imported here, so that the rest of
     the module does not depend on it): params name the donated buffers (`copy_shapes`,
@@ -78,11 +79,19 @@ def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int =
         common["kv_cache"] = jnp.dtype(kv_cache_dtype).name
     if spec_tokens:
         common["spec_tokens"] = spec_tokens
+    params = jax.eval_shape(lambda: dummy_params(cfg, dtype))
+    if quantization is not None:
+        from jaxvllm.models import MODELS
+        from jaxvllm.quantization import quantize_fp8, quantize_params
+
+        common["quantization"] = quantization
+        params = jax.eval_shape(lambda: quantize_params(dummy_params(cfg, dtype), MODELS[cfg.architecture].param_specs(cfg),
+                                                        quantize_fp8))
     forward = jit_forward(cfg, backend)
     cases = [Case("engine_forward", dict(common, num_layers=cfg.num_layers, copy_shapes=[list(kv_caches[0].shape)],
                                          donated=len(kv_caches)),
                   SimpleNamespace(trace=partial(forward.trace, layout=layout)),
-                  [jax.eval_shape(lambda: dummy_params(cfg, dtype)), kv_caches, packed, last_sampled])]
+                  [params, kv_caches, packed, last_sampled])]
     everything = SamplerFeatures(random=True, min_p=True, top_k=True, top_p=True, state=True, bad_words=True, logprobs=20,
                                  grammar=True)
     for name in sampler:
@@ -144,6 +153,9 @@ def engine_cases(quick: bool = False) -> list[Case]:
     cases += engine_step_cases("pallas", sampler=(), kv_cache_dtype=jnp.float8_e4m3fn)  # fp8 KV cache, decode
     for kv_cache_dtype in (None, jnp.float8_e4m3fn):  # the decode-only forward of a step of 256 decode rows
         cases += engine_step_cases("pallas", sampler=(), kv_cache_dtype=kv_cache_dtype, decode_only=True)
+    # Online fp8 weights: a decode-only step and a prefill bucket.
+    cases += engine_step_cases("pallas", sampler=(), decode_only=True, quantization="fp8")
+    cases += engine_step_cases("pallas", num_tokens=2048, sampler=(), quantization="fp8")
     cases += engine_step_cases("pallas", model="tiny", num_tokens=64, max_num_seqs=8, context=256, dtype=jnp.float32,
                                sampler=())
     # Speculative decoding: a step verifying 4 drafts a row, the draft model's proposer and an EAGLE-3 head's.

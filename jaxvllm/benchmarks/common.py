@@ -60,14 +60,23 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare-speculative", action="store_true",
                         help="run jaxvllm with --speculative-config, then without it (the same other flags), and "
                              "report the acceptance, the ratio of output tokens/s and, greedy, identical completions")
+    parser.add_argument("--compare-quantization", action="store_true",
+                        help="run jaxvllm with --quantization, then without it (the same other flags), and report "
+                             "the ratio of output tokens/s and, greedy, the share of identical completions")
 
 
-def check_speculative_args(args: argparse.Namespace) -> None:
-    """Before anything loads: what --compare-speculative needs."""
+def check_compare_args(args: argparse.Namespace) -> None:
+    """Before anything loads: what --compare-speculative and --compare-quantization need."""
     if args.compare_speculative and args.speculative_config is None:
         raise ValueError("--compare-speculative needs --speculative-config JSON (the run to compare)")
     if args.compare_speculative and args.backend == "hf":
         raise ValueError("--compare-speculative needs the jaxvllm backend")
+    if args.compare_quantization and args.quantization is None:
+        raise ValueError("--compare-quantization needs --quantization (the run to compare)")
+    if args.compare_quantization and args.backend == "hf":
+        raise ValueError("--compare-quantization needs the jaxvllm backend")
+    if args.compare_quantization and args.compare_speculative:
+        raise ValueError("--compare-quantization and --compare-speculative: one comparison at a time")
 
 
 def backend_names(backend: str) -> list[str]:
@@ -121,6 +130,40 @@ def speculative_report(results: dict, outputs: dict, greedy: bool) -> dict[str, 
             same = sum(a == b for a, b in zip(outputs["jaxvllm"], outputs[NO_SPEC_KEY]))
             report.update(identical_completions=same, num_completions=len(outputs["jaxvllm"]))
             line += f"; identical greedy completions {same}/{len(outputs['jaxvllm'])}"
+    print(line)
+    return report
+
+
+UNQUANTIZED_KEY = "jaxvllm_unquantized"  # the run without --quantization, under --compare-quantization
+
+
+def quantization_report(results: dict, outputs: dict, greedy: bool) -> dict[str, Any] | None:
+    """Beside a run without --quantization (UNQUANTIZED_KEY): the ratio of output tokens/s
+    (quantized / not), the weight bytes of both where known and, greedy, how many
+    completions are identical and the mean share of each completion's tokens before it
+    first differs. `results` and `outputs` are keyed by run; the quantized run is "jaxvllm"."""
+    base = results.get(UNQUANTIZED_KEY)
+    if base is None:
+        return None
+    quantized = results["jaxvllm"]
+    rate, base_rate = quantized["output_tokens_per_second"], base["output_tokens_per_second"]
+    report: dict[str, Any] = dict(output_tokens_per_second_quantized=rate, output_tokens_per_second_unquantized=base_rate,
+                                  speedup=rate / base_rate)
+    line = f"quantization: {rate:.1f} vs {base_rate:.1f} output tokens/s unquantized ({report['speedup']:.2f}x)"
+    if "engine_stats" in quantized:
+        report.update(weight_bytes_quantized=quantized["engine_stats"]["weight_bytes_per_device"],
+                      weight_bytes_unquantized=base["engine_stats"]["weight_bytes_per_device"])
+        line += (f"; weights {sum(report['weight_bytes_quantized']) / 2**20:.1f} vs "
+                 f"{sum(report['weight_bytes_unquantized']) / 2**20:.1f} MiB")
+    if greedy:
+        pairs = list(zip(outputs["jaxvllm"], outputs[UNQUANTIZED_KEY]))
+        same = sum(a == b for a, b in pairs)
+        agree = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))) / max(len(b), 1)
+                 for a, b in pairs]
+        report.update(identical_completions=same, num_completions=len(pairs),
+                      mean_share_before_first_difference=float(np.mean(agree)))
+        line += (f"; identical greedy completions {same}/{len(pairs)}, "
+                 f"{100 * report['mean_share_before_first_difference']:.1f}% of tokens before the first difference")
     print(line)
     return report
 

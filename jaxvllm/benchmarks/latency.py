@@ -23,8 +23,9 @@ from tqdm.auto import tqdm
 
 from jaxvllm.benchmarks import datasets as ds
 from jaxvllm.benchmarks.backends import make_backend
-from jaxvllm.benchmarks.common import (NO_SPEC_KEY, add_bench_args, backend_names, check_speculative_args,
-                                       spec_decode_figures, speculative_report, stats, write_report)
+from jaxvllm.benchmarks.common import (NO_SPEC_KEY, UNQUANTIZED_KEY, add_bench_args, backend_names,
+                                       check_compare_args, quantization_report, spec_decode_figures,
+                                       speculative_report, stats, write_report)
 from jaxvllm.benchmarks.throughput import load_tokenizer, prompt_vocab_size
 from jaxvllm.dummy import ModelSource, resolve_model
 from jaxvllm.engine_args import add_engine_args, engine_kwargs
@@ -104,7 +105,7 @@ def print_result(label: str, r: dict[str, Any]) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark the flags describe; print and return its figures (and write --output-json)."""
-    check_speculative_args(args)
+    check_compare_args(args)
     results: dict[str, dict[str, Any]] = {}
     outputs: dict[str, list[list[int]]] = {}
     hf_device = None
@@ -118,6 +119,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         runs = [(name, name, kwargs) for name in backend_names(args.backend)]
         if args.compare_speculative:  # the same work without speculative decoding
             runs.append((NO_SPEC_KEY, "jaxvllm", {**kwargs, "speculative_config": None}))
+        if args.compare_quantization:  # the same work unquantized
+            runs.append((UNQUANTIZED_KEY, "jaxvllm", {**kwargs, "quantization": None}))
         for key, name, run_kwargs in runs:
             backend = make_backend(name, source, args, run_kwargs, hf_batch_size=args.batch_size)  # one generate
             try:
@@ -128,7 +131,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             finally:
                 backend.close()
             results[key] = result
-            labels = {"jaxvllm": "jaxvllm", NO_SPEC_KEY: "jaxvllm, speculative decoding off"}
+            labels = {"jaxvllm": "jaxvllm", NO_SPEC_KEY: "jaxvllm, speculative decoding off",
+                      UNQUANTIZED_KEY: "jaxvllm, unquantized"}
             print_result(labels.get(key) or f"hf ({result['mode']})", result)
 
     report: dict[str, Any] = {
@@ -143,6 +147,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     speculative = speculative_report(results, outputs, greedy=args.temperature == 0)
     if speculative is not None:
         report["speculative"] = speculative
+    quantization = quantization_report(results, outputs, greedy=args.temperature == 0)
+    if quantization is not None:
+        report["quantization"] = quantization
     if "hf" in results:  # < 1: jaxvllm takes less time
         ratio = {key: results["jaxvllm"][key]["mean"] / results["hf"][key]["mean"] for key, _ in _METRICS
                  if results["hf"][key]["mean"] > 0}

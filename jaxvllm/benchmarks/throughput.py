@@ -22,9 +22,9 @@ from typing import Any
 
 from jaxvllm.benchmarks import datasets as ds
 from jaxvllm.benchmarks.backends import make_backend
-from jaxvllm.benchmarks.common import (NO_SPEC_KEY, RunTimings, add_bench_args, backend_names,
-                                       check_speculative_args, spec_decode_figures, speculative_report,
-                                       write_report)
+from jaxvllm.benchmarks.common import (NO_SPEC_KEY, UNQUANTIZED_KEY, RunTimings, add_bench_args, backend_names,
+                                       check_compare_args, quantization_report, spec_decode_figures,
+                                       speculative_report, write_report)
 from jaxvllm.dummy import ModelSource, resolve_model
 from jaxvllm.engine_args import add_engine_args, engine_kwargs
 from jaxvllm.loader import load_config
@@ -132,6 +132,7 @@ _COMPARISONS = {
     "compare_kv_cache_dtype": ("kv_cache_dtype", "fp8", "auto", "jaxvllm_kv_cache_auto", "model-dtype KV cache"),
     # the first run's value is --speculative-config's
     "compare_speculative": ("speculative_config", None, None, NO_SPEC_KEY, "speculative decoding off"),
+    "compare_quantization": ("quantization", None, None, UNQUANTIZED_KEY, "unquantized"),  # (--quantization's)
 }
 
 
@@ -191,7 +192,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, dict[str, Any]] = {}
     outputs: dict[str, list[list[int]]] = {}
     hf_device = None
-    check_speculative_args(args)
+    check_compare_args(args)
     structured = args.dataset == "json-schema"
     if structured and args.backend != "jaxvllm":
         raise ValueError("--dataset json-schema needs --backend jaxvllm (structured outputs are jaxvllm's)")
@@ -207,8 +208,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 raise ValueError(f"--{flag.replace('_', '-')} needs the jaxvllm backend")
             if option == "kv_cache_dtype" and kwargs.get(option, "auto") != "auto":
                 first = kwargs[option]  # the user's fp8 name
-            if option == "speculative_config":
-                first = kwargs[option]  # --speculative-config's (check_speculative_args: it is set)
+            if option in ("speculative_config", "quantization"):
+                first = kwargs[option]  # --speculative-config's or --quantization's (check_compare_args: set)
             kwargs = {**kwargs, option: first}
             runs = [(k, name, kwargs if name == "jaxvllm" else kw) for k, name, kw in runs]
             runs.append((key, "jaxvllm", {**kwargs, option: second}))
@@ -262,6 +263,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     speculative = speculative_report(results, outputs, greedy=args.temperature == 0)
     if speculative is not None:
         report["speculative"] = speculative
+    quantization = quantization_report(results, outputs, greedy=args.temperature == 0)
+    if quantization is not None:
+        report["quantization"] = quantization
     if args.compare_prefix_caching:
         on, off = results["jaxvllm"], results["jaxvllm_no_prefix_caching"]
         report["prefix_caching"] = {

@@ -295,7 +295,8 @@ def run_layers(layer_fn: Callable, params: Params, kv_caches: KVCaches, x: jax.A
     def row_of(stack, row: int):
         if isinstance(stack, list):
             return stack[row]
-        return jax.lax.dynamic_index_in_dim(stack, params["layer_rows"][row], keepdims=False)
+        index = params["layer_rows"][row]  # (a quantized weight: its values' and scales' rows)
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False), stack)
 
     for i, (rows, kind) in enumerate(zip(layer_rows(specs), layer_kinds(cfg))):
         layer = {name: row_of(stacks[name], row) for name, row in rows.items()}

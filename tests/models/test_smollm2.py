@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from jaxvllm import LLM, SamplingParams
+from jaxvllm.benchmarks.datasets import REPEAT_PROMPTS
 from tests.models.paged import hf_greedy
 
 MAX_TOKENS = 16
@@ -120,3 +121,28 @@ def test_logprobs_close_to_hf(outputs, hf):
         assert len(out.outputs[0].logprobs) == len(completion)
         for j, token in enumerate(completion):
             _assert_close(out.outputs[0].logprobs[j], want[len(prompt) + j - 1], token)
+
+
+def test_fp8_agrees_with_full_precision(llm, smollm2_path):
+    """Online fp8 (`quantization="fp8"`) on the trained model: the full-precision model's greedy
+    completions of 32 prompts, scored by the fp8 model, which picks the same next token at
+    >= 90% of the positions (teacher-forced top-1 agreement); its logprob of that token is
+    printed beside, as the top-1 logit error."""
+    prompts = PROMPTS + list(REPEAT_PROMPTS[: 32 - len(PROMPTS)])
+    greedy = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    sequences = [{"prompt_token_ids": o.prompt_token_ids + o.outputs[0].token_ids} for o in greedy]
+    score = SamplingParams(max_tokens=1, prompt_logprobs=1)
+    full = [o.prompt_logprobs for o in llm.generate(sequences, score, use_tqdm=False)]
+    fp8 = LLM(str(smollm2_path), quantization="fp8", dtype="float32", max_model_len=512, max_num_batched_tokens=256,
+              max_num_seqs=24, token_buckets=[32, 256])
+    quantized = [o.prompt_logprobs for o in fp8.generate(sequences, score, use_tqdm=False)]
+    fp8.shutdown()
+    same, errors = [], []
+    for out, want, got in zip(greedy, full, quantized):
+        for i in range(len(out.prompt_token_ids), len(out.prompt_token_ids) + len(out.outputs[0].token_ids)):
+            token = (out.prompt_token_ids + out.outputs[0].token_ids)[i]
+            same.append(got[i][token].rank == 1)
+            errors.append(abs(got[i][token].logprob - want[i][token].logprob))
+    print(f"fp8: top-1 agreement {np.mean(same):.3f} over {len(same)} tokens; |logprob error| of the full-precision "
+          f"model's token: mean {np.mean(errors):.4f}, max {np.max(errors):.4f}")
+    assert len(same) > 32 * 16 and np.mean(same) >= 0.9
