@@ -365,7 +365,9 @@ class LLMEngine:
             "kv_cache_per_device": runner.kv_cache_per_device(),  # blocks and bytes on each device
             "kv_cache_dtype": runner.kv_spec.dtype_name,  # e.g. "bfloat16", "float8_e4m3fn"
             "weight_bytes_per_device": runner.weight_bytes_per_device(),  # (fp8: values and scales)
-            "quantization": self.config.quantization,
+            # "fp8" (online), "<method> (checkpoint)" for a quantized checkpoint, or None
+            "quantization": self.config.quantization or (
+                f"{runner.cfg.quant_method} (checkpoint)" if runner.cfg.quant_method else None),
             "num_free_blocks": kv.num_free_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_compiled_buckets": runner.num_compiled_buckets(),

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import re
 from functools import partial
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh, SingleDeviceSharding
 from safetensors import SafetensorError, safe_open
@@ -22,8 +24,9 @@ from jaxvllm.config import DTYPES, LOAD_FORMATS
 from jaxvllm.dummy import missing_model_message
 from jaxvllm.model_config import ModelConfig
 from jaxvllm.models import MODELS
-from jaxvllm.models.common import SIDE_BY_SIDE, merge_parts
-from jaxvllm.quantization import check_quantization, quantize_params
+from jaxvllm.models.common import SIDE_BY_SIDE, ParamSpec, merge_parts, merged
+from jaxvllm.quantization import (QUANTIZED, CheckpointFormat, QuantizedWeight, check_quantization, checkpoint_format,
+                                  in_axes, quantize_params)
 from jaxvllm.sharding import kv_repeats, param_shardings, sharded_config
 
 logger = logging.getLogger(__name__)
@@ -83,11 +86,23 @@ def load_model(
         raise ValueError(f"load_format {load_format!r} is not supported; choose from {LOAD_FORMATS}")
     cfg = load_config(model)
     check_quantization(quantization, cfg)
+    fmt = None
+    if cfg.quant_method is not None:
+        if load_format == "dummy":
+            raise ValueError(f"load_format='dummy' of a quantized checkpoint ({model}) is not supported; for random "
+                             f"fp8 weights, load a full-precision config with quantization='fp8'")
+        fmt = checkpoint_format(json.loads((Path(model) / "config.json").read_text())["quantization_config"], str(model))
     target = device or (mesh.devices.flat[0] if mesh is not None else jax.devices()[0])
     stack = stacks_layers(target) if stack_layers is None else stack_layers
     cfg = dataclasses.replace(cfg, stack_layers=stack, merge_projections=not stack)  # (the CPU layout: both)
     jdtype = resolve_dtype(dtype, cfg)
     run_cfg = sharded_config(cfg, 1 if mesh is None else mesh.size, expert_parallel)
+    if fmt is not None:  # fp8 values and their block scales, joined into QuantizedWeights once placed
+        specs = quantized_specs(MODELS[cfg.architecture].param_specs(cfg), fmt)
+        run_specs = quantized_specs(MODELS[cfg.architecture].param_specs(run_cfg), fmt)
+        shardings = _param_shardings(run_cfg, mesh, device, run_specs)
+        params = load_safetensors(Path(model), cfg, jdtype, shardings, kv_repeats(cfg, run_cfg), specs)
+        return run_cfg, join_quantized(params, specs, fmt)
     shardings, repeats = _param_shardings(run_cfg, mesh, device), kv_repeats(cfg, run_cfg)
     if load_format == "dummy":
         params = dummy_params(cfg, jdtype, seed, shardings, repeats)
@@ -156,18 +171,21 @@ def load_safetensors(path: Path, cfg: ModelConfig, dtype, shardings: dict,
                                                dynamic_ncols=True) as bar:
         opened: dict[Path, Any] = {}  # each file opened once, when a tensor in it is first read
 
-        def checked_slice(name: str, hf_shape: tuple[int, ...]):
+        def checked_slice(name: str, hf_shape: tuple[int, ...], row_block: int = 0):
             file = files[name]
             if file not in opened:
                 opened[file] = stack.enter_context(_open(file))
             try:
                 tensor_slice = opened[file].get_slice(name)
                 shape = tuple(tensor_slice.get_shape())
+                if tensor_slice.get_dtype() in _RAW_DTYPES:
+                    tensor_slice = _RawSlice(file, name)
             except SafetensorError as e:
                 raise ValueError(f"cannot read tensor {name} from {file}: {e}") from e
-            if shape != hf_shape:
-                raise ValueError(f"tensor {name} in {file.name} has shape {shape}, config.json implies {hf_shape}")
-            return tensor_slice
+            want = (-(-hf_shape[0] // row_block), *hf_shape[1:]) if row_block else hf_shape
+            if shape != want:
+                raise ValueError(f"tensor {name} in {file.name} has shape {shape}, config.json implies {want}")
+            return _RowRepeat(tensor_slice, row_block, hf_shape[0]) if row_block else tensor_slice
 
         def reader(spec) -> tuple[tuple[int, ...], Callable]:
             """(global shape, block of an index) of one tensor, or one layer's."""
@@ -175,15 +193,16 @@ def load_safetensors(path: Path, cfg: ModelConfig, dtype, shardings: dict,
             hf_shape = spec.fused_shape if spec.path in fused else spec.hf_shape
             # (a merged parameter's parts: each its own HF shape)
             hf_shapes = [part.hf_shape for part in spec.parts] or [hf_shape] * len(names[spec.path])
-            slices = [checked_slice(name, shape) for name, shape in zip(names[spec.path], hf_shapes)]
+            slices = [checked_slice(name, shape, spec.row_block) for name, shape in zip(names[spec.path], hf_shapes)]
+            kept = jnp.dtype(spec.dtype) if spec.dtype else dtype  # (a quantized checkpoint's values and scales)
             if spec.parts:
-                shape, block = _merged_block(slices, spec, dtype, repeats)
+                shape, block = _merged_block(slices, spec, kept, repeats)
             elif spec.stacked and spec.path in fused:
-                shape, block = spec.shape, _fused_block(slices[0], spec, dtype)
+                shape, block = spec.shape, _fused_block(slices[0], spec, kept)
             elif spec.stacked:
-                shape, block = spec.shape, _stacked_block(slices, spec, dtype)
+                shape, block = spec.shape, _stacked_block(slices, spec, kept)
             else:
-                shape, block = _sharded_block(slices[0], spec, dtype, repeats if _repeated(spec) else 1)
+                shape, block = _sharded_block(slices[0], spec, kept, repeats if _repeated(spec) else 1)
             one = len(slices) == 1
             name = names[spec.path][0] if one else spec.hf_name.format("*")
             where = f" from {files[name]}" if one else ""
@@ -242,8 +261,9 @@ def _param_shardings(cfg: ModelConfig, mesh: Mesh | None, device=None, specs: li
 
 
 def _repeated(spec) -> bool:
-    """K/V projections are repeated per KV head when there are fewer KV heads than devices."""
-    return spec.path[-1] in ("k_proj", "v_proj", "k_bias", "v_bias")
+    """K/V projections (and their scales) are repeated per KV head when there are fewer KV
+    heads than devices."""
+    return spec.path[-1].removesuffix("_scale") in ("k_proj", "v_proj", "k_bias", "v_bias")
 
 
 def _sharded_block(tensor_slice, spec, dtype, repeats: int) -> tuple[tuple[int, ...], Callable]:
@@ -333,6 +353,102 @@ def _fused_block(tensor_slice, spec, dtype) -> Callable:
         return np.asarray(tensor_slice[e0:e1, row + o0 : row + o1, i0:i1]).transpose(0, 2, 1).astype(dtype)
 
     return block
+
+
+# safetensors' numpy reader has no float8 types: such tensors are read as numpy memory maps
+# of the file's own layout (an 8-byte header length, the JSON header, then the data).
+_RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+
+
+class _RawSlice:
+    """A float8 tensor of a safetensors file, indexed as `safe_open(...).get_slice`'s are."""
+
+    def __init__(self, file: Path, name: str) -> None:
+        with open(file, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            entry = json.loads(f.read(size))[name]
+        begin, end = entry["data_offsets"]
+        shape = tuple(entry["shape"])
+        self.array = np.memmap(file, dtype=_RAW_DTYPES[entry["dtype"]], mode="r", offset=8 + size + begin,
+                               shape=shape) if end > begin else np.zeros(shape, _RAW_DTYPES[entry["dtype"]])
+
+    def get_shape(self) -> list[int]:
+        return list(self.array.shape)
+
+    def __getitem__(self, index):
+        return self.array[index]
+
+
+class _RowRepeat:
+    """A block-scale tensor [rows / block, ...] read as [rows, ...]: each of its rows repeated
+    over its block (the last block may be partial), so block scales take a weight's layout."""
+
+    def __init__(self, tensor_slice, block: int, rows: int) -> None:
+        self.slice, self.block, self.rows = tensor_slice, block, rows
+
+    def get_shape(self) -> list[int]:
+        return [self.rows, *self.slice.get_shape()[1:]]
+
+    def __getitem__(self, index: tuple[slice, ...]) -> np.ndarray:
+        lo, hi = index[0].indices(self.rows)[:2]
+        first = lo // self.block
+        blocks = np.asarray(self.slice[(slice(first, (hi - 1) // self.block + 1), *index[1:])])
+        return blocks[np.arange(lo, hi) // self.block - first]
+
+
+def quantized_specs(specs: list[ParamSpec], fmt: CheckpointFormat) -> list[ParamSpec]:
+    """The params of a quantized checkpoint: each linear weight of the layers (`QUANTIZED`,
+    unless `fmt` ignores it) read as its quantized type, and beside it its scales
+    (`{name}_scale`) in the weight's layout; `join_quantized` pairs them once loaded."""
+    out = []
+    for spec in specs:
+        members = [p for m in (spec.layers or (spec,)) for p in (m.parts or (m,))]
+        ignored = [m.hf_name for m in members if fmt.ignores(m.hf_name)]
+        if spec.path[0] != "layers" or spec.path[-1] not in QUANTIZED or len(ignored) == len(members):
+            out.append(spec)
+        elif ignored:
+            raise ValueError(f"{spec.path[-1]}: modules_to_not_convert keeps {ignored[0]} full precision but not "
+                             f"every layer's or part's; jaxvllm needs all or none of them")
+        else:
+            out += [_quantized_values(spec, fmt.value_dtype), _block_scales(spec, fmt)]
+    return out
+
+
+def _quantized_values(spec: ParamSpec, dtype: str) -> ParamSpec:
+    return dataclasses.replace(spec, dtype=dtype, layers=tuple(_quantized_values(m, dtype) for m in spec.layers),
+                               parts=tuple(_quantized_values(p, dtype) for p in spec.parts))
+
+
+def _block_scales(spec: ParamSpec, fmt: CheckpointFormat) -> ParamSpec:
+    """The spec of a weight's scales: [*out, groups] where the weight is [*out, *in]."""
+    path = (*spec.path[:-1], f"{spec.path[-1]}_scale")
+    hf_name = spec.hf_name.replace(".weight", f".{fmt.scale_name}")
+    block = fmt.block
+    if spec.parts:
+        return dataclasses.replace(merged(path, [_block_scales(p, fmt) for p in spec.parts], spec.merge),
+                                   dtype="float32", row_block=block[0])
+    groups = math.ceil(spec.hf_shape[-1] / block[1]) if block[1] else 1
+    if spec.layers:
+        layers = tuple(_block_scales(m, fmt) for m in spec.layers)
+        shape = (len(layers), *layers[0].shape) if spec.stack else layers[0].shape
+        return dataclasses.replace(spec, path=path, hf_name=hf_name, hf_shape=(spec.hf_shape[0], groups), shape=shape,
+                                   layers=layers, dtype="float32", row_block=block[0])
+    out = spec.shape[: len(spec.shape) - in_axes(spec.shape, spec.hf_shape)]
+    return dataclasses.replace(spec, path=path, hf_name=hf_name, hf_shape=(spec.hf_shape[0], groups),
+                               shape=(*out, groups), init="ones", dtype="float32", row_block=block[0])
+
+
+def join_quantized(params: dict, specs: list[ParamSpec], fmt: CheckpointFormat) -> dict:
+    """Each fp8 weight and its scales (`quantized_specs`) as one `QuantizedWeight`."""
+    layers = params["layers"]
+    for spec in specs:
+        name = spec.path[-1].removesuffix("_scale")
+        if spec.path[0] != "layers" or name == spec.path[-1]:
+            continue
+        value, scale = layers[name], layers.pop(spec.path[-1])
+        pair = partial(QuantizedWeight, group_size=fmt.block[1])
+        layers[name] = [pair(v, s) for v, s in zip(value, scale)] if isinstance(value, list) else pair(value, scale)
+    return params
 
 
 def _random_param(key, scale, *, shape, dtype, init: str, repeats: int, parts: tuple = (), merge: str = ""):

@@ -21,6 +21,7 @@ The step's kernels are the kernel check's own cases, so there is no second ptxas
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 from functools import partial
@@ -50,7 +51,8 @@ def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int =
     forward the pallas backend runs for a step of one token per sequence. `spec_tokens` K: a
     speculative step's (drafts verified in the sampler), and the draft model's proposer of K
     tokens (the model drafting for itself). `quantization` "fp8": the forward over online
-    fp8 weights (`jaxvllm.quantization`).
+    fp8 weights (`jaxvllm.quantization`), per channel; "fp8-block": over a block-fp8
+    checkpoint's (scales per 128 x 128 block).
 
     The only code here that knows the runner's API (imported here, so that the rest of
     the module does not depend on it): params name the donated buffers (`copy_shapes`,
@@ -82,11 +84,16 @@ def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int =
     params = jax.eval_shape(lambda: dummy_params(cfg, dtype))
     if quantization is not None:
         from jaxvllm.models import MODELS
-        from jaxvllm.quantization import quantize_fp8, quantize_params
+        from jaxvllm.quantization import FP8, QuantizedWeight, quantize_fp8, quantize_params
+
+        def blocks(w, num_in: int) -> QuantizedWeight:  # a block-fp8 checkpoint's weight, as loaded
+            out, inputs = w.shape[: w.ndim - num_in], math.prod(w.shape[w.ndim - num_in:])
+            return QuantizedWeight(w.astype(FP8), jnp.ones((*out, -(-inputs // 128)), jnp.float32), 128)
 
         common["quantization"] = quantization
+        quantize = quantize_fp8 if quantization == "fp8" else blocks
         params = jax.eval_shape(lambda: quantize_params(dummy_params(cfg, dtype), MODELS[cfg.architecture].param_specs(cfg),
-                                                        quantize_fp8))
+                                                        quantize))
     forward = jit_forward(cfg, backend)
     cases = [Case("engine_forward", dict(common, num_layers=cfg.num_layers, copy_shapes=[list(kv_caches[0].shape)],
                                          donated=len(kv_caches)),
@@ -153,9 +160,10 @@ def engine_cases(quick: bool = False) -> list[Case]:
     cases += engine_step_cases("pallas", sampler=(), kv_cache_dtype=jnp.float8_e4m3fn)  # fp8 KV cache, decode
     for kv_cache_dtype in (None, jnp.float8_e4m3fn):  # the decode-only forward of a step of 256 decode rows
         cases += engine_step_cases("pallas", sampler=(), kv_cache_dtype=kv_cache_dtype, decode_only=True)
-    # Online fp8 weights: a decode-only step and a prefill bucket.
-    cases += engine_step_cases("pallas", sampler=(), decode_only=True, quantization="fp8")
-    cases += engine_step_cases("pallas", num_tokens=2048, sampler=(), quantization="fp8")
+    # fp8 weights, online (per channel) and a block-fp8 checkpoint's: a decode-only step and a prefill bucket.
+    for quantization in ("fp8", "fp8-block"):
+        cases += engine_step_cases("pallas", sampler=(), decode_only=True, quantization=quantization)
+        cases += engine_step_cases("pallas", num_tokens=2048, sampler=(), quantization=quantization)
     cases += engine_step_cases("pallas", model="tiny", num_tokens=64, max_num_seqs=8, context=256, dtype=jnp.float32,
                                sampler=())
     # Speculative decoding: a step verifying 4 drafts a row, the draft model's proposer and an EAGLE-3 head's.

@@ -68,6 +68,11 @@ class ParamSpec:
     # of its own would have it, joined as `merge` says (KV_GROUPS or SIDE_BY_SIDE).
     parts: tuple["ParamSpec", ...] = ()
     merge: str = ""
+    # A quantized checkpoint's (`loader.quantized_specs`): the element type the tensor keeps
+    # (None: the model's dtype), and for block scales, how many of our rows share one of
+    # the checkpoint's (its rows are repeated over their block when read).
+    dtype: str | None = None
+    row_block: int = 0
 
     def hf_names(self) -> list[str]:
         if self.layers or self.parts:

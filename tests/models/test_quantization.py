@@ -20,6 +20,7 @@ import torch
 
 from jaxvllm import LLM, SamplingParams, load_model
 from jaxvllm.kv_cache import allocate_kv_caches
+from jaxvllm.layers import linear
 from jaxvllm.quantization import QuantizedWeight, quantize_fp8
 from tests.models.paged import Chunk, build_inputs, hf_greedy, hf_logits, jit_forward, random_tokens, rel_err
 
@@ -30,31 +31,54 @@ ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, toke
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def fp8_round(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """x rounded to fp8 with one scale per slice along `dim` (its largest magnitude to 448;
-    scaled by multiplying, as jaxvllm does: XLA may turn a division into one)."""
-    amax = x.abs().amax(dim=dim, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
-    return (x * (FP8_MAX / amax)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32) * (amax / FP8_MAX)
+def fp8_round(x: torch.Tensor, dim: int, group: int = 0) -> torch.Tensor:
+    """x rounded to fp8 with one scale per slice along `dim`, or per `group` elements of it
+    (the last group may be partial): its largest magnitude to 448, scaled by multiplying as
+    jaxvllm does (XLA may turn a division into one)."""
+    return _grouped(x, dim, group, lambda g: _round(g)[0])
 
 
-def w8a8_oracle(model):
-    """`model` (HF, float32) with every decoder Linear computing online fp8's W8A8 product.
-    `model.near_ties` counts the inputs within 3e-6 (relative) of a point where fp8's
-    rounding jumps: float32's last-bit differences from another implementation move those
-    by a whole fp8 step (6-12%), so an exact comparison takes inputs without any."""
+def near_ties(x: torch.Tensor, group: int = 0) -> int:
+    """How many of x's elements lie within 3e-6 (relative) of a point where their fp8
+    rounding jumps (per token and group, as `fp8_round` of the last axis)."""
+    return int(_grouped(x, -1, group, lambda g: _round(g)[1]).sum())
+
+
+def _round(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    amax = g.abs().amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+    scaled = g * (FP8_MAX / amax)
+    fp8 = lambda v: v.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)  # noqa: E731
+    return fp8(scaled) * (amax / FP8_MAX), (fp8(scaled * (1 + 3e-6)) != fp8(scaled * (1 - 3e-6))).float()
+
+
+def _grouped(x: torch.Tensor, dim: int, group: int, fn) -> torch.Tensor:
+    x = x.movedim(dim, -1)
+    n = x.shape[-1]
+    size = group or n
+    padded = torch.nn.functional.pad(x, (0, -n % size))
+    out = fn(padded.reshape(*x.shape[:-1], -1, size)).reshape(padded.shape)[..., :n]
+    return out.movedim(-1, dim)
+
+
+def w8a8_oracle(model, group: int = 0, round_weights: bool = True, full_precision: tuple[str, ...] = ()):
+    """`model` (HF, float32) with every decoder Linear computing fp8's W8A8 product: its
+    weight rounded to fp8 per output row (`round_weights`; a checkpoint's fp8 weights come
+    rounded already) and each input per token (and `group` inputs); the Linears named in
+    `full_precision` (a checkpoint's modules_to_not_convert) stay as they are. `model.near_ties`
+    counts the inputs near an fp8 rounding jump (`near_ties`): float32's last-bit
+    differences from another implementation move those by a whole fp8 step (6-12%), so
+    an exact comparison takes inputs without any."""
     model.near_ties = 0
 
     def quantize_input(_, args):
-        x = args[0]
-        scaled = x * (FP8_MAX / x.abs().amax(dim=-1, keepdim=True))
-        up, down = [(scaled * f).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn) for f in (1 + 3e-6, 1 - 3e-6)]
-        model.near_ties += int((up.float() != down.float()).sum())
-        return (fp8_round(x, dim=-1),)
+        model.near_ties += near_ties(args[0], group)
+        return (fp8_round(args[0], -1, group),)
 
     for name, module in model.model.layers.named_modules():
-        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in QUANTIZED:
-            with torch.no_grad():
-                module.weight.copy_(fp8_round(module.weight, dim=1))
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in set(QUANTIZED) - set(full_precision):
+            if round_weights:
+                with torch.no_grad():
+                    module.weight.copy_(fp8_round(module.weight, dim=1))
             module.register_forward_pre_hook(quantize_input)
     return model
 
@@ -139,34 +163,139 @@ from jaxvllm.quantization import QuantizedWeight
 ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, token_buckets=[64])
 prompts = [{"prompt_token_ids": np.random.default_rng(seed).integers(3, 200, 12).tolist()} for seed in range(3)]
 out = {}
-for tp in (1, 2):
-    llm = LLM(sys.argv[1], quantization="fp8", tensor_parallel_size=tp, **ENGINE)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
-    layers = llm.llm_engine.runner.params["layers"]
-    shards = {name: [sorted({tuple(s.data.shape) for s in a.addressable_shards}) for a in (w.value, w.scale)]
-              for name, ws in layers.items() for w in ws[:1] if isinstance(w, QuantizedWeight)}
-    out[tp] = dict(tokens=[o.outputs[0].token_ids for o in outs], shards=shards,
-                   bytes=llm.llm_engine.stats()["weight_bytes_per_device"])
-    llm.shutdown()
+for path, quantization in ((sys.argv[1], "fp8"), (sys.argv[2], None)):  # online; a block-fp8 checkpoint
+    for tp in (1, 2):
+        llm = LLM(path, quantization=quantization, tensor_parallel_size=tp, **ENGINE)
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+        layers = llm.llm_engine.runner.params["layers"]
+        shards = {name: [sorted({tuple(s.data.shape) for s in a.addressable_shards}) for a in (w.value, w.scale)]
+                  for name, ws in layers.items() for w in ws[:1] if isinstance(w, QuantizedWeight)}
+        out[f"{quantization or 'checkpoint'} {tp}"] = dict(
+            tokens=[o.outputs[0].token_ids for o in outs], shards=shards,
+            bytes=llm.llm_engine.stats()["weight_bytes_per_device"])
+        llm.shutdown()
 print(json.dumps(out))
 """
 
 
-def test_fp8_under_tensor_parallelism(tiny_checkpoint):
-    """2 CPU devices (a process of its own): values split as the weights are, scales split
-    with the output axes and whole where the input axis is split; one device's tokens."""
-    path = tiny_checkpoint("llama")
+def test_fp8_under_tensor_parallelism(tiny_checkpoint, fp8_checkpoint):
+    """2 CPU devices (a process of its own), online fp8 and a block-fp8 checkpoint: values
+    split as the weights are, online scales split with the output axes and whole where the
+    input axis is split; one device's tokens."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", _TP_SCRIPT, str(path)], capture_output=True, text=True, env=env,
+    proc = subprocess.run([sys.executable, "-c", _TP_SCRIPT, str(tiny_checkpoint("llama")),
+                           str(fp8_checkpoint("llama", (32, 32)))], capture_output=True, text=True, env=env,
                           cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    one, two = json.loads(proc.stdout.strip().splitlines()[-1]).values()
-    assert two["tokens"] == one["tokens"]
-    (value1, scale1), (value2, scale2) = one["shards"]["o_proj"], two["shards"]["o_proj"]  # [hidden, heads, head_dim]
-    assert value2[0][1] * 2 == value1[0][1] and scale2 == scale1  # split on heads (input): scales whole
-    (value1, scale1), (value2, scale2) = one["shards"]["qkv_proj"], two["shards"]["qkv_proj"]  # [kv_heads, ...]
-    assert value2[0][0] * 2 == value1[0][0] and scale2[0][0] * 2 == scale1[0][0]  # split on KV heads: both
-    assert len(two["bytes"]) == 2 and sum(two["bytes"]) > one["bytes"][0]  # (norms and o/down scales: on both)
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for kind in ("fp8", "checkpoint"):
+        one, two = out[f"{kind} 1"], out[f"{kind} 2"]
+        assert two["tokens"] == one["tokens"]
+        # o_proj [hidden, heads, head_dim], split on heads (its input); qkv_proj [kv_heads, ...], on KV heads
+        assert two["shards"]["o_proj"][0][0][1] * 2 == one["shards"]["o_proj"][0][0][1]
+        assert two["shards"]["qkv_proj"][0][0][0] * 2 == one["shards"]["qkv_proj"][0][0][0]
+        assert len(two["bytes"]) == 2 and sum(two["bytes"]) > one["bytes"][0]  # (norms, some scales: on both)
+    (_, scale1), (_, scale2) = out["fp8 1"]["shards"]["o_proj"], out["fp8 2"]["shards"]["o_proj"]
+    assert scale2 == scale1  # whole on each device
+    (_, scale1), (_, scale2) = out["fp8 1"]["shards"]["qkv_proj"], out["fp8 2"]["shards"]["qkv_proj"]
+    assert scale2[0][0] * 2 == scale1[0][0]  # split with the KV heads
+
+
+# -- quantized checkpoints (weights/make_quantized.py) ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tiny_checkpoint, tmp_path_factory):
+    """fp8_checkpoint(arch, block, ignore=()) -> a tiny checkpoint in HF's block fp8."""
+    from weights.make_quantized import make_fp8
+
+    made = {}
+
+    def get(arch: str, block: tuple[int, int], ignore: tuple[str, ...] = ()):
+        key = (arch, block, ignore)
+        if key not in made:
+            made[key] = make_fp8(tiny_checkpoint(arch), tmp_path_factory.mktemp(f"fp8-{arch}"), block, ignore)
+        return made[key]
+
+    return get
+
+
+def dequantized_hf(fp8_path: Path, src: Path):
+    """The oracle where transformers cannot read a checkpoint (blocks that do not divide a
+    weight's input axis): the full-precision model with each fp8 weight dequantized here
+    from the format's definition (each `weight_scale_inv` over its block)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+    tensors = load_file(str(fp8_path / "model.safetensors"))
+    br, bc = json.loads((fp8_path / "config.json").read_text())["quantization_config"]["weight_block_size"]
+    state = hf.state_dict()
+    with torch.no_grad():
+        for name, value in tensors.items():
+            if value.dtype == torch.float8_e4m3fn:
+                scale = tensors[f"{name}_scale_inv"].repeat_interleave(br, 0).repeat_interleave(bc, 1)
+                state[name].copy_(value.float() * scale[: value.shape[0], : value.shape[1]])
+    return hf
+
+
+@pytest.mark.parametrize("arch, block", [("llama", (32, 32)), ("qwen2", (32, 32)), ("qwen3", (16, 32)),
+                                         ("gemma3", (128, 128))])
+@pytest.mark.parametrize("stack", [False, True], ids=["per-layer", "stacked"])
+def test_fp8_checkpoint_matches_transformers(arch, block, stack, fp8_checkpoint):
+    """HF's fp8 format (transformers' FineGrainedFP8) against transformers reading it (on a
+    CPU it dequantizes) with each Linear's input rounded per token and block of inputs, as
+    the format's dynamic activations are: blocks of 32 (several per weight), and of 128 over
+    the tiny model's 64 (one partial block)."""
+    from transformers import AutoModelForCausalLM
+
+    path = fp8_checkpoint(arch, block)
+    hf = w8a8_oracle(AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval(), group=block[1],
+                     round_weights=False)
+    cfg, params = load_model(path, stack_layers=stack)
+    assert all(isinstance(w if stack else w[0], QuantizedWeight) and (w if stack else w[0]).group_size == block[1]
+               for name, w in params["layers"].items() if name.endswith("proj"))
+    tokens = tie_free_tokens(hf, 24)
+    inputs = build_inputs([Chunk(tokens, 0, list(range(8)))], 4, all_logits=True)
+    logits, _ = jit_forward(params, allocate_kv_caches(cfg, 8, 4, jnp.float32), inputs, cfg, "reference")
+    assert rel_err(logits, hf_logits(hf, tokens)) <= TOL
+
+
+@pytest.mark.parametrize("arch, block", [("qwen2", (16, 48)), ("llama", (24, 40))])
+def test_fp8_checkpoint_with_partial_blocks(arch, block, fp8_checkpoint, tiny_checkpoint):
+    """Blocks that do not divide a weight (SmolLM2's 576 is 4.5 blocks of 128; here 64 and
+    128 inputs in blocks of 48 or 40, rows in blocks of 24), which transformers' fp8 reader
+    refuses: against the format's definition, dequantized in torch."""
+    path = fp8_checkpoint(arch, block)
+    hf = w8a8_oracle(dequantized_hf(path, tiny_checkpoint(arch)), group=block[1], round_weights=False)
+    cfg, params = load_model(path)
+    tokens = tie_free_tokens(hf, 24)
+    inputs = build_inputs([Chunk(tokens, 0, list(range(8)))], 4, all_logits=True)
+    logits, _ = jit_forward(params, allocate_kv_caches(cfg, 8, 4, jnp.float32), inputs, cfg, "reference")
+    assert rel_err(logits, hf_logits(hf, tokens)) <= TOL
+
+
+def test_fp8_checkpoint_through_the_engine(fp8_checkpoint, tiny_checkpoint):
+    """Greedy tokens as the oracle's; modules_to_not_convert stays full precision; the
+    weights' bytes and the format in `stats()`."""
+    from transformers import AutoModelForCausalLM
+
+    path = fp8_checkpoint("llama", (32, 32), ignore=("down_proj",))
+    hf = w8a8_oracle(AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval(), group=32,
+                     round_weights=False, full_precision=("down_proj",))
+    prompts = [random_tokens(np.random.default_rng(seed), n) for seed, n in [(1, 5), (2, 17), (3, 40)]]
+    llm = LLM(path, **ENGINE)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=8),
+                        use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == hf_greedy(hf, prompts, 8)
+    layers = llm.llm_engine.runner.params["layers"]
+    assert not isinstance(layers["down_proj"][0], QuantizedWeight) and isinstance(layers["o_proj"][0], QuantizedWeight)
+    stats = llm.llm_engine.stats()
+    assert stats["quantization"] == "fp8 (checkpoint)"
+    llm.shutdown()
+    full = LLM(tiny_checkpoint("llama"), **ENGINE)
+    assert stats["weight_bytes_per_device"][0] < full.llm_engine.stats()["weight_bytes_per_device"][0]
+    full.shutdown()
 
 
 def test_quantize_fp8_scales_each_output_row():
@@ -177,18 +306,126 @@ def test_quantize_fp8_scales_each_output_row():
     assert np.abs(np.asarray(q.dequantized()) - np.asarray(w)).max() <= np.abs(np.asarray(w)).max() / 16
 
 
-def test_bad_quantization_is_refused(tiny_checkpoint, tmp_path):
-    path = tiny_checkpoint("llama")
+@pytest.fixture(scope="module")
+def compressed_checkpoint(tiny_checkpoint, tmp_path_factory):
+    """compressed_checkpoint(arch, kind) -> a tiny checkpoint as llm-compressor writes FP8_DYNAMIC
+    ("fp8") or W8A8 int8 ("int8") in the compressed-tensors format."""
+    from weights.make_quantized import make_compressed
+
+    made = {}
+
+    def get(arch: str, kind: str):
+        if (arch, kind) not in made:
+            made[arch, kind] = make_compressed(tiny_checkpoint(arch), tmp_path_factory.mktemp(f"ct-{arch}"), kind)
+        return made[arch, kind]
+
+    return get
+
+
+def compressed_tensors_hf(path: Path):
+    """transformers with the compressed-tensors library reading `path` (the issue's first
+    oracle): its Linears compute the format's W8A8 product themselves. `near_ties` counts,
+    as `w8a8_oracle`'s, the fp8 inputs near a rounding jump."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    hf.near_ties = 0
+
+    def count(_, args):
+        hf.near_ties += near_ties(args[0])
+
+    for name, module in hf.model.layers.named_modules():
+        if name.rsplit(".", 1)[-1] in QUANTIZED:
+            module.register_forward_pre_hook(count)
+    hf_logits(hf, [1, 2, 3])  # (the first forward decompresses the weights for the modules' own forward)
+    return hf
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_compressed_tensors_fp8_matches_the_library(arch, compressed_checkpoint):
+    """compressed-tensors float-quantized (weights per channel, activations dynamic per
+    token) against transformers + compressed-tensors, on a prompt with no fp8 input near a
+    rounding jump."""
+    pytest.importorskip("compressed_tensors")
+    path = compressed_checkpoint(arch, "fp8")
+    hf = compressed_tensors_hf(path)
+    cfg, params = load_model(path)
+    assert all(w[0].value.dtype == jnp.float8_e4m3fn and w[0].group_size == 0
+               for name, w in params["layers"].items() if name.endswith("proj"))
+    tokens = tie_free_tokens(hf, 24)
+    inputs = build_inputs([Chunk(tokens, 0, list(range(8)))], 4, all_logits=True)
+    logits, _ = jit_forward(params, allocate_kv_caches(cfg, 8, 4, jnp.float32), inputs, cfg, "reference")
+    assert rel_err(logits, hf_logits(hf, tokens)) <= TOL
+
+
+def test_compressed_tensors_int8_matches_the_library(compressed_checkpoint, tiny_checkpoint):
+    """compressed-tensors int-quantized (W8A8 int8): a linear layer's product equals the
+    library's own module's on the same input (scales amax / 127.5, x / scale rounded half
+    to even). A token whose largest magnitude is negative has that input on a rounding tie
+    (-127.5 -> -128, or -127 if the last bit of amax differs), so through the model, where
+    amax carries float32 differences from transformers' computation, the logits are
+    compared against a stated bound: within a quarter of the unquantized model's distance
+    from the library's."""
+    pytest.importorskip("compressed_tensors")
+    path = compressed_checkpoint("llama", "int8")
+    hf = compressed_tensors_hf(path)
+    cfg, params = load_model(path)
+    q_proj = params["layers"]["qkv_proj"][0]  # [kv_heads, group + 2, head_dim, hidden] int8
+    assert q_proj.value.dtype == jnp.int8
+    module = hf.model.layers[0].self_attn.q_proj
+    x = torch.randn(7, cfg.hidden_size) * 3
+    with torch.no_grad():
+        want = module(x.unsqueeze(0))[0]  # (its forward quantizes the input per token)
+    rows = cfg.num_heads * cfg.head_dim
+    got = np.asarray(linear(jnp.asarray(x.numpy()), q_proj)).reshape(7, cfg.num_kv_heads, -1, cfg.head_dim)
+    got = got[:, :, :-2].reshape(7, rows)  # the merged weight's q rows
+    assert (x.amax(-1) < -x.amin(-1)).any()  # (some rows on the tie)
+    np.testing.assert_allclose(got, want.numpy(), rtol=0, atol=1e-5)
+    tokens = random_tokens(np.random.default_rng(0), 24)
+    inputs = build_inputs([Chunk(tokens, 0, list(range(8)))], 4, all_logits=True)
+    logits, _ = jit_forward(params, allocate_kv_caches(cfg, 8, 4, jnp.float32), inputs, cfg, "reference")
+    _, full = load_model(tiny_checkpoint("llama"))
+    unquantized, _ = jit_forward(full, allocate_kv_caches(cfg, 8, 4, jnp.float32), inputs, cfg, "reference")
+    want = hf_logits(hf, tokens)
+    assert rel_err(logits, want) < rel_err(unquantized, want) / 4
+
+
+def _with_config(path: Path, out: Path, **changes) -> Path:
+    """A copy of checkpoint `path` whose quantization_config has `changes` (None: removed)."""
+    shutil.copytree(path, out)
+    config = json.loads((out / "config.json").read_text())
+    quant = config.setdefault("quantization_config", {})
+    quant.update(changes)
+    config["quantization_config"] = {k: v for k, v in quant.items() if v is not None}
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_bad_quantization_is_refused(tiny_checkpoint, fp8_checkpoint, tmp_path):
+    """Each refused before any weight loads, or (tensors) while loading, naming the problem."""
+    path, fp8 = tiny_checkpoint("llama"), fp8_checkpoint("llama", (32, 32))
     with pytest.raises(ValueError, match=r"quantization='int3' is not supported by jaxvllm; choose from None, 'fp8'"):
         LLM(path, quantization="int3", **ENGINE)
-    quantized = tmp_path / "fp8-checkpoint"
-    shutil.copytree(path, quantized)
-    config = json.loads((quantized / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
-    (quantized / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"is quantized \(quant_method 'fp8' in config.json\).*does not read quantized"):
-        LLM(quantized, **ENGINE)
-    with pytest.raises(ValueError, match="quant_method 'fp8'"):
-        LLM(quantized, quantization="fp8", **ENGINE)
-    with pytest.raises(ValueError, match="expert stacks cannot be quantized yet"):
+    with pytest.raises(ValueError, match=r"quantization='fp8': this checkpoint is quantized already \(quant_method "
+                                         r"'fp8' in config.json\)"):
+        LLM(fp8, quantization="fp8", **ENGINE)
+    with pytest.raises(ValueError, match="quantized expert stacks are not supported yet"):
         LLM(tiny_checkpoint("qwen3_moe"), quantization="fp8", **ENGINE)
+    cases = [
+        (dict(quant_method="gptq", bits=8), r"quant_method 'gptq' in config.json is not supported; jaxvllm reads HF fp8"),
+        (dict(quant_method="awq"), r"quant_method 'awq' .* is not supported"),
+        (dict(weight_block_size=None), r"weight_block_size must be two positive ints \[rows, inputs\], got None"),
+        (dict(weight_block_size=[128, 0]), r"weight_block_size must be two positive ints .* got \[128, 0\]"),
+        (dict(activation_scheme="static"), r"activation_scheme 'static' is not supported \(only 'dynamic'\)"),
+        # the checkpoint's scales are [2, 2] per layer for blocks of 32 over 64; blocks of 16 imply [4, 4]
+        (dict(weight_block_size=[16, 16]), r"tensor model.layers.0.self_attn.q_proj.weight_scale_inv in "
+                                           r"model.safetensors has shape \(2, 2\), config.json implies \(4, 4\)"),
+    ]
+    for i, (changes, match) in enumerate(cases):
+        with pytest.raises(ValueError, match=match):
+            LLM(_with_config(fp8, tmp_path / str(i), **changes), **ENGINE)
+    no_scales = _with_config(path, tmp_path / "no-scales", quant_method="fp8", weight_block_size=[32, 32])
+    with pytest.raises(ValueError, match=r"missing tensor\(s\): model.layers.0.self_attn.q_proj.weight_scale_inv"):
+        LLM(no_scales, **ENGINE)
+    with pytest.raises(ValueError, match=r"load_format='dummy' of a quantized checkpoint"):
+        LLM(fp8, load_format="dummy", **ENGINE)
