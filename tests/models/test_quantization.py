@@ -390,6 +390,18 @@ def test_compressed_tensors_int8_matches_the_library(compressed_checkpoint, tiny
     assert rel_err(logits, want) < rel_err(unquantized, want) / 4
 
 
+def test_no_compiles_after_warmup(tiny_checkpoint, compressed_checkpoint, compile_counter):
+    """Online fp8 and an int8 checkpoint serve every bucket with what the warm-up compiled."""
+    prompts = [{"prompt_token_ids": list(range(10, 10 + n))} for n in (20, 3, 6, 1)]  # (buckets 8 and 24)
+    for path, quantization in ((tiny_checkpoint("llama"), "fp8"), (compressed_checkpoint("llama", "int8"), None)):
+        llm = LLM(path, quantization=quantization, max_model_len=128, max_num_seqs=12, max_num_batched_tokens=24,
+                  token_buckets=[8, 24])
+        before = compile_counter.count
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+        assert compile_counter.count == before, f"{quantization or path.name}: a bucket compiled while serving"
+        llm.shutdown()
+
+
 def _with_config(path: Path, out: Path, **changes) -> Path:
     """A copy of checkpoint `path` whose quantization_config has `changes` (None: removed)."""
     shutil.copytree(path, out)
