@@ -215,18 +215,23 @@ def load_safetensors(path: Path, cfg: ModelConfig, dtype, shardings: dict,
 
             return shape, read
 
-        for spec in specs:
-            if spec.init == "rows":
-                rows = np.arange(spec.shape[0], dtype=np.int32)
-                value = _placed((spec.shape, rows.__getitem__), shardings[spec.path])
-            elif spec.layers and spec.stack:
-                value = _layer_stack([reader(m) for m in spec.layers], shardings[spec.path])
-            elif spec.layers:
-                value = [_placed(reader(m), shardings[m.path]) for m in spec.layers]
-            else:
-                value = _placed(reader(spec), shardings[spec.path])
-            _put(params, spec.path, value)
-            bar.update(1)
+        try:
+            for spec in specs:
+                if spec.init == "rows":
+                    rows = np.arange(spec.shape[0], dtype=np.int32)
+                    value = _placed((spec.shape, rows.__getitem__), shardings[spec.path])
+                elif spec.layers and spec.stack:
+                    value = _layer_stack([reader(m) for m in spec.layers], shardings[spec.path])
+                elif spec.layers:
+                    value = [_placed(reader(m), shardings[m.path]) for m in spec.layers]
+                else:
+                    value = _placed(reader(spec), shardings[spec.path])
+                _put(params, spec.path, value)
+                bar.update(1)
+        except BaseException:  # a bad tensor or Ctrl-C: what was placed is freed now, not with the traceback
+            for array in jax.tree.leaves(params):
+                array.delete()
+            raise
     unused = set(files) - {name for s in tensors for name in names[s.path]} - {"lm_head.weight"} - read_elsewhere
     unused = {name for name in unused if not _KV_SCALE.fullmatch(name)}  # an fp8 KV cache's: load_kv_scales
     if unused:

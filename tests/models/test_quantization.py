@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -434,8 +435,12 @@ def test_bad_quantization_is_refused(tiny_checkpoint, fp8_checkpoint, tmp_path):
                                            r"model.safetensors has shape \(2, 2\), config.json implies \(4, 4\)"),
     ]
     for i, (changes, match) in enumerate(cases):
-        with pytest.raises(ValueError, match=match):
+        live = len(jax.live_arrays())
+        with pytest.raises(ValueError, match=match) as caught:
             LLM(_with_config(fp8, tmp_path / str(i), **changes), **ENGINE)
+        # Nothing placed stays on the device while the error is kept (as Jupyter keeps the last
+        # one): the wrong scales come after the embeddings and layer 0's values.
+        assert len(jax.live_arrays()) == live, caught.value
     no_scales = _with_config(path, tmp_path / "no-scales", quant_method="fp8", weight_block_size=[32, 32])
     with pytest.raises(ValueError, match=r"missing tensor\(s\): model.layers.0.self_attn.q_proj.weight_scale_inv"):
         LLM(no_scales, **ENGINE)
