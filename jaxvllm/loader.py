@@ -170,6 +170,7 @@ def load_safetensors(path: Path, cfg: ModelConfig, dtype, shardings: dict,
     with contextlib.ExitStack() as stack, tqdm(total=len(specs), desc="Loading safetensors",
                                                dynamic_ncols=True) as bar:
         opened: dict[Path, Any] = {}  # each file opened once, when a tensor in it is first read
+        headers: dict[Path, tuple[int, dict]] = {}  # (float8 tensors) each file's header parsed once
 
         def checked_slice(name: str, hf_shape: tuple[int, ...], row_block: int = 0):
             file = files[name]
@@ -179,7 +180,9 @@ def load_safetensors(path: Path, cfg: ModelConfig, dtype, shardings: dict,
                 tensor_slice = opened[file].get_slice(name)
                 shape = tuple(tensor_slice.get_shape())
                 if tensor_slice.get_dtype() in _RAW_DTYPES:
-                    tensor_slice = _RawSlice(file, name)
+                    if file not in headers:
+                        headers[file] = _safetensors_header(file)
+                    tensor_slice = _RawSlice(file, name, *headers[file])
             except SafetensorError as e:
                 raise ValueError(f"cannot read tensor {name} from {file}: {e}") from e
             want = (-(-hf_shape[0] // row_block), *hf_shape[1:]) if row_block else hf_shape
@@ -365,17 +368,22 @@ def _fused_block(tensor_slice, spec, dtype) -> Callable:
 _RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
 
 
+def _safetensors_header(file: Path) -> tuple[int, dict]:
+    """Where a safetensors file's data starts, and its header (each tensor's dtype, shape and offsets)."""
+    with open(file, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        return 8 + size, json.loads(f.read(size))
+
+
 class _RawSlice:
     """A float8 tensor of a safetensors file, indexed as `safe_open(...).get_slice`'s are."""
 
-    def __init__(self, file: Path, name: str) -> None:
-        with open(file, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            entry = json.loads(f.read(size))[name]
+    def __init__(self, file: Path, name: str, data_start: int, header: dict) -> None:
+        entry = header[name]
         begin, end = entry["data_offsets"]
-        shape = tuple(entry["shape"])
-        self.array = np.memmap(file, dtype=_RAW_DTYPES[entry["dtype"]], mode="r", offset=8 + size + begin,
-                               shape=shape) if end > begin else np.zeros(shape, _RAW_DTYPES[entry["dtype"]])
+        shape, dtype = tuple(entry["shape"]), _RAW_DTYPES[entry["dtype"]]
+        self.array = (np.memmap(file, dtype=dtype, mode="r", offset=data_start + begin, shape=shape)
+                      if end > begin else np.zeros(shape, dtype))
 
     def get_shape(self) -> list[int]:
         return list(self.array.shape)

@@ -202,9 +202,10 @@ def quantize_params(params: dict, specs: list, quantize: Callable = quantize_in_
 def quantize_rows(x: jax.Array, dtype=FP8) -> tuple[jax.Array, jax.Array]:
     """Dynamic quantization of x [..., n] to `dtype` (fp8, or int8 symmetric and rounded): each
     row scaled so that its largest magnitude is half the type's range (448; 127.5 for int8,
-    as compressed-tensors defines it, where vLLM's kernels take 127), by multiplying (XLA
-    may turn x / s into x * (1 / s), whose last bit can move a value across a rounding
-    jump); the rows and their float32 scales [..., 1]."""
+    as compressed-tensors defines it, where vLLM's kernels take 127); the rows and their
+    float32 scales [..., 1]. The arithmetic is each oracle's, to the last bit, since a last
+    bit can move a value across a rounding jump: fp8 multiplies by 448 / amax (XLA may turn
+    x / s into x * (1 / s)), int8 divides as compressed-tensors does."""
     x = x.astype(jnp.float32)
     amax = jnp.maximum(jnp.max(jnp.abs(x), axis=-1, keepdims=True), _TINY)
     if jnp.dtype(dtype) == jnp.int8:

@@ -46,31 +46,19 @@ def make_fp8(src: str | Path, out: str | Path, block: tuple[int, int] = (128, 12
              ignore: tuple[str, ...] = ()) -> Path:
     """`src` with its decoder linear weights in HF's block fp8 (those whose module name ends
     in one of `ignore` kept as they are, and listed in modules_to_not_convert)."""
-    from safetensors.torch import load_file, save_file
+    kept = []
 
-    src, out = Path(src), Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for file in sorted(src.glob("*.safetensors")):
-        tensors.update(load_file(str(file)))
-    quantized, kept = {}, []
-    for name, tensor in tensors.items():
+    def quantize(name: str, tensor) -> dict:
         module = name.removesuffix(".weight")
-        if LINEAR.fullmatch(name) and not any(module.endswith(i) for i in ignore):
-            quantized[name], quantized[f"{name}_scale_inv"] = quantize_blocks(tensor, block)
-        else:
-            quantized[name] = tensor
-            if LINEAR.fullmatch(name):
-                kept.append(module)
-    save_file(quantized, str(out / "model.safetensors"), metadata={"format": "pt"})
-    for file in src.iterdir():
-        if file.is_file() and not file.name.endswith(".safetensors") and file.name != "model.safetensors.index.json":
-            shutil.copy(file, out / file.name)
-    config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                     "weight_block_size": list(block), "modules_to_not_convert": kept or None}
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    return out
+        if any(module.endswith(i) for i in ignore):
+            kept.append(module)
+            return {name: tensor}
+        value, scale = quantize_blocks(tensor, block)
+        return {name: value, f"{name}_scale_inv": scale}
+
+    return _write_quantized(src, out, quantize, lambda: {
+        "quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(block),
+        "modules_to_not_convert": kept or None})
 
 
 def quantize_rows(weight, kind: str):
@@ -90,6 +78,25 @@ def make_compressed(src: str | Path, out: str | Path, kind: str = "fp8") -> Path
     """`src` as llm-compressor writes its FP8_DYNAMIC ("fp8") and W8A8 int8 ("int8") schemes
     in the compressed-tensors format: every decoder linear weight per channel (`weight`,
     `weight_scale` [out, 1]), activations dynamic per token, the lm_head ignored."""
+
+    def quantize(name: str, tensor) -> dict:
+        value, scale = quantize_rows(tensor, kind)
+        return {name: value, name.removesuffix(".weight") + ".weight_scale": scale}
+
+    kind_name = "float" if kind == "fp8" else "int"
+    scheme = {"num_bits": 8, "type": kind_name, "symmetric": True}
+    return _write_quantized(src, out, quantize, lambda: {
+        "quant_method": "compressed-tensors", "format": f"{kind_name}-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"],
+                                      "weights": {**scheme, "strategy": "channel", "dynamic": False},
+                                      "input_activations": {**scheme, "strategy": "token", "dynamic": True}}},
+        "ignore": ["lm_head"]})
+
+
+def _write_quantized(src: str | Path, out: str | Path, quantize, quantization_config) -> Path:
+    """`src` copied to `out` (one safetensors file) with each decoder linear weight replaced
+    by `quantize(name, tensor)`'s tensors, and config.json given `quantization_config()`
+    (called once every weight is through)."""
     from safetensors.torch import load_file, save_file
 
     src, out = Path(src), Path(out)
@@ -97,25 +104,15 @@ def make_compressed(src: str | Path, out: str | Path, kind: str = "fp8") -> Path
     tensors = {}
     for file in sorted(src.glob("*.safetensors")):
         tensors.update(load_file(str(file)))
-    quantized = {}
+    written = {}
     for name, tensor in tensors.items():
-        if LINEAR.fullmatch(name):
-            quantized[name], quantized[name.removesuffix(".weight") + ".weight_scale"] = quantize_rows(tensor, kind)
-        else:
-            quantized[name] = tensor
-    save_file(quantized, str(out / "model.safetensors"), metadata={"format": "pt"})
+        written.update(quantize(name, tensor) if LINEAR.fullmatch(name) else {name: tensor})
+    save_file(written, str(out / "model.safetensors"), metadata={"format": "pt"})
     for file in src.iterdir():
         if file.is_file() and not file.name.endswith(".safetensors") and file.name != "model.safetensors.index.json":
             shutil.copy(file, out / file.name)
-    kind_name = "float" if kind == "fp8" else "int"
-    scheme = {"num_bits": 8, "type": kind_name, "symmetric": True}
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "compressed-tensors", "format": f"{kind_name}-quantized", "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"],
-                                      "weights": {**scheme, "strategy": "channel", "dynamic": False},
-                                      "input_activations": {**scheme, "strategy": "token", "dynamic": True}}},
-        "ignore": ["lm_head"]}
+    config["quantization_config"] = quantization_config()
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
 
