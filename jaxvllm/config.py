@@ -25,8 +25,10 @@ ATTENTION_BACKENDS = ("reference", "pallas")  # "auto" picks one (jaxvllm/model_
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # "auto": the model's dtype
 DTYPES = ("float32", "bfloat16", "float16")  # and "auto": the checkpoint's
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
-# `quantization=`: vLLM's online fp8 (a full-precision checkpoint's linear weights, at load).
-QUANTIZATION_METHODS = ("fp8",)
+# `quantization=`: a full-precision checkpoint's linear weights quantized at load: vLLM's
+# online fp8, or 4-bit as a symmetric GPTQ checkpoint holds them (random 4-bit weights at real
+# shapes with load_format="dummy", for benchmarks; rounded to nearest, not GPTQ's solver).
+QUANTIZATION_METHODS = ("fp8", "gptq-dummy")
 # vLLM's logprobs modes: of the model's logits, or of those the sampler drew from (after
 # bias, bad words, penalties, temperature, min_p / top-k / top-p); logprobs or logits.
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")

@@ -364,8 +364,8 @@ class LLMEngine:
             "tensor_parallel_size": len(runner.devices),
             "kv_cache_per_device": runner.kv_cache_per_device(),  # blocks and bytes on each device
             "kv_cache_dtype": runner.kv_spec.dtype_name,  # e.g. "bfloat16", "float8_e4m3fn"
-            "weight_bytes_per_device": runner.weight_bytes_per_device(),  # (fp8: values and scales)
-            # "fp8" (online), "<method> (checkpoint)" for a quantized checkpoint, or None
+            "weight_bytes_per_device": runner.weight_bytes_per_device(),  # (quantized: values and scales)
+            # "fp8" / "gptq-dummy" (online), "<method> (checkpoint)" for a quantized checkpoint, or None
             "quantization": self.config.quantization or (
                 f"{runner.cfg.quant_method} (checkpoint)" if runner.cfg.quant_method else None),
             "num_free_blocks": kv.num_free_blocks,

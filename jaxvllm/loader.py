@@ -14,9 +14,8 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
-from jax.sharding import Mesh, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
@@ -26,8 +25,9 @@ from jaxvllm.model_config import ModelConfig
 from jaxvllm.models import MODELS
 from jaxvllm.models.common import SIDE_BY_SIDE, ParamSpec, merge_parts, merged
 from jaxvllm.quantization import (QUANTIZED, CheckpointFormat, QuantizedWeight, check_quantization, checkpoint_format,
-                                  in_axes, quantize_params)
+                                  in_axes, quantize_in_place, quantize_params)
 from jaxvllm.sharding import kv_repeats, param_shardings, sharded_config
+from jaxvllm.stored_tensors import RAW_DTYPES, RawSlice, RowRepeat, act_order, packed_view, safetensors_header
 
 logger = logging.getLogger(__name__)
 
@@ -97,19 +97,23 @@ def load_model(
     cfg = dataclasses.replace(cfg, stack_layers=stack, merge_projections=not stack)  # (the CPU layout: both)
     jdtype = resolve_dtype(dtype, cfg)
     run_cfg = sharded_config(cfg, 1 if mesh is None else mesh.size, expert_parallel)
-    if fmt is not None:  # fp8 values and their block scales, joined into QuantizedWeights once placed
+    if fmt is not None:  # quantized values, their scales (and zero points), joined into QuantizedWeights once placed
         specs = quantized_specs(MODELS[cfg.architecture].param_specs(cfg), fmt)
         run_specs = quantized_specs(MODELS[cfg.architecture].param_specs(run_cfg), fmt)
         shardings = _param_shardings(run_cfg, mesh, device, run_specs)
-        params = load_safetensors(Path(model), cfg, jdtype, shardings, kv_repeats(cfg, run_cfg), specs)
-        return run_cfg, join_quantized(params, specs, fmt)
+        extra = module_tensors(Path(model), fmt)
+        leaves = layer_leaves(specs, extra)
+        params = load_safetensors(Path(model), cfg, jdtype, shardings, kv_repeats(cfg, run_cfg), specs, fmt=fmt,
+                                  perms=extra.get("perm"))
+        return run_cfg, join_quantized(params, specs, fmt, leaves)
     shardings, repeats = _param_shardings(run_cfg, mesh, device), kv_repeats(cfg, run_cfg)
     if load_format == "dummy":
         params = dummy_params(cfg, jdtype, seed, shardings, repeats)
     else:
         params = load_safetensors(Path(model), cfg, jdtype, shardings, repeats)
-    if quantization == "fp8":
-        params = quantize_params(params, MODELS[cfg.architecture].param_specs(cfg))
+    if quantization is not None:
+        params = quantize_params(params, MODELS[cfg.architecture].param_specs(cfg),
+                                 partial(quantize_in_place, method=quantization))
     return run_cfg, params
 
 
@@ -150,13 +154,15 @@ def _open(file: Path):
         raise ValueError(f"cannot read safetensors file {file}: {e}") from e
 
 
-def load_safetensors(path: Path, cfg: ModelConfig, dtype, shardings: dict,
-                     repeats: int = 1, specs: list | None = None, read_elsewhere: frozenset = frozenset()) -> dict:
+def load_safetensors(path: Path, cfg: ModelConfig, dtype, shardings: dict, repeats: int = 1,
+                     specs: list | None = None, read_elsewhere: frozenset = frozenset(),
+                     fmt: CheckpointFormat | None = None, perms: dict | None = None) -> dict:
     """Each device reads only its slice of each tensor (safetensors `get_slice`), so no
     tensor is ever whole on one device, nor in host memory when it is split; a stack of
     layers is read layer by layer into each device's block. `specs`: the params to read
     (default: those of `cfg`'s architecture); `read_elsewhere`: other tensors the caller
-    knows of (not reported as unused)."""
+    knows of (not reported as unused); `fmt`: a quantized checkpoint's format, whose packed
+    tensors are read through `stored_tensors.packed_view` (`perms`: act-order modules')."""
     specs = specs or MODELS[cfg.architecture].param_specs(cfg)
     files = tensor_files(path)
     tensors = [m for s in specs if s.init != "rows" for m in (s.layers or (s,))]  # one per HF tensor (or expert set)
@@ -179,16 +185,19 @@ def load_safetensors(path: Path, cfg: ModelConfig, dtype, shardings: dict,
             try:
                 tensor_slice = opened[file].get_slice(name)
                 shape = tuple(tensor_slice.get_shape())
-                if tensor_slice.get_dtype() in _RAW_DTYPES:
+                if tensor_slice.get_dtype() in RAW_DTYPES:
                     if file not in headers:
-                        headers[file] = _safetensors_header(file)
-                    tensor_slice = _RawSlice(file, name, *headers[file])
+                        headers[file] = safetensors_header(file)
+                    tensor_slice = RawSlice(file, name, *headers[file])
             except SafetensorError as e:
                 raise ValueError(f"cannot read tensor {name} from {file}: {e}") from e
             want = (-(-hf_shape[0] // row_block), *hf_shape[1:]) if row_block else hf_shape
+            if fmt is not None:  # (a packed tensor checks its stored shape itself)
+                tensor_slice = packed_view(fmt, name, tensor_slice, want, perms)
+                shape = tuple(tensor_slice.get_shape())
             if shape != want:
                 raise ValueError(f"tensor {name} in {file.name} has shape {shape}, config.json implies {want}")
-            return _RowRepeat(tensor_slice, row_block, hf_shape[0]) if row_block else tensor_slice
+            return RowRepeat(tensor_slice, row_block, hf_shape[0]) if row_block else tensor_slice
 
         def reader(spec) -> tuple[tuple[int, ...], Callable]:
             """(global shape, block of an index) of one tensor, or one layer's."""
@@ -196,7 +205,8 @@ def load_safetensors(path: Path, cfg: ModelConfig, dtype, shardings: dict,
             hf_shape = spec.fused_shape if spec.path in fused else spec.hf_shape
             # (a merged parameter's parts: each its own HF shape)
             hf_shapes = [part.hf_shape for part in spec.parts] or [hf_shape] * len(names[spec.path])
-            slices = [checked_slice(name, shape, spec.row_block) for name, shape in zip(names[spec.path], hf_shapes)]
+            row_blocks = [part.row_block for part in spec.parts] or [spec.row_block] * len(names[spec.path])
+            slices = [checked_slice(*args) for args in zip(names[spec.path], hf_shapes, row_blocks)]
             kept = jnp.dtype(spec.dtype) if spec.dtype else dtype  # (a quantized checkpoint's values and scales)
             if spec.parts:
                 shape, block = _merged_block(slices, spec, kept, repeats)
@@ -236,7 +246,8 @@ def load_safetensors(path: Path, cfg: ModelConfig, dtype, shardings: dict,
                 array.delete()
             raise
     unused = set(files) - {name for s in tensors for name in names[s.path]} - {"lm_head.weight"} - read_elsewhere
-    unused = {name for name in unused if not _KV_SCALE.fullmatch(name)}  # an fp8 KV cache's: load_kv_scales
+    unused = {name for name in unused if not _KV_SCALE.fullmatch(name)  # an fp8 KV cache's: load_kv_scales
+              and not (fmt is not None and name.endswith(fmt.unused))}  # a format's bookkeeping
     if unused:
         logger.warning("ignoring %d tensor(s) not used by %s: %s", len(unused), cfg.architecture, sorted(unused)[:5])
     return params
@@ -363,86 +374,50 @@ def _fused_block(tensor_slice, spec, dtype) -> Callable:
     return block
 
 
-# safetensors' numpy reader has no float8 types: such tensors are read as numpy memory maps
-# of the file's own layout (an 8-byte header length, the JSON header, then the data).
-_RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
-
-
-def _safetensors_header(file: Path) -> tuple[int, dict]:
-    """Where a safetensors file's data starts, and its header (each tensor's dtype, shape and offsets)."""
-    with open(file, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        return 8 + size, json.loads(f.read(size))
-
-
-class _RawSlice:
-    """A float8 tensor of a safetensors file, indexed as `safe_open(...).get_slice`'s are."""
-
-    def __init__(self, file: Path, name: str, data_start: int, header: dict) -> None:
-        entry = header[name]
-        begin, end = entry["data_offsets"]
-        shape, dtype = tuple(entry["shape"]), _RAW_DTYPES[entry["dtype"]]
-        self.array = (np.memmap(file, dtype=dtype, mode="r", offset=data_start + begin, shape=shape)
-                      if end > begin else np.zeros(shape, dtype))
-
-    def get_shape(self) -> list[int]:
-        return list(self.array.shape)
-
-    def __getitem__(self, index):
-        return self.array[index]
-
-
-class _RowRepeat:
-    """A block-scale tensor [rows / block, ...] read as [rows, ...]: each of its rows repeated
-    over its block (the last block may be partial), so block scales take a weight's layout."""
-
-    def __init__(self, tensor_slice, block: int, rows: int) -> None:
-        self.slice, self.block, self.rows = tensor_slice, block, rows
-
-    def get_shape(self) -> list[int]:
-        return [self.rows, *self.slice.get_shape()[1:]]
-
-    def __getitem__(self, index: tuple[slice, ...]) -> np.ndarray:
-        lo, hi = index[0].indices(self.rows)[:2]
-        first = lo // self.block
-        blocks = np.asarray(self.slice[(slice(first, (hi - 1) // self.block + 1), *index[1:])])
-        return blocks[np.arange(lo, hi) // self.block - first]
-
-
 def quantized_specs(specs: list[ParamSpec], fmt: CheckpointFormat) -> list[ParamSpec]:
     """The params of a quantized checkpoint: each linear weight of the layers (`QUANTIZED`,
     unless `fmt` ignores it) read as its quantized type, and beside it its scales
-    (`{name}_scale`) in the weight's layout; `join_quantized` pairs them once loaded."""
+    (`{name}_scale`) and zero points (`{name}_zero`, asymmetric formats) in the weight's
+    layout; `join_quantized` pairs them once loaded."""
     out = []
     for spec in specs:
         members = [p for m in (spec.layers or (spec,)) for p in (m.parts or (m,))]
         ignored = [m.hf_name for m in members if fmt.ignores(m.hf_name)]
         if spec.path[0] != "layers" or spec.path[-1] not in QUANTIZED or len(ignored) == len(members):
             out.append(spec)
-        elif ignored:
+            continue
+        if ignored:
             raise ValueError(f"{spec.path[-1]}: modules_to_not_convert keeps {ignored[0]} full precision but not "
                              f"every layer's or part's; jaxvllm needs all or none of them")
-        else:
-            out += [_quantized_values(spec, fmt.value_dtype), _block_scales(spec, fmt)]
+        size = fmt.block[1]
+        if fmt.packing in ("gptq", "gptq_v2", "awq") and size and spec.hf_shape[-1] % size:
+            raise ValueError(f"{members[0].hf_name}: group_size {size} does not divide its {spec.hf_shape[-1]} "
+                             f"inputs, which {fmt.method.upper()} requires")
+        out += [_quantized_values(spec, fmt), _per_group(spec, fmt, "scale", fmt.scale_name)]
+        if fmt.zero_name:
+            out.append(_per_group(spec, fmt, "zero", fmt.zero_name))
     return out
 
 
-def _quantized_values(spec: ParamSpec, dtype: str) -> ParamSpec:
-    return dataclasses.replace(spec, dtype=dtype, layers=tuple(_quantized_values(m, dtype) for m in spec.layers),
-                               parts=tuple(_quantized_values(p, dtype) for p in spec.parts))
+def _quantized_values(spec: ParamSpec, fmt: CheckpointFormat) -> ParamSpec:
+    hf_name = spec.hf_name.replace(".weight", f".{fmt.value_name}")
+    return dataclasses.replace(spec, dtype=fmt.value_dtype, hf_name=hf_name,
+                               layers=tuple(_quantized_values(m, fmt) for m in spec.layers),
+                               parts=tuple(_quantized_values(p, fmt) for p in spec.parts))
 
 
-def _block_scales(spec: ParamSpec, fmt: CheckpointFormat) -> ParamSpec:
-    """The spec of a weight's scales: [*out, groups] where the weight is [*out, *in]."""
-    path = (*spec.path[:-1], f"{spec.path[-1]}_scale")
-    hf_name = spec.hf_name.replace(".weight", f".{fmt.scale_name}")
-    block = fmt.block
+def _per_group(spec: ParamSpec, fmt: CheckpointFormat, leaf: str, tensor: str) -> ParamSpec:
+    """The spec of a weight's scales or zero points (`leaf`, stored as `{module}.{tensor}`):
+    float32 [*out, groups] where the weight is [*out, *in]."""
+    path = (*spec.path[:-1], f"{spec.path[-1]}_{leaf}")
+    hf_name = spec.hf_name.replace(".weight", f".{tensor}")
+    block = (fmt.block[0] or spec.hf_shape[0], fmt.block[1])  # (rows 0: one scale for all of them)
     if spec.parts:
-        return dataclasses.replace(merged(path, [_block_scales(p, fmt) for p in spec.parts], spec.merge),
-                                   dtype="float32", row_block=block[0])
+        return dataclasses.replace(merged(path, [_per_group(p, fmt, leaf, tensor) for p in spec.parts], spec.merge),
+                                   dtype="float32")
     groups = math.ceil(spec.hf_shape[-1] / block[1]) if block[1] else 1
     if spec.layers:
-        layers = tuple(_block_scales(m, fmt) for m in spec.layers)
+        layers = tuple(_per_group(m, fmt, leaf, tensor) for m in spec.layers)
         shape = (len(layers), *layers[0].shape) if spec.stack else layers[0].shape
         return dataclasses.replace(spec, path=path, hf_name=hf_name, hf_shape=(spec.hf_shape[0], groups), shape=shape,
                                    layers=layers, dtype="float32", row_block=block[0])
@@ -451,17 +426,86 @@ def _block_scales(spec: ParamSpec, fmt: CheckpointFormat) -> ParamSpec:
                                shape=(*out, groups), init="ones", dtype="float32", row_block=block[0])
 
 
-def join_quantized(params: dict, specs: list[ParamSpec], fmt: CheckpointFormat) -> dict:
-    """Each fp8 weight and its scales (`quantized_specs`) as one `QuantizedWeight`."""
-    layers = params["layers"]
+def module_tensors(path: Path, fmt: CheckpointFormat) -> dict[str, dict[str, np.ndarray]]:
+    """A format's small per-module tensors, read whole before the weights, by kind and module
+    name: "perm", GPTQ act-order's input permutation (`stored_tensors.act_order`, from
+    `g_idx`); "input_scale", a static activation scale ([] float32)."""
+    suffixes = {"perm": ".g_idx" if fmt.act_order else None,
+                "input_scale": f".{fmt.input_scale_name}" if fmt.input_scale_name else None}
+    out: dict[str, dict[str, np.ndarray]] = {kind: {} for kind, suffix in suffixes.items() if suffix}
+    for name, file in tensor_files(path).items() if out else ():
+        for kind, suffix in suffixes.items():
+            if suffix and name.endswith(suffix):
+                with _open(file) as f:
+                    tensor = f.get_tensor(name)
+                module = name.removesuffix(suffix)
+                out[kind][module] = (act_order(tensor, fmt.block[1], name) if kind == "perm" else
+                                     _one_scale(tensor, name))
+    return out
+
+
+def _one_scale(tensor: np.ndarray, name: str) -> np.ndarray:
+    if tensor.size != 1:
+        raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}; a static input scale has one value")
+    return np.float32(tensor.reshape(()))
+
+
+def layer_leaves(specs: list[ParamSpec], extra: dict) -> dict[str, dict[str, list]]:
+    """Each quantized weight's act-order permutations and static input scales (`module_tensors`),
+    one per layer, by weight name and kind; checked before any weight loads (a merged
+    weight's parts must share their permutation, as GPTQ gives modules with the same inputs,
+    and take the largest of their input scales, as vLLM does)."""
+    out: dict[str, dict[str, list]] = {}
+    for spec in specs:
+        name = spec.path[-1].removesuffix("_scale")
+        if spec.path[0] != "layers" or name == spec.path[-1] or not extra:
+            continue
+        layers = spec.layers or (spec,)
+        out[name] = {kind: [_layer_leaf(m, kind, table) for m in layers] for kind, table in extra.items()}
+    return out
+
+
+def _layer_leaf(spec: ParamSpec, kind: str, table: dict):
+    modules = [p.hf_name.rsplit(".", 1)[0] for p in (spec.parts or (spec,))]
+    missing = [m for m in modules if m not in table]
+    if missing:
+        raise ValueError(f"checkpoint is missing tensor(s): {missing[0]}.{'g_idx' if kind == 'perm' else kind}")
+    if kind == "input_scale":
+        return max(table[m] for m in modules)
+    for module in modules[1:]:
+        if not np.array_equal(table[module], table[modules[0]]):
+            raise ValueError(f"{module}.g_idx orders its inputs unlike {modules[0]}.g_idx; jaxvllm merges their "
+                             f"weights and needs one act order for them")
+    return table[modules[0]]
+
+
+def join_quantized(params: dict, specs: list[ParamSpec], fmt: CheckpointFormat, leaves: dict | None = None) -> dict:
+    """Each quantized weight, its scales and zero points (`quantized_specs`) as one
+    `QuantizedWeight`, with its act-order permutation and static input scale (`layer_leaves`)
+    placed beside its values, replicated."""
+    layers, leaves = params["layers"], leaves or {}
     for spec in specs:
         name = spec.path[-1].removesuffix("_scale")
         if spec.path[0] != "layers" or name == spec.path[-1]:
             continue
-        value, scale = layers[name], layers.pop(spec.path[-1])
-        pair = partial(QuantizedWeight, group_size=fmt.block[1])
-        layers[name] = [pair(v, s) for v, s in zip(value, scale)] if isinstance(value, list) else pair(value, scale)
+        value, scale, zero = layers[name], layers.pop(spec.path[-1]), layers.pop(f"{name}_zero", None)
+        join = partial(QuantizedWeight, group_size=fmt.block[1])
+        more = leaves.get(name, {})
+        if isinstance(value, list):
+            zero = zero or [None] * len(value)
+            layers[name] = [join(v, s, zero=z, **{kind: jax.device_put(per_layer[i], _replicated(v))
+                                                  for kind, per_layer in more.items()})
+                            for i, (v, s, z) in enumerate(zip(value, scale, zero))]
+        else:
+            placed = {kind: jax.device_put(np.stack(per_layer) if spec.layers else per_layer[0], _replicated(value))
+                      for kind, per_layer in more.items()}
+            layers[name] = join(value, scale, zero=zero, **placed)
     return params
+
+
+def _replicated(array: jax.Array):
+    sharding = array.sharding
+    return NamedSharding(sharding.mesh, PartitionSpec()) if isinstance(sharding, NamedSharding) else sharding
 
 
 def _random_param(key, scale, *, shape, dtype, init: str, repeats: int, parts: tuple = (), merge: str = ""):

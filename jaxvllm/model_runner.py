@@ -546,7 +546,8 @@ class ModelRunner:
         held = dict.fromkeys(self.devices, 0)
         for array in jax.tree.leaves(self.params):
             for device in array.sharding.device_set:
-                held[device] += math.prod(array.sharding.shard_shape(array.shape)) * array.dtype.itemsize
+                bits = jax.dtypes.itemsize_bits(array.dtype)  # (int4: two to a byte)
+                held[device] += math.prod(array.sharding.shard_shape(array.shape)) * bits // 8
         return list(held.values())
 
     def num_compiled_buckets(self) -> int:

@@ -1,15 +1,16 @@
 """Quantized linear weights: how the params hold them, the checkpoint formats read,
-quantizing at load (vLLM's online `quantization="fp8"`), and the matmul that reads them
-(`layers.linear` hands them here).
+quantizing at load (vLLM's online `quantization="fp8"`, and 4-bit "gptq-dummy"), and the
+matmuls that read them (`layers.linear` hands them here).
 
-Checkpoint formats read (`CheckpointFormat`): HF's block fp8, compressed-tensors 8-bit
-(fp8 or int8 per channel). A quantized weight is a `QuantizedWeight` in the place of the weight: `value` in the
-weight's own layout ([*out, *in], heads explicit, as `layers.linear` reads any weight;
-stacked [layers, ...] where the weights are) and `scale`, float32 [*out, groups]: one per
-output row (channel) and group of `group_size` inputs (one group: the whole row), so a
-split of the output axes under tensor parallelism splits the scales alike. A checkpoint's
-block scales ([out / 128, in / 128] for HF's fp8) are repeated over their block's rows
-when read, so that every format is this one layout.
+Checkpoint formats read (`CheckpointFormat`): HF's block fp8, compressed-tensors 8-bit and
+4-bit, GPTQ and AWQ (how their tensors are stored: `jaxvllm.stored_tensors`). A quantized
+weight is a `QuantizedWeight` in the place of the weight: `value` in the weight's own
+layout ([*out, *in], heads explicit, as `layers.linear` reads any weight; stacked [layers,
+...] where the weights are) and `scale`, float32 [*out, groups]: one per output row
+(channel) and group of `group_size` inputs (one group: the whole row), so a split of the
+output axes under tensor parallelism splits the scales alike. A checkpoint's block scales
+([out / 128, in / 128] for HF's fp8) are repeated over their block's rows when read, so
+that every format is this one layout.
 
 Online fp8 is W8A8 as vLLM's: weights in float8_e4m3fn, activations quantized per token
 on the fly, the product an fp8 x fp8 matmul accumulated in float32, scaled per token and
@@ -21,6 +22,7 @@ norms, biases, the lm_head and the router stay as they were, as in vLLM.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -39,17 +41,28 @@ _TINY = float(jnp.finfo(jnp.float32).tiny)  # (a row of zeros keeps a positive s
 QUANTIZED = ("qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "gate_proj", "up_proj", "down_proj")
 
 
-@partial(jax.tree_util.register_dataclass, data_fields=["value", "scale"], meta_fields=["group_size"])
+@partial(jax.tree_util.register_dataclass, data_fields=["value", "scale", "zero", "perm", "input_scale"],
+         meta_fields=["group_size"])
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """A linear weight as fp8 values [*out, *in] and float32 scales [*out, groups] (see the
-    module docstring); `value * scale` (each scale over its group) is the weight it stands
-    for. `group_size` 0: one scale per row, activations quantized per token; G: a scale per
-    G inputs (the last group may be partial), activations quantized per token and group."""
+    """A linear weight as quantized values [*out, *in] (fp8, int8, or int4) and float32
+    scales [*out, groups] (see the module docstring); `(value - zero) * scale` (each scale
+    and zero point over its group) is the weight it stands for. `group_size` 0: one scale
+    per row; G: a scale per G inputs (the last group may be partial). 8-bit values are
+    W8A8 (activations quantized per token, or per token and group); int4 values W4A16
+    (activations as they are), with float32 zero points [*out, groups] where the format is
+    asymmetric (None: 0), and `perm` int32 [in] where GPTQ quantized the inputs out of order
+    (act-order): the values' input j is the weight's input perm[j], so that groups are
+    whole runs of inputs (the matmul takes x's inputs in that order). `input_scale`, float32
+    [] (one per layer), for a checkpoint's static activation scale: x quantized per tensor
+    with it rather than per token."""
 
     value: jax.Array
     scale: jax.Array
     group_size: int = 0
+    zero: jax.Array | None = None
+    perm: jax.Array | None = None
+    input_scale: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -60,31 +73,59 @@ class QuantizedWeight:
         return self.value.ndim
 
     def dequantized(self, dtype=jnp.float32) -> jax.Array:
-        """The weight it stands for (tests and oracles; the matmul never builds it)."""
+        """The weight it stands for, [*out, *in] (the W4A16 matmul's operand; tests and
+        oracles for 8-bit weights, whose matmul never builds it)."""
         out = self.scale.shape[:-1]
         value = self.value.reshape(*out, -1).astype(jnp.float32)
-        scale = jnp.repeat(self.scale, self.group_size or value.shape[-1], axis=-1)[..., : value.shape[-1]]
-        return (value * scale).reshape(self.value.shape).astype(dtype)
+        n, groups = value.shape[-1], self.scale.shape[-1]
+        size = self.group_size or n
+        if groups * size == n:  # whole groups: a broadcast over each, which XLA fuses into the matmul's operand
+            value = value.reshape(*out, groups, size)
+            if self.zero is not None:
+                value = value - self.zero[..., None]
+            weight = value * self.scale[..., None]
+        else:  # a partial last group
+            def per_input(a):
+                return jnp.repeat(a, size, axis=-1)[..., :n]
+            weight = (value if self.zero is None else value - per_input(self.zero)) * per_input(self.scale)
+        weight = weight.reshape(*out, n)
+        if self.perm is not None:  # back in the weight's input order
+            weight = jnp.zeros_like(weight).at[..., self.perm].set(weight)
+        return weight.reshape(self.value.shape).astype(dtype)
 
 
 @dataclass(frozen=True)
 class CheckpointFormat:
     """How a quantized checkpoint stores its linear weights (config.json's
-    `quantization_config`): each weight as `value_dtype` [out, in] with float32 scales
-    (`{module}.{scale_name}`), one per `block` = (rows, inputs) of the weight (inputs 0: the
-    whole row), activations quantized on the fly per token and group of `block[1]` inputs
-    (0: per token); the linear layers `ignore` names ("re:" entries are regexes of module
-    names) stay full precision.
+    `quantization_config`): each weight's values `{module}.{value_name}` as `value_dtype`,
+    with float32 scales (`{module}.{scale_name}`), one per `block` = (rows, inputs) of the
+    weight (inputs 0: the whole row; rows 0: all of them, one scale a tensor), and for
+    asymmetric 4-bit formats zero points
+    (`{module}.{zero_name}`) beside them; `packing` names how 4-bit values lie in int32
+    words (`jaxvllm.stored_tensors.packed_view`). The linear layers `ignore` names ("re:"
+    entries are regexes of module names) stay full precision; tensors ending in one of
+    `unused` are the format's bookkeeping, not read.
     - HF fp8 (`quant_method: "fp8"`, transformers' FineGrainedFP8): float8_e4m3fn,
-      `weight_scale_inv` per `weight_block_size` block.
+      `weight_scale_inv` per `weight_block_size` block; activations per token and group.
     - compressed-tensors `float-quantized` / `int-quantized` (llm-compressor's FP8_DYNAMIC and
-      W8A8 int8): float8_e4m3fn or int8, `weight_scale` per channel (block (1, 0))."""
+      W8A8 int8): float8_e4m3fn or int8, `weight_scale` per channel (block (1, 0)),
+      activations per token; llm-compressor's FP8 (static): `weight_scale` per tensor (block
+      (0, 0)) and a static `input_scale`; `pack-quantized` (W4A16): int4 `weight_packed` per group.
+    - GPTQ (AutoGPTQ / GPTQModel) and AWQ (AutoAWQ's GEMM): int4 `qweight`, `scales` and
+      `qzeros` per group of inputs; GPTQ's act-order (desc_act) groups inputs by `g_idx`, read
+      as a permutation that makes each group a run (`QuantizedWeight.perm`)."""
 
     method: str
     block: tuple[int, int]
     value_dtype: str = "float8_e4m3fn"
     scale_name: str = "weight_scale_inv"
     ignore: tuple[str, ...] = ()
+    value_name: str = "weight"
+    zero_name: str | None = None
+    packing: str = ""  # "", "gptq", "gptq_v2", "awq" or "compressed-tensors"
+    unused: tuple[str, ...] = ()
+    act_order: bool = False  # GPTQ's desc_act: `g_idx` [in] gives each input's group
+    input_scale_name: str | None = None  # static activations: `{module}.input_scale`, one a tensor
 
     def ignores(self, hf_name: str) -> bool:
         """Whether the weight `hf_name` stays full precision (its module, or one above it, is ignored)."""
@@ -93,9 +134,11 @@ class CheckpointFormat:
                    module == m or module.startswith(m + ".") or module.endswith("." + m) for m in self.ignore)
 
 
-SUPPORTED_CHECKPOINTS = ("HF fp8 (quant_method 'fp8' with weight_block_size and dynamic activations) and "
-                         "compressed-tensors float-quantized / int-quantized (8-bit, weights per channel, "
-                         "activations dynamic per token)")
+SUPPORTED_CHECKPOINTS = ("HF fp8 (quant_method 'fp8' with weight_block_size and dynamic activations), "
+                         "compressed-tensors float-quantized / int-quantized (8-bit, weights per channel or "
+                         "tensor, activations dynamic per token or, fp8, static per tensor) and pack-quantized "
+                         "(4-bit weights per group or channel, activations unquantized), GPTQ (4-bit, v1 or v2 "
+                         "checkpoint format, act-order) and AWQ (4-bit GEMM)")
 
 
 def checkpoint_format(quant_config: dict, model: str) -> CheckpointFormat:
@@ -103,6 +146,8 @@ def checkpoint_format(quant_config: dict, model: str) -> CheckpointFormat:
     method = quant_config.get("quant_method")
     if method == "compressed-tensors":
         return _compressed_tensors_format(quant_config, model)
+    if method in ("gptq", "awq"):
+        return _int4_format(quant_config, model)
     if method != "fp8":
         raise ValueError(f"{model}: quant_method {method!r} in config.json is not supported; jaxvllm reads "
                          f"{SUPPORTED_CHECKPOINTS}")
@@ -116,25 +161,86 @@ def checkpoint_format(quant_config: dict, model: str) -> CheckpointFormat:
     return CheckpointFormat("fp8", (block[0], block[1]), ignore=tuple(quant_config.get("modules_to_not_convert") or ()))
 
 
+def _int4_format(quant_config: dict, model: str) -> CheckpointFormat:
+    """GPTQ and AWQ: 4-bit `qweight` with `scales` and `qzeros` per group of inputs."""
+    method, bits = quant_config["quant_method"], quant_config.get("bits", quant_config.get("w_bit"))
+    if bits != 4:
+        raise ValueError(f"{model}: {bits}-bit {method.upper()} is not supported; jaxvllm reads 4-bit GPTQ and AWQ")
+    group = quant_config.get("group_size", quant_config.get("q_group_size", -1))
+    if not isinstance(group, int) or not (group > 0 or group == -1):
+        raise ValueError(f"{model}: {method.upper()} group_size {group!r} must be a positive int or -1 (whole rows)")
+    if method == "gptq":
+        act_order = bool(quant_config.get("desc_act"))
+        if act_order and group == -1:
+            act_order = False  # (one group: the order changes nothing)
+        packing = quant_config.get("checkpoint_format", "gptq")
+        if packing not in ("gptq", "gptq_v2"):
+            raise ValueError(f"{model}: GPTQ checkpoint_format {packing!r} is not supported; jaxvllm reads 'gptq' "
+                             f"and 'gptq_v2'")
+        symmetric = quant_config.get("sym", True)
+        # The lm_head is quantized only with `lm_head: true` (refused); `modules_in_block_to_quantize` lists the rest.
+        if quant_config.get("lm_head"):
+            raise ValueError(f"{model}: a GPTQ-quantized lm_head is not supported; jaxvllm reads quantized decoder "
+                             f"layers only")
+        ignore = ()
+    else:
+        version = str(quant_config.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise ValueError(f"{model}: AWQ version {version!r} is not supported; jaxvllm reads AutoAWQ's 'gemm'")
+        packing, symmetric, act_order = "awq", not quant_config.get("zero_point", True), False
+        if symmetric:
+            raise ValueError(f"{model}: AWQ without zero points is not supported; jaxvllm reads zero_point true")
+        ignore = tuple(quant_config.get("modules_to_not_convert") or ())
+    unused = ((".qzeros",) if symmetric else ()) + (".g_idx",)  # (act-order's: `loader.act_order_perms` reads them)
+    return CheckpointFormat(method, (1, max(group, 0)), "int4", "scales", ignore, "qweight",
+                            None if symmetric else "qzeros", packing, unused, act_order)
+
+
 def _compressed_tensors_format(quant_config: dict, model: str) -> CheckpointFormat:
     fmt = quant_config.get("format")
-    if fmt not in ("float-quantized", "int-quantized"):
+    if fmt not in ("float-quantized", "int-quantized", "pack-quantized"):
         raise ValueError(f"{model}: compressed-tensors format {fmt!r} is not supported; jaxvllm reads "
                          f"{SUPPORTED_CHECKPOINTS}")
     groups = list((quant_config.get("config_groups") or {}).values())
     if len(groups) != 1:
         raise ValueError(f"{model}: compressed-tensors with {len(groups)} config_groups; jaxvllm reads one")
     weights, inputs = groups[0].get("weights") or {}, groups[0].get("input_activations")
+    ignore = tuple(quant_config.get("ignore") or ())
+    if fmt == "pack-quantized":
+        return _pack_quantized_format(weights, inputs, ignore, model)
     kind = "float" if fmt == "float-quantized" else "int"
-    want = {"num_bits": 8, "type": kind, "strategy": "channel", "symmetric": True}
+    want = {"num_bits": 8, "type": kind, "strategy": "channel or tensor", "symmetric": True}
     got = {key: weights.get(key) for key in want}
-    if got != want:
+    if got != dict(want, strategy=got["strategy"]) or got["strategy"] not in ("channel", "tensor"):
         raise ValueError(f"{model}: compressed-tensors weights {got} are not supported; jaxvllm reads {want}")
-    if not inputs or inputs.get("strategy") != "token" or not inputs.get("dynamic") or inputs.get("num_bits") != 8:
-        raise ValueError(f"{model}: compressed-tensors input_activations {inputs} are not supported; jaxvllm reads "
-                         f"8-bit activations quantized dynamically per token (strategy 'token', dynamic true)")
-    return CheckpointFormat("compressed-tensors", (1, 0), "float8_e4m3fn" if kind == "float" else "int8",
-                            "weight_scale", tuple(quant_config.get("ignore") or ()))
+    inputs = inputs or {}
+    dynamic = inputs.get("strategy") == "token" and inputs.get("dynamic") is True
+    static = kind == "float" and inputs.get("strategy") == "tensor" and inputs.get("dynamic") is False
+    if inputs.get("num_bits") != 8 or not (dynamic or static):
+        raise ValueError(f"{model}: compressed-tensors input_activations {inputs or None} are not supported; jaxvllm "
+                         f"reads 8-bit activations quantized dynamically per token (strategy 'token', dynamic true) "
+                         f"or, for fp8, statically per tensor (strategy 'tensor', dynamic false: `input_scale`)")
+    return CheckpointFormat("compressed-tensors", (1 if got["strategy"] == "channel" else 0, 0),
+                            "float8_e4m3fn" if kind == "float" else "int8", "weight_scale", ignore,
+                            unused=(".input_scale",) if static else (),
+                            input_scale_name="input_scale" if static else None)
+
+
+def _pack_quantized_format(weights: dict, inputs: dict | None, ignore: tuple, model: str) -> CheckpointFormat:
+    """compressed-tensors W4A16 (llm-compressor's W4A16 and W4A16_ASYM schemes)."""
+    got = {key: weights.get(key) for key in ("num_bits", "type", "strategy")}
+    if got["num_bits"] != 4 or got["type"] != "int" or got["strategy"] not in ("group", "channel"):
+        raise ValueError(f"{model}: compressed-tensors pack-quantized weights {got} are not supported; jaxvllm "
+                         f"reads 4-bit int weights per group or channel")
+    if inputs:
+        raise ValueError(f"{model}: compressed-tensors pack-quantized with input_activations {inputs} is not "
+                         f"supported; jaxvllm reads weight-only (W4A16) schemes")
+    group = weights.get("group_size") if got["strategy"] == "group" else 0
+    if got["strategy"] == "group" and not (isinstance(group, int) and group > 0):
+        raise ValueError(f"{model}: compressed-tensors group_size {group!r} must be a positive int")
+    symmetric = weights.get("symmetric", True)
+    return CheckpointFormat("compressed-tensors", (1, group), "int4", "weight_scale", ignore, "weight_packed",
+                            None if symmetric else "weight_zero_point", "compressed-tensors", (".weight_shape",))
 
 
 def check_quantization(quantization: str | None, cfg) -> None:
@@ -165,6 +271,25 @@ def quantize_fp8(weight: jax.Array, num_in: int) -> QuantizedWeight:
     return QuantizedWeight(value.reshape(weight.shape), scale)
 
 
+INT4_GROUP = 128  # `quantization="gptq-dummy"`: inputs per scale, GPTQ's usual group
+
+
+def quantize_int4(weight: jax.Array, num_in: int, group: int = INT4_GROUP) -> QuantizedWeight:
+    """4-bit per group of `group` inputs (or of their greatest common divisor with the
+    inputs, so that the groups are whole: SmolLM2's 576 in 64s), symmetric and rounded to
+    the nearest point of GPTQ's symmetric grid (scale 2 * amax / 15, zero point 8): the
+    layout and arithmetic of a symmetric GPTQ checkpoint, from any weights."""
+    out = weight.shape[: weight.ndim - num_in]
+    w = weight.reshape(*out, -1).astype(jnp.float32)
+    n = w.shape[-1]
+    group = group if n % group == 0 else math.gcd(n, group)  # (whole groups: see `_int4_matmul`)
+    groups = -(-n // group)
+    padded = jnp.pad(w, [(0, 0)] * len(out) + [(0, groups * group - n)]).reshape(*out, groups, group)
+    scale = jnp.maximum(jnp.max(jnp.abs(padded), axis=-1), _TINY) * (2 / 15)
+    value = jnp.clip(jnp.round(padded / scale[..., None]), -8, 7).astype(jnp.int4)
+    return QuantizedWeight(value.reshape(*out, -1)[..., :n].reshape(weight.shape), scale, group)
+
+
 def _scale_sharding(sharding, ndim: int, num_in: int):
     """A weight's scales split as its output axes are (whole along the input's)."""
     if not isinstance(sharding, NamedSharding):
@@ -173,21 +298,28 @@ def _scale_sharding(sharding, ndim: int, num_in: int):
     return NamedSharding(sharding.mesh, P(*spec[: ndim - num_in], None))
 
 
-def quantize_in_place(weight: jax.Array, num_in: int) -> QuantizedWeight:
-    """`quantize_fp8` on the weight's devices, split as it is; the weight is freed."""
-    placed = QuantizedWeight(weight.sharding, _scale_sharding(weight.sharding, weight.ndim, num_in))
-    quantized = jax.device_put(_jit_quantize_fp8(weight, num_in), placed)
+# `quantization=` at load: how each weight is quantized
+ONLINE = {"fp8": quantize_fp8, "gptq-dummy": quantize_int4}
+
+
+def quantize_in_place(weight: jax.Array, num_in: int, method: str = "fp8") -> QuantizedWeight:
+    """`ONLINE[method]` on the weight's devices, split as it is; the weight is freed."""
+    quantized = _jit_quantize(weight, num_in, method)
+    placed = jax.tree.map(lambda _: _scale_sharding(weight.sharding, weight.ndim, num_in), quantized)
+    placed = dataclasses.replace(placed, value=weight.sharding)
+    quantized = jax.device_put(quantized, placed)
     weight.delete()
     return quantized
 
 
-_jit_quantize_fp8 = jax.jit(quantize_fp8, static_argnums=1)
+_jit_quantize = jax.jit(lambda weight, num_in, method: ONLINE[method](weight, num_in), static_argnums=(1, 2))
 
 
 def quantize_params(params: dict, specs: list, quantize: Callable = quantize_in_place) -> dict:
-    """Online fp8 (`quantization="fp8"`): every linear weight of the layers (`QUANTIZED`) as a
-    `QuantizedWeight`, by `quantize(weight, num_in)` (`quantize_fp8` itself for abstract
-    params, as the sm_90a check traces them)."""
+    """Online quantization (`quantization="fp8"` or "gptq-dummy"): every linear weight of the
+    layers (`QUANTIZED`) as a `QuantizedWeight`, by `quantize(weight, num_in)` (a
+    `functools.partial` of `quantize_in_place` with the method; `ONLINE[method]` itself for
+    abstract params, as the sm_90a check traces them)."""
     layers = params.get("layers", {})
     for spec in specs:
         name = spec.path[-1]
@@ -219,14 +351,29 @@ def quantize_rows(x: jax.Array, dtype=FP8) -> tuple[jax.Array, jax.Array]:
     return jnp.clip(x * (FP8_MAX / amax), -FP8_MAX, FP8_MAX).astype(FP8), amax / FP8_MAX
 
 
+def quantize_static(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """x / scale clipped to fp8's range and rounded to fp8, as compressed-tensors computes a
+    static activation: a true division (hidden from XLA, which would multiply by the
+    reciprocal, whose last bit can move a value across an fp8 rounding jump)."""
+    divisor = jax.lax.optimization_barrier(jnp.broadcast_to(scale.astype(jnp.float32), x.shape))
+    return jnp.clip(x.astype(jnp.float32) / divisor, -FP8_MAX, FP8_MAX).astype(FP8)
+
+
 def quantized_matmul(x2: jax.Array, weight: QuantizedWeight, out_rows: int) -> jax.Array:
-    """x2 [T, in] (any float) times a quantized weight, as [T, out_rows] float32: x
-    quantized to fp8 per token (and per group of `group_size` inputs), an fp8 x fp8 matmul
-    accumulated in float32 per group, each product scaled by its token's and its row's
+    """x2 [T, in] (any float) times a quantized weight, as [T, out_rows] float32. int4:
+    W4A16 (`_int4_matmul`). 8-bit: x quantized per token (and per group of `group_size`
+    inputs), or with the weight's static `input_scale`, an 8-bit x 8-bit matmul accumulated
+    in float32 (int8: int32) per group, each product scaled by its token's and its row's
     scales, the groups summed."""
+    if weight.value.dtype == jnp.int4:
+        return _int4_matmul(x2, weight, out_rows)
     wq = weight.value.reshape(out_rows, -1)
     # fp8 products accumulate in float32; int8 ones exactly, in int32
     accumulate = jnp.int32 if wq.dtype == jnp.int8 else jnp.float32
+    if weight.input_scale is not None:  # static: one scale for every token, as calibrated
+        xq, x_scale = quantize_static(x2, weight.input_scale), weight.input_scale
+        out = jax.lax.dot_general(xq, wq, (((1,), (1,)), ((), ())), preferred_element_type=accumulate)
+        return out.astype(jnp.float32) * x_scale * weight.scale.reshape(1, out_rows)
     if not weight.group_size:
         xq, x_scale = quantize_rows(x2, wq.dtype)
         out = jax.lax.dot_general(xq, wq, (((1,), (1,)), ((), ())), preferred_element_type=accumulate)
@@ -239,3 +386,38 @@ def quantized_matmul(x2: jax.Array, weight: QuantizedWeight, out_rows: int) -> j
     out = out.astype(jnp.float32)
     w_scale = weight.scale.reshape(out_rows, groups).T[:, None, :]
     return jnp.sum(out * jnp.moveaxis(x_scale, 1, 0) * w_scale, axis=0)
+
+
+def _int4_matmul(x2: jax.Array, weight: QuantizedWeight, out_rows: int) -> jax.Array:
+    """W4A16, float32. On a GPU, batched over the groups (`_int4_grouped`), so that the only
+    op between the stored int4 values and the matmul is the exact convert a GEMM reads in its
+    prologue; on a CPU (and for a partial last group), the weight dequantized to x's type as
+    the matmul's operand, which XLA:CPU runs faster (docs/design.md). Act-order: x's inputs
+    taken in the values' order first."""
+    if weight.perm is not None:
+        x2 = jnp.take(x2, weight.perm, axis=1)
+        weight = dataclasses.replace(weight, perm=None)
+    dense = partial(_int4_dequantized, out_rows=out_rows)
+    if weight.scale.shape[-1] * (weight.group_size or x2.shape[-1]) != x2.shape[-1]:
+        return dense(x2, weight)
+    return jax.lax.platform_dependent(x2, weight, cpu=dense, default=partial(_int4_grouped, out_rows=out_rows))
+
+
+def _int4_dequantized(x2: jax.Array, weight: QuantizedWeight, out_rows: int) -> jax.Array:
+    w = weight.dequantized(x2.dtype).reshape(out_rows, -1)
+    return jax.lax.dot_general(x2, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _int4_grouped(x2: jax.Array, weight: QuantizedWeight, out_rows: int) -> jax.Array:
+    """x [T, G, size] times the values converted to x's type [O, G, size], batched over the
+    groups; each group's product scaled by its row's scale, less the zero point times the
+    group's sum of x, then summed."""
+    groups = weight.scale.shape[-1]
+    x3 = x2.reshape(x2.shape[0], groups, -1)
+    w3 = weight.value.reshape(out_rows, groups, -1).astype(x2.dtype)  # (int4 values are exact in any float)
+    out = jax.lax.dot_general(x3, w3, (((2,), (2,)), ((1,), (1,))), preferred_element_type=jnp.float32)  # [G, T, O]
+    scale = weight.scale.reshape(out_rows, groups).T[:, None, :]
+    if weight.zero is not None:
+        x_sums = jnp.sum(x3.astype(jnp.float32), axis=2).T[:, :, None]  # [G, T, 1]
+        out = out - x_sums * weight.zero.reshape(out_rows, groups).T[:, None, :]
+    return jnp.sum(out * scale, axis=0)

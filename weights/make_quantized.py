@@ -11,8 +11,11 @@ they are. transformers quantizes to this format only on a GPU; on a CPU it reads
 dequantizing, which is how tests use it as the oracle.
 
 `make_compressed` writes the compressed-tensors format as llm-compressor does for its
-FP8_DYNAMIC and W8A8 int8 schemes (transformers reads it through the compressed-tensors
-library, the tests' oracle). Tests import both.
+FP8_DYNAMIC and W8A8 int8 schemes, and `make_w4a16` its 4-bit pack-quantized ones
+(transformers reads them through the compressed-tensors library, the tests' oracle).
+`make_gptq` and `make_awq` write AutoGPTQ's and AutoAWQ's 4-bit packings, from weights
+quantized to the nearest grid point (the tests' oracle unpacks them as those libraries
+do). Tests import them all.
 """
 
 from __future__ import annotations
@@ -75,21 +78,168 @@ def quantize_rows(weight, kind: str):
 
 
 def make_compressed(src: str | Path, out: str | Path, kind: str = "fp8") -> Path:
-    """`src` as llm-compressor writes its FP8_DYNAMIC ("fp8") and W8A8 int8 ("int8") schemes
-    in the compressed-tensors format: every decoder linear weight per channel (`weight`,
-    `weight_scale` [out, 1]), activations dynamic per token, the lm_head ignored."""
+    """`src` as llm-compressor writes its FP8_DYNAMIC ("fp8"), W8A8 int8 ("int8") and FP8
+    ("fp8-static") schemes in the compressed-tensors format: every decoder linear weight per
+    channel (`weight`, `weight_scale` [out, 1]) with activations dynamic per token, or
+    ("fp8-static") per tensor (`weight_scale` [1]) with a static `input_scale` [1] per module,
+    calibrated on random tokens (the largest input magnitude over them, to 448); the
+    lm_head ignored."""
+    import torch
+
+    input_amax = calibrate_inputs(src) if kind == "fp8-static" else {}
 
     def quantize(name: str, tensor) -> dict:
-        value, scale = quantize_rows(tensor, kind)
-        return {name: value, name.removesuffix(".weight") + ".weight_scale": scale}
+        module = name.removesuffix(".weight")
+        if kind != "fp8-static":
+            value, scale = quantize_rows(tensor, kind)
+            return {name: value, f"{module}.weight_scale": scale}
+        value, scale = quantize_rows(tensor.reshape(1, -1), "fp8")
+        return {name: value.reshape(tensor.shape), f"{module}.weight_scale": scale.reshape(1),
+                f"{module}.input_scale": torch.tensor([input_amax[module] / FP8_MAX], dtype=torch.float32)}
 
-    kind_name = "float" if kind == "fp8" else "int"
+    kind_name = "int" if kind == "int8" else "float"
     scheme = {"num_bits": 8, "type": kind_name, "symmetric": True}
+    inputs = ({"strategy": "tensor", "dynamic": False} if kind == "fp8-static" else
+              {"strategy": "token", "dynamic": True})
     return _write_quantized(src, out, quantize, lambda: {
         "quant_method": "compressed-tensors", "format": f"{kind_name}-quantized", "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"],
-                                      "weights": {**scheme, "strategy": "channel", "dynamic": False},
-                                      "input_activations": {**scheme, "strategy": "token", "dynamic": True}}},
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            **scheme, "strategy": "tensor" if kind == "fp8-static" else "channel", "dynamic": False},
+            "input_activations": {**scheme, **inputs}}},
+        "ignore": ["lm_head"]})
+
+
+def calibrate_inputs(src: str | Path, num_tokens: int = 256, seed: int = 0) -> dict[str, float]:
+    """The largest input magnitude of each decoder linear layer of `src` (transformers,
+    float32) over `num_tokens` random tokens: what llm-compressor's static activation
+    observer records over its calibration set."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+    amax: dict[str, float] = {}
+
+    def record(name):
+        def hook(_, args):
+            amax[name] = max(amax.get(name, 0.0), float(args[0].abs().max()))
+        return hook
+
+    for name, module in model.named_modules():
+        if LINEAR.fullmatch(f"{name}.weight"):
+            module.register_forward_pre_hook(record(name))
+    tokens = torch.randint(3, model.config.vocab_size, (1, num_tokens), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        model(tokens)
+    return amax
+
+
+def quantize_groups(weight, group: int, symmetric: bool):
+    """Round-to-nearest 4-bit of a [out, in] torch weight per group of `group` inputs (0: the
+    whole row), as GPTQ's and AWQ's quantizers grid it: (unsigned values [out, in] in 0..15,
+    float16 scales [out, groups], zero points [out, groups] in 0..15, 8 when `symmetric`),
+    with `(value - zero) * scale` the weight."""
+    import torch
+
+    out_dim, in_dim = weight.shape
+    size = group or in_dim
+    w = weight.float().reshape(out_dim, -1, size)
+    lo, hi = w.amin(dim=2).clamp(max=0), w.amax(dim=2).clamp(min=0)
+    if symmetric:
+        scale, zero = torch.maximum(-lo, hi) * 2 / 15, torch.full_like(lo, 8)
+    else:
+        scale = (hi - lo) / 15
+        zero = torch.round(-lo / scale.clamp(min=1e-10)).clamp(0, 15)
+    scale = scale.clamp(min=1e-6).half()
+    value = torch.round(w / scale.float()[..., None] + zero[..., None]).clamp(0, 15)
+    return value.reshape(out_dim, in_dim).to(torch.int32), scale, zero.to(torch.int32)
+
+
+def pack_words(values, order=tuple(range(8))):
+    """Unsigned 4-bit values [..., n] (numpy ints, n a multiple of 8) as int32 words [..., n / 8]:
+    value 8w + order[k] of each row in nibble k of word w (low nibble first)."""
+    import numpy as np
+
+    values = np.asarray(values, dtype=np.uint32).reshape(*np.shape(values)[:-1], -1, 8)
+    words = np.zeros(values.shape[:-1], dtype=np.uint32)
+    for nibble, position in enumerate(order):
+        words |= values[..., position] << np.uint32(4 * nibble)
+    return words.view(np.int32)
+
+
+# AutoAWQ's pack order: nibble k of a word holds the value of column AWQ_ORDER[k] of its 8.
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def make_gptq(src: str | Path, out: str | Path, group: int = 128, symmetric: bool = True,
+              checkpoint_format: str = "gptq", desc_act: bool = False) -> Path:
+    """`src` in AutoGPTQ's packing (round-to-nearest rather than GPTQ's solver: the layout is
+    what is read): `qweight` int32 [in / 8, out], packed along in; `qzeros` int32 [groups,
+    out / 8], packed along out, each zero point less one in the "gptq" (v1) checkpoint format;
+    `scales` float16 [groups, out]; `g_idx` [in], each input's group. `desc_act`: act-order,
+    the inputs grouped in an order of their own, so that `g_idx` is not sorted (here a fixed
+    shuffle per input size; GPTQ's comes from the Hessian of the inputs, so modules with the
+    same inputs, q/k/v or gate/up, share it here too)."""
+    import torch
+
+    def quantize(name: str, tensor) -> dict:
+        in_dim = tensor.shape[1]
+        shuffle = torch.randperm(in_dim, generator=torch.Generator().manual_seed(in_dim))
+        order = shuffle if desc_act else torch.arange(in_dim)
+        value, scale, zero = quantize_groups(tensor[:, order], group, symmetric)
+        value = torch.empty_like(value).index_copy_(1, order, value)  # back in the inputs' order
+        g_idx = torch.empty(in_dim, dtype=torch.int32).index_copy_(
+            0, order, torch.arange(in_dim, dtype=torch.int32) // (group or in_dim))
+        stored_zero = (zero - 1).clamp(min=0) if checkpoint_format == "gptq" else zero
+        module = name.removesuffix(".weight")
+        return {f"{module}.qweight": torch.from_numpy(pack_words(value.numpy()).T.copy()),
+                f"{module}.qzeros": torch.from_numpy(pack_words(stored_zero.T.numpy())),
+                f"{module}.scales": scale.T.contiguous(), f"{module}.g_idx": g_idx}
+
+    return _write_quantized(src, out, quantize, lambda: {
+        "quant_method": "gptq", "bits": 4, "group_size": group or -1, "desc_act": desc_act, "sym": symmetric,
+        "checkpoint_format": checkpoint_format})
+
+
+def make_awq(src: str | Path, out: str | Path, group: int = 128) -> Path:
+    """`src` in AutoAWQ's GEMM packing (round-to-nearest, asymmetric): `qweight` int32 [in,
+    out / 8] and `qzeros` int32 [groups, out / 8], both packed along out in AWQ's order;
+    `scales` float16 [groups, out]."""
+    import torch
+
+    def quantize(name: str, tensor) -> dict:
+        value, scale, zero = quantize_groups(tensor, group, symmetric=False)
+        module = name.removesuffix(".weight")
+        return {f"{module}.qweight": torch.from_numpy(pack_words(value.T.numpy(), AWQ_ORDER)),
+                f"{module}.qzeros": torch.from_numpy(pack_words(zero.T.numpy(), AWQ_ORDER)),
+                f"{module}.scales": scale.T.contiguous()}
+
+    return _write_quantized(src, out, quantize, lambda: {
+        "quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"})
+
+
+def make_w4a16(src: str | Path, out: str | Path, group: int = 128, symmetric: bool = True) -> Path:
+    """`src` as llm-compressor writes its W4A16 (`symmetric`) and W4A16_ASYM schemes in the
+    compressed-tensors pack-quantized format, packed by the compressed-tensors library itself:
+    `weight_packed` int32 [out, in / 8], `weight_scale` [out, groups], `weight_zero_point`
+    int32 [out / 8, groups] when asymmetric, `weight_shape`; the lm_head ignored."""
+    import torch
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    def quantize(name: str, tensor) -> dict:
+        value, scale, zero = quantize_groups(tensor, group, symmetric)
+        module = name.removesuffix(".weight")
+        # compressed-tensors' int4 is signed: values and zero points 8 less than the unsigned grid's
+        out = {f"{module}.weight_packed": pack_to_int32((value - 8).to(torch.int8), 4),
+               f"{module}.weight_scale": scale.to(tensor.dtype), f"{module}.weight_shape": torch.tensor(tensor.shape)}
+        if not symmetric:
+            out[f"{module}.weight_zero_point"] = pack_to_int32((zero - 8).to(torch.int8), 4, packed_dim=0)
+        return out
+
+    strategy = {"strategy": "group", "group_size": group} if group else {"strategy": "channel"}
+    return _write_quantized(src, out, quantize, lambda: {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
+            "num_bits": 4, "type": "int", "symmetric": symmetric, "dynamic": False, **strategy}}},
         "ignore": ["lm_head"]})
 
 

@@ -52,7 +52,8 @@ def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int =
     speculative step's (drafts verified in the sampler), and the draft model's proposer of K
     tokens (the model drafting for itself). `quantization` "fp8": the forward over online
     fp8 weights (`jaxvllm.quantization`), per channel; "fp8-block": over a block-fp8
-    checkpoint's (scales per 128 x 128 block).
+    checkpoint's (scales per 128 x 128 block); "gptq-dummy": over 4-bit weights (W4A16,
+    scales per 128 inputs).
 
     The only code here that knows the runner's API (imported here, so that the rest of
     the module does not depend on it): params name the donated buffers (`copy_shapes`,
@@ -84,14 +85,14 @@ def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int =
     params = jax.eval_shape(lambda: dummy_params(cfg, dtype))
     if quantization is not None:
         from jaxvllm.models import MODELS
-        from jaxvllm.quantization import FP8, QuantizedWeight, quantize_fp8, quantize_params
+        from jaxvllm.quantization import FP8, ONLINE, QuantizedWeight, quantize_params
 
         def blocks(w, num_in: int) -> QuantizedWeight:  # a block-fp8 checkpoint's weight, as loaded
             out, inputs = w.shape[: w.ndim - num_in], math.prod(w.shape[w.ndim - num_in:])
             return QuantizedWeight(w.astype(FP8), jnp.ones((*out, -(-inputs // 128)), jnp.float32), 128)
 
         common["quantization"] = quantization
-        quantize = quantize_fp8 if quantization == "fp8" else blocks
+        quantize = ONLINE.get(quantization, blocks)
         params = jax.eval_shape(lambda: quantize_params(dummy_params(cfg, dtype), MODELS[cfg.architecture].param_specs(cfg),
                                                         quantize))
     forward = jit_forward(cfg, backend)
@@ -160,8 +161,9 @@ def engine_cases(quick: bool = False) -> list[Case]:
     cases += engine_step_cases("pallas", sampler=(), kv_cache_dtype=jnp.float8_e4m3fn)  # fp8 KV cache, decode
     for kv_cache_dtype in (None, jnp.float8_e4m3fn):  # the decode-only forward of a step of 256 decode rows
         cases += engine_step_cases("pallas", sampler=(), kv_cache_dtype=kv_cache_dtype, decode_only=True)
-    # fp8 weights, online (per channel) and a block-fp8 checkpoint's: a decode-only step and a prefill bucket.
-    for quantization in ("fp8", "fp8-block"):
+    # fp8 weights, online (per channel) and a block-fp8 checkpoint's, and 4-bit weights: a decode-only step
+    # and a prefill bucket.
+    for quantization in ("fp8", "fp8-block", "gptq-dummy"):
         cases += engine_step_cases("pallas", sampler=(), decode_only=True, quantization=quantization)
         cases += engine_step_cases("pallas", num_tokens=2048, sampler=(), quantization=quantization)
     cases += engine_step_cases("pallas", model="tiny", num_tokens=64, max_num_seqs=8, context=256, dtype=jnp.float32,

@@ -310,7 +310,7 @@ def test_quantize_fp8_scales_each_output_row():
 @pytest.fixture(scope="module")
 def compressed_checkpoint(tiny_checkpoint, tmp_path_factory):
     """compressed_checkpoint(arch, kind) -> a tiny checkpoint as llm-compressor writes FP8_DYNAMIC
-    ("fp8") or W8A8 int8 ("int8") in the compressed-tensors format."""
+    ("fp8"), W8A8 int8 ("int8") or FP8 ("fp8-static") in the compressed-tensors format."""
     from weights.make_quantized import make_compressed
 
     made = {}
@@ -353,6 +353,43 @@ def test_compressed_tensors_fp8_matches_the_library(arch, compressed_checkpoint)
     cfg, params = load_model(path)
     assert all(w[0].value.dtype == jnp.float8_e4m3fn and w[0].group_size == 0
                for name, w in params["layers"].items() if name.endswith("proj"))
+    tokens = tie_free_tokens(hf, 24)
+    inputs = build_inputs([Chunk(tokens, 0, list(range(8)))], 4, all_logits=True)
+    logits, _ = jit_forward(params, allocate_kv_caches(cfg, 8, 4, jnp.float32), inputs, cfg, "reference")
+    assert rel_err(logits, hf_logits(hf, tokens)) <= TOL
+
+
+def static_ties(x: torch.Tensor, scale: torch.Tensor) -> int:
+    """How many of x / scale (a static activation scale) lie within 3e-6 (relative) of a
+    point where their fp8 rounding jumps."""
+    scaled = x.float() / scale.float()
+    fp8 = lambda v: v.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)  # noqa: E731
+    return int((fp8(scaled * (1 + 3e-6)) != fp8(scaled * (1 - 3e-6))).sum())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("stack", [False, True], ids=["per-layer", "stacked"])
+def test_compressed_tensors_fp8_static_matches_the_library(arch, stack, compressed_checkpoint):
+    """llm-compressor's FP8 scheme: weights per tensor, activations quantized with a static
+    per-tensor `input_scale`, against transformers + compressed-tensors (which quantizes
+    each input with it), on a prompt with no input near an fp8 rounding jump. Merged q/k/v
+    and gate/up (a CPU's layout) take the largest of their input scales, as vLLM does; the
+    writer calibrates them on the same inputs, so they agree."""
+    from transformers import AutoModelForCausalLM
+
+    pytest.importorskip("compressed_tensors")
+    path = compressed_checkpoint(arch, "fp8-static")
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+    def count(module, args):
+        hf.near_ties += static_ties(args[0], module.input_scale)
+
+    for name, module in hf.model.layers.named_modules():
+        if name.rsplit(".", 1)[-1] in QUANTIZED:
+            module.register_forward_pre_hook(count)
+    cfg, params = load_model(path, stack_layers=stack)
+    weights = [w if stack else w[0] for name, w in params["layers"].items() if name.endswith("proj")]
+    assert all(w.input_scale is not None and w.value.dtype == jnp.float8_e4m3fn for w in weights)
     tokens = tie_free_tokens(hf, 24)
     inputs = build_inputs([Chunk(tokens, 0, list(range(8)))], 4, all_logits=True)
     logits, _ = jit_forward(params, allocate_kv_caches(cfg, 8, 4, jnp.float32), inputs, cfg, "reference")
@@ -425,8 +462,9 @@ def test_bad_quantization_is_refused(tiny_checkpoint, fp8_checkpoint, tmp_path):
     with pytest.raises(ValueError, match="quantized expert stacks are not supported yet"):
         LLM(tiny_checkpoint("qwen3_moe"), quantization="fp8", **ENGINE)
     cases = [
-        (dict(quant_method="gptq", bits=8), r"quant_method 'gptq' in config.json is not supported; jaxvllm reads HF fp8"),
-        (dict(quant_method="awq"), r"quant_method 'awq' .* is not supported"),
+        (dict(quant_method="bitsandbytes"), r"quant_method 'bitsandbytes' in config.json is not supported; jaxvllm "
+                                            r"reads HF fp8"),
+        (dict(quant_method="gptq", bits=8), r"8-bit GPTQ is not supported; jaxvllm reads 4-bit GPTQ and AWQ"),
         (dict(weight_block_size=None), r"weight_block_size must be two positive ints \[rows, inputs\], got None"),
         (dict(weight_block_size=[128, 0]), r"weight_block_size must be two positive ints .* got \[128, 0\]"),
         (dict(activation_scheme="static"), r"activation_scheme 'static' is not supported \(only 'dynamic'\)"),
@@ -446,3 +484,46 @@ def test_bad_quantization_is_refused(tiny_checkpoint, fp8_checkpoint, tmp_path):
         LLM(no_scales, **ENGINE)
     with pytest.raises(ValueError, match=r"load_format='dummy' of a quantized checkpoint"):
         LLM(fp8, load_format="dummy", **ENGINE)
+
+
+def test_bad_compressed_tensors_checkpoints_are_refused(compressed_checkpoint, tmp_path):
+    """compressed-tensors schemes not read, and a static scale of the wrong shape or missing:
+    each named, nothing left on the device."""
+    from safetensors.torch import load_file, save_file
+
+    static = compressed_checkpoint("llama", "fp8-static")
+    group = json.loads((static / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
+
+    def scheme(weights=None, inputs=None):
+        return {"group_0": dict(group, weights={**group["weights"], **(weights or {})},
+                                input_activations={**group["input_activations"], **(inputs or {})})}
+
+    cases = [
+        (dict(config_groups=scheme(weights={"strategy": "block"})), r"compressed-tensors weights .*'strategy': "
+                                                                    r"'block'.* are not supported"),
+        (dict(config_groups=scheme(inputs={"strategy": "token"})), r"input_activations .* are not supported; jaxvllm "
+                                                                   r"reads 8-bit activations quantized dynamically"),
+        (dict(format="int-quantized", config_groups=scheme(weights={"type": "int"})),
+         r"input_activations .*'dynamic': False.* are not supported"),
+    ]
+    for i, (changes, match) in enumerate(cases):
+        with pytest.raises(ValueError, match=match):
+            LLM(_with_config(static, tmp_path / str(i), **changes), **ENGINE)
+    for name, change, match in [
+            ("input_scale", lambda t: torch.ones(2), r"tensor model.layers.1.mlp.up_proj.input_scale has shape \(2,\); "
+                                                     r"a static input scale has one value"),
+            ("input_scale", None, r"missing tensor\(s\): model.layers.1.mlp.up_proj.input_scale"),
+            ("weight_scale", lambda t: torch.ones(3), r"tensor model.layers.1.mlp.up_proj.weight_scale has shape "
+                                                      r"\(3,\); a per-tensor scale has one value")]:
+        broken = _with_config(static, tmp_path / f"{name}-{change is None}")
+        tensors = load_file(str(broken / "model.safetensors"))
+        key = f"model.layers.1.mlp.up_proj.{name}"
+        if change is None:
+            del tensors[key]
+        else:
+            tensors[key] = change(tensors[key])
+        save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+        live = len(jax.live_arrays())
+        with pytest.raises(ValueError, match=match) as caught:
+            LLM(broken, **ENGINE)
+        assert len(jax.live_arrays()) == live, caught.value

@@ -123,16 +123,18 @@ def test_logprobs_close_to_hf(outputs, hf):
             _assert_close(out.outputs[0].logprobs[j], want[len(prompt) + j - 1], token)
 
 
-@pytest.mark.parametrize("kind, bound", [("online fp8", 0.9), ("block fp8", 0.9), ("int8", 0.85)])
+@pytest.mark.parametrize("kind, bound", [("online fp8", 0.9), ("block fp8", 0.9), ("int8", 0.85), ("w4a16", 0.65)])
 def test_quantized_agrees_with_full_precision(kind, bound, llm, smollm2_path, tmp_path):
     """Quantized, the trained model: online fp8 (`quantization="fp8"`: per channel), an HF
     block-fp8 checkpoint (weights/make_quantized.py: blocks of 128, so SmolLM2's 576 inputs
-    end in a half block) and a compressed-tensors W8A8 int8 one. The full-precision model's
+    end in a half block), a compressed-tensors W8A8 int8 one and a W4A16 one (4-bit,
+    asymmetric, groups of 64, rounded to nearest: no GPTQ or AWQ calibration, so its bound
+    is the 135M model's round-to-nearest loss, not a goal). The full-precision model's
     greedy completions of 32 prompts, scored by the quantized model, which picks the same
     next token at >= `bound` of the positions (teacher-forced top-1 agreement; fp8's 0.9 is
     the goal set for it); its logprob of that token is printed beside, as the top-1 logit
     error."""
-    from weights.make_quantized import make_compressed, make_fp8
+    from weights.make_quantized import make_compressed, make_fp8, make_w4a16
 
     prompts = PROMPTS + list(REPEAT_PROMPTS[: 32 - len(PROMPTS)])
     greedy = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
@@ -144,8 +146,10 @@ def test_quantized_agrees_with_full_precision(kind, bound, llm, smollm2_path, tm
         quantized = LLM(str(smollm2_path), quantization="fp8", **engine)
     elif kind == "block fp8":
         quantized = LLM(str(make_fp8(smollm2_path, tmp_path / "fp8", (128, 128))), **engine)
-    else:
+    elif kind == "int8":
         quantized = LLM(str(make_compressed(smollm2_path, tmp_path / "int8", "int8")), **engine)
+    else:
+        quantized = LLM(str(make_w4a16(smollm2_path, tmp_path / "w4a16", 64, symmetric=False)), **engine)
     got = [o.prompt_logprobs for o in quantized.generate(sequences, score, use_tqdm=False)]
     quantized.shutdown()
     same, errors = [], []

@@ -1,0 +1,340 @@
+"""4-bit weights (W4A16: activations as they are) against their oracles, on tiny
+checkpoints that weights/make_quantized.py writes in each published packing:
+compressed-tensors pack-quantized (transformers with the compressed-tensors library, or
+the library's own decompression), GPTQ and AWQ (unpacked here as AutoGPTQ's and AutoAWQ's
+torch code unpacks them, into a full-precision HF model). Also vLLM-style online 4-bit
+(`quantization="gptq-dummy"`), tensor parallelism, the engine, and the refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from jaxvllm import LLM, SamplingParams, load_model
+from jaxvllm.kv_cache import allocate_kv_caches
+from jaxvllm.quantization import QuantizedWeight, quantize_int4
+from tests.models.paged import Chunk, build_inputs, hf_greedy, hf_logits, jit_forward, random_tokens, rel_err
+from tests.models.test_quantization import _with_config
+
+ROOT = Path(__file__).resolve().parents[2]
+TOL = 1e-5  # the same weights as the oracle's; sums in another order
+GROUP = 32  # the tiny models' 64 and 128 inputs: several groups a row
+ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, token_buckets=[64])
+LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(scope="module")
+def int4_checkpoint(tiny_checkpoint, tmp_path_factory):
+    """int4_checkpoint(kind, arch="llama", group=GROUP) -> a tiny checkpoint, 4-bit: kind
+    "w4a16" / "w4a16-asym" (compressed-tensors), "gptq" (symmetric) / "gptq-asym" /
+    "gptq_v2" (asymmetric, GPTQModel's v2 zero points) / "gptq-act-order" (desc_act), "awq"."""
+    from weights.make_quantized import make_awq, make_gptq, make_w4a16
+
+    writers = {"w4a16": lambda s, o, g: make_w4a16(s, o, g, True),
+               "w4a16-asym": lambda s, o, g: make_w4a16(s, o, g, False),
+               "gptq": lambda s, o, g: make_gptq(s, o, g, True),
+               "gptq-asym": lambda s, o, g: make_gptq(s, o, g, False),
+               "gptq_v2": lambda s, o, g: make_gptq(s, o, g, False, "gptq_v2"),
+               "gptq-act-order": lambda s, o, g: make_gptq(s, o, g, False, desc_act=True),
+               "awq": make_awq}
+    made = {}
+
+    def get(kind: str, arch: str = "llama", group: int = GROUP) -> Path:
+        if (kind, arch, group) not in made:
+            made[kind, arch, group] = writers[kind](tiny_checkpoint(arch), tmp_path_factory.mktemp(f"{kind}-{arch}"),
+                                                    group)
+        return made[kind, arch, group]
+
+    return get
+
+
+def _nibbles(words: torch.Tensor, dim: int) -> torch.Tensor:
+    """int32 words unpacked along `dim` into 8 values each, low nibble first (as AutoGPTQ's
+    and AutoAWQ's torch code shifts and masks them)."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    words = words.movedim(dim, -1)
+    values = torch.bitwise_and(torch.bitwise_right_shift(words.unsqueeze(-1), shifts), 15)
+    return values.reshape(*words.shape[:-1], -1).movedim(-1, dim)
+
+
+def gptq_weight(t: dict, module: str, v1: bool) -> torch.Tensor:
+    """AutoGPTQ's dequantization: scales[g_idx] * (weight - zeros[g_idx]), the zeros stored one
+    less in the v1 format; as [out, in]."""
+    weight = _nibbles(t[f"{module}.qweight"], 0)  # [in, out]
+    zeros = _nibbles(t[f"{module}.qzeros"], 1) + (1 if v1 else 0)  # [groups, out]
+    g_idx = t[f"{module}.g_idx"].long()
+    return (t[f"{module}.scales"].float()[g_idx] * (weight - zeros[g_idx]).float()).T
+
+
+def awq_weight(t: dict, module: str) -> torch.Tensor:
+    """AutoAWQ's (and vLLM's reference) dequantization: unpack, undo AWQ's interleave
+    (AWQ_REVERSE_ORDER), (weight - zeros) * scales per group; as [out, in]."""
+    def unpack(words):
+        values = _nibbles(words, 1)
+        order = torch.arange(values.shape[1]).view(-1, 8)[:, [0, 4, 1, 5, 2, 6, 3, 7]].reshape(-1)
+        return values[:, order]
+
+    weight, zeros, scales = unpack(t[f"{module}.qweight"]), unpack(t[f"{module}.qzeros"]), t[f"{module}.scales"]
+    group = weight.shape[0] // scales.shape[0]
+    return ((weight - zeros.repeat_interleave(group, 0)).float() * scales.float().repeat_interleave(group, 0)).T
+
+
+def compressed_tensors_weight(t: dict, module: str, config: dict) -> torch.Tensor:
+    """The compressed-tensors library's own decompression of one module."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    scheme = QuantizationScheme(**config["config_groups"]["group_0"])
+    local = {key.removeprefix(module + "."): value for key, value in t.items() if key.startswith(module + ".")}
+    return PackedQuantizationCompressor.decompress(local, scheme)["weight"].float()
+
+
+def unpacked_hf(path: Path, src: Path):
+    """The full-precision HF model of `src` with each decoder Linear's weight replaced by
+    `path`'s 4-bit weight, dequantized here by its format's own unpacking."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    config = json.loads((path / "config.json").read_text())["quantization_config"]
+    tensors = load_file(str(path / "model.safetensors"))
+    hf = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, module in hf.model.layers.named_modules():
+            if name.rsplit(".", 1)[-1] not in LINEAR:
+                continue
+            full = f"model.layers.{name}"
+            if config["quant_method"] == "gptq":
+                weight = gptq_weight(tensors, full, config.get("checkpoint_format", "gptq") == "gptq")
+            elif config["quant_method"] == "awq":
+                weight = awq_weight(tensors, full)
+            else:
+                weight = compressed_tensors_weight(tensors, full, config)
+            module.weight.copy_(weight)
+    return hf
+
+
+def _logits(params, cfg, tokens):
+    inputs = build_inputs([Chunk(tokens, 0, list(range(8)))], 4, all_logits=True)
+    return jit_forward(params, allocate_kv_caches(cfg, 8, 4, jnp.float32), inputs, cfg, "reference")[0]
+
+
+@pytest.mark.parametrize("zero", [False, True], ids=["symmetric", "zero-points"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_grouped_matmul_matches_the_dequantized_weight(zero, dtype):
+    """The GPU's W4A16 matmul (batched over the groups, scales and zero points applied to the
+    products) against x times the dequantized weight (the CPU's), here on a CPU."""
+    from jaxvllm.quantization import _int4_dequantized, _int4_grouped
+
+    rng = np.random.default_rng(0)
+    out, inputs, group = 48, 96, 32
+    zeros = jnp.asarray(rng.integers(-8, 8, (out, inputs // group)), jnp.float32)
+    weight = QuantizedWeight(jnp.asarray(rng.integers(-8, 8, (out, inputs)), jnp.int4),
+                             jnp.asarray(rng.uniform(0.01, 0.1, (out, inputs // group)), jnp.float32), group,
+                             zero=zeros if zero else None)
+    x = jnp.asarray(rng.standard_normal((5, inputs)), dtype)
+    want = x.astype(jnp.float32) @ weight.dequantized().T
+    for fn in (_int4_grouped, _int4_dequantized):
+        got = jax.jit(fn, static_argnums=2)(x, weight, out)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5 if dtype == jnp.float32 else 1e-2,
+                                   atol=1e-5 if dtype == jnp.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("stack", [False, True], ids=["per-layer", "stacked"])
+def test_w4a16_matches_transformers(arch, stack, int4_checkpoint):
+    """compressed-tensors W4A16 (symmetric, groups of 32) against transformers reading it
+    through the compressed-tensors library."""
+    from transformers import AutoModelForCausalLM
+
+    path = int4_checkpoint("w4a16", arch)
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    cfg, params = load_model(path, stack_layers=stack)
+    weights = [w if stack else w[0] for name, w in params["layers"].items() if name.endswith("proj")]
+    assert all(isinstance(w, QuantizedWeight) and w.value.dtype == jnp.int4 and w.group_size == GROUP
+               and w.zero is None for w in weights)
+    tokens = random_tokens(np.random.default_rng(0), 24)
+    assert rel_err(_logits(params, cfg, tokens), hf_logits(hf, tokens)) <= TOL
+
+
+@pytest.mark.parametrize("kind, arch, group", [("w4a16-asym", "llama", GROUP), ("gptq", "llama", GROUP),
+                                               ("gptq-asym", "qwen2", GROUP), ("gptq_v2", "llama", GROUP),
+                                               ("gptq-asym", "llama", 0), ("gptq-act-order", "llama", GROUP),
+                                               ("gptq-act-order", "qwen3", 16), ("awq", "qwen2", GROUP),
+                                               ("awq", "qwen3", 64)])
+def test_int4_formats_match_their_unpacking(kind, arch, group, int4_checkpoint, tiny_checkpoint):
+    """Each packing (zero points, group sizes of 16, 32, 64 and whole rows; GPTQ's act-order;
+    Qwen2's biases)
+    against the full-precision model holding the weights that its own libraries' unpacking
+    gives (compressed-tensors' decompression; AutoGPTQ's and AutoAWQ's shifts, masks and
+    interleave, reproduced in torch)."""
+    path = int4_checkpoint(kind, arch, group)
+    hf = unpacked_hf(path, tiny_checkpoint(arch))
+    cfg, params = load_model(path)
+    tokens = random_tokens(np.random.default_rng(1), 24)
+    assert rel_err(_logits(params, cfg, tokens), hf_logits(hf, tokens)) <= TOL
+
+
+def test_act_order_stacked(int4_checkpoint, tiny_checkpoint):
+    """GPTQ act-order with stacked layers (the GPU layout: each layer's permutation a row of
+    a stack, q/k/v apart) against the same oracle; the permutation is not the identity."""
+    path = int4_checkpoint("gptq-act-order")
+    hf = unpacked_hf(path, tiny_checkpoint("llama"))
+    cfg, params = load_model(path, stack_layers=True)
+    perm = np.asarray(params["layers"]["q_proj"].perm)
+    assert perm.shape == (cfg.num_layers, cfg.hidden_size) and (perm != np.arange(cfg.hidden_size)).any()
+    tokens = random_tokens(np.random.default_rng(3), 24)
+    assert rel_err(_logits(params, cfg, tokens), hf_logits(hf, tokens)) <= TOL
+
+
+def test_int4_checkpoint_through_the_engine(int4_checkpoint, tiny_checkpoint):
+    """Greedy tokens as the oracle's; the format and the smaller weights in `stats()`
+    (int4 values count half a byte)."""
+    path = int4_checkpoint("gptq-asym")
+    hf = unpacked_hf(path, tiny_checkpoint("llama"))
+    prompts = [random_tokens(np.random.default_rng(seed), n) for seed, n in [(1, 5), (2, 17), (3, 40)]]
+    llm = LLM(path, **ENGINE)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=8),
+                        use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == hf_greedy(hf, prompts, 8)
+    stats = llm.llm_engine.stats()
+    assert stats["quantization"] == "gptq (checkpoint)"
+    value = llm.llm_engine.runner.params["layers"]["qkv_proj"][0].value
+    llm.shutdown()
+    fp8 = LLM(tiny_checkpoint("llama"), quantization="fp8", **ENGINE)
+    fp8_bytes = fp8.llm_engine.stats()["weight_bytes_per_device"][0]
+    fp8_value = fp8.llm_engine.runner.params["layers"]["qkv_proj"][0].value
+    fp8.shutdown()
+    # same layout, half the bytes of fp8's values; the whole model (embeddings full precision) smaller
+    assert value.shape == fp8_value.shape and value.dtype == jnp.int4
+    assert stats["weight_bytes_per_device"][0] < fp8_bytes
+
+
+def test_online_int4(tiny_checkpoint):
+    """`quantization="gptq-dummy"`: each linear weight rounded to 4 bits per group of 128 (of
+    64 on the tiny model's 64 inputs: whole groups) at load, against transformers holding
+    the weights those 4 bits stand for; random 4-bit weights with load_format="dummy"."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_checkpoint("llama")
+    cfg, params = load_model(path, quantization="gptq-dummy")
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, module in hf.model.layers.named_modules():
+            if name.rsplit(".", 1)[-1] in LINEAR:
+                weight = quantize_int4(jnp.asarray(module.weight.numpy()), 1)
+                assert weight.group_size == min(128, module.weight.shape[1])
+                module.weight.copy_(torch.from_numpy(np.array(weight.dequantized())))
+    assert all(w[0].value.dtype == jnp.int4 for name, w in params["layers"].items() if name.endswith("proj"))
+    tokens = random_tokens(np.random.default_rng(2), 24)
+    assert rel_err(_logits(params, cfg, tokens), hf_logits(hf, tokens)) <= TOL
+    llm = LLM(path, load_format="dummy", quantization="gptq-dummy", **ENGINE)
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4 and llm.llm_engine.stats()["quantization"] == "gptq-dummy"
+    llm.shutdown()
+
+
+_TP_SCRIPT = """
+import json, sys
+import numpy as np
+from jaxvllm import LLM, SamplingParams
+ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, token_buckets=[64])
+prompts = [{"prompt_token_ids": np.random.default_rng(seed).integers(3, 200, 12).tolist()} for seed in range(3)]
+out = {}
+for path, quantization in ((sys.argv[1], None), (sys.argv[2], None), (sys.argv[3], None), (sys.argv[4], "gptq-dummy")):
+    for tp in (1, 2):
+        llm = LLM(path, quantization=quantization, tensor_parallel_size=tp, **ENGINE)
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+        out[f"{path} {quantization} {tp}"] = [o.outputs[0].token_ids for o in outs]
+        llm.shutdown()
+print(json.dumps(out))
+"""
+
+
+def test_int4_under_tensor_parallelism(int4_checkpoint, tiny_checkpoint):
+    """2 CPU devices (a process of its own): GPTQ (also act-order) and AWQ checkpoints (zero
+    points, o_proj and down_proj split on their grouped input axis) and online 4-bit give
+    one device's tokens."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    paths = [str(int4_checkpoint("gptq-asym")), str(int4_checkpoint("awq")), str(int4_checkpoint("gptq-act-order")),
+             str(tiny_checkpoint("llama"))]
+    proc = subprocess.run([sys.executable, "-c", _TP_SCRIPT, *paths], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in [k for k in out if k.endswith(" 1")]:
+        assert out[key[:-1] + "2"] == out[key], key
+
+
+def test_no_compiles_after_warmup(int4_checkpoint, compile_counter):
+    """A 4-bit checkpoint serves both buckets with what the warm-up compiled."""
+    prompts = [{"prompt_token_ids": list(range(10, 10 + n))} for n in (20, 3, 6, 1)]
+    llm = LLM(int4_checkpoint("awq"), max_model_len=128, max_num_seqs=12, max_num_batched_tokens=24,
+              token_buckets=[8, 24])
+    before = compile_counter.count
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    assert compile_counter.count == before
+    llm.shutdown()
+
+
+def test_bad_int4_checkpoints_are_refused(int4_checkpoint, tiny_checkpoint, tmp_path):
+    """Each refused while the config is read or the tensors load, naming the problem; nothing
+    placed stays on the device while the error is kept."""
+    gptq, w4a16 = int4_checkpoint("gptq-asym"), int4_checkpoint("w4a16")
+    cases = [
+        (gptq, dict(bits=8), r"8-bit GPTQ is not supported; jaxvllm reads 4-bit GPTQ and AWQ"),
+        (gptq, dict(checkpoint_format="marlin"), r"GPTQ checkpoint_format 'marlin' is not supported"),
+        (gptq, dict(group_size=48), r"model.layers.0.self_attn.q_proj.weight: group_size 48 does not divide its 64 "
+                                    r"inputs, which GPTQ requires"),
+        # groups of 32 over 64 inputs: scales [2, out]; groups of 16 imply [4, out]
+        (gptq, dict(group_size=16), r"tensor model.layers.0.self_attn.q_proj.scales has shape \(2, 64\), "
+                                    r"config.json implies \(4, 64\)"),
+        (gptq, dict(quant_method="awq", version="gemv"), r"AWQ version 'gemv' is not supported"),
+        (w4a16, dict(format="marlin-24"), r"compressed-tensors format 'marlin-24' is not supported; jaxvllm reads"),
+        (w4a16, dict(config_groups={"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": True},
+            "input_activations": {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}}}),
+         r"pack-quantized with input_activations .* is not supported; jaxvllm reads weight-only \(W4A16\)"),
+    ]
+    for i, (path, changes, match) in enumerate(cases):
+        live = len(jax.live_arrays())
+        with pytest.raises(ValueError, match=match) as caught:
+            LLM(_with_config(path, tmp_path / str(i), **changes), **ENGINE)
+        assert len(jax.live_arrays()) == live, caught.value
+    unpacked = _with_config(tiny_checkpoint("llama"), tmp_path / "unpacked", quant_method="gptq", bits=4,
+                            group_size=32, sym=True)
+    with pytest.raises(ValueError, match=r"missing tensor\(s\): model.layers.0.self_attn.q_proj.qweight"):
+        LLM(unpacked, **ENGINE)
+    from safetensors.torch import load_file, save_file
+
+    no_scale = _with_config(w4a16, tmp_path / "no-scale")
+    tensors = load_file(str(no_scale / "model.safetensors"))
+    del tensors["model.layers.1.mlp.down_proj.weight_scale"]
+    save_file(tensors, str(no_scale / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing tensor\(s\): model.layers.1.mlp.down_proj.weight_scale"):
+        LLM(no_scale, **ENGINE)
+    with pytest.raises(ValueError, match=r"quantization='gptq-dummy': this checkpoint is quantized already"):
+        LLM(gptq, quantization="gptq-dummy", **ENGINE)
+    # act-order: a group one input short; q and k (merged on a CPU) in different orders
+    act_order = int4_checkpoint("gptq-act-order")
+    for i, (module, change, match) in enumerate([
+            ("mlp.down_proj", lambda g: torch.cat([(g[:1] + 1) % 4, g[1:]]),
+             r"tensor model.layers.0.mlp.down_proj.g_idx gives groups of \[31, 32, 33\] inputs; act-order needs "
+             r"groups of group_size 32"),
+            ("self_attn.k_proj", lambda g: g.flip(0), r"model.layers.0.self_attn.k_proj.g_idx orders its inputs unlike "
+                                                      r"model.layers.0.self_attn.q_proj.g_idx")]):
+        broken = _with_config(act_order, tmp_path / f"act-order-{i}")
+        tensors = load_file(str(broken / "model.safetensors"))
+        key = f"model.layers.0.{module}.g_idx"
+        tensors[key] = change(tensors[key]).to(torch.int32).contiguous()
+        save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+        with pytest.raises(ValueError, match=match):
+            LLM(broken, **ENGINE)
