@@ -24,7 +24,7 @@ from jaxvllm.dummy import missing_model_message
 from jaxvllm.model_config import ModelConfig
 from jaxvllm.models import MODELS
 from jaxvllm.models.common import SIDE_BY_SIDE, ParamSpec, merge_parts, merged
-from jaxvllm.quantization import (QUANTIZED, CheckpointFormat, QuantizedWeight, check_quantization, checkpoint_format,
+from jaxvllm.quantization import (EXPERTS, QUANTIZED, CheckpointFormat, QuantizedWeight, check_quantization, checkpoint_format,
                                   in_axes, quantize_in_place, quantize_params)
 from jaxvllm.sharding import kv_repeats, param_shardings, sharded_config
 from jaxvllm.stored_tensors import RAW_DTYPES, RawSlice, RowRepeat, act_order, packed_view, safetensors_header
@@ -92,6 +92,8 @@ def load_model(
             raise ValueError(f"load_format='dummy' of a quantized checkpoint ({model}) is not supported; for random "
                              f"fp8 weights, load a full-precision config with quantization='fp8'")
         fmt = checkpoint_format(json.loads((Path(model) / "config.json").read_text())["quantization_config"], str(model))
+        check_quantization(None, cfg, fmt)
+        _check_expert_blocks(cfg, fmt, 1 if mesh is None else mesh.size, expert_parallel)
     target = device or (mesh.devices.flat[0] if mesh is not None else jax.devices()[0])
     stack = stacks_layers(target) if stack_layers is None else stack_layers
     cfg = dataclasses.replace(cfg, stack_layers=stack, merge_projections=not stack)  # (the CPU layout: both)
@@ -115,6 +117,16 @@ def load_model(
         params = quantize_params(params, MODELS[cfg.architecture].param_specs(cfg),
                                  partial(quantize_in_place, method=quantization))
     return run_cfg, params
+
+
+def _check_expert_blocks(cfg: ModelConfig, fmt: CheckpointFormat, tp: int, expert_parallel: bool) -> None:
+    """Block scales of the experts' down projection, whose inputs each device holds a slice of
+    under tensor parallelism (not expert parallelism), must not straddle two devices' slices."""
+    size = fmt.block[1]
+    if any(cfg.moe_layers) and tp > 1 and not expert_parallel and size and (cfg.moe_intermediate_size // tp) % size:
+        raise ValueError(f"experts_down: blocks of {size} inputs straddle the split of moe_intermediate_size "
+                         f"{cfg.moe_intermediate_size} over {tp} devices ({cfg.moe_intermediate_size // tp} each); "
+                         f"use enable_expert_parallel, or a tensor_parallel_size that splits whole blocks")
 
 
 def stacks_layers(device) -> bool:
@@ -383,7 +395,7 @@ def quantized_specs(specs: list[ParamSpec], fmt: CheckpointFormat) -> list[Param
     for spec in specs:
         members = [p for m in (spec.layers or (spec,)) for p in (m.parts or (m,))]
         ignored = [m.hf_name for m in members if fmt.ignores(m.hf_name)]
-        if spec.path[0] != "layers" or spec.path[-1] not in QUANTIZED or len(ignored) == len(members):
+        if spec.path[0] != "layers" or spec.path[-1] not in QUANTIZED + EXPERTS or len(ignored) == len(members):
             out.append(spec)
             continue
         if ignored:
@@ -421,6 +433,10 @@ def _per_group(spec: ParamSpec, fmt: CheckpointFormat, leaf: str, tensor: str) -
         shape = (len(layers), *layers[0].shape) if spec.stack else layers[0].shape
         return dataclasses.replace(spec, path=path, hf_name=hf_name, hf_shape=(spec.hf_shape[0], groups), shape=shape,
                                    layers=layers, dtype="float32", row_block=block[0])
+    if spec.stacked:  # an expert stack [E, in, out], read from HF's per-expert [out, in]: [E, groups, out]
+        return dataclasses.replace(spec, path=path, hf_name=hf_name, hf_shape=(spec.hf_shape[0], groups),
+                                   shape=(spec.shape[0], groups, spec.hf_shape[0]), init="ones", dtype="float32",
+                                   row_block=block[0], fused_name=None)
     out = spec.shape[: len(spec.shape) - in_axes(spec.shape, spec.hf_shape)]
     return dataclasses.replace(spec, path=path, hf_name=hf_name, hf_shape=(spec.hf_shape[0], groups),
                                shape=(*out, groups), init="ones", dtype="float32", row_block=block[0])

@@ -39,6 +39,10 @@ INT8_HALF_RANGE = 127.5  # (127 - -128) / 2
 _TINY = float(jnp.finfo(jnp.float32).tiny)  # (a row of zeros keeps a positive scale)
 # The linear weights quantized (any of them a model has; merged or not).
 QUANTIZED = ("qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "gate_proj", "up_proj", "down_proj")
+# A mixture of experts' expert stacks [E, in, out] (the grouped matmul's layout): a quantized
+# one holds scales [E, groups, out], groups along its input axis.
+EXPERTS = ("experts_gate", "experts_up", "experts_down")
+EXPERT_STACK = 0  # `num_in` of an expert stack, for the online quantizers
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["value", "scale", "zero", "perm", "input_scale"],
@@ -243,15 +247,19 @@ def _pack_quantized_format(weights: dict, inputs: dict | None, ignore: tuple, mo
                             None if symmetric else "weight_zero_point", "compressed-tensors", (".weight_shape",))
 
 
-def check_quantization(quantization: str | None, cfg) -> None:
+def check_quantization(quantization: str | None, cfg, fmt: CheckpointFormat | None = None) -> None:
     """Refuse, before any weight loads, online quantization of a checkpoint that is quantized
-    already, and quantized expert stacks (not covered yet)."""
+    already, and expert stacks in a format the grouped matmul does not read (8-bit with
+    dynamic activations only)."""
     if cfg.quant_method is not None and quantization is not None:
         raise ValueError(f"quantization={quantization!r}: this checkpoint is quantized already (quant_method "
                          f"{cfg.quant_method!r} in config.json); leave quantization unset to run it as it is")
-    if (quantization is not None or cfg.quant_method is not None) and any(cfg.moe_layers):
-        raise ValueError(f"{cfg.architecture}: quantized expert stacks are not supported yet; load it without "
-                         f"quantization, from a full-precision checkpoint")
+    four_bit = quantization == "gptq-dummy" or (fmt is not None and fmt.value_dtype == "int4")
+    if any(cfg.moe_layers) and (four_bit or (fmt is not None and fmt.input_scale_name)):
+        what = "4-bit" if four_bit else "statically scaled"
+        raise ValueError(f"{cfg.architecture}: {what} expert stacks are not supported yet; jaxvllm quantizes a "
+                         f"mixture of experts' experts to fp8 (quantization='fp8') or reads them in 8-bit checkpoints "
+                         f"with dynamic activations")
 
 
 def in_axes(shape: tuple[int, ...], hf_shape: tuple[int, ...]) -> int:
@@ -291,15 +299,29 @@ def quantize_int4(weight: jax.Array, num_in: int, group: int = INT4_GROUP) -> Qu
 
 
 def _scale_sharding(sharding, ndim: int, num_in: int):
-    """A weight's scales split as its output axes are (whole along the input's)."""
+    """A weight's scales split as its output axes are (whole along the input's); an expert
+    stack's [E, 1, out] as its experts and outputs are."""
     if not isinstance(sharding, NamedSharding):
         return sharding
     spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+    if num_in == EXPERT_STACK:
+        return NamedSharding(sharding.mesh, P(spec[0], None, spec[2]))
     return NamedSharding(sharding.mesh, P(*spec[: ndim - num_in], None))
 
 
-# `quantization=` at load: how each weight is quantized
+def quantize_experts_fp8(weight: jax.Array, num_in: int = EXPERT_STACK) -> QuantizedWeight:
+    """An expert stack [E, in, out] in fp8, each expert's output column scaled so that its
+    largest magnitude is 448: value [E, in, out], scale [E, 1, out]."""
+    value, scale = quantize_rows(jnp.swapaxes(weight, 1, 2))
+    return QuantizedWeight(jnp.swapaxes(value, 1, 2), jnp.swapaxes(scale, 1, 2))
+
+
+# `quantization=` at load: how each weight is quantized (num_in EXPERT_STACK: an expert stack)
 ONLINE = {"fp8": quantize_fp8, "gptq-dummy": quantize_int4}
+
+
+def _online(weight: jax.Array, num_in: int, method: str) -> QuantizedWeight:
+    return quantize_experts_fp8(weight) if num_in == EXPERT_STACK else ONLINE[method](weight, num_in)
 
 
 def quantize_in_place(weight: jax.Array, num_in: int, method: str = "fp8") -> QuantizedWeight:
@@ -312,7 +334,7 @@ def quantize_in_place(weight: jax.Array, num_in: int, method: str = "fp8") -> Qu
     return quantized
 
 
-_jit_quantize = jax.jit(lambda weight, num_in, method: ONLINE[method](weight, num_in), static_argnums=(1, 2))
+_jit_quantize = jax.jit(_online, static_argnums=(1, 2))
 
 
 def quantize_params(params: dict, specs: list, quantize: Callable = quantize_in_place) -> dict:
@@ -323,23 +345,26 @@ def quantize_params(params: dict, specs: list, quantize: Callable = quantize_in_
     layers = params.get("layers", {})
     for spec in specs:
         name = spec.path[-1]
-        if spec.path[0] != "layers" or name not in QUANTIZED:
+        if spec.path[0] != "layers" or name not in QUANTIZED + EXPERTS:
             continue
-        num_in = in_axes(spec.shape, spec.hf_shape)
+        num_in = EXPERT_STACK if name in EXPERTS else in_axes(spec.shape, spec.hf_shape)
         stack = layers[name]
         layers[name] = [quantize(w, num_in) for w in stack] if isinstance(stack, list) else quantize(stack, num_in)
     return params
 
 
-def quantize_rows(x: jax.Array, dtype=FP8) -> tuple[jax.Array, jax.Array]:
+def quantize_rows(x: jax.Array, dtype=FP8, amax_reduce: Callable | None = None) -> tuple[jax.Array, jax.Array]:
     """Dynamic quantization of x [..., n] to `dtype` (fp8, or int8 symmetric and rounded): each
     row scaled so that its largest magnitude is half the type's range (448; 127.5 for int8,
     as compressed-tensors defines it, where vLLM's kernels take 127); the rows and their
     float32 scales [..., 1]. The arithmetic is each oracle's, to the last bit, since a last
     bit can move a value across a rounding jump: fp8 multiplies by 448 / amax (XLA may turn
-    x / s into x * (1 / s)), int8 divides as compressed-tensors does."""
+    x / s into x * (1 / s)), int8 divides as compressed-tensors does. `amax_reduce` completes
+    each row's largest magnitude over devices holding the rest of it."""
     x = x.astype(jnp.float32)
     amax = jnp.maximum(jnp.max(jnp.abs(x), axis=-1, keepdims=True), _TINY)
+    if amax_reduce is not None:  # (the rows' other inputs are on other devices)
+        amax = amax_reduce(amax)
     if jnp.dtype(dtype) == jnp.int8:
         # True divisions, as compressed-tensors computes them: a row's most negative extreme
         # lands on the tie -127.5, which the last bit decides, and XLA turns a division by a
@@ -421,3 +446,25 @@ def _int4_grouped(x2: jax.Array, weight: QuantizedWeight, out_rows: int) -> jax.
         x_sums = jnp.sum(x3.astype(jnp.float32), axis=2).T[:, :, None]  # [G, T, 1]
         out = out - x_sums * weight.zero.reshape(out_rows, groups).T[:, None, :]
     return jnp.sum(out * scale, axis=0)
+
+
+def quantized_grouped_matmul(rows: jax.Array, weight: QuantizedWeight, group_sizes: jax.Array, gmm: Callable,
+                             amax_reduce: Callable | None = None) -> jax.Array:
+    """rows [N, in] sorted by expert (`group_sizes` [E] each) times an 8-bit expert stack
+    (`EXPERTS`), W8A8 as `quantized_matmul`: per group of inputs, rows quantized per token,
+    `gmm(rows, values, group_sizes)` (a grouped matmul: jax.lax.ragged_dot, or the Pallas
+    kernel over the values converted exactly to float32 / bfloat16, which it reads), each
+    product scaled by its token's scale and its row's expert's column scales, the groups
+    summed; float32 [N, out]. `amax_reduce`: how a token's largest magnitude is completed
+    where the rows hold a slice of the inputs (one device's, under tensor parallelism)."""
+    value, scale = weight.value, weight.scale  # [E, in, out], [E, groups, out]
+    n_in, groups = value.shape[1], scale.shape[1]
+    size = weight.group_size or n_in
+    expert_of_row = jnp.repeat(jnp.arange(value.shape[0]), group_sizes, total_repeat_length=rows.shape[0])
+    out = jnp.zeros((rows.shape[0], value.shape[2]), jnp.float32)
+    for g in range(groups):
+        lo, hi = g * size, min((g + 1) * size, n_in)
+        xq, x_scale = quantize_rows(rows[:, lo:hi], value.dtype, amax_reduce if groups == 1 else None)
+        part = gmm(xq, value if groups == 1 else value[:, lo:hi], group_sizes)
+        out = out + part.astype(jnp.float32) * x_scale * scale[expert_of_row, g]
+    return out

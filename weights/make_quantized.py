@@ -26,7 +26,9 @@ import re
 import shutil
 from pathlib import Path
 
-LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
+# Decoder linear weights, experts' included (Qwen3-MoE's mlp.experts.{j}.*_proj, Mixtral's w1/w2/w3).
+LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(experts\.\d+\.)?(gate|up|down)_proj|"
+                    r"block_sparse_moe\.experts\.\d+\.w[123])\.weight")
 FP8_MAX = 448.0
 
 

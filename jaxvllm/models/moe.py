@@ -38,6 +38,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxvllm.layers import linear
 from jaxvllm.model_config import ModelConfig
+from jaxvllm.quantization import EXPERTS, QuantizedWeight, quantized_grouped_matmul
 from jaxvllm.sharding import AXIS, param_partition
 from pallas_kernels.grouped_matmul import default_block_m, grouped_matmul
 
@@ -73,18 +74,37 @@ def route(x: jax.Array, router: jax.Array, cfg: ModelConfig) -> tuple[jax.Array,
     return weights, experts.astype(jnp.int32)
 
 
-EXPERTS = ("experts_gate", "experts_up", "experts_down")
-
-
 def grouped_experts(rows: jax.Array, group_sizes: jax.Array, layer: dict, backend: str = "reference",
-                    block_m: int | None = None) -> jax.Array:
+                    block_m: int | None = None, amax_reduce=None) -> jax.Array:
     """SwiGLU experts over `rows` [N, hidden] sorted by expert (`group_sizes` [E] rows each):
     the Pallas grouped matmul for backend "pallas" (`block_m`: its row tile, None: its
-    default), else jax.lax.ragged_dot."""
-    gmm = partial(grouped_matmul, block_m=block_m) if backend == "pallas" else jax.lax.ragged_dot
-    gate = gmm(rows, layer["experts_gate"], group_sizes)
-    up = gmm(rows, layer["experts_up"], group_sizes)
-    return gmm(jax.nn.silu(gate) * up, layer["experts_down"], group_sizes)
+    default), else jax.lax.ragged_dot. Quantized experts (`QuantizedWeight`s) run W8A8
+    (`quantized_grouped_matmul`; `amax_reduce`: the down projection's, whose inputs are split
+    over devices under tensor parallelism)."""
+    if isinstance(layer["experts_gate"], QuantizedWeight):
+        gmm = partial(_quantized_gmm, backend=backend, dtype=rows.dtype, block_m=block_m)
+
+        def matmul(x, name, reduce=None):
+            return quantized_grouped_matmul(x, layer[name], group_sizes, gmm, reduce).astype(rows.dtype)
+    else:
+        gmm = partial(grouped_matmul, block_m=block_m) if backend == "pallas" else jax.lax.ragged_dot
+
+        def matmul(x, name, reduce=None):
+            return gmm(x, layer[name], group_sizes)
+    gate, up = matmul(rows, "experts_gate"), matmul(rows, "experts_up")
+    return matmul(jax.nn.silu(gate) * up, "experts_down", amax_reduce)
+
+
+def _quantized_gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, backend: str, dtype,
+                   block_m: int | None) -> jax.Array:
+    """8-bit rows times an 8-bit expert stack: ragged_dot accumulating in float32 (int8: int32),
+    or the Pallas kernel over both converted exactly to the model's float type (float32, or
+    bfloat16 for 16-bit models: fp8 and int8 values fit it)."""
+    if backend == "pallas":
+        compute = jnp.float32 if dtype == jnp.float32 else jnp.bfloat16
+        return grouped_matmul(x.astype(compute), w.astype(compute), group_sizes, block_m=block_m)
+    return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.int32 if x.dtype == jnp.int8 else
+                              jnp.float32)
 
 
 def _local_experts(rows: jax.Array, group_sizes: jax.Array, experts: dict, backend: str) -> jax.Array:
@@ -109,14 +129,25 @@ def _sharded_experts(rows: jax.Array, group_sizes: jax.Array, layer: dict, cfg: 
     if mesh is None or (backend != "pallas" and not cfg.expert_parallel):
         return grouped_experts(rows, group_sizes, layer, backend)
     experts = {name: layer[name] for name in EXPERTS}
-    specs = {name: param_partition((name,), cfg, mesh.shape[AXIS]) for name in EXPERTS}
-    compute = _local_experts if cfg.expert_parallel else grouped_experts
+    specs = {name: _expert_spec(layer[name], param_partition((name,), cfg, mesh.shape[AXIS])) for name in EXPERTS}
+    # (each device's down projection holds a slice of its inputs: per-token scales over all of them)
+    compute = _local_experts if cfg.expert_parallel else partial(grouped_experts,
+                                                                 amax_reduce=partial(jax.lax.pmax, axis_name=AXIS))
 
     def local(rows, group_sizes, experts):
         return jax.lax.psum(compute(rows, group_sizes, experts, backend), AXIS)
 
     return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), specs), out_specs=P(),
                          check_vma=False)(rows, group_sizes, experts)  # Pallas calls carry no vma
+
+
+def _expert_spec(weight, partition: P):
+    """How an expert stack is split in `shard_map`: as `partition`, and a quantized one's
+    scales [E, groups, out] alike (groups whole when one per column)."""
+    if not isinstance(weight, QuantizedWeight):
+        return partition
+    e, inputs, out = tuple(partition) + (None,) * (3 - len(partition))
+    return QuantizedWeight(partition, P(e, inputs if weight.scale.shape[1] > 1 else None, out), weight.group_size)
 
 
 def sparse_moe(layer: dict, x: jax.Array, cfg: ModelConfig, backend: str = "reference",

@@ -459,8 +459,6 @@ def test_bad_quantization_is_refused(tiny_checkpoint, fp8_checkpoint, tmp_path):
     with pytest.raises(ValueError, match=r"quantization='fp8': this checkpoint is quantized already \(quant_method "
                                          r"'fp8' in config.json\)"):
         LLM(fp8, quantization="fp8", **ENGINE)
-    with pytest.raises(ValueError, match="quantized expert stacks are not supported yet"):
-        LLM(tiny_checkpoint("qwen3_moe"), quantization="fp8", **ENGINE)
     cases = [
         (dict(quant_method="bitsandbytes"), r"quant_method 'bitsandbytes' in config.json is not supported; jaxvllm "
                                             r"reads HF fp8"),
