@@ -111,6 +111,8 @@ class CheckpointFormat:
     `unused` are the format's bookkeeping, not read.
     - HF fp8 (`quant_method: "fp8"`, transformers' FineGrainedFP8): float8_e4m3fn,
       `weight_scale_inv` per `weight_block_size` block; activations per token and group.
+      Without weight_block_size (vLLM's and AutoFP8's per-tensor fp8): `weight_scale` per
+      tensor, activations per token, or with `input_scale` (activation_scheme "static").
     - compressed-tensors `float-quantized` / `int-quantized` (llm-compressor's FP8_DYNAMIC and
       W8A8 int8): float8_e4m3fn or int8, `weight_scale` per channel (block (1, 0)),
       activations per token; llm-compressor's FP8 (static): `weight_scale` per tensor (block
@@ -138,7 +140,8 @@ class CheckpointFormat:
                    module == m or module.startswith(m + ".") or module.endswith("." + m) for m in self.ignore)
 
 
-SUPPORTED_CHECKPOINTS = ("HF fp8 (quant_method 'fp8' with weight_block_size and dynamic activations), "
+SUPPORTED_CHECKPOINTS = ("fp8 (quant_method 'fp8': blocks (weight_block_size) with dynamic activations, or "
+                         "per tensor with dynamic or static activations), "
                          "compressed-tensors float-quantized / int-quantized (8-bit, weights per channel or "
                          "tensor, activations dynamic per token or, fp8, static per tensor) and pack-quantized "
                          "(4-bit weights per group or channel, activations unquantized), GPTQ (4-bit, v1 or v2 "
@@ -156,13 +159,22 @@ def checkpoint_format(quant_config: dict, model: str) -> CheckpointFormat:
         raise ValueError(f"{model}: quant_method {method!r} in config.json is not supported; jaxvllm reads "
                          f"{SUPPORTED_CHECKPOINTS}")
     block = quant_config.get("weight_block_size")
-    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-        raise ValueError(f"{model}: an fp8 checkpoint's weight_block_size must be two positive ints [rows, inputs], "
-                         f"got {block!r} (per-tensor fp8 checkpoints are not read yet)")
     scheme = quant_config.get("activation_scheme", "dynamic")
+    ignore = tuple(quant_config.get("modules_to_not_convert") or quant_config.get("ignored_layers") or ())
+    if block is None:  # per tensor (vLLM's and AutoFP8's fp8): `weight_scale`, and `input_scale` when static
+        if scheme not in ("dynamic", "static"):
+            raise ValueError(f"{model}: activation_scheme {scheme!r} is not supported ('dynamic' or 'static')")
+        static = scheme == "static"
+        return CheckpointFormat("fp8", (0, 0), scale_name="weight_scale", ignore=ignore,
+                                unused=(".input_scale",) if static else (),
+                                input_scale_name="input_scale" if static else None)
+    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ValueError(f"{model}: an fp8 checkpoint's weight_block_size must be two positive ints [rows, inputs] "
+                         f"(or absent: per-tensor scales), got {block!r}")
     if scheme != "dynamic":
-        raise ValueError(f"{model}: activation_scheme {scheme!r} is not supported (only 'dynamic')")
-    return CheckpointFormat("fp8", (block[0], block[1]), ignore=tuple(quant_config.get("modules_to_not_convert") or ()))
+        raise ValueError(f"{model}: activation_scheme {scheme!r} with weight_block_size is not supported (only "
+                         f"'dynamic')")
+    return CheckpointFormat("fp8", (block[0], block[1]), ignore=ignore)
 
 
 def _int4_format(quant_config: dict, model: str) -> CheckpointFormat:

@@ -47,23 +47,34 @@ def quantize_blocks(weight, block: tuple[int, int]):
     return values, (amax / FP8_MAX).reshape(amax.shape[0], amax.shape[2]).contiguous()
 
 
-def make_fp8(src: str | Path, out: str | Path, block: tuple[int, int] = (128, 128),
-             ignore: tuple[str, ...] = ()) -> Path:
+def make_fp8(src: str | Path, out: str | Path, block: tuple[int, int] | None = (128, 128),
+             ignore: tuple[str, ...] = (), static: bool = False) -> Path:
     """`src` with its decoder linear weights in HF's block fp8 (those whose module name ends
-    in one of `ignore` kept as they are, and listed in modules_to_not_convert)."""
+    in one of `ignore` kept as they are, and listed in modules_to_not_convert). `block` None:
+    vLLM's (and AutoFP8's) per-tensor fp8 instead, `weight_scale` [] per weight and, `static`,
+    a calibrated `input_scale` [] (`calibrate_inputs`) with activation_scheme "static"."""
+    import torch
+
     kept = []
+    input_amax = calibrate_inputs(src) if static else {}
 
     def quantize(name: str, tensor) -> dict:
         module = name.removesuffix(".weight")
         if any(module.endswith(i) for i in ignore):
             kept.append(module)
             return {name: tensor}
-        value, scale = quantize_blocks(tensor, block)
-        return {name: value, f"{name}_scale_inv": scale}
+        if block is not None:
+            value, scale = quantize_blocks(tensor, block)
+            return {name: value, f"{name}_scale_inv": scale}
+        value, scale = quantize_rows(tensor.reshape(1, -1), "fp8")
+        out = {name: value.reshape(tensor.shape), f"{module}.weight_scale": scale.reshape(())}
+        if static:
+            out[f"{module}.input_scale"] = torch.tensor(input_amax[module] / FP8_MAX, dtype=torch.float32)
+        return out
 
     return _write_quantized(src, out, quantize, lambda: {
-        "quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(block),
-        "modules_to_not_convert": kept or None})
+        "quant_method": "fp8", "activation_scheme": "static" if static else "dynamic",
+        **({"weight_block_size": list(block)} if block is not None else {}), "modules_to_not_convert": kept or None})
 
 
 def quantize_rows(weight, kind: str):

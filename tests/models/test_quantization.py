@@ -396,6 +396,50 @@ def test_compressed_tensors_fp8_static_matches_the_library(arch, stack, compress
     assert rel_err(logits, hf_logits(hf, tokens)) <= TOL
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_per_tensor_fp8_checkpoint(static, tiny_checkpoint, tmp_path):
+    """vLLM's (AutoFP8's) per-tensor fp8: `quant_method: "fp8"` without weight_block_size,
+    `weight_scale` [] per weight and, static, `input_scale` []: against the full-precision
+    model holding the dequantized weights, each Linear's input rounded per token (dynamic)
+    or with its input scale (static), as the format defines (transformers reads only
+    block fp8)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from weights.make_quantized import make_fp8
+
+    src = tiny_checkpoint("llama")
+    path = make_fp8(src, tmp_path / "fp8", None, static=static)
+    tensors = load_file(str(path / "model.safetensors"))
+    hf = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+    hf.near_ties = 0
+    fp8 = lambda v: v.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)  # noqa: E731
+
+    def static_input(scale):
+        def hook(_, args):
+            hf.near_ties += static_ties(args[0], scale)
+            return (fp8(args[0] / scale) * scale,)
+        return hook
+
+    with torch.no_grad():
+        for name, module in hf.model.layers.named_modules():
+            if name.rsplit(".", 1)[-1] not in QUANTIZED:
+                continue
+            full = f"model.layers.{name}"
+            module.weight.copy_(tensors[f"{full}.weight"].float() * tensors[f"{full}.weight_scale"])
+            if static:
+                module.register_forward_pre_hook(static_input(tensors[f"{full}.input_scale"]))
+    if not static:
+        hf = w8a8_oracle(hf, round_weights=False)
+    cfg, params = load_model(path)
+    q_proj = params["layers"]["qkv_proj"][0]
+    assert q_proj.value.dtype == jnp.float8_e4m3fn and (q_proj.input_scale is not None) == static
+    tokens = tie_free_tokens(hf, 24)
+    inputs = build_inputs([Chunk(tokens, 0, list(range(8)))], 4, all_logits=True)
+    logits, _ = jit_forward(params, allocate_kv_caches(cfg, 8, 4, jnp.float32), inputs, cfg, "reference")
+    assert rel_err(logits, hf_logits(hf, tokens)) <= TOL
+
+
 def test_compressed_tensors_int8_matches_the_library(compressed_checkpoint, tiny_checkpoint):
     """compressed-tensors int-quantized (W8A8 int8): a linear layer's product equals the
     library's own module's on the same input (scales amax / 127.5, x / scale rounded half
@@ -461,11 +505,13 @@ def test_bad_quantization_is_refused(tiny_checkpoint, fp8_checkpoint, tmp_path):
         LLM(fp8, quantization="fp8", **ENGINE)
     cases = [
         (dict(quant_method="bitsandbytes"), r"quant_method 'bitsandbytes' in config.json is not supported; jaxvllm "
-                                            r"reads HF fp8"),
+                                            r"reads fp8 \(quant_method 'fp8': blocks .* GPTQ .* AWQ"),
         (dict(quant_method="gptq", bits=8), r"8-bit GPTQ is not supported; jaxvllm reads 4-bit GPTQ and AWQ"),
-        (dict(weight_block_size=None), r"weight_block_size must be two positive ints \[rows, inputs\], got None"),
+        # without weight_block_size, per-tensor scales: `weight_scale`, which a block checkpoint lacks
+        (dict(weight_block_size=None), r"missing tensor\(s\): model.layers.0.self_attn.q_proj.weight_scale"),
         (dict(weight_block_size=[128, 0]), r"weight_block_size must be two positive ints .* got \[128, 0\]"),
-        (dict(activation_scheme="static"), r"activation_scheme 'static' is not supported \(only 'dynamic'\)"),
+        (dict(activation_scheme="static"), r"activation_scheme 'static' with weight_block_size is not supported "
+                                           r"\(only 'dynamic'\)"),
         # the checkpoint's scales are [2, 2] per layer for blocks of 32 over 64; blocks of 16 imply [4, 4]
         (dict(weight_block_size=[16, 16]), r"tensor model.layers.0.self_attn.q_proj.weight_scale_inv in "
                                            r"model.safetensors has shape \(2, 2\), config.json implies \(4, 4\)"),
