@@ -464,8 +464,8 @@ def quantized_grouped_matmul(rows: jax.Array, weight: QuantizedWeight, group_siz
                              amax_reduce: Callable | None = None) -> jax.Array:
     """rows [N, in] sorted by expert (`group_sizes` [E] each) times an 8-bit expert stack
     (`EXPERTS`), W8A8 as `quantized_matmul`: per group of inputs, rows quantized per token,
-    `gmm(rows, values, group_sizes)` (a grouped matmul: jax.lax.ragged_dot, or the Pallas
-    kernel over the values converted exactly to float32 / bfloat16, which it reads), each
+    `gmm(rows, values, group_sizes)` (a grouped matmul of 8-bit operands into float32:
+    jax.lax.ragged_dot, or the Pallas kernel), each
     product scaled by its token's scale and its row's expert's column scales, the groups
     summed; float32 [N, out]. `amax_reduce`: how a token's largest magnitude is completed
     where the rows hold a slice of the inputs (one device's, under tensor parallelism)."""

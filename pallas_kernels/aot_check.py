@@ -275,6 +275,8 @@ def kernel_cases(quick: bool) -> list[Case]:
             for tuning in k3["tiles"][:1] if quick else k3["tiles"]:
                 cases.append(gmm_case(rows, k, n, experts=k3["experts"], **tuning))
     cases.append(gmm_case(2048, 2048, 768, jnp.float32))
+    # fp8 expert stacks (W8A8): 8-bit tiles converted in registers, both projections
+    cases += [gmm_case(2048, k, n, jnp.float8_e4m3fn, experts=k3["experts"]) for k, n in k3["projections"]]
     return cases
 
 

@@ -25,6 +25,12 @@ stores its [block_m, block_n] tile with a row mask [lo, hi). Two visits to one t
 disjoint rows, so their masked stores never touch the same element: no race under
 Triton's programming model, and every row of out is written by exactly one program.
 Written for Pallas' Triton backend; `interpret=True` (default on CPU) runs the same body.
+
+8-bit operands (float8_e4m3fn or int8, both sides: a W8A8 expert stack and its quantized
+rows) are read as they are, each tile converted to float16 in registers (every e4m3 value
+and every int8 one is exact in float16) for a float16 dot accumulated in float32, and the
+output is float32 (`out_dtype`), for the caller to scale: the weights' bytes stay 8-bit
+all the way to the registers.
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ BLOCK_K = 64
 NUM_WARPS = 4
 
 INT32_MAX = 2**31 - 1
+EIGHT_BIT_DTYPES = ("float8_e4m3fn", "int8")  # W8A8 operands (module docstring)
 
 
 def default_block_m(m: int, num_groups: int) -> int:
@@ -108,6 +115,7 @@ def _gmm_kernel(
     block_k: int,
 ):
     group, tile, lo, hi = visit_ref[0], visit_ref[1], visit_ref[2], visit_ref[3]
+    eight_bit = lhs_ref.dtype.itemsize == 1  # (converted in registers: see the module docstring)
     rows = tile * block_m + jnp.arange(block_m)
     row_ok = ((rows >= lo) & (rows < hi))[:, None]
     cols = pl.program_id(1) * block_n + jnp.arange(block_n)
@@ -122,11 +130,15 @@ def _gmm_kernel(
     def body(step, acc):
         ks = step * block_k + offsets
         k_ok = None if k % block_k == 0 else ks < k
-        a = plgpu.load(lhs_ref.at[rows[:, None], ks[None, :]],
-                       mask=both(row_ok, None if k_ok is None else k_ok[None, :]), other=0)
+        a_mask = both(row_ok, None if k_ok is None else k_ok[None, :])
         b_mask = both(None if k_ok is None else k_ok[:, None], col_ok)
+        # (Triton cannot fill masked 8-bit lanes with a constant: they are zeroed once converted)
+        a = plgpu.load(lhs_ref.at[rows[:, None], ks[None, :]], mask=a_mask, other=None if eight_bit else 0)
         b = plgpu.load(rhs_ref.at[(first + ks)[:, None], cols[None, :]], mask=b_mask,
-                       other=None if b_mask is None else 0)
+                       other=None if b_mask is None or eight_bit else 0)
+        if eight_bit:
+            a = jnp.where(a_mask, a.astype(jnp.float16), 0)
+            b = b.astype(jnp.float16) if b_mask is None else jnp.where(b_mask, b.astype(jnp.float16), 0)
         return acc + plgpu.dot(a, b, precision=precision)
 
     steps = jnp.where(group >= 0, jnp.int32(cdiv(k, block_k)), jnp.int32(0))
@@ -145,11 +157,13 @@ def grouped_matmul(
     num_warps: int | None = None,
     num_stages: int | None = None,
     interpret: bool | None = None,
+    out_dtype=None,
 ) -> jax.Array:
     """`jax.lax.ragged_dot(lhs, rhs, group_sizes)` as a grouped matmul; see the module docstring.
 
-    lhs [m, k] and rhs [num_groups, k, n] of one dtype (float32, bfloat16, float16),
-    group_sizes [num_groups] integer. Out [m, n] in lhs' dtype, accumulated in float32.
+    lhs [m, k] and rhs [num_groups, k, n] of one dtype (float32, bfloat16, float16; or 8-bit,
+    float8_e4m3fn or int8), group_sizes [num_groups] integer. Out [m, n] in `out_dtype`
+    (None: lhs' dtype; float32 for 8-bit operands), accumulated in float32.
     block_m: rows per tile (None: the mean rows per group, a power of 2 in [16, 64]).
     block_n / block_k: output columns per program / k per inner step (None: 128 / 64,
     each cut to the next power of 2 of n / k, at least 16). num_warps: None = 4.
@@ -169,12 +183,15 @@ def grouped_matmul(
                          f"{group_sizes.dtype}{list(group_sizes.shape)}")
     if lhs.dtype != rhs.dtype:
         raise ValueError(f"lhs dtype {lhs.dtype} != rhs dtype {rhs.dtype}")
-    if lhs.dtype.name not in KERNEL_DTYPES:
-        raise ValueError(f"dtype {lhs.dtype} is not supported; use one of {KERNEL_DTYPES}")
+    if lhs.dtype.name not in KERNEL_DTYPES + EIGHT_BIT_DTYPES:
+        raise ValueError(f"dtype {lhs.dtype} is not supported; use one of {KERNEL_DTYPES + EIGHT_BIT_DTYPES}")
+    out_dtype = jnp.dtype(out_dtype or (jnp.float32 if lhs.dtype.name in EIGHT_BIT_DTYPES else lhs.dtype))
+    if out_dtype.name not in KERNEL_DTYPES:
+        raise ValueError(f"out_dtype {out_dtype} is not supported; use one of {KERNEL_DTYPES}")
     if num_groups < 1:
         raise ValueError("rhs must have at least one group")
     if m == 0 or n == 0:
-        return jnp.zeros((m, n), lhs.dtype)
+        return jnp.zeros((m, n), out_dtype)
     if block_m is None:
         block_m = default_block_m(m, num_groups)
     if block_n is None:
@@ -184,7 +201,7 @@ def grouped_matmul(
     if num_warps is None:
         num_warps = NUM_WARPS
     if num_stages is None:
-        num_stages = default_num_stages(lhs.dtype)
+        num_stages = default_num_stages(jnp.float16 if lhs.dtype.name in EIGHT_BIT_DTYPES else lhs.dtype)
     for name, value in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
@@ -209,18 +226,21 @@ def grouped_matmul(
             pl.BlockSpec((num_groups * k, n), lambda v, j: (0, 0)),
         ],
         out_specs=pl.BlockSpec((m, n), lambda v, j: (0, 0)),
-        out_shape=jax.ShapeDtypeStruct((m, n), lhs.dtype),
+        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="jaxvllm_grouped_matmul",
     )(schedule, lhs, rhs.reshape(num_groups * k, n))
 
 
-def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, out_dtype=None) -> jax.Array:
     """The contract in plain jnp: every group's product, masked to its rows, summed.
 
-    num_groups dense products (as XLA's ragged_dot): for tests, not for speed.
+    num_groups dense products (as XLA's ragged_dot): for tests, not for speed. 8-bit
+    operands are taken as float32 (exact), the output float32 unless `out_dtype` says.
     """
+    if lhs.dtype.itemsize == 1:
+        lhs, rhs, out_dtype = lhs.astype(jnp.float32), rhs.astype(jnp.float32), out_dtype or jnp.float32
     m = lhs.shape[0]
     sizes = group_sizes.astype(jnp.int32)
     ends = jnp.cumsum(sizes)
@@ -231,4 +251,4 @@ def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Ar
         mine = (rows >= starts[g]) & (rows < ends[g])
         product = jnp.dot(lhs, rhs[g], precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
         out = out + jnp.where(mine[:, None], product, 0.0)
-    return out.astype(lhs.dtype)
+    return out.astype(out_dtype or lhs.dtype)

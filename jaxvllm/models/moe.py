@@ -82,7 +82,7 @@ def grouped_experts(rows: jax.Array, group_sizes: jax.Array, layer: dict, backen
     (`quantized_grouped_matmul`; `amax_reduce`: the down projection's, whose inputs are split
     over devices under tensor parallelism)."""
     if isinstance(layer["experts_gate"], QuantizedWeight):
-        gmm = partial(_quantized_gmm, backend=backend, dtype=rows.dtype, block_m=block_m)
+        gmm = partial(_quantized_gmm, backend=backend, block_m=block_m)
 
         def matmul(x, name, reduce=None):
             return quantized_grouped_matmul(x, layer[name], group_sizes, gmm, reduce).astype(rows.dtype)
@@ -95,14 +95,12 @@ def grouped_experts(rows: jax.Array, group_sizes: jax.Array, layer: dict, backen
     return matmul(jax.nn.silu(gate) * up, "experts_down", amax_reduce)
 
 
-def _quantized_gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, backend: str, dtype,
+def _quantized_gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, backend: str,
                    block_m: int | None) -> jax.Array:
-    """8-bit rows times an 8-bit expert stack: ragged_dot accumulating in float32 (int8: int32),
-    or the Pallas kernel over both converted exactly to the model's float type (float32, or
-    bfloat16 for 16-bit models: fp8 and int8 values fit it)."""
+    """8-bit rows times an 8-bit expert stack, float32: the Pallas kernel (it reads 8-bit tiles
+    and converts them in registers), or ragged_dot accumulating in float32 (int8: int32)."""
     if backend == "pallas":
-        compute = jnp.float32 if dtype == jnp.float32 else jnp.bfloat16
-        return grouped_matmul(x.astype(compute), w.astype(compute), group_sizes, block_m=block_m)
+        return grouped_matmul(x, w, group_sizes, block_m=block_m, out_dtype=jnp.float32)
     return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.int32 if x.dtype == jnp.int8 else
                               jnp.float32)
 

@@ -74,6 +74,29 @@ def test_matches_reference(m, k, n, sizes, tiles, dtype):
         assert_close(ragged, want, dtype)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.int8])
+@pytest.mark.parametrize("m,k,n,sizes,tiles", CASES)
+def test_eight_bit_operands(m, k, n, sizes, tiles, dtype):
+    """W8A8 expert stacks: 8-bit lhs and rhs, float32 out, equal to ragged_dot accumulating
+    in float32 (int32 for int8): every product of two 8-bit values is exact in float32, so
+    only the order of the sums differs."""
+    rng = np.random.default_rng(m + k)
+    if dtype == jnp.int8:
+        lhs = jnp.asarray(rng.integers(-128, 128, (m, k)), dtype)
+        rhs = jnp.asarray(rng.integers(-128, 128, (len(sizes), k, n)), dtype)
+    else:
+        lhs = jnp.asarray(rng.normal(size=(m, k)) * 40, dtype)
+        rhs = jnp.asarray(rng.normal(size=(len(sizes), k, n)) * 40, dtype)
+    group_sizes = jnp.asarray(np.asarray(sizes, np.int32))
+    block_m, block_n, block_k = map(tile, tiles)
+    got = jax.jit(partial(grouped_matmul, block_m=block_m, block_n=block_n, block_k=block_k))(lhs, rhs, group_sizes)
+    accumulate = jnp.int32 if dtype == jnp.int8 else jnp.float32
+    want = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=accumulate).astype(jnp.float32)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-3)
+    np.testing.assert_allclose(np.asarray(reference(lhs, rhs, group_sizes)), np.asarray(got), rtol=1e-6, atol=1e-3)
+
+
 def test_traced_group_sizes_one_compile():
     """Group sizes are data: one compiled kernel serves every routing."""
     lhs, rhs, _ = operands(1, 40, 16, 16, [0] * 5, jnp.float32)
