@@ -11,6 +11,9 @@
 #   scripts/gpu_check.sh --b1       then B1 (the nano-vllm workload), the fp8 KV cache against the
 #                                   model's dtype, with the host's time per step in parts
 #                                   (b1.log, b1.json; up to 5 more minutes)
+#   scripts/gpu_check.sh --quant    then batch-1 decode with quantized weights against the same
+#                                   model unquantized, fp8 then 4-bit (gptq-dummy): quant_fp8.json,
+#                                   quant_int4.json (up to 8 more minutes)
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -21,12 +24,14 @@ PYTHON="${PYTHON:-python}"
 MODE=gpu
 DRY=0
 B1=0
+QUANT=0
 for arg in "$@"; do
     case "$arg" in
         --small) MODE=small ;;
         --dry-run) DRY=1 ;;
         --b1) B1=1 ;;
-        -h | --help) sed -n 2,13p "$0"; exit 0 ;;
+        --quant) QUANT=1 ;;
+        -h | --help) sed -n 2,16p "$0"; exit 0 ;;
         *) echo "unknown option: $arg (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -37,10 +42,12 @@ if [ "$MODE" = gpu ]; then
     BENCH_ARGS=()
     LIMITS=(30 120 90 180 120 300)              # env, kernel tests, engine test, bench, engine step: <= 9 min; B1
     B1_ARGS=(--model dummy:qwen3-0.6b --dataset nanovllm)
+    QUANT_ARGS=(--model dummy:llama3-8b --batch-size 1 --input-len 128 --output-len 128 --num-iters 3)
 else
     BENCH_ARGS=(--small)
     LIMITS=(60 300 300 300 300 300)
     B1_ARGS=(--model dummy:tiny --dataset random --num-prompts 16 --input-len 32 --output-len 16)
+    QUANT_ARGS=(--model dummy:tiny --batch-size 1 --input-len 16 --output-len 8 --num-iters 1)
 fi
 
 [ "$DRY" = 1 ] || mkdir -p "$OUT"
@@ -77,6 +84,13 @@ run engine_step "${LIMITS[4]}" "$PYTHON" -m jaxvllm.benchmarks.engine_step ${BEN
 if [ "$B1" = 1 ]; then
     run b1 "${LIMITS[5]}" "$PYTHON" -m jaxvllm bench throughput "${B1_ARGS[@]}" --compare-kv-cache-dtype \
         --disable-tqdm --output-json "$OUT/b1.json"
+fi
+
+if [ "$QUANT" = 1 ]; then  # the issue's goals: fp8 at least 1.7x bf16's speed, 4-bit 2.5x; weight bytes in each JSON
+    run quant_fp8 240 "$PYTHON" -m jaxvllm bench latency "${QUANT_ARGS[@]}" --quantization fp8 \
+        --compare-quantization --output-json "$OUT/quant_fp8.json"
+    run quant_int4 240 "$PYTHON" -m jaxvllm bench latency "${QUANT_ARGS[@]}" --quantization gptq-dummy \
+        --compare-quantization --output-json "$OUT/quant_int4.json"
 fi
 
 [ "$DRY" = 1 ] || cat "$OUT/summary.txt"

@@ -80,6 +80,10 @@ def test_gpu_check_script_parses_and_plans():
     assert "b1" not in out  # B1 only when asked: it needs a device session of its own
     b1 = subprocess.run(["bash", str(GPU_CHECK), "--dry-run", "--b1"], check=True, capture_output=True, text=True).stdout
     assert "--dataset nanovllm --compare-kv-cache-dtype" in b1 and "b1.json" in b1
+    assert "quant_" not in b1
+    quant = subprocess.run(["bash", str(GPU_CHECK), "--dry-run", "--quant"], check=True, capture_output=True,
+                           text=True).stdout
+    assert "--model dummy:llama3-8b --batch-size 1" in quant and "--quantization gptq-dummy --compare-quantization" in quant
     small = subprocess.run(["bash", str(GPU_CHECK), "--small", "--dry-run"], check=True, capture_output=True,
                            text=True).stdout
     assert "pallas_kernels.bench --small" in small and "jaxvllm.benchmarks.engine_step --small" in small
