@@ -24,8 +24,8 @@ from jaxvllm.dummy import missing_model_message
 from jaxvllm.model_config import ModelConfig
 from jaxvllm.models import MODELS
 from jaxvllm.models.common import SIDE_BY_SIDE, ParamSpec, merge_parts, merged
-from jaxvllm.quantization import (EXPERTS, QUANTIZED, CheckpointFormat, QuantizedWeight, check_quantization, checkpoint_format,
-                                  in_axes, quantize_in_place, quantize_params)
+from jaxvllm.quantization import (EXPERTS, QUANTIZED, CheckpointFormat, QuantizedWeight, check_quantization,
+                                  checkpoint_format, in_axes, quantize_in_place, quantize_params)
 from jaxvllm.sharding import kv_repeats, param_shardings, sharded_config
 from jaxvllm.stored_tensors import RAW_DTYPES, RawSlice, RowRepeat, act_order, packed_view, safetensors_header
 

@@ -83,7 +83,8 @@ def test_gpu_check_script_parses_and_plans():
     assert "quant_" not in b1
     quant = subprocess.run(["bash", str(GPU_CHECK), "--dry-run", "--quant"], check=True, capture_output=True,
                            text=True).stdout
-    assert "--model dummy:llama3-8b --batch-size 1" in quant and "--quantization gptq-dummy --compare-quantization" in quant
+    assert "--model dummy:llama3-8b --batch-size 1" in quant
+    assert "--quantization gptq-dummy --compare-quantization" in quant
     small = subprocess.run(["bash", str(GPU_CHECK), "--small", "--dry-run"], check=True, capture_output=True,
                            text=True).stdout
     assert "pallas_kernels.bench --small" in small and "jaxvllm.benchmarks.engine_step --small" in small
