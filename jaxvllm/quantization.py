@@ -59,7 +59,8 @@ class QuantizedWeight:
     (act-order): the values' input j is the weight's input perm[j], so that groups are
     whole runs of inputs (the matmul takes x's inputs in that order). `input_scale`, float32
     [] (one per layer), for a checkpoint's static activation scale: x quantized per tensor
-    with it rather than per token."""
+    with it rather than per token. An expert stack (`EXPERTS`) is laid out as the grouped
+    matmul reads it: values [E, in, out], scales [E, groups, out]."""
 
     value: jax.Array
     scale: jax.Array
@@ -83,7 +84,7 @@ class QuantizedWeight:
         value = self.value.reshape(*out, -1).astype(jnp.float32)
         n, groups = value.shape[-1], self.scale.shape[-1]
         size = self.group_size or n
-        if groups * size == n:  # whole groups: a broadcast over each, which XLA fuses into the matmul's operand
+        if groups * size == n:  # whole groups: a broadcast over each
             value = value.reshape(*out, groups, size)
             if self.zero is not None:
                 value = value - self.zero[..., None]
@@ -104,8 +105,8 @@ class CheckpointFormat:
     `quantization_config`): each weight's values `{module}.{value_name}` as `value_dtype`,
     with float32 scales (`{module}.{scale_name}`), one per `block` = (rows, inputs) of the
     weight (inputs 0: the whole row; rows 0: all of them, one scale a tensor), and for
-    asymmetric 4-bit formats zero points
-    (`{module}.{zero_name}`) beside them; `packing` names how 4-bit values lie in int32
+    asymmetric 4-bit formats zero points (`{module}.{zero_name}`) beside them; `packing`
+    names how 4-bit values lie in int32
     words (`jaxvllm.stored_tensors.packed_view`). The linear layers `ignore` names ("re:"
     entries are regexes of module names) stay full precision; tensors ending in one of
     `unused` are the format's bookkeeping, not read.
