@@ -25,7 +25,8 @@ from jaxvllm.model_config import ModelConfig
 from jaxvllm.models import MODELS
 from jaxvllm.models.common import SIDE_BY_SIDE, ParamSpec, merge_parts, merged
 from jaxvllm.quantization import (EXPERTS, QUANTIZED, CheckpointFormat, QuantizedWeight, check_quantization,
-                                  checkpoint_format, in_axes, quantize_in_place, quantize_params)
+                                  checkpoint_format, in_axes, quantize_in_place, quantize_params,
+                                  single_device_kernels)
 from jaxvllm.sharding import kv_repeats, param_shardings, sharded_config
 from jaxvllm.stored_tensors import RAW_DTYPES, RawSlice, RowRepeat, act_order, packed_view, safetensors_header
 
@@ -107,7 +108,8 @@ def load_model(
         leaves = layer_leaves(specs, extra)
         params = load_safetensors(Path(model), cfg, jdtype, shardings, kv_repeats(cfg, run_cfg), specs, fmt=fmt,
                                   perms=extra.get("perm"))
-        return run_cfg, join_quantized(params, specs, fmt, leaves)
+        params = join_quantized(params, specs, fmt, leaves)
+        return run_cfg, single_device_kernels(params) if mesh is None else params
     shardings, repeats = _param_shardings(run_cfg, mesh, device), kv_repeats(cfg, run_cfg)
     if load_format == "dummy":
         params = dummy_params(cfg, jdtype, seed, shardings, repeats)
@@ -116,6 +118,7 @@ def load_model(
     if quantization is not None:
         params = quantize_params(params, MODELS[cfg.architecture].param_specs(cfg),
                                  partial(quantize_in_place, method=quantization))
+        params = single_device_kernels(params) if mesh is None else params
     return run_cfg, params
 
 

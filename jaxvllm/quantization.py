@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from pallas_kernels.int4_matmul import int4_matmul, pack_int4
+
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8).max)  # 448
 INT8_HALF_RANGE = 127.5  # (127 - -128) / 2
@@ -46,7 +48,7 @@ EXPERT_STACK = 0  # `num_in` of an expert stack, for the online quantizers
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["value", "scale", "zero", "perm", "input_scale"],
-         meta_fields=["group_size"])
+         meta_fields=["group_size", "kernel"])
 @dataclass(frozen=True)
 class QuantizedWeight:
     """A linear weight as quantized values [*out, *in] (fp8, int8, or int4) and float32
@@ -60,7 +62,10 @@ class QuantizedWeight:
     whole runs of inputs (the matmul takes x's inputs in that order). `input_scale`, float32
     [] (one per layer), for a checkpoint's static activation scale: x quantized per tensor
     with it rather than per token. An expert stack (`EXPERTS`) is laid out as the grouped
-    matmul reads it: values [E, in, out], scales [E, groups, out]."""
+    matmul reads it: values [E, in, out], scales [E, groups, out]. `kernel`: an int4 weight
+    on one device, which a GPU multiplies with the Pallas W4A16 kernel
+    (`pallas_kernels.int4_matmul`; XLA's SPMD partitioner cannot split a kernel call, so a
+    split weight keeps XLA's matmul)."""
 
     value: jax.Array
     scale: jax.Array
@@ -68,6 +73,7 @@ class QuantizedWeight:
     zero: jax.Array | None = None
     perm: jax.Array | None = None
     input_scale: jax.Array | None = None
+    kernel: bool = False
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -427,18 +433,43 @@ def quantized_matmul(x2: jax.Array, weight: QuantizedWeight, out_rows: int) -> j
 
 
 def _int4_matmul(x2: jax.Array, weight: QuantizedWeight, out_rows: int) -> jax.Array:
-    """W4A16, float32. On a GPU, batched over the groups (`_int4_grouped`), so that the only
-    op between the stored int4 values and the matmul is the exact convert a GEMM reads in its
-    prologue; on a CPU (and for a partial last group), the weight dequantized to x's type as
-    the matmul's operand, which XLA:CPU runs faster (docs/design.md). Act-order: x's inputs
-    taken in the values' order first."""
+    """W4A16, float32. On a GPU, the Pallas kernel for a weight on one device (`kernel`),
+    else batched over the groups (`_int4_grouped`), so that the only op between the stored
+    int4 values and the matmul is the exact convert a GEMM reads in its prologue; on a CPU
+    (and for a partial last group), the weight dequantized to x's type as the matmul's
+    operand, which XLA:CPU runs faster (docs/design.md). Act-order: x's inputs taken in the
+    values' order first."""
     if weight.perm is not None:
         x2 = jnp.take(x2, weight.perm, axis=1)
         weight = dataclasses.replace(weight, perm=None)
     dense = partial(_int4_dequantized, out_rows=out_rows)
-    if weight.scale.shape[-1] * (weight.group_size or x2.shape[-1]) != x2.shape[-1]:
+    size = weight.group_size or x2.shape[-1]
+    if weight.scale.shape[-1] * size != x2.shape[-1]:
         return dense(x2, weight)
-    return jax.lax.platform_dependent(x2, weight, cpu=dense, default=partial(_int4_grouped, out_rows=out_rows))
+    # (the kernel's steps take 32 inputs at least, inside one group)
+    gpu = _int4_pallas if weight.kernel and size % 32 == 0 else _int4_grouped
+    return jax.lax.platform_dependent(x2, weight, cpu=dense, default=partial(gpu, out_rows=out_rows))
+
+
+def _int4_pallas(x2: jax.Array, weight: QuantizedWeight, out_rows: int, interpret: bool | None = None) -> jax.Array:
+    """The Pallas W4A16 kernel: the int4 values bitcast to its two-a-byte layout (free on a GPU)."""
+    groups = weight.scale.shape[-1]
+    zero = None if weight.zero is None else weight.zero.reshape(out_rows, groups)
+    return int4_matmul(x2, pack_int4(weight.value.reshape(out_rows, -1)), weight.scale.reshape(out_rows, groups), zero,
+                       group_size=weight.group_size, interpret=interpret)
+
+
+def single_device_kernels(params: dict) -> dict:
+    """Every int4 weight of the layers marked for the Pallas W4A16 kernel (`QuantizedWeight.kernel`):
+    for params on one device."""
+    layers = params.get("layers", {})
+    mark = lambda w: dataclasses.replace(w, kernel=True) if w.value.dtype == jnp.int4 else w  # noqa: E731
+    for name, stack in layers.items():
+        if isinstance(stack, QuantizedWeight):
+            layers[name] = mark(stack)
+        elif isinstance(stack, list) and stack and isinstance(stack[0], QuantizedWeight):
+            layers[name] = [mark(w) for w in stack]
+    return params
 
 
 def _int4_dequantized(x2: jax.Array, weight: QuantizedWeight, out_rows: int) -> jax.Array:

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from pallas_kernels.bench import FULL
 from pallas_kernels.common import INTERPRET_ENV
 from pallas_kernels.grouped_matmul import grouped_matmul
+from pallas_kernels.int4_matmul import int4_matmul
 from pallas_kernels.harness import json_path, write_json
 from pallas_kernels.hlo import graphed_thunks
 from pallas_kernels.paged_decode_attention import paged_decode_attention
@@ -224,6 +225,16 @@ def gmm_case(rows: int, k: int, n: int, dtype=jnp.bfloat16, experts: int = 128, 
     return Case("gmm", params, fn, args)
 
 
+def int4_case(m: int, k: int, n: int, asymmetric: bool, group_size: int = 128, **tuning) -> Case:
+    """int4_matmul (W4A16) of m bf16 rows over an int4 [n, k] weight, scales per group."""
+    fn = jax.jit(partial(int4_matmul, group_size=group_size, interpret=False, **tuning))
+    groups = k // group_size
+    args = [spec((m, k), jnp.bfloat16), spec((n, k // 2), jnp.uint8), spec((n, groups), jnp.float32)]
+    args += [spec((n, groups), jnp.float32)] if asymmetric else []
+    params = dict(m=m, k=k, n=n, group_size=group_size, asymmetric=asymmetric, **tuning)
+    return Case("int4", params, fn, args)
+
+
 def kernel_cases(quick: bool) -> list[Case]:
     """The issue's kernel matrix: GQA groups 1-8, head_dim 64/128/256, both dtypes,
     block_size 16-128, a sliding window, the K1/K2 benchmark shapes, and an fp8
@@ -277,6 +288,8 @@ def kernel_cases(quick: bool) -> list[Case]:
     cases.append(gmm_case(2048, 2048, 768, jnp.float32))
     # fp8 expert stacks (W8A8): 8-bit tiles converted in registers, both projections
     cases += [gmm_case(2048, k, n, jnp.float8_e4m3fn, experts=k3["experts"]) for k, n in k3["projections"]]
+    # W4A16 (Llama-3-8B's MLP): batch-1 and 256-row decode, a 2048-row prefill
+    cases += [int4_case(1, 4096, 14336, True), int4_case(256, 4096, 14336, False), int4_case(2048, 14336, 4096, True)]
     return cases
 
 

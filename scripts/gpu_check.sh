@@ -71,7 +71,8 @@ run() {
 run env "${LIMITS[0]}" "$PYTHON" -c "import sys, jax; print(sys.version); print('jax', jax.__version__, jax.default_backend(), jax.devices())"
 
 if "$PYTHON" -c "import pytest" 2>/dev/null || [ "$DRY" = 1 ]; then
-    run kernels "${LIMITS[1]}" "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels/test_attention.py tests/kernels/test_fp8_attention.py tests/kernels/test_grouped_matmul.py
+    run kernels "${LIMITS[1]}" "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels/test_attention.py tests/kernels/test_fp8_attention.py tests/kernels/test_grouped_matmul.py \
+        tests/kernels/test_int4_matmul.py
     run engine "${LIMITS[2]}" "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels/test_pallas_engine.py
 else
     echo "pytest is not installed: skipping the tests (the benchmark still checks the kernels against references)"

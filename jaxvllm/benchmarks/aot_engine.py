@@ -85,7 +85,7 @@ def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int =
     params = jax.eval_shape(lambda: dummy_params(cfg, dtype))
     if quantization is not None:
         from jaxvllm.models import MODELS
-        from jaxvllm.quantization import FP8, ONLINE, QuantizedWeight, quantize_params
+        from jaxvllm.quantization import FP8, ONLINE, QuantizedWeight, quantize_params, single_device_kernels
 
         def blocks(w, num_in: int) -> QuantizedWeight:  # a block-fp8 checkpoint's weight, as loaded
             out, inputs = w.shape[: w.ndim - num_in], math.prod(w.shape[w.ndim - num_in:])
@@ -93,8 +93,8 @@ def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int =
 
         common["quantization"] = quantization
         quantize = ONLINE.get(quantization, blocks)
-        params = jax.eval_shape(lambda: quantize_params(dummy_params(cfg, dtype), MODELS[cfg.architecture].param_specs(cfg),
-                                                        quantize))
+        params = jax.eval_shape(lambda: single_device_kernels(quantize_params(
+            dummy_params(cfg, dtype), MODELS[cfg.architecture].param_specs(cfg), quantize)))
     forward = jit_forward(cfg, backend)
     cases = [Case("engine_forward", dict(common, num_layers=cfg.num_layers, copy_shapes=[list(kv_caches[0].shape)],
                                          donated=len(kv_caches)),

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -130,9 +131,10 @@ def _logits(params, cfg, tokens):
 @pytest.mark.parametrize("zero", [False, True], ids=["symmetric", "zero-points"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_grouped_matmul_matches_the_dequantized_weight(zero, dtype):
-    """The GPU's W4A16 matmul (batched over the groups, scales and zero points applied to the
-    products) against x times the dequantized weight (the CPU's), here on a CPU."""
-    from jaxvllm.quantization import _int4_dequantized, _int4_grouped
+    """The GPU's W4A16 matmuls, the Pallas kernel (interpreted here) and XLA's batched over the
+    groups (scales and zero points applied to the products), against x times the dequantized
+    weight (the CPU's)."""
+    from jaxvllm.quantization import _int4_dequantized, _int4_grouped, _int4_pallas
 
     rng = np.random.default_rng(0)
     out, inputs, group = 48, 96, 32
@@ -142,7 +144,7 @@ def test_grouped_matmul_matches_the_dequantized_weight(zero, dtype):
                              zero=zeros if zero else None)
     x = jnp.asarray(rng.standard_normal((5, inputs)), dtype)
     want = x.astype(jnp.float32) @ weight.dequantized().T
-    for fn in (_int4_grouped, _int4_dequantized):
+    for fn in (_int4_grouped, _int4_dequantized, partial(_int4_pallas, interpret=True)):
         got = jax.jit(fn, static_argnums=2)(x, weight, out)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5 if dtype == jnp.float32 else 1e-2,
                                    atol=1e-5 if dtype == jnp.float32 else 2e-2)
@@ -233,7 +235,9 @@ def test_online_int4(tiny_checkpoint):
                 weight = quantize_int4(jnp.asarray(module.weight.numpy()), 1)
                 assert weight.group_size == min(128, module.weight.shape[1])
                 module.weight.copy_(torch.from_numpy(np.array(weight.dequantized())))
-    assert all(w[0].value.dtype == jnp.int4 for name, w in params["layers"].items() if name.endswith("proj"))
+    # on one device, each marked for the Pallas W4A16 kernel (which a GPU runs)
+    assert all(w[0].value.dtype == jnp.int4 and w[0].kernel for name, w in params["layers"].items()
+               if name.endswith("proj"))
     tokens = random_tokens(np.random.default_rng(2), 24)
     assert rel_err(_logits(params, cfg, tokens), hf_logits(hf, tokens)) <= TOL
     llm = LLM(path, load_format="dummy", quantization="gptq-dummy", **ENGINE)
@@ -254,6 +258,8 @@ for path, quantization in ((sys.argv[1], None), (sys.argv[2], None), (sys.argv[3
         llm = LLM(path, quantization=quantization, tensor_parallel_size=tp, **ENGINE)
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
         out[f"{path} {quantization} {tp}"] = [o.outputs[0].token_ids for o in outs]
+        weight = llm.llm_engine.runner.params["layers"]["o_proj"]
+        out[f"kernel {path} {quantization} {tp}"] = (weight[0] if isinstance(weight, list) else weight).kernel
         llm.shutdown()
 print(json.dumps(out))
 """
@@ -262,7 +268,7 @@ print(json.dumps(out))
 def test_int4_under_tensor_parallelism(int4_checkpoint, tiny_checkpoint):
     """2 CPU devices (a process of its own): GPTQ (also act-order) and AWQ checkpoints (zero
     points, o_proj and down_proj split on their grouped input axis) and online 4-bit give
-    one device's tokens."""
+    one device's tokens; only one device's weights are marked for the Pallas kernel."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
     paths = [str(int4_checkpoint("gptq-asym")), str(int4_checkpoint("awq")), str(int4_checkpoint("gptq-act-order")),
              str(tiny_checkpoint("llama"))]
@@ -270,8 +276,10 @@ def test_int4_under_tensor_parallelism(int4_checkpoint, tiny_checkpoint):
                           cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    for key in [k for k in out if k.endswith(" 1")]:
+    for key in [k for k in out if k.endswith(" 1") and not k.startswith("kernel")]:
         assert out[key[:-1] + "2"] == out[key], key
+        # one device: the Pallas kernel's weights; split: XLA's (its partitioner cannot split a kernel)
+        assert out[f"kernel {key}"] and not out[f"kernel {key[:-1]}2"]
 
 
 def test_no_compiles_after_warmup(int4_checkpoint, compile_counter):
