@@ -160,6 +160,9 @@ def compile_case(case: Case, device: jax.Device, ptxas: str | None) -> dict:
                 kernels.append(asdict(stats))
             result["kernels"] = kernels
         result["hlo"] = compiled.as_text()
+        memory = compiled.memory_analysis()
+        if memory is not None:  # (temporaries: what a step writes besides its outputs, e.g. a copied weight)
+            result["temp_mib"] = round(memory.temp_size_in_bytes / 2**20, 1)
         thunks = [open(p).read() for p in glob.glob(os.path.join(dump, "*thunk_sequence_after_thunk_passes.txt"))]
         if thunks:  # XLA of jax >= 0.10 dumps it
             graphed = [graphed_thunks(t) for t in thunks]
@@ -331,7 +334,8 @@ def run(cases: list[Case], device: jax.Device, ptxas: str | None, inspect: Inspe
         case.result.update(figures)
         case.result["problems"] = judge(case)
         kernels = "; ".join(describe(k) for k in case.result.get("kernels", []))
-        graphs = {k: case.result[k] for k in ("graphed_thunks", "ungraphed_thunks", "compile_s") if k in case.result}
+        graphs = {k: case.result[k] for k in ("graphed_thunks", "ungraphed_thunks", "temp_mib", "compile_s")
+                  if k in case.result}
         extra = "".join(f" {k}={v}" for k, v in {**figures, **graphs}.items())
         status = "ok  " if not case.result["problems"] else "FAIL"
         print(f"{status} {case.kind} {case.params}{extra} {kernels} {'; '.join(case.result['problems'])}", flush=True)
