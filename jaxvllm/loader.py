@@ -15,7 +15,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
@@ -27,7 +27,7 @@ from jaxvllm.models.common import SIDE_BY_SIDE, ParamSpec, merge_parts, merged
 from jaxvllm.quantization import (EXPERTS, QUANTIZED, CheckpointFormat, QuantizedWeight, check_quantization,
                                   checkpoint_format, in_axes, quantize_in_place, quantize_params,
                                   single_device_kernels)
-from jaxvllm.sharding import kv_repeats, param_shardings, sharded_config
+from jaxvllm.sharding import kv_repeats, param_shardings, replicated, sharded_config
 from jaxvllm.stored_tensors import RAW_DTYPES, RawSlice, RowRepeat, act_order, packed_view, safetensors_header
 
 logger = logging.getLogger(__name__)
@@ -452,12 +452,15 @@ def module_tensors(path: Path, fmt: CheckpointFormat) -> dict[str, dict[str, np.
     suffixes = {"perm": ".g_idx" if fmt.act_order else None,
                 "input_scale": f".{fmt.input_scale_name}" if fmt.input_scale_name else None}
     out: dict[str, dict[str, np.ndarray]] = {kind: {} for kind, suffix in suffixes.items() if suffix}
+    wanted: dict[Path, list[tuple[str, str]]] = {}  # file -> (kind, name), so each file opens once
     for name, file in tensor_files(path).items() if out else ():
         for kind, suffix in suffixes.items():
             if suffix and name.endswith(suffix):
-                with _open(file) as f:
-                    tensor = f.get_tensor(name)
-                module = name.removesuffix(suffix)
+                wanted.setdefault(file, []).append((kind, name))
+    for file, names in wanted.items():
+        with _open(file) as f:
+            for kind, name in names:
+                tensor, module = f.get_tensor(name), name.removesuffix(suffixes[kind])
                 out[kind][module] = (act_order(tensor, fmt.block[1], name) if kind == "perm" else
                                      _one_scale(tensor, name))
     return out
@@ -524,7 +527,7 @@ def join_quantized(params: dict, specs: list[ParamSpec], fmt: CheckpointFormat, 
 
 def _replicated(array: jax.Array):
     sharding = array.sharding
-    return NamedSharding(sharding.mesh, PartitionSpec()) if isinstance(sharding, NamedSharding) else sharding
+    return replicated(sharding.mesh) if isinstance(sharding, NamedSharding) else sharding
 
 
 def _random_param(key, scale, *, shape, dtype, init: str, repeats: int, parts: tuple = (), merge: str = ""):

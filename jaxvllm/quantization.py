@@ -214,7 +214,7 @@ def _int4_format(quant_config: dict, model: str) -> CheckpointFormat:
         if symmetric:
             raise ValueError(f"{model}: AWQ without zero points is not supported; jaxvllm reads zero_point true")
         ignore = tuple(quant_config.get("modules_to_not_convert") or ())
-    unused = ((".qzeros",) if symmetric else ()) + (".g_idx",)  # (act-order's: `loader.act_order_perms` reads them)
+    unused = ((".qzeros",) if symmetric else ()) + (".g_idx",)  # (act-order's: `loader.module_tensors` reads them)
     return CheckpointFormat(method, (1, max(group, 0)), "int4", "scales", ignore, "qweight",
                             None if symmetric else "qzeros", packing, unused, act_order)
 
@@ -328,23 +328,25 @@ def _scale_sharding(sharding, ndim: int, num_in: int):
     return NamedSharding(sharding.mesh, P(*spec[: ndim - num_in], None))
 
 
-def quantize_experts_fp8(weight: jax.Array, num_in: int = EXPERT_STACK) -> QuantizedWeight:
+def quantize_experts_fp8(weight: jax.Array) -> QuantizedWeight:
     """An expert stack [E, in, out] in fp8, each expert's output column scaled so that its
     largest magnitude is 448: value [E, in, out], scale [E, 1, out]."""
     value, scale = quantize_rows(jnp.swapaxes(weight, 1, 2))
     return QuantizedWeight(jnp.swapaxes(value, 1, 2), jnp.swapaxes(scale, 1, 2))
 
 
-# `quantization=` at load: how each weight is quantized (num_in EXPERT_STACK: an expert stack)
+# `quantization=` at load: how each weight is quantized
 ONLINE = {"fp8": quantize_fp8, "gptq-dummy": quantize_int4}
 
 
-def _online(weight: jax.Array, num_in: int, method: str) -> QuantizedWeight:
+def quantize_online(weight: jax.Array, num_in: int, method: str) -> QuantizedWeight:
+    """`ONLINE[method]` of a weight with `num_in` input axes, or of an expert stack (num_in
+    EXPERT_STACK: fp8, the only method expert stacks take, `check_quantization`)."""
     return quantize_experts_fp8(weight) if num_in == EXPERT_STACK else ONLINE[method](weight, num_in)
 
 
 def quantize_in_place(weight: jax.Array, num_in: int, method: str = "fp8") -> QuantizedWeight:
-    """`ONLINE[method]` on the weight's devices, split as it is; the weight is freed."""
+    """`quantize_online` on the weight's devices, split as it is; the weight is freed."""
     quantized = _jit_quantize(weight, num_in, method)
     placed = jax.tree.map(lambda _: _scale_sharding(weight.sharding, weight.ndim, num_in), quantized)
     placed = dataclasses.replace(placed, value=weight.sharding)
@@ -353,13 +355,13 @@ def quantize_in_place(weight: jax.Array, num_in: int, method: str = "fp8") -> Qu
     return quantized
 
 
-_jit_quantize = jax.jit(_online, static_argnums=(1, 2))
+_jit_quantize = jax.jit(quantize_online, static_argnums=(1, 2))
 
 
 def quantize_params(params: dict, specs: list, quantize: Callable = quantize_in_place) -> dict:
     """Online quantization (`quantization="fp8"` or "gptq-dummy"): every linear weight of the
     layers (`QUANTIZED`) as a `QuantizedWeight`, by `quantize(weight, num_in)` (a
-    `functools.partial` of `quantize_in_place` with the method; `ONLINE[method]` itself for
+    `functools.partial` of `quantize_in_place` with the method; of `quantize_online` for
     abstract params, as the sm_90a check traces them)."""
     layers = params.get("layers", {})
     for spec in specs:
@@ -414,12 +416,11 @@ def quantized_matmul(x2: jax.Array, weight: QuantizedWeight, out_rows: int) -> j
     wq = weight.value.reshape(out_rows, -1)
     # fp8 products accumulate in float32; int8 ones exactly, in int32
     accumulate = jnp.int32 if wq.dtype == jnp.int8 else jnp.float32
-    if weight.input_scale is not None:  # static: one scale for every token, as calibrated
-        xq, x_scale = quantize_static(x2, weight.input_scale), weight.input_scale
-        out = jax.lax.dot_general(xq, wq, (((1,), (1,)), ((), ())), preferred_element_type=accumulate)
-        return out.astype(jnp.float32) * x_scale * weight.scale.reshape(1, out_rows)
-    if not weight.group_size:
-        xq, x_scale = quantize_rows(x2, wq.dtype)
+    if weight.input_scale is not None or not weight.group_size:
+        if weight.input_scale is not None:  # static: one scale for every token, as calibrated
+            xq, x_scale = quantize_static(x2, weight.input_scale), weight.input_scale
+        else:
+            xq, x_scale = quantize_rows(x2, wq.dtype)
         out = jax.lax.dot_general(xq, wq, (((1,), (1,)), ((), ())), preferred_element_type=accumulate)
         return out.astype(jnp.float32) * x_scale * weight.scale.reshape(1, out_rows)
     size, groups = weight.group_size, weight.scale.shape[-1]

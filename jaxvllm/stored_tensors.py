@@ -92,9 +92,13 @@ class PackedView:
 
     def __getitem__(self, index: tuple[slice, ...]) -> np.ndarray:
         ranges = [sl.indices(n)[:2] for sl, n in zip(index, self.shape)]
-        if self.columns is not None:  # columns out of order: all of them read, those asked for taken
-            wanted = self.columns[slice(*ranges[1])]
-            return PackedView.__getitem__(self._in_order(), (index[0], slice(None)))[:, wanted]
+        if self.columns is None:
+            return self._read(ranges)
+        # columns out of order: all of them read, those asked for taken
+        return self._read([ranges[0], (0, self.shape[1])])[:, self.columns[slice(*ranges[1])]]
+
+    def _read(self, ranges: list[tuple[int, int]]) -> np.ndarray:
+        """The block [a, b) of each axis of `shape`, in the stored order of columns."""
         stored_index = [slice(a, b) for a, b in ranges]
         if self.packed_axis is not None:
             lo, hi = ranges[self.packed_axis]
@@ -109,11 +113,6 @@ class PackedView:
         values = ((words[..., None] >> self.shifts) & 0xF).reshape(*words.shape[:-1], -1)
         values = values[..., lo % 8 : lo % 8 + hi - lo].astype(np.int8) - np.int8(self.offset)
         return np.moveaxis(values, -1, self.packed_axis)
-
-    def _in_order(self) -> "PackedView":
-        view = object.__new__(PackedView)
-        view.__dict__.update(self.__dict__, columns=None)
-        return view
 
 
 class OneValue:

@@ -53,8 +53,6 @@ def make_fp8(src: str | Path, out: str | Path, block: tuple[int, int] | None = (
     in one of `ignore` kept as they are, and listed in modules_to_not_convert). `block` None:
     vLLM's (and AutoFP8's) per-tensor fp8 instead, `weight_scale` [] per weight and, `static`,
     a calibrated `input_scale` [] (`calibrate_inputs`) with activation_scheme "static"."""
-    import torch
-
     kept = []
     input_amax = calibrate_inputs(src) if static else {}
 
@@ -66,11 +64,7 @@ def make_fp8(src: str | Path, out: str | Path, block: tuple[int, int] | None = (
         if block is not None:
             value, scale = quantize_blocks(tensor, block)
             return {name: value, f"{name}_scale_inv": scale}
-        value, scale = quantize_rows(tensor.reshape(1, -1), "fp8")
-        out = {name: value.reshape(tensor.shape), f"{module}.weight_scale": scale.reshape(())}
-        if static:
-            out[f"{module}.input_scale"] = torch.tensor(input_amax[module] / FP8_MAX, dtype=torch.float32)
-        return out
+        return per_tensor_fp8(name, tensor, input_amax.get(module), ())
 
     return _write_quantized(src, out, quantize, lambda: {
         "quant_method": "fp8", "activation_scheme": "static" if static else "dynamic",
@@ -90,6 +84,20 @@ def quantize_rows(weight, kind: str):
     return torch.round(w * (127.5 / amax)).clamp(-128, 127).to(torch.int8), amax / 127.5
 
 
+def per_tensor_fp8(name: str, tensor, input_amax: float | None, scale_shape: tuple[int, ...]) -> dict:
+    """A weight in fp8 with one `weight_scale` (largest magnitude to 448) and, given the
+    calibrated `input_amax`, a static `input_scale`, both of `scale_shape` (AutoFP8 writes
+    [], compressed-tensors [1])."""
+    import torch
+
+    module = name.removesuffix(".weight")
+    value, scale = quantize_rows(tensor.reshape(1, -1), "fp8")
+    out = {name: value.reshape(tensor.shape), f"{module}.weight_scale": scale.reshape(scale_shape)}
+    if input_amax is not None:
+        out[f"{module}.input_scale"] = torch.tensor(input_amax / FP8_MAX, dtype=torch.float32).reshape(scale_shape)
+    return out
+
+
 def make_compressed(src: str | Path, out: str | Path, kind: str = "fp8") -> Path:
     """`src` as llm-compressor writes its FP8_DYNAMIC ("fp8"), W8A8 int8 ("int8") and FP8
     ("fp8-static") schemes in the compressed-tensors format: every decoder linear weight per
@@ -97,8 +105,6 @@ def make_compressed(src: str | Path, out: str | Path, kind: str = "fp8") -> Path
     ("fp8-static") per tensor (`weight_scale` [1]) with a static `input_scale` [1] per module,
     calibrated on random tokens (the largest input magnitude over them, to 448); the
     lm_head ignored."""
-    import torch
-
     input_amax = calibrate_inputs(src) if kind == "fp8-static" else {}
 
     def quantize(name: str, tensor) -> dict:
@@ -106,9 +112,7 @@ def make_compressed(src: str | Path, out: str | Path, kind: str = "fp8") -> Path
         if kind != "fp8-static":
             value, scale = quantize_rows(tensor, kind)
             return {name: value, f"{module}.weight_scale": scale}
-        value, scale = quantize_rows(tensor.reshape(1, -1), "fp8")
-        return {name: value.reshape(tensor.shape), f"{module}.weight_scale": scale.reshape(1),
-                f"{module}.input_scale": torch.tensor([input_amax[module] / FP8_MAX], dtype=torch.float32)}
+        return per_tensor_fp8(name, tensor, input_amax[module], (1,))
 
     kind_name = "int" if kind == "int8" else "float"
     scheme = {"num_bits": 8, "type": kind_name, "symmetric": True}

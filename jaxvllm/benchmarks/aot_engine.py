@@ -85,14 +85,15 @@ def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int =
     params = jax.eval_shape(lambda: dummy_params(cfg, dtype))
     if quantization is not None:
         from jaxvllm.models import MODELS
-        from jaxvllm.quantization import FP8, ONLINE, QuantizedWeight, quantize_params, single_device_kernels
+        from jaxvllm.quantization import (FP8, ONLINE, QuantizedWeight, quantize_online, quantize_params,
+                                          single_device_kernels)
 
         def blocks(w, num_in: int) -> QuantizedWeight:  # a block-fp8 checkpoint's weight, as loaded
             out, inputs = w.shape[: w.ndim - num_in], math.prod(w.shape[w.ndim - num_in:])
             return QuantizedWeight(w.astype(FP8), jnp.ones((*out, -(-inputs // 128)), jnp.float32), 128)
 
         common["quantization"] = quantization
-        quantize = ONLINE.get(quantization, blocks)
+        quantize = partial(quantize_online, method=quantization) if quantization in ONLINE else blocks
         params = jax.eval_shape(lambda: single_device_kernels(quantize_params(
             dummy_params(cfg, dtype), MODELS[cfg.architecture].param_specs(cfg), quantize)))
     forward = jit_forward(cfg, backend)

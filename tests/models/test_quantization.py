@@ -230,14 +230,21 @@ def dequantized_hf(fp8_path: Path, src: Path):
 
     hf = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
     tensors = load_file(str(fp8_path / "model.safetensors"))
-    br, bc = json.loads((fp8_path / "config.json").read_text())["quantization_config"]["weight_block_size"]
+    block = json.loads((fp8_path / "config.json").read_text())["quantization_config"]["weight_block_size"]
     state = hf.state_dict()
     with torch.no_grad():
         for name, value in tensors.items():
             if value.dtype == torch.float8_e4m3fn:
-                scale = tensors[f"{name}_scale_inv"].repeat_interleave(br, 0).repeat_interleave(bc, 1)
-                state[name].copy_(value.float() * scale[: value.shape[0], : value.shape[1]])
+                state[name].copy_(block_dequantized(tensors, name, block))
     return hf
+
+
+def block_dequantized(tensors: dict, name: str, block) -> torch.Tensor:
+    """Weight `name` of a block-fp8 checkpoint's `tensors`: its values times each
+    `weight_scale_inv` over its block (the last block of an axis may be partial)."""
+    value = tensors[name].float()
+    scale = tensors[f"{name}_scale_inv"].repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    return value * scale[: value.shape[0], : value.shape[1]]
 
 
 @pytest.mark.parametrize("arch, block", [("llama", (32, 32)), ("qwen2", (32, 32)), ("qwen3", (16, 32)),

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import types
+from functools import partial
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -22,7 +23,7 @@ from jaxvllm import LLM, SamplingParams, load_model
 from jaxvllm.kv_cache import allocate_kv_caches
 from jaxvllm.quantization import QuantizedWeight
 from tests.models.paged import Chunk, build_inputs, hf_logits, jit_forward, rel_err
-from tests.models.test_quantization import fp8_round, near_ties, tie_free_tokens, w8a8_oracle
+from tests.models.test_quantization import block_dequantized, fp8_round, near_ties, tie_free_tokens, w8a8_oracle
 
 ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-4
@@ -72,13 +73,8 @@ def block_fp8_hf(path: Path, src: Path):
 
     hf = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
     tensors = load_file(str(path / "model.safetensors"))
-    br, bc = json.loads((path / "config.json").read_text())["quantization_config"]["weight_block_size"]
-
-    def dequantized(name):
-        value = tensors[name].float()
-        scale = tensors[f"{name}_scale_inv"].repeat_interleave(br, 0).repeat_interleave(bc, 1)
-        return value * scale[: value.shape[0], : value.shape[1]]
-
+    block = json.loads((path / "config.json").read_text())["quantization_config"]["weight_block_size"]
+    dequantized = partial(block_dequantized, tensors, block=block)
     state = hf.state_dict()
     with torch.no_grad():
         for name in [n for n, t in tensors.items() if t.dtype == torch.float8_e4m3fn]:
