@@ -18,6 +18,7 @@ _EXPORTS = {
     "EngineArgs": "jaxvllm.engine_args",
     "EngineConfig": "jaxvllm.config",
     "LLMEngine": "jaxvllm.engine",
+    "LoRARequest": "jaxvllm.lora.request",
     "ModelConfig": "jaxvllm.model_config",
     "ModelInputs": "jaxvllm.batch",
     "RequestMetrics": "jaxvllm.outputs",

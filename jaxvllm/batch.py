@@ -25,6 +25,8 @@ class ModelInputs:
     decode_only (static): the host's promise that sequence s owns token s alone (or
         nothing): every row brings one token. The pallas backend then runs the decode
         kernel only, on the tokens as they are (no ragged kernel, gather or scatter).
+    lora_slots [T]: each token's LoRA adapter slot (-1: none); None in a step without
+        adapters, which then computes what an engine without LoRA does.
     dynamic_loops (static): loops may run a number of times that depends on the batch (the
         reference attention's KV loop stops at the last column used). Only on a CPU, whose
         runtime runs loops without the host; on a GPU every loop keeps a known trip count.
@@ -37,5 +39,6 @@ class ModelInputs:
     seq_lens: jax.Array
     block_tables: jax.Array
     logits_indices: jax.Array
+    lora_slots: jax.Array | None = None
     decode_only: bool = field(default=False, metadata=dict(static=True))
     dynamic_loops: bool = field(default=False, metadata=dict(static=True))

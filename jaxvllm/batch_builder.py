@@ -84,14 +84,17 @@ class BatchBuilder:
     `dynamic_loops`: every layout's `ModelInputs.dynamic_loops` (a CPU engine).
     `spec_tokens`: speculative decoding's K; a step with drafts takes a layout with room
     for K per row (`BatchLayout.spec_tokens`).
+    `lora`: LoRA is on; a step with an adapter's tokens takes a layout that carries each
+    token's slot (`BatchLayout.lora`), a step without one the layout of an engine without LoRA.
     """
 
     def __init__(self, *, max_num_seqs: int, max_model_len: int, block_size: int, buckets: list[int],
                  vocab_size: int, max_logprobs: int = DEFAULT_MAX_LOGPROBS, decode_only: bool = False,
-                 smallest_width: int = SMALLEST_WIDTH, dynamic_loops: bool = False, spec_tokens: int = 0) -> None:
+                 smallest_width: int = SMALLEST_WIDTH, dynamic_loops: bool = False, spec_tokens: int = 0,
+                 lora: bool = False) -> None:
         self.max_num_seqs, self.block_size, self.vocab_size = max_num_seqs, block_size, vocab_size
         self.max_logprobs, self.decode_only, self.dynamic_loops = max_logprobs, decode_only, dynamic_loops
-        self.spec_tokens = spec_tokens
+        self.spec_tokens, self.lora = spec_tokens, lora
         self.buckets = sorted(set(buckets))
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.widths = block_table_widths(self.max_blocks_per_seq, smallest_width)
@@ -123,10 +126,11 @@ class BatchBuilder:
         return [b for b in self.buckets if b <= self.bucket_for(self.max_num_seqs)]
 
     @functools.lru_cache(maxsize=None)  # noqa: B019 (one builder per engine: its few shapes)
-    def _layout(self, bucket: int, width: int, decode_only: bool, spec: bool = False) -> BatchLayout:
+    def _layout(self, bucket: int, width: int, decode_only: bool, spec: bool = False, lora: bool = False
+                ) -> BatchLayout:
         """A step shape's layout, made once (it caches its field offsets and padding)."""
         return BatchLayout(bucket, self.rows_for(bucket), width, decode_only, self.dynamic_loops,
-                           self.spec_tokens if spec else 0)
+                           self.spec_tokens if spec else 0, lora)
 
     def logprobs_width(self, k: int) -> int:
         """Top logprobs computed in a step whose rows ask for up to k: vLLM's default
@@ -137,9 +141,9 @@ class BatchBuilder:
         return max(1, min(width, vocab))
 
     def padding_batch(self, bucket: int, width: int, features: SamplerFeatures | None,
-                      decode_only: bool = False, spec: bool = False) -> HostBatch:
+                      decode_only: bool = False, spec: bool = False, lora: bool = False) -> HostBatch:
         """An all-padding batch of a bucket's shape: writes nothing to the cache."""
-        layout = self._layout(bucket, width, decode_only, spec)
+        layout = self._layout(bucket, width, decode_only, spec, lora)
         return HostBatch(layout, layout.empty()[0], features, 0)
 
     # -- rows ----------------------------------------------------------------------------
@@ -155,9 +159,11 @@ class BatchBuilder:
 
     # -- one step ------------------------------------------------------------------------
 
-    def prepare(self, scheduled: ScheduledBatch | list[ScheduledRequest]) -> HostBatch:
+    def prepare(self, scheduled: ScheduledBatch | list[ScheduledRequest], lora_slots: dict[int, int] | None = None
+                ) -> HostBatch:
         """Admit new requests to the persistent batch, then fill one packed buffer from its
-        rows (numpy gathers) and the few per-step values."""
+        rows (numpy gathers) and the few per-step values. `lora_slots`: the device slot of
+        each LoRA adapter id of the step's requests."""
         if not isinstance(scheduled, ScheduledBatch):
             scheduled = ScheduledBatch.of(list(scheduled))
         n, bs, ib, requests = len(scheduled), self.block_size, self.input_batch, scheduled.requests
@@ -179,7 +185,9 @@ class BatchBuilder:
         num_tokens = int(lens.sum())
         bucket = self.bucket_for(num_tokens)
         decode_only = num_tokens == n and bucket in self.decode_only_buckets  # one token per sequence
-        layout = self._layout(bucket, self.width_for(max_blocks), decode_only, spec)
+        adapters = np.array([r.lora_id for r in requests], np.int64) if self.lora else None
+        lora = adapters is not None and bool(adapters.any())
+        layout = self._layout(bucket, self.width_for(max_blocks), decode_only, spec, lora)
         packed, v = layout.empty()
 
         qsl = v["query_start_loc"]
@@ -193,6 +201,9 @@ class BatchBuilder:
         v["block_tables"][:n, :max_blocks] = tables
         v["slot_mapping"][:num_tokens] = tables[seq_of_token, token_pos // bs] * bs + token_pos % bs
         v["seq_lens"][:n] = ends
+        if lora:
+            slot_of_row = np.array([lora_slots[a] if a else -1 for a in adapters.tolist()], np.int32)
+            v["lora_slots"][:num_tokens] = slot_of_row[seq_of_token]
         if spec:  # each row's first verified token and its drafts' rows, row after row
             counts = 1 + drafts
             start = np.cumsum(counts) - counts

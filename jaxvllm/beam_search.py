@@ -58,14 +58,17 @@ class _Instance:
     beams: list[BeamSearchSequence]
     completed: list[BeamSearchSequence] = field(default_factory=list)
     cache_salt: str | None = None
+    lora_request: Any = None
 
 
 def beam_search(engine: LLMEngine, generate: Callable[..., list], prompts: Any, params: BeamSearchParams, *,
-                use_tqdm: bool = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+                use_tqdm: bool = False, concurrency_limit: int | None = None,
+                lora_requests: list | None = None) -> list[BeamSearchOutput]:
     """Run vLLM's beam search for each prompt (a str, a TextPrompt, a TokensPrompt or a list
     of them), each step one `generate` call (`LLM.generate`) over `engine` (the one whose
     tokenizer and limits apply); outputs come back in input order. `concurrency_limit`
-    searches at most that many prompts at once (None: all)."""
+    searches at most that many prompts at once (None: all). `lora_requests`: each prompt's
+    LoRA adapter (None: the base model)."""
     if not isinstance(params, BeamSearchParams):
         raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
     tokenizer = engine.tokenizer
@@ -93,7 +96,8 @@ def beam_search(engine: LLMEngine, generate: Callable[..., list], prompts: Any, 
         except (ValueError, TypeError) as e:
             e.add_note(f"(prompt {i} of {len(prompts)})")  # the message stays vLLM's, as in generate
             raise
-        instances.append(_Instance([BeamSearchSequence(token_ids)], cache_salt=salt))
+        instances.append(_Instance([BeamSearchSequence(token_ids)], cache_salt=salt,
+                                   lora_request=lora_requests[i] if lora_requests else None))
 
     eos = tokenizer.eos_token_id  # vLLM's: the tokenizer's EOS alone
     width = params.beam_width
@@ -115,7 +119,8 @@ def beam_search(engine: LLMEngine, generate: Callable[..., list], prompts: Any, 
                 if not live:
                     break
                 outputs = iter(generate([_tokens_prompt(beam.tokens, inst.cache_salt) for inst, beam in live],
-                                            step_params, use_tqdm=False))
+                                        step_params, use_tqdm=False,
+                                        lora_request=[inst.lora_request for inst, _ in live]))
                 for inst in batch:  # the outputs come in the order of `live`: instance by instance
                     candidates = []
                     for beam in inst.beams:

@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chunk-size", type=int, default=None,
                      help="prompts per generation chunk, each written when done (default: 4 x max-num-seqs)")
     gen.add_argument("--disable-tqdm", action="store_true", help="no progress bar during generation")
+    gen.add_argument("--lora", type=Path, default=None, metavar="FOLDER",
+                     help="a LoRA adapter (PEFT folder) for every prompt (implies --enable-lora; its rank must "
+                     "be at most --max-lora-rank, 16 by default)")
     sampling = gen.add_argument_group("sampling parameters (SamplingParams)")
     for flag, (kind, help_text) in _SAMPLING_FLAGS.items():
         sampling.add_argument(f"--{flag}", type=kind, default=None, help=help_text)
@@ -336,8 +339,18 @@ def run_generate(args: argparse.Namespace) -> int:
         if args.resume:
             finished, keep_bytes = read_finished(args.output)
 
+    lora = None
+    if args.lora is not None:
+        from jaxvllm.lora.request import LoRARequest
+
+        lora = LoRARequest(args.lora.name, 1, str(args.lora))
     with resolve_model(args.model) as source:
-        llm = LLM(source.path, **engine_kwargs(args, source))
+        llm = LLM(source.path, **engine_kwargs(args, source, **({"enable_lora": True} if lora else {})))
+        if lora is not None:
+            try:
+                llm.llm_engine.add_lora(lora)
+            except ValueError as e:
+                raise UsageError(str(e)) from e
         token_ids = check_prompts(llm, prompts, labels, params)
         check_finished(args.output, finished, token_ids, labels)
         todo = [i for i in range(len(prompts)) if i not in finished]
@@ -360,7 +373,7 @@ def run_generate(args: argparse.Namespace) -> int:
         try:
             for batch in chunks:
                 try:
-                    outputs = llm.generate([prompts[i] for i in batch], params,
+                    outputs = llm.generate([prompts[i] for i in batch], params, lora_request=lora,
                                            use_tqdm=not args.disable_tqdm and len(chunks) == 1)
                 except (TypeError, ValueError) as e:  # checked above, so not expected
                     raise UsageError(f"bad prompt: {e}") from e

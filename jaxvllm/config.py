@@ -29,6 +29,7 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 # online fp8, or 4-bit as a symmetric GPTQ checkpoint holds them (random 4-bit weights at real
 # shapes with load_format="dummy", for benchmarks; rounded to nearest, not GPTQ's solver).
 QUANTIZATION_METHODS = ("fp8", "gptq-dummy")
+LORA_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # vLLM's logprobs modes: of the model's logits, or of those the sampler drew from (after
 # bias, bad words, penalties, temperature, min_p / top-k / top-p); logprobs or logits.
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
@@ -200,7 +201,14 @@ class EngineConfig:
     calculate_kv_scales: bool = False
     # Features jaxvllm lacks, accepted at their "off" value only: a clear error otherwise.
     quantization: str | None = None
+    # vLLM's multi-LoRA serving (`jaxvllm.lora`): `max_loras` adapters on the device at once
+    # (at most that many distinct ones in a step), each zero-padded to `max_lora_rank`;
+    # `max_cpu_loras` (None: max_loras) kept read on the host; `lora_dtype` "auto": the model's.
     enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_dtype: str = "auto"
     # The most logprobs a request may ask for (-1: the whole vocabulary), as vLLM's.
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     # What Logprob.logprob holds: vLLM's "raw_logprobs" (of the model's logits),
@@ -246,8 +254,8 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization={self.quantization!r} is not supported by jaxvllm; choose from None, "
                              + ", ".join(repr(m) for m in QUANTIZATION_METHODS))
-        if self.enable_lora:
-            raise ValueError(f"enable_lora={self.enable_lora!r} is not supported by jaxvllm (only False)")
+        check_bool("enable_lora", self.enable_lora)
+        self._check_lora()
         so = self.structured_outputs_config
         if so is None or isinstance(so, dict):
             try:
@@ -280,6 +288,22 @@ class EngineConfig:
             default = CPU_MAX_NUM_BATCHED_TOKENS if platform == "cpu" else DEFAULT_MAX_NUM_BATCHED_TOKENS
             tokens = max(default, self.max_num_seqs)
         return dataclasses.replace(self, max_num_batched_tokens=tokens)
+
+    def _check_lora(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        if (not isinstance(self.max_cpu_loras, int) or isinstance(self.max_cpu_loras, bool)
+                or self.max_cpu_loras < self.max_loras):
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras!r}) must be an int >= max_loras ({self.max_loras})")
+        if self.lora_dtype not in LORA_DTYPES:
+            raise ValueError(f"lora_dtype={self.lora_dtype!r}; choose from {LORA_DTYPES}")
+        if self.enable_lora and self.speculative_config is not None:
+            raise ValueError("enable_lora with speculative_config is not supported by jaxvllm yet (the drafts would "
+                             "come from the base model); use one or the other")
 
     def _check_names(self) -> None:
         """Paths and names."""

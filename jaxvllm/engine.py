@@ -24,6 +24,7 @@ from jaxvllm.dummy import resolve_model
 from jaxvllm.input_processor import InputProcessor, load_tokenizer
 from jaxvllm.interrupts import defer_interrupts
 from jaxvllm.kv_cache_manager import KVCacheManager
+from jaxvllm.lora.request import LoRARequest
 from jaxvllm.metrics import Metric, MetricsCollector, spec_decode_rates
 from jaxvllm.model_runner import ModelRunner, PendingStep, RunnerOutput
 from jaxvllm.output_processor import OutputProcessor
@@ -71,7 +72,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                             max_model_len=max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
-                            policy=config.scheduling_policy, fill_buckets=self.runner.fill_buckets),
+                            policy=config.scheduling_policy, fill_buckets=self.runner.fill_buckets,
+                            max_loras=config.max_loras if config.enable_lora else 0),
             self.kv_cache_manager,
         )
         # for get_metrics(); vLLM labels each data-parallel replica
@@ -110,14 +112,54 @@ class LLMEngine:
     # -- requests ----------------------------------------------------------------------
 
     def make_requests(self, request_id: str, prompt: Any, params: SamplingParams | None, priority: int = 0,
-                      *, add_special_tokens: bool = True) -> ParentRequest:
-        """Validate everything about a request (its n completions) without queueing it."""
+                      *, add_special_tokens: bool = True, lora_request: LoRARequest | None = None) -> ParentRequest:
+        """Validate everything about a request (its n completions) without queueing it
+        (its LoRA adapter is read, and checked, if the engine has not read it yet)."""
         self._check_open()
+        lora_id = self._lora_id(lora_request)
         return self.input_processor.process(request_id, prompt, params, priority,
-                                            add_special_tokens=add_special_tokens)
+                                            add_special_tokens=add_special_tokens, lora_id=lora_id)
 
-    def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None, priority: int = 0) -> None:
-        self.add_parent(self.make_requests(request_id, prompt, params, priority))
+    def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> None:
+        self.add_parent(self.make_requests(request_id, prompt, params, priority, lora_request=lora_request))
+
+    # -- LoRA adapters (vLLM's names) -------------------------------------------------------
+
+    def _lora_id(self, lora_request: LoRARequest | None) -> int:
+        if lora_request is None:
+            return 0
+        self._lora_manager()  # (an engine without LoRA refuses any, first)
+        if not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        self.add_lora(lora_request)
+        return lora_request.lora_int_id
+
+    def _lora_manager(self):
+        if self.runner.lora is None:
+            raise ValueError("LoRA adapters need an engine started with enable_lora=True")
+        return self.runner.lora
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read an adapter (checked against the model) so that requests can use it."""
+        self._check_open()
+        with defer_interrupts():
+            self._lora_manager().add(lora_request)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget an adapter; refused while an unfinished request uses it."""
+        users = [r.request_id for r in self.scheduler.requests.values() if r.lora_id == lora_id]
+        if users:
+            raise ValueError(f"LoRA adapter {lora_id} is in use by unfinished requests {users[:4]}; abort them first")
+        with defer_interrupts():
+            return self._lora_manager().remove(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self._lora_manager().list()
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return self._lora_manager().pin(lora_id)
 
     def add_parent(self, parent: ParentRequest) -> None:
         """Queue all of a request's completions, or (on any error) none of them."""
@@ -392,7 +434,16 @@ class LLMEngine:
             "structured_output_mask_seconds": so.mask_seconds if so else 0.0,
             "structured_output_mask_steps": so.mask_steps if so else 0,
             **self._spec_decode_stats(),
+            **self._lora_stats(),
         }
+
+    def _lora_stats(self) -> dict:
+        """LoRA: adapters loaded into device slots and read from disk so far."""
+        lora = self.runner.lora
+        if lora is None:
+            return {}
+        return {"lora_slot_loads": lora.slot_loads, "lora_adapter_reads": lora.host_reads,
+                "lora_adapters": len(lora.requests), "lora_slots": list(lora.slot_ids)}
 
     def _spec_decode_stats(self) -> dict:
         """Speculative decoding's counters, acceptance rate and mean accepted length."""

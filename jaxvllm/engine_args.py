@@ -55,6 +55,10 @@ _VALUE_FLAGS: dict[str, tuple[Callable[[str], Any], str]] = {
     "speculative-config": (json_object, 'speculative decoding, as a JSON object, e.g. \'{"method": "ngram", '
                                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
                                         '"prompt_lookup_min": 2}\' (steps then run synchronously)'),
+    "max-loras": (int, "LoRA: adapters on the device at once (the most distinct ones in a step)"),
+    "max-lora-rank": (int, "LoRA: the largest adapter rank (smaller ones are zero-padded to it)"),
+    "max-cpu-loras": (int, "LoRA: adapters kept read in host memory (default: max-loras)"),
+    "lora-dtype": (str, "LoRA: the adapters' dtype ('auto': the model's)"),
 }
 _BOOL_FLAGS: dict[str, str] = {
     "enable-chunked-prefill": "cut long prompts into chunks that share steps with decoding requests",
@@ -65,6 +69,7 @@ _BOOL_FLAGS: dict[str, str] = {
                            "max |V| / 100) instead of the checkpoint's or 1.0",
     "enable-expert-parallel": "mixture of experts: split the experts whole over the tensor-parallel devices "
                               "(E / N each) instead of each expert by its intermediate dimension",
+    "enable-lora": "serve LoRA adapters (PEFT folders) over the base model, several in one batch",
 }
 
 

@@ -50,12 +50,14 @@ _FIELDS = _SAMPLING_FIELDS + (
     ("positions", "T"),
     ("slot_mapping", "T"),
     ("block_tables", "SW"),
+    ("lora_slots", "TL"),  # each token's LoRA slot (-1: none), in a layout with adapters (else none)
 )
 _DTYPES = {name: np.dtype(dtype) for name, dtype, _, _ in SAMPLING_COLUMNS}
 _FLOATS = {name for name, dtype in _DTYPES.items() if dtype == np.float32}
 _BOOLS = {name for name, dtype in _DTYPES.items() if dtype == np.bool_}
 _UINTS = {name for name, dtype in _DTYPES.items() if dtype == np.uint32}
-_PADDING = {name: pad for name, _, pad, _ in SAMPLING_COLUMNS if pad} | {"prev_row": -1, "slot_mapping": -1}
+_PADDING = {name: pad for name, _, pad, _ in SAMPLING_COLUMNS if pad} | {"prev_row": -1, "slot_mapping": -1,
+                                                                          "lora_slots": -1}
 # The sampling columns a request's persistent row holds, and the Request attribute of each.
 ROW_COLUMNS = tuple((name, attrgetter(row)) for name, _, _, row in SAMPLING_COLUMNS if row is not None)
 # They lead the sampler's table, so a step copies them into the packed buffer in one gather.
@@ -72,12 +74,14 @@ class BatchLayout:
     decode_only: bool = False  # every sequence brings one token (`ModelInputs.decode_only`)
     dynamic_loops: bool = False  # `ModelInputs.dynamic_loops` (a CPU step)
     spec_tokens: int = 0  # K: draft tokens a row may verify (0: no drafts this step)
+    lora: bool = False  # tokens carry LoRA slots (`ModelInputs.lora_slots`)
 
     @cached_property
     def spans(self) -> dict[str, tuple[int, int]]:
         s, k = self.num_rows, self.spec_tokens
         sizes = {"T": self.num_tokens, "S": s, "S+1": s + 1, "SW": s * self.width, "SK": s * k,
-                 "SD": s if k else 0, "L": self.num_logits}
+                 "SD": s if k else 0, "L": self.num_logits,
+                 "TL": self.num_tokens if self.lora else 0}
         spans, start = {}, 0
         for name, kind in _FIELDS:
             spans[name] = (start, start + sizes[kind])
@@ -153,7 +157,8 @@ class BatchLayout:
         prev = f("prev_row")
         input_ids = jnp.where(prev >= 0, last_sampled[jnp.maximum(prev, 0)], f("input_ids"))
         return ModelInputs(input_ids, f("positions"), f("slot_mapping"), f("query_start_loc"), f("seq_lens"),
-                           f("block_tables"), f("logits_indices"), self.decode_only, self.dynamic_loops)
+                           f("block_tables"), f("logits_indices"), f("lora_slots") if self.lora else None,
+                           self.decode_only, self.dynamic_loops)
 
     def sampling(self, packed: jax.Array) -> SamplingTensors:
         return SamplingTensors(**{k: self._field(packed, k) for k in SamplingTensors.__dataclass_fields__})

@@ -18,6 +18,16 @@ import numpy as np
 from jaxvllm.request import Request, ScheduledBatch, ScheduledRequest
 
 
+def _first_block_keys(request: Request) -> bytes:
+    """What a request's first block hash adds to its tokens (and so every later block's,
+    through the parents): its cache salt and LoRA adapter, as vLLM's extra keys, so that
+    requests with different salts or adapters never share cached KV."""
+    salt = request.cache_salt.encode() if request.cache_salt else b""
+    if not request.lora_id:
+        return salt
+    return len(salt).to_bytes(8, "little") + salt + request.lora_id.to_bytes(8, "little")
+
+
 def hash_block(parent: bytes | None, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
     """Content hash of one full block: sha256 over the parent block's hash, the token ids
     and extra keys (the request's cache salt on its first block).
@@ -141,7 +151,7 @@ class KVCacheManager:
         hashes, bs = request.block_hashes, self.block_size
         for i in range(len(hashes), request.num_tokens // bs):
             parent = hashes[-1] if hashes else None
-            extra = request.cache_salt.encode() if i == 0 and request.cache_salt else b""
+            extra = _first_block_keys(request) if i == 0 else b""
             hashes.append(hash_block(parent, request.token_ids[i * bs : (i + 1) * bs], extra))
         return hashes
 

@@ -20,6 +20,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxvllm.batch import ModelInputs
 from jaxvllm.config import ATTENTION_BACKENDS
+from jaxvllm.lora.weights import LoRAWeight, lora_delta
 from jaxvllm.model_config import RopeConfig
 from jaxvllm.quantization import QuantizedWeight, quantized_matmul
 from jaxvllm.sharding import AXIS
@@ -33,7 +34,10 @@ def linear(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None, *,
     times weight [*out, *in] -> [T, *out] (q_proj [heads, head_dim, hidden] gives [T, heads,
     head_dim]; o_proj [hidden, heads, head_dim] takes them back). Every model matmul goes
     through here, so that a weight format (quantized: `jaxvllm.quantization`) or an adapter
-    plugs in once."""
+    plugs in once: a `LoRAWeight` adds each token's adapter to the base product."""
+    if isinstance(weight, LoRAWeight):
+        out = linear(x, weight.base, bias, preferred_element_type=preferred_element_type)
+        return out + lora_delta(x, weight).astype(out.dtype)
     out_axes = weight.shape[: weight.ndim - (x.ndim - 1)]  # x's axes after the first meet the weight's last
     if isinstance(weight, QuantizedWeight):
         out = quantized_matmul(x.reshape(x.shape[0], -1), weight, math.prod(out_axes))

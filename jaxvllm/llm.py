@@ -116,12 +116,12 @@ class LLM:
         [int]} (either dict may carry a "cache_salt"), or a list of those. sampling_params:
         one for all prompts or one per prompt. priority: one int for all prompts or one per
         prompt (lower runs first); giving it selects
-        the priority scheduling policy. Every prompt is validated before any is queued,
-        so a bad one leaves the engine as it was.
+        the priority scheduling policy. lora_request: a `LoRARequest` for all prompts or one
+        per prompt (None: the base model; needs enable_lora=True). Every prompt is validated
+        before any is queued, so a bad one leaves the engine as it was.
         """
         self._check_open()
-        _check_no_lora(lora_request)
-        return self._run(prompt_list(prompts), sampling_params, priority, use_tqdm)
+        return self._run(prompt_list(prompts), sampling_params, priority, use_tqdm, lora_request=lora_request)
 
     def chat(
         self,
@@ -141,7 +141,6 @@ class LLM:
         `continue_final_message`, `chat_template_kwargs` and `tools` go to the template, as
         in vLLM (transformers' `apply_chat_template`)."""
         self._check_open()
-        _check_no_lora(lora_request)
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message=True needs add_generation_prompt=False")
         if not isinstance(messages, (list, tuple)) or not messages:
@@ -158,7 +157,7 @@ class LLM:
             for conv in conversations
         ]
         # The template writes any BOS itself, so the rendered text is tokenized without special tokens.
-        return self._run(prompts, sampling_params, None, use_tqdm, add_special_tokens=False)
+        return self._run(prompts, sampling_params, None, use_tqdm, add_special_tokens=False, lora_request=lora_request)
 
     @staticmethod
     def _per_prompt(value, n: int, name: str, default) -> list:
@@ -179,7 +178,8 @@ class LLM:
             e.abort_request(self._generating)
         self._generating = []
 
-    def _run(self, prompts, sampling_params, priority, use_tqdm: bool, add_special_tokens: bool = True):
+    def _run(self, prompts, sampling_params, priority, use_tqdm: bool, add_special_tokens: bool = True,
+             lora_request=None):
         self._abort_generating()
         engine = self.llm_engine  # validates and builds the requests; any replica may run them
         if any(e.scheduler.has_unfinished_requests() for e in self.engines):  # (a step left in flight is harmless)
@@ -188,16 +188,21 @@ class LLM:
             sampling_params = self.get_default_sampling_params()
         params = self._per_prompt(sampling_params, len(prompts), "sampling_params", None)
         priorities = self._per_prompt(priority, len(prompts), "priority", 0)
+        loras = self._per_prompt(lora_request, len(prompts), "lora_request", None)
         requests = []
-        for i, (p, sp, pr) in enumerate(zip(prompts, params, priorities)):
+        for i, (p, sp, pr, lr) in enumerate(zip(prompts, params, priorities, loras)):
             rid = str(self._request_counter + i)
             try:
-                requests.append(engine.make_requests(rid, p, sp, pr, add_special_tokens=add_special_tokens))
+                requests.append(engine.make_requests(rid, p, sp, pr, add_special_tokens=add_special_tokens,
+                                                     lora_request=lr))
             except (ValueError, TypeError) as e:
                 # The message stays vLLM's (scripts match on it); the traceback names the prompt.
                 e.add_note(f"(prompt {i} of {len(prompts)})")
                 raise
         self._request_counter += len(requests)
+        for e in self.engines[1:]:  # every replica reads the adapters (replica 0 did, checking the requests)
+            for lora in {lr.lora_int_id: lr for lr in loras if lr is not None}.values():
+                e.add_lora(lora)
         for e in self.engines:
             e.scheduler.set_policy("priority" if priority is not None else e.config.scheduling_policy)
 
@@ -243,9 +248,10 @@ class LLM:
         Each step is one `generate` call over every live beam (see jaxvllm/beam_search.py).
         concurrency_limit: search at most this many prompts at once (None: all)."""
         self._check_open()
-        _check_no_lora(lora_request)
+        n = len(prompt_list(prompts))
         return beam_search(self.llm_engine, self.generate, prompts, params, use_tqdm=use_tqdm,
-                           concurrency_limit=concurrency_limit)
+                           concurrency_limit=concurrency_limit,
+                           lora_requests=self._per_prompt(lora_request, n, "lora_request", None))
 
     def stats(self) -> dict:
         """Replica 0's figures (KV blocks, preemptions, compiled buckets, ...); with data
@@ -269,7 +275,3 @@ class LLM:
         (reset_prefix_cache included); gauges are the state now. Also readable after shutdown()."""
         return [metric for e in self.engines for metric in e.get_metrics()]
 
-
-def _check_no_lora(lora_request: Any) -> None:
-    if lora_request is not None:
-        raise ValueError("LoRA is not supported by jaxvllm (lora_request must be None)")

@@ -21,9 +21,9 @@ from tqdm.auto import tqdm
 
 from jaxvllm.config import DTYPES, LOAD_FORMATS
 from jaxvllm.dummy import missing_model_message
-from jaxvllm.model_config import ModelConfig
+from jaxvllm.model_config import SIDE_BY_SIDE, ModelConfig
 from jaxvllm.models import MODELS
-from jaxvllm.models.common import SIDE_BY_SIDE, ParamSpec, merge_parts, merged
+from jaxvllm.models.common import ParamSpec, merge_parts, merged
 from jaxvllm.quantization import (EXPERTS, QUANTIZED, CheckpointFormat, QuantizedWeight, check_quantization,
                                   checkpoint_format, in_axes, quantize_in_place, quantize_params,
                                   single_device_kernels)
@@ -157,12 +157,12 @@ def tensor_files(path: Path) -> dict[str, Path]:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
     files = {}
     for file in shards:
-        with _open(file) as f:
+        with open_safetensors(file) as f:
             files.update(dict.fromkeys(f.keys(), file))
     return files
 
 
-def _open(file: Path):
+def open_safetensors(file: Path):
     try:  # numpy (bfloat16 through ml_dtypes): slices stay on the host until placed on their device
         return safe_open(str(file), framework="numpy")
     except (SafetensorError, OSError) as e:
@@ -196,7 +196,7 @@ def load_safetensors(path: Path, cfg: ModelConfig, dtype, shardings: dict, repea
         def checked_slice(name: str, hf_shape: tuple[int, ...], row_block: int = 0):
             file = files[name]
             if file not in opened:
-                opened[file] = stack.enter_context(_open(file))
+                opened[file] = stack.enter_context(open_safetensors(file))
             try:
                 tensor_slice = opened[file].get_slice(name)
                 shape = tuple(tensor_slice.get_shape())
@@ -458,7 +458,7 @@ def module_tensors(path: Path, fmt: CheckpointFormat) -> dict[str, dict[str, np.
             if suffix and name.endswith(suffix):
                 wanted.setdefault(file, []).append((kind, name))
     for file, names in wanted.items():
-        with _open(file) as f:
+        with open_safetensors(file) as f:
             for kind, name in names:
                 tensor, module = f.get_tensor(name), name.removesuffix(suffixes[kind])
                 out[kind][module] = (act_order(tensor, fmt.block[1], name) if kind == "perm" else
@@ -618,7 +618,7 @@ def load_kv_scales(model: str | Path, run_cfg: ModelConfig) -> tuple[np.ndarray,
         if m and int(m.group(1)) < run_cfg.num_layers:
             found.setdefault(file, []).append((name, int(m.group(1)), "kv".index(m.group(2))))
     for file, names in found.items():
-        with _open(file) as f:
+        with open_safetensors(file) as f:
             for name, layer, which in names:
                 value = np.asarray(f.get_tensor(name), np.float32).reshape(-1)
                 if value.size not in (1, heads):

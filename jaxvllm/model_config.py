@@ -25,6 +25,11 @@ SUPPORTED_ARCHITECTURES = (
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
+# How merged projections (`ModelConfig.merge_projections`) join their parts: q, k, v into
+# [kv_heads, group + 2, ...], each KV head's query heads then its k and v; or gate, up
+# into [2, ...] (`models.common.merge_parts`).
+KV_GROUPS, SIDE_BY_SIDE = "kv_groups", "side_by_side"
+
 @dataclass(frozen=True)
 class RopeConfig:
     """Rotary embedding parameters (HF `rope_parameters`, or `rope_theta` + `rope_scaling`)."""

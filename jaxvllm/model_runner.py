@@ -36,7 +36,8 @@ from jaxvllm.kv_cache import (
     resolve_kv_cache_dtype,
     with_cache_storage,
 )
-from jaxvllm.loader import load_model, resolve_dtype
+from jaxvllm.loader import JNP_DTYPES, load_model, resolve_dtype
+from jaxvllm.lora.manager import LoRAManager
 from jaxvllm.model_config import ModelConfig
 from jaxvllm.models import MODELS
 from jaxvllm.request import Request, ScheduledBatch, ScheduledRequest
@@ -109,16 +110,18 @@ class PendingStep:
         )
 
 
-def _forward(params, kv_caches, packed, last_sampled, *, cfg: ModelConfig, backend: str, mesh: Mesh | None,
+def _forward(params, kv_caches, packed, last_sampled, lora=None, *, cfg: ModelConfig, backend: str, mesh: Mesh | None,
              aux_layers: tuple[int, ...], layout: BatchLayout):
     """The model on one step's batch: float32 logits of the sampling rows, every token's
     final hidden state (for prompt logprobs and EAGLE), the residual streams entering
     `aux_layers` side by side [T, n * hidden] (EAGLE-3's input; None without), the batch's
     sampling prefix (for the sampler, which then compiles per row count only), and the
     updated caches. Logits of a vocabulary-split lm_head are gathered: the sampler reads
-    whole rows."""
+    whole rows. `lora`: the LoRA slots' stacks, read in a layout with adapters (else None)."""
     model = MODELS[cfg.architecture]
     inputs = layout.model_inputs(packed, last_sampled)
+    if layout.lora:
+        params = {**params, "lora": lora}
     hidden, kv_caches, aux = model.hidden_states(params, kv_caches, inputs, cfg, backend, mesh, aux_layers)
     logits = model.compute_logits(params, hidden[inputs.logits_indices], cfg)
     if mesh is not None:
@@ -225,8 +228,14 @@ class ModelRunner:
             vocab_size=self.cfg.vocab_size,
             max_logprobs=c.max_logprobs, decode_only=self.backend == "pallas",
             smallest_width=NARROW_WIDTH if self.backend == "reference" and not dynamic_loops else SMALLEST_WIDTH,
-            dynamic_loops=dynamic_loops, spec_tokens=self.spec_tokens,
+            dynamic_loops=dynamic_loops, spec_tokens=self.spec_tokens, lora=c.enable_lora,
         )
+        self.lora = None  # the LoRA adapters: read ones and the device slots
+        if c.enable_lora:
+            self.lora = LoRAManager(MODELS[self.cfg.architecture].param_specs(self.cfg), self.cfg,
+                                    max_loras=c.max_loras, max_rank=c.max_lora_rank, max_cpu_loras=c.max_cpu_loras,
+                                    dtype=self.dtype if c.lora_dtype == "auto" else JNP_DTYPES[c.lora_dtype],
+                                    mesh=self.mesh, device=self.devices[0])
         # On a CPU a padding token costs what a real one does: the scheduler fills buckets to their edge.
         self.fill_buckets = tuple(self.builder.buckets) if cpu else None
         # The KV cache's element type, and for an fp8 cache its (k_scale, v_scale) per layer and KV head.
@@ -311,7 +320,8 @@ class ModelRunner:
         batch = self._profile_batch()
         probe = self._kv_cache_specs(self.builder.max_blocks_per_seq)
         packed = step_input(batch.packed, self._replicated)
-        compiled = self._forward.lower(self.params, probe, packed, self.last_sampled, layout=batch.layout).compile()
+        compiled = self._forward.lower(self.params, probe, packed, self.last_sampled, self._lora_stacks(batch.layout),
+                                       layout=batch.layout).compile()
         m = compiled.memory_analysis()
         return int(m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
 
@@ -334,7 +344,12 @@ class ModelRunner:
         shapes = [(bucket, w, False, s) for bucket in b.buckets for w in b.widths for s in spec if bucket > 1 or not s]
         shapes += [(bucket, w, True, False) for bucket in b.decode_only_buckets for w in b.widths]
         batches = [b.padding_batch(bucket, width, None, decode_only, s) for bucket, width, decode_only, s in shapes]
-        jobs = [partial(self._compile_forward, batch) for batch in batches]
+        # LoRA: each shape also with adapters (a step without any keeps the variant above)
+        lora_batches = [b.padding_batch(bucket, width, None, decode_only, s, lora=True)
+                        for bucket, width, decode_only, s in shapes] if self.lora is not None else []
+        jobs = [partial(self._compile_forward, batch) for batch in batches + lora_batches]
+        if self.lora is not None:
+            jobs.append(self.lora.compile_write)
         # One sampler per row count (and, with drafts, logits rows): the layouts' distinct ones.
         samplers = {(batch.layout.num_rows, batch.layout.num_logits): batch.layout for batch in batches}
         jobs += [partial(self._compile_sampler, layout, features) for layout in samplers.values()
@@ -364,7 +379,8 @@ class ModelRunner:
     def _compile_forward(self, batch: HostBatch) -> None:
         self._forward_shapes.add(batch.layout)
         packed = step_input(batch.packed, self._replicated)
-        self._forward.lower(self.params, self.kv_caches, packed, self.last_sampled, layout=batch.layout).compile()
+        self._forward.lower(self.params, self.kv_caches, packed, self.last_sampled, self._lora_stacks(batch.layout),
+                            layout=batch.layout).compile()
 
     def _compile_draft(self, batch: HostBatch) -> None:
         self.draft.compile_forward(step_input(batch.packed, self._replicated), self.last_sampled, batch.layout)
@@ -393,9 +409,16 @@ class ModelRunner:
 
     # -- one step ----------------------------------------------------------------------
 
-    def execute(self, scheduled: list[ScheduledRequest]) -> PendingStep:
+    def _lora_stacks(self, layout: BatchLayout) -> dict | None:
+        return self.lora.stacks if layout.lora else None
+
+    def execute(self, scheduled: ScheduledBatch | list[ScheduledRequest]) -> PendingStep:
         """Build and dispatch one step; nothing here waits for the device."""
-        batch = self.builder.prepare(scheduled)
+        slots = None
+        if self.lora is not None:  # the step's adapters into device slots first
+            requests = scheduled.requests if isinstance(scheduled, ScheduledBatch) else [s.request for s in scheduled]
+            slots = self.lora.slots_for(r.lora_id for r in requests)
+        batch = self.builder.prepare(scheduled, slots)
         for row, request in batch.admitted:  # their device sampler state, before the step reads it
             self.sampler_state = self._write_row(self.sampler_state, row, state_row(request, self.cfg.vocab_size))
         return self.launch(batch)
@@ -407,7 +430,8 @@ class ModelRunner:
         layout = batch.layout
         packed = step_input(batch.packed, self._replicated)
         logits, hidden, aux, sampling_rows, caches = self._forward(
-            self.params, self.kv_caches if kv_caches is None else kv_caches, packed, self.last_sampled, layout=layout
+            self.params, self.kv_caches if kv_caches is None else kv_caches, packed, self.last_sampled,
+            self._lora_stacks(layout), layout=layout
         )
         if kv_caches is None:
             self.kv_caches = caches
@@ -519,6 +543,8 @@ class ModelRunner:
             self.sampler_state = self._new_sampler_state()
         if gone(self.last_sampled):
             self.last_sampled = self._new_last_sampled()
+        if self.lora is not None and gone(self.lora.stacks):
+            self.lora.clear_slots()
         if self.eagle is not None:
             self.eagle.step = None
         if gone(self.kv_caches) or (self.drafter is not None and gone(self.drafter.kv_caches)):
@@ -571,10 +597,11 @@ class ModelRunner:
         if self.closed:
             return
         draft = self.drafter.arrays() if self.drafter is not None else []
+        draft += self.lora.arrays() if self.lora is not None else []
         for array in jax.tree.leaves((self.params, self.kv_caches, self.sampler_state, self.last_sampled, draft)):
             if isinstance(array, jax.Array) and not array.is_deleted():
                 array.delete()
         self.params = self.kv_caches = self.sampler_state = self.last_sampled = None
         self._forward = self._sampler = self._prompt_logprobs = self._write_row = None
-        self.draft = self.eagle = self.drafter = None
+        self.draft = self.eagle = self.drafter = self.lora = None
         self.builder = None

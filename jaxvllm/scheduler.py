@@ -43,6 +43,9 @@ class SchedulerConfig:
     # one (a CPU): an admitted prompt's chunk then stops at a bucket's edge rather than
     # spill a little past it (`bucket_edge`). None: chunks take all the budget, as vLLM's.
     fill_buckets: tuple[int, ...] | None = None
+    # LoRA: at most this many distinct adapters among the running requests (the device's
+    # slots); 0: no LoRA.
+    max_loras: int = 0
 
 
 def bucket_edge(buckets: tuple[int, ...], used: int, num_new: int, step_tokens: int = 32) -> int:
@@ -307,10 +310,18 @@ class Scheduler:
         c, kv = self.config, self.kv
         admitted = []
         compiling = []  # structured-output requests whose grammar is not compiled yet
+        # LoRA, as vLLM: the running requests hold at most max_loras adapters; a request whose
+        # adapter would be one more waits. Once one waits, so do the adapter requests behind
+        # it (base requests go on): the running adapters drain, and it is next, never starved.
+        adapters = {r.lora_id for r in self.running if r.lora_id}
+        for_slot = []
         while len(self.waiting) and len(self.running) < c.max_num_seqs and budget > 0:
             request = self.waiting.peek()
             if request.grammar is not None and not request.grammar.ready:
                 compiling.append(self.waiting.pop())  # the others go first meanwhile
+                continue
+            if request.lora_id and (for_slot or (request.lora_id not in adapters and len(adapters) >= c.max_loras)):
+                for_slot.append(self.waiting.pop())
                 continue
             if request.num_pending:  # preempted with a token in flight: it joins once that is here
                 break
@@ -350,7 +361,9 @@ class Scheduler:
                 request.metrics.first_scheduled_time = time.time()
             admitted.append(scheduled_request)
             budget -= num_new
-        for request in compiling:
+            if request.lora_id:
+                adapters.add(request.lora_id)
+        for request in compiling + for_slot:
             self.waiting.add(request)
         return admitted
 

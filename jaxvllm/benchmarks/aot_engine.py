@@ -42,7 +42,8 @@ STATE_ARRAYS = 4  # SamplerState's donated [max_num_seqs, vocab] arrays
 def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int = 256, max_num_seqs: int = 256,
                       context: int = 1024, block_size: int = 16, dtype=jnp.bfloat16,
                       sampler: tuple[str, ...] = ("greedy", "all"), kv_cache_dtype=None,
-                      decode_only: bool = False, spec_tokens: int = 0, quantization: str | None = None) -> list[Case]:
+                      decode_only: bool = False, spec_tokens: int = 0, quantization: str | None = None,
+                      lora_slots: int = 0, lora_rank: int = 16) -> list[Case]:
     """The model runner's per-step executables for a bucket of `num_tokens` tokens, one
     sequence each at `context` tokens: the forward (KV caches donated) and the sampler
     (last sampled ids and sampler state donated) with no feature, or every one, on.
@@ -53,7 +54,8 @@ def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int =
     tokens (the model drafting for itself). `quantization` "fp8": the forward over online
     fp8 weights (`jaxvllm.quantization`), per channel; "fp8-block": over a block-fp8
     checkpoint's (scales per 128 x 128 block); "gptq-dummy": over 4-bit weights (W4A16,
-    scales per 128 inputs).
+    scales per 128 inputs). `lora_slots` S: a step with LoRA adapters, S slots of rank
+    `lora_rank` on every linear layer weight (`jaxvllm.lora`).
 
     The only code here that knows the runner's API (imported here, so that the rest of
     the module does not depend on it): params name the donated buffers (`copy_shapes`,
@@ -66,7 +68,8 @@ def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int =
 
     cfg = ModelConfig.from_hf(get_dummy(model).make_config())
     rows = sequence_rows(max_num_seqs, num_tokens)
-    layout = BatchLayout(num_tokens, rows, context // block_size, decode_only, spec_tokens=spec_tokens)
+    layout = BatchLayout(num_tokens, rows, context // block_size, decode_only, spec_tokens=spec_tokens,
+                         lora=lora_slots > 0)
     def caches(num_layers: int) -> tuple:  # every layer's, as `allocate_kv_caches` lays them out
         cache = spec((cfg.num_kv_heads, num_layers, rows * layout.width, block_size, cfg.head_dim),
                      kv_cache_dtype or dtype)
@@ -96,11 +99,24 @@ def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int =
         quantize = partial(quantize_online, method=quantization) if quantization in ONLINE else blocks
         params = jax.eval_shape(lambda: single_device_kernels(quantize_params(
             dummy_params(cfg, dtype), MODELS[cfg.architecture].param_specs(cfg), quantize)))
+    lora = None
+    if lora_slots:
+        from jaxvllm.lora.adapter import lora_targets
+        from jaxvllm.models import MODELS
+
+        common.update(lora_slots=lora_slots, lora_rank=lora_rank)
+        def stack(shape: tuple[int, ...]):  # [rows, slots, ...]
+            return spec((shape[0], lora_slots, *shape[1:]), dtype)
+
+        lora = {}
+        for t in lora_targets(MODELS[cfg.architecture].param_specs(cfg)):
+            a, bs = t.slot_shapes(lora_rank)
+            lora[t.name] = (stack(a), tuple(map(stack, bs)))
     forward = jit_forward(cfg, backend)
     cases = [Case("engine_forward", dict(common, num_layers=cfg.num_layers, copy_shapes=[list(kv_caches[0].shape)],
                                          donated=len(kv_caches)),
                   SimpleNamespace(trace=partial(forward.trace, layout=layout)),
-                  [params, kv_caches, packed, last_sampled])]
+                  [params, kv_caches, packed, last_sampled, lora])]
     everything = SamplerFeatures(random=True, min_p=True, top_k=True, top_p=True, state=True, bad_words=True, logprobs=20,
                                  grammar=True)
     for name in sampler:
@@ -167,6 +183,9 @@ def engine_cases(quick: bool = False) -> list[Case]:
     for quantization in ("fp8", "fp8-block", "gptq-dummy"):
         cases += engine_step_cases("pallas", sampler=(), decode_only=True, quantization=quantization)
         cases += engine_step_cases("pallas", num_tokens=2048, sampler=(), quantization=quantization)
+    # LoRA: 4 adapter slots of rank 16 on every linear layer weight, decode-only and a prefill bucket.
+    cases += engine_step_cases("pallas", sampler=(), decode_only=True, lora_slots=4)
+    cases += engine_step_cases("pallas", num_tokens=2048, sampler=(), lora_slots=4)
     cases += engine_step_cases("pallas", model="tiny", num_tokens=64, max_num_seqs=8, context=256, dtype=jnp.float32,
                                sampler=())
     # Speculative decoding: a step verifying 4 drafts a row, the draft model's proposer and an EAGLE-3 head's.

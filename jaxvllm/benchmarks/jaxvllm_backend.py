@@ -105,9 +105,11 @@ class JaxvllmBackend:
         """Nothing to do: construction compiled every token bucket (see `warmup_seconds`)."""
         return 0.0
 
-    def run(self, requests: list[BenchRequest], *, temperature: float = 0.0, use_tqdm: bool = True) -> RunTimings:
-        """One timed run. It starts with an empty prefix cache: a run before it on the same
-        prompts (a warm-up pass) would otherwise spare it their prefill."""
+    def run(self, requests: list[BenchRequest], *, temperature: float = 0.0, use_tqdm: bool = True,
+            lora_requests: list | None = None) -> RunTimings:
+        """One timed run (`lora_requests`: each request's LoRA adapter, or None). It starts
+        with an empty prefix cache: a run before it on the same prompts (a warm-up pass)
+        would otherwise spare it their prefill."""
         prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
         # A constrained completion ends with its grammar: EOS is not ignored there.
         params = [SamplingParams(temperature=temperature, max_tokens=r.output_len,
@@ -116,7 +118,7 @@ class JaxvllmBackend:
         self.llm.reset_prefix_cache()
         with time_steps(self.llm) as timing:
             start_wall, start = time.time(), time.perf_counter()
-            outputs = self.llm.generate(prompts, params, use_tqdm=use_tqdm)
+            outputs = self.llm.generate(prompts, params, use_tqdm=use_tqdm, lora_request=lora_requests)
             elapsed = time.perf_counter() - start
         self.last_step_timing = timing
         ttft, e2e = [], []

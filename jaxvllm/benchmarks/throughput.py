@@ -10,6 +10,10 @@ constrained by a JSON schema, then unconstrained with the same output lengths, a
 the ratio of their output tokens/s is printed with the share of completions that
 validate and the host time spent filling token masks per step.
 
+`--num-loras K` (LoRA) runs the requests again spread over K adapters (`--lora-modules
+name=path ...`, completed with random ones of rank max-lora-rank) on the same engine, and
+prints their time against the base model's.
+
 `--dataset repeat` asks for copies and rewrites of passages in the prompt, the work of
 `--speculative-config` (n-gram prompt lookup), whose acceptance is then reported;
 `--compare-speculative` also runs the requests without it (see `common.speculative_report`).
@@ -18,10 +22,13 @@ validate and the host time spent filling token masks per step.
 from __future__ import annotations
 
 import argparse
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from jaxvllm.benchmarks import datasets as ds
 from jaxvllm.benchmarks.backends import make_backend
+from jaxvllm.benchmarks.lora_adapters import bench_adapters
 from jaxvllm.benchmarks.common import (NO_SPEC_KEY, UNQUANTIZED_KEY, RunTimings, add_bench_args, backend_names,
                                        check_compare_args, quantization_report, spec_decode_figures,
                                        speculative_report, write_report)
@@ -55,6 +62,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--compare-prefix-caching", action="store_true",
                        help="run jaxvllm with prefix caching on, then off, and report computed prefill tokens "
                             "and wall time of each")
+    group.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                       help="LoRA adapters (PEFT folders) for --num-loras (implies --enable-lora)")
+    group.add_argument("--num-loras", type=int, default=0,
+                       help="also run the requests spread over this many LoRA adapters (round robin; random "
+                            "ones where --lora-modules gives fewer) and report the time against the base model's")
     group.add_argument("--compare-async-scheduling", action="store_true",
                        help="run jaxvllm with async scheduling on, then off, and report output tokens/s of each")
     group.add_argument("--compare-kv-cache-dtype", action="store_true",
@@ -187,6 +199,23 @@ def print_structured_output(s: dict[str, Any]) -> None:
           f"{s['mask_ms_per_step']:.3f} ms per step ({s['mask_steps']} steps)")
 
 
+def lora_run(backend, requests: list[ds.BenchRequest], args: argparse.Namespace, source: ModelSource,
+             kwargs: dict[str, Any], num_loras: int, base_elapsed: float) -> dict[str, Any]:
+    """The requests again, request i with adapter i mod K, timed on the same engine (whose
+    run without adapters took `base_elapsed`)."""
+    with tempfile.TemporaryDirectory() as folder:
+        adapters = bench_adapters(source.path, args.lora_modules, num_loras, kwargs.get("max_lora_rank", 16),
+                                  Path(folder))
+        before = backend.stats()["lora_slot_loads"]
+        timings = backend.run(requests, temperature=args.temperature, use_tqdm=not args.disable_tqdm,
+                              lora_requests=[adapters[i % len(adapters)] for i in range(len(requests))])
+    result = summarize(timings, requests)
+    return {**result, "num_loras": len(adapters), "max_loras": kwargs["max_loras"],
+            "max_lora_rank": kwargs.get("max_lora_rank", 16), "adapters": [a.lora_name for a in adapters],
+            "slot_loads": backend.stats()["lora_slot_loads"] - before,
+            "time_ratio": result["elapsed_time"] / base_elapsed}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark the flags describe; print and return its figures (and write --output-json)."""
     results: dict[str, dict[str, Any]] = {}
@@ -199,7 +228,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with resolve_model(args.model) as source:
         requests = make_requests(args, source)
         max_model_len = auto_max_model_len(args.dataset, requests, load_config(source.path).max_position_embeddings)
-        kwargs = engine_kwargs(args, source, seed=args.seed, max_model_len=max_model_len)
+        num_loras = max(args.num_loras, len(args.lora_modules))
+        lora_defaults = dict(enable_lora=True, max_loras=num_loras) if num_loras else {}
+        kwargs = engine_kwargs(args, source, seed=args.seed, max_model_len=max_model_len, **lora_defaults)
         runs = [(name, name, kwargs) for name in backend_names(args.backend)]
         for flag, (option, first, second, key, _) in _COMPARISONS.items():  # a second jaxvllm run
             if not getattr(args, flag):
@@ -222,6 +253,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 before = backend.stats() if name == "jaxvllm" else {}
                 timings = backend.run(requests, temperature=args.temperature, use_tqdm=not args.disable_tqdm)
                 result = summarize(timings, requests)
+                if num_loras and key == "jaxvllm":  # the same requests over the adapters, same engine
+                    result["lora"] = lora_run(backend, requests, args, source, run_kwargs, num_loras,
+                                              result["elapsed_time"])
                 result["load_seconds"] = backend.load_seconds
                 result["warmup_seconds"] = backend.warmup_seconds
                 if name == "hf":
@@ -279,6 +313,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"prefix caching: {p['computed_prefill_tokens_on']} prefill tokens computed with it, "
               f"{p['computed_prefill_tokens_off']} without ({100 * p['prefill_skipped']:.1f}% skipped); "
               f"wall time {p['elapsed_on']:.2f} s vs {p['elapsed_off']:.2f} s ({p['speedup']:.2f}x)")
+    if num_loras:
+        report["lora"] = lora = results["jaxvllm"].pop("lora")
+        print(f"LoRA: {lora['num_loras']} adapters (rank <= {lora['max_lora_rank']}, max_loras "
+              f"{lora['max_loras']}): {lora['elapsed_time']:.2f} s vs {results['jaxvllm']['elapsed_time']:.2f} s for "
+              f"the base model ({lora['time_ratio']:.2f}x the time); {lora['slot_loads']} slot loads")
     if args.compare_async_scheduling:
         on, off = results["jaxvllm"], results["jaxvllm_sync"]
         same = sum(a == b for a, b in zip(outputs["jaxvllm"], outputs["jaxvllm_sync"]))

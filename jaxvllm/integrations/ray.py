@@ -25,7 +25,9 @@ absent (Arrow gives every row of a column the same fields, filling the missing o
 nulls), so a field is at its `SamplingParams` default there, e.g. `max_tokens` at 16. Each
 row gets one completion (`n` must be 1). `structured_outputs` is a dict of
 `StructuredOutputsParams` fields (give a JSON schema as its text: Arrow would turn a dict
-into a struct with a null for every key another row has).
+into a struct with a null for every key another row has). A row may also carry
+`lora_path`, a LoRA adapter's PEFT folder (null: the base model), with `enable_lora=True`
+in `engine_kwargs`: each replica gives each distinct path an adapter id of its own.
 
 Outputs. Every input column is kept (every column `preprocess` returns, when given: as in
 vLLM, its row replaces the input row, so `{**row, ...}` keeps the input's); added are
@@ -45,6 +47,7 @@ request's seed from its engine's seed and arrival order, so it differs from repl
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import pyarrow as pa
@@ -134,6 +137,7 @@ class JaxvllmPredictor:
 
         self.config, self.preprocess, self.postprocess = config, preprocess, postprocess
         self.llm = LLM(config.model, **config.engine_kwargs)
+        self._loras: dict[str, Any] = {}  # LoRA path -> its LoRARequest
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         rows = batch.to_pylist()
@@ -142,7 +146,8 @@ class JaxvllmPredictor:
             batch = _table(rows)
         prompts = [self._prompt(row) for row in rows]
         params = [self._sampling_params(row) for row in rows]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        loras = [self._lora_request(row.get("lora_path")) for row in rows]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
         columns = {
             "generated_text": [o.outputs[0].text for o in outputs],
             "generated_tokens": [list(o.outputs[0].token_ids) for o in outputs],
@@ -158,6 +163,15 @@ class JaxvllmPredictor:
         if self.postprocess is not None:
             batch = _table([self.postprocess(row) for row in batch.to_pylist()])
         return batch
+
+    def _lora_request(self, path: str | None):
+        from jaxvllm.lora.request import LoRARequest
+
+        if path is None:
+            return None
+        if path not in self._loras:
+            self._loras[path] = LoRARequest(Path(path).name, len(self._loras) + 1, path)
+        return self._loras[path]
 
     def _prompt(self, row: dict) -> Any:
         given = [key for key in ("prompt", "messages", "prompt_token_ids") if row.get(key) is not None]

@@ -33,7 +33,8 @@ from jax.sharding import Mesh
 
 from jaxvllm.batch import ModelInputs
 from jaxvllm.layers import apply_rope, linear, paged_attention, rms_norm
-from jaxvllm.model_config import ModelConfig
+from jaxvllm.lora.weights import LoRAWeight
+from jaxvllm.model_config import KV_GROUPS, SIDE_BY_SIDE, ModelConfig
 
 Params = dict
 KVCaches = tuple  # (k_cache, v_cache[, scales]), every layer's (see `jaxvllm/kv_cache.py`)
@@ -80,10 +81,6 @@ class ParamSpec:
         return [self.hf_name.format(j) for j in range(self.stacked)] if self.stacked else [self.hf_name]
 
 
-# How `ParamSpec.parts` join: q, k, v (weights [heads, head_dim, hidden] or biases [heads,
-# head_dim]) into [kv_heads, group + 2, ...], each KV head's query heads then its k and v;
-# or gate, up into [2, ...].
-KV_GROUPS, SIDE_BY_SIDE = "kv_groups", "side_by_side"
 
 
 def merged(path: tuple, parts: list[ParamSpec], merge: str) -> ParamSpec:
@@ -292,10 +289,16 @@ def run_layers(layer_fn: Callable, params: Params, kv_caches: KVCaches, x: jax.A
     Each call is a jit nested in the step's, so JAX traces and lowers one layer of each
     kind, not every layer: start-up (even from the persistent cache, whose key needs the
     lowered step) does not grow with depth. XLA inlines the calls: the compiled step is
-    the one the unrolled layers gave."""
+    the one the unrolled layers gave.
+
+    With LoRA adapters in the step (`params["lora"]`, the device slots' stacks by weight
+    name, and `inputs.lora_slots`), each targeted weight comes as a `LoRAWeight` of its
+    rows, which `linear` adds every token's adapter for."""
     step = jax.jit(layer_fn, static_argnums=5)
     entering = {}
     stacks = params["layers"]
+    lora = params.get("lora") if inputs.lora_slots is not None else None
+    merges = {spec.path[-1]: spec.layers[0].merge for spec in specs if spec.layers}
 
     def row_of(stack, row: int):
         if isinstance(stack, list):
@@ -305,6 +308,11 @@ def run_layers(layer_fn: Callable, params: Params, kv_caches: KVCaches, x: jax.A
 
     for i, (rows, kind) in enumerate(zip(layer_rows(specs), layer_kinds(cfg))):
         layer = {name: row_of(stacks[name], row) for name, row in rows.items()}
+        for name, (a, b) in (lora or {}).items():
+            if name in layer:
+                index = params["layer_rows"][rows[name]]
+                a, b = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, index, keepdims=False), (a, b))
+                layer[name] = LoRAWeight(layer[name], a, b, inputs.lora_slots, merges[name])
         if i in collect:
             entering[i] = x
         x, kv_caches = step(layer, x, kv_caches, np.int32(i), inputs, kind)

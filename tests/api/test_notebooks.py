@@ -75,3 +75,12 @@ def test_throughput_runs_and_saves_the_figure(tmp_path, monkeypatch):
     assert "dummy:tiny" in out or "dummy:qwen3-0.6b" in out
     table = out[out.index("output tok/s"):].splitlines()[1:5]
     assert [int(line.split()[0]) for line in table] == [1, 4, 16, 64] or "gpu" in out
+
+
+@pytest.mark.slow
+def test_lora_runs_and_plots_a_score_per_adapter(tmp_path, monkeypatch):
+    nb = execute("lora.ipynb", tmp_path, monkeypatch)
+    figure = tmp_path / "lora_scores.png"
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = text_output(nb)
+    assert "== adapter-a" in out and "== adapter-b" in out and "'base':" in out

@@ -105,7 +105,7 @@ def test_prompt_types_priority_lora_and_chat_kwargs(llm):
     a, b = llm.generate([TokensPrompt(prompt_token_ids=[5, 6]), TextPrompt(prompt="Hello")], params, priority=1,
                         use_tqdm=False, lora_request=None)
     assert a.prompt_token_ids == [5, 6] and b.prompt == "Hello"
-    with pytest.raises(ValueError, match="LoRA is not supported"):
+    with pytest.raises(ValueError, match="LoRA adapters need an engine started with enable_lora=True"):
         llm.generate("Hello", params, lora_request=object(), use_tqdm=False)
     template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }};{% endfor %}"
                 "{% if add_generation_prompt %}assistant:{% endif %}{{ suffix | default('') }}")

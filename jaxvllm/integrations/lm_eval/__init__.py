@@ -65,6 +65,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from jaxvllm.dummy import get_dummy, is_dummy, write_dummy_model
 from jaxvllm.llm import LLM
+from jaxvllm.lora.request import LoRARequest
 from jaxvllm.sampling_params import PROMPT_LOGPROBS_START, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -115,10 +116,15 @@ class JaxvllmLM(TemplateLM):
         batch_size: Any = None,  # lm-eval's: 1 or "auto" only, the engine batches by itself
         max_batch_size: Any = None,
         device: Any = None,
+        lora_local_path: str | None = None,
         **engine_kwargs: Any,
     ) -> None:
         super().__init__()
         check_batch_size(batch_size, max_batch_size)
+        # lm-eval's vllm backend: one LoRA adapter (a PEFT folder) over the model, for every request
+        self._lora = LoRARequest("finetuned", 1, str(lora_local_path)) if lora_local_path else None
+        if self._lora is not None and llm is None:
+            engine_kwargs.setdefault("enable_lora", True)
         self._dummy_dir: tempfile.TemporaryDirectory | None = None
         if llm is not None:
             if pretrained is not None or engine_kwargs:
@@ -252,7 +258,7 @@ class JaxvllmLM(TemplateLM):
             chunk = keys[start:end]
             params = [SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False,
                                      extra_args={PROMPT_LOGPROBS_START: len(key) - need[key]}) for key in chunk]
-            outputs = self.llm.generate([{"prompt_token_ids": list(k)} for k in chunk], params,
+            outputs = self.llm.generate([{"prompt_token_ids": list(k)} for k in chunk], params, lora_request=self._lora,
                                         use_tqdm=not disable_tqdm)
             for key, out in zip(chunk, outputs):
                 lps = out.prompt_logprobs
@@ -311,7 +317,7 @@ class JaxvllmLM(TemplateLM):
                 **{k: v for k, v in kwargs.items() if k in _SAMPLING_FIELDS},
             ))
             stops.append(until)
-        outputs = self.llm.generate(prompts, params, use_tqdm=not disable_tqdm)
+        outputs = self.llm.generate(prompts, params, use_tqdm=not disable_tqdm, lora_request=self._lora)
         results = []
         for req, out, until in zip(requests, outputs, stops):
             text = postprocess_generated_text(out.outputs[0].text, until, None)

@@ -1,0 +1,176 @@
+"""The adapters an engine serves: read ones on the host, and the device's slots.
+
+vLLM's two caches: up to `max_cpu_loras` adapters kept read on the host (least recently
+used dropped first, pinned ones never; a dropped one is read again from its folder when
+next asked for), and `max_loras` device slots (`jaxvllm.lora.weights`). A step's adapters
+take slots before it runs: one already there keeps its slot, another goes into a free
+slot or the least recently used one that the step does not use, as one transfer and one
+jitted write with the slot a traced index, so that a swap never recompiles.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterable
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
+
+from jaxvllm.lora.adapter import LoRAAdapter, LoRATarget, lora_targets, read_adapter, slot_arrays
+from jaxvllm.lora.request import LoRARequest
+from jaxvllm.lora.weights import write_slot
+from jaxvllm.model_config import ModelConfig
+from jaxvllm.models.common import ParamSpec
+from jaxvllm.sharding import AXIS, param_partition, put
+
+
+class LoRAManager:
+    """The model runner's adapters: `stacks` (per target weight name, (A, (B per part)) with
+    a slot axis after the rows, see `jaxvllm.lora.weights`) is what a step with adapters reads."""
+
+    def __init__(self, specs: list[ParamSpec], cfg: ModelConfig, *, max_loras: int, max_rank: int,
+                 max_cpu_loras: int, dtype, mesh: Mesh | None = None, device=None) -> None:
+        self.targets: list[LoRATarget] = lora_targets(specs)
+        self.max_loras, self.max_rank, self.max_cpu_loras, self.dtype = max_loras, max_rank, max_cpu_loras, dtype
+        self.requests: dict[int, LoRARequest] = {}  # every adapter added, by id
+        self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # read ones, least recently used first
+        self.pinned: set[int] = set()
+        self.slot_loads = self.host_reads = 0
+        shardings = {t.name: self._shardings(t, cfg, mesh, device) for t in self.targets}
+        self._stack_shardings = {name: stack for name, (stack, _) in shardings.items()}
+        self._slot_shardings = {name: slot for name, (_, slot) in shardings.items()}
+        self._write = jax.jit(write_slot, donate_argnums=(0,), out_shardings=self._stack_shardings)
+        self.clear_slots()
+
+    def clear_slots(self) -> None:
+        """Every device slot empty (zeros): at start, and after a failed write consumed them."""
+        self.slot_ids: list[int | None] = [None] * self.max_loras  # each device slot's adapter
+        self._slot_order: list[int] = list(range(self.max_loras))  # least recently used slot first
+
+        def zeros(shape, sharding):
+            return put(np.zeros((shape[0], self.max_loras, *shape[1:]), self.dtype), sharding)
+
+        self.stacks = {t.name: jax.tree.map(zeros, t.slot_shapes(self.max_rank), self._stack_shardings[t.name],
+                                            is_leaf=_is_shape) for t in self.targets}
+
+    @staticmethod
+    def _shardings(t: LoRATarget, cfg: ModelConfig, mesh: Mesh | None, device) -> tuple:
+        """Placements of (A, (B per part)): of the stacks, and of one slot's arrays. A split
+        weight's out axes split B (column-parallel; a merged weight's parts on their first
+        axis, its heads or columns), its in axes A (row-parallel), as vLLM splits them."""
+        parts = len(t.part_out)
+        if mesh is None:
+            single = SingleDeviceSharding(device or jax.devices()[0])
+            one = (single, (single,) * parts)
+            return one, one
+        split = tuple(param_partition(("layers", t.name), cfg, mesh.size))
+        split += (None,) * (len(t.out) + len(t.inputs) - len(split))
+        column = any(split[: len(t.out)])
+        inputs = split[len(t.out):]
+        a = (None, None, *inputs)  # one slot: [rows, R, *in]
+        b = [(None, *(split[: len(t.out)] if parts == 1 else (AXIS if column else None,)), None) for _ in range(parts)]
+        named = lambda spec: NamedSharding(mesh, P(*spec))  # noqa: E731
+        stacked = lambda spec: named((spec[0], None, *spec[1:]))  # noqa: E731
+        return (stacked(a), tuple(map(stacked, b))), (named(a), tuple(map(named, b)))
+
+    # -- the host cache ------------------------------------------------------------------
+
+    def add(self, request: LoRARequest) -> bool:
+        """Read an adapter (checked against the model) unless held; False if it was."""
+        known = self.requests.get(request.lora_int_id)
+        if known is not None and known.lora_path != request.lora_path:
+            raise ValueError(f"lora_int_id {request.lora_int_id} is adapter {known.lora_name!r} ({known.lora_path}); "
+                             f"{request.lora_name!r} ({request.lora_path}) needs an id of its own")
+        if request.lora_int_id in self.host:
+            self.host.move_to_end(request.lora_int_id)
+            return False
+        adapter = read_adapter(request, self.targets, self.max_rank)
+        self.requests[request.lora_int_id] = request
+        self._keep(adapter)
+        return known is None
+
+    def _keep(self, adapter: LoRAAdapter) -> None:
+        self.host[adapter.request.lora_int_id] = adapter
+        self.host_reads += 1
+        for lora_id in list(self.host):
+            if len(self.host) <= self.max_cpu_loras:
+                break
+            if lora_id not in self.pinned and lora_id != adapter.request.lora_int_id:
+                del self.host[lora_id]
+
+    def remove(self, lora_id: int) -> bool:
+        """Forget an adapter (host and device); False if unknown."""
+        if self.requests.pop(lora_id, None) is None:
+            return False
+        self.host.pop(lora_id, None)
+        self.pinned.discard(lora_id)
+        self.slot_ids = [None if s == lora_id else s for s in self.slot_ids]
+        return True
+
+    def pin(self, lora_id: int) -> bool:
+        """Keep an added adapter read on the host and, once loaded, on the device."""
+        if lora_id not in self.requests:
+            raise ValueError(f"LoRA adapter {lora_id} was never added; nothing to pin")
+        if lora_id not in self.pinned and len(self.pinned) >= self.max_loras:
+            raise ValueError(f"already {len(self.pinned)} adapters pinned, as many as max_loras={self.max_loras}")
+        self.pinned.add(lora_id)
+        return True
+
+    def list(self) -> set[int]:
+        return set(self.requests)
+
+    # -- device slots ----------------------------------------------------------------------
+
+    def slots_for(self, lora_ids: Iterable[int]) -> dict[int, int]:
+        """Each adapter id (> 0) of a step -> its device slot, loading those not there.
+        At most `max_loras` distinct ids (the scheduler's promise)."""
+        wanted = sorted(set(lora_ids) - {0})
+        if len(wanted) > self.max_loras:
+            raise ValueError(f"{len(wanted)} adapters in one step; max_loras is {self.max_loras}")
+        slots = {lora_id: self.slot_ids.index(lora_id) for lora_id in wanted if lora_id in self.slot_ids}
+        for lora_id in wanted:
+            if lora_id not in slots:
+                slots[lora_id] = slot = self._free_slot(set(slots.values()))
+                self._load(lora_id, slot)
+        for slot in slots.values():  # most recently used last
+            self._slot_order.remove(slot)
+            self._slot_order.append(slot)
+        return slots
+
+    def _free_slot(self, taken: set[int]) -> int:
+        free = [s for s in self._slot_order if s not in taken]
+        empty = [s for s in free if self.slot_ids[s] is None]
+        unpinned = [s for s in free if self.slot_ids[s] not in self.pinned]
+        return (empty or unpinned or free)[0]
+
+    def _load(self, lora_id: int, slot: int) -> None:
+        adapter = self.host.get(lora_id)
+        if adapter is None:  # dropped from the host cache: read again
+            if lora_id not in self.requests:
+                raise ValueError(f"LoRA adapter {lora_id} is not known to the engine (removed?)")
+            adapter = read_adapter(self.requests[lora_id], self.targets, self.max_rank)
+            self._keep(adapter)
+        else:
+            self.host.move_to_end(lora_id)
+        arrays = slot_arrays(adapter, self.targets, self.max_rank, self.dtype)
+        arrays = jax.tree.map(put, arrays, self._slot_shardings)
+        self.slot_ids[slot] = None  # (a failed write leaves the slot empty, never half-written)
+        self.stacks = self._write(self.stacks, np.int32(slot), arrays)
+        self.slot_ids[slot] = lora_id
+        self.slot_loads += 1
+
+    def compile_write(self) -> None:
+        """Compile the slot write (the warm-up's), so that no load compiles."""
+        one = {t.name: jax.tree.map(lambda shape, s: jax.ShapeDtypeStruct(shape, self.dtype, sharding=s),
+                                    t.slot_shapes(self.max_rank), self._slot_shardings[t.name], is_leaf=_is_shape)
+               for t in self.targets}
+        self._write.lower(self.stacks, np.int32(0), one).compile()
+
+    def arrays(self) -> list:
+        return jax.tree.leaves(self.stacks)
+
+
+
+def _is_shape(x) -> bool:
+    return isinstance(x, tuple) and bool(x) and isinstance(x[0], int)
