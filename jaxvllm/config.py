@@ -177,6 +177,9 @@ class EngineConfig:
     tokenizer_mode: str = "auto"
     # Skip the warm-up: each shape compiles the first time a step needs it.
     enforce_eager: bool = False
+    # vLLM's sleep mode: `LLM.sleep(level)` frees the KV cache (and, level 1, moves the
+    # weights to host memory; level 2, drops them) until `wake_up`.
+    enable_sleep_mode: bool = False
     # Devices the model is split over (jaxvllm/sharding.py); the others are refused for now.
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -249,7 +252,7 @@ class EngineConfig:
         self._check_choices()
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "async_scheduling", "skip_tokenizer_init",
                      "enforce_eager", "disable_log_stats", "trust_remote_code", "calculate_kv_scales",
-                     "enable_expert_parallel"):
+                     "enable_sleep_mode", "enable_expert_parallel"):
             check_bool(name, getattr(self, name))
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization={self.quantization!r} is not supported by jaxvllm; choose from None, "

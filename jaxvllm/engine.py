@@ -79,6 +79,7 @@ class LLMEngine:
         # for get_metrics(); vLLM labels each data-parallel replica
         self.metrics = MetricsCollector(model_name, max_model_len, engine=str(config.data_parallel_rank))
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None  # async: the step not yet read
+        self.weight_updates, self.weight_update_seconds = 0, 0.0
         self._parents: dict[str, ParentRequest] = {}
         # Across processes (jax.distributed) each one schedules for itself: the requests are
         # compared once they change, before the next step.
@@ -116,7 +117,8 @@ class LLMEngine:
         """Validate everything about a request (its n completions) without queueing it
         (its LoRA adapter is read, and checked, if the engine has not read it yet)."""
         self._check_open()
-        lora_id = self._lora_id(lora_request)
+        self._check_awake("a request")
+        lora_id = self.lora_id(lora_request)
         return self.input_processor.process(request_id, prompt, params, priority,
                                             add_special_tokens=add_special_tokens, lora_id=lora_id)
 
@@ -126,13 +128,16 @@ class LLMEngine:
 
     # -- LoRA adapters (vLLM's names) -------------------------------------------------------
 
-    def _lora_id(self, lora_request: LoRARequest | None) -> int:
+    def lora_id(self, lora_request: LoRARequest | None) -> int:
+        """The id a request with `lora_request` runs under (0: none), the adapter read and
+        checked if this engine has not read it yet."""
         if lora_request is None:
             return 0
-        self._lora_manager()  # (an engine without LoRA refuses any, first)
+        manager = self._lora_manager()  # (an engine without LoRA refuses any, first)
         if not isinstance(lora_request, LoRARequest):
             raise TypeError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
-        self.add_lora(lora_request)
+        with defer_interrupts():
+            manager.add(lora_request)  # (read once: held ones are not read again)
         return lora_request.lora_int_id
 
     def _lora_manager(self):
@@ -141,10 +146,20 @@ class LLMEngine:
         return self.runner.lora
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Read an adapter (checked against the model) so that requests can use it."""
+        """Read an adapter (checked against the model) so that requests can use it; an id
+        added before is read again (from this request's folder) and replaced, in its device
+        slot too, and the prefix cache reset (its blocks came from the old adapter). Refused
+        while requests are unfinished when it replaces one."""
         self._check_open()
+        manager = self._lora_manager()
+        replaces = lora_request.lora_int_id in manager.requests
+        if replaces and self.has_unfinished_requests():
+            raise RuntimeError(f"add_lora would replace adapter {lora_request.lora_int_id} while requests are "
+                               "unfinished: finish or abort them first")
         with defer_interrupts():
-            self._lora_manager().add(lora_request)
+            manager.add(lora_request, replace=True)
+            if replaces:
+                self.reset_prefix_cache()
         return True
 
     def remove_lora(self, lora_id: int) -> bool:
@@ -433,6 +448,9 @@ class LLMEngine:
             # host time spent filling structured-output bitmasks, and the steps that needed one
             "structured_output_mask_seconds": so.mask_seconds if so else 0.0,
             "structured_output_mask_steps": so.mask_steps if so else 0,
+            # update_weights: calls and their seconds, summed
+            "weight_updates": self.weight_updates,
+            "weight_update_seconds": self.weight_update_seconds,
             **self._spec_decode_stats(),
             **self._lora_stats(),
         }
@@ -465,6 +483,74 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache=kv.stats,
         )
+
+    # -- sleep mode and weights (vLLM's names) ------------------------------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep (needs enable_sleep_mode=True): level 1 moves the weights to host
+        memory and frees the KV cache; level 2 frees both. The prefix cache starts empty after
+        waking. Refused while requests are unfinished."""
+        self._check_open()
+        if not self.config.enable_sleep_mode:
+            raise ValueError("sleep() needs an engine started with enable_sleep_mode=True")
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        if self.has_unfinished_requests():
+            raise RuntimeError("sleep() while requests are unfinished: finish or abort them first")
+        if self.is_sleeping():
+            raise RuntimeError("the engine is asleep already; wake_up() first")
+        with defer_interrupts():
+            self.runner.sleep(level)
+            self.reset_prefix_cache()
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Bring back the weights and the KV cache (`tags`: "weights", "kv_cache"; None:
+        both). After sleep(2), the weights come back with undefined contents, for
+        update_weights or collective_rpc("reload_weights"). Returns whether fully awake."""
+        self._check_open()
+        tags = ["weights", "kv_cache"] if tags is None else list(tags)
+        unknown = set(tags) - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"wake_up tags {sorted(unknown)}: choose from 'weights', 'kv_cache'")
+        with defer_interrupts():
+            self.runner.wake_up(tags)
+        return not self.is_sleeping()
+
+    def is_sleeping(self) -> bool:
+        return bool(self.runner.asleep)
+
+    def _check_awake(self, what: str) -> None:
+        if self.runner.asleep:
+            raise RuntimeError(f"{what} while the engine sleeps ({', '.join(sorted(self.runner.asleep))} not "
+                               f"awake): call wake_up() first")
+
+    def reload_weights(self) -> None:
+        """Read the weights from the checkpoint again (collective_rpc's "reload_weights")."""
+        self._check_open()
+        if self.has_unfinished_requests():
+            raise RuntimeError("reload_weights while requests are unfinished: finish or abort them first")
+        with defer_interrupts():
+            self.runner.reload_weights()
+            self.reset_prefix_cache()
+
+    def update_weights(self, weights) -> int:
+        """Replace some or all of the model's weights in place (HF names; see
+        `jaxvllm.weight_update`): every name and shape is checked before anything changes.
+        Refused while requests are unfinished. The prefix cache is reset (its blocks came
+        from the old weights). Returns the number of tensors replaced."""
+        self._check_open()
+        if self.has_unfinished_requests():
+            raise RuntimeError("update_weights while requests are unfinished: finish or abort them first")
+        if "weights" in self.runner.asleep:
+            raise RuntimeError("update_weights while the weights sleep: call wake_up(tags=['weights']) first")
+        start = time.perf_counter()
+        with defer_interrupts():
+            count = self.runner.update_weights(weights)
+            self.reset_prefix_cache()
+        jax.block_until_ready(self.runner.params)
+        self.weight_updates += 1
+        self.weight_update_seconds += time.perf_counter() - start
+        return count
 
     def reset_prefix_cache(self) -> bool:
         self.metrics.track_prefix_cache(self.kv_cache_manager.stats)  # (the reset starts new stats)

@@ -70,6 +70,7 @@ _BOOL_FLAGS: dict[str, str] = {
     "enable-expert-parallel": "mixture of experts: split the experts whole over the tensor-parallel devices "
                               "(E / N each) instead of each expert by its intermediate dimension",
     "enable-lora": "serve LoRA adapters (PEFT folders) over the base model, several in one batch",
+    "enable-sleep-mode": "allow LLM.sleep(level) / wake_up(tags), which free the KV cache and the weights",
 }
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from tqdm.auto import tqdm
 
@@ -202,7 +202,7 @@ class LLM:
         self._request_counter += len(requests)
         for e in self.engines[1:]:  # every replica reads the adapters (replica 0 did, checking the requests)
             for lora in {lr.lora_int_id: lr for lr in loras if lr is not None}.values():
-                e.add_lora(lora)
+                e.lora_id(lora)
         for e in self.engines:
             e.scheduler.set_policy("priority" if priority is not None else e.config.scheduling_policy)
 
@@ -261,6 +261,51 @@ class LLM:
         if len(self.engines) > 1:
             stats["replicas"] = [e.stats() for e in self.engines]
         return stats
+
+    def update_weights(self, weights) -> int:
+        """Replace some or all of the model's weights in place, between `generate` calls:
+        `weights` is (HF name, array) pairs (vLLM's `load_weights` contract), a mapping of
+        names to arrays, or a pytree whose key paths are the names. Arrays may be numpy,
+        jax (a device array is never moved through the host) or torch (CPU). Every name,
+        shape and dtype is checked before anything changes; the prefix cache is reset.
+        Returns the number of tensors replaced (per replica: each gets them all)."""
+        self._check_open()
+        if any(e.has_unfinished_requests() for e in self.engines):
+            raise RuntimeError("update_weights while requests are unfinished: finish or abort them first")
+        if len(self.engines) > 1 and isinstance(weights, Iterator):
+            weights = list(weights)  # (every replica reads it)
+        return [e.update_weights(weights) for e in self.engines][0]
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode (`enable_sleep_mode=True`): level 1 moves the weights to host
+        memory and frees the KV cache; level 2 frees both (for new weights). `generate` is
+        refused until `wake_up`; waking compiles nothing."""
+        self._check_open()
+        for e in self.engines:
+            e.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Bring back "weights" and / or "kv_cache" (None: both); returns whether fully awake.
+        The RL sequence after sleep(2): wake_up(["weights"]), update_weights(...),
+        wake_up(["kv_cache"])."""
+        self._check_open()
+        return all([e.wake_up(tags) for e in self.engines])
+
+    # The engine methods collective_rpc runs (vLLM's name for a call on every worker).
+    RPC_METHODS = ("reload_weights", "update_weights", "sleep", "wake_up", "is_sleeping", "reset_prefix_cache")
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
+        """Run an engine method on every replica, with vLLM's name; returns their results."""
+        self._check_open()
+        if method not in self.RPC_METHODS:
+            raise ValueError(f"collective_rpc method {method!r} is not supported; choose from {self.RPC_METHODS}")
+        return [getattr(e, method)(*args, **(kwargs or {})) for e in self.engines]
+
+    def get_params(self) -> dict:
+        """The model's params pytree as the engine runs it (replica 0's): the layers' weights
+        stacked (or one per layer on a CPU), heads explicit; see `jaxvllm.models.common`."""
+        self._check_open()
+        return self.llm_engine.runner.params
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefix blocks (their memory stays with the KV pool)."""

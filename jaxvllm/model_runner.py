@@ -10,6 +10,7 @@ tokens when it needs them (after dispatching the next step, under async scheduli
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -36,7 +37,7 @@ from jaxvllm.kv_cache import (
     resolve_kv_cache_dtype,
     with_cache_storage,
 )
-from jaxvllm.loader import JNP_DTYPES, load_model, resolve_dtype
+from jaxvllm.loader import JNP_DTYPES, load_config, load_model, resolve_dtype
 from jaxvllm.lora.manager import LoRAManager
 from jaxvllm.model_config import ModelConfig
 from jaxvllm.models import MODELS
@@ -205,9 +206,7 @@ class ModelRunner:
         # (the config the split model runs with: KV heads repeated when fewer than the devices,
         # experts split whole under expert parallelism)
         start = time.perf_counter()
-        self.cfg, self.params = load_model(c.model, dtype=c.dtype, load_format=c.load_format, seed=c.seed,
-                                           mesh=self.mesh, device=self.devices[0],
-                                           expert_parallel=c.enable_expert_parallel, quantization=c.quantization)
+        self.cfg, self.params = self._load()
         self.load_seconds = time.perf_counter() - start
         self.dtype = resolve_dtype(c.dtype, self.cfg)
         self.max_model_len = c.max_model_len or self.cfg.max_position_embeddings
@@ -259,6 +258,8 @@ class ModelRunner:
         self._sampler = jit_sampler(c.logprobs_mode, self.mesh)
         self._prompt_logprobs = jit_prompt_logprobs(self.cfg)
         self._write_row = jax.jit(write_state_row, donate_argnums=(0,))
+        self._weight_index = None  # (HF name -> its places in the params, KV repeats): update_weights'
+        self._asleep: set[str] = set()
         # The forward layouts and (row count, logits rows, features) sampler variants compiled so far.
         self._forward_shapes: set[BatchLayout] = set()
         self._sampler_variants: set[tuple[int, int, SamplerFeatures]] = set()
@@ -567,6 +568,83 @@ class ModelRunner:
         on the default device (committed there, as the params are: jit keys on it)."""
         return SingleDeviceSharding(self.devices[0]) if self.mesh is None else replicated(self.mesh)
 
+    # -- sleep mode ------------------------------------------------------------------------
+
+    @property
+    def asleep(self) -> set[str]:
+        """What sleep freed and no wake_up brought back: "weights", "kv_cache"."""
+        return self._asleep
+
+    def sleep(self, level: int) -> None:
+        """vLLM's sleep: the KV cache freed; the weights copied to host memory (level 1) or
+        dropped (level 2). Their shapes and placements are kept, so that waking compiles nothing."""
+        if self.drafter is not None:
+            raise ValueError("sleep mode with a draft model or EAGLE head (speculative_config) is not supported")
+        self._params_struct = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                                           self.params)
+        self._host_params = jax.device_get(self.params) if level == 1 else None
+        for array in jax.tree.leaves(self.kv_caches):
+            array.delete()
+        # The weights are let go, not deleted: a JAX trainer's arrays given to update_weights
+        # are the params themselves, and stay the trainer's (their memory is freed when
+        # nothing else holds them).
+        self.params = self.kv_caches = None
+        self._asleep = {"weights", "kv_cache"}
+
+    def wake_up(self, tags: list[str]) -> None:
+        """Bring back what `tags` name: "weights" (level 1's copies; after level 2, buffers of
+        undefined contents, for `update_weights` or `reload_weights` to fill), "kv_cache" (empty)."""
+        if "weights" in tags and "weights" in self._asleep:
+            if self._host_params is not None:
+                self.params = jax.tree.map(put, self._host_params, jax.tree.map(lambda s: s.sharding,
+                                                                                  self._params_struct))
+            else:
+                self.params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding),
+                                           self._params_struct)
+            self._host_params = None
+            self._asleep.discard("weights")
+        if "kv_cache" in tags and "kv_cache" in self._asleep:
+            self.kv_caches = self._allocate_kv_caches(self.num_blocks)
+            self._asleep.discard("kv_cache")
+
+    def reload_weights(self) -> None:
+        """Read the weights from the checkpoint again, onto their devices (vLLM's collective_rpc
+        "reload_weights"): what sleep(2) dropped, or weights changed by update_weights."""
+        self.params = None  # (let go first, for the memory: see `sleep`)
+        _, self.params = self._load()
+        self._asleep.discard("weights")
+
+    def _load(self) -> tuple[ModelConfig, dict]:
+        """The checkpoint's weights on this replica's devices, and the config they run with."""
+        c = self.config
+        return load_model(c.model, dtype=c.dtype, load_format=c.load_format, seed=c.seed, mesh=self.mesh,
+                          device=self.devices[0], expert_parallel=c.enable_expert_parallel,
+                          quantization=c.quantization)
+
+    def update_weights(self, weights) -> int:
+        """Replace the named weights (see `jaxvllm.weight_update`), or all of them from a pytree
+        of the params' own structure; the others stay. Returns how many tensors went in.
+        Quantized weights are refused (not re-quantized yet)."""
+        from jaxvllm.weight_update import named_tensors, replaced_params, same_layout, updated_params, weight_index
+
+        if self.config.quantization or self.cfg.quant_method:
+            what = self.config.quantization or f"a {self.cfg.quant_method} checkpoint's"
+            raise ValueError(f"update_weights on a quantized model ({what} weights) is not supported yet: the "
+                             "update would have to be quantized as the weights were; load a full-precision model")
+        if same_layout(self.params, weights):
+            self.params, count = replaced_params(self.params, weights)
+            return count
+        if self._weight_index is None:
+            original = load_config(self.config.model)  # (the checkpoint's KV heads, before any repetition)
+            layout = dataclasses.replace(original, stack_layers=self.cfg.stack_layers,
+                                         merge_projections=self.cfg.merge_projections)
+            self._weight_index = (weight_index(MODELS[self.cfg.architecture].param_specs(layout)),
+                                  self.cfg.num_kv_heads // original.num_kv_heads)
+        index, repeats = self._weight_index
+        skip = frozenset({"lm_head.weight"}) if self.cfg.tie_word_embeddings else frozenset()
+        self.params, count = updated_params(self.params, named_tensors(weights), index, repeats, skip)
+        return count
+
     def weight_bytes_per_device(self) -> list[int]:
         """Bytes of the weights held on each of this replica's devices, in device order."""
         held = dict.fromkeys(self.devices, 0)
@@ -588,7 +666,7 @@ class ModelRunner:
 
     @property
     def closed(self) -> bool:
-        return self.params is None
+        return getattr(self, "builder", None) is None
 
     def close(self) -> None:
         """Free the device memory now: weights, KV cache and sampler state are deleted
@@ -601,7 +679,7 @@ class ModelRunner:
         for array in jax.tree.leaves((self.params, self.kv_caches, self.sampler_state, self.last_sampled, draft)):
             if isinstance(array, jax.Array) and not array.is_deleted():
                 array.delete()
-        self.params = self.kv_caches = self.sampler_state = self.last_sampled = None
+        self.params = self.kv_caches = self.sampler_state = self.last_sampled = self._host_params = None
         self._forward = self._sampler = self._prompt_logprobs = self._write_row = None
         self.draft = self.eagle = self.drafter = self.lora = None
         self.builder = None

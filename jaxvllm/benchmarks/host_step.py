@@ -88,6 +88,8 @@ class StubRunner:
         self.fill_buckets = None  # (a GPU's: chunks take all the budget)
         self.seconds, self.rng, self.free_at = device_ms / 1e3, rng, 0.0
         self.closed = False
+        self.asleep: set[str] = set()  # (no sleep mode, no LoRA: the engine's checks find nothing)
+        self.lora = None
 
     def execute(self, scheduled: list[ScheduledRequest]) -> StubStep:
         batch = self.builder.prepare(scheduled)

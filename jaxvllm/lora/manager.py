@@ -76,18 +76,22 @@ class LoRAManager:
 
     # -- the host cache ------------------------------------------------------------------
 
-    def add(self, request: LoRARequest) -> bool:
-        """Read an adapter (checked against the model) unless held; False if it was."""
+    def add(self, request: LoRARequest, replace: bool = False) -> bool:
+        """Read an adapter (checked against the model) unless held; False if it was.
+        `replace`: read it again even so, and rewrite its device slot if it has one (an
+        adapter trained further, under the same id: adapter-only RL)."""
         known = self.requests.get(request.lora_int_id)
-        if known is not None and known.lora_path != request.lora_path:
+        if known is not None and known.lora_path != request.lora_path and not replace:
             raise ValueError(f"lora_int_id {request.lora_int_id} is adapter {known.lora_name!r} ({known.lora_path}); "
                              f"{request.lora_name!r} ({request.lora_path}) needs an id of its own")
-        if request.lora_int_id in self.host:
+        if request.lora_int_id in self.host and not replace:
             self.host.move_to_end(request.lora_int_id)
             return False
         adapter = read_adapter(request, self.targets, self.max_rank)
         self.requests[request.lora_int_id] = request
         self._keep(adapter)
+        if request.lora_int_id in self.slot_ids:
+            self._load(request.lora_int_id, self.slot_ids.index(request.lora_int_id))
         return known is None
 
     def _keep(self, adapter: LoRAAdapter) -> None:

@@ -8,6 +8,7 @@ writes its model: what a run writes stays with pytest's temporary folders.
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -84,3 +85,12 @@ def test_lora_runs_and_plots_a_score_per_adapter(tmp_path, monkeypatch):
     assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = text_output(nb)
     assert "== adapter-a" in out and "== adapter-b" in out and "'base':" in out
+
+
+@pytest.mark.slow
+def test_rl_live_weights_reward_rises(tmp_path, monkeypatch):
+    nb = execute("rl_live_weights.ipynb", tmp_path, monkeypatch)
+    assert (tmp_path / "grpo_reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = text_output(nb)
+    first, last = map(float, re.search(r"mean reward ([\d.]+) -> ([\d.]+);", out).groups())
+    assert last > first + 0.2, out

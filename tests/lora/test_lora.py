@@ -440,3 +440,21 @@ def test_an_adapter_waiting_for_a_slot_is_not_starved(llama_llm, adapter):
     assert first[2] > first[0] and first[2] > first[1]  # adapter 3 waited for a slot
     assert first[3] >= first[2] and first[4] >= first[2]  # the later 1 and 2 did not pass it
     assert first[5] < first[2]  # the base request went ahead
+
+
+def test_add_lora_with_an_existing_id_replaces_it(tiny_checkpoint, adapter, peft_reference, compile_counter):
+    """Adapter-only RL: add_lora under an id in use (and in a device slot) replaces the
+    adapter, slot included, with no recompile; generate's own requests never re-read it."""
+    base = tiny_checkpoint("llama")
+    first, second = adapter("llama", 0), adapter("llama", 4)
+    with LLM(base, enable_lora=True, max_lora_rank=8, **ENGINE) as llm:
+        engine = llm.llm_engine
+        assert [list(o.token_ids) for o in run(llm, [LoRARequest("policy", 7, str(first))])[0]] == \
+            peft_reference(base, first)[0]
+        reads, before = engine.runner.lora.host_reads, compile_counter.count
+        run(llm, [LoRARequest("policy", 7, str(first))])
+        assert engine.runner.lora.host_reads == reads
+        assert engine.add_lora(LoRARequest("policy", 7, str(second)))
+        assert [list(o.token_ids) for o in run(llm, [LoRARequest("policy", 7, str(second))])[0]] == \
+            peft_reference(base, second)[0]
+        assert compile_counter.count == before

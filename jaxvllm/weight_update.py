@@ -1,0 +1,279 @@
+"""New weights into a loaded model's params, in place of the old (`LLM.update_weights`):
+HF tensors by name, as vLLM's `load_weights` takes them, turned into the params' layout
+on the device.
+
+Each HF tensor name maps to one place in the params (`WeightIndex`): a parameter, or one
+layer's row of a stack (or element of a list), a part of a merged parameter (the CPU's
+qkv_proj, gate_up_proj), one expert of a stack. The new value is made with jnp from the
+tensor where it already lies (a jax array is never moved through the host): HF's [out,
+in] reshaped to the head-explicit layout, K/V heads repeated as under tensor parallelism,
+experts transposed, merged with the parts not updated, written into its row of the stack,
+cast, and placed on the param's own sharding. Every name and shape is checked before any
+param changes, so a bad one changes nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxvllm.model_config import KV_GROUPS, SIDE_BY_SIDE
+from jaxvllm.models.common import ParamSpec, merge_parts
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where one HF tensor goes: the parameter (`spec`), the row of its stack or list (None:
+    not a layer parameter), the part of a merged one, and the expert of an expert stack
+    (None: all of them). `fused`: the tensor under transformers 5's own name and shape
+    (`ParamSpec.fused_name`; an expert stack's: [E, out of every part, in])."""
+
+    spec: ParamSpec
+    row: int | None
+    part: int
+    expert: int | None = None
+    fused: bool = False
+
+    @property
+    def member(self) -> ParamSpec:
+        member = self.spec.layers[self.row] if self.row is not None else self.spec
+        return member.parts[self.part] if member.parts else member
+
+    @property
+    def hf_shape(self) -> tuple[int, ...]:
+        member = self.member
+        return tuple(member.fused_shape if self.fused else member.hf_shape)
+
+
+@dataclass
+class Experts:
+    """Experts of one stack given so far (expert -> [in, out]), and the stack's place."""
+
+    place: Place
+    rows: dict[int, jax.Array]
+
+
+def weight_index(specs: list[ParamSpec]) -> dict[str, list[Place]]:
+    """HF tensor name -> the places it fills (several for a fused expert tensor of gate and up)."""
+    index: dict[str, list[Place]] = {}
+    for spec in specs:
+        if spec.init == "rows":
+            continue
+        for row, member in enumerate(spec.layers) if spec.layers else [(None, spec)]:
+            for p, part in enumerate(member.parts or (member,)):
+                if part.stacked:
+                    for j in range(part.stacked):
+                        index.setdefault(part.hf_name.format(j), []).append(Place(spec, row, p, j))
+                else:
+                    index.setdefault(part.hf_name, []).append(Place(spec, row, p))
+                if part.fused_name:  # transformers 5's own name (and layout) of the same tensor
+                    index.setdefault(part.fused_name, []).append(Place(spec, row, p, fused=True))
+    return index
+
+
+def named_tensors(weights: Any) -> list[tuple[str, Any]]:
+    """(HF name, array) pairs from pairs, a mapping, or a pytree whose key paths are the
+    names (a `flax.nnx.State`, nested dicts): path keys joined with dots."""
+    if isinstance(weights, Mapping) and all(isinstance(k, str) for k in weights) and not any(
+            isinstance(v, Mapping) for v in weights.values()):
+        return list(weights.items())
+    if isinstance(weights, Iterable) and not isinstance(weights, Mapping):
+        pairs = list(weights)
+        if all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in pairs):
+            return pairs
+        raise TypeError("weights must be (name, array) pairs, a mapping of names to arrays, or a pytree of them")
+    leaves = jax.tree_util.tree_flatten_with_path(weights, is_leaf=_is_tensor)[0]
+    return [(".".join(_key(k) for k in path), leaf) for path, leaf in leaves]
+
+
+def _is_tensor(x) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _key(k) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def as_jax(array) -> jax.Array:
+    """A jax array of `array` where it lies: jax as it is, numpy and torch (CPU) onto the
+    default device."""
+    if isinstance(array, jax.Array):
+        return array
+    if type(array).__module__.startswith("torch"):
+        array = array.detach().cpu()
+        if str(array.dtype) == "torch.bfloat16":  # (numpy has no bfloat16: through float32, exact)
+            return jax.device_put(array.float().numpy()).astype(jnp.bfloat16)
+        array = array.numpy()
+    return jax.device_put(np.asarray(array))  # (jnp.asarray converts on the host first: several times slower)
+
+
+def check(pairs: list[tuple[str, Any]], index: dict[str, list[Place]], skip: frozenset) -> None:
+    """Every name known (or in `skip`: accepted, not used) and every shape HF's; raises
+    naming the first bad tensor, before anything changes."""
+    seen = set()
+    for name, array in pairs:
+        if name in skip:
+            continue
+        if name not in index:
+            raise ValueError(f"update_weights: {name!r} is not a weight of this model")
+        if name in seen:
+            raise ValueError(f"update_weights: {name!r} is given twice")
+        seen.add(name)
+        want = index[name][0].hf_shape
+        if tuple(array.shape) != want:
+            raise ValueError(f"update_weights: {name} has shape {tuple(array.shape)}; the model's is {want}")
+        if "float" not in str(array.dtype):
+            raise ValueError(f"update_weights: {name} has dtype {array.dtype}; a floating-point tensor is expected")
+
+
+def updated_params(params: dict, pairs: list[tuple[str, Any]], index: dict[str, list[Place]], repeats: int,
+                   skip: frozenset = frozenset()) -> tuple[dict, int]:
+    """New params with the given tensors in place (the old ones untouched), and how many
+    tensors went in. `repeats`: how many times each checkpoint KV head is repeated."""
+    check(pairs, index, skip)
+    # The new values of each member (a param, a stack's row, a list's element), part by part.
+    members: dict[tuple, dict[int, jax.Array]] = {}
+    count = 0
+    for name, array in pairs:
+        if name in skip:
+            continue
+        count += 1
+        value = as_jax(array)
+        for place in index[name]:
+            parts = members.setdefault((place.spec.path, place.row), {})
+            if place.expert is not None:  # one expert of a stack: the stack is made once, below
+                parts.setdefault(place.part, Experts(place, {})).rows[place.expert] = value.T
+            else:
+                parts[place.part] = _part_value(place, value, repeats)
+    # Each param's new members by row (None: the param itself), then each param made once.
+    rows: dict[tuple, dict] = {}
+    specs = {p.spec.path: p.spec for places in index.values() for p in places}
+    for (path, row), parts in members.items():
+        spec, old = specs[path], _get(params, path)
+        member = spec.layers[row] if row is not None else spec
+        for p, part in parts.items():
+            if isinstance(part, Experts):  # [E, in, out]: the given experts into the stack, at once
+                parts[p] = _with_rows(_current_part(part.place, params), part.rows)
+        rows.setdefault(path, {})[row] = _merged(member, parts, lambda: _member(old, row))
+    new = dict(params)  # (shallow: only the replaced arrays differ, the old params stay as they were)
+    new["layers"] = dict(params["layers"])
+    for path, values in rows.items():
+        old = _get(params, path)
+        if None in values:
+            value = jax.device_put(values[None].astype(old.dtype), old.sharding)
+        elif isinstance(old, list):
+            value = [jax.device_put(values[r].astype(x.dtype), x.sharding) if r in values else x
+                     for r, x in enumerate(old)]
+        else:  # one write of the stack: its rows, new or old, joined by static slices
+            value = jax.device_put(_with_rows(old, {r: v.astype(old.dtype) for r, v in values.items()}), old.sharding)
+        _set(new, path, value)
+    return new, count
+
+
+def _part_value(place: Place, value: jax.Array, repeats: int) -> jax.Array:
+    """One part of a member in our layout: the HF tensor reshaped (K/V heads repeated), or
+    transformers 5's fused expert tensor [E, out of every part, in] as our [E, in, out]."""
+    part = place.member
+    if place.fused and part.stacked:
+        out = part.shape[-1]
+        return jnp.swapaxes(jax.lax.slice_in_dim(value, part.fused_row, part.fused_row + out, axis=1), 1, 2)
+    repeated = repeats > 1 and part.path[-1].removesuffix("_scale") in ("k_proj", "v_proj", "k_bias", "v_bias")
+    value = value.reshape(part.shape)
+    return jnp.repeat(value, repeats, axis=0) if repeated else value
+
+
+def _current_part(place: Place, params: dict) -> jax.Array:
+    """The part's value now (an expert stack, before one expert of it is replaced)."""
+    member = _member(_get(params, place.spec.path), place.row)
+    spec_member = place.spec.layers[place.row] if place.row is not None else place.spec
+    return split_parts(spec_member, member)[place.part] if spec_member.parts else member
+
+
+def _merged(member: ParamSpec, parts: dict[int, jax.Array], old) -> jax.Array:
+    """The member's new value: its parts joined as the loader joins them, the parts not
+    given taken from its value now (`old()`)."""
+    if not member.parts:
+        return parts[0]
+    if len(parts) < len(member.parts):
+        current = split_parts(member, old())
+        parts = {p: parts.get(p, current[p]) for p in range(len(member.parts))}
+    return merge_parts(member.merge, [parts[p] for p in range(len(member.parts))])
+
+
+# Rows by static slices: an index given to the device would be a host-to-device transfer.
+def _member(param, row: int | None):
+    """A layer's member of a stack (or list), or the param itself (row None)."""
+    if row is None or isinstance(param, list):
+        return param if row is None else param[row]
+    return jax.lax.index_in_dim(param, row, keepdims=False)
+
+
+def _with_rows(stack: jax.Array, rows: dict[int, jax.Array]) -> jax.Array:
+    """`stack` with rows replaced: one concatenate of the new rows and the old runs between."""
+    pieces, start = [], 0
+    for row in sorted(rows):
+        if row > start:
+            pieces.append(jax.lax.slice_in_dim(stack, start, row))
+        pieces.append(rows[row][None])
+        start = row + 1
+    if start < stack.shape[0]:
+        pieces.append(jax.lax.slice_in_dim(stack, start, stack.shape[0]))
+    return jnp.concatenate(pieces)
+
+
+def split_parts(member: ParamSpec, value: jax.Array) -> list[jax.Array]:
+    """`merge_parts` undone: a merged parameter's parts (K/V as repeated)."""
+    if member.merge == SIDE_BY_SIDE:
+        return [jax.lax.index_in_dim(value, p, keepdims=False) for p in range(len(member.parts))]
+    assert member.merge == KV_GROUPS, member.merge
+    heads, group = value.shape[0], value.shape[1] - 2
+    q = jax.lax.slice_in_dim(value, 0, group, axis=1).reshape(heads * group, *value.shape[2:])
+    return [q, *(jax.lax.index_in_dim(value, group + j, axis=1, keepdims=False) for j in (0, 1))]
+
+
+def _get(params: dict, path: tuple):
+    node = params
+    for key in path:
+        node = node[key]
+    return node
+
+
+def _set(params: dict, path: tuple, value) -> None:
+    node = params
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+
+
+
+def same_layout(params: dict, weights: Any) -> bool:
+    """Whether `weights` is a pytree of the params' own structure (`LLM.get_params()`'s,
+    trained by a JAX trainer) rather than HF-named tensors."""
+    return isinstance(weights, Mapping) and jax.tree.structure(weights) == jax.tree.structure(params)
+
+
+def replaced_params(params: dict, weights: dict) -> tuple[dict, int]:
+    """`weights` (the params' own structure) placed as the params are: every leaf's shape
+    checked first; each cast to the param's dtype on its sharding (as it is, when it is)."""
+    paths = jax.tree_util.tree_flatten_with_path(params)[0]
+    for (path, old), new in zip(paths, jax.tree.leaves(weights)):
+        if tuple(new.shape) != tuple(old.shape):
+            raise ValueError(f"update_weights: params{jax.tree_util.keystr(path)} has shape {tuple(new.shape)}; "
+                             f"the model's is {tuple(old.shape)}")
+
+    def place(old, new):
+        new = as_jax(new)
+        if new.dtype == old.dtype and new.sharding == old.sharding:
+            return new
+        return jax.device_put(new.astype(old.dtype), old.sharding)
+
+    return jax.tree.map(place, params, weights), len(paths)
