@@ -624,13 +624,15 @@ class ModelRunner:
     def update_weights(self, weights) -> int:
         """Replace the named weights (see `jaxvllm.weight_update`), or all of them from a pytree
         of the params' own structure; the others stay. Returns how many tensors went in.
-        Quantized weights are refused (not re-quantized yet)."""
+        Online-quantized weights are quantized as they were at load; a quantized checkpoint's
+        are refused."""
         from jaxvllm.weight_update import named_tensors, replaced_params, same_layout, updated_params, weight_index
 
-        if self.config.quantization or self.cfg.quant_method:
-            what = self.config.quantization or f"a {self.cfg.quant_method} checkpoint's"
-            raise ValueError(f"update_weights on a quantized model ({what} weights) is not supported yet: the "
-                             "update would have to be quantized as the weights were; load a full-precision model")
+        if self.cfg.quant_method:
+            raise ValueError(f"update_weights on a quantized checkpoint ({self.cfg.quant_method}) is not supported: "
+                             "its weights were quantized (and calibrated) offline, which an update of full-precision "
+                             "tensors cannot repeat; load the full-precision model, with quantization='fp8' to have "
+                             "updates quantized as they come")
         if same_layout(self.params, weights):
             self.params, count = replaced_params(self.params, weights)
             return count
@@ -642,7 +644,8 @@ class ModelRunner:
                                   self.cfg.num_kv_heads // original.num_kv_heads)
         index, repeats = self._weight_index
         skip = frozenset({"lm_head.weight"}) if self.cfg.tie_word_embeddings else frozenset()
-        self.params, count = updated_params(self.params, named_tensors(weights), index, repeats, skip)
+        self.params, count = updated_params(self.params, named_tensors(weights), index, repeats, skip,
+                                            self.config.quantization)
         return count
 
     def weight_bytes_per_device(self) -> list[int]:

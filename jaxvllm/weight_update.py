@@ -25,6 +25,7 @@ import numpy as np
 
 from jaxvllm.model_config import KV_GROUPS, SIDE_BY_SIDE
 from jaxvllm.models.common import ParamSpec, merge_parts
+from jaxvllm.quantization import EXPERT_STACK, EXPERTS, QuantizedWeight, in_axes, quantize_online
 
 
 @dataclass(frozen=True)
@@ -136,9 +137,11 @@ def check(pairs: list[tuple[str, Any]], index: dict[str, list[Place]], skip: fro
 
 
 def updated_params(params: dict, pairs: list[tuple[str, Any]], index: dict[str, list[Place]], repeats: int,
-                   skip: frozenset = frozenset()) -> tuple[dict, int]:
+                   skip: frozenset = frozenset(), quantization: str | None = None) -> tuple[dict, int]:
     """New params with the given tensors in place (the old ones untouched), and how many
-    tensors went in. `repeats`: how many times each checkpoint KV head is repeated."""
+    tensors went in. `repeats`: how many times each checkpoint KV head is repeated.
+    `quantization`: the online method (`quantization.ONLINE`) the linear weights were
+    quantized with at load; the new ones are quantized alike, whole weights only."""
     check(pairs, index, skip)
     # The new values of each member (a param, a stack's row, a list's element), part by part.
     members: dict[tuple, dict[int, jax.Array]] = {}
@@ -160,23 +163,49 @@ def updated_params(params: dict, pairs: list[tuple[str, Any]], index: dict[str, 
     for (path, row), parts in members.items():
         spec, old = specs[path], _get(params, path)
         member = spec.layers[row] if row is not None else spec
+        quantized = isinstance(old[0] if isinstance(old, list) else old, QuantizedWeight)
         for p, part in parts.items():
-            if isinstance(part, Experts):  # [E, in, out]: the given experts into the stack, at once
+            if not isinstance(part, Experts):
+                continue
+            if len(part.rows) == part.place.member.stacked:  # [E, in, out]: every expert given
+                parts[p] = jnp.stack([part.rows[j] for j in range(len(part.rows))])
+            elif quantized:
+                raise ValueError(f"update_weights: {path[-1]} of layer {row} is quantized ({quantization}): give "
+                                 f"every expert of it, not {len(part.rows)} of {part.place.member.stacked}")
+            else:  # the given experts into the stack, at once
                 parts[p] = _with_rows(_current_part(part.place, params), part.rows)
-        rows.setdefault(path, {})[row] = _merged(member, parts, lambda: _member(old, row))
+        if quantized and len(parts) < len(member.parts):
+            given = ", ".join(member.parts[p].hf_name for p in sorted(parts))
+            raise ValueError(f"update_weights: {given} is part of a weight quantized as one ({quantization}): give "
+                             f"all of {', '.join(m.hf_name for m in member.parts)}")
+        value = _merged(member, parts, lambda: _member(old, row))
+        if quantized:  # as the loader quantized it
+            num_in = EXPERT_STACK if path[-1] in EXPERTS else in_axes(member.shape, member.hf_shape)
+            value = quantize_online(value.astype(jnp.float32), num_in, quantization)
+        rows.setdefault(path, {})[row] = value
     new = dict(params)  # (shallow: only the replaced arrays differ, the old params stay as they were)
     new["layers"] = dict(params["layers"])
     for path, values in rows.items():
         old = _get(params, path)
         if None in values:
-            value = jax.device_put(values[None].astype(old.dtype), old.sharding)
+            value = _placed_as(old, values[None])
         elif isinstance(old, list):
-            value = [jax.device_put(values[r].astype(x.dtype), x.sharding) if r in values else x
-                     for r, x in enumerate(old)]
-        else:  # one write of the stack: its rows, new or old, joined by static slices
-            value = jax.device_put(_with_rows(old, {r: v.astype(old.dtype) for r, v in values.items()}), old.sharding)
+            value = [_placed_as(x, values[r]) if r in values else x for r, x in enumerate(old)]
+        else:  # one write of the stack: its rows, new or old, joined by static slices (a quantized
+            # weight: each of its arrays so)
+            leaves = jax.tree.leaves(old)
+            new_rows = [jax.tree.leaves(values[r]) for r in sorted(values)]
+            value = jax.tree.unflatten(jax.tree.structure(old), [
+                jax.device_put(_with_rows(o, {r: v[i].astype(o.dtype) for r, v in zip(sorted(values), new_rows)}),
+                               o.sharding) for i, o in enumerate(leaves)])
         _set(new, path, value)
     return new, count
+
+
+def _placed_as(old, value):
+    """`value` (an array or a `QuantizedWeight`) cast and placed as `old` is, with its meta."""
+    return jax.tree.unflatten(jax.tree.structure(old), [jax.device_put(v.astype(o.dtype), o.sharding)
+                                                        for o, v in zip(jax.tree.leaves(old), jax.tree.leaves(value))])
 
 
 def _part_value(place: Place, value: jax.Array, repeats: int) -> jax.Array:

@@ -133,11 +133,78 @@ def test_refused_while_requests_are_unfinished(fresh):
     assert fresh.update_weights({}) == 0
 
 
-def test_quantized_engine_refuses(tiny_checkpoint):
-    with LLM(str(tiny_checkpoint("llama")), quantization="fp8", **ENGINE) as llm:
-        with pytest.raises(ValueError, match=r"update_weights on a quantized model \(fp8 weights\) is not supported"):
+def test_quantized_checkpoint_refuses(tiny_checkpoint, tmp_path):
+    """A checkpoint quantized offline cannot take full-precision tensors: refused, serving on."""
+    from weights.make_quantized import make_fp8
+
+    with LLM(str(make_fp8(tiny_checkpoint("llama"), tmp_path / "fp8", block=(32, 32))), **ENGINE) as llm:
+        with pytest.raises(ValueError, match=r"update_weights on a quantized checkpoint \(fp8\) is not supported"):
             llm.update_weights({"model.norm.weight": np.ones(64, np.float32)})
         assert len(completions(llm)) == len(PROMPTS)
+
+
+def _engine_and_trainer(llm: LLM, temperature: float, params=None) -> tuple[np.ndarray, np.ndarray]:
+    """The engine's logprobs of its sampled tokens, and `sequence_logprobs` of the same."""
+    from jaxvllm.models import sequence_logprobs
+
+    sp = SamplingParams(temperature=temperature, seed=3, max_tokens=10, logprobs=0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
+    seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(PROMPTS, outs)]
+    ids = np.zeros((len(seqs), max(map(len, seqs))), np.int32)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = s
+    trainer = jax.jit(sequence_logprobs, static_argnames=("cfg", "temperature"))(
+        params or llm.get_params(), llm.llm_engine.model_config, ids, np.array([len(s) for s in seqs]),
+        temperature=temperature)
+    engine = [[step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
+    mine = [np.asarray(trainer[i, len(p) - 1 : len(p) + 9]) for i, p in enumerate(PROMPTS)]
+    return np.array(engine), np.stack(mine)
+
+
+@pytest.mark.parametrize("mode,temperature", [("raw_logprobs", 1.0), ("processed_logprobs", 0.8)])
+def test_engine_and_trainer_logprobs_agree(mode, temperature, tiny_checkpoint):
+    """RL's importance ratios: the engine's logprobs of its sampled tokens (raw at
+    temperature 1; processed, of the logits divided by the temperature, at 0.8) equal the
+    trainer-side forward's within 1e-5 (float32), which is differentiable in the params."""
+    from jaxvllm.models import sequence_logprobs
+
+    with LLM(str(tiny_checkpoint("qwen3")), logprobs_mode=mode, **ENGINE) as llm:
+        engine, trainer = _engine_and_trainer(llm, temperature)
+        np.testing.assert_allclose(engine, trainer, atol=1e-5)
+        grads = jax.grad(lambda p: sequence_logprobs(p, llm.llm_engine.model_config, np.array([PROMPTS[2]])).sum(),
+                         allow_int=True)(llm.get_params())
+        floats = [g for g in jax.tree.leaves(grads) if g.dtype != jax.dtypes.float0]
+        assert all(np.isfinite(np.asarray(g)).all() for g in floats) and any(np.abs(g).max() > 0 for g in floats)
+
+
+def test_a_trainers_own_pytree_goes_back(fresh):
+    """`get_params()`'s structure, changed as a trainer's step would: taken whole (no name
+    mapping), and the engine then scores as the trainer does."""
+    params = fresh.get_params()
+    trained = jax.tree.map(lambda x: x * 1.05 if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+    assert fresh.update_weights(trained) == len(jax.tree.leaves(params))
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(jax.tree.leaves(fresh.get_params()),
+                                                                           jax.tree.leaves(trained)))
+    engine, trainer = _engine_and_trainer(fresh, 1.0, trained)
+    np.testing.assert_allclose(engine, trainer, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch,quantization", [("llama", "fp8"), ("qwen3_moe", "fp8"), ("qwen3", "gptq-dummy")])
+def test_online_quantized_engine_quantizes_the_update(arch, quantization, tiny_checkpoint):
+    """quantization="fp8" (experts too) or "gptq-dummy": the update is quantized as the
+    load quantized it, so the outputs are those of the other checkpoint loaded so; a part
+    of a weight quantized as one is refused."""
+    a, b = tiny_checkpoint(arch), tiny_checkpoint(arch, seed=1)
+    with LLM(str(b), quantization=quantization, **ENGINE) as llm:
+        want = completions(llm)
+    state = hf_state(b)
+    with LLM(str(a), quantization=quantization, **ENGINE) as llm:
+        llm.update_weights(state.items())
+        assert completions(llm) == want
+        with pytest.raises(ValueError, match=r"model.layers.0.self_attn.q_proj.weight is part of a weight quantized "
+                                             r"as one \(" + quantization + r"\): give all of"):
+            llm.update_weights({name: state[name] for name in ["model.layers.0.self_attn.q_proj.weight"]})
+        assert completions(llm) == want
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
@@ -185,49 +252,3 @@ def test_fp8_kv_cache(tiny_checkpoint):
     with LLM(str(a), kv_cache_dtype="fp8", **ENGINE) as llm:
         llm.update_weights(load_file(str(b / "model.safetensors")))
         assert completions(llm) == want
-
-
-def _engine_and_trainer(llm: LLM, temperature: float, params=None) -> tuple[np.ndarray, np.ndarray]:
-    """The engine's logprobs of its sampled tokens, and `sequence_logprobs` of the same."""
-    from jaxvllm.models import sequence_logprobs
-
-    sp = SamplingParams(temperature=temperature, seed=3, max_tokens=10, logprobs=0, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
-    seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(PROMPTS, outs)]
-    ids = np.zeros((len(seqs), max(map(len, seqs))), np.int32)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = s
-    trainer = jax.jit(sequence_logprobs, static_argnames=("cfg", "temperature"))(
-        params or llm.get_params(), llm.llm_engine.model_config, ids, np.array([len(s) for s in seqs]),
-        temperature=temperature)
-    engine = [[step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
-    mine = [np.asarray(trainer[i, len(p) - 1 : len(p) + 9]) for i, p in enumerate(PROMPTS)]
-    return np.array(engine), np.stack(mine)
-
-
-@pytest.mark.parametrize("mode,temperature", [("raw_logprobs", 1.0), ("processed_logprobs", 0.8)])
-def test_engine_and_trainer_logprobs_agree(mode, temperature, tiny_checkpoint):
-    """RL's importance ratios: the engine's logprobs of its sampled tokens (raw at
-    temperature 1; processed, of the logits divided by the temperature, at 0.8) equal the
-    trainer-side forward's within 1e-5 (float32), which is differentiable in the params."""
-    from jaxvllm.models import sequence_logprobs
-
-    with LLM(str(tiny_checkpoint("qwen3")), logprobs_mode=mode, **ENGINE) as llm:
-        engine, trainer = _engine_and_trainer(llm, temperature)
-        np.testing.assert_allclose(engine, trainer, atol=1e-5)
-        grads = jax.grad(lambda p: sequence_logprobs(p, llm.llm_engine.model_config, np.array([PROMPTS[2]])).sum(),
-                         allow_int=True)(llm.get_params())
-        floats = [g for g in jax.tree.leaves(grads) if g.dtype != jax.dtypes.float0]
-        assert all(np.isfinite(np.asarray(g)).all() for g in floats) and any(np.abs(g).max() > 0 for g in floats)
-
-
-def test_a_trainers_own_pytree_goes_back(fresh):
-    """`get_params()`'s structure, changed as a trainer's step would: taken whole (no name
-    mapping), and the engine then scores as the trainer does."""
-    params = fresh.get_params()
-    trained = jax.tree.map(lambda x: x * 1.05 if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
-    assert fresh.update_weights(trained) == len(jax.tree.leaves(params))
-    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(jax.tree.leaves(fresh.get_params()),
-                                                                           jax.tree.leaves(trained)))
-    engine, trainer = _engine_and_trainer(fresh, 1.0, trained)
-    np.testing.assert_allclose(engine, trainer, atol=1e-5)
