@@ -27,6 +27,8 @@ class ModelInputs:
         kernel only, on the tokens as they are (no ragged kernel, gather or scatter).
     lora_slots [T]: each token's LoRA adapter slot (-1: none); None in a step without
         adapters, which then computes what an engine without LoRA does.
+    lora_kernel (static): the adapters' delta as grouped matmuls (SGMV, the pallas backend
+        on one device) rather than dense masked ones (`jaxvllm.lora.weights`).
     dynamic_loops (static): loops may run a number of times that depends on the batch (the
         reference attention's KV loop stops at the last column used). Only on a CPU, whose
         runtime runs loops without the host; on a GPU every loop keeps a known trip count.
@@ -42,3 +44,4 @@ class ModelInputs:
     lora_slots: jax.Array | None = None
     decode_only: bool = field(default=False, metadata=dict(static=True))
     dynamic_loops: bool = field(default=False, metadata=dict(static=True))
+    lora_kernel: bool = field(default=False, metadata=dict(static=True))

@@ -85,16 +85,17 @@ class BatchBuilder:
     `spec_tokens`: speculative decoding's K; a step with drafts takes a layout with room
     for K per row (`BatchLayout.spec_tokens`).
     `lora`: LoRA is on; a step with an adapter's tokens takes a layout that carries each
-    token's slot (`BatchLayout.lora`), a step without one the layout of an engine without LoRA.
+    token's slot (`BatchLayout.lora`), a step without one the layout of an engine without LoRA;
+    `lora_kernel`: their delta as grouped matmuls (`ModelInputs.lora_kernel`).
     """
 
     def __init__(self, *, max_num_seqs: int, max_model_len: int, block_size: int, buckets: list[int],
                  vocab_size: int, max_logprobs: int = DEFAULT_MAX_LOGPROBS, decode_only: bool = False,
                  smallest_width: int = SMALLEST_WIDTH, dynamic_loops: bool = False, spec_tokens: int = 0,
-                 lora: bool = False) -> None:
+                 lora: bool = False, lora_kernel: bool = False) -> None:
         self.max_num_seqs, self.block_size, self.vocab_size = max_num_seqs, block_size, vocab_size
         self.max_logprobs, self.decode_only, self.dynamic_loops = max_logprobs, decode_only, dynamic_loops
-        self.spec_tokens, self.lora = spec_tokens, lora
+        self.spec_tokens, self.lora, self.lora_kernel = spec_tokens, lora, lora_kernel
         self.buckets = sorted(set(buckets))
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.widths = block_table_widths(self.max_blocks_per_seq, smallest_width)
@@ -130,7 +131,7 @@ class BatchBuilder:
                 ) -> BatchLayout:
         """A step shape's layout, made once (it caches its field offsets and padding)."""
         return BatchLayout(bucket, self.rows_for(bucket), width, decode_only, self.dynamic_loops,
-                           self.spec_tokens if spec else 0, lora)
+                           self.spec_tokens if spec else 0, lora, lora and self.lora_kernel)
 
     def logprobs_width(self, k: int) -> int:
         """Top logprobs computed in a step whose rows ask for up to k: vLLM's default

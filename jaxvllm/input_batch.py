@@ -75,6 +75,7 @@ class BatchLayout:
     dynamic_loops: bool = False  # `ModelInputs.dynamic_loops` (a CPU step)
     spec_tokens: int = 0  # K: draft tokens a row may verify (0: no drafts this step)
     lora: bool = False  # tokens carry LoRA slots (`ModelInputs.lora_slots`)
+    lora_kernel: bool = False  # `ModelInputs.lora_kernel`
 
     @cached_property
     def spans(self) -> dict[str, tuple[int, int]]:
@@ -158,7 +159,7 @@ class BatchLayout:
         input_ids = jnp.where(prev >= 0, last_sampled[jnp.maximum(prev, 0)], f("input_ids"))
         return ModelInputs(input_ids, f("positions"), f("slot_mapping"), f("query_start_loc"), f("seq_lens"),
                            f("block_tables"), f("logits_indices"), f("lora_slots") if self.lora else None,
-                           self.decode_only, self.dynamic_loops)
+                           self.decode_only, self.dynamic_loops, self.lora and self.lora_kernel)
 
     def sampling(self, packed: jax.Array) -> SamplingTensors:
         return SamplingTensors(**{k: self._field(packed, k) for k in SamplingTensors.__dataclass_fields__})

@@ -228,6 +228,8 @@ class ModelRunner:
             max_logprobs=c.max_logprobs, decode_only=self.backend == "pallas",
             smallest_width=NARROW_WIDTH if self.backend == "reference" and not dynamic_loops else SMALLEST_WIDTH,
             dynamic_loops=dynamic_loops, spec_tokens=self.spec_tokens, lora=c.enable_lora,
+            # (as the MoE experts: the Pallas grouped matmul with the Pallas kernels, on one device)
+            lora_kernel=self.backend == "pallas" and self.mesh is None,
         )
         self.lora = None  # the LoRA adapters: read ones and the device slots
         if c.enable_lora:

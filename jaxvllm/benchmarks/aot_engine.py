@@ -69,7 +69,7 @@ def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int =
     cfg = ModelConfig.from_hf(get_dummy(model).make_config())
     rows = sequence_rows(max_num_seqs, num_tokens)
     layout = BatchLayout(num_tokens, rows, context // block_size, decode_only, spec_tokens=spec_tokens,
-                         lora=lora_slots > 0)
+                         lora=lora_slots > 0, lora_kernel=lora_slots > 0 and backend == "pallas")
     def caches(num_layers: int) -> tuple:  # every layer's, as `allocate_kv_caches` lays them out
         cache = spec((cfg.num_kv_heads, num_layers, rows * layout.width, block_size, cfg.head_dim),
                      kv_cache_dtype or dtype)

@@ -11,6 +11,9 @@ per part ([slots, *part out, R]); the parts' deltas join as the merged weight's 
 The delta is a masked pair of matmuls over every slot at once: x A^T [T, slots * R], each
 token's columns of other slots zeroed, times B. Both are plain dense products of a few
 columns (slots x R), with no gather and no branch; a token of slot -1 (no adapter) adds 0.
+With `kernel` (the Pallas backend on one device), it is Punica's SGMV instead: the tokens
+sorted by slot, and two grouped matmuls (`pallas_kernels.grouped_matmul`, the MoE
+experts' kernel), each token through its own slot's A and B only.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxvllm.model_config import KV_GROUPS, SIDE_BY_SIDE
+from pallas_kernels.grouped_matmul import grouped_matmul
 
 
 @jax.tree_util.register_dataclass
@@ -28,14 +32,16 @@ from jaxvllm.model_config import KV_GROUPS, SIDE_BY_SIDE
 class LoRAWeight:
     """A linear weight with the adapter slots over it, as `layers.linear` receives it: `base`
     (an array or a `QuantizedWeight`), `a` [slots, P R, *in], `b` one [slots, *part out, R]
-    per part, `slots` int32 [T], the slot of each token of the step (-1: none), and how the
-    parts' outputs join (`merge`: "" for one part)."""
+    per part, `slots` int32 [T], the slot of each token of the step (-1: none), how the
+    parts' outputs join (`merge`: "" for one part), and for the delta as grouped matmuls
+    the step's tokens grouped by slot (`groups`, `lora_groups`'; None: the dense form)."""
 
     base: object
     a: jax.Array
     b: tuple[jax.Array, ...]
     slots: jax.Array
     merge: str = field(default="", metadata=dict(static=True))
+    groups: tuple[jax.Array, jax.Array, jax.Array] | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -51,6 +57,8 @@ def lora_delta(x: jax.Array, weight: LoRAWeight) -> jax.Array:
     a = weight.a
     num_slots, ranks = a.shape[:2]
     x2 = x.reshape(x.shape[0], -1).astype(a.dtype)
+    if weight.groups is not None:
+        return _grouped_delta(x2, weight)
     shrunk = jax.lax.dot_general(x2, a.reshape(num_slots * ranks, -1), (((1,), (1,)), ((), ())),
                                  preferred_element_type=jnp.float32)  # [T, slots * P R]
     own = weight.slots[:, None] == jnp.arange(num_slots, dtype=weight.slots.dtype)[None, :]  # [T, slots]
@@ -59,6 +67,31 @@ def lora_delta(x: jax.Array, weight: LoRAWeight) -> jax.Array:
     deltas = [jax.lax.dot_general(shrunk[:, :, p * rank : (p + 1) * rank], b, (((1, 2), (0, b.ndim - 1)), ((), ())),
                                   preferred_element_type=jnp.float32).astype(a.dtype)  # [T, *part out]
               for p, b in enumerate(weight.b)]
+    return _join(deltas, weight.merge)
+
+
+def lora_groups(slots: jax.Array, num_slots: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A step's tokens grouped by slot, once for all its LoRA weights: the order that sorts
+    them (no adapter last), each slot's token count, and the order that puts them back."""
+    slot = jnp.where(slots < 0, num_slots, slots)
+    order = jnp.argsort(slot, stable=True)
+    return order, jnp.zeros(num_slots, jnp.int32).at[slot].add(1, mode="drop"), jnp.argsort(order)
+
+
+def _grouped_delta(x2: jax.Array, weight: LoRAWeight) -> jax.Array:
+    """SGMV: the tokens sorted by slot (no adapter last: past the groups, so zeros), x A^T
+    and then each part's B as grouped matmuls, the rows put back in the batch's order."""
+    a = weight.a
+    num_slots, ranks = a.shape[:2]
+    order, sizes, back = weight.groups
+    a_t = jnp.swapaxes(a.reshape(num_slots, ranks, -1), 1, 2)  # [slots, in, P R]
+    shrunk = grouped_matmul(x2[order], a_t, sizes, out_dtype=jnp.float32).astype(a.dtype)  # [T, P R]
+    rank = ranks // len(weight.b)
+    deltas = []
+    for p, b in enumerate(weight.b):
+        b_t = jnp.swapaxes(b.reshape(num_slots, -1, rank), 1, 2)  # [slots, R, out]
+        delta = grouped_matmul(shrunk[:, p * rank : (p + 1) * rank], b_t, sizes, out_dtype=jnp.float32)[back]
+        deltas.append(delta.reshape(-1, *b.shape[1:-1]).astype(a.dtype))
     return _join(deltas, weight.merge)
 
 

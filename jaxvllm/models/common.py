@@ -33,7 +33,7 @@ from jax.sharding import Mesh
 
 from jaxvllm.batch import ModelInputs
 from jaxvllm.layers import apply_rope, linear, paged_attention, rms_norm
-from jaxvllm.lora.weights import LoRAWeight
+from jaxvllm.lora.weights import LoRAWeight, lora_groups
 from jaxvllm.model_config import KV_GROUPS, SIDE_BY_SIDE, ModelConfig
 
 Params = dict
@@ -299,6 +299,9 @@ def run_layers(layer_fn: Callable, params: Params, kv_caches: KVCaches, x: jax.A
     stacks = params["layers"]
     lora = params.get("lora") if inputs.lora_slots is not None else None
     merges = {spec.path[-1]: spec.layers[0].merge for spec in specs if spec.layers}
+    groups = None  # (the tokens grouped by slot, once a step, for the grouped-matmul form)
+    if lora and inputs.lora_kernel:
+        groups = lora_groups(inputs.lora_slots, next(iter(lora.values()))[0].shape[1])
 
     def row_of(stack, row: int):
         if isinstance(stack, list):
@@ -312,7 +315,7 @@ def run_layers(layer_fn: Callable, params: Params, kv_caches: KVCaches, x: jax.A
             if name in layer:
                 index = params["layer_rows"][rows[name]]
                 a, b = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, index, keepdims=False), (a, b))
-                layer[name] = LoRAWeight(layer[name], a, b, inputs.lora_slots, merges[name])
+                layer[name] = LoRAWeight(layer[name], a, b, inputs.lora_slots, merges[name], groups)
         if i in collect:
             entering[i] = x
         x, kv_caches = step(layer, x, kv_caches, np.int32(i), inputs, kind)

@@ -458,3 +458,27 @@ def test_add_lora_with_an_existing_id_replaces_it(tiny_checkpoint, adapter, peft
         assert [list(o.token_ids) for o in run(llm, [LoRARequest("policy", 7, str(second))])[0]] == \
             peft_reference(base, second)[0]
         assert compile_counter.count == before
+
+
+@pytest.mark.parametrize("merge,dtype", [("", "float32"), ("kv_groups", "float32"), ("side_by_side", "bfloat16")])
+def test_grouped_delta_equals_the_dense_one(merge, dtype):
+    """The SGMV form (tokens sorted by slot, the Pallas grouped matmul, interpreted here)
+    against the dense masked form, with tokens of every slot and of none, in batch order."""
+    import jax.numpy as jnp
+
+    from jaxvllm.lora.weights import LoRAWeight, lora_delta, lora_groups
+
+    rng = np.random.default_rng(0)
+    slots_n, rank, t, hidden = 3, 8, 37, 64
+    parts = {"": [(4, 16)], "kv_groups": [(4, 16), (2, 16), (2, 16)], "side_by_side": [(96,), (96,)]}[merge]
+    dt = jnp.dtype(dtype)
+    a = jnp.asarray(rng.standard_normal((slots_n, len(parts) * rank, hidden)) * 0.1, dt)
+    bs = tuple(jnp.asarray(rng.standard_normal((slots_n, *out, rank)) * 0.1, dt) for out in parts)
+    x = jnp.asarray(rng.standard_normal((t, hidden)), dt)
+    slots = jnp.asarray(rng.integers(-1, slots_n, t), jnp.int32)
+    dense = lora_delta(x, LoRAWeight(None, a, bs, slots, merge))
+    grouped = lora_delta(x, LoRAWeight(None, a, bs, slots, merge, lora_groups(slots, slots_n)))
+    assert grouped.shape == dense.shape
+    np.testing.assert_allclose(np.asarray(grouped, np.float32), np.asarray(dense, np.float32),
+                               atol=1e-5 if dtype == "float32" else 2e-2, rtol=1e-5 if dtype == "float32" else 2e-2)
+    assert not np.asarray(dense, np.float32)[np.asarray(slots) < 0].any()
