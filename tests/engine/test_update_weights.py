@@ -225,7 +225,8 @@ def test_stacked_layout(arch, tiny_checkpoint, monkeypatch):
 
 
 def test_tensor_and_expert_parallel(tiny_checkpoint):
-    """TP 2 (a dense and a MoE model) and expert parallelism, in a process of 2 CPU devices."""
+    """TP 2 (a dense and a MoE model), expert parallelism and 2 data-parallel replicas (each
+    replica gets every tensor), in a process of 2 CPU devices."""
     import json
     import os
     import subprocess
@@ -240,7 +241,7 @@ def test_tensor_and_expert_parallel(tiny_checkpoint):
                            *map(str, paths)], cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-5000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert results == {case: {"equal": True, "changed": True} for case in ("tp2", "tp2_moe", "ep2_moe")}
+    assert results == {case: {"equal": True, "changed": True} for case in ("tp2", "tp2_moe", "ep2_moe", "dp2")}
 
 
 def test_fp8_kv_cache(tiny_checkpoint):

@@ -1,4 +1,4 @@
-"""`update_weights` under tensor and expert parallelism on 2 CPU devices, run by
+"""`update_weights` under tensor, expert and data parallelism on 2 CPU devices, run by
 tests/engine/test_update_weights.py in a process of its own: prints one JSON object, for each
 case whether the updated engine's greedy ids equal a fresh engine's of the new checkpoint.
 
@@ -25,11 +25,13 @@ def ids(llm: LLM) -> list[list[int]]:
 
 def main(a: str, b: str, a_moe: str, b_moe: str) -> None:
     out = {}
-    for name, (src, dst), kwargs in [("tp2", (a, b), {}), ("tp2_moe", (a_moe, b_moe), {}),
-                                     ("ep2_moe", (a_moe, b_moe), {"enable_expert_parallel": True})]:
-        with LLM(dst, tensor_parallel_size=2, **kwargs, **ENGINE) as llm:
+    tp2 = {"tensor_parallel_size": 2}
+    for name, (src, dst), kwargs in [("tp2", (a, b), tp2), ("tp2_moe", (a_moe, b_moe), tp2),
+                                     ("ep2_moe", (a_moe, b_moe), {**tp2, "enable_expert_parallel": True}),
+                                     ("dp2", (a, b), {"data_parallel_size": 2})]:
+        with LLM(dst, **kwargs, **ENGINE) as llm:
             want = ids(llm)
-        with LLM(src, tensor_parallel_size=2, **kwargs, **ENGINE) as llm:
+        with LLM(src, **kwargs, **ENGINE) as llm:
             before = ids(llm)
             llm.update_weights(load_file(f"{dst}/model.safetensors"))
             out[name] = {"equal": ids(llm) == want, "changed": before != want}

@@ -482,3 +482,17 @@ def test_grouped_delta_equals_the_dense_one(merge, dtype):
     np.testing.assert_allclose(np.asarray(grouped, np.float32), np.asarray(dense, np.float32),
                                atol=1e-5 if dtype == "float32" else 2e-2, rtol=1e-5 if dtype == "float32" else 2e-2)
     assert not np.asarray(dense, np.float32)[np.asarray(slots) < 0].any()
+
+
+def test_lora_dtype(tiny_checkpoint, adapter, peft_reference):
+    """lora_dtype="bfloat16" over a float32 model: the slots are bfloat16, and the greedy
+    ids stay PEFT's (float32) on these tiny adapters."""
+    import jax
+    import jax.numpy as jnp
+
+    base, path = tiny_checkpoint("llama"), adapter("llama", 0)
+    with LLM(base, enable_lora=True, max_lora_rank=8, lora_dtype="bfloat16", **ENGINE) as llm:
+        got = run(llm, [request(path, 0)])
+        dtypes = {x.dtype for x in jax.tree.leaves(llm.llm_engine.runner.lora.stacks)}
+    assert dtypes == {jnp.dtype(jnp.bfloat16)}
+    assert [list(o.token_ids) for o in got[0]] == peft_reference(base, path)[0]
