@@ -230,7 +230,7 @@ def load_safetensors(path: Path, cfg: ModelConfig, dtype, shardings: dict, repea
             elif spec.stacked:
                 shape, block = spec.shape, _stacked_block(slices, spec, kept)
             else:
-                shape, block = _sharded_block(slices[0], spec, kept, repeats if _repeated(spec) else 1)
+                shape, block = _sharded_block(slices[0], spec, kept, repeats if repeated_kv(spec) else 1)
             one = len(slices) == 1
             name = names[spec.path][0] if one else spec.hf_name.format("*")
             where = f" from {files[name]}" if one else ""
@@ -294,7 +294,7 @@ def _param_shardings(cfg: ModelConfig, mesh: Mesh | None, device=None, specs: li
     return param_shardings(specs, cfg, mesh)
 
 
-def _repeated(spec) -> bool:
+def repeated_kv(spec) -> bool:
     """K/V projections (and their scales) are repeated per KV head when there are fewer KV
     heads than devices."""
     return spec.path[-1].removesuffix("_scale") in ("k_proj", "v_proj", "k_bias", "v_bias")
@@ -338,7 +338,7 @@ def _sharded_block(tensor_slice, spec, dtype, repeats: int) -> tuple[tuple[int, 
 def _merged_block(slices: list, spec, dtype, repeats: int) -> tuple[tuple[int, ...], Callable]:
     """(global shape, block of an index) of a parameter of several HF tensors (`slices`, one
     per part): each part's block read as its own parameter's would be, then joined."""
-    readers = [_sharded_block(s, part, dtype, repeats if _repeated(part) else 1) for s, part in zip(slices, spec.parts)]
+    readers = [_sharded_block(s, part, dtype, repeats if repeated_kv(part) else 1) for s, part in zip(slices, spec.parts)]
     if spec.merge == SIDE_BY_SIDE:  # [parts, ...]
         shape = (len(readers), *readers[0][0])
 
@@ -566,9 +566,9 @@ def dummy_params(cfg: ModelConfig, dtype, seed: int = 0, shardings: dict | None 
         if sharding not in by_sharding:
             by_sharding[sharding] = jax.jit(_random_param, out_shardings=sharding,
                                             static_argnames=("shape", "dtype", "init", "repeats", "parts", "merge"))
-        parts = tuple((p.shape, p.init, repeats if _repeated(p) else 1) for p in spec.parts)
+        parts = tuple((p.shape, p.init, repeats if repeated_kv(p) else 1) for p in spec.parts)
         return by_sharding[sharding](key, cfg.initializer_range, shape=shape, dtype=dtype, init=spec.init,
-                                     repeats=repeats if _repeated(spec) else 1, parts=parts, merge=spec.merge)
+                                     repeats=repeats if repeated_kv(spec) else 1, parts=parts, merge=spec.merge)
 
     for i, spec in enumerate(tqdm(specs, desc="Initializing dummy weights", dynamic_ncols=True)):
         key_i = jax.random.fold_in(key, i)

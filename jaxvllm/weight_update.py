@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxvllm.loader import repeated_kv
 from jaxvllm.model_config import KV_GROUPS, SIDE_BY_SIDE
 from jaxvllm.models.common import ParamSpec, merge_parts
 from jaxvllm.quantization import EXPERT_STACK, EXPERTS, QuantizedWeight, in_axes, quantize_online
@@ -215,7 +216,7 @@ def _part_value(place: Place, value: jax.Array, repeats: int) -> jax.Array:
     if place.fused and part.stacked:
         out = part.shape[-1]
         return jnp.swapaxes(jax.lax.slice_in_dim(value, part.fused_row, part.fused_row + out, axis=1), 1, 2)
-    repeated = repeats > 1 and part.path[-1].removesuffix("_scale") in ("k_proj", "v_proj", "k_bias", "v_bias")
+    repeated = repeats > 1 and repeated_kv(part)
     value = value.reshape(part.shape)
     return jnp.repeat(value, repeats, axis=0) if repeated else value
 
