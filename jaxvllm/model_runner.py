@@ -262,6 +262,7 @@ class ModelRunner:
         self._write_row = jax.jit(write_state_row, donate_argnums=(0,))
         self._weight_index = None  # (HF name -> its places in the params, KV repeats): update_weights'
         self._asleep: set[str] = set()
+        self._given: set[int] = set()  # ids of arrays update_weights took as they were: the caller's, not deleted
         # The forward layouts and (row count, logits rows, features) sampler variants compiled so far.
         self._forward_shapes: set[BatchLayout] = set()
         self._sampler_variants: set[tuple[int, int, SamplerFeatures]] = set()
@@ -579,40 +580,58 @@ class ModelRunner:
 
     def sleep(self, level: int) -> None:
         """vLLM's sleep: the KV cache freed; the weights copied to host memory (level 1) or
-        dropped (level 2). Their shapes and placements are kept, so that waking compiles nothing."""
-        if self.drafter is not None:
-            raise ValueError("sleep mode with a draft model or EAGLE head (speculative_config) is not supported")
+        dropped (level 2). Their shapes and placements are kept, so that waking compiles nothing.
+        A drafter's weights (draft model, EAGLE head) go to host memory at either level: nothing
+        would refill dropped ones (update_weights is the target's), and they are small."""
+        # (the drafter's own params: an EAGLE head is given the target's embedding and lm_head a call at a time)
+        own, own_caches = (self.drafter.params, self.drafter.kv_caches) if self.drafter is not None else (None, None)
         self._params_struct = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                                           self.params)
-        self._host_params = jax.device_get(self.params) if level == 1 else None
-        for array in jax.tree.leaves(self.kv_caches):
+                                           (self.params, own))
+        self._host_params = jax.device_get((self.params if level == 1 else None, own))
+        for array in jax.tree.leaves((self.kv_caches, own, own_caches)):
             array.delete()
-        # The weights are let go, not deleted: a JAX trainer's arrays given to update_weights
-        # are the params themselves, and stay the trainer's (their memory is freed when
-        # nothing else holds them).
+        # The target's weights are let go, not deleted: a JAX trainer's arrays given to
+        # update_weights are the params themselves, and stay the trainer's (their memory is
+        # freed when nothing else holds them).
         self.params = self.kv_caches = None
+        if self.drafter is not None:
+            self.drafter.params = self.drafter.kv_caches = None
+        if self.eagle is not None:
+            self.eagle.step = None  # (a finished step's hidden states)
         self._asleep = {"weights", "kv_cache"}
 
     def wake_up(self, tags: list[str]) -> None:
         """Bring back what `tags` name: "weights" (level 1's copies; after level 2, buffers of
-        undefined contents, for `update_weights` or `reload_weights` to fill), "kv_cache" (empty)."""
+        undefined contents, for `update_weights` or `reload_weights` to fill), "kv_cache" (empty);
+        a drafter's too (its weights: the host copy at either level)."""
         if "weights" in tags and "weights" in self._asleep:
-            if self._host_params is not None:
-                self.params = jax.tree.map(put, self._host_params, jax.tree.map(lambda s: s.sharding,
-                                                                                  self._params_struct))
+            (host, _), (structs, _) = self._host_params, self._params_struct
+            if host is not None:
+                self.params = jax.tree.map(lambda x, s: put(x, s.sharding), host, structs)
             else:
-                self.params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding),
-                                           self._params_struct)
-            self._host_params = None
+                self.params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding), structs)
+            self._wake_drafter_weights()
             self._asleep.discard("weights")
         if "kv_cache" in tags and "kv_cache" in self._asleep:
             self.kv_caches = self._allocate_kv_caches(self.num_blocks)
+            if self.drafter is not None:
+                self.drafter.allocate(self.num_blocks)
             self._asleep.discard("kv_cache")
+
+    def _wake_drafter_weights(self) -> None:
+        """The drafter's weights from their host copy, placed as before (and the copies let go)."""
+        (_, host), (_, structs) = self._host_params, self._params_struct
+        if self.drafter is not None:
+            self.drafter.params = jax.tree.map(lambda x, s: put(x, s.sharding), host, structs)
+        self._host_params = None
 
     def reload_weights(self) -> None:
         """Read the weights from the checkpoint again, onto their devices (vLLM's collective_rpc
-        "reload_weights"): what sleep(2) dropped, or weights changed by update_weights."""
+        "reload_weights"): what sleep(2) dropped, or weights changed by update_weights. A
+        drafter's, which nothing changes, come back from their host copy if asleep."""
         self.params = None  # (let go first, for the memory: see `sleep`)
+        if "weights" in self._asleep:
+            self._wake_drafter_weights()
         _, self.params = self._load()
         self._asleep.discard("weights")
 
@@ -628,15 +647,22 @@ class ModelRunner:
         of the params' own structure; the others stay. Returns how many tensors went in.
         Online-quantized weights are quantized as they were at load; a quantized checkpoint's
         are refused."""
-        from jaxvllm.weight_update import named_tensors, replaced_params, same_layout, updated_params, weight_index
+        from jaxvllm.weight_update import (across_processes, named_tensors, replaced_params, same_layout,
+                                           updated_params, weight_index)
 
         if self.cfg.quant_method:
             raise ValueError(f"update_weights on a quantized checkpoint ({self.cfg.quant_method}) is not supported: "
                              "its weights were quantized (and calibrated) offline, which an update of full-precision "
                              "tensors cannot repeat; load the full-precision model, with quantization='fp8' to have "
                              "updates quantized as they come")
+        multiprocess = jax.process_count() > 1
         if same_layout(self.params, weights):
+            if multiprocess:
+                leaves = jax.tree_util.tree_flatten_with_path(weights)[0]
+                pairs = across_processes([(jax.tree_util.keystr(k), a) for k, a in leaves], self._replicated)
+                weights = jax.tree.unflatten(jax.tree.structure(weights), [a for _, a in pairs])
             self.params, count = replaced_params(self.params, weights)
+            self._given |= {id(a) for a in jax.tree.leaves(weights) if isinstance(a, jax.Array)}
             return count
         if self._weight_index is None:
             original = load_config(self.config.model)  # (the checkpoint's KV heads, before any repetition)
@@ -646,8 +672,11 @@ class ModelRunner:
                                   self.cfg.num_kv_heads // original.num_kv_heads)
         index, repeats = self._weight_index
         skip = frozenset({"lm_head.weight"}) if self.cfg.tie_word_embeddings else frozenset()
-        self.params, count = updated_params(self.params, named_tensors(weights), index, repeats, skip,
-                                            self.config.quantization)
+        pairs = named_tensors(weights)
+        if multiprocess:
+            pairs = across_processes(pairs, self._replicated)
+        self.params, count = updated_params(self.params, pairs, index, repeats, skip, self.config.quantization)
+        self._given |= {id(a) for _, a in pairs if isinstance(a, jax.Array)}
         return count
 
     def weight_bytes_per_device(self) -> list[int]:
@@ -675,14 +704,15 @@ class ModelRunner:
 
     def close(self) -> None:
         """Free the device memory now: weights, KV cache and sampler state are deleted
-        (even if something else still refers to this runner) and the compiled steps dropped.
+        (even if something else still refers to this runner) and the compiled steps dropped;
+        arrays update_weights took as they were (a trainer's) are let go, not deleted.
         The runner cannot run again; calling close twice is harmless."""
         if self.closed:
             return
         draft = self.drafter.arrays() if self.drafter is not None else []
         draft += self.lora.arrays() if self.lora is not None else []
         for array in jax.tree.leaves((self.params, self.kv_caches, self.sampler_state, self.last_sampled, draft)):
-            if isinstance(array, jax.Array) and not array.is_deleted():
+            if isinstance(array, jax.Array) and not array.is_deleted() and id(array) not in self._given:
                 array.delete()
         self.params = self.kv_caches = self.sampler_state = self.last_sampled = self._host_params = None
         self._forward = self._sampler = self._prompt_logprobs = self._write_row = None

@@ -14,7 +14,9 @@ param changes, so a bad one changes nothing.
 
 from __future__ import annotations
 
+import hashlib
 import math
+import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -22,11 +24,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
 
 from jaxvllm.loader import repeated_kv
 from jaxvllm.model_config import KV_GROUPS, SIDE_BY_SIDE
 from jaxvllm.models.common import ParamSpec, merge_parts
 from jaxvllm.quantization import EXPERT_STACK, EXPERTS, QuantizedWeight, in_axes, quantize_online
+from jaxvllm.sharding import gather_over_processes
 
 
 @dataclass(frozen=True)
@@ -110,12 +115,49 @@ def as_jax(array) -> jax.Array:
     default device."""
     if isinstance(array, jax.Array):
         return array
+    return jax.device_put(_host(array))  # (jnp.asarray converts on the host first: several times slower)
+
+
+def _host(array) -> np.ndarray:
+    """A numpy array of a host value (torch's bfloat16, which numpy lacks, as float32: exact)."""
     if type(array).__module__.startswith("torch"):
         array = array.detach().cpu()
-        if str(array.dtype) == "torch.bfloat16":  # (numpy has no bfloat16: through float32, exact)
-            return jax.device_put(array.float().numpy()).astype(jnp.bfloat16)
-        array = array.numpy()
-    return jax.device_put(np.asarray(array))  # (jnp.asarray converts on the host first: several times slower)
+        return array.float().numpy() if str(array.dtype) == "torch.bfloat16" else array.numpy()
+    return np.asarray(array)
+
+
+def across_processes(pairs: list[tuple[str, Any]], place: NamedSharding) -> list[tuple[str, jax.Array]]:
+    """Under jax.distributed every process calls update_weights, and the update's eager ops
+    are collectives: the processes must give the same tensors, in the same order. That is
+    checked first (one host collective over a digest of names, shapes, dtypes and host
+    values), then each value becomes a global array over the engine's devices (`place`,
+    replicated): a global array on those devices as it is (a multi-controller trainer's:
+    each process holds its own shards), a host array from each process's copy. A global
+    array on other devices (a data-parallel replica spans only some) is gathered through
+    the host: JAX reshards across processes only within one set of devices."""
+    pairs = [(name, a if isinstance(a, jax.Array) and not a.is_fully_addressable else _host(a)) for name, a in pairs]
+    digest = hashlib.blake2b(digest_size=8)
+    for name, a in pairs:
+        digest.update(repr((name, tuple(a.shape), str(a.dtype))).encode())
+        if isinstance(a, np.ndarray):
+            digest.update(zlib.crc32(np.ascontiguousarray(a).view(np.uint8)).to_bytes(4, "little"))
+        else:
+            digest.update(repr(sorted(d.id for d in a.sharding.device_set)).encode())
+    digests = gather_over_processes(int.from_bytes(digest.digest(), "little", signed=True))
+    if len(set(digests)) > 1:
+        raise RuntimeError(
+            f"update_weights: the {len(digests)} processes gave different tensors (names, shapes, dtypes or values): "
+            "under jax.distributed every process must give the same ones, in the same order (a global array's own "
+            "shards, or the same host array); nothing changed")
+
+    def placed(a):
+        if isinstance(a, jax.Array) and a.sharding.device_set == place.device_set:
+            return a
+        if isinstance(a, jax.Array):
+            a = np.asarray(multihost_utils.process_allgather(a, tiled=True))
+        return jax.make_array_from_callback(a.shape, place, lambda index: a[index])
+
+    return [(name, placed(a)) for name, a in pairs]
 
 
 def check(pairs: list[tuple[str, Any]], index: dict[str, list[Place]], skip: frozenset) -> None:

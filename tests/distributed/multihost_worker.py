@@ -43,6 +43,43 @@ def sizing(path: Path) -> dict:
         kv_cache.device_memory_stats = real
 
 
+def updates(path: Path, other: Path) -> dict:
+    """update_weights in every process with the same tensors: host arrays, then a multi-controller
+    trainer's global arrays (sharded over all 8 devices); processes that disagree get an error."""
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from safetensors.numpy import load_file
+
+    tensors = load_file(other / "model.safetensors")
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    trainer = {name: jax.make_array_from_callback(a.shape, NamedSharding(mesh, P("x") if a.shape[0] % 8 == 0 else P()),
+                                                  lambda index, a=a: a[index]) for name, a in tensors.items()}
+    results: dict = {"errors": {}}
+    with LLM(path, **ENGINE, tensor_parallel_size=8) as llm:
+        results["count"] = (llm.update_weights(tensors), len(tensors))
+        results["host"] = run(llm)
+        llm.collective_rpc("reload_weights")
+        with jax.transfer_guard("disallow"):  # (the engine spans the trainer's devices: no host round trip)
+            llm.update_weights(trainer)
+        results["device"] = run(llm)
+        llm.collective_rpc("reload_weights")
+        mine = dict(tensors) if jax.process_index() == 0 else {k: v for k, v in tensors.items() if k != "model.norm.weight"}
+        try:
+            llm.update_weights(mine)
+        except RuntimeError as e:
+            results["errors"]["update"] = str(e)
+        results["after_update_error"] = run(llm)
+        mine = {k: v + (jax.process_index() if "embed" in k else 0) for k, v in tensors.items()}
+        try:
+            llm.update_weights(mine)
+        except RuntimeError as e:
+            results["errors"]["values"] = str(e)
+    with LLM(path, **ENGINE, tensor_parallel_size=4, data_parallel_size=2) as llm:  # replicas on 4 of the 8
+        llm.update_weights(trainer)
+        results["dp2_tp4"] = run(llm)
+    return results
+
+
 def main(folder: str, port: str, rank: str) -> None:
     jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=int(rank))
     path = Path(folder) / "llama-8-heads"
@@ -63,6 +100,7 @@ def main(folder: str, port: str, rank: str) -> None:
             results["errors"]["differ"] = str(e)
         results["after_error"] = run(llm)
     results["sizing"] = sizing(path)
+    results["updates"] = updates(path, Path(folder) / "llama-8-heads-seed-1")
     for tp in (1, 3):  # one device cannot span two processes; 3 devices do not split evenly over them
         try:
             LLM(path, **ENGINE, tensor_parallel_size=tp)

@@ -27,7 +27,8 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("multihost")
-    make_tiny("llama", folder / "llama-8-heads", num_attention_heads=8, num_key_value_heads=2, head_dim=16)
+    for seed, name in ((0, "llama-8-heads"), (1, "llama-8-heads-seed-1")):
+        make_tiny("llama", folder / name, seed=seed, num_attention_heads=8, num_key_value_heads=2, head_dim=16)
     return folder
 
 
@@ -55,6 +56,31 @@ def results(model) -> list[dict]:
 def one_device(model) -> list:
     with LLM(model / "llama-8-heads", **ENGINE) as llm:
         return run(llm)
+
+
+@pytest.fixture(scope="module")
+def other_checkpoint(model) -> list:
+    with LLM(model / "llama-8-heads-seed-1", **ENGINE) as llm:
+        return run(llm)
+
+
+@pytest.mark.parametrize("name", ["host", "device", "dp2_tp4"])
+def test_update_weights_in_every_process(results, other_checkpoint, name):
+    """Every process gives the other checkpoint's tensors: host arrays, or a multi-controller
+    trainer's global arrays (on the engine's devices without a host round trip: a transfer
+    guard is on), also into two replicas on 4 devices each."""
+    for r in results:
+        given, tensors = r["updates"]["count"]
+        assert given == tensors
+        assert r["updates"][name] == other_checkpoint
+
+
+def test_processes_giving_different_updates_get_an_error(results, one_device):
+    for r in results:
+        errors = r["updates"]["errors"]
+        assert errors["update"].startswith("update_weights: the 2 processes gave different tensors")
+        assert errors["values"].startswith("update_weights: the 2 processes gave different tensors")
+        assert r["updates"]["after_update_error"] == one_device  # nothing changed
 
 
 def test_two_processes_of_four_devices(results):

@@ -1,14 +1,17 @@
 """vLLM's sleep mode: sleep(1) / wake_up() gives the same outputs with the KV cache's memory
 freed meanwhile and nothing recompiled; sleep(2) frees the weights too, and the RL sequence
-(wake the weights, update them, wake the cache) serves the new weights; what is refused."""
+(wake the weights, update them, wake the cache) serves the new weights; the same with a
+draft model or EAGLE head, whose weights and cache sleep too; what is refused."""
 
 from __future__ import annotations
 
 import jax
+import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
 from jaxvllm import LLM, SamplingParams
+from tests.spec_decode.eagle_heads import make_head
 
 ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, token_buckets=[64],
               enable_sleep_mode=True)
@@ -54,12 +57,18 @@ def test_level_1_keeps_the_outputs_and_frees_the_kv_cache(llm, compile_counter):
     assert llm.stats()["prefix_cache_hits"] >= 0
 
 
-def test_level_2_then_the_rl_sequence(llm, tiny_checkpoint, compile_counter):
+@pytest.fixture(scope="module")
+def other(tiny_checkpoint):
+    """Another checkpoint of the same shapes, and its greedy outputs."""
+    path = tiny_checkpoint("qwen3", seed=1)
+    with LLM(str(path), **ENGINE) as fresh:
+        return path, completions(fresh)
+
+
+def test_level_2_then_the_rl_sequence(llm, tiny_checkpoint, other, compile_counter):
     """sleep(2) frees the weights and the cache; wake_up(["weights"]), update_weights with
     another checkpoint's tensors, wake_up(["kv_cache"]): that checkpoint's outputs."""
-    other = tiny_checkpoint("qwen3", seed=1)
-    with LLM(str(other), **ENGINE) as fresh:
-        want = completions(fresh)
+    other, want = other
     freed, before = kv_bytes(llm) + weight_bytes(llm), live_bytes()
     llm.sleep(level=2)
     assert before - live_bytes() >= freed
@@ -108,3 +117,66 @@ def test_sleep_leaves_a_trainers_arrays_alone(llm):
     llm.update_weights(trainer)
     llm.wake_up(tags=["kv_cache"])
     assert completions(llm) == want
+
+
+@pytest.fixture(scope="module", params=["draft_model", "eagle"])
+def spec_llm(request, tiny_checkpoint, tmp_path_factory):
+    """The tiny model with K=2 drafts from itself as a draft model (every draft accepted), or
+    from an EAGLE head that passes the target's state through (drafting its last token again)."""
+    target, d = tiny_checkpoint("qwen3"), 64  # (4 heads x 32 wide, and the MLP: 128)
+    passing = {"fc.weight": np.concatenate([np.zeros((d, d)), np.eye(d)], 1).astype(np.float32),
+               "layers.0.self_attn.o_proj.weight": np.zeros((d, 128), np.float32),
+               "layers.0.mlp.down_proj.weight": np.zeros((d, 128), np.float32)}
+    drafter = target if request.param == "draft_model" else make_head(target, tmp_path_factory.mktemp("eagle"),
+                                                                      "eagle", **passing)
+    spec = {"method": request.param, "model": str(drafter), "num_speculative_tokens": 2}
+    with LLM(str(target), speculative_config=spec, **ENGINE) as llm:
+        yield llm
+
+
+def spec_completions(llm: LLM) -> tuple[list[list[int]], int, int]:
+    """The greedy outputs, and the drafts made and accepted for them."""
+    stats = [llm.stats()[f"spec_decode_num_{n}_tokens"] for n in ("draft", "accepted")]
+    out = completions(llm)
+    return out, *[llm.stats()[f"spec_decode_num_{n}_tokens"] - s for n, s in zip(("draft", "accepted"), stats)]
+
+
+def drafter_bytes(llm: LLM) -> int:
+    return sum(a.nbytes for a in llm.llm_engine.runner.drafter.arrays())
+
+
+def test_level_1_with_a_drafter(spec_llm, compile_counter):
+    """The drafter's weights go to host memory and its cache is freed; waking gives the same
+    outputs and the same drafts (so the same drafter weights), compiling nothing."""
+    want = spec_completions(spec_llm)
+    assert want[2] > 0  # (drafts accepted: a drafter's weights changed would change them)
+    freed, before = kv_bytes(spec_llm) + drafter_bytes(spec_llm), live_bytes()
+    spec_llm.sleep(level=1)
+    assert before - live_bytes() >= freed
+    compiles = compile_counter.count
+    assert spec_llm.wake_up() is True
+    assert spec_completions(spec_llm) == want
+    assert compile_counter.count == compiles
+
+
+def test_level_2_with_a_drafter(spec_llm, other, compile_counter):
+    """The RL sequence after sleep(2) serves the new target weights with the drafter intact
+    (update_weights does not touch it): the new checkpoint's greedy outputs, and after
+    reload_weights the first outputs and drafts again."""
+    (other, other_want), first = other, spec_completions(spec_llm)
+    freed, before = kv_bytes(spec_llm) + weight_bytes(spec_llm) + drafter_bytes(spec_llm), live_bytes()
+    spec_llm.sleep(level=2)
+    assert before - live_bytes() >= freed
+    assert spec_llm.wake_up(tags=["weights"]) is False
+    spec_llm.update_weights(load_file(str(other / "model.safetensors")))
+    assert spec_llm.wake_up(tags=["kv_cache"]) is True
+    compiles = compile_counter.count
+    assert spec_completions(spec_llm)[0] == other_want
+    assert compile_counter.count == compiles
+    spec_llm.collective_rpc("reload_weights")
+    assert spec_completions(spec_llm) == first
+    # reload_weights while asleep brings the drafter's weights back too
+    spec_llm.sleep(level=2)
+    spec_llm.collective_rpc("reload_weights")
+    assert spec_llm.wake_up(tags=["kv_cache"]) is True
+    assert spec_completions(spec_llm) == first

@@ -189,6 +189,21 @@ def test_a_trainers_own_pytree_goes_back(fresh):
     np.testing.assert_allclose(engine, trainer, atol=1e-5)
 
 
+def test_shutdown_leaves_a_trainers_arrays_alive(tiny_checkpoint):
+    """Arrays update_weights took as they were stay the caller's: shutdown deletes the
+    engine's own (the KV cache, arrays it made), not them."""
+    with LLM(str(tiny_checkpoint("llama")), **ENGINE) as llm:
+        trained = jax.tree.map(lambda x: x * 1.05 if jnp.issubdtype(x.dtype, jnp.floating) else x, llm.get_params())
+        llm.update_weights(trained)
+        norm = jnp.full((64,), 2.0)
+        llm.update_weights({"model.layers.1.input_layernorm.weight": norm, "model.norm.weight": norm})
+        given = {id(x) for x in jax.tree.leaves(trained) + [norm]}
+        made = [x for x in jax.tree.leaves(llm.get_params()) if id(x) not in given]
+        kv = jax.tree.leaves(llm.llm_engine.runner.kv_caches)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(trained) + [norm])
+    assert made and all(x.is_deleted() for x in made + kv)
+
+
 @pytest.mark.parametrize("arch,quantization", [("llama", "fp8"), ("qwen3_moe", "fp8"), ("qwen3", "gptq-dummy")])
 def test_online_quantized_engine_quantizes_the_update(arch, quantization, tiny_checkpoint):
     """quantization="fp8" (experts too) or "gptq-dummy": the update is quantized as the
