@@ -5,7 +5,8 @@ the same contract (see `pallas_kernels/ragged_paged_attention.py`): "reference" 
 jnp, any device) or "pallas" (the Pallas kernels: split-K decode kernel for 1-token
 sequences, ragged kernel for the rest, both in every step unless the batch is decode-only,
 `ModelInputs.decode_only`; compiled on GPU, interpret mode on CPU). The K/V write is
-XLA's scatter on the donated cache for both.
+XLA's scatter on the donated cache for both. `DENSE_ATTENTION` is no engine backend: the
+trainer-side forward's cache-free causal attention (`dense_causal_attention`).
 """
 
 from __future__ import annotations
@@ -151,6 +152,11 @@ def apply_rope(x: jax.Array, positions: jax.Array, rope: RopeConfig) -> jax.Arra
     return x * cos + rotated * sin
 
 
+# Not an engine backend (`ATTENTION_BACKENDS` are those, which the engine's steps run on):
+# `jaxvllm.models.sequence_logprobs`' attention, whole sequences over their own k/v, no cache.
+DENSE_ATTENTION = "dense"
+
+
 def paged_attention(
     q: jax.Array,
     k: jax.Array,
@@ -183,16 +189,24 @@ def paged_attention(
     (Gemma's `attn_logit_softcapping`) caps the scaled scores at c * tanh(s / c): the
     reference backend only, the Pallas kernels have no soft-capping. `cache_bits`: the
     cache's element type when k_cache and v_cache hold its bits as unsigned ints (see
-    `jaxvllm.kv_cache.with_cache_storage`); viewed as that type inside, they cancel out."""
-    if backend not in ATTENTION_BACKENDS:
+    `jaxvllm.kv_cache.with_cache_storage`); viewed as that type inside, they cancel out.
+
+    Backend `DENSE_ATTENTION` writes and reads no cache (`kv_cache` comes back as given, an
+    empty tuple will do): `dense_causal_attention` of the step's own k/v, a batch of
+    `inputs.seq_lens.shape[0]` rows of equal length, one sequence each."""
+    if backend not in (*ATTENTION_BACKENDS, DENSE_ATTENTION):
         raise ValueError(f"unknown attention backend {backend!r}; choose from {ATTENTION_BACKENDS}")
-    if logits_soft_cap is not None and backend != "reference":
+    if logits_soft_cap is not None and backend == "pallas":
         raise ValueError(
             f"attention logit soft-capping (attn_logit_softcapping={logits_soft_cap}) is not supported by the "
             f"{backend!r} attention backend (its kernels have no soft-capping); use attention_backend='reference'"
         )
-    local = partial(_paged_attention, sm_scale=sm_scale, sliding_window=sliding_window, backend=backend,
-                    logits_soft_cap=logits_soft_cap, cache_bits=cache_bits)
+    if backend == DENSE_ATTENTION:
+        local = partial(_dense_attention, sm_scale=sm_scale, sliding_window=sliding_window,
+                        logits_soft_cap=logits_soft_cap)
+    else:
+        local = partial(_paged_attention, sm_scale=sm_scale, sliding_window=sliding_window, backend=backend,
+                        logits_soft_cap=logits_soft_cap, cache_bits=cache_bits)
     layer = jnp.asarray(layer, jnp.int32)
     if mesh is None:
         return local(q, k, v, kv_cache, layer, inputs)
@@ -202,6 +216,55 @@ def paged_attention(
         local, mesh=mesh, in_specs=(heads, heads, heads, cache, P(), P()), out_specs=(heads, cache),
         check_vma=False,  # Pallas calls carry no varying-axis annotations
     )(q, k, v, kv_cache, layer, inputs)
+
+
+def _dense_attention(q, k, v, kv_cache, layer, inputs: ModelInputs, *, sm_scale, sliding_window, logits_soft_cap):
+    out = dense_causal_attention(q, k, v, inputs.positions, inputs.seq_lens, sm_scale=sm_scale,
+                                 sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    return out, kv_cache
+
+
+def dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, seq_lens: jax.Array, *,
+                           sm_scale: float, sliding_window: int | None = None,
+                           logits_soft_cap: float | None = None) -> jax.Array:
+    """Attention of B = seq_lens.shape[0] sequences of T tokens each, laid out row after row
+    (q [B * T, heads, head_dim], k/v [B * T, kv_heads, head_dim], positions [B * T]), each
+    over its own k/v: no cache, no gather. Masks and numerics are the reference kernel's
+    (`ragged_paged_attention_reference`): position p sees position j when j <= p, j < its
+    seq_len and, with a window, j > p - sliding_window; float32 scores, soft-capped, softmax;
+    out [B * T, heads, head_dim] in q's dtype, zeros for a query that sees nothing.
+
+    Whole scores [B, heads, T, T] (float32) at once, as a trainer's eager attention: for
+    the trainer-side forward (`jaxvllm.models.sequence_logprobs`), where the paged kernels
+    would gather each query block's pages over a cache that holds nothing else."""
+    b = seq_lens.shape[0]
+    tokens, heads, head_dim = q.shape
+    t, kv_heads = tokens // b, k.shape[1]
+    group = heads // kv_heads
+    # Head-major, each KV head's query heads' rows together (GQA): both products are plain
+    # matmuls batched over (sequence, KV head); XLA:CPU is 4x slower on the token-major layout.
+    q = q.reshape(b, t, kv_heads, group, head_dim).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, group * t, head_dim)
+    k_h, v_h = (x.reshape(b, t, kv_heads, head_dim).transpose(0, 2, 1, 3) for x in (k, v))
+    scores = jnp.einsum("bhqd,bhkd->bhqk", q, k_h, preferred_element_type=jnp.float32) * sm_scale
+    scores = scores.reshape(b, kv_heads, group, t, t)
+    if logits_soft_cap is not None:
+        scores = logits_soft_cap * jnp.tanh(scores / logits_soft_cap)
+    pos = positions.reshape(b, t)
+    query_pos, key_pos = pos[:, None, None, :, None], pos[:, None, None, None, :]
+    mask = (key_pos <= query_pos) & (key_pos < seq_lens[:, None, None, None, None])
+    if sliding_window is not None:
+        mask &= key_pos > query_pos - sliding_window
+    scores = jnp.where(mask, scores, -jnp.inf)
+    # As the reference: unnormalized probabilities in V's dtype, divided by their float32 sum
+    # after the product (a row that sees no key: sum 0, output 0). The max, which the
+    # softmax does not depend on, is a constant to the gradient.
+    row_max = jax.lax.stop_gradient(scores.max(-1, keepdims=True))
+    probs = jnp.exp(scores - jnp.where(row_max == -jnp.inf, 0.0, row_max))
+    row_sum = probs.sum(-1, keepdims=True)
+    out = jnp.einsum("bhqk,bhkd->bhqd", probs.reshape(b, kv_heads, group * t, t).astype(v.dtype), v_h,
+                     preferred_element_type=jnp.float32).reshape(b, kv_heads, group, t, head_dim)
+    out = out / jnp.where(row_sum > 0, row_sum, 1.0)
+    return out.transpose(0, 3, 1, 2, 4).reshape(tokens, heads, head_dim).astype(q.dtype)
 
 
 # The CPU reference attention's query blocks in buckets that take prefills: a block of up

@@ -15,7 +15,6 @@ param changes, so a bad one changes nothing.
 from __future__ import annotations
 
 import hashlib
-import math
 import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass

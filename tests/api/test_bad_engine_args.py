@@ -51,6 +51,8 @@ def no_loading(monkeypatch):
     (dict(max_num_seqs=64, max_num_batched_tokens=32), r"max_num_batched_tokens \(32\) must be >= max_num_seqs \(64\)"),
     (dict(scheduling_policy="lifo"), r"scheduling_policy must be one of \('fcfs', 'priority'\), got 'lifo'"),
     (dict(attention_backend="flash"), r"attention_backend 'flash' is not available"),
+    # (sequence_logprobs' cache-free attention, `layers.DENSE_ATTENTION`, is no engine backend)
+    (dict(attention_backend="dense"), r"attention_backend 'dense' is not available"),
     (dict(dtype="int8"), r"dtype 'int8' is not supported"),
     (dict(load_format="pt"), r"load_format 'pt' is not supported"),
     (dict(enable_prefix_caching="no"), r"enable_prefix_caching must be True or False, got 'no'"),
