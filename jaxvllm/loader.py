@@ -504,14 +504,14 @@ def _layer_leaf(spec: ParamSpec, kind: str, table: dict):
 def join_quantized(params: dict, specs: list[ParamSpec], fmt: CheckpointFormat, leaves: dict | None = None) -> dict:
     """Each quantized weight, its scales and zero points (`quantized_specs`) as one
     `QuantizedWeight`, with its act-order permutation and static input scale (`layer_leaves`)
-    placed beside its values, replicated."""
+    placed beside its values, replicated (marked `weight_only` where the format is: 8-bit GPTQ)."""
     layers, leaves = params["layers"], leaves or {}
     for spec in specs:
         name = spec.path[-1].removesuffix("_scale")
         if spec.path[0] != "layers" or name == spec.path[-1]:
             continue
         value, scale, zero = layers[name], layers.pop(spec.path[-1]), layers.pop(f"{name}_zero", None)
-        join = partial(QuantizedWeight, group_size=fmt.block[1])
+        join = partial(QuantizedWeight, group_size=fmt.block[1], weight_only=fmt.weight_only)
         more = leaves.get(name, {})
         if isinstance(value, list):
             zero = zero or [None] * len(value)

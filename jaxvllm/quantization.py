@@ -3,10 +3,10 @@ quantizing at load (vLLM's online `quantization="fp8"`, and 4-bit "gptq-dummy"),
 matmuls that read them (`layers.linear` hands them here).
 
 Checkpoint formats read (`CheckpointFormat`): HF's block fp8, compressed-tensors 8-bit and
-4-bit, GPTQ and AWQ (how their tensors are stored: `jaxvllm.stored_tensors`). A quantized
-weight is a `QuantizedWeight` in the place of the weight: `value` in the weight's own
-layout ([*out, *in], heads explicit, as `layers.linear` reads any weight; stacked [layers,
-...] where the weights are) and `scale`, float32 [*out, groups]: one per output row
+4-bit, GPTQ (4- and 8-bit) and AWQ (how their tensors are stored: `jaxvllm.stored_tensors`).
+A quantized weight is a `QuantizedWeight` in the place of the weight: `value` in the
+weight's own layout ([*out, *in], heads explicit, as `layers.linear` reads any weight;
+stacked [layers, ...] where the weights are) and `scale`, float32 [*out, groups]: one per output row
 (channel) and group of `group_size` inputs (one group: the whole row), so a split of the
 output axes under tensor parallelism splits the scales alike. A checkpoint's block scales
 ([out / 128, in / 128] for HF's fp8) are repeated over their block's rows when read, so
@@ -48,19 +48,20 @@ EXPERT_STACK = 0  # `num_in` of an expert stack, for the online quantizers
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["value", "scale", "zero", "perm", "input_scale"],
-         meta_fields=["group_size", "kernel"])
+         meta_fields=["group_size", "kernel", "weight_only"])
 @dataclass(frozen=True)
 class QuantizedWeight:
     """A linear weight as quantized values [*out, *in] (fp8, int8, or int4) and float32
     scales [*out, groups] (see the module docstring); `(value - zero) * scale` (each scale
     and zero point over its group) is the weight it stands for. `group_size` 0: one scale
     per row; G: a scale per G inputs (the last group may be partial). 8-bit values are
-    W8A8 (activations quantized per token, or per token and group); int4 values W4A16
-    (activations as they are), with float32 zero points [*out, groups] where the format is
-    asymmetric (None: 0), and `perm` int32 [in] where GPTQ quantized the inputs out of order
-    (act-order): the values' input j is the weight's input perm[j], so that groups are
-    whole runs of inputs (the matmul takes x's inputs in that order). `input_scale`, float32
-    [] (one per layer), for a checkpoint's static activation scale: x quantized per tensor
+    W8A8 (activations quantized per token, or per token and group), unless `weight_only`
+    (int8 from 8-bit GPTQ: W8A16); int4 values are W4A16. Weight-only values (int4, or int8
+    `weight_only`) leave activations as they are, with float32 zero points [*out, groups]
+    where the format is asymmetric (None: 0), and `perm` int32 [in] where GPTQ quantized
+    the inputs out of order (act-order): the values' input j is the weight's input
+    perm[j], so that groups are whole runs of inputs (the matmul takes x's inputs in that
+    order). `input_scale`, float32 [] (one per layer), for a checkpoint's static activation scale: x quantized per tensor
     with it rather than per token. An expert stack (`EXPERTS`) is laid out as the grouped
     matmul reads it: values [E, in, out], scales [E, groups, out]. `kernel`: an int4 weight
     on one device, which a GPU multiplies with the Pallas W4A16 kernel
@@ -74,6 +75,7 @@ class QuantizedWeight:
     perm: jax.Array | None = None
     input_scale: jax.Array | None = None
     kernel: bool = False
+    weight_only: bool = False
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -84,8 +86,8 @@ class QuantizedWeight:
         return self.value.ndim
 
     def dequantized(self, dtype=jnp.float32) -> jax.Array:
-        """The weight it stands for, [*out, *in] (the W4A16 matmul's operand; tests and
-        oracles for 8-bit weights, whose matmul never builds it)."""
+        """The weight it stands for, [*out, *in] (the weight-only matmul's operand on a CPU;
+        tests and oracles for W8A8 weights, whose matmul never builds it)."""
         out = self.scale.shape[:-1]
         value = self.value.reshape(*out, -1).astype(jnp.float32)
         n, groups = value.shape[-1], self.scale.shape[-1]
@@ -111,10 +113,11 @@ class CheckpointFormat:
     `quantization_config`): each weight's values `{module}.{value_name}` as `value_dtype`,
     with float32 scales (`{module}.{scale_name}`), one per `block` = (rows, inputs) of the
     weight (inputs 0: the whole row; rows 0: all of them, one scale a tensor), and for
-    asymmetric 4-bit formats zero points (`{module}.{zero_name}`) beside them; `packing`
-    names how 4-bit values lie in int32
-    words (`jaxvllm.stored_tensors.packed_view`). The linear layers `ignore` names ("re:"
-    entries are regexes of module names) stay full precision; tensors ending in one of
+    asymmetric 4- and 8-bit weight-only formats zero points (`{module}.{zero_name}`) beside
+    them; `packing` names how 4- or 8-bit values lie in int32 words
+    (`jaxvllm.stored_tensors.packed_view`); `weight_only`: int8 values that leave
+    activations as they are (8-bit GPTQ: `QuantizedWeight.weight_only`). The linear layers
+    `ignore` names ("re:" entries are regexes of module names) stay full precision; tensors ending in one of
     `unused` are the format's bookkeeping, not read.
     - HF fp8 (`quant_method: "fp8"`, transformers' FineGrainedFP8): float8_e4m3fn,
       `weight_scale_inv` per `weight_block_size` block; activations per token and group.
@@ -124,9 +127,10 @@ class CheckpointFormat:
       W8A8 int8): float8_e4m3fn or int8, `weight_scale` per channel (block (1, 0)),
       activations per token; llm-compressor's FP8 (static): `weight_scale` per tensor (block
       (0, 0)) and a static `input_scale`; `pack-quantized` (W4A16): int4 `weight_packed` per group.
-    - GPTQ (AutoGPTQ / GPTQModel) and AWQ (AutoAWQ's GEMM): int4 `qweight`, `scales` and
-      `qzeros` per group of inputs; GPTQ's act-order (desc_act) groups inputs by `g_idx`, read
-      as a permutation that makes each group a run (`QuantizedWeight.perm`)."""
+    - GPTQ (AutoGPTQ / GPTQModel, 4- or 8-bit) and AWQ (AutoAWQ's GEMM, 4-bit): `qweight`
+      (int4, or int8 weight-only), `scales` and `qzeros` per group of inputs; GPTQ's
+      act-order (desc_act) groups inputs by `g_idx`, read as a permutation that makes each
+      group a run (`QuantizedWeight.perm`)."""
 
     method: str
     block: tuple[int, int]
@@ -139,6 +143,7 @@ class CheckpointFormat:
     unused: tuple[str, ...] = ()
     act_order: bool = False  # GPTQ's desc_act: `g_idx` [in] gives each input's group
     input_scale_name: str | None = None  # static activations: `{module}.input_scale`, one a tensor
+    weight_only: bool = False  # int8 values, activations as they are (W8A16)
 
     def ignores(self, hf_name: str) -> bool:
         """Whether the weight `hf_name` stays full precision (its module, or one above it, is ignored)."""
@@ -151,8 +156,8 @@ SUPPORTED_CHECKPOINTS = ("fp8 (quant_method 'fp8': blocks (weight_block_size) wi
                          "per tensor with dynamic or static activations), "
                          "compressed-tensors float-quantized / int-quantized (8-bit, weights per channel or "
                          "tensor, activations dynamic per token or, fp8, static per tensor) and pack-quantized "
-                         "(4-bit weights per group or channel, activations unquantized), GPTQ (4-bit, v1 or v2 "
-                         "checkpoint format, act-order) and AWQ (4-bit GEMM)")
+                         "(4-bit weights per group or channel, activations unquantized), GPTQ (4- or 8-bit weights, "
+                         "activations unquantized; v1 or v2 checkpoint format, act-order) and AWQ (4-bit GEMM)")
 
 
 def checkpoint_format(quant_config: dict, model: str) -> CheckpointFormat:
@@ -161,7 +166,7 @@ def checkpoint_format(quant_config: dict, model: str) -> CheckpointFormat:
     if method == "compressed-tensors":
         return _compressed_tensors_format(quant_config, model)
     if method in ("gptq", "awq"):
-        return _int4_format(quant_config, model)
+        return _gptq_awq_format(quant_config, model)
     if method != "fp8":
         raise ValueError(f"{model}: quant_method {method!r} in config.json is not supported; jaxvllm reads "
                          f"{SUPPORTED_CHECKPOINTS}")
@@ -184,11 +189,13 @@ def checkpoint_format(quant_config: dict, model: str) -> CheckpointFormat:
     return CheckpointFormat("fp8", (block[0], block[1]), ignore=ignore)
 
 
-def _int4_format(quant_config: dict, model: str) -> CheckpointFormat:
-    """GPTQ and AWQ: 4-bit `qweight` with `scales` and `qzeros` per group of inputs."""
+def _gptq_awq_format(quant_config: dict, model: str) -> CheckpointFormat:
+    """GPTQ (4- or 8-bit) and AWQ (4-bit): packed `qweight` with `scales` and `qzeros` per
+    group of inputs; weight-only (8 bits: int8 values marked `weight_only`)."""
     method, bits = quant_config["quant_method"], quant_config.get("bits", quant_config.get("w_bit"))
-    if bits != 4:
-        raise ValueError(f"{model}: {bits}-bit {method.upper()} is not supported; jaxvllm reads 4-bit GPTQ and AWQ")
+    if bits not in ((4, 8) if method == "gptq" else (4,)):
+        raise ValueError(f"{model}: {bits}-bit {method.upper()} is not supported; jaxvllm reads 4- and 8-bit GPTQ "
+                         f"and 4-bit AWQ")
     group = quant_config.get("group_size", quant_config.get("q_group_size", -1))
     if not isinstance(group, int) or not (group > 0 or group == -1):
         raise ValueError(f"{model}: {method.upper()} group_size {group!r} must be a positive int or -1 (whole rows)")
@@ -215,8 +222,8 @@ def _int4_format(quant_config: dict, model: str) -> CheckpointFormat:
             raise ValueError(f"{model}: AWQ without zero points is not supported; jaxvllm reads zero_point true")
         ignore = tuple(quant_config.get("modules_to_not_convert") or ())
     unused = ((".qzeros",) if symmetric else ()) + (".g_idx",)  # (act-order's: `loader.module_tensors` reads them)
-    return CheckpointFormat(method, (1, max(group, 0)), "int4", "scales", ignore, "qweight",
-                            None if symmetric else "qzeros", packing, unused, act_order)
+    return CheckpointFormat(method, (1, max(group, 0)), "int4" if bits == 4 else "int8", "scales", ignore, "qweight",
+                            None if symmetric else "qzeros", packing, unused, act_order, weight_only=bits == 8)
 
 
 def _compressed_tensors_format(quant_config: dict, model: str) -> CheckpointFormat:
@@ -269,13 +276,13 @@ def _pack_quantized_format(weights: dict, inputs: dict | None, ignore: tuple, mo
 def check_quantization(quantization: str | None, cfg, fmt: CheckpointFormat | None = None) -> None:
     """Refuse, before any weight loads, online quantization of a checkpoint that is quantized
     already, and expert stacks in a format the grouped matmul does not read (8-bit with
-    dynamic activations only)."""
+    dynamic activations only: not 4-bit, 8-bit GPTQ's weight-only, or static activations)."""
     if cfg.quant_method is not None and quantization is not None:
         raise ValueError(f"quantization={quantization!r}: this checkpoint is quantized already (quant_method "
                          f"{cfg.quant_method!r} in config.json); leave quantization unset to run it as it is")
     four_bit = quantization == "gptq-dummy" or (fmt is not None and fmt.value_dtype == "int4")
-    if any(cfg.moe_layers) and (four_bit or (fmt is not None and fmt.input_scale_name)):
-        what = "4-bit" if four_bit else "statically scaled"
+    if any(cfg.moe_layers) and (four_bit or (fmt is not None and (fmt.weight_only or fmt.input_scale_name))):
+        what = "4-bit" if four_bit else "8-bit GPTQ (weight-only)" if fmt.weight_only else "statically scaled"
         raise ValueError(f"{cfg.architecture}: {what} expert stacks are not supported yet; jaxvllm quantizes a "
                          f"mixture of experts' experts to fp8 (quantization='fp8') or reads them in 8-bit checkpoints "
                          f"with dynamic activations")
@@ -309,7 +316,7 @@ def quantize_int4(weight: jax.Array, num_in: int, group: int = INT4_GROUP) -> Qu
     out = weight.shape[: weight.ndim - num_in]
     w = weight.reshape(*out, -1).astype(jnp.float32)
     n = w.shape[-1]
-    group = group if n % group == 0 else math.gcd(n, group)  # (whole groups: see `_int4_matmul`)
+    group = group if n % group == 0 else math.gcd(n, group)  # (whole groups: see `_weight_only_matmul`)
     groups = -(-n // group)
     padded = jnp.pad(w, [(0, 0)] * len(out) + [(0, groups * group - n)]).reshape(*out, groups, group)
     scale = jnp.maximum(jnp.max(jnp.abs(padded), axis=-1), _TINY) * (2 / 15)
@@ -406,13 +413,13 @@ def quantize_static(x: jax.Array, scale: jax.Array) -> jax.Array:
 
 
 def quantized_matmul(x2: jax.Array, weight: QuantizedWeight, out_rows: int) -> jax.Array:
-    """x2 [T, in] (any float) times a quantized weight, as [T, out_rows] float32. int4:
-    W4A16 (`_int4_matmul`). 8-bit: x quantized per token (and per group of `group_size`
-    inputs), or with the weight's static `input_scale`, an 8-bit x 8-bit matmul accumulated
-    in float32 (int8: int32) per group, each product scaled by its token's and its row's
-    scales, the groups summed."""
-    if weight.value.dtype == jnp.int4:
-        return _int4_matmul(x2, weight, out_rows)
+    """x2 [T, in] (any float) times a quantized weight, as [T, out_rows] float32. int4, or
+    int8 `weight_only`: W4A16 / W8A16 (`_weight_only_matmul`). Other 8-bit values: x
+    quantized per token (and per group of `group_size` inputs), or with the weight's static
+    `input_scale`, an 8-bit x 8-bit matmul accumulated in float32 (int8: int32) per group,
+    each product scaled by its token's and its row's scales, the groups summed."""
+    if weight.value.dtype == jnp.int4 or weight.weight_only:
+        return _weight_only_matmul(x2, weight, out_rows)
     wq = weight.value.reshape(out_rows, -1)
     # fp8 products accumulate in float32; int8 ones exactly, in int32
     accumulate = jnp.int32 if wq.dtype == jnp.int8 else jnp.float32
@@ -433,22 +440,22 @@ def quantized_matmul(x2: jax.Array, weight: QuantizedWeight, out_rows: int) -> j
     return jnp.sum(out * jnp.moveaxis(x_scale, 1, 0) * w_scale, axis=0)
 
 
-def _int4_matmul(x2: jax.Array, weight: QuantizedWeight, out_rows: int) -> jax.Array:
-    """W4A16, float32. On a GPU, the Pallas kernel for a weight on one device (`kernel`),
-    else batched over the groups (`_int4_grouped`), so that the only op between the stored
-    int4 values and the matmul is the exact convert a GEMM reads in its prologue; on a CPU
-    (and for a partial last group), the weight dequantized to x's type as the matmul's
-    operand, which XLA:CPU runs faster (docs/design.md). Act-order: x's inputs taken in the
-    values' order first."""
+def _weight_only_matmul(x2: jax.Array, weight: QuantizedWeight, out_rows: int) -> jax.Array:
+    """W4A16 or W8A16, float32. On a GPU, the Pallas kernel for an int4 weight on one device
+    (`kernel`; int8 has none), else batched over the groups (`_weight_only_grouped`), so that
+    the only op between the stored values and the matmul is the exact convert a GEMM reads
+    in its prologue; on a CPU (and for a partial last group), the weight dequantized to x's
+    type as the matmul's operand, which XLA:CPU runs faster (docs/design.md). Act-order:
+    x's inputs taken in the values' order first."""
     if weight.perm is not None:
         x2 = jnp.take(x2, weight.perm, axis=1)
         weight = dataclasses.replace(weight, perm=None)
-    dense = partial(_int4_dequantized, out_rows=out_rows)
+    dense = partial(_weight_only_dequantized, out_rows=out_rows)
     size = weight.group_size or x2.shape[-1]
     if weight.scale.shape[-1] * size != x2.shape[-1]:
         return dense(x2, weight)
     # (the kernel's steps take 32 inputs at least, inside one group)
-    gpu = _int4_pallas if weight.kernel and size % 32 == 0 else _int4_grouped
+    gpu = _int4_pallas if weight.kernel and size % 32 == 0 else _weight_only_grouped
     return jax.lax.platform_dependent(x2, weight, cpu=dense, default=partial(gpu, out_rows=out_rows))
 
 
@@ -462,7 +469,8 @@ def _int4_pallas(x2: jax.Array, weight: QuantizedWeight, out_rows: int, interpre
 
 def single_device_kernels(params: dict) -> dict:
     """Every int4 weight of the layers marked for the Pallas W4A16 kernel (`QuantizedWeight.kernel`):
-    for params on one device."""
+    for params on one device (int8 weight-only ones keep XLA's grouped matmul: the kernel
+    reads int4 only)."""
     layers = params.get("layers", {})
     mark = lambda w: dataclasses.replace(w, kernel=True) if w.value.dtype == jnp.int4 else w  # noqa: E731
     for name, stack in layers.items():
@@ -473,18 +481,19 @@ def single_device_kernels(params: dict) -> dict:
     return params
 
 
-def _int4_dequantized(x2: jax.Array, weight: QuantizedWeight, out_rows: int) -> jax.Array:
+def _weight_only_dequantized(x2: jax.Array, weight: QuantizedWeight, out_rows: int) -> jax.Array:
     w = weight.dequantized(x2.dtype).reshape(out_rows, -1)
     return jax.lax.dot_general(x2, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _int4_grouped(x2: jax.Array, weight: QuantizedWeight, out_rows: int) -> jax.Array:
+def _weight_only_grouped(x2: jax.Array, weight: QuantizedWeight, out_rows: int) -> jax.Array:
     """x [T, G, size] times the values converted to x's type [O, G, size], batched over the
     groups; each group's product scaled by its row's scale, less the zero point times the
     group's sum of x, then summed."""
     groups = weight.scale.shape[-1]
     x3 = x2.reshape(x2.shape[0], groups, -1)
-    w3 = weight.value.reshape(out_rows, groups, -1).astype(x2.dtype)  # (int4 values are exact in any float)
+    # (int4 and int8 values are exact in any float: bf16 holds integers to 256)
+    w3 = weight.value.reshape(out_rows, groups, -1).astype(x2.dtype)
     out = jax.lax.dot_general(x3, w3, (((2,), (2,)), ((1,), (1,))), preferred_element_type=jnp.float32)  # [G, T, O]
     scale = weight.scale.reshape(out_rows, groups).T[:, None, :]
     if weight.zero is not None:

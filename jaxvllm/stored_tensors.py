@@ -6,8 +6,8 @@ format stores.
 - `RawSlice`: a float8 tensor (safetensors' numpy reader has none), as a memory map.
 - `RowRepeat`: block scales [out / block, ...] with each row repeated over its block;
   `OneValue`: a per-tensor scale as one such block.
-- `PackedView`: 4-bit values in int32 words (GPTQ, AWQ, compressed-tensors), as int8 values;
-  `packed_view` says which layout each format's tensors have; `act_order` reads GPTQ's
+- `PackedView`: 4- or 8-bit values in int32 words (GPTQ, AWQ, compressed-tensors), as signed
+  values; `packed_view` says which layout each format's tensors have; `act_order` reads GPTQ's
   act-order groups as a permutation of the inputs.
 """
 
@@ -67,25 +67,30 @@ class RowRepeat:
 
 
 class PackedView:
-    """A 2-D tensor read as `shape` (HF's layout), stored transposed or not, and with 4-bit
-    values packed along `packed_axis` (of `shape`) into int32 words, 8 to a word, the value
-    of position c in nibble `nibbles[c]` (low nibble first by default), each read as int8
-    minus `offset` (what makes the format's unsigned values signed)."""
+    """A 2-D tensor read as `shape` (HF's layout), stored transposed or not, and with `bits`-bit
+    values (4 or 8) packed along `packed_axis` (of `shape`) into int32 words, 32 / bits to a
+    word, the value of position c in slot `slots[c]` of its word (slot k: the `bits` bits
+    from bit k * bits; low slot first by default), each read as int16 minus `offset` (what
+    makes the format's unsigned values signed)."""
 
     def __init__(self, tensor_slice, name: str, shape: tuple[int, int], *, transposed: bool = False,
-                 packed_axis: int | None = None, nibbles: tuple[int, ...] = tuple(range(8)), offset: int = 0,
-                 columns: np.ndarray | None = None) -> None:
+                 packed_axis: int | None = None, bits: int = 4, slots: tuple[int, ...] | None = None,
+                 offset: int = 0, columns: np.ndarray | None = None) -> None:
+        self.per_word = 32 // bits
         stored = list(shape)
         if packed_axis is not None:
-            stored[packed_axis] = -(-shape[packed_axis] // 8)
+            stored[packed_axis] = -(-shape[packed_axis] // self.per_word)
         stored = tuple(reversed(stored) if transposed else stored)
         got = tuple(tensor_slice.get_shape())
         if got != stored:
             raise ValueError(f"tensor {name} has shape {got}, config.json implies {stored}")
         if packed_axis is not None and tensor_slice.get_dtype() != "I32":
-            raise ValueError(f"tensor {name} is {tensor_slice.get_dtype()}; packed 4-bit values are int32 words (I32)")
+            raise ValueError(f"tensor {name} is {tensor_slice.get_dtype()}; packed {bits}-bit values are int32 words "
+                             f"(I32)")
         self.slice, self.shape, self.transposed, self.packed_axis = tensor_slice, shape, transposed, packed_axis
-        self.shifts, self.offset, self.columns = 4 * np.asarray(nibbles, np.uint32), offset, columns
+        slots = range(self.per_word) if slots is None else slots
+        self.shifts, self.mask = bits * np.asarray(slots, np.uint32), np.uint32((1 << bits) - 1)
+        self.offset, self.columns = offset, columns
 
     def get_shape(self) -> list[int]:
         return list(self.shape)
@@ -102,7 +107,7 @@ class PackedView:
         stored_index = [slice(a, b) for a, b in ranges]
         if self.packed_axis is not None:
             lo, hi = ranges[self.packed_axis]
-            stored_index[self.packed_axis] = slice(lo // 8, -(-hi // 8))
+            stored_index[self.packed_axis] = slice(lo // self.per_word, -(-hi // self.per_word))
         if self.transposed:
             stored_index.reverse()
         block = np.asarray(self.slice[tuple(stored_index)])
@@ -110,8 +115,9 @@ class PackedView:
         if self.packed_axis is None:
             return block
         words = np.moveaxis(block, self.packed_axis, -1).astype(np.uint32)
-        values = ((words[..., None] >> self.shifts) & 0xF).reshape(*words.shape[:-1], -1)
-        values = values[..., lo % 8 : lo % 8 + hi - lo].astype(np.int8) - np.int8(self.offset)
+        values = ((words[..., None] >> self.shifts) & self.mask).reshape(*words.shape[:-1], -1)
+        first = lo % self.per_word
+        values = values[..., first : first + hi - lo].astype(np.int16) - np.int16(self.offset)
         return np.moveaxis(values, -1, self.packed_axis)
 
 
@@ -145,11 +151,11 @@ def act_order(g_idx: np.ndarray, group: int, name: str) -> np.ndarray:
 
 def packed_view(fmt, name: str, tensor_slice, shape: tuple[int, ...], perms: dict | None = None):
     """`tensor_slice` as `jaxvllm.quantization.CheckpointFormat` `fmt` stores it, read in HF's
-    layout (`shape`): 4-bit values and zero points as signed int8 (value - 8), so that
-    `(value - zero) * scale` is the weight.
-    - GPTQ: `qweight` [in / 8, out], packed along in; `qzeros` [groups, out / 8] packed along
-      out, each one less than the zero point in the original ("gptq") checkpoint format;
-      `scales` [groups, out].
+    layout (`shape`): b-bit values and zero points signed (value - 2^(b-1): 8 for 4 bits, 128
+    for 8), so that `(value - zero) * scale` is the weight.
+    - GPTQ (4 or 8 bits): `qweight` [in / (32 / b), out], packed along in; `qzeros` [groups,
+      out / (32 / b)] packed along out, each one less than the zero point in the original
+      ("gptq") checkpoint format; `scales` [groups, out].
     - AWQ: `qweight` [in, out / 8] and `qzeros` [groups, out / 8], both packed along out in
       AutoAWQ's interleaved order; `scales` [groups, out].
     - compressed-tensors: `weight_packed` [out, in / 8] packed along in, `weight_zero_point`
@@ -161,13 +167,14 @@ def packed_view(fmt, name: str, tensor_slice, shape: tuple[int, ...], perms: dic
     if not fmt.packing:
         return tensor_slice
     ct = fmt.packing == "compressed-tensors"
-    nibbles = AWQ_NIBBLE if fmt.packing == "awq" else tuple(range(8))
+    bits = ml_dtypes.iinfo(fmt.value_dtype).bits
+    slots, half = AWQ_NIBBLE if fmt.packing == "awq" else None, 1 << (bits - 1)
     if role == fmt.value_name:
         return PackedView(tensor_slice, name, shape, transposed=not ct, packed_axis=0 if fmt.packing == "awq" else 1,
-                          nibbles=nibbles, offset=8, columns=(perms or {}).get(name.rsplit(".", 1)[0]))
+                          bits=bits, slots=slots, offset=half, columns=(perms or {}).get(name.rsplit(".", 1)[0]))
     if role == fmt.zero_name:
-        return PackedView(tensor_slice, name, shape, transposed=not ct, packed_axis=0, nibbles=nibbles,
-                          offset=7 if fmt.packing == "gptq" else 8)
+        return PackedView(tensor_slice, name, shape, transposed=not ct, packed_axis=0, bits=bits, slots=slots,
+                          offset=half - 1 if fmt.packing == "gptq" else half)
     if role == fmt.scale_name and not ct:
         return PackedView(tensor_slice, name, shape, transposed=True)
     return tensor_slice

@@ -13,7 +13,7 @@ dequantizing, which is how tests use it as the oracle.
 `make_compressed` writes the compressed-tensors format as llm-compressor does for its
 FP8_DYNAMIC and W8A8 int8 schemes, and `make_w4a16` its 4-bit pack-quantized ones
 (transformers reads them through the compressed-tensors library, the tests' oracle).
-`make_gptq` and `make_awq` write AutoGPTQ's and AutoAWQ's 4-bit packings, from weights
+`make_gptq` and `make_awq` write AutoGPTQ's (4- or 8-bit) and AutoAWQ's 4-bit packings, from weights
 quantized to the nearest grid point (the tests' oracle unpacks them as those libraries
 do). Tests import them all.
 """
@@ -150,36 +150,39 @@ def calibrate_inputs(src: str | Path, num_tokens: int = 256, seed: int = 0) -> d
     return amax
 
 
-def quantize_groups(weight, group: int, symmetric: bool):
-    """Round-to-nearest 4-bit of a [out, in] torch weight per group of `group` inputs (0: the
-    whole row), as GPTQ's and AWQ's quantizers grid it: (unsigned values [out, in] in 0..15,
-    float16 scales [out, groups], zero points [out, groups] in 0..15, 8 when `symmetric`),
-    with `(value - zero) * scale` the weight."""
+def quantize_groups(weight, group: int, symmetric: bool, bits: int = 4):
+    """Round-to-nearest `bits`-bit of a [out, in] torch weight per group of `group` inputs (0:
+    the whole row), as GPTQ's and AWQ's quantizers grid it: (unsigned values [out, in] in
+    0..2^bits - 1 (15 for 4 bits), float16 scales [out, groups], zero points [out, groups] in
+    that range, 2^(bits - 1) when `symmetric`), with `(value - zero) * scale` the weight."""
     import torch
 
     out_dim, in_dim = weight.shape
-    size = group or in_dim
+    size, top = group or in_dim, 2**bits - 1
     w = weight.float().reshape(out_dim, -1, size)
     lo, hi = w.amin(dim=2).clamp(max=0), w.amax(dim=2).clamp(min=0)
     if symmetric:
-        scale, zero = torch.maximum(-lo, hi) * 2 / 15, torch.full_like(lo, 8)
+        scale, zero = torch.maximum(-lo, hi) * 2 / top, torch.full_like(lo, 2 ** (bits - 1))
     else:
-        scale = (hi - lo) / 15
-        zero = torch.round(-lo / scale.clamp(min=1e-10)).clamp(0, 15)
+        scale = (hi - lo) / top
+        zero = torch.round(-lo / scale.clamp(min=1e-10)).clamp(0, top)
     scale = scale.clamp(min=1e-6).half()
-    value = torch.round(w / scale.float()[..., None] + zero[..., None]).clamp(0, 15)
+    value = torch.round(w / scale.float()[..., None] + zero[..., None]).clamp(0, top)
     return value.reshape(out_dim, in_dim).to(torch.int32), scale, zero.to(torch.int32)
 
 
-def pack_words(values, order=tuple(range(8))):
-    """Unsigned 4-bit values [..., n] (numpy ints, n a multiple of 8) as int32 words [..., n / 8]:
-    value 8w + order[k] of each row in nibble k of word w (low nibble first)."""
+def pack_words(values, order=None, bits: int = 4):
+    """Unsigned `bits`-bit values [..., n] (numpy ints, n a multiple of k = 32 / bits: 8 for 4
+    bits, 4 for 8) as int32 words [..., n / k]: value k w + order[j] of each row in slot j of
+    word w (bits j * bits and up, low slot first; `order` default: in order)."""
     import numpy as np
 
-    values = np.asarray(values, dtype=np.uint32).reshape(*np.shape(values)[:-1], -1, 8)
+    per_word = 32 // bits
+    order = range(per_word) if order is None else order
+    values = np.asarray(values, dtype=np.uint32).reshape(*np.shape(values)[:-1], -1, per_word)
     words = np.zeros(values.shape[:-1], dtype=np.uint32)
-    for nibble, position in enumerate(order):
-        words |= values[..., position] << np.uint32(4 * nibble)
+    for slot, position in enumerate(order):
+        words |= values[..., position] << np.uint32(bits * slot)
     return words.view(np.int32)
 
 
@@ -188,11 +191,13 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
 def make_gptq(src: str | Path, out: str | Path, group: int = 128, symmetric: bool = True,
-              checkpoint_format: str = "gptq", desc_act: bool = False) -> Path:
-    """`src` in AutoGPTQ's packing (round-to-nearest rather than GPTQ's solver: the layout is
-    what is read): `qweight` int32 [in / 8, out], packed along in; `qzeros` int32 [groups,
-    out / 8], packed along out, each zero point less one in the "gptq" (v1) checkpoint format;
-    `scales` float16 [groups, out]; `g_idx` [in], each input's group. `desc_act`: act-order,
+              checkpoint_format: str = "gptq", desc_act: bool = False, bits: int = 4) -> Path:
+    """`src` in AutoGPTQ's packing of `bits` (4 or 8) bits, k = 32 / bits values to an int32
+    word, low bits first (round-to-nearest rather than GPTQ's solver: the layout is what is
+    read): `qweight` int32 [in / k, out], packed along in; `qzeros` int32 [groups, out / k],
+    packed along out, each zero point less one in the "gptq" (v1) checkpoint format (zero
+    point 2^(bits - 1) when symmetric); `scales` float16 [groups, out]; `g_idx` [in], each
+    input's group. `desc_act`: act-order,
     the inputs grouped in an order of their own, so that `g_idx` is not sorted (here a fixed
     shuffle per input size; GPTQ's comes from the Hessian of the inputs, so modules with the
     same inputs, q/k/v or gate/up, share it here too)."""
@@ -202,18 +207,18 @@ def make_gptq(src: str | Path, out: str | Path, group: int = 128, symmetric: boo
         in_dim = tensor.shape[1]
         shuffle = torch.randperm(in_dim, generator=torch.Generator().manual_seed(in_dim))
         order = shuffle if desc_act else torch.arange(in_dim)
-        value, scale, zero = quantize_groups(tensor[:, order], group, symmetric)
+        value, scale, zero = quantize_groups(tensor[:, order], group, symmetric, bits)
         value = torch.empty_like(value).index_copy_(1, order, value)  # back in the inputs' order
         g_idx = torch.empty(in_dim, dtype=torch.int32).index_copy_(
             0, order, torch.arange(in_dim, dtype=torch.int32) // (group or in_dim))
         stored_zero = (zero - 1).clamp(min=0) if checkpoint_format == "gptq" else zero
         module = name.removesuffix(".weight")
-        return {f"{module}.qweight": torch.from_numpy(pack_words(value.numpy()).T.copy()),
-                f"{module}.qzeros": torch.from_numpy(pack_words(stored_zero.T.numpy())),
+        return {f"{module}.qweight": torch.from_numpy(pack_words(value.numpy(), bits=bits).T.copy()),
+                f"{module}.qzeros": torch.from_numpy(pack_words(stored_zero.T.numpy(), bits=bits)),
                 f"{module}.scales": scale.T.contiguous(), f"{module}.g_idx": g_idx}
 
     return _write_quantized(src, out, quantize, lambda: {
-        "quant_method": "gptq", "bits": 4, "group_size": group or -1, "desc_act": desc_act, "sym": symmetric,
+        "quant_method": "gptq", "bits": bits, "group_size": group or -1, "desc_act": desc_act, "sym": symmetric,
         "checkpoint_format": checkpoint_format})
 
 

@@ -1,9 +1,11 @@
-"""4-bit weights (W4A16: activations as they are) against their oracles, on tiny
-checkpoints that weights/make_quantized.py writes in each published packing:
-compressed-tensors pack-quantized (transformers with the compressed-tensors library, or
-the library's own decompression), GPTQ and AWQ (unpacked here as AutoGPTQ's and AutoAWQ's
-torch code unpacks them, into a full-precision HF model). Also vLLM-style online 4-bit
-(`quantization="gptq-dummy"`), tensor parallelism, the engine, and the refusals."""
+"""Weight-only quantized weights (W4A16, and GPTQ's 8 bits, W8A16: activations as they are)
+against their oracles, on tiny checkpoints that weights/make_quantized.py writes in each
+published packing: compressed-tensors pack-quantized (transformers with the
+compressed-tensors library, or the library's own decompression), GPTQ (4- and 8-bit) and
+AWQ (unpacked here as AutoGPTQ's and AutoAWQ's torch code unpacks them, into a
+full-precision HF model). Also vLLM-style online 4-bit (`quantization="gptq-dummy"`),
+tensor parallelism, the engine, and the refusals. (8-bit GPTQ is here rather than in a file
+of its own: it shares the 4-bit packings' writer, oracle, matmul and tensor-parallel worker.)"""
 
 from __future__ import annotations
 
@@ -37,7 +39,8 @@ LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_
 def int4_checkpoint(tiny_checkpoint, tmp_path_factory):
     """int4_checkpoint(kind, arch="llama", group=GROUP) -> a tiny checkpoint, 4-bit: kind
     "w4a16" / "w4a16-asym" (compressed-tensors), "gptq" (symmetric) / "gptq-asym" /
-    "gptq_v2" (asymmetric, GPTQModel's v2 zero points) / "gptq-act-order" (desc_act), "awq"."""
+    "gptq_v2" (asymmetric, GPTQModel's v2 zero points) / "gptq-act-order" (desc_act), "awq";
+    8-bit GPTQ: "gptq8", "gptq8-asym", "gptq8_v2", "gptq8-act-order", as the 4-bit ones."""
     from weights.make_quantized import make_awq, make_gptq, make_w4a16
 
     writers = {"w4a16": lambda s, o, g: make_w4a16(s, o, g, True),
@@ -46,6 +49,10 @@ def int4_checkpoint(tiny_checkpoint, tmp_path_factory):
                "gptq-asym": lambda s, o, g: make_gptq(s, o, g, False),
                "gptq_v2": lambda s, o, g: make_gptq(s, o, g, False, "gptq_v2"),
                "gptq-act-order": lambda s, o, g: make_gptq(s, o, g, False, desc_act=True),
+               "gptq8": lambda s, o, g: make_gptq(s, o, g, True, bits=8),
+               "gptq8-asym": lambda s, o, g: make_gptq(s, o, g, False, bits=8),
+               "gptq8_v2": lambda s, o, g: make_gptq(s, o, g, False, "gptq_v2", bits=8),
+               "gptq8-act-order": lambda s, o, g: make_gptq(s, o, g, False, desc_act=True, bits=8),
                "awq": make_awq}
     made = {}
 
@@ -58,20 +65,20 @@ def int4_checkpoint(tiny_checkpoint, tmp_path_factory):
     return get
 
 
-def _nibbles(words: torch.Tensor, dim: int) -> torch.Tensor:
-    """int32 words unpacked along `dim` into 8 values each, low nibble first (as AutoGPTQ's
-    and AutoAWQ's torch code shifts and masks them)."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+def _nibbles(words: torch.Tensor, dim: int, bits: int = 4) -> torch.Tensor:
+    """int32 words unpacked along `dim` into 32 / bits values each, low bits first (as
+    AutoGPTQ's and AutoAWQ's torch code shifts and masks them)."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
     words = words.movedim(dim, -1)
-    values = torch.bitwise_and(torch.bitwise_right_shift(words.unsqueeze(-1), shifts), 15)
+    values = torch.bitwise_and(torch.bitwise_right_shift(words.unsqueeze(-1), shifts), 2**bits - 1)
     return values.reshape(*words.shape[:-1], -1).movedim(-1, dim)
 
 
-def gptq_weight(t: dict, module: str, v1: bool) -> torch.Tensor:
+def gptq_weight(t: dict, module: str, v1: bool, bits: int = 4) -> torch.Tensor:
     """AutoGPTQ's dequantization: scales[g_idx] * (weight - zeros[g_idx]), the zeros stored one
     less in the v1 format; as [out, in]."""
-    weight = _nibbles(t[f"{module}.qweight"], 0)  # [in, out]
-    zeros = _nibbles(t[f"{module}.qzeros"], 1) + (1 if v1 else 0)  # [groups, out]
+    weight = _nibbles(t[f"{module}.qweight"], 0, bits)  # [in, out]
+    zeros = _nibbles(t[f"{module}.qzeros"], 1, bits) + (1 if v1 else 0)  # [groups, out]
     g_idx = t[f"{module}.g_idx"].long()
     return (t[f"{module}.scales"].float()[g_idx] * (weight - zeros[g_idx]).float()).T
 
@@ -101,7 +108,7 @@ def compressed_tensors_weight(t: dict, module: str, config: dict) -> torch.Tenso
 
 def unpacked_hf(path: Path, src: Path):
     """The full-precision HF model of `src` with each decoder Linear's weight replaced by
-    `path`'s 4-bit weight, dequantized here by its format's own unpacking."""
+    `path`'s 4- or 8-bit weight, dequantized here by its format's own unpacking."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -114,7 +121,7 @@ def unpacked_hf(path: Path, src: Path):
                 continue
             full = f"model.layers.{name}"
             if config["quant_method"] == "gptq":
-                weight = gptq_weight(tensors, full, config.get("checkpoint_format", "gptq") == "gptq")
+                weight = gptq_weight(tensors, full, config.get("checkpoint_format", "gptq") == "gptq", config["bits"])
             elif config["quant_method"] == "awq":
                 weight = awq_weight(tensors, full)
             else:
@@ -128,23 +135,27 @@ def _logits(params, cfg, tokens):
     return jit_forward(params, allocate_kv_caches(cfg, 8, 4, jnp.float32), inputs, cfg, "reference")[0]
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("zero", [False, True], ids=["symmetric", "zero-points"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_grouped_matmul_matches_the_dequantized_weight(zero, dtype):
-    """The GPU's W4A16 matmuls, the Pallas kernel (interpreted here) and XLA's batched over the
-    groups (scales and zero points applied to the products), against x times the dequantized
-    weight (the CPU's)."""
-    from jaxvllm.quantization import _int4_dequantized, _int4_grouped, _int4_pallas
+def test_grouped_matmul_matches_the_dequantized_weight(bits, zero, dtype):
+    """The GPU's weight-only matmuls, the Pallas kernel (interpreted here; int4 only) and XLA's
+    batched over the groups (scales and zero points applied to the products), against x
+    times the dequantized weight (the CPU's); `quantized_matmul` takes 8-bit weights marked
+    `weight_only` to them (W8A16: x not quantized) rather than to W8A8."""
+    from jaxvllm.quantization import _int4_pallas, _weight_only_dequantized, _weight_only_grouped, quantized_matmul
 
     rng = np.random.default_rng(0)
-    out, inputs, group = 48, 96, 32
-    zeros = jnp.asarray(rng.integers(-8, 8, (out, inputs // group)), jnp.float32)
-    weight = QuantizedWeight(jnp.asarray(rng.integers(-8, 8, (out, inputs)), jnp.int4),
-                             jnp.asarray(rng.uniform(0.01, 0.1, (out, inputs // group)), jnp.float32), group,
-                             zero=zeros if zero else None)
+    out, inputs, group, half = 48, 96, 32, 2 ** (bits - 1)
+    zeros = jnp.asarray(rng.integers(-half, half, (out, inputs // group)), jnp.float32)
+    scales = rng.uniform(0.01, 0.1, (out, inputs // group)) / 2 ** (bits - 4)  # (weights of like sizes)
+    weight = QuantizedWeight(jnp.asarray(rng.integers(-half, half, (out, inputs)), jnp.int4 if bits == 4 else jnp.int8),
+                             jnp.asarray(scales, jnp.float32), group, zero=zeros if zero else None,
+                             weight_only=bits == 8)
     x = jnp.asarray(rng.standard_normal((5, inputs)), dtype)
     want = x.astype(jnp.float32) @ weight.dequantized().T
-    for fn in (_int4_grouped, _int4_dequantized, partial(_int4_pallas, interpret=True)):
+    kernel = (partial(_int4_pallas, interpret=True),) if bits == 4 else ()
+    for fn in (_weight_only_grouped, _weight_only_dequantized, quantized_matmul, *kernel):
         got = jax.jit(fn, static_argnums=2)(x, weight, out)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5 if dtype == jnp.float32 else 1e-2,
                                    atol=1e-5 if dtype == jnp.float32 else 2e-2)
@@ -171,24 +182,33 @@ def test_w4a16_matches_transformers(arch, stack, int4_checkpoint):
                                                ("gptq-asym", "qwen2", GROUP), ("gptq_v2", "llama", GROUP),
                                                ("gptq-asym", "llama", 0), ("gptq-act-order", "llama", GROUP),
                                                ("gptq-act-order", "qwen3", 16), ("awq", "qwen2", GROUP),
-                                               ("awq", "qwen3", 64)])
+                                               ("awq", "qwen3", 64), ("gptq8", "llama", GROUP),
+                                               ("gptq8-asym", "qwen2", GROUP), ("gptq8_v2", "llama", 0),
+                                               ("gptq8-act-order", "qwen3", 16)])
 def test_int4_formats_match_their_unpacking(kind, arch, group, int4_checkpoint, tiny_checkpoint):
     """Each packing (zero points, group sizes of 16, 32, 64 and whole rows; GPTQ's act-order;
-    Qwen2's biases)
+    Qwen2's biases; GPTQ's 8 bits as well)
     against the full-precision model holding the weights that its own libraries' unpacking
     gives (compressed-tensors' decompression; AutoGPTQ's and AutoAWQ's shifts, masks and
-    interleave, reproduced in torch)."""
+    interleave, reproduced in torch). 8-bit GPTQ is int8 values marked weight-only (W8A16:
+    x as it is, which the tolerance checks: quantizing x to 8 bits would move logits by
+    ~1e-2), not for the Pallas kernel (int4 only); 4-bit is int4, for the kernel."""
     path = int4_checkpoint(kind, arch, group)
     hf = unpacked_hf(path, tiny_checkpoint(arch))
     cfg, params = load_model(path)
+    want = (jnp.int8, True, False) if kind.startswith("gptq8") else (jnp.int4, False, True)
+    for w in (w[0] if isinstance(w, list) else w for name, w in params["layers"].items() if name.endswith("proj")):
+        assert (w.value.dtype, w.weight_only, w.kernel) == want
     tokens = random_tokens(np.random.default_rng(1), 24)
     assert rel_err(_logits(params, cfg, tokens), hf_logits(hf, tokens)) <= TOL
 
 
-def test_act_order_stacked(int4_checkpoint, tiny_checkpoint):
-    """GPTQ act-order with stacked layers (the GPU layout: each layer's permutation a row of
-    a stack, q/k/v apart) against the same oracle; the permutation is not the identity."""
-    path = int4_checkpoint("gptq-act-order")
+@pytest.mark.parametrize("kind", ["gptq-act-order", "gptq8-act-order"])
+def test_act_order_stacked(kind, int4_checkpoint, tiny_checkpoint):
+    """GPTQ act-order (4- and 8-bit) with stacked layers (the GPU layout: each layer's
+    permutation a row of a stack, q/k/v apart) against the same oracle; the permutation is
+    not the identity."""
+    path = int4_checkpoint(kind)
     hf = unpacked_hf(path, tiny_checkpoint("llama"))
     cfg, params = load_model(path, stack_layers=True)
     perm = np.asarray(params["layers"]["q_proj"].perm)
@@ -218,6 +238,23 @@ def test_int4_checkpoint_through_the_engine(int4_checkpoint, tiny_checkpoint):
     # same layout, half the bytes of fp8's values; the whole model (embeddings full precision) smaller
     assert value.shape == fp8_value.shape and value.dtype == jnp.int4
     assert stats["weight_bytes_per_device"][0] < fp8_bytes
+
+
+def test_gptq_8bit_through_the_engine(int4_checkpoint, tiny_checkpoint):
+    """8-bit GPTQ as Qwen's GPTQ-Int8 checkpoints ship it (Qwen2 with biases, symmetric, v1
+    format, groups): greedy tokens as the oracle's (transformers, float32, the weights
+    AutoGPTQ's unpacking gives)."""
+    path = int4_checkpoint("gptq8", "qwen2")
+    hf = unpacked_hf(path, tiny_checkpoint("qwen2"))
+    prompts = [random_tokens(np.random.default_rng(seed), n) for seed, n in [(1, 5), (2, 17), (3, 40)]]
+    llm = LLM(path, **ENGINE)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=8),
+                        use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == hf_greedy(hf, prompts, 8)
+    assert llm.llm_engine.stats()["quantization"] == "gptq (checkpoint)"
+    weight = llm.llm_engine.runner.params["layers"]["qkv_proj"][0]
+    assert weight.value.dtype == jnp.int8 and weight.weight_only and weight.zero is None
+    llm.shutdown()
 
 
 def test_online_int4(tiny_checkpoint):
@@ -253,33 +290,37 @@ from jaxvllm import LLM, SamplingParams
 ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, token_buckets=[64])
 prompts = [{"prompt_token_ids": np.random.default_rng(seed).integers(3, 200, 12).tolist()} for seed in range(3)]
 out = {}
-for path, quantization in ((sys.argv[1], None), (sys.argv[2], None), (sys.argv[3], None), (sys.argv[4], "gptq-dummy")):
+for path, quantization in [(path, None) for path in sys.argv[1:-1]] + [(sys.argv[-1], "gptq-dummy")]:
     for tp in (1, 2):
         llm = LLM(path, quantization=quantization, tensor_parallel_size=tp, **ENGINE)
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
         out[f"{path} {quantization} {tp}"] = [o.outputs[0].token_ids for o in outs]
         weight = llm.llm_engine.runner.params["layers"]["o_proj"]
-        out[f"kernel {path} {quantization} {tp}"] = (weight[0] if isinstance(weight, list) else weight).kernel
+        weight = weight[0] if isinstance(weight, list) else weight
+        out[f"kernel {path} {quantization} {tp}"] = [weight.kernel, str(weight.value.dtype)]
         llm.shutdown()
 print(json.dumps(out))
 """
 
 
 def test_int4_under_tensor_parallelism(int4_checkpoint, tiny_checkpoint):
-    """2 CPU devices (a process of its own): GPTQ (also act-order) and AWQ checkpoints (zero
-    points, o_proj and down_proj split on their grouped input axis) and online 4-bit give
-    one device's tokens; only one device's weights are marked for the Pallas kernel."""
+    """2 CPU devices (a process of its own): GPTQ (also act-order, and 8-bit act-order) and AWQ
+    checkpoints (zero points, o_proj and down_proj split on their grouped input axis) and
+    online 4-bit give one device's tokens; only one device's int4 weights are marked for the
+    Pallas kernel (8-bit ones never are)."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
     paths = [str(int4_checkpoint("gptq-asym")), str(int4_checkpoint("awq")), str(int4_checkpoint("gptq-act-order")),
-             str(tiny_checkpoint("llama"))]
+             str(int4_checkpoint("gptq8-act-order")), str(tiny_checkpoint("llama"))]
     proc = subprocess.run([sys.executable, "-c", _TP_SCRIPT, *paths], capture_output=True, text=True, env=env,
                           cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     for key in [k for k in out if k.endswith(" 1") and not k.startswith("kernel")]:
         assert out[key[:-1] + "2"] == out[key], key
-        # one device: the Pallas kernel's weights; split: XLA's (its partitioner cannot split a kernel)
-        assert out[f"kernel {key}"] and not out[f"kernel {key[:-1]}2"]
+        # one device: the Pallas kernel's int4 weights; split: XLA's (its partitioner cannot split a kernel)
+        (kernel, dtype), (split_kernel, _) = out[f"kernel {key}"], out[f"kernel {key[:-1]}2"]
+        assert kernel == (dtype == "int4") and not split_kernel, key
+    assert sum(out[key][1] == "int8" for key in out if key.startswith("kernel")) == 2
 
 
 def test_no_compiles_after_warmup(int4_checkpoint, compile_counter):
@@ -298,7 +339,8 @@ def test_bad_int4_checkpoints_are_refused(int4_checkpoint, tiny_checkpoint, tmp_
     placed stays on the device while the error is kept."""
     gptq, w4a16 = int4_checkpoint("gptq-asym"), int4_checkpoint("w4a16")
     cases = [
-        (gptq, dict(bits=8), r"8-bit GPTQ is not supported; jaxvllm reads 4-bit GPTQ and AWQ"),
+        (gptq, dict(bits=3), r"3-bit GPTQ is not supported; jaxvllm reads 4- and 8-bit GPTQ and 4-bit AWQ"),
+        (gptq, dict(quant_method="awq", bits=8), r"8-bit AWQ is not supported; jaxvllm reads 4- and 8-bit GPTQ"),
         (gptq, dict(checkpoint_format="marlin"), r"GPTQ checkpoint_format 'marlin' is not supported"),
         (gptq, dict(group_size=48), r"model.layers.0.self_attn.q_proj.weight: group_size 48 does not divide its 64 "
                                     r"inputs, which GPTQ requires"),
@@ -331,6 +373,11 @@ def test_bad_int4_checkpoints_are_refused(int4_checkpoint, tiny_checkpoint, tmp_
         LLM(no_scale, **ENGINE)
     with pytest.raises(ValueError, match=r"quantization='gptq-dummy': this checkpoint is quantized already"):
         LLM(gptq, quantization="gptq-dummy", **ENGINE)
+    # 8-bit GPTQ experts, as 4-bit ones (the grouped matmul reads 8-bit with quantized activations only)
+    moe = _with_config(tiny_checkpoint("qwen3_moe"), tmp_path / "moe", quant_method="gptq", bits=8, group_size=32)
+    with pytest.raises(ValueError, match=r"Qwen3MoeForCausalLM: 8-bit GPTQ \(weight-only\) expert stacks are not "
+                                         r"supported yet"):
+        LLM(moe, **ENGINE)
     # act-order: a group one input short; q and k (merged on a CPU) in different orders
     act_order = int4_checkpoint("gptq-act-order")
     for i, (module, change, match) in enumerate([

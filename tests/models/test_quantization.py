@@ -513,7 +513,8 @@ def test_bad_quantization_is_refused(tiny_checkpoint, fp8_checkpoint, tmp_path):
     cases = [
         (dict(quant_method="bitsandbytes"), r"quant_method 'bitsandbytes' in config.json is not supported; jaxvllm "
                                             r"reads fp8 \(quant_method 'fp8': blocks .* GPTQ .* AWQ"),
-        (dict(quant_method="gptq", bits=8), r"8-bit GPTQ is not supported; jaxvllm reads 4-bit GPTQ and AWQ"),
+        (dict(quant_method="gptq", bits=2), r"2-bit GPTQ is not supported; jaxvllm reads 4- and 8-bit GPTQ and "
+                                            r"4-bit AWQ"),
         # without weight_block_size, per-tensor scales: `weight_scale`, which a block checkpoint lacks
         (dict(weight_block_size=None), r"missing tensor\(s\): model.layers.0.self_attn.q_proj.weight_scale"),
         (dict(weight_block_size=[128, 0]), r"weight_block_size must be two positive ints .* got \[128, 0\]"),
