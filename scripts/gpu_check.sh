@@ -14,6 +14,9 @@
 #   scripts/gpu_check.sh --quant    then batch-1 decode with quantized weights against the same
 #                                   model unquantized, fp8 then 4-bit (gptq-dummy): quant_fp8.json,
 #                                   quant_int4.json (up to 8 more minutes)
+#   scripts/gpu_check.sh --live     then multi-LoRA throughput (4 adapters against the base model:
+#                                   lora.json) and update_weights on dummy:llama3-8b from device
+#                                   arrays (weight_update.json; up to 8 more minutes)
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -25,13 +28,15 @@ MODE=gpu
 DRY=0
 B1=0
 QUANT=0
+LIVE=0
 for arg in "$@"; do
     case "$arg" in
         --small) MODE=small ;;
         --dry-run) DRY=1 ;;
         --b1) B1=1 ;;
         --quant) QUANT=1 ;;
-        -h | --help) sed -n 2,16p "$0"; exit 0 ;;
+        --live) LIVE=1 ;;
+        -h | --help) sed -n 2,19p "$0"; exit 0 ;;
         *) echo "unknown option: $arg (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -43,11 +48,15 @@ if [ "$MODE" = gpu ]; then
     LIMITS=(30 120 90 180 120 300)              # env, kernel tests, engine test, bench, engine step: <= 9 min; B1
     B1_ARGS=(--model dummy:qwen3-0.6b --dataset nanovllm)
     QUANT_ARGS=(--model dummy:llama3-8b --batch-size 1 --input-len 128 --output-len 128 --num-iters 3)
+    LORA_ARGS=(--model dummy:qwen3-0.6b --dataset random --num-prompts 256 --input-len 128 --output-len 128)
+    WEIGHTS_MODELS=(dummy:qwen3-0.6b dummy:llama3-8b)
 else
     BENCH_ARGS=(--small)
     LIMITS=(60 300 300 300 300 300)
     B1_ARGS=(--model dummy:tiny --dataset random --num-prompts 16 --input-len 32 --output-len 16)
     QUANT_ARGS=(--model dummy:tiny --batch-size 1 --input-len 16 --output-len 8 --num-iters 1)
+    LORA_ARGS=(--model dummy:tiny --dataset random --num-prompts 16 --input-len 32 --output-len 16)
+    WEIGHTS_MODELS=(dummy:tiny)
 fi
 
 [ "$DRY" = 1 ] || mkdir -p "$OUT"
@@ -92,6 +101,13 @@ if [ "$QUANT" = 1 ]; then  # the issue's goals: fp8 at least 1.7x bf16's speed, 
         --compare-quantization --output-json "$OUT/quant_fp8.json"
     run quant_int4 240 "$PYTHON" -m jaxvllm bench latency "${QUANT_ARGS[@]}" --quantization gptq-dummy \
         --compare-quantization --output-json "$OUT/quant_int4.json"
+fi
+
+if [ "$LIVE" = 1 ]; then  # issue 30: LoRA's cost against the base; issue 31: an 8B update under 100 ms
+    run lora 240 "$PYTHON" -m jaxvllm bench throughput "${LORA_ARGS[@]}" --num-loras 4 --max-lora-rank 16 \
+        --disable-tqdm --output-json "$OUT/lora.json"
+    run weight_update 240 "$PYTHON" -m jaxvllm.benchmarks.weight_update --model "${WEIGHTS_MODELS[@]}" \
+        --json "$OUT/weight_update.json"
 fi
 
 [ "$DRY" = 1 ] || cat "$OUT/summary.txt"

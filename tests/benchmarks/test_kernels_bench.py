@@ -85,6 +85,11 @@ def test_gpu_check_script_parses_and_plans():
                            text=True).stdout
     assert "--model dummy:llama3-8b --batch-size 1" in quant
     assert "--quantization gptq-dummy --compare-quantization" in quant
+    live = subprocess.run(["bash", str(GPU_CHECK), "--dry-run", "--live"], check=True, capture_output=True,
+                          text=True).stdout
+    assert "--num-loras 4 --max-lora-rank 16" in live and "lora.json" in live
+    assert "weight_update --model dummy:qwen3-0.6b dummy:llama3-8b" in live and "weight_update.json" in live
+    assert "lora" not in quant
     small = subprocess.run(["bash", str(GPU_CHECK), "--small", "--dry-run"], check=True, capture_output=True,
                            text=True).stdout
     assert "pallas_kernels.bench --small" in small and "jaxvllm.benchmarks.engine_step --small" in small
