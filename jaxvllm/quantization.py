@@ -63,7 +63,9 @@ class QuantizedWeight:
     perm[j], so that groups are whole runs of inputs (the matmul takes x's inputs in that
     order). `input_scale`, float32 [] (one per layer), for a checkpoint's static activation scale: x quantized per tensor
     with it rather than per token. An expert stack (`EXPERTS`) is laid out as the grouped
-    matmul reads it: values [E, in, out], scales [E, groups, out]. `kernel`: an int4 weight
+    matmul reads it: values [E, in, out], scales (and zero points) [E, groups, out]; 8-bit
+    ones run W8A8 (`quantized_grouped_matmul`), weight-only ones (W4A16, W8A16; no act-order)
+    as the float stack they stand for (`experts_dequantized`). `kernel`: an int4 weight
     on one device, which a GPU multiplies with the Pallas W4A16 kernel
     (`pallas_kernels.int4_matmul`; XLA's SPMD partitioner cannot split a kernel call, so a
     split weight keeps XLA's matmul)."""
@@ -275,17 +277,17 @@ def _pack_quantized_format(weights: dict, inputs: dict | None, ignore: tuple, mo
 
 def check_quantization(quantization: str | None, cfg, fmt: CheckpointFormat | None = None) -> None:
     """Refuse, before any weight loads, online quantization of a checkpoint that is quantized
-    already, and expert stacks in a format the grouped matmul does not read (8-bit with
-    dynamic activations only: not 4-bit, 8-bit GPTQ's weight-only, or static activations)."""
+    already, and expert stacks in a format the experts do not read: static activation
+    scales (the grouped matmul quantizes rows per token), and GPTQ's act-order (a permutation
+    of each expert's inputs; Qwen's GPTQ mixtures of experts have none)."""
     if cfg.quant_method is not None and quantization is not None:
         raise ValueError(f"quantization={quantization!r}: this checkpoint is quantized already (quant_method "
                          f"{cfg.quant_method!r} in config.json); leave quantization unset to run it as it is")
-    four_bit = quantization == "gptq-dummy" or (fmt is not None and fmt.value_dtype == "int4")
-    if any(cfg.moe_layers) and (four_bit or (fmt is not None and (fmt.weight_only or fmt.input_scale_name))):
-        what = "4-bit" if four_bit else "8-bit GPTQ (weight-only)" if fmt.weight_only else "statically scaled"
-        raise ValueError(f"{cfg.architecture}: {what} expert stacks are not supported yet; jaxvllm quantizes a "
-                         f"mixture of experts' experts to fp8 (quantization='fp8') or reads them in 8-bit checkpoints "
-                         f"with dynamic activations")
+    if any(cfg.moe_layers) and fmt is not None and (fmt.input_scale_name or fmt.act_order):
+        what = "statically scaled" if fmt.input_scale_name else "GPTQ act-order (desc_act)"
+        raise ValueError(f"{cfg.architecture}: {what} expert stacks are not supported yet; jaxvllm reads a mixture "
+                         f"of experts' experts in 8-bit checkpoints with dynamic activations, and 4-bit or 8-bit "
+                         f"GPTQ without act-order (desc_act false), or quantizes them at load")
 
 
 def in_axes(shape: tuple[int, ...], hf_shape: tuple[int, ...]) -> int:
@@ -342,14 +344,22 @@ def quantize_experts_fp8(weight: jax.Array) -> QuantizedWeight:
     return QuantizedWeight(jnp.swapaxes(value, 1, 2), jnp.swapaxes(scale, 1, 2))
 
 
-# `quantization=` at load: how each weight is quantized
+def quantize_experts_int4(weight: jax.Array) -> QuantizedWeight:
+    """An expert stack [E, in, out] as `quantize_int4` rounds each expert's [out, in] weight:
+    value int4 [E, in, out], scale [E, groups, out]."""
+    q = quantize_int4(jnp.swapaxes(weight, 1, 2), 1)
+    return QuantizedWeight(jnp.swapaxes(q.value, 1, 2), jnp.swapaxes(q.scale, 1, 2), q.group_size)
+
+
+# `quantization=` at load: how each weight is quantized, and each expert stack
 ONLINE = {"fp8": quantize_fp8, "gptq-dummy": quantize_int4}
+ONLINE_EXPERTS = {"fp8": quantize_experts_fp8, "gptq-dummy": quantize_experts_int4}
 
 
 def quantize_online(weight: jax.Array, num_in: int, method: str) -> QuantizedWeight:
-    """`ONLINE[method]` of a weight with `num_in` input axes, or of an expert stack (num_in
-    EXPERT_STACK: fp8, the only method expert stacks take, `check_quantization`)."""
-    return quantize_experts_fp8(weight) if num_in == EXPERT_STACK else ONLINE[method](weight, num_in)
+    """`ONLINE[method]` of a weight with `num_in` input axes, or `ONLINE_EXPERTS[method]` of
+    an expert stack (num_in EXPERT_STACK)."""
+    return ONLINE_EXPERTS[method](weight) if num_in == EXPERT_STACK else ONLINE[method](weight, num_in)
 
 
 def quantize_in_place(weight: jax.Array, num_in: int, method: str = "fp8") -> QuantizedWeight:
@@ -470,10 +480,12 @@ def _int4_pallas(x2: jax.Array, weight: QuantizedWeight, out_rows: int, interpre
 def single_device_kernels(params: dict) -> dict:
     """Every int4 weight of the layers marked for the Pallas W4A16 kernel (`QuantizedWeight.kernel`):
     for params on one device (int8 weight-only ones keep XLA's grouped matmul: the kernel
-    reads int4 only)."""
+    reads int4 only; expert stacks are dequantized, `experts_dequantized`)."""
     layers = params.get("layers", {})
     mark = lambda w: dataclasses.replace(w, kernel=True) if w.value.dtype == jnp.int4 else w  # noqa: E731
     for name, stack in layers.items():
+        if name in EXPERTS:
+            continue
         if isinstance(stack, QuantizedWeight):
             layers[name] = mark(stack)
         elif isinstance(stack, list) and stack and isinstance(stack[0], QuantizedWeight):
@@ -500,6 +512,37 @@ def _weight_only_grouped(x2: jax.Array, weight: QuantizedWeight, out_rows: int) 
         x_sums = jnp.sum(x3.astype(jnp.float32), axis=2).T[:, :, None]  # [G, T, 1]
         out = out - x_sums * weight.zero.reshape(out_rows, groups).T[:, None, :]
     return jnp.sum(out * scale, axis=0)
+
+
+def is_weight_only(weight) -> bool:
+    """Whether `weight` is a weight-only `QuantizedWeight` (int4, or int8 `weight_only`)."""
+    return isinstance(weight, QuantizedWeight) and (weight.value.dtype == jnp.int4 or weight.weight_only)
+
+
+def experts_dequantized(weight: QuantizedWeight, dtype) -> jax.Array:
+    """A weight-only expert stack (values [E, in, out], scales and zero points [E, groups,
+    out]) as the float stack [E, in, out] in `dtype` that it stands for, for the grouped
+    matmul of float experts (W4A16 / W8A16 experts: x as it is). Known cost: each step
+    writes this float copy of every expert stack (a GPU's bandwidth and temporaries); a
+    grouped matmul that reads 4-bit tiles would not (docs/design.md)."""
+    if weight.perm is not None:  # (`check_quantization` refuses act-order expert stacks)
+        raise ValueError("act-order (perm) expert stacks are not supported")
+    value, scale, zero = weight.value, weight.scale, weight.zero
+    n, groups = value.shape[1], scale.shape[1]
+    size = weight.group_size or n
+    if groups * size == n:  # whole groups: a broadcast over each
+        v = value.reshape(value.shape[0], groups, size, -1).astype(jnp.float32)
+        if zero is not None:
+            v = v - zero[:, :, None]
+        return (v * scale[:, :, None]).reshape(value.shape).astype(dtype)
+    per_input = partial(_per_input, size=size, n=n)  # a partial last group
+    v = value.astype(jnp.float32) if zero is None else value.astype(jnp.float32) - per_input(zero)
+    return (v * per_input(scale)).astype(dtype)
+
+
+def _per_input(a: jax.Array, size: int, n: int) -> jax.Array:
+    """Per-group values [E, groups, out] repeated over their groups' inputs: [E, n, out]."""
+    return jnp.repeat(a, size, axis=1)[:, :n]
 
 
 def quantized_grouped_matmul(rows: jax.Array, weight: QuantizedWeight, group_sizes: jax.Array, gmm: Callable,

@@ -38,7 +38,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxvllm.layers import linear
 from jaxvllm.model_config import ModelConfig
-from jaxvllm.quantization import EXPERTS, QuantizedWeight, quantized_grouped_matmul
+from jaxvllm.quantization import (EXPERTS, QuantizedWeight, experts_dequantized, is_weight_only,
+                                  quantized_grouped_matmul)
 from jaxvllm.sharding import AXIS, param_partition
 from pallas_kernels.grouped_matmul import default_block_m, grouped_matmul
 
@@ -78,9 +79,11 @@ def grouped_experts(rows: jax.Array, group_sizes: jax.Array, layer: dict, backen
                     block_m: int | None = None, amax_reduce=None) -> jax.Array:
     """SwiGLU experts over `rows` [N, hidden] sorted by expert (`group_sizes` [E] rows each):
     the Pallas grouped matmul for backend "pallas" (`block_m`: its row tile, None: its
-    default), else jax.lax.ragged_dot. Quantized experts (`QuantizedWeight`s) run W8A8
+    default), else jax.lax.ragged_dot. 8-bit quantized experts (`QuantizedWeight`s) run W8A8
     (`quantized_grouped_matmul`; `amax_reduce`: the down projection's, whose inputs are split
-    over devices under tensor parallelism)."""
+    over devices under tensor parallelism); weight-only ones (4-bit, 8-bit GPTQ) as the float
+    stacks they stand for (`_float_experts`)."""
+    layer = _float_experts(layer, rows.dtype)
     if isinstance(layer["experts_gate"], QuantizedWeight):
         gmm = partial(_quantized_gmm, backend=backend, block_m=block_m)
 
@@ -93,6 +96,16 @@ def grouped_experts(rows: jax.Array, group_sizes: jax.Array, layer: dict, backen
             return gmm(x, layer[name], group_sizes)
     gate, up = matmul(rows, "experts_gate"), matmul(rows, "experts_up")
     return matmul(jax.nn.silu(gate) * up, "experts_down", amax_reduce)
+
+
+def _float_experts(layer: dict, dtype) -> dict:
+    """`layer` with its weight-only expert stacks (W4A16, W8A16) dequantized to `dtype` (x's):
+    they multiply as the float experts do, through the same grouped matmul. The cost, a float
+    copy of the stacks each step, is `experts_dequantized`'s."""
+    if not any(is_weight_only(layer[name]) for name in EXPERTS):
+        return layer
+    return {**layer, **{name: experts_dequantized(layer[name], dtype) for name in EXPERTS
+                        if is_weight_only(layer[name])}}
 
 
 def _quantized_gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, backend: str,
@@ -123,7 +136,10 @@ def _sharded_experts(rows: jax.Array, group_sizes: jax.Array, layer: dict, cfg: 
                      mesh: Mesh | None) -> jax.Array:
     """`grouped_experts`; with a mesh, per device (`shard_map`) on its whole experts (expert
     parallelism) or, with the Pallas kernel (opaque to XLA's SPMD partitioner), on its
-    intermediate slice of every expert; either way the partial sums all-reduced."""
+    intermediate slice of every expert; either way the partial sums all-reduced. Weight-only
+    expert stacks are dequantized first, in the global view (XLA's SPMD partitioner splits
+    that as the stacks are split), so that the devices see float stacks."""
+    layer = _float_experts(layer, rows.dtype)
     if mesh is None or (backend != "pallas" and not cfg.expert_parallel):
         return grouped_experts(rows, group_sizes, layer, backend)
     experts = {name: layer[name] for name in EXPERTS}

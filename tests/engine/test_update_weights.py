@@ -204,9 +204,10 @@ def test_shutdown_leaves_a_trainers_arrays_alive(tiny_checkpoint):
     assert made and all(x.is_deleted() for x in made + kv)
 
 
-@pytest.mark.parametrize("arch,quantization", [("llama", "fp8"), ("qwen3_moe", "fp8"), ("qwen3", "gptq-dummy")])
+@pytest.mark.parametrize("arch,quantization", [("llama", "fp8"), ("qwen3_moe", "fp8"), ("qwen3", "gptq-dummy"),
+                                               ("qwen3_moe", "gptq-dummy")])
 def test_online_quantized_engine_quantizes_the_update(arch, quantization, tiny_checkpoint):
-    """quantization="fp8" (experts too) or "gptq-dummy": the update is quantized as the
+    """quantization="fp8" or "gptq-dummy" (experts too): the update is quantized as the
     load quantized it, so the outputs are those of the other checkpoint loaded so; a part
     of a weight quantized as one is refused."""
     a, b = tiny_checkpoint(arch), tiny_checkpoint(arch, seed=1)

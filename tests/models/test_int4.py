@@ -108,25 +108,35 @@ def compressed_tensors_weight(t: dict, module: str, config: dict) -> torch.Tenso
 
 def unpacked_hf(path: Path, src: Path):
     """The full-precision HF model of `src` with each decoder Linear's weight replaced by
-    `path`'s 4- or 8-bit weight, dequantized here by its format's own unpacking."""
+    `path`'s 4- or 8-bit weight, dequantized here by its format's own unpacking; a mixture
+    of experts' experts (transformers' fused [E, ...] parameters) likewise, expert by expert."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     config = json.loads((path / "config.json").read_text())["quantization_config"]
     tensors = load_file(str(path / "model.safetensors"))
     hf = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+
+    def weight(module: str) -> torch.Tensor:
+        if config["quant_method"] == "gptq":
+            return gptq_weight(tensors, module, config.get("checkpoint_format", "gptq") == "gptq", config["bits"])
+        if config["quant_method"] == "awq":
+            return awq_weight(tensors, module)
+        return compressed_tensors_weight(tensors, module, config)
+
     with torch.no_grad():
         for name, module in hf.model.layers.named_modules():
-            if name.rsplit(".", 1)[-1] not in LINEAR:
+            if name.rsplit(".", 1)[-1] in LINEAR:
+                module.weight.copy_(weight(f"model.layers.{name}"))
+        for i, layer in enumerate(hf.model.layers):
+            experts = getattr(getattr(layer, "mlp", None), "experts", None)
+            if experts is None:
                 continue
-            full = f"model.layers.{name}"
-            if config["quant_method"] == "gptq":
-                weight = gptq_weight(tensors, full, config.get("checkpoint_format", "gptq") == "gptq", config["bits"])
-            elif config["quant_method"] == "awq":
-                weight = awq_weight(tensors, full)
-            else:
-                weight = compressed_tensors_weight(tensors, full, config)
-            module.weight.copy_(weight)
+            for e in range(experts.gate_up_proj.shape[0]):
+                gate, up, down = (weight(f"model.layers.{i}.mlp.experts.{e}.{n}") for n in ("gate_proj", "up_proj",
+                                                                                            "down_proj"))
+                experts.gate_up_proj[e].copy_(torch.cat([gate, up]))
+                experts.down_proj[e].copy_(down)
     return hf
 
 
@@ -373,11 +383,7 @@ def test_bad_int4_checkpoints_are_refused(int4_checkpoint, tiny_checkpoint, tmp_
         LLM(no_scale, **ENGINE)
     with pytest.raises(ValueError, match=r"quantization='gptq-dummy': this checkpoint is quantized already"):
         LLM(gptq, quantization="gptq-dummy", **ENGINE)
-    # 8-bit GPTQ experts, as 4-bit ones (the grouped matmul reads 8-bit with quantized activations only)
-    moe = _with_config(tiny_checkpoint("qwen3_moe"), tmp_path / "moe", quant_method="gptq", bits=8, group_size=32)
-    with pytest.raises(ValueError, match=r"Qwen3MoeForCausalLM: 8-bit GPTQ \(weight-only\) expert stacks are not "
-                                         r"supported yet"):
-        LLM(moe, **ENGINE)
+    # (expert stacks' refusals: tests/models/test_quantized_moe.py)
     # act-order: a group one input short; q and k (merged on a CPU) in different orders
     act_order = int4_checkpoint("gptq-act-order")
     for i, (module, change, match) in enumerate([

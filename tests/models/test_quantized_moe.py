@@ -2,7 +2,10 @@
 the grouped matmul (W8A8: `jaxvllm.quantization.quantized_grouped_matmul`), against HF
 transformers (float32, CPU) whose attention Linears and experts compute the same product
 in torch: weights as the format rounds them, each input rounded to fp8 per token (and
-block). Also tensor and expert parallelism, and the refusals."""
+block). Weight-only expert stacks (4-bit GPTQ, AWQ and compressed-tensors W4A16, 8-bit
+GPTQ, online "gptq-dummy") against transformers holding the weights their formats' own
+unpacking gives (`test_int4.unpacked_hf`). Also tensor and expert parallelism, and the
+refusals."""
 
 from __future__ import annotations
 
@@ -21,9 +24,11 @@ import torch
 
 from jaxvllm import LLM, SamplingParams, load_model
 from jaxvllm.kv_cache import allocate_kv_caches
-from jaxvllm.quantization import QuantizedWeight
-from tests.models.paged import Chunk, build_inputs, hf_logits, jit_forward, rel_err
+from jaxvllm.quantization import QuantizedWeight, experts_dequantized, quantize_int4
+from tests.models.paged import (Chunk, build_inputs, greedy_decode, hf_greedy, hf_logits, jit_forward, random_tokens,
+                                 rel_err)
 from tests.models.test_quantization import block_dequantized, fp8_round, near_ties, tie_free_tokens, w8a8_oracle
+from tests.models.test_int4 import LINEAR, int4_checkpoint, unpacked_hf  # noqa: F401 (a fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-4
@@ -198,11 +203,138 @@ def test_quantized_experts_through_the_engine(tiny_checkpoint, compile_counter):
 
 
 def test_quantized_experts_refusals(tiny_checkpoint, tmp_path):
-    """4-bit expert stacks are refused before any weight loads."""
-    from weights.make_quantized import make_gptq
+    """Expert stacks with static activation scales or GPTQ act-order are refused before any
+    weight loads (the config alone: no tensor is read)."""
+    from tests.models.test_quantization import _with_config
 
     src = tiny_checkpoint("qwen3_moe")
-    with pytest.raises(ValueError, match=r"Qwen3MoeForCausalLM: 4-bit expert stacks are not supported yet"):
-        LLM(src, quantization="gptq-dummy", **ENGINE)
-    with pytest.raises(ValueError, match=r"4-bit expert stacks are not supported yet"):
-        LLM(make_gptq(src, tmp_path / "gptq", 32), **ENGINE)
+    static = _with_config(src, tmp_path / "static", quant_method="fp8", activation_scheme="static")
+    with pytest.raises(ValueError, match=r"Qwen3MoeForCausalLM: statically scaled expert stacks are not supported "
+                                         r"yet; jaxvllm reads"):
+        LLM(static, **ENGINE)
+    act_order = _with_config(src, tmp_path / "act-order", quant_method="gptq", bits=4, group_size=16, desc_act=True)
+    with pytest.raises(ValueError, match=r"Qwen3MoeForCausalLM: GPTQ act-order \(desc_act\) expert stacks are not "
+                                         r"supported yet; .* 4-bit or 8-bit GPTQ without act-order \(desc_act false\)"):
+        LLM(act_order, **ENGINE)
+
+
+# Weight-only expert stacks: (writer, group) of each kind; groups of 16 and 32 over the experts'
+# 64 (gate/up) and 32 (down) inputs, 0: one group a row (compressed-tensors' channel strategy).
+WEIGHT_ONLY = {"gptq": ("gptq", 16), "gptq-asym": ("gptq-asym", 16), "awq": ("awq", 16),
+               "w4a16-channel": ("w4a16", 0), "gptq8": ("gptq8", 32)}
+
+
+def test_experts_dequantized():
+    """A weight-only stack [E, in, out] dequantized as each expert's [out, in] weight is
+    (`QuantizedWeight.dequantized`), whole and partial groups, zero points or none; and
+    through the Pallas grouped matmul (interpreted) as through ragged_dot."""
+    from jaxvllm.models.moe import grouped_experts
+
+    rng = np.random.default_rng(0)
+    e, n, out = 3, 40, 24
+    for group, zero in ((8, True), (16, False), (16, True), (0, False)):
+        groups = -(-n // group) if group else 1
+        value = jnp.asarray(rng.integers(-8, 8, (e, n, out)), jnp.int4)
+        scale = jnp.asarray(rng.uniform(0.01, 0.1, (e, groups, out)), jnp.float32)
+        zeros = jnp.asarray(rng.integers(-8, 8, (e, groups, out)), jnp.float32) if zero else None
+        stack = QuantizedWeight(value, scale, group, zeros)
+        want = [QuantizedWeight(value[j].T, scale[j].T, group, None if zeros is None else zeros[j].T).dequantized().T
+                for j in range(e)]
+        np.testing.assert_array_equal(np.asarray(experts_dequantized(stack, jnp.float32)), np.stack(want))
+    rows, sizes = jnp.asarray(rng.standard_normal((10, 16)), jnp.float32), jnp.asarray([4, 0, 6], jnp.int32)
+    layer = {name: QuantizedWeight(jnp.asarray(rng.integers(-128, 128, (3, i, o)), jnp.int8),
+                                   jnp.asarray(rng.uniform(0.001, 0.01, (3, 1, o)), jnp.float32), weight_only=True)
+             for name, i, o in (("experts_gate", 16, 8), ("experts_up", 16, 8), ("experts_down", 8, 16))}
+    dense = {name: experts_dequantized(w, jnp.float32) for name, w in layer.items()}
+    np.testing.assert_allclose(np.asarray(grouped_experts(rows, sizes, layer, "pallas")),
+                               np.asarray(grouped_experts(rows, sizes, dense, "reference")), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", list(WEIGHT_ONLY))
+def test_weight_only_experts_match_their_unpacking(kind, int4_checkpoint, tiny_checkpoint):
+    """4-bit GPTQ (symmetric, asymmetric), AWQ and compressed-tensors W4A16 expert stacks and
+    8-bit GPTQ ones (W8A16), with the rest of the model in the same format: logits and greedy
+    tokens as transformers' (float32) holding the weights the formats' own unpacking gives."""
+    writer, group = WEIGHT_ONLY[kind]
+    path = int4_checkpoint(writer, "qwen3_moe", group)
+    hf = unpacked_hf(path, tiny_checkpoint("qwen3_moe"))
+    cfg, params = load_model(path)
+    down = params["layers"]["experts_down"][0]
+    assert down.value.dtype == (jnp.int8 if kind == "gptq8" else jnp.int4) and down.weight_only == (kind == "gptq8")
+    groups = cfg.moe_intermediate_size // group if group else 1
+    assert down.scale.shape == (cfg.num_experts, groups, cfg.hidden_size) and not down.kernel
+    assert (down.zero is None) == (kind in ("gptq", "w4a16-channel", "gptq8"))
+    tokens = random_tokens(np.random.default_rng(1), 24)
+    assert rel_err(_logits(params, cfg, tokens, "reference"), hf_logits(hf, tokens)) <= 1e-5
+    prompt = random_tokens(np.random.default_rng(2), 12)
+    caches = allocate_kv_caches(cfg, 8, 4, jnp.float32)
+    got, _ = greedy_decode(params, cfg, caches, prompt, 6, list(range(8)), 4)
+    assert got[len(prompt):] == hf_greedy(hf, [prompt], 6)[0]
+
+
+def test_online_int4_experts(tiny_checkpoint):
+    """`quantization="gptq-dummy"` on a mixture of experts: each expert's weights rounded to
+    4 bits as a linear weight is (`quantize_int4`), against transformers holding the
+    weights those 4 bits stand for, experts and all."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_checkpoint("qwen3_moe")
+    cfg, params = load_model(path, quantization="gptq-dummy")
+    gate = params["layers"]["experts_gate"][0]
+    assert gate.value.dtype == jnp.int4 and gate.scale.shape == (cfg.num_experts, 1, cfg.moe_intermediate_size)
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+    def rounded(weight: torch.Tensor) -> torch.Tensor:  # [out, in]
+        return torch.from_numpy(np.array(quantize_int4(jnp.asarray(weight.numpy()), 1).dequantized()))
+
+    with torch.no_grad():
+        for name, module in hf.model.layers.named_modules():
+            if name.rsplit(".", 1)[-1] in LINEAR:
+                module.weight.copy_(rounded(module.weight))
+            elif name.endswith("mlp.experts"):
+                for e in range(module.gate_up_proj.shape[0]):
+                    gate_up = module.gate_up_proj[e]
+                    half = gate_up.shape[0] // 2
+                    module.gate_up_proj[e].copy_(torch.cat([rounded(gate_up[:half]), rounded(gate_up[half:])]))
+                    module.down_proj[e].copy_(rounded(module.down_proj[e]))
+    tokens = random_tokens(np.random.default_rng(2), 24)
+    assert rel_err(_logits(params, cfg, tokens, "reference"), hf_logits(hf, tokens)) <= 1e-5
+
+
+_WEIGHT_ONLY_PARALLEL_SCRIPT = """
+import json, sys
+import numpy as np
+from jaxvllm import LLM, SamplingParams
+ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, token_buckets=[64])
+prompts = [{"prompt_token_ids": np.random.default_rng(seed).integers(3, 200, 12).tolist()} for seed in range(3)]
+out = {}
+for path, quantization, splits in ((sys.argv[1], None, ((1, False), (2, False), (2, True))),
+                                   (sys.argv[2], "gptq-dummy", ((1, False), (2, False)))):
+    for tp, ep in splits:
+        llm = LLM(path, quantization=quantization, tensor_parallel_size=tp, enable_expert_parallel=ep, **ENGINE)
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, logprobs=1), use_tqdm=False)
+        out[f"{quantization} {tp} {ep}"] = [[o.outputs[0].token_ids, o.outputs[0].cumulative_logprob] for o in outs]
+        llm.shutdown()
+print(json.dumps(out))
+"""
+
+
+def test_weight_only_experts_under_tensor_and_expert_parallelism(int4_checkpoint, tiny_checkpoint):
+    """2 CPU devices (a process of its own), the engine: a GPTQ 4-bit checkpoint with zero
+    points gives one device's tokens (and log-probabilities) split by the experts'
+    intermediate dimension (groups of 16: one a device in the down projection) and by whole
+    experts; online 4-bit under tensor parallelism too (one group of 32 over the down
+    projection's inputs, which the devices hold 16 and 16 of: the stacks are dequantized in
+    the global view, before any split matters)."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    paths = [str(int4_checkpoint("gptq-asym", "qwen3_moe", 16)), str(tiny_checkpoint("qwen3_moe"))]
+    proc = subprocess.run([sys.executable, "-c", _WEIGHT_ONLY_PARALLEL_SCRIPT, *paths], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for kind, splits in (("None", ("2 False", "2 True")), ("gptq-dummy", ("2 False",))):
+        one = out[f"{kind} 1 False"]
+        for split in splits:
+            two = out[f"{kind} {split}"]
+            assert [t for t, _ in two] == [t for t, _ in one], (kind, split)
+            np.testing.assert_allclose([lp for _, lp in two], [lp for _, lp in one], rtol=1e-4, atol=1e-4)
