@@ -127,8 +127,9 @@ class CheckpointFormat:
       tensor, activations per token, or with `input_scale` (activation_scheme "static").
     - compressed-tensors `float-quantized` / `int-quantized` (llm-compressor's FP8_DYNAMIC and
       W8A8 int8): float8_e4m3fn or int8, `weight_scale` per channel (block (1, 0)),
-      activations per token; llm-compressor's FP8 (static): `weight_scale` per tensor (block
-      (0, 0)) and a static `input_scale`; `pack-quantized` (W4A16): int4 `weight_packed` per group.
+      activations per token, or (W8A8 int8 static) with a static `input_scale`;
+      llm-compressor's FP8 (static): `weight_scale` per tensor (block (0, 0)) and a static
+      `input_scale`; `pack-quantized` (W4A16): int4 `weight_packed` per group.
     - GPTQ (AutoGPTQ / GPTQModel, 4- or 8-bit) and AWQ (AutoAWQ's GEMM, 4-bit): `qweight`
       (int4, or int8 weight-only), `scales` and `qzeros` per group of inputs; GPTQ's
       act-order (desc_act) groups inputs by `g_idx`, read as a permutation that makes each
@@ -157,7 +158,7 @@ class CheckpointFormat:
 SUPPORTED_CHECKPOINTS = ("fp8 (quant_method 'fp8': blocks (weight_block_size) with dynamic activations, or "
                          "per tensor with dynamic or static activations), "
                          "compressed-tensors float-quantized / int-quantized (8-bit, weights per channel or "
-                         "tensor, activations dynamic per token or, fp8, static per tensor) and pack-quantized "
+                         "tensor, activations dynamic per token or static per tensor) and pack-quantized "
                          "(4-bit weights per group or channel, activations unquantized), GPTQ (4- or 8-bit weights, "
                          "activations unquantized; v1 or v2 checkpoint format, act-order) and AWQ (4-bit GEMM)")
 
@@ -247,11 +248,11 @@ def _compressed_tensors_format(quant_config: dict, model: str) -> CheckpointForm
         raise ValueError(f"{model}: compressed-tensors weights {got} are not supported; jaxvllm reads {want}")
     inputs = inputs or {}
     dynamic = inputs.get("strategy") == "token" and inputs.get("dynamic") is True
-    static = kind == "float" and inputs.get("strategy") == "tensor" and inputs.get("dynamic") is False
-    if inputs.get("num_bits") != 8 or not (dynamic or static):
+    static = inputs.get("strategy") == "tensor" and inputs.get("dynamic") is False
+    if inputs.get("num_bits") != 8 or not (dynamic or static) or inputs.get("symmetric", True) is not True:
         raise ValueError(f"{model}: compressed-tensors input_activations {inputs or None} are not supported; jaxvllm "
-                         f"reads 8-bit activations quantized dynamically per token (strategy 'token', dynamic true) "
-                         f"or, for fp8, statically per tensor (strategy 'tensor', dynamic false: `input_scale`)")
+                         f"reads symmetric 8-bit activations quantized dynamically per token (strategy 'token', "
+                         f"dynamic true) or statically per tensor (strategy 'tensor', dynamic false: `input_scale`)")
     return CheckpointFormat("compressed-tensors", (1 if got["strategy"] == "channel" else 0, 0),
                             "float8_e4m3fn" if kind == "float" else "int8", "weight_scale", ignore,
                             unused=(".input_scale",) if static else (),
@@ -414,12 +415,16 @@ def quantize_rows(x: jax.Array, dtype=FP8, amax_reduce: Callable | None = None) 
     return jnp.clip(x * (FP8_MAX / amax), -FP8_MAX, FP8_MAX).astype(FP8), amax / FP8_MAX
 
 
-def quantize_static(x: jax.Array, scale: jax.Array) -> jax.Array:
-    """x / scale clipped to fp8's range and rounded to fp8, as compressed-tensors computes a
-    static activation: a true division (hidden from XLA, which would multiply by the
-    reciprocal, whose last bit can move a value across an fp8 rounding jump)."""
+def quantize_static(x: jax.Array, scale: jax.Array, dtype=FP8) -> jax.Array:
+    """x / scale clipped to the range of `dtype` (fp8, or int8 rounded half to even) and
+    cast, as compressed-tensors computes a static activation: a true division (hidden from
+    XLA, which would multiply by the reciprocal, whose last bit can move a value across a
+    rounding jump)."""
     divisor = jax.lax.optimization_barrier(jnp.broadcast_to(scale.astype(jnp.float32), x.shape))
-    return jnp.clip(x.astype(jnp.float32) / divisor, -FP8_MAX, FP8_MAX).astype(FP8)
+    scaled = x.astype(jnp.float32) / divisor
+    if jnp.dtype(dtype) == jnp.int8:
+        return jnp.clip(jnp.round(scaled), -128, 127).astype(jnp.int8)
+    return jnp.clip(scaled, -FP8_MAX, FP8_MAX).astype(FP8)
 
 
 def quantized_matmul(x2: jax.Array, weight: QuantizedWeight, out_rows: int) -> jax.Array:
@@ -435,7 +440,7 @@ def quantized_matmul(x2: jax.Array, weight: QuantizedWeight, out_rows: int) -> j
     accumulate = jnp.int32 if wq.dtype == jnp.int8 else jnp.float32
     if weight.input_scale is not None or not weight.group_size:
         if weight.input_scale is not None:  # static: one scale for every token, as calibrated
-            xq, x_scale = quantize_static(x2, weight.input_scale), weight.input_scale
+            xq, x_scale = quantize_static(x2, weight.input_scale, wq.dtype), weight.input_scale
         else:
             xq, x_scale = quantize_rows(x2, wq.dtype)
         out = jax.lax.dot_general(xq, wq, (((1,), (1,)), ((), ())), preferred_element_type=accumulate)

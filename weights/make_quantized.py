@@ -99,25 +99,31 @@ def per_tensor_fp8(name: str, tensor, input_amax: float | None, scale_shape: tup
 
 
 def make_compressed(src: str | Path, out: str | Path, kind: str = "fp8") -> Path:
-    """`src` as llm-compressor writes its FP8_DYNAMIC ("fp8"), W8A8 int8 ("int8") and FP8
-    ("fp8-static") schemes in the compressed-tensors format: every decoder linear weight per
-    channel (`weight`, `weight_scale` [out, 1]) with activations dynamic per token, or
-    ("fp8-static") per tensor (`weight_scale` [1]) with a static `input_scale` [1] per module,
-    calibrated on random tokens (the largest input magnitude over them, to 448); the
-    lm_head ignored."""
-    input_amax = calibrate_inputs(src) if kind == "fp8-static" else {}
+    """`src` as llm-compressor writes its FP8_DYNAMIC ("fp8"), W8A8 int8 ("int8", "int8-static")
+    and FP8 ("fp8-static") schemes in the compressed-tensors format: every decoder linear
+    weight per channel (`weight`, `weight_scale` [out, 1]) with activations dynamic per token,
+    or ("int8-static") with a static `input_scale` [1] per module, or ("fp8-static") per
+    tensor (`weight_scale` [1]) with a static `input_scale` [1]; static scales calibrated on
+    random tokens (the largest input magnitude over them, to 448 or 127.5); the lm_head
+    ignored."""
+    import torch
+
+    static = kind.endswith("-static")
+    input_amax = calibrate_inputs(src) if static else {}
 
     def quantize(name: str, tensor) -> dict:
         module = name.removesuffix(".weight")
-        if kind != "fp8-static":
-            value, scale = quantize_rows(tensor, kind)
-            return {name: value, f"{module}.weight_scale": scale}
-        return per_tensor_fp8(name, tensor, input_amax[module], (1,))
+        if kind == "fp8-static":
+            return per_tensor_fp8(name, tensor, input_amax[module], (1,))
+        value, scale = quantize_rows(tensor, kind.removesuffix("-static"))
+        out = {name: value, f"{module}.weight_scale": scale}
+        if static:  # (int8: compressed-tensors' symmetric range, 127.5 a side)
+            out[f"{module}.input_scale"] = torch.tensor([input_amax[module] / 127.5], dtype=torch.float32)
+        return out
 
-    kind_name = "int" if kind == "int8" else "float"
+    kind_name = "int" if kind.startswith("int8") else "float"
     scheme = {"num_bits": 8, "type": kind_name, "symmetric": True}
-    inputs = ({"strategy": "tensor", "dynamic": False} if kind == "fp8-static" else
-              {"strategy": "token", "dynamic": True})
+    inputs = {"strategy": "tensor", "dynamic": False} if static else {"strategy": "token", "dynamic": True}
     return _write_quantized(src, out, quantize, lambda: {
         "quant_method": "compressed-tensors", "format": f"{kind_name}-quantized", "quantization_status": "compressed",
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": {

@@ -403,6 +403,25 @@ def test_compressed_tensors_fp8_static_matches_the_library(arch, stack, compress
     assert rel_err(logits, hf_logits(hf, tokens)) <= TOL
 
 
+@pytest.mark.parametrize("stack", [False, True], ids=["per-layer", "stacked"])
+def test_compressed_tensors_int8_static_matches_the_library(stack, compressed_checkpoint):
+    """llm-compressor's W8A8 int8 with static activations: weights per channel, inputs
+    quantized with a static per-tensor `input_scale` (x / scale as a true division, rounded
+    half to even, clamped to [-128, 127]), against transformers + compressed-tensors."""
+    from transformers import AutoModelForCausalLM
+
+    pytest.importorskip("compressed_tensors")
+    path = compressed_checkpoint("llama", "int8-static")
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    cfg, params = load_model(path, stack_layers=stack)
+    weights = [w if stack else w[0] for name, w in params["layers"].items() if name.endswith("proj")]
+    assert all(w.input_scale is not None and w.value.dtype == jnp.int8 for w in weights)
+    tokens = random_tokens(np.random.default_rng(0), 24)
+    inputs = build_inputs([Chunk(tokens, 0, list(range(8)))], 4, all_logits=True)
+    logits, _ = jit_forward(params, allocate_kv_caches(cfg, 8, 4, jnp.float32), inputs, cfg, "reference")
+    assert rel_err(logits, hf_logits(hf, tokens)) <= TOL
+
+
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 def test_per_tensor_fp8_checkpoint(static, tiny_checkpoint, tmp_path):
     """vLLM's (AutoFP8's) per-tensor fp8: `quant_method: "fp8"` without weight_block_size,
@@ -554,9 +573,9 @@ def test_bad_compressed_tensors_checkpoints_are_refused(compressed_checkpoint, t
         (dict(config_groups=scheme(weights={"strategy": "block"})), r"compressed-tensors weights .*'strategy': "
                                                                     r"'block'.* are not supported"),
         (dict(config_groups=scheme(inputs={"strategy": "token"})), r"input_activations .* are not supported; jaxvllm "
-                                                                   r"reads 8-bit activations quantized dynamically"),
-        (dict(format="int-quantized", config_groups=scheme(weights={"type": "int"})),
-         r"input_activations .*'dynamic': False.* are not supported"),
+                                                                   r"reads symmetric 8-bit activations quantized dynamically"),
+        (dict(config_groups=scheme(inputs={"symmetric": False})),
+         r"input_activations .*'symmetric': False.* are not supported; jaxvllm reads symmetric 8-bit"),
     ]
     for i, (changes, match) in enumerate(cases):
         with pytest.raises(ValueError, match=match):
