@@ -572,8 +572,8 @@ def test_bad_compressed_tensors_checkpoints_are_refused(compressed_checkpoint, t
     cases = [
         (dict(config_groups=scheme(weights={"strategy": "block"})), r"compressed-tensors weights .*'strategy': "
                                                                     r"'block'.* are not supported"),
-        (dict(config_groups=scheme(inputs={"strategy": "token"})), r"input_activations .* are not supported; jaxvllm "
-                                                                   r"reads symmetric 8-bit activations quantized dynamically"),
+        (dict(config_groups=scheme(inputs={"strategy": "token"})),
+         r"input_activations .* are not supported; jaxvllm reads symmetric 8-bit activations quantized dynamically"),
         (dict(config_groups=scheme(inputs={"symmetric": False})),
          r"input_activations .*'symmetric': False.* are not supported; jaxvllm reads symmetric 8-bit"),
     ]
