@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from pallas_kernels.grouped_int4_matmul import grouped_int4_matmul
 from pallas_kernels.int4_matmul import int4_matmul, pack_int4
 
 FP8 = jnp.float8_e4m3fn
@@ -65,7 +66,8 @@ class QuantizedWeight:
     with it rather than per token. An expert stack (`EXPERTS`) is laid out as the grouped
     matmul reads it: values [E, in, out], scales (and zero points) [E, groups, out]; 8-bit
     ones run W8A8 (`quantized_grouped_matmul`), weight-only ones (W4A16, W8A16; no act-order)
-    as the float stack they stand for (`experts_dequantized`). `kernel`: an int4 weight
+    through `weight_only_grouped_matmul` (on a GPU the grouped kernel reads their 4- or 8-bit
+    values; else the float stack they stand for, `experts_dequantized`). `kernel`: an int4 weight
     on one device, which a GPU multiplies with the Pallas W4A16 kernel
     (`pallas_kernels.int4_matmul`; XLA's SPMD partitioner cannot split a kernel call, so a
     split weight keeps XLA's matmul)."""
@@ -485,7 +487,8 @@ def _int4_pallas(x2: jax.Array, weight: QuantizedWeight, out_rows: int, interpre
 def single_device_kernels(params: dict) -> dict:
     """Every int4 weight of the layers marked for the Pallas W4A16 kernel (`QuantizedWeight.kernel`):
     for params on one device (int8 weight-only ones keep XLA's grouped matmul: the kernel
-    reads int4 only; expert stacks are dequantized, `experts_dequantized`)."""
+    reads int4 only; expert stacks choose their kernel in `jaxvllm.models.moe`, by how they are
+    split)."""
     layers = params.get("layers", {})
     mark = lambda w: dataclasses.replace(w, kernel=True) if w.value.dtype == jnp.int4 else w  # noqa: E731
     for name, stack in layers.items():
@@ -527,9 +530,9 @@ def is_weight_only(weight) -> bool:
 def experts_dequantized(weight: QuantizedWeight, dtype) -> jax.Array:
     """A weight-only expert stack (values [E, in, out], scales and zero points [E, groups,
     out]) as the float stack [E, in, out] in `dtype` that it stands for, for the grouped
-    matmul of float experts (W4A16 / W8A16 experts: x as it is). Known cost: each step
-    writes this float copy of every expert stack (a GPU's bandwidth and temporaries); a
-    grouped matmul that reads 4-bit tiles would not (docs/design.md)."""
+    matmul of float experts (W4A16 / W8A16 experts: x as it is): the CPU's path, and a
+    GPU's where the grouped kernel does not serve (`weight_only_grouped_matmul`). Its cost
+    there: each step writes this float copy of the stack (docs/design.md)."""
     if weight.perm is not None:  # (`check_quantization` refuses act-order expert stacks)
         raise ValueError("act-order (perm) expert stacks are not supported")
     value, scale, zero = weight.value, weight.scale, weight.zero
@@ -570,3 +573,45 @@ def quantized_grouped_matmul(rows: jax.Array, weight: QuantizedWeight, group_siz
         part = gmm(xq, value if groups == 1 else value[:, lo:hi], group_sizes)
         out = out + part.astype(jnp.float32) * x_scale * scale[expert_of_row, g]
     return out
+
+
+def weight_only_grouped_matmul(rows: jax.Array, weight: QuantizedWeight, group_sizes: jax.Array, gmm: Callable,
+                               block_m: int | None = None) -> jax.Array:
+    """rows [N, in] sorted by expert (`group_sizes` [E] each) times a weight-only expert stack
+    (int4, or int8 `weight_only`), in rows' dtype. On a GPU the Pallas grouped kernel
+    (`pallas_kernels.grouped_int4_matmul`: the stored values read as they are, int4 bitcast
+    two a byte along out, free; dequantized in registers; `block_m` its row tile); on a CPU,
+    and for a stack the kernel does not take (`_grouped_kernel_takes`), `gmm(rows, float
+    stack, group_sizes)` over `experts_dequantized` (x's dtype), as for float experts.
+    For one device or per device (`shard_map`): the kernel call is opaque to XLA's SPMD
+    partitioner."""
+    def dense(rows, weight, group_sizes):
+        return gmm(rows, experts_dequantized(weight, rows.dtype), group_sizes)
+
+    if not _grouped_kernel_takes(weight, rows.shape[1]):
+        return dense(rows, weight, group_sizes)
+    kernel = partial(_grouped_weight_only_pallas, block_m=block_m)
+    return jax.lax.platform_dependent(rows, weight, group_sizes, cpu=dense, default=kernel)
+
+
+def _grouped_kernel_takes(weight: QuantizedWeight, n_in: int) -> bool:
+    """Whether the grouped kernel takes a weight-only stack: whole groups of a multiple of 16
+    inputs (its steps, at least 16 a dot, lie inside one group), no act-order, and (int4)
+    an even number of outputs (two a byte)."""
+    size = _stack_group(weight, n_in)
+    return (weight.perm is None and weight.scale.shape[1] * size == n_in and size % 16 == 0
+            and (weight.value.dtype != jnp.int4 or weight.value.shape[2] % 2 == 0))
+
+
+def _grouped_weight_only_pallas(rows: jax.Array, weight: QuantizedWeight, group_sizes: jax.Array,
+                                block_m: int | None = None, interpret: bool | None = None) -> jax.Array:
+    """The Pallas grouped W4A16 / W8A16 kernel: int4 values bitcast two a byte (free on a GPU), int8 as they are."""
+    values = pack_int4(weight.value) if weight.value.dtype == jnp.int4 else weight.value
+    return grouped_int4_matmul(rows, values, group_sizes, weight.scale, weight.zero,
+                               group_size=_stack_group(weight, rows.shape[1]), block_m=block_m, interpret=interpret,
+                               out_dtype=rows.dtype)
+
+
+def _stack_group(weight: QuantizedWeight, n_in: int) -> int:
+    """An expert stack's inputs a group: all `n_in` when it has one group (whatever `group_size` says)."""
+    return n_in if weight.scale.shape[1] == 1 else weight.group_size or n_in

@@ -34,7 +34,9 @@ Kernels (Pallas, Triton GPU backend; `interpret=True` by default on CPU):
 - KV write: XLA's scatter (`write_kv_reference`) on the donated cache, in place.
 
 And one that is not attention: `grouped_matmul` (`grouped_matmul.py`), the MoE experts'
-grouped matmul, `jax.lax.ragged_dot`'s contract over row tiles sorted by expert.
+grouped matmul, `jax.lax.ragged_dot`'s contract over row tiles sorted by expert. Weight-only
+quantized matmuls (int4 values, or int8, dequantized in registers): `int4_matmul.py` (dense
+W4A16) and `grouped_int4_matmul.py` (the experts' W4A16 / W8A16 grouped matmul).
 """
 
 from pallas_kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference

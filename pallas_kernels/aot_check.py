@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.bench import FULL
 from pallas_kernels.common import INTERPRET_ENV
+from pallas_kernels.grouped_int4_matmul import grouped_int4_matmul, pack_int4
 from pallas_kernels.grouped_matmul import grouped_matmul
 from pallas_kernels.int4_matmul import int4_matmul
 from pallas_kernels.harness import json_path, write_json
@@ -238,6 +239,25 @@ def int4_case(m: int, k: int, n: int, asymmetric: bool, group_size: int = 128, *
     return Case("int4", params, fn, args)
 
 
+def grouped_int4_case(rows: int, k: int, n: int, asymmetric: bool, group_size: int = 128, bits: int = 4,
+                      experts: int = 128, **tuning) -> Case:
+    """grouped_int4_matmul (W4A16 experts; bits 8: W8A16) of `rows` bf16 rows, bf16 out, over
+    the stack as the engine holds it (int4 [experts, k, n], packed inside: the bitcast must
+    cost no copy, which temp_mib shows), scales per group; the routing is data (traced)."""
+    def fn(lhs, values, group_sizes, scale, zero=None):
+        rhs = pack_int4(values) if bits == 4 else values
+        return grouped_int4_matmul(lhs, rhs, group_sizes, scale, zero, group_size=group_size, interpret=False,
+                                   out_dtype=jnp.bfloat16, **tuning)
+
+    groups = k // group_size
+    args = [spec((rows, k), jnp.bfloat16), spec((experts, k, n), jnp.int4 if bits == 4 else jnp.int8),
+            spec((experts,)), spec((experts, groups, n), jnp.float32)]
+    args += [spec((experts, groups, n), jnp.float32)] if asymmetric else []
+    params = dict(rows=rows, k=k, n=n, experts=experts, bits=bits, group_size=group_size, asymmetric=asymmetric,
+                  **tuning)
+    return Case("gmm_int4", params, jax.jit(fn), args)
+
+
 def kernel_cases(quick: bool) -> list[Case]:
     """The issue's kernel matrix: GQA groups 1-8, head_dim 64/128/256, both dtypes,
     block_size 16-128, a sliding window, the K1/K2 benchmark shapes, and an fp8
@@ -293,6 +313,11 @@ def kernel_cases(quick: bool) -> list[Case]:
     cases += [gmm_case(2048, k, n, jnp.float8_e4m3fn, experts=k3["experts"]) for k, n in k3["projections"]]
     # W4A16 (Llama-3-8B's MLP): batch-1 and 256-row decode, a 2048-row prefill
     cases += [int4_case(1, 4096, 14336, True), int4_case(256, 4096, 14336, False), int4_case(2048, 14336, 4096, True)]
+    # W4A16 experts (Qwen3-30B-A3B-GPTQ-Int4: groups of 128), both projections: 256 decode
+    # rows x top-8 with zero points and without, a 2048-token prefill; 8-bit GPTQ's int8 tiles.
+    for k, n in k3["projections"]:
+        cases += [grouped_int4_case(2048, k, n, True), grouped_int4_case(16384, k, n, False)]
+        cases += [] if quick else [grouped_int4_case(2048, k, n, False), grouped_int4_case(2048, k, n, True, bits=8)]
     return cases
 
 
@@ -349,7 +374,7 @@ def check(argv: list[str] | None, doc: str, name: str, make_cases: Callable[[boo
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer cases (kernels: fewer GQA groups, about half)")
     parser.add_argument("--kind", default=None, help="only cases of these kinds, comma-separated (kernels: "
-                        "decode, ragged, gmm)")
+                        "decode, ragged, gmm, int4, gmm_int4)")
     parser.add_argument("--json", default=None, help=f"write results here (default $OUT/{name}.json if $OUT is set)")
     args = parser.parse_args(argv)
     try:

@@ -50,8 +50,9 @@ NUM_WARPS = 4
 
 
 def pack_int4(w: jax.Array) -> jax.Array:
-    """int4 [n, k] (k even) as the kernel's uint8 [n, k // 2]."""
-    return lax.bitcast_convert_type(w.reshape(w.shape[0], w.shape[1] // 2, 2), jnp.uint8)
+    """int4 [n, k] (k even) as the kernel's uint8 [n, k // 2]; any int4 [..., c] (c even) as
+    uint8 [..., c // 2] alike, two values a byte along the last axis (`grouped_int4_matmul`'s)."""
+    return lax.bitcast_convert_type(w.reshape(*w.shape[:-1], w.shape[-1] // 2, 2), jnp.uint8)
 
 
 def _signed_nibbles(byte: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -183,6 +183,8 @@ def engine_cases(quick: bool = False) -> list[Case]:
     for quantization in ("fp8", "fp8-block", "gptq-dummy"):
         cases += engine_step_cases("pallas", sampler=(), decode_only=True, quantization=quantization)
         cases += engine_step_cases("pallas", num_tokens=2048, sampler=(), quantization=quantization)
+    # 4-bit experts (Qwen3-30B-A3B, gptq-dummy): the grouped W4A16 kernel on the int4 stacks, a decode-only step.
+    cases += engine_step_cases("pallas", model="qwen3-30b-a3b", sampler=(), decode_only=True, quantization="gptq-dummy")
     # LoRA: 4 adapter slots of rank 16 on every linear layer weight, decode-only and a prefill bucket.
     cases += engine_step_cases("pallas", sampler=(), decode_only=True, lora_slots=4)
     cases += engine_step_cases("pallas", num_tokens=2048, sampler=(), lora_slots=4)

@@ -26,10 +26,17 @@ and the down projection's outputs are partial sums, all-reduced:
   either backend), the rows are rotated so that that range comes first, the grouped matmul
   runs over its experts' group sizes only (rows past them: zeros, by the contract), and the
   rotation is undone. A row's sum over devices is then its own expert's output.
+
+Weight-only quantized experts (4-bit GPTQ / AWQ / compressed-tensors W4A16, 8-bit GPTQ): with
+the Pallas backend on one device, or per device under expert parallelism, a GPU runs the
+Pallas grouped W4A16 / W8A16 kernel (`pallas_kernels.grouped_int4_matmul`) on the stored
+values, dequantized in registers; a CPU, the reference backend and tensor parallelism
+without expert parallelism run the float stacks they stand for (`_float_experts`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import jax
@@ -39,7 +46,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxvllm.layers import linear
 from jaxvllm.model_config import ModelConfig
 from jaxvllm.quantization import (EXPERTS, QuantizedWeight, experts_dequantized, is_weight_only,
-                                  quantized_grouped_matmul)
+                                  quantized_grouped_matmul, weight_only_grouped_matmul)
 from jaxvllm.sharding import AXIS, param_partition
 from pallas_kernels.grouped_matmul import default_block_m, grouped_matmul
 
@@ -81,19 +88,22 @@ def grouped_experts(rows: jax.Array, group_sizes: jax.Array, layer: dict, backen
     the Pallas grouped matmul for backend "pallas" (`block_m`: its row tile, None: its
     default), else jax.lax.ragged_dot. 8-bit quantized experts (`QuantizedWeight`s) run W8A8
     (`quantized_grouped_matmul`; `amax_reduce`: the down projection's, whose inputs are split
-    over devices under tensor parallelism); weight-only ones (4-bit, 8-bit GPTQ) as the float
-    stacks they stand for (`_float_experts`)."""
-    layer = _float_experts(layer, rows.dtype)
-    if isinstance(layer["experts_gate"], QuantizedWeight):
-        gmm = partial(_quantized_gmm, backend=backend, block_m=block_m)
+    over devices under tensor parallelism); weight-only ones (4-bit, 8-bit GPTQ) with the
+    Pallas backend through `weight_only_grouped_matmul` (a GPU's grouped W4A16 kernel, a
+    CPU's float stacks), else as the float stacks they stand for (`_float_experts`)."""
+    if backend != "pallas":
+        layer = _float_experts(layer, rows.dtype)
+    gmm = partial(grouped_matmul, block_m=block_m) if backend == "pallas" else jax.lax.ragged_dot
+    eight_bit = partial(_quantized_gmm, backend=backend, block_m=block_m)
 
-        def matmul(x, name, reduce=None):
-            return quantized_grouped_matmul(x, layer[name], group_sizes, gmm, reduce).astype(rows.dtype)
-    else:
-        gmm = partial(grouped_matmul, block_m=block_m) if backend == "pallas" else jax.lax.ragged_dot
+    def matmul(x, name, reduce=None):
+        w = layer[name]
+        if is_weight_only(w):
+            return weight_only_grouped_matmul(x, w, group_sizes, gmm, block_m)
+        if isinstance(w, QuantizedWeight):
+            return quantized_grouped_matmul(x, w, group_sizes, eight_bit, reduce).astype(rows.dtype)
+        return gmm(x, w, group_sizes)
 
-        def matmul(x, name, reduce=None):
-            return gmm(x, layer[name], group_sizes)
     gate, up = matmul(rows, "experts_gate"), matmul(rows, "experts_up")
     return matmul(jax.nn.silu(gate) * up, "experts_down", amax_reduce)
 
@@ -101,7 +111,9 @@ def grouped_experts(rows: jax.Array, group_sizes: jax.Array, layer: dict, backen
 def _float_experts(layer: dict, dtype) -> dict:
     """`layer` with its weight-only expert stacks (W4A16, W8A16) dequantized to `dtype` (x's):
     they multiply as the float experts do, through the same grouped matmul. The cost, a float
-    copy of the stacks each step, is `experts_dequantized`'s."""
+    copy of the stacks each step, is `experts_dequantized`'s: the reference backend's, and
+    tensor parallelism's without expert parallelism (each device's slice of the stacks
+    dequantized by XLA's partitioner, before `shard_map`)."""
     if not any(is_weight_only(layer[name]) for name in EXPERTS):
         return layer
     return {**layer, **{name: experts_dequantized(layer[name], dtype) for name in EXPERTS
@@ -137,9 +149,13 @@ def _sharded_experts(rows: jax.Array, group_sizes: jax.Array, layer: dict, cfg: 
     """`grouped_experts`; with a mesh, per device (`shard_map`) on its whole experts (expert
     parallelism) or, with the Pallas kernel (opaque to XLA's SPMD partitioner), on its
     intermediate slice of every expert; either way the partial sums all-reduced. Weight-only
-    expert stacks are dequantized first, in the global view (XLA's SPMD partitioner splits
-    that as the stacks are split), so that the devices see float stacks."""
-    layer = _float_experts(layer, rows.dtype)
+    expert stacks stay quantized for the Pallas backend on one device and under expert
+    parallelism (each device's whole experts: the grouped W4A16 kernel, `grouped_experts`);
+    under tensor parallelism without it (a device holds a slice of each expert's groups) and
+    for the reference backend they are dequantized first, in the global view (XLA's SPMD
+    partitioner splits that as the stacks are split), so that the devices see float stacks."""
+    if backend != "pallas" or (mesh is not None and not cfg.expert_parallel):
+        layer = _float_experts(layer, rows.dtype)
     if mesh is None or (backend != "pallas" and not cfg.expert_parallel):
         return grouped_experts(rows, group_sizes, layer, backend)
     experts = {name: layer[name] for name in EXPERTS}
@@ -157,11 +173,13 @@ def _sharded_experts(rows: jax.Array, group_sizes: jax.Array, layer: dict, cfg: 
 
 def _expert_spec(weight, partition: P):
     """How an expert stack is split in `shard_map`: as `partition`, and a quantized one's
-    scales [E, groups, out] alike (groups whole when one per column)."""
+    scales (and zero points) [E, groups, out] alike (groups whole when one per column)."""
     if not isinstance(weight, QuantizedWeight):
         return partition
     e, inputs, out = tuple(partition) + (None,) * (3 - len(partition))
-    return QuantizedWeight(partition, P(e, inputs if weight.scale.shape[1] > 1 else None, out), weight.group_size)
+    scale = P(e, inputs if weight.scale.shape[1] > 1 else None, out)
+    return dataclasses.replace(weight, value=partition, scale=scale, zero=None if weight.zero is None else scale,
+                               perm=None, input_scale=None if weight.input_scale is None else P())
 
 
 def sparse_moe(layer: dict, x: jax.Array, cfg: ModelConfig, backend: str = "reference",

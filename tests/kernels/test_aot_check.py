@@ -171,7 +171,15 @@ def test_cases_cover_the_issue_matrix():
     fp8 = [(c.kind, c.params["head_dim"], c.params["group"]) for c in cases if c.params.get("kv_cache")]
     assert {(k, d, g) for k in ("decode", "ragged") for d in (64, 128, 256) for g in (1, 2, 4, 8)} <= set(fp8)
     assert all(c.params["dtype"] == "bfloat16" for c in cases if c.params.get("kv_cache"))  # spills fail them
-    assert any(c.params.get("kv_cache") for c in aot_engine.engine_cases())
+    # W4A16 experts at Qwen3-30B-A3B's shapes: both projections, decode (with zero points or
+    # not) and a 2048-token prefill; 8-bit GPTQ's int8 tiles; and the engine's step on them.
+    int4 = {(p["rows"], p["k"], p["n"], p["asymmetric"], p["bits"]) for p in
+            (c.params for c in cases if c.kind == "gmm_int4")}
+    assert {(r, k, n, a, b) for k, n in ((2048, 768), (768, 2048))
+            for r, a, b in ((2048, True, 4), (2048, False, 4), (16384, False, 4), (2048, True, 8))} == int4
+    engine = aot_engine.engine_cases()
+    assert any(c.params.get("kv_cache") for c in engine)
+    assert any(c.params["model"] == "qwen3-30b-a3b" and c.params.get("quantization") == "gptq-dummy" for c in engine)
 
 
 @pytest.mark.parametrize("main", [aot_check.main, aot_engine.main])

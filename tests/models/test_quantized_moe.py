@@ -4,8 +4,9 @@ transformers (float32, CPU) whose attention Linears and experts compute the same
 in torch: weights as the format rounds them, each input rounded to fp8 per token (and
 block). Weight-only expert stacks (4-bit GPTQ, AWQ and compressed-tensors W4A16, 8-bit
 GPTQ, online "gptq-dummy") against transformers holding the weights their formats' own
-unpacking gives (`test_int4.unpacked_hf`). Also tensor and expert parallelism, and the
-refusals."""
+unpacking gives (`test_int4.unpacked_hf`), and a GPU's path for them, the grouped W4A16
+kernel (interpreted), against the CPU's float stacks. Also tensor and expert parallelism,
+and the refusals."""
 
 from __future__ import annotations
 
@@ -315,6 +316,11 @@ for path, quantization, splits in ((sys.argv[1], None, ((1, False), (2, False), 
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, logprobs=1), use_tqdm=False)
         out[f"{quantization} {tp} {ep}"] = [[o.outputs[0].token_ids, o.outputs[0].cumulative_logprob] for o in outs]
         llm.shutdown()
+import jax  # a GPU's branches from here on: each device's experts through the grouped W4A16 kernel (interpreted)
+jax.lax.platform_dependent = lambda *args, default, **branches: default(*args)
+llm = LLM(sys.argv[1], attention_backend="pallas", tensor_parallel_size=2, enable_expert_parallel=True, **ENGINE)
+outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, logprobs=1), use_tqdm=False)
+out["None 2 True kernel"] = [[o.outputs[0].token_ids, o.outputs[0].cumulative_logprob] for o in outs]
 print(json.dumps(out))
 """
 
@@ -325,16 +331,92 @@ def test_weight_only_experts_under_tensor_and_expert_parallelism(int4_checkpoint
     intermediate dimension (groups of 16: one a device in the down projection) and by whole
     experts; online 4-bit under tensor parallelism too (one group of 32 over the down
     projection's inputs, which the devices hold 16 and 16 of: the stacks are dequantized in
-    the global view, before any split matters)."""
+    the global view, before any split matters). And the Pallas backend under expert
+    parallelism on a GPU's path: each device's int4 experts through the grouped kernel."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
     paths = [str(int4_checkpoint("gptq-asym", "qwen3_moe", 16)), str(tiny_checkpoint("qwen3_moe"))]
     proc = subprocess.run([sys.executable, "-c", _WEIGHT_ONLY_PARALLEL_SCRIPT, *paths], capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    for kind, splits in (("None", ("2 False", "2 True")), ("gptq-dummy", ("2 False",))):
+    for kind, splits in (("None", ("2 False", "2 True", "2 True kernel")), ("gptq-dummy", ("2 False",))):
         one = out[f"{kind} 1 False"]
         for split in splits:
             two = out[f"{kind} {split}"]
             assert [t for t, _ in two] == [t for t, _ in one], (kind, split)
             np.testing.assert_allclose([lp for _, lp in two], [lp for _, lp in one], rtol=1e-4, atol=1e-4)
+
+
+def gpu_branches(monkeypatch) -> list:
+    """From here on in the test, `jax.lax.platform_dependent` takes its GPU (default) branch on
+    the CPU: the weight-only experts' grouped W4A16 / W8A16 kernel runs (interpreted) where a
+    GPU would run it. The list returned counts the traces of that kernel's call."""
+    import jax
+
+    from jaxvllm import quantization
+
+    calls, kernel = [], quantization._grouped_weight_only_pallas
+    monkeypatch.setattr(jax.lax, "platform_dependent", lambda *args, default, **branches: default(*args))
+    monkeypatch.setattr(quantization, "_grouped_weight_only_pallas",
+                        lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs))
+    return calls
+
+
+@pytest.mark.parametrize("bits,group,zero,dtype", [(4, 16, True, jnp.float32), (4, 32, False, jnp.float32),
+                                                   (4, 0, True, jnp.float32), (8, 16, True, jnp.float32),
+                                                   (4, 32, True, jnp.bfloat16)])
+def test_weight_only_experts_through_the_grouped_kernel(bits, group, zero, dtype, monkeypatch):
+    """`grouped_experts` on the Pallas backend: weight-only stacks through a GPU's grouped
+    kernel (interpreted; int4 packed two a byte, int8 as they are) as through the CPU's
+    float stacks (`experts_dequantized`, then the float grouped matmul); a stack with a
+    partial last group keeps the float path there too."""
+    from jaxvllm.models.moe import grouped_experts
+
+    rng = np.random.default_rng(bits + group)
+    half = 2 ** (bits - 1)
+
+    def stack(n_in, out, size):
+        groups = -(-n_in // size) if size else 1
+        return QuantizedWeight(jnp.asarray(rng.integers(-half, half, (4, n_in, out)), jnp.int4 if bits == 4 else
+                                           jnp.int8), jnp.asarray(rng.uniform(0.01, 0.1, (4, groups, out)) /
+                                                                  2 ** (bits - 4), jnp.float32), size,
+                               jnp.asarray(rng.integers(-half, half, (4, groups, out)), jnp.float32) if zero else None,
+                               weight_only=bits == 8)
+
+    layer = {"experts_gate": stack(64, 32, group), "experts_up": stack(64, 32, group),
+             "experts_down": stack(32, 64, group)}
+    rows, sizes = jnp.asarray(rng.standard_normal((23, 64)), dtype), jnp.asarray([5, 0, 9, 6], jnp.int32)
+    dense = {name: experts_dequantized(w, dtype) for name, w in layer.items()}
+    want = grouped_experts(rows, sizes, dense, "pallas")
+    partial_group = dict(layer, experts_down=stack(32, 64, 24))  # groups of 24, 8: the float path
+    want_partial = grouped_experts(rows, sizes, {**dense, "experts_down": experts_dequantized(
+        partial_group["experts_down"], dtype)}, "pallas")
+    calls = gpu_branches(monkeypatch)
+    got = grouped_experts(rows, sizes, layer, "pallas")
+    assert len(calls) == 3 and got.dtype == dtype
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == jnp.float32 else dict(rtol=2e-2, atol=2e-2)  # (outputs to ~20)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **tol)
+    got = grouped_experts(rows, sizes, partial_group, "pallas")
+    assert len(calls) == 5  # gate and up only
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want_partial, np.float32), **tol)
+
+
+def test_weight_only_experts_kernel_through_the_engine(int4_checkpoint, monkeypatch):
+    """The engine (Pallas backend) on a 4-bit GPTQ mixture of experts with zero points
+    (groups of 16): a GPU's path, the grouped W4A16 kernel on the stored int4 stacks
+    (interpreted), gives the tokens and log-probabilities of the CPU's, the float stacks."""
+    path = str(int4_checkpoint("gptq-asym", "qwen3_moe", 16))
+    prompts = [{"prompt_token_ids": np.random.default_rng(seed).integers(3, 200, 12).tolist()} for seed in range(3)]
+
+    def generate():
+        llm = LLM(path, attention_backend="pallas", **ENGINE)
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, logprobs=1), use_tqdm=False)
+        llm.shutdown()
+        return [o.outputs[0].token_ids for o in outs], [o.outputs[0].cumulative_logprob for o in outs]
+
+    cpu = generate()
+    calls = gpu_branches(monkeypatch)
+    gpu = generate()
+    assert calls  # (the kernel's call traced: each layer's three projections)
+    assert gpu[0] == cpu[0]
+    np.testing.assert_allclose(gpu[1], cpu[1], rtol=1e-4, atol=1e-4)
