@@ -80,6 +80,17 @@ def updates(path: Path, other: Path) -> dict:
     return results
 
 
+def with_adapter(path: Path, adapter: Path, **kwargs) -> list:
+    """Every other prompt under a LoRA adapter (the slots' writes and the adapters' matmuls
+    across processes)."""
+    from jaxvllm import LoRARequest
+
+    lora = LoRARequest("a", 1, str(adapter))
+    with LLM(path, **ENGINE, **kwargs, enable_lora=True, max_lora_rank=8) as llm:
+        outputs = llm.generate(PROMPTS, PARAMS[: len(PROMPTS)], use_tqdm=False, lora_request=[lora, None] * 3)
+    return [[c.token_ids for c in o.outputs] for o in outputs]
+
+
 def main(folder: str, port: str, rank: str) -> None:
     jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=int(rank))
     path = Path(folder) / "llama-8-heads"
@@ -101,6 +112,7 @@ def main(folder: str, port: str, rank: str) -> None:
         results["after_error"] = run(llm)
     results["sizing"] = sizing(path)
     results["updates"] = updates(path, Path(folder) / "llama-8-heads-seed-1")
+    results["lora_tp8"] = with_adapter(path, Path(folder) / "adapter", tensor_parallel_size=8)
     for tp in (1, 3):  # one device cannot span two processes; 3 devices do not split evenly over them
         try:
             LLM(path, **ENGINE, tensor_parallel_size=tp)

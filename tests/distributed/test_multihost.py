@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from jaxvllm import LLM
-from tests.distributed.multihost_worker import ENGINE, run
+from tests.distributed.multihost_worker import ENGINE, run, with_adapter
+from weights.make_lora import make_lora
 from weights.make_tiny import make_tiny
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,6 +30,7 @@ def model(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("multihost")
     for seed, name in ((0, "llama-8-heads"), (1, "llama-8-heads-seed-1")):
         make_tiny("llama", folder / name, seed=seed, num_attention_heads=8, num_key_value_heads=2, head_dim=16)
+    make_lora(folder / "llama-8-heads", folder / "adapter", rank=8)
     return folder
 
 
@@ -81,6 +83,12 @@ def test_processes_giving_different_updates_get_an_error(results, one_device):
         assert errors["update"].startswith("update_weights: the 2 processes gave different tensors")
         assert errors["values"].startswith("update_weights: the 2 processes gave different tensors")
         assert r["updates"]["after_update_error"] == one_device  # nothing changed
+
+
+def test_lora_adapters_across_processes(results, model):
+    """TP 8 over both processes, every other prompt under an adapter: one device's outputs."""
+    want = with_adapter(model / "llama-8-heads", model / "adapter")
+    assert results[0]["lora_tp8"] == want and results[1]["lora_tp8"] == want
 
 
 def test_two_processes_of_four_devices(results):
