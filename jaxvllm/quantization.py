@@ -535,22 +535,10 @@ def experts_dequantized(weight: QuantizedWeight, dtype) -> jax.Array:
     there: each step writes this float copy of the stack (docs/design.md)."""
     if weight.perm is not None:  # (`check_quantization` refuses act-order expert stacks)
         raise ValueError("act-order (perm) expert stacks are not supported")
-    value, scale, zero = weight.value, weight.scale, weight.zero
-    n, groups = value.shape[1], scale.shape[1]
-    size = weight.group_size or n
-    if groups * size == n:  # whole groups: a broadcast over each
-        v = value.reshape(value.shape[0], groups, size, -1).astype(jnp.float32)
-        if zero is not None:
-            v = v - zero[:, :, None]
-        return (v * scale[:, :, None]).reshape(value.shape).astype(dtype)
-    per_input = partial(_per_input, size=size, n=n)  # a partial last group
-    v = value.astype(jnp.float32) if zero is None else value.astype(jnp.float32) - per_input(zero)
-    return (v * per_input(scale)).astype(dtype)
-
-
-def _per_input(a: jax.Array, size: int, n: int) -> jax.Array:
-    """Per-group values [E, groups, out] repeated over their groups' inputs: [E, n, out]."""
-    return jnp.repeat(a, size, axis=1)[:, :n]
+    # Each expert as a weight [out, in] (groups along its last axis): `dequantized` of that.
+    swap = lambda a: None if a is None else jnp.swapaxes(a, 1, 2)  # noqa: E731
+    experts = dataclasses.replace(weight, value=swap(weight.value), scale=swap(weight.scale), zero=swap(weight.zero))
+    return swap(experts.dequantized(dtype))
 
 
 def quantized_grouped_matmul(rows: jax.Array, weight: QuantizedWeight, group_sizes: jax.Array, gmm: Callable,

@@ -30,7 +30,7 @@ from jaxvllm.loader import repeated_kv
 from jaxvllm.model_config import KV_GROUPS, SIDE_BY_SIDE
 from jaxvllm.models.common import ParamSpec, merge_parts
 from jaxvllm.quantization import EXPERT_STACK, EXPERTS, QuantizedWeight, in_axes, quantize_online
-from jaxvllm.sharding import gather_over_processes
+from jaxvllm.sharding import gather_over_processes, put
 
 
 @dataclass(frozen=True)
@@ -154,7 +154,7 @@ def across_processes(pairs: list[tuple[str, Any]], place: NamedSharding) -> list
             return a
         if isinstance(a, jax.Array):
             a = np.asarray(multihost_utils.process_allgather(a, tiled=True))
-        return jax.make_array_from_callback(a.shape, place, lambda index: a[index])
+        return put(a, place)
 
     return [(name, placed(a)) for name, a in pairs]
 

@@ -149,12 +149,12 @@ def _sharded_experts(rows: jax.Array, group_sizes: jax.Array, layer: dict, cfg: 
     """`grouped_experts`; with a mesh, per device (`shard_map`) on its whole experts (expert
     parallelism) or, with the Pallas kernel (opaque to XLA's SPMD partitioner), on its
     intermediate slice of every expert; either way the partial sums all-reduced. Weight-only
-    expert stacks stay quantized for the Pallas backend on one device and under expert
-    parallelism (each device's whole experts: the grouped W4A16 kernel, `grouped_experts`);
-    under tensor parallelism without it (a device holds a slice of each expert's groups) and
-    for the reference backend they are dequantized first, in the global view (XLA's SPMD
-    partitioner splits that as the stacks are split), so that the devices see float stacks."""
-    if backend != "pallas" or (mesh is not None and not cfg.expert_parallel):
+    expert stacks stay quantized on one device and under expert parallelism (each device's
+    whole experts: `grouped_experts` takes them); under tensor parallelism without it (a
+    device holds a slice of each expert's groups) they are dequantized first, in the global
+    view (XLA's SPMD partitioner splits that as the stacks are split), so that the devices
+    see float stacks."""
+    if mesh is not None and not cfg.expert_parallel:
         layer = _float_experts(layer, rows.dtype)
     if mesh is None or (backend != "pallas" and not cfg.expert_parallel):
         return grouped_experts(rows, group_sizes, layer, backend)
