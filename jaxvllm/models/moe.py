@@ -112,8 +112,8 @@ def _float_experts(layer: dict, dtype) -> dict:
     """`layer` with its weight-only expert stacks (W4A16, W8A16) dequantized to `dtype` (x's):
     they multiply as the float experts do, through the same grouped matmul. The cost, a float
     copy of the stacks each step, is `experts_dequantized`'s: the reference backend's, and
-    tensor parallelism's without expert parallelism (each device's slice of the stacks
-    dequantized by XLA's partitioner, before `shard_map`)."""
+    tensor parallelism's where a group straddles two devices (each device's slice of the
+    stacks dequantized by XLA's partitioner, before `shard_map`)."""
     if not any(is_weight_only(layer[name]) for name in EXPERTS):
         return layer
     return {**layer, **{name: experts_dequantized(layer[name], dtype) for name in EXPERTS
@@ -149,12 +149,12 @@ def _sharded_experts(rows: jax.Array, group_sizes: jax.Array, layer: dict, cfg: 
     """`grouped_experts`; with a mesh, per device (`shard_map`) on its whole experts (expert
     parallelism) or, with the Pallas kernel (opaque to XLA's SPMD partitioner), on its
     intermediate slice of every expert; either way the partial sums all-reduced. Weight-only
-    expert stacks stay quantized on one device and under expert parallelism (each device's
-    whole experts: `grouped_experts` takes them); under tensor parallelism without it (a
-    device holds a slice of each expert's groups) they are dequantized first, in the global
-    view (XLA's SPMD partitioner splits that as the stacks are split), so that the devices
-    see float stacks."""
-    if mesh is not None and not cfg.expert_parallel:
+    expert stacks stay quantized on one device, under expert parallelism, and under tensor
+    parallelism where each device's slice of the down projection's inputs holds whole
+    groups (`_whole_groups_per_device`): `grouped_experts` takes each device's part. Where a
+    group straddles two devices they are dequantized first, in the global view (XLA's SPMD
+    partitioner splits that as the stacks are split), so that the devices see float stacks."""
+    if mesh is not None and not cfg.expert_parallel and not _whole_groups_per_device(layer, mesh.shape[AXIS]):
         layer = _float_experts(layer, rows.dtype)
     if mesh is None or (backend != "pallas" and not cfg.expert_parallel):
         return grouped_experts(rows, group_sizes, layer, backend)
@@ -169,6 +169,18 @@ def _sharded_experts(rows: jax.Array, group_sizes: jax.Array, layer: dict, cfg: 
 
     return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), specs), out_specs=P(),
                          check_vma=False)(rows, group_sizes, experts)  # Pallas calls carry no vma
+
+
+def _whole_groups_per_device(layer: dict, tp: int) -> bool:
+    """Whether each of `tp` devices' slices of the weight-only down projection's inputs (split
+    under tensor parallelism) holds whole groups: one group over all inputs (each device's
+    slice shares its scales), or whole groups that `tp` divides. The gate and up projections'
+    inputs are never split."""
+    down = layer["experts_down"]
+    if not is_weight_only(down):
+        return True
+    groups, n_in = down.scale.shape[1], down.value.shape[1]
+    return groups == 1 or (groups % tp == 0 and groups * (down.group_size or n_in) == n_in)
 
 
 def _expert_spec(weight, partition: P):

@@ -317,10 +317,19 @@ for path, quantization, splits in ((sys.argv[1], None, ((1, False), (2, False), 
         out[f"{quantization} {tp} {ep}"] = [[o.outputs[0].token_ids, o.outputs[0].cumulative_logprob] for o in outs]
         llm.shutdown()
 import jax  # a GPU's branches from here on: each device's experts through the grouped W4A16 kernel (interpreted)
+from jaxvllm import quantization as q
 jax.lax.platform_dependent = lambda *args, default, **branches: default(*args)
-llm = LLM(sys.argv[1], attention_backend="pallas", tensor_parallel_size=2, enable_expert_parallel=True, **ENGINE)
-outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, logprobs=1), use_tqdm=False)
-out["None 2 True kernel"] = [[o.outputs[0].token_ids, o.outputs[0].cumulative_logprob] for o in outs]
+kernel, calls = q._grouped_weight_only_pallas, []
+q._grouped_weight_only_pallas = lambda rows, *args, **kwargs: calls.append(rows.shape) or kernel(rows, *args, **kwargs)
+for path, quantization, ep in ((sys.argv[1], None, True), (sys.argv[1], None, False),
+                               (sys.argv[2], "gptq-dummy", False)):
+    calls.clear()
+    llm = LLM(path, quantization=quantization, attention_backend="pallas", tensor_parallel_size=2,
+              enable_expert_parallel=ep, **ENGINE)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, logprobs=1), use_tqdm=False)
+    out[f"{quantization} 2 {ep} kernel"] = [[o.outputs[0].token_ids, o.outputs[0].cumulative_logprob] for o in outs]
+    out[f"{quantization} 2 {ep} kernel calls"] = len(calls)
+    llm.shutdown()
 print(json.dumps(out))
 """
 
@@ -330,21 +339,25 @@ def test_weight_only_experts_under_tensor_and_expert_parallelism(int4_checkpoint
     points gives one device's tokens (and log-probabilities) split by the experts'
     intermediate dimension (groups of 16: one a device in the down projection) and by whole
     experts; online 4-bit under tensor parallelism too (one group of 32 over the down
-    projection's inputs, which the devices hold 16 and 16 of: the stacks are dequantized in
-    the global view, before any split matters). And the Pallas backend under expert
-    parallelism on a GPU's path: each device's int4 experts through the grouped kernel."""
+    projection's inputs, which the devices hold 16 and 16 of). And the Pallas backend on a
+    GPU's path, under expert parallelism and under tensor parallelism without it (both
+    checkpoints: whole groups a device, and one group shared): each device's int4 experts
+    through the grouped kernel, which no float copy of the stacks replaces."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
     paths = [str(int4_checkpoint("gptq-asym", "qwen3_moe", 16)), str(tiny_checkpoint("qwen3_moe"))]
     proc = subprocess.run([sys.executable, "-c", _WEIGHT_ONLY_PARALLEL_SCRIPT, *paths], capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    for kind, splits in (("None", ("2 False", "2 True", "2 True kernel")), ("gptq-dummy", ("2 False",))):
+    for kind, splits in (("None", ("2 False", "2 True", "2 True kernel", "2 False kernel")),
+                         ("gptq-dummy", ("2 False", "2 False kernel"))):
         one = out[f"{kind} 1 False"]
         for split in splits:
             two = out[f"{kind} {split}"]
             assert [t for t, _ in two] == [t for t, _ in one], (kind, split)
             np.testing.assert_allclose([lp for _, lp in two], [lp for _, lp in one], rtol=1e-4, atol=1e-4)
+            if split.endswith("kernel"):  # (traced per device: gate, up and down of every MoE layer kind)
+                assert out[f"{kind} {split} calls"] >= 3, (kind, split)
 
 
 def gpu_branches(monkeypatch) -> list:
