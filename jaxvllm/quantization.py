@@ -542,22 +542,30 @@ def experts_dequantized(weight: QuantizedWeight, dtype) -> jax.Array:
 
 
 def quantized_grouped_matmul(rows: jax.Array, weight: QuantizedWeight, group_sizes: jax.Array, gmm: Callable,
-                             amax_reduce: Callable | None = None) -> jax.Array:
+                             amax_reduce: Callable | None = None, block_gmm: Callable | None = None) -> jax.Array:
     """rows [N, in] sorted by expert (`group_sizes` [E] each) times an 8-bit expert stack
     (`EXPERTS`), W8A8 as `quantized_matmul`: per group of inputs, rows quantized per token,
     `gmm(rows, values, group_sizes)` (a grouped matmul of 8-bit operands into float32:
     jax.lax.ragged_dot, or the Pallas kernel), each
     product scaled by its token's scale and its row's expert's column scales, the groups
     summed; float32 [N, out]. `amax_reduce`: how a token's largest magnitude is completed
-    where the rows hold a slice of the inputs (one device's, under tensor parallelism)."""
+    where the rows hold a slice of the inputs (one device's, under tensor parallelism).
+    With several groups (block scales) and `block_gmm(rows, values, group_sizes, row_scales,
+    scales, group_size)` (the Pallas kernel's block-scaled form), the rows are quantized per
+    group at once and one call scales and sums every group's product."""
     value, scale = weight.value, weight.scale  # [E, in, out], [E, groups, out]
     n_in, groups = value.shape[1], scale.shape[1]
     size = weight.group_size or n_in
+    if groups > 1 and block_gmm is not None:
+        padded = jnp.pad(rows, [(0, 0), (0, groups * size - n_in)]).reshape(rows.shape[0], groups, size)
+        xq, x_scale = quantize_rows(padded, value.dtype)  # (padding zeros change no group's largest magnitude)
+        return block_gmm(xq.reshape(rows.shape[0], -1)[:, :n_in], value, group_sizes, x_scale[..., 0], scale, size)
     expert_of_row = jnp.repeat(jnp.arange(value.shape[0]), group_sizes, total_repeat_length=rows.shape[0])
     out = jnp.zeros((rows.shape[0], value.shape[2]), jnp.float32)
     for g in range(groups):
         lo, hi = g * size, min((g + 1) * size, n_in)
-        xq, x_scale = quantize_rows(rows[:, lo:hi], value.dtype, amax_reduce if groups == 1 else None)
+        # (a block's inputs are never split over devices: only one scale over all inputs is completed)
+        xq, x_scale = quantize_rows(rows[:, lo:hi], value.dtype, None if weight.group_size else amax_reduce)
         part = gmm(xq, value if groups == 1 else value[:, lo:hi], group_sizes)
         out = out + part.astype(jnp.float32) * x_scale * scale[expert_of_row, g]
     return out

@@ -221,11 +221,22 @@ def ragged_case(group: int, head_dim: int, dtype, block_size: int = 16, window: 
     return Case("ragged", params, fn, args)
 
 
-def gmm_case(rows: int, k: int, n: int, dtype=jnp.bfloat16, experts: int = 128, **tuning) -> Case:
-    """grouped_matmul over `rows` (token, expert) rows; the routing is data (traced)."""
+def gmm_case(rows: int, k: int, n: int, dtype=jnp.bfloat16, experts: int = 128, scale_size: int = 0,
+             **tuning) -> Case:
+    """grouped_matmul over `rows` (token, expert) rows; the routing is data (traced).
+    `scale_size`: 8-bit operands with block scales over that many inputs."""
     fn = jax.jit(partial(grouped_matmul, interpret=False, **tuning))
     args = [spec((rows, k), dtype), spec((experts, k, n), dtype), spec((experts,))]
     params = dict(rows=rows, k=k, n=n, experts=experts, dtype=jnp.dtype(dtype).name, **tuning)
+    if scale_size:
+        blocks = -(-k // scale_size)
+        def scaled(lhs, rhs, group_sizes, lhs_scale, rhs_scale):
+            return grouped_matmul(lhs, rhs, group_sizes, lhs_scale=lhs_scale, rhs_scale=rhs_scale,
+                                  scale_size=scale_size, interpret=False, **tuning)
+
+        fn = jax.jit(scaled)
+        args += [spec((rows, blocks), jnp.float32), spec((experts, blocks, n), jnp.float32)]
+        params["scale_size"] = scale_size
     return Case("gmm", params, fn, args)
 
 
@@ -311,6 +322,9 @@ def kernel_cases(quick: bool) -> list[Case]:
     cases.append(gmm_case(2048, 2048, 768, jnp.float32))
     # fp8 expert stacks (W8A8): 8-bit tiles converted in registers, both projections
     cases += [gmm_case(2048, k, n, jnp.float8_e4m3fn, experts=k3["experts"]) for k, n in k3["projections"]]
+    # block-fp8 expert stacks (Qwen3-30B-A3B-FP8: blocks of 128), each block's product scaled in the kernel
+    cases += [gmm_case(rows, k, n, jnp.float8_e4m3fn, experts=k3["experts"], scale_size=128)
+              for k, n in k3["projections"] for rows in (2048, 16384)]
     # W4A16 (Llama-3-8B's MLP): batch-1 and 256-row decode, a 2048-row prefill
     cases += [int4_case(1, 4096, 14336, True), int4_case(256, 4096, 14336, False), int4_case(2048, 14336, 4096, True)]
     # W4A16 experts (Qwen3-30B-A3B-GPTQ-Int4: groups of 128), both projections: 256 decode

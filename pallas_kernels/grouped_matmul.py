@@ -31,6 +31,15 @@ rows) are read as they are, each tile converted to float16 in registers (every e
 and every int8 one is exact in float16) for a float16 dot accumulated in float32, and the
 output is float32 (`out_dtype`), for the caller to scale: the weights' bytes stay 8-bit
 all the way to the registers.
+
+Block scales (a block-fp8 checkpoint's experts, as Qwen3-30B-A3B-FP8 ships them): with
+`lhs_scale` [m, k_blocks] (each row's, per block of `scale_size` inputs: its dynamic
+quantization) and `rhs_scale` [num_groups, k_blocks, n] (each group's, per block of
+inputs and output column), out[r] = sum over blocks b of (lhs[r, b] @ rhs[g, b]) *
+lhs_scale[r, b] * rhs_scale[g, b], float32. block_k divides scale_size, so a k step lies
+in one block: its dot is scaled by one scale per row and per column before it is added
+to the accumulator. One call does what would otherwise be one grouped matmul per block
+(16 for k = 2048 in blocks of 128), each writing an [m, n] float32 partial sum.
 """
 
 from __future__ import annotations
@@ -106,14 +115,15 @@ def _gmm_kernel(
     visit_ref,  # [4] int32   (group, row tile, lo, hi) of this visit
     lhs_ref,  # [m, k]
     rhs_ref,  # [num_groups * k, n]   group g's weights at rows g * k .. g * k + k - 1
-    out_ref,  # [m, n]
-    *,
+    *rest,  # lhs_scale_ref [m, k_blocks] and rhs_scale_ref [num_groups * k_blocks, n] when scaled, out_ref [m, n]
     k: int,
     n: int,
     block_m: int,
     block_n: int,
     block_k: int,
+    scale_size: int,  # inputs a scale block (0: no scales)
 ):
+    lhs_scale_ref, rhs_scale_ref, out_ref = rest if scale_size else (None, None, rest[0])
     group, tile, lo, hi = visit_ref[0], visit_ref[1], visit_ref[2], visit_ref[3]
     eight_bit = lhs_ref.dtype.itemsize == 1  # (converted in registers: see the module docstring)
     rows = tile * block_m + jnp.arange(block_m)
@@ -122,6 +132,7 @@ def _gmm_kernel(
     col_ok = None if n % block_n == 0 else (cols < n)[None, :]
     offsets = jnp.arange(block_k)
     first = jnp.maximum(group, 0) * k  # group -1 (zeros): no steps below
+    first_block = jnp.maximum(group, 0) * cdiv(k, scale_size) if scale_size else 0
     precision = lax.Precision.HIGHEST if lhs_ref.dtype == jnp.float32 else None
 
     def both(a, b):
@@ -139,7 +150,14 @@ def _gmm_kernel(
         if eight_bit:
             a = jnp.where(a_mask, a.astype(jnp.float16), 0)
             b = b.astype(jnp.float16) if b_mask is None else jnp.where(b_mask, b.astype(jnp.float16), 0)
-        return acc + plgpu.dot(a, b, precision=precision)
+        product = plgpu.dot(a, b, precision=precision)
+        if scale_size:  # this step's block: one scale per row and per column
+            block = step * block_k // scale_size
+            row_scale = plgpu.load(lhs_scale_ref.at[rows, block], mask=row_ok[:, 0], other=0)
+            col_scale = plgpu.load(rhs_scale_ref.at[first_block + block, cols],
+                                   mask=None if col_ok is None else col_ok[0], other=None if col_ok is None else 0)
+            product = product * row_scale[:, None] * col_scale[None, :]
+        return acc + product
 
     steps = jnp.where(group >= 0, jnp.int32(cdiv(k, block_k)), jnp.int32(0))
     acc = lax.fori_loop(jnp.int32(0), steps, body, jnp.zeros((block_m, block_n), jnp.float32))
@@ -158,15 +176,22 @@ def grouped_matmul(
     num_stages: int | None = None,
     interpret: bool | None = None,
     out_dtype=None,
+    lhs_scale: jax.Array | None = None,
+    rhs_scale: jax.Array | None = None,
+    scale_size: int = 0,
 ) -> jax.Array:
     """`jax.lax.ragged_dot(lhs, rhs, group_sizes)` as a grouped matmul; see the module docstring.
 
     lhs [m, k] and rhs [num_groups, k, n] of one dtype (float32, bfloat16, float16; or 8-bit,
     float8_e4m3fn or int8), group_sizes [num_groups] integer. Out [m, n] in `out_dtype`
     (None: lhs' dtype; float32 for 8-bit operands), accumulated in float32.
+    lhs_scale [m, k_blocks] and rhs_scale [num_groups, k_blocks, n] (float32, 8-bit operands
+    only, k_blocks = cdiv(k, scale_size)): block scales, applied to each block's product
+    (module docstring); block_k must divide scale_size.
     block_m: rows per tile (None: the mean rows per group, a power of 2 in [16, 64]).
     block_n / block_k: output columns per program / k per inner step (None: 128 / 64,
-    each cut to the next power of 2 of n / k, at least 16). num_warps: None = 4.
+    each cut to the next power of 2 of n / k, at least 16; with block scales, at most the
+    largest power of 2 dividing scale_size). num_warps: None = 4.
     num_stages: None = 3 for 16-bit, 2 for float32. interpret: None = on CPU (or
     `JAXVLLM_PALLAS_INTERPRET=1`). Compiled, the tiles must be powers of 2 >= 16, and
     num_groups * k * n below 2**31 (int32 offsets).
@@ -190,6 +215,7 @@ def grouped_matmul(
         raise ValueError(f"out_dtype {out_dtype} is not supported; use one of {KERNEL_DTYPES}")
     if num_groups < 1:
         raise ValueError("rhs must have at least one group")
+    scales = _check_block_scales(lhs, rhs, lhs_scale, rhs_scale, scale_size)
     if m == 0 or n == 0:
         return jnp.zeros((m, n), out_dtype)
     if block_m is None:
@@ -198,6 +224,9 @@ def grouped_matmul(
         block_n = max(MIN_DOT_DIM, min(BLOCK_N, next_power_of_2(n)))
     if block_k is None:
         block_k = max(MIN_DOT_DIM, min(BLOCK_K, next_power_of_2(k)))
+        block_k = min(block_k, scale_size & -scale_size) if scales else block_k
+    if scales and scale_size % block_k:
+        raise ValueError(f"block_k {block_k} must divide scale_size {scale_size}")
     if num_warps is None:
         num_warps = NUM_WARPS
     if num_stages is None:
@@ -215,32 +244,63 @@ def grouped_matmul(
                              "the kernel's offsets are int32")
 
     schedule = make_schedule(group_sizes, m, block_m)
-    kernel = functools.partial(_gmm_kernel, k=k, n=n, block_m=block_m, block_n=block_n, block_k=block_k)
+    kernel = functools.partial(_gmm_kernel, k=k, n=n, block_m=block_m, block_n=block_n, block_k=block_k,
+                               scale_size=scale_size if scales else 0)
+    whole = lambda shape: pl.BlockSpec(shape, lambda v, j: (0, 0))  # noqa: E731  (each program indexes it)
+    in_specs = [pl.BlockSpec((None, 4), lambda v, j: (v, 0)), whole((m, k)), whole((num_groups * k, n))]
+    operands = [schedule, lhs, rhs.reshape(num_groups * k, n)]
+    if scales:
+        k_blocks = lhs_scale.shape[1]
+        in_specs += [whole((m, k_blocks)), whole((num_groups * k_blocks, n))]
+        operands += [lhs_scale, rhs_scale.reshape(num_groups * k_blocks, n)]
     return pl.pallas_call(
         kernel,
         # Visits first: the programs that run together share a group's weight tile (L2).
         grid=(schedule.shape[0], cdiv(n, block_n)),
-        in_specs=[
-            pl.BlockSpec((None, 4), lambda v, j: (v, 0)),
-            pl.BlockSpec((m, k), lambda v, j: (0, 0)),
-            pl.BlockSpec((num_groups * k, n), lambda v, j: (0, 0)),
-        ],
-        out_specs=pl.BlockSpec((m, n), lambda v, j: (0, 0)),
+        in_specs=in_specs,
+        out_specs=whole((m, n)),
         out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="jaxvllm_grouped_matmul",
-    )(schedule, lhs, rhs.reshape(num_groups * k, n))
+    )(*operands)
 
 
-def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, out_dtype=None) -> jax.Array:
+def _check_block_scales(lhs: jax.Array, rhs: jax.Array, lhs_scale: jax.Array | None, rhs_scale: jax.Array | None,
+                        scale_size: int) -> bool:
+    """Whether block scales are given, checked against the operands (`grouped_matmul`)."""
+    if lhs_scale is None and rhs_scale is None:
+        return False
+    if lhs_scale is None or rhs_scale is None or scale_size < 1:
+        raise ValueError("block scales need lhs_scale, rhs_scale and scale_size >= 1 together")
+    if lhs.dtype.name not in EIGHT_BIT_DTYPES:
+        raise ValueError(f"block scales are for 8-bit operands ({EIGHT_BIT_DTYPES}), got {lhs.dtype}")
+    (m, k), (num_groups, _, n) = lhs.shape, rhs.shape
+    k_blocks = cdiv(k, scale_size)
+    if lhs_scale.shape != (m, k_blocks) or rhs_scale.shape != (num_groups, k_blocks, n):
+        raise ValueError(f"lhs_scale must be [{m}, {k_blocks}] and rhs_scale [{num_groups}, {k_blocks}, {n}] "
+                         f"(blocks of {scale_size} of k={k}), got {lhs_scale.shape} and {rhs_scale.shape}")
+    if lhs_scale.dtype != jnp.float32 or rhs_scale.dtype != jnp.float32:
+        raise ValueError(f"block scales must be float32, got {lhs_scale.dtype} and {rhs_scale.dtype}")
+    return True
+
+
+def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, out_dtype=None,
+                             lhs_scale: jax.Array | None = None, rhs_scale: jax.Array | None = None,
+                             scale_size: int = 0) -> jax.Array:
     """The contract in plain jnp: every group's product, masked to its rows, summed.
 
     num_groups dense products (as XLA's ragged_dot): for tests, not for speed. 8-bit
-    operands are taken as float32 (exact), the output float32 unless `out_dtype` says.
+    operands are taken as float32 (exact), the output float32 unless `out_dtype` says;
+    with block scales, each operand times its scales (every input of a block takes the
+    block's) before the product.
     """
     if lhs.dtype.itemsize == 1:
         lhs, rhs, out_dtype = lhs.astype(jnp.float32), rhs.astype(jnp.float32), out_dtype or jnp.float32
+    if lhs_scale is not None:
+        k = lhs.shape[1]
+        lhs = lhs * jnp.repeat(lhs_scale, scale_size, axis=1)[:, :k]
+        rhs = rhs * jnp.repeat(rhs_scale, scale_size, axis=1)[:, :k]
     m = lhs.shape[0]
     sizes = group_sizes.astype(jnp.int32)
     ends = jnp.cumsum(sizes)

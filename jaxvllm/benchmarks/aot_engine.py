@@ -88,10 +88,13 @@ def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int =
     params = jax.eval_shape(lambda: dummy_params(cfg, dtype))
     if quantization is not None:
         from jaxvllm.models import MODELS
-        from jaxvllm.quantization import (FP8, ONLINE, QuantizedWeight, quantize_online, quantize_params,
-                                          single_device_kernels)
+        from jaxvllm.quantization import (EXPERT_STACK, FP8, ONLINE, QuantizedWeight, quantize_online,
+                                          quantize_params, single_device_kernels)
 
         def blocks(w, num_in: int) -> QuantizedWeight:  # a block-fp8 checkpoint's weight, as loaded
+            if num_in == EXPERT_STACK:  # [E, in, out]: scales [E, in blocks, out] (each block's, per column)
+                e, inputs, out = w.shape
+                return QuantizedWeight(w.astype(FP8), jnp.ones((e, -(-inputs // 128), out), jnp.float32), 128)
             out, inputs = w.shape[: w.ndim - num_in], math.prod(w.shape[w.ndim - num_in:])
             return QuantizedWeight(w.astype(FP8), jnp.ones((*out, -(-inputs // 128)), jnp.float32), 128)
 
@@ -185,6 +188,8 @@ def engine_cases(quick: bool = False) -> list[Case]:
         cases += engine_step_cases("pallas", num_tokens=2048, sampler=(), quantization=quantization)
     # 4-bit experts (Qwen3-30B-A3B, gptq-dummy): the grouped W4A16 kernel on the int4 stacks, a decode-only step.
     cases += engine_step_cases("pallas", model="qwen3-30b-a3b", sampler=(), decode_only=True, quantization="gptq-dummy")
+    # block-fp8 experts (Qwen3-30B-A3B-FP8): each projection one grouped kernel call over its 128-input blocks.
+    cases += engine_step_cases("pallas", model="qwen3-30b-a3b", sampler=(), decode_only=True, quantization="fp8-block")
     # LoRA: 4 adapter slots of rank 16 on every linear layer weight, decode-only and a prefill bucket.
     cases += engine_step_cases("pallas", sampler=(), decode_only=True, lora_slots=4)
     cases += engine_step_cases("pallas", num_tokens=2048, sampler=(), lora_slots=4)

@@ -95,13 +95,14 @@ def grouped_experts(rows: jax.Array, group_sizes: jax.Array, layer: dict, backen
         layer = _float_experts(layer, rows.dtype)
     gmm = partial(grouped_matmul, block_m=block_m) if backend == "pallas" else jax.lax.ragged_dot
     eight_bit = partial(_quantized_gmm, backend=backend, block_m=block_m)
+    block_scaled = partial(_block_scaled_gmm, block_m=block_m) if backend == "pallas" else None
 
     def matmul(x, name, reduce=None):
         w = layer[name]
         if is_weight_only(w):
             return weight_only_grouped_matmul(x, w, group_sizes, gmm, block_m)
         if isinstance(w, QuantizedWeight):
-            return quantized_grouped_matmul(x, w, group_sizes, eight_bit, reduce).astype(rows.dtype)
+            return quantized_grouped_matmul(x, w, group_sizes, eight_bit, reduce, block_scaled).astype(rows.dtype)
         return gmm(x, w, group_sizes)
 
     gate, up = matmul(rows, "experts_gate"), matmul(rows, "experts_up")
@@ -128,6 +129,14 @@ def _quantized_gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, backen
         return grouped_matmul(x, w, group_sizes, block_m=block_m, out_dtype=jnp.float32)
     return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.int32 if x.dtype == jnp.int8 else
                               jnp.float32)
+
+
+def _block_scaled_gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, x_scale: jax.Array, w_scale: jax.Array,
+                      size: int, *, block_m: int | None) -> jax.Array:
+    """8-bit rows times a block-scaled 8-bit expert stack (a block-fp8 checkpoint's), float32:
+    one Pallas kernel call that scales each block's product in registers."""
+    return grouped_matmul(x, w, group_sizes, block_m=block_m, out_dtype=jnp.float32, lhs_scale=x_scale,
+                          rhs_scale=w_scale, scale_size=size)
 
 
 def _local_experts(rows: jax.Array, group_sizes: jax.Array, experts: dict, backend: str) -> jax.Array:

@@ -177,9 +177,14 @@ def test_cases_cover_the_issue_matrix():
             (c.params for c in cases if c.kind == "gmm_int4")}
     assert {(r, k, n, a, b) for k, n in ((2048, 768), (768, 2048))
             for r, a, b in ((2048, True, 4), (2048, False, 4), (16384, False, 4), (2048, True, 8))} == int4
+    # Block-fp8 experts (blocks of 128), both projections, decode and prefill rows, and the engine's step on them.
+    blocked = {(p["rows"], p["k"], p["n"]) for p in (c.params for c in cases if c.params.get("scale_size") == 128)}
+    assert {(r, k, n) for k, n in ((2048, 768), (768, 2048)) for r in (2048, 16384)} == blocked
     engine = aot_engine.engine_cases()
     assert any(c.params.get("kv_cache") for c in engine)
-    assert any(c.params["model"] == "qwen3-30b-a3b" and c.params.get("quantization") == "gptq-dummy" for c in engine)
+    for quantization in ("gptq-dummy", "fp8-block"):
+        assert any(c.params["model"] == "qwen3-30b-a3b" and c.params.get("quantization") == quantization
+                   for c in engine)
 
 
 @pytest.mark.parametrize("main", [aot_check.main, aot_engine.main])

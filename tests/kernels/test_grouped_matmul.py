@@ -40,6 +40,15 @@ def operands(seed: int, m: int, k: int, n: int, sizes: list[int], dtype):
     return lhs, rhs, jnp.asarray(np.asarray(sizes, np.int32))
 
 
+def eight_bit_operands(rng, m: int, k: int, n: int, num_groups: int, dtype):
+    """8-bit lhs [m, k] and rhs [num_groups, k, n]: int8 over its whole range, e4m3 from normals times 40."""
+    if dtype == jnp.int8:
+        return (jnp.asarray(rng.integers(-128, 128, (m, k)), dtype),
+                jnp.asarray(rng.integers(-128, 128, (num_groups, k, n)), dtype))
+    return (jnp.asarray(rng.normal(size=(m, k)) * 40, dtype),
+            jnp.asarray(rng.normal(size=(num_groups, k, n)) * 40, dtype))
+
+
 def assert_close(got, want, dtype):
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **TOL[dtype])
 
@@ -80,13 +89,7 @@ def test_eight_bit_operands(m, k, n, sizes, tiles, dtype):
     """W8A8 expert stacks: 8-bit lhs and rhs, float32 out, equal to ragged_dot accumulating
     in float32 (int32 for int8): every product of two 8-bit values is exact in float32, so
     only the order of the sums differs."""
-    rng = np.random.default_rng(m + k)
-    if dtype == jnp.int8:
-        lhs = jnp.asarray(rng.integers(-128, 128, (m, k)), dtype)
-        rhs = jnp.asarray(rng.integers(-128, 128, (len(sizes), k, n)), dtype)
-    else:
-        lhs = jnp.asarray(rng.normal(size=(m, k)) * 40, dtype)
-        rhs = jnp.asarray(rng.normal(size=(len(sizes), k, n)) * 40, dtype)
+    lhs, rhs = eight_bit_operands(np.random.default_rng(m + k), m, k, n, len(sizes), dtype)
     group_sizes = jnp.asarray(np.asarray(sizes, np.int32))
     block_m, block_n, block_k = map(tile, tiles)
     got = jax.jit(partial(grouped_matmul, block_m=block_m, block_n=block_n, block_k=block_k))(lhs, rhs, group_sizes)
@@ -95,6 +98,61 @@ def test_eight_bit_operands(m, k, n, sizes, tiles, dtype):
     assert got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-3)
     np.testing.assert_allclose(np.asarray(reference(lhs, rhs, group_sizes)), np.asarray(got), rtol=1e-6, atol=1e-3)
+
+
+BLOCK_SCALED_CASES = [
+    # m, k, n, group sizes, tiles (block_m, block_n, block_k), scale_size
+    pytest.param(37, 48, 20, [0, 5, 13, 0, 9, 3], (8, 16, 16), 16, id="blocks-of-16-steps-of-16"),
+    pytest.param(40, 64, 32, [11, 29], (16, 16, 8), 32, id="four-steps-a-block"),
+    pytest.param(33, 40, 24, [0, 20, 13], (16, 16, 8), 16, id="partial-last-block"),
+    pytest.param(50, 32, 48, [3, 1, 1, 2, 20, 0, 7, 9], (None, None, None), 16, id="defaults"),
+    pytest.param(24, 96, 16, [24], (None, None, None), 32, id="default-block-k-divides-the-block"),
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.int8])
+@pytest.mark.parametrize("m,k,n,sizes,tiles,scale_size", BLOCK_SCALED_CASES)
+def test_block_scales(m, k, n, sizes, tiles, scale_size, dtype):
+    """Block-scaled 8-bit operands (a block-fp8 checkpoint's experts and their rows quantized
+    per block): each block's product scaled by its rows' and columns' scales, equal to the
+    reference's product of the scaled operands and to one ragged_dot per block."""
+    rng = np.random.default_rng(m + k + scale_size)
+    lhs, rhs = eight_bit_operands(rng, m, k, n, len(sizes), dtype)
+    blocks = -(-k // scale_size)
+    lhs_scale = jnp.asarray(rng.uniform(0.01, 1, (m, blocks)), jnp.float32)
+    rhs_scale = jnp.asarray(rng.uniform(0.01, 1, (len(sizes), blocks, n)), jnp.float32)
+    group_sizes = jnp.asarray(np.asarray(sizes, np.int32))
+    block_m, block_n, block_k = map(tile, tiles)
+    fn = jax.jit(partial(grouped_matmul, block_m=block_m, block_n=block_n, block_k=block_k, scale_size=scale_size))
+    got = fn(lhs, rhs, group_sizes, lhs_scale=lhs_scale, rhs_scale=rhs_scale)
+    assert got.shape == (m, n) and got.dtype == jnp.float32
+    want = grouped_matmul_reference(lhs, rhs, group_sizes, lhs_scale=lhs_scale, rhs_scale=rhs_scale,
+                                    scale_size=scale_size)
+    scale = float(jnp.max(jnp.abs(want)))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * scale)
+    expert_of_row = jnp.repeat(jnp.arange(len(sizes)), group_sizes, total_repeat_length=m)
+    per_block = sum(jax.lax.ragged_dot(lhs[:, lo:lo + scale_size], rhs[:, lo:lo + scale_size], group_sizes,
+                                       preferred_element_type=jnp.float32)
+                    * lhs_scale[:, b, None] * rhs_scale[expert_of_row, b]
+                    for b, lo in enumerate(range(0, k, scale_size)))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(per_block), rtol=1e-5, atol=1e-5 * scale)
+
+
+def test_block_scale_errors():
+    lhs, rhs, sizes = operands(0, 8, 32, 16, [4, 4], jnp.float32)
+    lhs, rhs = lhs.astype(jnp.float8_e4m3fn), rhs.astype(jnp.float8_e4m3fn)
+    row, col = jnp.ones((8, 2), jnp.float32), jnp.ones((2, 2, 16), jnp.float32)
+    with pytest.raises(ValueError, match="together"):
+        grouped_matmul(lhs, rhs, sizes, lhs_scale=row, scale_size=16)
+    with pytest.raises(ValueError, match=r"lhs_scale must be \[8, 2\] and rhs_scale \[2, 2, 16\]"):
+        grouped_matmul(lhs, rhs, sizes, lhs_scale=row[:, :1], rhs_scale=col, scale_size=16)
+    with pytest.raises(ValueError, match="float32"):
+        grouped_matmul(lhs, rhs, sizes, lhs_scale=row.astype(jnp.bfloat16), rhs_scale=col, scale_size=16)
+    with pytest.raises(ValueError, match="8-bit operands"):
+        grouped_matmul(lhs.astype(jnp.float32), rhs.astype(jnp.float32), sizes, lhs_scale=row, rhs_scale=col,
+                       scale_size=16)
+    with pytest.raises(ValueError, match="block_k 32 must divide scale_size 16"):
+        grouped_matmul(lhs, rhs, sizes, lhs_scale=row, rhs_scale=col, scale_size=16, block_k=32)
 
 
 def test_traced_group_sizes_one_compile():

@@ -124,9 +124,11 @@ def test_online_fp8_experts_match_the_oracle(arch, backend, tiny_checkpoint):
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
-def test_block_fp8_experts_match_the_oracle(arch, tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize("backend", ["reference", "pallas"])
+def test_block_fp8_experts_match_the_oracle(arch, backend, tiny_checkpoint, tmp_path):
     """An HF block-fp8 checkpoint whose experts are block-fp8 too (as Qwen3-30B-A3B-FP8
-    ships), blocks of 16: activations per token and block through the grouped matmul."""
+    ships), blocks of 16: activations per token and block through ragged_dot once per block,
+    or the Pallas grouped matmul once, scaling each block's product in the kernel."""
     from weights.make_quantized import make_fp8
 
     src = tiny_checkpoint(arch)
@@ -138,7 +140,7 @@ def test_block_fp8_experts_match_the_oracle(arch, tiny_checkpoint, tmp_path):
     groups = cfg.moe_intermediate_size // BLOCK[1]  # (the down projection's inputs)
     assert experts.group_size == BLOCK[1] and experts.scale.shape == (cfg.num_experts, groups, cfg.hidden_size)
     tokens = tie_free_tokens(hf, 24)
-    assert rel_err(_logits(params, cfg, tokens, "reference"), hf_logits(hf, tokens)) <= TOL
+    assert rel_err(_logits(params, cfg, tokens, backend), hf_logits(hf, tokens)) <= TOL
 
 
 _PARALLEL_SCRIPT = """
@@ -154,6 +156,11 @@ for path, quantization in ((sys.argv[1], "fp8"), (sys.argv[2], None)):
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, logprobs=1), use_tqdm=False)
         out[f"{quantization} {tp} {ep}"] = [[o.outputs[0].token_ids, o.outputs[0].cumulative_logprob] for o in outs]
         llm.shutdown()
+# the Pallas backend: each device's block-scaled experts through the grouped kernel's block scales
+llm = LLM(sys.argv[2], attention_backend="pallas", tensor_parallel_size=2, **ENGINE)
+outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, logprobs=1), use_tqdm=False)
+out["None 2 False pallas"] = [[o.outputs[0].token_ids, o.outputs[0].cumulative_logprob] for o in outs]
+llm.shutdown()
 try:  # blocks of 32 over an intermediate size of 32 split in 2
     LLM(sys.argv[3], tensor_parallel_size=2, **ENGINE)
 except ValueError as e:
@@ -166,7 +173,9 @@ def test_quantized_experts_under_tensor_and_expert_parallelism(tiny_checkpoint, 
     """2 CPU devices (a process of its own), the engine's backend: online fp8 and a block-fp8
     checkpoint give one device's tokens (and log-probabilities) split by the experts'
     intermediate dimension (the down projection's per-token scales over both devices'
-    inputs) and by whole experts; block scales that the split would cut are refused."""
+    inputs) and by whole experts, the block-fp8 one also on the Pallas backend (each
+    device's blocks through the kernel's block scales); block scales that the split would
+    cut are refused."""
     from weights.make_quantized import make_fp8
 
     src = tiny_checkpoint("qwen3_moe")
@@ -178,7 +187,7 @@ def test_quantized_experts_under_tensor_and_expert_parallelism(tiny_checkpoint, 
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     for kind in ("fp8", "None"):
         one = out[f"{kind} 1 False"]
-        for split in ("2 False", "2 True"):
+        for split in ("2 False", "2 True") + (("2 False pallas",) if kind == "None" else ()):
             two = out[f"{kind} {split}"]
             assert [t for t, _ in two] == [t for t, _ in one], (kind, split)
             np.testing.assert_allclose([lp for _, lp in two], [lp for _, lp in one], rtol=1e-4, atol=1e-4)
