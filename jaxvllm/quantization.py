@@ -417,6 +417,14 @@ def quantize_rows(x: jax.Array, dtype=FP8, amax_reduce: Callable | None = None) 
     return jnp.clip(x * (FP8_MAX / amax), -FP8_MAX, FP8_MAX).astype(FP8), amax / FP8_MAX
 
 
+def quantize_groups(x2: jax.Array, groups: int, size: int, dtype) -> tuple[jax.Array, jax.Array]:
+    """x2 [T, n] quantized per token and per group of `size` inputs (`quantize_rows`), as
+    [T, groups, size] and scales [T, groups, 1]; a partial last group is padded with zeros,
+    which change no group's largest magnitude."""
+    padded = jnp.pad(x2, ((0, 0), (0, groups * size - x2.shape[1])))
+    return quantize_rows(padded.reshape(x2.shape[0], groups, size), dtype)
+
+
 def quantize_static(x: jax.Array, scale: jax.Array, dtype=FP8) -> jax.Array:
     """x / scale clipped to the range of `dtype` (fp8, or int8 rounded half to even) and
     cast, as compressed-tensors computes a static activation: a true division (hidden from
@@ -448,9 +456,8 @@ def quantized_matmul(x2: jax.Array, weight: QuantizedWeight, out_rows: int) -> j
         out = jax.lax.dot_general(xq, wq, (((1,), (1,)), ((), ())), preferred_element_type=accumulate)
         return out.astype(jnp.float32) * x_scale * weight.scale.reshape(1, out_rows)
     size, groups = weight.group_size, weight.scale.shape[-1]
-    pad = groups * size - wq.shape[-1]  # a partial last group: zeros, which add nothing
-    xq, x_scale = quantize_rows(jnp.pad(x2, ((0, 0), (0, pad))).reshape(x2.shape[0], groups, size), wq.dtype)
-    wq = jnp.pad(wq, ((0, 0), (0, pad))).reshape(out_rows, groups, size)
+    xq, x_scale = quantize_groups(x2, groups, size, wq.dtype)
+    wq = jnp.pad(wq, ((0, 0), (0, groups * size - wq.shape[-1]))).reshape(out_rows, groups, size)  # zeros add nothing
     out = jax.lax.dot_general(xq, wq, (((2,), (2,)), ((1,), (1,))), preferred_element_type=accumulate)  # [G, T, O]
     out = out.astype(jnp.float32)
     w_scale = weight.scale.reshape(out_rows, groups).T[:, None, :]
@@ -557,8 +564,7 @@ def quantized_grouped_matmul(rows: jax.Array, weight: QuantizedWeight, group_siz
     n_in, groups = value.shape[1], scale.shape[1]
     size = weight.group_size or n_in
     if groups > 1 and block_gmm is not None:
-        padded = jnp.pad(rows, [(0, 0), (0, groups * size - n_in)]).reshape(rows.shape[0], groups, size)
-        xq, x_scale = quantize_rows(padded, value.dtype)  # (padding zeros change no group's largest magnitude)
+        xq, x_scale = quantize_groups(rows, groups, size, value.dtype)
         return block_gmm(xq.reshape(rows.shape[0], -1)[:, :n_in], value, group_sizes, x_scale[..., 0], scale, size)
     expert_of_row = jnp.repeat(jnp.arange(value.shape[0]), group_sizes, total_repeat_length=rows.shape[0])
     out = jnp.zeros((rows.shape[0], value.shape[2]), jnp.float32)

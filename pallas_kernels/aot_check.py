@@ -225,18 +225,15 @@ def gmm_case(rows: int, k: int, n: int, dtype=jnp.bfloat16, experts: int = 128, 
              **tuning) -> Case:
     """grouped_matmul over `rows` (token, expert) rows; the routing is data (traced).
     `scale_size`: 8-bit operands with block scales over that many inputs."""
-    fn = jax.jit(partial(grouped_matmul, interpret=False, **tuning))
     args = [spec((rows, k), dtype), spec((experts, k, n), dtype), spec((experts,))]
     params = dict(rows=rows, k=k, n=n, experts=experts, dtype=jnp.dtype(dtype).name, **tuning)
     if scale_size:
         blocks = -(-k // scale_size)
-        def scaled(lhs, rhs, group_sizes, lhs_scale, rhs_scale):
-            return grouped_matmul(lhs, rhs, group_sizes, lhs_scale=lhs_scale, rhs_scale=rhs_scale,
-                                  scale_size=scale_size, interpret=False, **tuning)
-
-        fn = jax.jit(scaled)
         args += [spec((rows, blocks), jnp.float32), spec((experts, blocks, n), jnp.float32)]
         params["scale_size"] = scale_size
+    fn = jax.jit(lambda lhs, rhs, group_sizes, lhs_scale=None, rhs_scale=None: grouped_matmul(
+        lhs, rhs, group_sizes, lhs_scale=lhs_scale, rhs_scale=rhs_scale, scale_size=scale_size,
+        interpret=False, **tuning))
     return Case("gmm", params, fn, args)
 
 
@@ -386,7 +383,9 @@ def check(argv: list[str] | None, doc: str, name: str, make_cases: Callable[[boo
     """The command line of a deviceless check: `make_cases(quick)` compiled for sm_90a,
     results to $OUT/`name`.json. Exit 0 all clean, 1 a case failed, 2 no CUDA plugin."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer cases (kernels: fewer GQA groups, about half)")
+    parser.add_argument("--quick", action="store_true",
+                        help="less to compile (kernels: fewer GQA groups, about half; the engine: models cut "
+                        "to 2 layers)")
     parser.add_argument("--kind", default=None, help="only cases of these kinds, comma-separated (kernels: "
                         "decode, ragged, gmm, int4, gmm_int4)")
     parser.add_argument("--json", default=None, help=f"write results here (default $OUT/{name}.json if $OUT is set)")

@@ -58,7 +58,10 @@ def _ids(encoded) -> list[int]:
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
 
-def train(model: str | Path, out: str | Path, steps: int = 40, rank: int = 16, lr: float = 2e-3, seed: int = 0) -> Path:
+def train(model: str | Path, out: str | Path, steps: int = 40, rank: int = 16, lr: float = 2e-3, seed: int = 0,
+          layers: list[int] | None = None) -> Path:
+    """`layers`: adapt only these decoder layers (PEFT's `layers_to_transform`; default every
+    layer). The last few are cheapest to train: the backward pass stops below the first."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -68,7 +71,8 @@ def train(model: str | Path, out: str | Path, steps: int = 40, rank: int = 16, l
     base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     peft_model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets,
-                                                 lora_dropout=0.0, task_type="CAUSAL_LM"))
+                                                 lora_dropout=0.0, task_type="CAUSAL_LM",
+                                                 layers_to_transform=layers))
     rows, labels = [], []
     for question, answer in PAIRS:
         prompt, whole = _ids(chat(tokenizer, question)), _ids(chat(tokenizer, question, answer))
