@@ -123,6 +123,10 @@ def test_logprobs_close_to_hf(outputs, hf):
             _assert_close(out.outputs[0].logprobs[j], want[len(prompt) + j - 1], token)
 
 
+# A sequence scored: the logprob of each of its tokens (prompt logprobs), one token sampled.
+SCORE = SamplingParams(max_tokens=1, prompt_logprobs=1)
+
+
 @pytest.fixture(scope="module")
 def scored_greedy(llm):
     """The full-precision model's greedy completions of 32 prompts, each prompt and completion as
@@ -130,8 +134,7 @@ def scored_greedy(llm):
     prompts = PROMPTS + list(REPEAT_PROMPTS[: 32 - len(PROMPTS)])
     greedy = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     sequences = [{"prompt_token_ids": o.prompt_token_ids + o.outputs[0].token_ids} for o in greedy]
-    full = [o.prompt_logprobs for o in llm.generate(sequences, SamplingParams(max_tokens=1, prompt_logprobs=1),
-                                                    use_tqdm=False)]
+    full = [o.prompt_logprobs for o in llm.generate(sequences, SCORE, use_tqdm=False)]
     return greedy, sequences, full
 
 
@@ -150,7 +153,6 @@ def test_quantized_agrees_with_full_precision(kind, bound, scored_greedy, smollm
     from weights.make_quantized import make_compressed, make_fp8, make_w4a16
 
     greedy, sequences, full = scored_greedy
-    score = SamplingParams(max_tokens=1, prompt_logprobs=1)
     engine = dict(dtype="float32", max_model_len=512, max_num_batched_tokens=256, max_num_seqs=24, token_buckets=[256])
     if kind == "online fp8":
         quantized = LLM(str(smollm2_path), quantization="fp8", **engine)
@@ -160,7 +162,7 @@ def test_quantized_agrees_with_full_precision(kind, bound, scored_greedy, smollm
         quantized = LLM(str(make_compressed(smollm2_path, tmp_path / "int8", "int8")), **engine)
     else:
         quantized = LLM(str(make_w4a16(smollm2_path, tmp_path / "w4a16", 64, symmetric=False)), **engine)
-    got = [o.prompt_logprobs for o in quantized.generate(sequences, score, use_tqdm=False)]
+    got = [o.prompt_logprobs for o in quantized.generate(sequences, SCORE, use_tqdm=False)]
     quantized.shutdown()
     same, errors = [], []
     for out, want, scored in zip(greedy, full, got):
