@@ -35,7 +35,7 @@ from jaxvllm.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jaxvllm.sharding import gather_over_processes
 from jaxvllm.spec_decode.draft_model import check_draft_model
 from jaxvllm.spec_decode.eagle import EagleHead, check_eagle_head
-from jaxvllm.spec_decode.ngram_proposer import ContextArrays, NgramProposer
+from jaxvllm.spec_decode.ngram_proposer import ContextArrays, MissBackoff, NgramProposer
 from jaxvllm.structured_output import StructuredOutputManager
 from jaxvllm.utils.compilation_cache import use_compilation_cache
 
@@ -94,11 +94,13 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         # Speculative decoding: drafts proposed on the host after each (synchronous) step.
         # The scheduler then takes requests one at a time: its vectorized path has no drafts.
-        self.proposer, self._contexts = None, None
+        self.proposer, self._contexts, self._backoff = None, None, None
         spec = config.speculative_config
         if spec is not None and spec.method == "ngram":
             self.proposer = NgramProposer(config, max_model_len=max_model_len)
             self._contexts = ContextArrays()
+            if self.runner.fill_buckets is not None:  # (a CPU: a verify costs several decode steps)
+                self._backoff = MissBackoff()
         elif spec is not None:
             self.proposer = self.runner.drafter
         if spec is not None:
@@ -288,6 +290,10 @@ class LLMEngine:
         if lengths is not None:  # (tokens a request got: more than one when it accepted drafts)
             appended = [r.num_tokens - n for r, n in zip(out.scheduled.requests, lengths)]
             self.metrics.record_spec_decode(out.scheduled.num_drafts, result.num_accepted)
+            if self._backoff is not None:
+                for request, drafts, accepted in zip(out.scheduled.requests, out.scheduled.num_drafts,
+                                                     result.num_accepted):
+                    self._backoff.record(request.request_id, int(drafts), int(accepted))
         self.metrics.record_step(updated, now, None if appended is None else sum(appended))
         if result.logprobs is not None or result.prompt_logprobs is not None:
             self.output_processor.record_logprobs(out.scheduled, result, set(map(id, updated)), appended)
@@ -326,8 +332,13 @@ class LLMEngine:
             requests.append(request)
             caps.append(room)
         if isinstance(self.proposer, NgramProposer):
+            running = {r.request_id for r in self.scheduler.running}
+            self._contexts.keep(running)
+            if self._backoff is not None:  # (requests whose drafts keep failing pause)
+                self._backoff.keep(running)
+                kept = [i for i, r in enumerate(requests) if self._backoff.allow(r.request_id)]
+                requests, caps = [requests[i] for i in kept], [caps[i] for i in kept]
             contexts = [self._contexts.get(r.request_id, r.token_ids) for r in requests]
-            self._contexts.keep({r.request_id for r in requests})
             for request, drafts in zip(requests, self.proposer.propose_batch(contexts, caps)):
                 self._set_drafts(request, drafts)
             return

@@ -106,3 +106,42 @@ class ContextArrays:
         """Forget the requests not in `keys` (those that left the running set)."""
         for key in self._arrays.keys() - keys:
             del self._arrays[key]
+
+
+class MissBackoff:
+    """Per request, a pause in drafting after drafts that mostly failed. On a CPU a step that
+    verifies 1 + K tokens costs several decode steps (each padded token is computed), so a
+    request whose lookups keep missing is slower with drafts than without. After a verify
+    that accepted fewer than half its drafts the request skips 1, 2, 4, ... (at most
+    `MAX_SKIP`) steps before it drafts again, doubling with each miss in a row; a verify that
+    accepted at least half ends the pause. It reads the request's own history only, so a
+    seeded request's drafts, and hence its output, do not depend on the batch around it."""
+
+    MAX_SKIP = 16
+
+    def __init__(self) -> None:
+        self._misses: dict[str, int] = {}  # request -> misses in a row
+        self._skip: dict[str, int] = {}  # request -> steps left without drafts
+
+    def allow(self, key: str) -> bool:
+        """Whether request `key` may draft for its next step (a step it skips counts down)."""
+        skip = self._skip.get(key, 0)
+        if skip:
+            self._skip[key] = skip - 1
+        return not skip
+
+    def record(self, key: str, drafted: int, accepted: int) -> None:
+        """A verified step of request `key`: `accepted` of its `drafted` drafts passed."""
+        if not drafted:
+            return
+        if 2 * accepted >= drafted:
+            self._misses.pop(key, None)
+            return
+        misses = self._misses.get(key, 0) + 1
+        self._misses[key], self._skip[key] = misses, min(1 << (misses - 1), self.MAX_SKIP)
+
+    def keep(self, keys: set[str]) -> None:
+        """Forget the requests not in `keys` (those that left the running set)."""
+        for table in (self._misses, self._skip):
+            for key in table.keys() - keys:
+                del table[key]

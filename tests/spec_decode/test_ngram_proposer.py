@@ -1,5 +1,6 @@
 """The n-gram proposer: vLLM's cases (tests/v1/spec_decode/test_ngram.py, with jaxvllm's
-config), the batched entry point's caps, and the fast matcher against a brute force."""
+config), the batched entry point's caps, the fast matcher against a brute force, and the
+CPU's pause after missed drafts."""
 
 import itertools
 
@@ -8,6 +9,7 @@ import pytest
 
 from jaxvllm.config import EngineConfig, SpeculativeConfig
 from jaxvllm.spec_decode.ngram_proposer import (
+    MissBackoff,
     NgramProposer,
     _find_longest_matched_ngram_and_propose_tokens,
 )
@@ -141,3 +143,29 @@ def test_context_arrays_follow_growing_lists():
     contexts.get("b", [3])
     contexts.keep({"b"})
     assert list(contexts._arrays) == ["b"]
+
+
+def test_miss_backoff_pauses_drafts_after_misses_and_resumes_after_a_hit():
+    """A verify that accepted fewer than half its drafts pauses the request 1, 2, 4, ...
+    steps (at most MAX_SKIP); one that accepted at least half ends the pause and the count."""
+    backoff = MissBackoff()
+
+    def allowed(steps: int) -> list[bool]:
+        return [backoff.allow("a") for _ in range(steps)]
+
+    assert allowed(3) == [True] * 3  # a new request drafts
+    backoff.record("a", drafted=0, accepted=0)  # a step without drafts changes nothing
+    assert allowed(1) == [True]
+    pauses = []
+    for _ in range(7):
+        backoff.record("a", drafted=8, accepted=3)  # 3 of 8: a miss
+        steps = allowed(MissBackoff.MAX_SKIP + 1)
+        pauses.append(steps.index(True))
+        assert all(steps[pauses[-1]:])
+    assert pauses == [1, 2, 4, 8, 16, 16, 16]
+    backoff.record("a", drafted=8, accepted=4)  # half: a hit, the count starts again
+    backoff.record("a", drafted=4, accepted=0)
+    assert allowed(2) == [False, True]
+    backoff.record("b", drafted=2, accepted=0)
+    backoff.keep({"a"})  # "b" left the running set: forgotten, it drafts at once if it comes back
+    assert backoff.allow("b")
