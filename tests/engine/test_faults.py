@@ -29,6 +29,15 @@ def prompts():
     return [{"prompt_token_ids": prefix + [int(t) for t in rng.integers(3, 384, size=n)]} for n in (1, 5, 17, 40, 3, 9)]
 
 
+@pytest.fixture(autouse=True)
+def python_sigint_handler():
+    """SIGINT raises KeyboardInterrupt, as in a Python or Jupyter main process, whatever an
+    earlier test of this pytest process (a worker of `-n 2`) left installed."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.fixture(scope="module", params=[True, False], ids=["async", "sync"])
 def case(request, tiny_checkpoint):
     llm = LLM(tiny_checkpoint("qwen3"), async_scheduling=request.param, **ENGINE)
@@ -210,7 +219,7 @@ def test_sigint_at_random_moments(case, use_tqdm):
     rng = random.Random(0)
     delays = [rng.uniform(0.0, duration) for _ in range(30)]
     interrupted = send_sigints(llm, want, call, want, delays)
-    print(f"\n{interrupted} of {len(delays)} SIGINTs interrupted generate")
+    print(f"\n{interrupted} of {len(delays)} SIGINTs interrupted generate ({duration * 1e3:.1f} ms a call)")
     assert interrupted >= len(delays) // 2
 
 
