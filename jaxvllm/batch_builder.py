@@ -66,6 +66,8 @@ class HostBatch:
     # (row, request) of the requests admitted this step that use sampler state: the runner
     # writes their device state rows before it dispatches the step.
     admitted: list[tuple[int, Request]] = field(default_factory=list)
+    # Device drafts: the persistent rows the draft model drafts for after this step.
+    proposing: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     def grammar_masks(self) -> list[tuple[int, object, list[int]]]:
         """(first logits row, grammar, drafts) of each constrained row: its bitmask rows are
@@ -83,7 +85,9 @@ class BatchBuilder:
     `smallest_width`: the narrowest block table (`input_batch.SMALLEST_WIDTH` or `NARROW_WIDTH`).
     `dynamic_loops`: every layout's `ModelInputs.dynamic_loops` (a CPU engine).
     `spec_tokens`: speculative decoding's K; a step with drafts takes a layout with room
-    for K per row (`BatchLayout.spec_tokens`).
+    for K per row (`BatchLayout.spec_tokens`). `device_drafts`: the drafts are the draft
+    model's on the device (async scheduling; `BatchLayout.device_drafts`), a request's given
+    as -1s in its `spec_token_ids`.
     `lora`: LoRA is on; a step with an adapter's tokens takes a layout that carries each
     token's slot (`BatchLayout.lora`), a step without one the layout of an engine without LoRA;
     `lora_kernel`: their delta as grouped matmuls (`ModelInputs.lora_kernel`).
@@ -92,10 +96,11 @@ class BatchBuilder:
     def __init__(self, *, max_num_seqs: int, max_model_len: int, block_size: int, buckets: list[int],
                  vocab_size: int, max_logprobs: int = DEFAULT_MAX_LOGPROBS, decode_only: bool = False,
                  smallest_width: int = SMALLEST_WIDTH, dynamic_loops: bool = False, spec_tokens: int = 0,
-                 lora: bool = False, lora_kernel: bool = False) -> None:
+                 device_drafts: bool = False, lora: bool = False, lora_kernel: bool = False) -> None:
         self.max_num_seqs, self.block_size, self.vocab_size = max_num_seqs, block_size, vocab_size
         self.max_logprobs, self.decode_only, self.dynamic_loops = max_logprobs, decode_only, dynamic_loops
         self.spec_tokens, self.lora, self.lora_kernel = spec_tokens, lora, lora_kernel
+        self.device_drafts = device_drafts
         self.buckets = sorted(set(buckets))
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.widths = block_table_widths(self.max_blocks_per_seq, smallest_width)
@@ -131,7 +136,8 @@ class BatchBuilder:
                 ) -> BatchLayout:
         """A step shape's layout, made once (it caches its field offsets and padding)."""
         return BatchLayout(bucket, self.rows_for(bucket), width, decode_only, self.dynamic_loops,
-                           self.spec_tokens if spec else 0, lora, lora and self.lora_kernel)
+                           self.spec_tokens if spec else 0, lora, lora and self.lora_kernel, self.device_drafts,
+                           self.block_size if self.device_drafts else 0)
 
     def logprobs_width(self, k: int) -> int:
         """Top logprobs computed in a step whose rows ask for up to k: vLLM's default
@@ -219,16 +225,23 @@ class BatchBuilder:
         ids = v["input_ids"][:num_tokens]
         flat = self._host_tokens(scheduled)
         if len(pending):  # those tokens come from the device's last sampled ids, at the request's row
-            v["prev_row"][last[pending]] = rows[pending]
+            own_last = last[pending] - drafts[pending]
+            v["prev_row"][own_last] = rows[pending]
             from_host = np.ones(num_tokens, bool)
-            from_host[last[pending]] = False
+            from_host[own_last] = False
             ids[from_host] = flat
         else:
             ids[:] = flat
+        proposing = None
+        if self.device_drafts:
+            proposing = self._device_rows(v, ids, rows, pending, drafts, last, ends, samples, seq_of_token,
+                                          scheduled.num_blocks)
 
         layout.row_columns(packed)[:, :n] = ib.packed_columns[:, rows]
         features = self._fill_sampling_rows(v, rows, own_ends, samples, bool(grammar_rows))
         batch = HostBatch(layout, packed, features, n, grammar_rows=grammar_rows, admitted=admitted)
+        if proposing is not None:
+            batch.proposing = proposing
         if ib.num_special:  # (else no row has a grammar or prompt logprobs)
             self._prompt_targets(batch, v["query_start_loc"], scheduled, rows)
         return batch
@@ -253,6 +266,25 @@ class BatchBuilder:
         for i in np.flatnonzero(scheduled.num_blocks != ib.num_blocks[rows]).tolist():  # (those that got a block)
             ib.set_blocks(int(rows[i]), scheduled.block_ids[i])
         return rows, admitted
+
+    def _device_rows(self, v: dict[str, np.ndarray], ids: np.ndarray, rows: np.ndarray, pending: np.ndarray,
+                     drafts: np.ndarray, last: np.ndarray, ends: np.ndarray, samples: np.ndarray,
+                     seq_of_token: np.ndarray, num_blocks: np.ndarray) -> np.ndarray:
+        """Device drafts: a draft's id codes its place in `draft_rows` (its row, its index);
+        rows whose step before is in flight are `shifted`. Returns the persistent rows that
+        sample and have the K slots after this step's tokens allocated: the draft model
+        drafts for them on the device, and they are marked `drafted` for the next step."""
+        k, n = self.spec_tokens, len(rows)
+        for i in np.flatnonzero(drafts).tolist():
+            first = last[i] - drafts[i] + 1
+            if ids[first] < 0:  # (-1s: the request's drafts are on the device)
+                ids[first : last[i] + 1] = -(rows[i] * k + np.arange(drafts[i])) - 1
+        v["shifted"][pending] = 1
+        v["shift_seq"][: len(seq_of_token)] = np.where(np.isin(seq_of_token, pending), seq_of_token, -1)
+        v["next_pos"][:n] = ends
+        propose = samples & (num_blocks * self.block_size >= ends + k)
+        self.input_batch.drafted[rows] = propose
+        return rows[propose]
 
     @staticmethod
     def _host_tokens(scheduled: ScheduledBatch) -> np.ndarray:

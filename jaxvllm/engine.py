@@ -73,7 +73,8 @@ class LLMEngine:
             SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                             max_model_len=max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
                             policy=config.scheduling_policy, fill_buckets=self.runner.fill_buckets,
-                            max_loras=config.max_loras if config.enable_lora else 0),
+                            max_loras=config.max_loras if config.enable_lora else 0,
+                            lookahead=self.runner.spec_tokens if self.runner.device_drafts else 0),
             self.kv_cache_manager,
         )
         # for get_metrics(); vLLM labels each data-parallel replica
@@ -92,7 +93,8 @@ class LLMEngine:
                                               self.scheduler.check_fits, self.structured_outputs,
                                               digests=self._multiprocess)
         self.output_processor = OutputProcessor(self.tokenizer)
-        # Speculative decoding: drafts proposed on the host after each (synchronous) step.
+        # Speculative decoding: drafts proposed on the host after each (synchronous) step, or
+        # under async scheduling by the draft model on the device (`runner.device_drafts`).
         # The scheduler then takes requests one at a time: its vectorized path has no drafts.
         self.proposer, self._contexts, self._backoff = None, None, None
         spec = config.speculative_config
@@ -242,6 +244,8 @@ class LLMEngine:
             self._check_same_requests()
         try:
             with defer_interrupts():
+                if self.runner.device_drafts:
+                    self._device_drafts()
                 out = self.scheduler.schedule()
                 self.runner.release(r.request_id for r in out.preempted)
                 launched = (out, self.runner.execute(out.scheduled)) if out.scheduled else None
@@ -282,7 +286,7 @@ class LLMEngine:
         now = time.time()  # when the host has this step's tokens (the scheduler stamps first tokens too)
         ended, ending = self._end_dead_ends(out, result, grammar_rows)
         lengths = [r.num_tokens for r in out.scheduled.requests] if result.num_accepted is not None else None
-        updated = self.scheduler.update_from_output(out, result.sampled, result.num_accepted)
+        updated = self.scheduler.update_from_output(out, result.sampled, result.num_accepted, result.draft_ids)
         for request in ending:
             if not request.is_finished:
                 self._finish_at_dead_end(request)
@@ -305,7 +309,7 @@ class LLMEngine:
                 finished.append(request.request_id)
                 self.metrics.record_finished(request)  # its finish reason is final: stop strings were checked
         self.runner.release(finished)
-        if self.proposer is not None:
+        if self.proposer is not None and not self.runner.device_drafts:
             self._propose_drafts(out.scheduled)
         outputs, done = self.output_processor.step_outputs(updated + ended, self._parents)
         for parent in done:
@@ -360,6 +364,21 @@ class LLMEngine:
             return
         for (request, cap), row in zip(ready, drafts.tolist()):
             self._set_drafts(request, row[:cap])
+
+    def _device_drafts(self) -> None:
+        """Under async scheduling with a draft model: each running request whose newest
+        drafts are on the device (`InputBatch.drafted`) verifies them in the next step, as
+        many as fit under its max_tokens counting every pending token (-1s: the runner reads
+        them there). None for a structured output, whose masks need the drafts on the host, or
+        while more requests run than `disable_by_batch_size`."""
+        k, rows = self.runner.spec_tokens, self.runner.builder.input_batch
+        threshold = self.config.speculative_config.disable_by_batch_size
+        busy = threshold is not None and len(self.scheduler.running) > threshold
+        for request in self.scheduler.running:
+            row = rows.row_of.get(request.request_id)
+            room = request.max_num_tokens - request.num_tokens - request.num_pending - 1
+            drafted = row is not None and rows.drafted[row] and request.grammar is None and not busy
+            request.spec_token_ids = [-1] * min(k, room) if drafted and room > 0 else []
 
     @staticmethod
     def _set_drafts(request: Request, drafts: list[int]) -> None:

@@ -30,7 +30,8 @@ from jaxvllm.request import Request
 from jaxvllm.sampler import SAMPLING_COLUMNS, SamplingTensors
 
 # (field, length: "T" tokens, "S" rows, "S+1", "SW" block table, "SK" K draft tokens per
-# row, "SD" S in a speculative layout (K > 0) else none, "L" logits rows: S, or with drafts
+# row, "SD" S in a speculative layout (K > 0) else none, "SX" / "TX" S / T in a layout with
+# device drafts (`BatchLayout.device_drafts`) else none, "L" logits rows: S, or with drafts
 # min(S (1 + K), T), as every logits row is a distinct token's) in packing order. The sampling rows (the sampler's table, and a speculative step's drafts)
 # come first, so that their offsets depend on S and K alone: the forward hands the sampler
 # that prefix, and the sampler compiles per row count, not per bucket/width.
@@ -38,6 +39,12 @@ _SAMPLING_FIELDS = tuple((name, "S") for name, *_ in SAMPLING_COLUMNS) + (
     ("draft_ids", "SK"),  # a row's draft tokens, verified this step (speculative decoding)
     ("num_drafts", "SD"),  # how many of them are real (the others: padding)
     ("logits_start", "SD"),  # the row's first logits row (its 1 + num_drafts rows follow)
+    # Device drafts (async scheduling with a draft model): the row's step before is still in
+    # flight, so its positions are the host's count if every draft were accepted (1: the
+    # device takes off what that step rejected); the host's position of the token this step
+    # samples.
+    ("shifted", "SX"),
+    ("next_pos", "SX"),
 )
 _FIELDS = _SAMPLING_FIELDS + (
     ("query_start_loc", "S+1"),
@@ -51,13 +58,14 @@ _FIELDS = _SAMPLING_FIELDS + (
     ("slot_mapping", "T"),
     ("block_tables", "SW"),
     ("lora_slots", "TL"),  # each token's LoRA slot (-1: none), in a layout with adapters (else none)
+    ("shift_seq", "TX"),  # device drafts: the sequence row of a token whose row is `shifted` (-1: none)
 )
 _DTYPES = {name: np.dtype(dtype) for name, dtype, _, _ in SAMPLING_COLUMNS}
 _FLOATS = {name for name, dtype in _DTYPES.items() if dtype == np.float32}
 _BOOLS = {name for name, dtype in _DTYPES.items() if dtype == np.bool_}
 _UINTS = {name for name, dtype in _DTYPES.items() if dtype == np.uint32}
 _PADDING = {name: pad for name, _, pad, _ in SAMPLING_COLUMNS if pad} | {"prev_row": -1, "slot_mapping": -1,
-                                                                          "lora_slots": -1}
+                                                                          "lora_slots": -1, "shift_seq": -1}
 # The sampling columns a request's persistent row holds, and the Request attribute of each.
 ROW_COLUMNS = tuple((name, attrgetter(row)) for name, _, _, row in SAMPLING_COLUMNS if row is not None)
 # They lead the sampler's table, so a step copies them into the packed buffer in one gather.
@@ -76,12 +84,17 @@ class BatchLayout:
     spec_tokens: int = 0  # K: draft tokens a row may verify (0: no drafts this step)
     lora: bool = False  # tokens carry LoRA slots (`ModelInputs.lora_slots`)
     lora_kernel: bool = False  # `ModelInputs.lora_kernel`
+    # Draft tokens and position corrections come from the device (`model_inputs`' draft_rows):
+    # async scheduling with a draft model. `block_size` then places the corrected positions.
+    device_drafts: bool = False
+    block_size: int = 0
 
     @cached_property
     def spans(self) -> dict[str, tuple[int, int]]:
         s, k = self.num_rows, self.spec_tokens
         sizes = {"T": self.num_tokens, "S": s, "S+1": s + 1, "SW": s * self.width, "SK": s * k,
-                 "SD": s if k else 0, "L": self.num_logits,
+                 "SD": s if k else 0, "L": self.num_logits, "SX": s if self.device_drafts else 0,
+                 "TX": self.num_tokens if self.device_drafts else 0,
                  "TL": self.num_tokens if self.lora else 0}
         spans, start = {}, 0
         for name, kind in _FIELDS:
@@ -105,10 +118,10 @@ class BatchLayout:
         return self.spans[_SAMPLING_FIELDS[-1][0]][1]
 
     @classmethod
-    def rows_only(cls, num_rows: int, spec_tokens: int = 0) -> "BatchLayout":
+    def rows_only(cls, num_rows: int, spec_tokens: int = 0, device_drafts: bool = False) -> "BatchLayout":
         """A layout that reads just the sampling rows (the prefix every layout with
         `num_rows` rows and `spec_tokens` drafts per row shares)."""
-        return cls(0, num_rows, 0, spec_tokens=spec_tokens)
+        return cls(0, num_rows, 0, spec_tokens=spec_tokens, device_drafts=device_drafts)
 
     def empty(self) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """A fresh all-padding buffer and its field views.
@@ -152,13 +165,29 @@ class BatchLayout:
             return x.reshape(self.num_rows, self.width)
         return x
 
-    def model_inputs(self, packed: jax.Array, last_sampled: jax.Array) -> ModelInputs:
-        """On the device: the model's inputs, with ids still in flight taken from `last_sampled`."""
+    def model_inputs(self, packed: jax.Array, last_sampled: jax.Array, draft_rows: jax.Array | None = None
+                     ) -> ModelInputs:
+        """On the device: the model's inputs, with ids still in flight taken from `last_sampled`.
+        With device drafts, `draft_rows` [persistent rows, 2 + K] holds each row's rejected
+        count of its step before (column 0), its newest token's position (1) and its drafts
+        (2..): a draft's id is -(row * K + j) - 1 on the host, and a `shifted` row's positions,
+        slots and length lose what its step before rejected."""
         f = lambda name: self._field(packed, name)  # noqa: E731
-        prev = f("prev_row")
-        input_ids = jnp.where(prev >= 0, last_sampled[jnp.maximum(prev, 0)], f("input_ids"))
-        return ModelInputs(input_ids, f("positions"), f("slot_mapping"), f("query_start_loc"), f("seq_lens"),
-                           f("block_tables"), f("logits_indices"), f("lora_slots") if self.lora else None,
+        ids, prev = f("input_ids"), f("prev_row")
+        input_ids = jnp.where(prev >= 0, last_sampled[jnp.maximum(prev, 0)], ids)
+        positions, slots, seq_lens, tables = f("positions"), f("slot_mapping"), f("seq_lens"), f("block_tables")
+        if self.device_drafts:
+            drafts = draft_rows[:, 2:].reshape(-1)
+            input_ids = jnp.where(ids < 0, drafts[jnp.clip(-ids - 1, 0, drafts.shape[0] - 1)], input_ids)
+            shift = jnp.where(f("shifted") != 0, draft_rows[f("slot"), 0], 0)  # [S]
+            seq = f("shift_seq")
+            row = jnp.maximum(seq, 0)
+            positions = positions - jnp.where(seq >= 0, shift[row], 0)
+            bs = self.block_size
+            slots = jnp.where(seq >= 0, tables[row, positions // bs] * bs + positions % bs, slots)
+            seq_lens = seq_lens - shift
+        return ModelInputs(input_ids, positions, slots, f("query_start_loc"), seq_lens,
+                           tables, f("logits_indices"), f("lora_slots") if self.lora else None,
                            self.decode_only, self.dynamic_loops, self.lora and self.lora_kernel)
 
     def sampling(self, packed: jax.Array) -> SamplingTensors:
@@ -169,6 +198,10 @@ class BatchLayout:
         first logits row [S]."""
         return (self._field(packed, "draft_ids").reshape(self.num_rows, self.spec_tokens),
                 self._field(packed, "num_drafts"), self._field(packed, "logits_start"))
+
+    def device_rows(self, packed: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """With device drafts: each row's `shifted` and `next_pos` [S]."""
+        return self._field(packed, "shifted"), self._field(packed, "next_pos")
 
 
 # The narrowest block-table width. An attention whose cost follows the table's width (the
@@ -214,6 +247,7 @@ class InputBatch:
         self.has_bad_words = np.zeros(max_num_seqs, bool)
         self.has_grammar = np.zeros(max_num_seqs, bool)  # structured output
         self.num_prompt_logprobs = np.full(max_num_seqs, -1, np.int64)  # -1: not asked for
+        self.drafted = np.zeros(max_num_seqs, bool)  # device drafts: the row's newest drafts are on the device
         self.num_special = 0  # rows with a grammar or prompt logprobs (none: a step skips looking for them)
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
@@ -239,6 +273,7 @@ class InputBatch:
         self.num_prompt_logprobs[row] = -1 if request.num_prompt_logprobs is None else request.num_prompt_logprobs
         self.num_special += self._special(row)
         self.num_blocks[row] = 0
+        self.drafted[row] = False
         return row
 
     @staticmethod

@@ -69,6 +69,7 @@ class RunnerOutput:
     prompt_logprobs: Logprobs | None  # numpy fields, one row per `prompt_positions` entry
     prompt_positions: list[tuple[int, int]]  # (scheduled index, prompt position scored)
     num_accepted: np.ndarray | None = None  # [n] drafts each row accepted, in a step that verified drafts
+    draft_ids: np.ndarray | None = None  # [n, K] the drafts each row verified (device drafts: unknown before)
     # There: each row's first logits row; `logprobs` then has a row per logits row, row
     # logits_start[i] + j that of row i's j-th new token.
     logits_start: np.ndarray | None = None
@@ -83,6 +84,8 @@ class PendingStep:
     logprobs: Logprobs | None
     prompt_logprobs: list[Logprobs]  # per chunk of the batch's prompt rows
     accepted: jax.Array | None = None  # a speculative step's accepted drafts per row
+    drafts: jax.Array | None = None  # and the drafts it verified [S, K]
+    proposes: bool = False  # device drafts: the draft model drafts after its sampler
     # Until a constrained step is sampled: the forward's logits and sampling prefix.
     logits: jax.Array | None = None
     sampling_rows: jax.Array | None = None
@@ -107,20 +110,22 @@ class PendingStep:
             prompt_logprobs=prompt,
             prompt_positions=b.prompt_positions,
             num_accepted=to_host(self.accepted)[:n] if spec else None,
+            draft_ids=to_host(self.drafts)[:n] if spec else None,
             logits_start=b.layout.views(b.packed)["logits_start"][:n].copy() if spec else None,
         )
 
 
-def _forward(params, kv_caches, packed, last_sampled, lora=None, *, cfg: ModelConfig, backend: str, mesh: Mesh | None,
-             aux_layers: tuple[int, ...], layout: BatchLayout):
+def _forward(params, kv_caches, packed, last_sampled, lora=None, draft_rows=None, *, cfg: ModelConfig, backend: str,
+             mesh: Mesh | None, aux_layers: tuple[int, ...], layout: BatchLayout):
     """The model on one step's batch: float32 logits of the sampling rows, every token's
     final hidden state (for prompt logprobs and EAGLE), the residual streams entering
     `aux_layers` side by side [T, n * hidden] (EAGLE-3's input; None without), the batch's
     sampling prefix (for the sampler, which then compiles per row count only), and the
     updated caches. Logits of a vocabulary-split lm_head are gathered: the sampler reads
-    whole rows. `lora`: the LoRA slots' stacks, read in a layout with adapters (else None)."""
+    whole rows. `lora`: the LoRA slots' stacks, read in a layout with adapters (else None);
+    `draft_rows`: the device drafts, in a layout that has them (`BatchLayout.model_inputs`)."""
     model = MODELS[cfg.architecture]
-    inputs = layout.model_inputs(packed, last_sampled)
+    inputs = layout.model_inputs(packed, last_sampled, draft_rows)
     if layout.lora:
         params = {**params, "lora": lora}
     hidden, kv_caches, aux = model.hidden_states(params, kv_caches, inputs, cfg, backend, mesh, aux_layers)
@@ -131,23 +136,37 @@ def _forward(params, kv_caches, packed, last_sampled, lora=None, *, cfg: ModelCo
     return logits, hidden, aux, packed[: layout.sampling_size], kv_caches
 
 
-def _sample(sampling_rows, logits, last_sampled, state, bitmask, *, num_rows: int, features: SamplerFeatures,
-            logprobs_mode: str, spec_tokens: int = 0):
+def _sample(sampling_rows, logits, last_sampled, state, bitmask, draft_rows=None, *, num_rows: int,
+            features: SamplerFeatures, logprobs_mode: str, spec_tokens: int = 0, device_drafts: bool = False):
     """Sample every row (`sampling_rows`: the packed batch's sampling prefix; `bitmask`: the
     structured-output masks, or None); record each sampling row's token at its persistent
     row of `last_sampled`, where the next step's decode inputs are read from. With
     `spec_tokens` K, rows verify their drafts first (`logits`: one row per verified token)
-    and the accepted counts come back too (else None)."""
-    layout = BatchLayout.rows_only(num_rows, spec_tokens)
+    and the accepted counts and the drafts verified come back too (else None). With device
+    drafts, a `shifted` row's output index loses what its step before rejected, device
+    drafts are read from `draft_rows`, and each sampling row's rejected count and newest
+    position are written there for the next step."""
+    layout = BatchLayout.rows_only(num_rows, spec_tokens, device_drafts)
     t = layout.sampling(sampling_rows)
-    accepted = None
+    accepted = drafts = None
+    if device_drafts:
+        shifted, next_pos = layout.device_rows(sampling_rows)
+        shift = jnp.where(shifted != 0, draft_rows[t.slot, 0], 0)
+        t = dataclasses.replace(t, output_index=t.output_index - shift)
     if spec_tokens:
-        sampled, accepted, logprobs, state = sample_with_drafts(logits, t, state, features, *layout.drafts(sampling_rows),
-                                                                logprobs_mode, bitmask)
+        drafts, num_drafts, logits_start = layout.drafts(sampling_rows)
+        if device_drafts:  # (-1 on the host: the row's device draft)
+            drafts = jnp.where(drafts < 0, draft_rows[t.slot, 2:], drafts)
+        sampled, accepted, logprobs, state = sample_with_drafts(logits, t, state, features, drafts, num_drafts,
+                                                                logits_start, logprobs_mode, bitmask)
     else:
         sampled, logprobs, state = sample(logits, t, state, features, logprobs_mode, bitmask)
     rows = jnp.where(t.counts_sample, t.slot, last_sampled.shape[0])  # other rows: dropped
-    return sampled, accepted, logprobs, last_sampled.at[rows].set(sampled, mode="drop"), state
+    if device_drafts:
+        rejected = num_drafts - accepted if spec_tokens else jnp.zeros_like(shift)
+        draft_rows = draft_rows.at[rows, 0].set(rejected, mode="drop")
+        draft_rows = draft_rows.at[rows, 1].set(next_pos - shift - rejected, mode="drop")
+    return sampled, accepted, drafts, logprobs, last_sampled.at[rows].set(sampled, mode="drop"), state, draft_rows
 
 
 def _prompt_logprobs(params, hidden, rows, *, cfg: ModelConfig, width: int) -> Logprobs:
@@ -175,8 +194,9 @@ def jit_sampler(logprobs_mode: str = "raw_logprobs", mesh: Mesh | None = None):
     """The sampler as the runner compiles it, per (row count, features): the last sampled
     tokens and the sampler state donated. With a mesh it runs whole on every device."""
     # partial: a function of its own, so that each runner counts only its own variants
-    return jax.jit(partial(_sample, logprobs_mode=logprobs_mode), static_argnames=("num_rows", "features", "spec_tokens"),
-                   donate_argnums=(2, 3), out_shardings=None if mesh is None else replicated(mesh))
+    return jax.jit(partial(_sample, logprobs_mode=logprobs_mode),
+                   static_argnames=("num_rows", "features", "spec_tokens", "device_drafts"),
+                   donate_argnums=(2, 3, 5), out_shardings=None if mesh is None else replicated(mesh))
 
 
 def jit_prompt_logprobs(cfg: ModelConfig):
@@ -218,6 +238,9 @@ class ModelRunner:
         self.backend = resolve_backend(c.attention_backend, softcapped=self.cfg.attn_logit_softcapping is not None)
         # Speculative decoding's K: steps with drafts take layouts and samplers with room for K a row.
         self.spec_tokens = c.speculative_config.num_speculative_tokens if c.speculative_config else 0
+        # Async scheduling with a draft model: the drafts stay on the device (`draft_rows`).
+        self.device_drafts = bool(c.async_scheduling and c.speculative_config is not None
+                                  and c.speculative_config.method == "draft_model")
         cpu = self.devices[0].platform == "cpu"
         # CPU steps may loop a batch-dependent number of times (`ModelInputs.dynamic_loops`).
         dynamic_loops = self.backend == "reference" and cpu
@@ -227,7 +250,8 @@ class ModelRunner:
             vocab_size=self.cfg.vocab_size,
             max_logprobs=c.max_logprobs, decode_only=self.backend == "pallas",
             smallest_width=NARROW_WIDTH if self.backend == "reference" and not dynamic_loops else SMALLEST_WIDTH,
-            dynamic_loops=dynamic_loops, spec_tokens=self.spec_tokens, lora=c.enable_lora,
+            dynamic_loops=dynamic_loops, spec_tokens=self.spec_tokens, device_drafts=self.device_drafts,
+            lora=c.enable_lora,
             # (as the MoE experts: the Pallas grouped matmul with the Pallas kernels, on one device)
             lora_kernel=self.backend == "pallas" and self.mesh is None,
         )
@@ -269,6 +293,8 @@ class ModelRunner:
         self.sampler_state: SamplerState = self._new_sampler_state()
         # Each persistent row's last sampled token: where decode inputs come from under async scheduling.
         self.last_sampled = self._new_last_sampled()
+        # Device drafts: each persistent row's rejected count, newest position and K drafts.
+        self.draft_rows = self._new_draft_rows()
         start = time.perf_counter()
         self.num_blocks = num_kv_blocks(c, self.kv_spec, self.devices, self.max_model_len, self._profile,
                                         self._profile_step_bytes)
@@ -325,7 +351,7 @@ class ModelRunner:
         probe = self._kv_cache_specs(self.builder.max_blocks_per_seq)
         packed = step_input(batch.packed, self._replicated)
         compiled = self._forward.lower(self.params, probe, packed, self.last_sampled, self._lora_stacks(batch.layout),
-                                       layout=batch.layout).compile()
+                                       self.draft_rows, layout=batch.layout).compile()
         m = compiled.memory_analysis()
         return int(m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
 
@@ -361,10 +387,11 @@ class ModelRunner:
         jobs += [partial(self._compile_prompt_logprobs, bucket, width=0) for bucket in b.buckets]
         row = jax.tree.map(lambda x: x[0], self.sampler_state)
         jobs.append(lambda: self._write_row.lower(self.sampler_state, 0, row).compile())
-        if self.draft is not None:  # its forward over each target layout, its proposer per width
+        if self.draft is not None:  # its forward over each target layout, its proposer per row count and width
             jobs += [partial(self._compile_draft, batch) for batch in batches]
-            jobs += [partial(self.draft.compile_propose, rows, width, self._replicated)
-                     for rows in sorted({b.rows_for(bucket) for bucket in b.buckets}) for width in b.widths]
+            jobs += [partial(self.draft.compile_propose, rows, width, self._replicated, self.last_sampled,
+                             self.draft_rows) for rows in sorted({b.rows_for(bucket) for bucket in b.buckets})
+                     for width in b.widths]
         if self.eagle is not None:  # its prefill after each target layout, its decode per row counts
             jobs += [partial(self._compile_eagle, batch) for batch in batches]
             rows = sorted({self._eagle_rows(n) for n in range(1, self.config.max_num_seqs + 1)})
@@ -384,10 +411,11 @@ class ModelRunner:
         self._forward_shapes.add(batch.layout)
         packed = step_input(batch.packed, self._replicated)
         self._forward.lower(self.params, self.kv_caches, packed, self.last_sampled, self._lora_stacks(batch.layout),
-                            layout=batch.layout).compile()
+                            self.draft_rows, layout=batch.layout).compile()
 
     def _compile_draft(self, batch: HostBatch) -> None:
-        self.draft.compile_forward(step_input(batch.packed, self._replicated), self.last_sampled, batch.layout)
+        self.draft.compile_forward(step_input(batch.packed, self._replicated), self.last_sampled, batch.layout,
+                                   self.draft_rows)
 
     def _compile_eagle(self, batch: HostBatch) -> None:
         self.eagle.compile_prefill(self.params, step_input(batch.packed, self._replicated), self.last_sampled,
@@ -408,8 +436,8 @@ class ModelRunner:
         logits = on_device((layout.num_logits, self.cfg.vocab_size), jnp.float32)
         state = self.sampler_state if features.state else None
         self._sampler_variants.add((num_rows, logits.shape[0], features))
-        self._sampler.lower(sampling_rows, logits, self.last_sampled, state, None, num_rows=num_rows,
-                            features=features, spec_tokens=spec_tokens).compile()
+        self._sampler.lower(sampling_rows, logits, self.last_sampled, state, None, self.draft_rows, num_rows=num_rows,
+                            features=features, spec_tokens=spec_tokens, device_drafts=layout.device_drafts).compile()
 
     # -- one step ----------------------------------------------------------------------
 
@@ -435,16 +463,17 @@ class ModelRunner:
         packed = step_input(batch.packed, self._replicated)
         logits, hidden, aux, sampling_rows, caches = self._forward(
             self.params, self.kv_caches if kv_caches is None else kv_caches, packed, self.last_sampled,
-            self._lora_stacks(layout), layout=layout
+            self._lora_stacks(layout), self.draft_rows, layout=layout
         )
+        step = PendingStep(batch, None, None, [])
         if kv_caches is None:
             self.kv_caches = caches
             self._forward_shapes.add(layout)
             if self.draft is not None:
-                self.draft.forward(packed, self.last_sampled, layout)
+                self.draft.forward(packed, self.last_sampled, layout, self.draft_rows)
+                step.proposes = layout.device_drafts
             if self.eagle is not None:
                 self.eagle.keep(packed, layout, hidden, aux)
-        step = PendingStep(batch, None, None, [])
         chunk = min(PROMPT_LOGPROBS_CHUNK, layout.num_tokens)
         for start in range(0, len(batch.prompt_rows), chunk):
             part = np.stack([batch.prompt_rows[start : start + chunk], batch.prompt_targets[start : start + chunk]])
@@ -464,13 +493,32 @@ class ModelRunner:
         state = self.sampler_state if features.state else None
         mask = step_input(bitmask, self._replicated) if features.grammar else None
         self._sampler_variants.add((layout.num_rows, layout.num_logits, features))
-        step.sampled, step.accepted, step.logprobs, self.last_sampled, state = self._sampler(
-            step.sampling_rows, step.logits, self.last_sampled, state, mask,
+        step.sampled, step.accepted, step.drafts, step.logprobs, self.last_sampled, state, draft_rows = self._sampler(
+            step.sampling_rows, step.logits, self.last_sampled, state, mask, self.draft_rows,
             num_rows=layout.num_rows, features=features, spec_tokens=layout.spec_tokens,
+            device_drafts=layout.device_drafts,
         )
         step.logits = step.sampling_rows = None
         if features.state:
             self.sampler_state = state
+        if layout.device_drafts:
+            self.draft_rows = draft_rows
+            if step.proposes and len(step.batch.proposing):  # (not the memory profile's step)
+                self._propose_on_device(step.batch.proposing)
+
+    def _propose_on_device(self, proposing: np.ndarray) -> None:
+        """Device drafts for the persistent rows `proposing`, after their step's sampler: the
+        draft model's K decode steps over as many rows as a bucket of them has (each row a
+        padded token's cost on a CPU), at the narrowest block-table width that holds them."""
+        b, ib = self.builder, self.builder.input_batch
+        n = len(proposing)
+        rows = np.zeros(b.rows_for(b.bucket_for(n)), np.int32)
+        rows[:n] = proposing
+        width = b.width_for(int(ib.num_blocks[proposing].max()))
+        tables = np.zeros((len(rows), width), np.int32)
+        tables[:n] = ib.block_table[proposing, :width]
+        self.draft_rows = self.draft.propose_rows(rows, np.arange(len(rows)) < n, tables, self.last_sampled,
+                                                  self.draft_rows, self._replicated)
 
     def propose_drafts(self, request_ids: list[str], tokens: list[int], positions: list[int],
                        block_ids: list[list[int]]) -> np.ndarray:
@@ -547,6 +595,8 @@ class ModelRunner:
             self.sampler_state = self._new_sampler_state()
         if gone(self.last_sampled):
             self.last_sampled = self._new_last_sampled()
+        if gone(self.draft_rows):
+            self.draft_rows = self._new_draft_rows()
         if self.lora is not None and gone(self.lora.stacks):
             self.lora.clear_slots()
         if self.eagle is not None:
@@ -564,6 +614,11 @@ class ModelRunner:
 
     def _new_last_sampled(self) -> jax.Array:
         return put(np.zeros(self.config.max_num_seqs, np.int32), self._replicated)
+
+    def _new_draft_rows(self) -> jax.Array | None:
+        if not self.device_drafts:
+            return None
+        return put(np.zeros((self.config.max_num_seqs, 2 + self.spec_tokens), np.int32), self._replicated)
 
     @cached_property
     def _replicated(self):

@@ -46,6 +46,10 @@ class SchedulerConfig:
     # LoRA: at most this many distinct adapters among the running requests (the device's
     # slots); 0: no LoRA.
     max_loras: int = 0
+    # Slots allocated past a chunk that samples, for the draft model to write its drafts'
+    # K/V on the device before the host knows the step's tokens (vLLM's lookahead slots);
+    # 0: none. Such a request then counts 1 + its drafts as pending: the most it can get.
+    lookahead: int = 0
 
 
 def bucket_edge(buckets: tuple[int, ...], used: int, num_new: int, step_tokens: int = 32) -> int:
@@ -287,17 +291,21 @@ class Scheduler:
             # Draft tokens (speculative decoding) are computed after the request's own, as far
             # as the budget goes; the chunk samples once it reaches the last of its own.
             num_new = min(num_tokens + len(request.spec_token_ids) - start, budget)
+            lookahead = self._lookahead(start + num_new >= num_tokens, start + num_new)
+            if lookahead and start + num_new + lookahead > len(req_blocks[request.request_id]) * bs:
+                self.kv.allocate_slots(request, num_new + lookahead)  # (if blocks are free: it preempts nobody)
             if start + num_new > len(req_blocks[request.request_id]) * bs:  # (most decode steps fit)
                 freed, allocated = self._allocate_or_preempt(request, num_new, scheduled, preempted)
                 budget += freed
                 if not allocated:  # it was preempted itself
                     continue
             samples = start + num_new >= num_tokens
+            drafts = max(0, start + num_new - num_tokens)
             scheduled[request.request_id] = ScheduledRequest(
-                request, start, num_new, req_blocks[request.request_id], samples, max(0, start + num_new - num_tokens)
+                request, start, num_new, req_blocks[request.request_id], samples, drafts
             )
             request.num_computed_tokens = start + num_new
-            request.num_pending += samples
+            request.num_pending += samples * (1 + drafts)
             budget -= num_new
         batch = ScheduledBatch.of(list(scheduled.values()))
         # Victims are out; the requests still scheduled will run this step, so their blocks
@@ -339,7 +347,9 @@ class Scheduler:
             last = len(self.waiting) == 1 or len(self.running) + 1 >= c.max_num_seqs
             if last and c.enable_chunked_prefill and c.fill_buckets is not None:
                 num_new = bucket_edge(c.fill_buckets, c.max_num_batched_tokens - budget, num_new)
-            if kv.allocate_slots(request, num_new, computed) is None:
+            lookahead = self._lookahead(num_cached + num_new == request.num_tokens, num_cached + num_new)
+            if (lookahead == 0 or kv.allocate_slots(request, num_new + lookahead, computed) is None) and \
+                    kv.allocate_slots(request, num_new, computed) is None:
                 break
             # Nothing is preempted once admissions start, so this step will write these
             # blocks: a request admitted next with the same prefix shares them in the
@@ -379,10 +389,16 @@ class Scheduler:
             if victim.request_id in scheduled:  # the priority policy may pick one already scheduled
                 dropped = scheduled.pop(victim.request_id)
                 freed += dropped.num_new_tokens
-                victim.num_pending -= dropped.samples
+                victim.num_pending -= dropped.samples * (1 + dropped.num_drafts)
             if victim is request:
                 return freed, False
         return freed, True
+
+    def _lookahead(self, samples: bool, end: int) -> int:
+        """Slots to allocate past a chunk ending at `end` (`SchedulerConfig.lookahead`), when
+        blocks are free: without them the request drafts nothing for its next step."""
+        k = self.config.lookahead
+        return k if k and samples and end + k <= self.config.max_model_len else 0
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":  # lowest priority = largest value; ties: latest arrival
@@ -411,18 +427,20 @@ class Scheduler:
             self._requeue(request)
         for request in self.requests.values():
             request.num_pending = 0
+            request.spec_token_ids = []
 
-    def update_from_output(self, out: SchedulerOutput, sampled, num_accepted=None) -> list[Request]:
+    def update_from_output(self, out: SchedulerOutput, sampled, num_accepted=None, draft_ids=None) -> list[Request]:
         """Append each sampling request's token, finish those that stop; returns requests with new tokens.
 
         Under async scheduling this runs after the next step was dispatched: a token of a
         request that finished meanwhile (stopped by its previous token, or aborted) is
         dropped. A request preempted meanwhile keeps its token (its recompute includes it).
-        `num_accepted`: with speculative decoding, how many of each row's drafts were accepted.
+        `num_accepted`: with speculative decoding, how many of each row's drafts were accepted,
+        and `draft_ids` [n, K] the drafts each row verified.
         """
         batch = out.scheduled
         if num_accepted is not None and batch.num_drafts.any():
-            return self._update_speculative(batch, sampled, num_accepted)
+            return self._update_speculative(batch, sampled, num_accepted, draft_ids)
         tokens = sampled.tolist() if hasattr(sampled, "tolist") else list(sampled)
         rows, self._rows = self._rows, None
         if (rows is not None and len(tokens) == len(batch) and batch.samples.all()
@@ -443,22 +461,24 @@ class Scheduler:
             updated.append(request)
         return updated
 
-    def _update_speculative(self, batch, sampled, num_accepted) -> list[Request]:
-        """`update_from_output` for a step that verified drafts (synchronous steps only): each
-        request gets its accepted drafts, then the token sampled after them, one at a time
-        with the stop checks, so that a stop among them ends it there. The K/V of its rejected
-        drafts is forgotten (`num_computed_tokens` goes back): their slots are written again
-        later, and they were never registered in the prefix cache (only host tokens are)."""
+    def _update_speculative(self, batch, sampled, num_accepted, draft_ids) -> list[Request]:
+        """`update_from_output` for a step that verified drafts: each request gets its
+        accepted drafts, then the token sampled after them, one at a time with the stop
+        checks, so that a stop among them ends it there. The K/V of its rejected drafts is
+        forgotten (`num_computed_tokens` goes back, also under async scheduling, where the
+        step after counted on every draft passing): their slots are written again later, and
+        they were never registered in the prefix cache (only host tokens are)."""
         updated, now, finished = [], time.time(), RequestStatus.FINISHED
         for i, request in enumerate(batch.requests):
             if not batch.samples[i]:
                 continue
-            request.num_pending -= 1
+            drafts, accepted = int(batch.num_drafts[i]), int(num_accepted[i])
+            request.num_pending -= 1 + drafts
             if request.status is finished:
                 continue
-            drafts, accepted = int(batch.num_drafts[i]), int(num_accepted[i])
-            request.num_computed_tokens -= drafts - accepted
-            for token in request.spec_token_ids[:accepted] + [int(sampled[i])]:
+            if request.status is RequestStatus.RUNNING:  # (a request preempted meanwhile recomputes from 0)
+                request.num_computed_tokens -= drafts - accepted
+            for token in draft_ids[i, :accepted].tolist() + [int(sampled[i])]:
                 self._append(request, token, now)
                 if request.status is finished:
                     break

@@ -42,8 +42,9 @@ STATE_ARRAYS = 4  # SamplerState's donated [max_num_seqs, vocab] arrays
 def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int = 256, max_num_seqs: int = 256,
                       context: int = 1024, block_size: int = 16, dtype=jnp.bfloat16,
                       sampler: tuple[str, ...] = ("greedy", "all"), kv_cache_dtype=None,
-                      decode_only: bool = False, spec_tokens: int = 0, quantization: str | None = None,
-                      lora_slots: int = 0, lora_rank: int = 16, num_layers: int | None = None) -> list[Case]:
+                      decode_only: bool = False, spec_tokens: int = 0, device_drafts: bool = False,
+                      quantization: str | None = None, lora_slots: int = 0, lora_rank: int = 16,
+                      num_layers: int | None = None) -> list[Case]:
     """The model runner's per-step executables for a bucket of `num_tokens` tokens, one
     sequence each at `context` tokens: the forward (KV caches donated) and the sampler
     (last sampled ids and sampler state donated) with no feature, or every one, on.
@@ -51,7 +52,9 @@ def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int =
     carries its KV heads' float32 (k_scale, v_scale), donated with it). `decode_only`: the
     forward the pallas backend runs for a step of one token per sequence. `spec_tokens` K: a
     speculative step's (drafts verified in the sampler), and the draft model's proposer of K
-    tokens (the model drafting for itself). `quantization` "fp8": the forward over online
+    tokens (the model drafting for itself); with `device_drafts`, as under async scheduling:
+    the drafts and position corrections read from the device (`BatchLayout.device_drafts`)
+    and the draft model's proposer after the step (`_propose_rows`). `quantization` "fp8": the forward over online
     fp8 weights (`jaxvllm.quantization`), per channel; "fp8-block": over a block-fp8
     checkpoint's (scales per 128 x 128 block); "gptq-dummy": over 4-bit weights (W4A16,
     scales per 128 inputs). `lora_slots` S: a step with LoRA adapters, S slots of rank
@@ -75,7 +78,8 @@ def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int =
     cfg = ModelConfig.from_hf(hf_config)
     rows = sequence_rows(max_num_seqs, num_tokens)
     layout = BatchLayout(num_tokens, rows, context // block_size, decode_only, spec_tokens=spec_tokens,
-                         lora=lora_slots > 0, lora_kernel=lora_slots > 0 and backend == "pallas")
+                         lora=lora_slots > 0, lora_kernel=lora_slots > 0 and backend == "pallas",
+                         device_drafts=device_drafts, block_size=block_size if device_drafts else 0)
     def caches(num_layers: int) -> tuple:  # every layer's, as `allocate_kv_caches` lays them out
         cache = spec((cfg.num_kv_heads, num_layers, rows * layout.width, block_size, cfg.head_dim),
                      kv_cache_dtype or dtype)
@@ -91,6 +95,9 @@ def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int =
         common["kv_cache"] = jnp.dtype(kv_cache_dtype).name
     if spec_tokens:
         common["spec_tokens"] = spec_tokens
+    draft_rows = spec((max_num_seqs, 2 + spec_tokens)) if device_drafts else None
+    if device_drafts:
+        common["device_drafts"] = True
     params = jax.eval_shape(lambda: dummy_params(cfg, dtype))
     if quantization is not None:
         from jaxvllm.models import MODELS
@@ -125,7 +132,7 @@ def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int =
     cases = [Case("engine_forward", dict(common, num_layers=cfg.num_layers, copy_shapes=[list(kv_caches[0].shape)],
                                          donated=len(kv_caches)),
                   SimpleNamespace(trace=partial(forward.trace, layout=layout)),
-                  [params, kv_caches, packed, last_sampled, lora])]
+                  [params, kv_caches, packed, last_sampled, lora, draft_rows])]
     everything = SamplerFeatures(random=True, min_p=True, top_k=True, top_p=True, state=True, bad_words=True, logprobs=20,
                                  grammar=True)
     for name in sampler:
@@ -133,13 +140,25 @@ def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int =
         state = jax.eval_shape(lambda: init_state(max_num_seqs, cfg.vocab_size)) if features.state else None
         cases.append(Case("engine_sampler", dict(common, features=features.name,
                                                  copy_shapes=[[max_num_seqs, cfg.vocab_size]] if state else [],
-                                                 donated=1 + (STATE_ARRAYS if state else 0)),
+                                                 donated=1 + (STATE_ARRAYS if state else 0) + device_drafts),
                           SimpleNamespace(trace=partial(jit_sampler().trace, num_rows=rows, features=features,
-                                                        spec_tokens=spec_tokens)),
+                                                        spec_tokens=spec_tokens, device_drafts=device_drafts)),
                           [spec((layout.sampling_size,)), spec((layout.num_logits, cfg.vocab_size), jnp.float32),
                            last_sampled, state,
-                           spec((layout.num_logits, bitmask_words(cfg.vocab_size))) if features.grammar else None]))
-    if spec_tokens:
+                           spec((layout.num_logits, bitmask_words(cfg.vocab_size))) if features.grammar else None,
+                           draft_rows]))
+    if device_drafts:
+        from jaxvllm.spec_decode.draft_model import jit_propose_rows
+
+        propose_rows = jit_propose_rows(cfg, backend, None, spec_tokens, block_size)
+        cases.append(Case("draft_propose_rows", dict(common, num_layers=cfg.num_layers,
+                                                     copy_shapes=[list(kv_caches[0].shape)],
+                                                     donated=len(kv_caches) + 1),
+                          SimpleNamespace(trace=propose_rows.trace),
+                          [jax.eval_shape(lambda: dummy_params(cfg, dtype)), kv_caches, spec((max_num_seqs,)),
+                           spec((max_num_seqs,), jnp.bool_), spec((max_num_seqs, layout.width)), last_sampled,
+                           draft_rows]))
+    elif spec_tokens:
         from jaxvllm.spec_decode.draft_model import jit_propose
 
         propose = jit_propose(cfg, backend, None, spec_tokens, block_size)
@@ -204,8 +223,11 @@ def engine_cases(quick: bool = False) -> list[Case]:
     cases += step_cases("pallas", num_tokens=2048, sampler=(), lora_slots=4)
     cases += step_cases("pallas", model="tiny", num_tokens=64, max_num_seqs=8, context=256, dtype=jnp.float32,
                         sampler=())
-    # Speculative decoding: a step verifying 4 drafts a row, the draft model's proposer and an EAGLE-3 head's.
+    # Speculative decoding: a step verifying 4 drafts a row, the draft model's proposer and an EAGLE-3 head's;
+    # and with the drafts on the device (async scheduling), the step and the proposer after it.
     cases += step_cases("pallas", num_tokens=256, max_num_seqs=64, sampler=("greedy", "all"), spec_tokens=4)
+    cases += step_cases("pallas", num_tokens=256, max_num_seqs=64, sampler=("all",), spec_tokens=4,
+                        device_drafts=True)
     return cases
 
 

@@ -81,10 +81,10 @@ class StubRunner:
         self.max_model_len, self.num_blocks = config.max_model_len, config.num_gpu_blocks_override
         # decode_only: a GPU's pallas backend, so decode steps take the decode-only layout
         spec = config.speculative_config
+        self.spec_tokens, self.device_drafts = spec.num_speculative_tokens if spec else 0, False  # (n-gram drafts)
         self.builder = BatchBuilder(max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
                                     block_size=config.block_size, buckets=default_buckets(config.max_num_batched_tokens),
-                                    vocab_size=self.cfg.vocab_size, decode_only=True,
-                                    spec_tokens=spec.num_speculative_tokens if spec else 0)
+                                    vocab_size=self.cfg.vocab_size, decode_only=True, spec_tokens=self.spec_tokens)
         self.fill_buckets = None  # (a GPU's: chunks take all the budget)
         self.seconds, self.rng, self.free_at = device_ms / 1e3, rng, 0.0
         self.closed = False
@@ -157,8 +157,13 @@ def time_steps(engine: LLMEngine, steps: int, rng, profile: cProfile.Profile | N
         t1 = clock()
         builder.prepare(out.scheduled)
         t2 = clock()
-        accepted = rng.integers(0, out.scheduled.num_drafts + 1) if engine.proposer else None
-        updated = scheduler.update_from_output(out, sampled_all[k, : len(out.scheduled)], accepted)
+        accepted = drafts = None
+        if engine.proposer:  # (the drafts as the device hands them back: [n, K])
+            accepted = rng.integers(0, out.scheduled.num_drafts + 1)
+            drafts = np.zeros((n, engine.runner.spec_tokens), np.int64)
+            for i, (r, d) in enumerate(zip(out.scheduled.requests, out.scheduled.num_drafts.tolist())):
+                drafts[i, :d] = r.spec_token_ids[:d]
+        updated = scheduler.update_from_output(out, sampled_all[k, : len(out.scheduled)], accepted, drafts)
         builder.release(r.request_id for r in updated if r.is_finished)
         t3 = clock()
         if engine.proposer:

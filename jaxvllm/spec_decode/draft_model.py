@@ -10,6 +10,11 @@ Two executables keep it in step with the target:
   newest token, unrolled in one executable (a static trip count, each step's K/V written in
   place). The argmax of each is a draft, so the drafts' distribution q is one-hot, as in
   vLLM's V1 proposers, and the rejection sampler treats them as n-gram drafts.
+
+Under async scheduling the host does not know a step's tokens when it dispatches the next,
+so `propose_rows` drafts on the device right after the step's sampler, from each row's
+newest token and position there (`last_sampled`, `draft_rows`), into `draft_rows`, where
+the next step reads them (`BatchLayout.model_inputs`).
 """
 
 from __future__ import annotations
@@ -32,10 +37,10 @@ from jaxvllm.models import MODELS
 from jaxvllm.sharding import kv_cache_sharding, replicated, step_input
 
 
-def _forward(params, kv_caches, packed, last_sampled, *, cfg: ModelConfig, backend: str, mesh: Mesh | None,
-             layout: BatchLayout):
+def _forward(params, kv_caches, packed, last_sampled, draft_rows=None, *, cfg: ModelConfig, backend: str,
+             mesh: Mesh | None, layout: BatchLayout):
     """The draft over a target step's batch: only its K/V is kept."""
-    inputs = layout.model_inputs(packed, last_sampled)
+    inputs = layout.model_inputs(packed, last_sampled, draft_rows)
     return MODELS[cfg.architecture].hidden_states(params, kv_caches, inputs, cfg, backend, mesh)[1]
 
 
@@ -63,6 +68,19 @@ def _propose(params, kv_caches, tokens, positions, live, block_tables, *, cfg: M
         tokens = jnp.argmax(model.compute_logits(params, hidden, cfg), axis=-1).astype(jnp.int32)
         drafts.append(tokens)
     return jnp.stack(drafts, axis=1), kv_caches
+
+
+def _propose_rows(params, kv_caches, rows, live, block_tables, last_sampled, draft_rows, *, cfg: ModelConfig,
+                  backend: str, mesh: Mesh | None, k: int, block_size: int, dynamic_loops: bool):
+    """After a step's sampler (device drafts): K greedy decode steps from the newest token and
+    position of each persistent row in `rows` (`last_sampled`, `draft_rows` column 1; rows
+    not `live`: padding), over its `block_tables` row; the drafts go to its row of
+    `draft_rows` (columns 2..)."""
+    drafts, kv_caches = _propose(params, kv_caches, last_sampled[rows], draft_rows[rows, 1], live, block_tables,
+                                 cfg=cfg, backend=backend, mesh=mesh, k=k, block_size=block_size,
+                                 dynamic_loops=dynamic_loops)
+    target = jnp.where(live, rows, draft_rows.shape[0])  # (other rows: dropped)
+    return draft_rows.at[target, 2:].set(drafts, mode="drop"), kv_caches
 
 
 def check_draft_model(config: EngineConfig, tokenizer) -> None:
@@ -93,6 +111,16 @@ def jit_propose(cfg: ModelConfig, backend: str, mesh: Mesh | None, k: int, block
                    donate_argnums=(1,), out_shardings=None if mesh is None else (replicated(mesh), caches))
 
 
+def jit_propose_rows(cfg: ModelConfig, backend: str, mesh: Mesh | None, k: int, block_size: int,
+                     dynamic_loops: bool = False):
+    """The device-drafts proposer as the runner compiles it (per row count and block-table
+    width): the caches and draft_rows donated."""
+    caches = None if mesh is None else kv_cache_sharding(mesh)
+    return jax.jit(partial(_propose_rows, cfg=cfg, backend=backend, mesh=mesh, k=k, block_size=block_size,
+                           dynamic_loops=dynamic_loops),
+                   donate_argnums=(1, 6), out_shardings=None if mesh is None else (replicated(mesh), caches))
+
+
 class DraftModel:
     """The draft's params and KV cache, and its two compiled steps (see the module's doc)."""
 
@@ -109,6 +137,7 @@ class DraftModel:
         self._forward = jax.jit(partial(_forward, cfg=self.cfg, backend=backend, mesh=mesh),
                                 static_argnames="layout", donate_argnums=(1,), out_shardings=caches)
         self._propose = jit_propose(self.cfg, backend, mesh, self.k, config.block_size, dynamic_loops)
+        self._propose_rows = jit_propose_rows(self.cfg, backend, mesh, self.k, config.block_size, dynamic_loops)
         self.kv_caches = None
 
     def allocate(self, num_blocks: int) -> None:
@@ -116,9 +145,16 @@ class DraftModel:
         self.kv_caches = allocate_kv_caches(self.cfg, num_blocks, self.block_size, self.kv_spec.dtype, self.mesh,
                                             self.device)
 
-    def forward(self, packed, last_sampled, layout: BatchLayout) -> None:
+    def forward(self, packed, last_sampled, layout: BatchLayout, draft_rows=None) -> None:
         """Dispatch the draft over a target step's batch."""
-        self.kv_caches = self._forward(self.params, self.kv_caches, packed, last_sampled, layout=layout)
+        self.kv_caches = self._forward(self.params, self.kv_caches, packed, last_sampled, draft_rows, layout=layout)
+
+    def propose_rows(self, rows: np.ndarray, live: np.ndarray, block_tables: np.ndarray, last_sampled, draft_rows,
+                     place):
+        """Dispatch device drafts after a step's sampler (see `_propose_rows`); the new draft_rows."""
+        args = [step_input(x, place) for x in (rows, live, block_tables)]
+        draft_rows, self.kv_caches = self._propose_rows(self.params, self.kv_caches, *args, last_sampled, draft_rows)
+        return draft_rows
 
     def propose(self, tokens: np.ndarray, positions: np.ndarray, live: np.ndarray, block_tables: np.ndarray,
                 place) -> np.ndarray:
@@ -127,13 +163,18 @@ class DraftModel:
         drafts, self.kv_caches = self._propose(self.params, self.kv_caches, *args)
         return np.asarray(drafts)
 
-    def compile_forward(self, packed, last_sampled, layout: BatchLayout) -> None:
+    def compile_forward(self, packed, last_sampled, layout: BatchLayout, draft_rows=None) -> None:
         """Compile, without running, the draft's forward over a target layout."""
-        self._forward.lower(self.params, self.kv_caches, packed, last_sampled, layout=layout).compile()
+        self._forward.lower(self.params, self.kv_caches, packed, last_sampled, draft_rows, layout=layout).compile()
 
-    def compile_propose(self, rows: int, width: int, place) -> None:
-        """Compile, without running, the proposer of a row count and block-table width."""
+    def compile_propose(self, rows: int, width: int, place, last_sampled=None, draft_rows=None) -> None:
+        """Compile, without running, the proposer of a row count and block-table width (with
+        `draft_rows`: the device-drafts one)."""
         spec = lambda shape, dtype=jnp.int32: jax.ShapeDtypeStruct(shape, dtype, sharding=place)  # noqa: E731
+        if draft_rows is not None:
+            self._propose_rows.lower(self.params, self.kv_caches, spec((rows,)), spec((rows,), jnp.bool_),
+                                     spec((rows, width)), last_sampled, draft_rows).compile()
+            return
         self._propose.lower(self.params, self.kv_caches, spec((rows,)), spec((rows,)), spec((rows,), jnp.bool_),
                             spec((rows, width))).compile()
 

@@ -39,9 +39,9 @@ def _instrument(llm: LLM) -> None:
         counts["preempted_in_flight"] += sum(r.num_pending > 0 for r in out.preempted)
         return out
 
-    def counting_update(out, sampled, num_accepted=None):
+    def counting_update(out, sampled, num_accepted=None, draft_ids=None):
         counts["dropped"] += sum(s.samples and s.request.is_finished for s in out.scheduled)
-        return update(out, sampled, num_accepted)
+        return update(out, sampled, num_accepted, draft_ids)
 
     scheduler.schedule, scheduler.update_from_output = counting_schedule, counting_update
 

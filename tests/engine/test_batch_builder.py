@@ -143,3 +143,36 @@ def test_sampling_fields_come_from_the_sampler_table():
     assert set(builder.input_batch.columns) == {name for name, *_, row in SAMPLING_COLUMNS if row is not None}
     assert (v["use_state"][0], v["min_tokens"][0], v["output_index"][0], v["counts_sample"][0]) == (1, 1, 0, 1)
     assert batch.admitted == [(v["slot"][0], request)]  # its device state row is written at dispatch
+
+
+def test_device_drafts_and_positions_to_correct():
+    """Async scheduling with a draft model: a row whose verify of 2 drafts is in flight
+    takes its token from the device's last sampled ids and its drafts from `draft_rows`
+    (ids -(row K + j) - 1), and is `shifted` (the device takes off what that verify
+    rejected); rows whose K lookahead slots are allocated propose, and are marked drafted."""
+    builder = make_builder(spec_tokens=2, device_drafts=True)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    a = Request("a", [10, 11, 12, 13, 14], params, max_tokens=8)
+    a.token_ids.append(20)  # 6 tokens on the host; 1 + 2 more pending on the device
+    a.spec_token_ids = [-1, -1]  # its 2 device drafts
+    b = Request("b", [7, 8, 9], params, max_tokens=8)
+    b.token_ids.append(11)  # decoding, nothing pending
+    batch = builder.prepare([ScheduledRequest(a, 7, 3, [3], True, 2), ScheduledRequest(b, 3, 1, [2], True)])
+    layout = batch.layout
+    assert layout.device_drafts and layout.block_size == 16 and layout.spec_tokens == 2
+    v = layout.views(batch.packed)
+    np.testing.assert_array_equal(v["input_ids"][:4], [0, -1, -2, 11])  # a's row is 0: drafts 0 and 1 of row 0
+    np.testing.assert_array_equal(v["prev_row"][:4], [0, -1, -1, -1])
+    np.testing.assert_array_equal(v["positions"][:4], [7, 8, 9, 3])  # the host's, as if both drafts pass
+    np.testing.assert_array_equal(v["shifted"][:2], [1, 0])
+    np.testing.assert_array_equal(v["shift_seq"][:5], [0, 0, 0, -1, -1])
+    np.testing.assert_array_equal(v["next_pos"][:2], [10, 4])
+    np.testing.assert_array_equal(batch.proposing, [0, 1])
+    np.testing.assert_array_equal(v["draft_ids"][0], [-1, -1])
+    np.testing.assert_array_equal(v["num_drafts"][:2], [2, 0])
+    assert builder.input_batch.drafted[[0, 1]].all()
+    # A row without its lookahead slots proposes nothing: its 16th token fills its one block.
+    c = Request("c", list(range(30, 45)), params, max_tokens=8)
+    c.token_ids.append(21)
+    full = builder.prepare([ScheduledRequest(c, 15, 1, [5], True)])
+    assert len(full.proposing) == 0 and not builder.input_batch.drafted[2]

@@ -38,9 +38,14 @@ def python_sigint_handler():
     signal.signal(signal.SIGINT, previous)
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["async", "sync"])
+@pytest.fixture(scope="module", params=["async", "sync", "async-draft"])
 def case(request, tiny_checkpoint):
-    llm = LLM(tiny_checkpoint("qwen3"), async_scheduling=request.param, **ENGINE)
+    """An engine (async-draft: drafts on the device from another random model of the same
+    shape, so that most are rejected) and its outputs."""
+    path = tiny_checkpoint("qwen3")
+    spec = {"method": "draft_model", "model": str(tiny_checkpoint("qwen3", seed=1)), "num_speculative_tokens": 2}
+    llm = LLM(path, async_scheduling=request.param != "sync",
+              speculative_config=spec if request.param == "async-draft" else None, **ENGINE)
     want = tokens(llm.generate(prompts(), GREEDY, use_tqdm=False))
     yield llm, want
     llm.shutdown()

@@ -1,7 +1,10 @@
 """Speculative decoding with a draft model (vLLM's "draft_model" method): a draft that is
 the target itself accepts every greedy draft; a perturbed copy of the target accepts some,
 and greedy outputs equal those without drafts, under preemption too; seeded sampling
-repeats; a draft of another vocabulary or tokenizer is refused before anything loads."""
+repeats; a draft of another vocabulary or tokenizer is refused before anything loads.
+Under async scheduling (the default) the drafts stay on the device: outputs are those of
+the synchronous engine, a stop among accepted drafts ends the output there, and a
+structured output (no drafts) runs beside requests that draft."""
 
 from __future__ import annotations
 
@@ -11,9 +14,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from jaxvllm import LLM, SamplingParams
+from jaxvllm import LLM, SamplingParams, StructuredOutputsParams
 from jaxvllm.utils.compilation_cache import count_compilations
-from tests.spec_decode.common import ENGINE, check_same_under_pressure, token_ids
+from tests.spec_decode.common import ENGINE, GREEDY, PROMPTS, check_same_under_pressure, token_ids
 from weights.make_tiny import make_tiny
 
 
@@ -37,20 +40,29 @@ def perturbed(tiny_checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engines(perturbed):
+    """Without drafts; with drafts under async scheduling (on the device); with drafts, synchronous."""
     target, draft = perturbed
-    plain, spec = LLM(str(target), **ENGINE), LLM(str(target), speculative_config=draft_config(draft), **ENGINE)
-    yield plain, spec
-    plain.shutdown()
-    spec.shutdown()
+    llms = (LLM(str(target), **ENGINE), LLM(str(target), speculative_config=draft_config(draft), **ENGINE),
+            LLM(str(target), speculative_config=draft_config(draft), async_scheduling=False, **ENGINE))
+    yield llms
+    for llm in llms:
+        llm.shutdown()
 
 
 def test_the_target_as_its_own_draft_accepts_everything(tiny_checkpoint):
     path = tiny_checkpoint("llama")
     with LLM(str(path), speculative_config=draft_config(path), **ENGINE) as llm:
-        token_ids(llm)
+        assert llm.llm_engine.runner.device_drafts  # (async scheduling: the drafts stay on the device)
+        full = token_ids(llm, prompts=PROMPTS[:1])[0]
         stats = llm.stats()
+        # A stop id first met at an output past 8 that a draft gives (each verify emits outputs
+        # 4j + 1 .. 4j + 3 as drafts and 4j + 4 as its bonus): the output ends there.
+        at = next(i for i, t in enumerate(full) if i > 8 and i % 4 and t not in full[:i])
+        params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[full[at]])
+        stopped = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
     assert stats["spec_decode_num_draft_tokens"] > 0
     assert stats["spec_decode_acceptance_rate"] == 1.0 and stats["spec_decode_mean_accepted_length"] == 4.0
+    assert list(stopped.token_ids) == full[: at + 1] and stopped.finish_reason == "stop"
 
 
 def test_the_real_model_as_its_own_draft_accepts_everything(smollm2_path):
@@ -66,20 +78,36 @@ def test_the_real_model_as_its_own_draft_accepts_everything(smollm2_path):
 
 
 def test_a_perturbed_draft_keeps_greedy_outputs(engines):
-    plain, spec = engines
-    assert token_ids(spec) == token_ids(plain)
-    stats = spec.stats()
-    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+    plain, spec, sync = engines
+    assert spec.llm_engine.runner.device_drafts and not sync.llm_engine.runner.device_drafts
+    assert token_ids(spec) == token_ids(plain) == token_ids(sync)
+    for llm in (spec, sync):
+        stats = llm.stats()
+        assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
 
 
 def test_seeded_sampling_repeats_and_nothing_compiles(engines):
-    _, spec = engines
+    _, spec, sync = engines
     params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_tokens=20, seed=3, ignore_eos=True)
     with count_compilations() as counts:
         first = token_ids(spec, params)
         assert token_ids(spec, params) == first
         token_ids(spec)
     assert counts.compilations == 0
+    assert token_ids(sync, params) == first  # (each draw keyed by its output index, corrected on the device)
+
+
+def test_a_structured_output_beside_requests_that_draft(engines):
+    """A structured output takes no drafts (its masks need them on the host); the requests
+    beside it draft on the device, and every output is the engine's without drafts."""
+    plain, spec, _ = engines
+    choice = SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(
+        regex=r"(yes|no|maybe) [0-9]{1,3}"))
+    params = [GREEDY, choice] * 2
+    before = spec.stats()["spec_decode_num_accepted_tokens"]
+    want = [list(o.outputs[0].token_ids) for o in plain.generate(PROMPTS, params, use_tqdm=False)]
+    assert [list(o.outputs[0].token_ids) for o in spec.generate(PROMPTS, params, use_tqdm=False)] == want
+    assert spec.stats()["spec_decode_num_accepted_tokens"] > before
 
 
 @pytest.mark.slow
@@ -101,3 +129,35 @@ def test_a_draft_of_another_vocabulary_or_tokenizer_is_refused(tiny_checkpoint, 
         LLM(str(target), speculative_config=draft_config(other_tokens), **ENGINE)
     with pytest.raises(ValueError, match="needs the draft's folder as model"):
         LLM(str(target), speculative_config={"method": "draft_model", "num_speculative_tokens": 2}, **ENGINE)
+
+
+def test_device_draft_executables_do_not_branch(engines):
+    """The async engine's step, its sampler and the draft model's proposer after it, as a
+    GPU compiles them (no CPU loops): no conditional, no loop of unknown trip count."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxvllm.sampler import COMMON_FEATURES
+    from jaxvllm.spec_decode.draft_model import jit_propose_rows
+    from tests.engine.test_async_scheduling import assert_no_host_sync
+
+    runner = engines[1].llm_engine.runner
+    b, features = runner.builder, COMMON_FEATURES[-1]
+    batch = b.padding_batch(b.buckets[-1], b.widths[-1], features, spec=True)
+    layout = dataclasses.replace(batch.layout, dynamic_loops=False)
+    assert layout.device_drafts and layout.spec_tokens == 3
+    packed, rows = jnp.asarray(batch.packed), runner.draft_rows
+    forward = runner._forward.lower(runner.params, runner.kv_caches, packed, runner.last_sampled, None, rows,
+                                    layout=layout)
+    assert_no_host_sync(forward.compile().as_text(), "forward")
+    logits = jax.ShapeDtypeStruct((layout.num_logits, runner.cfg.vocab_size), jnp.float32)
+    sampler = runner._sampler.lower(packed[: layout.sampling_size], logits, runner.last_sampled, None, None, rows,
+                                    num_rows=layout.num_rows, features=features, spec_tokens=3, device_drafts=True)
+    assert_no_host_sync(sampler.compile().as_text(), "sampler")
+    draft, n = runner.draft, layout.num_rows
+    proposer = jit_propose_rows(draft.cfg, runner.backend, None, 3, b.block_size)  # (no CPU loops)
+    propose = proposer.lower(draft.params, draft.kv_caches, np.zeros(n, np.int32), np.ones(n, bool),
+                             np.zeros((n, layout.width), np.int32), runner.last_sampled, rows)
+    assert_no_host_sync(propose.compile().as_text(), "draft proposer")
