@@ -17,6 +17,9 @@
 #   scripts/gpu_check.sh --live     then multi-LoRA throughput (4 adapters against the base model:
 #                                   lora.json) and update_weights on dummy:llama3-8b from device
 #                                   arrays (weight_update.json; up to 8 more minutes)
+#   scripts/gpu_check.sh --spec     then n-gram drafts (K = 4) on the repeat dataset against no drafts,
+#                                   batch 1 and 16 on dummy:llama3-8b: inter-token latency and
+#                                   acceptance (spec_b1.json, spec_b16.json; up to 8 more minutes)
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -29,6 +32,7 @@ DRY=0
 B1=0
 QUANT=0
 LIVE=0
+SPEC=0
 for arg in "$@"; do
     case "$arg" in
         --small) MODE=small ;;
@@ -36,7 +40,8 @@ for arg in "$@"; do
         --b1) B1=1 ;;
         --quant) QUANT=1 ;;
         --live) LIVE=1 ;;
-        -h | --help) sed -n 2,19p "$0"; exit 0 ;;
+        --spec) SPEC=1 ;;
+        -h | --help) sed -n 2,22p "$0"; exit 0 ;;
         *) echo "unknown option: $arg (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -50,6 +55,7 @@ if [ "$MODE" = gpu ]; then
     QUANT_ARGS=(--model dummy:llama3-8b --batch-size 1 --input-len 128 --output-len 128 --num-iters 3)
     LORA_ARGS=(--model dummy:qwen3-0.6b --dataset random --num-prompts 256 --input-len 128 --output-len 128)
     WEIGHTS_MODELS=(dummy:qwen3-0.6b dummy:llama3-8b)
+    SPEC_ARGS=(--model dummy:llama3-8b --output-len 128 --num-iters 3)
 else
     BENCH_ARGS=(--small)
     LIMITS=(60 300 300 300 300 300)
@@ -57,6 +63,7 @@ else
     QUANT_ARGS=(--model dummy:tiny --batch-size 1 --input-len 16 --output-len 8 --num-iters 1)
     LORA_ARGS=(--model dummy:tiny --dataset random --num-prompts 16 --input-len 32 --output-len 16)
     WEIGHTS_MODELS=(dummy:tiny)
+    SPEC_ARGS=(--model dummy:tiny --max-model-len 512 --output-len 16 --num-iters 1)
 fi
 
 [ "$DRY" = 1 ] || mkdir -p "$OUT"
@@ -108,6 +115,14 @@ if [ "$LIVE" = 1 ]; then  # issue 30: LoRA's cost against the base; issue 31: an
         --disable-tqdm --output-json "$OUT/lora.json"
     run weight_update 240 "$PYTHON" -m jaxvllm.benchmarks.weight_update --model "${WEIGHTS_MODELS[@]}" \
         --json "$OUT/weight_update.json"
+fi
+
+if [ "$SPEC" = 1 ]; then  # issue 28: n-gram inter-token latency at batch 1 and 16, with and without drafts
+    NGRAM='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+    for batch in 1 16; do
+        run "spec_b$batch" 240 "$PYTHON" -m jaxvllm bench latency "${SPEC_ARGS[@]}" --dataset repeat \
+            --batch-size "$batch" --speculative-config "$NGRAM" --compare-speculative --output-json "$OUT/spec_b$batch.json"
+    done
 fi
 
 [ "$DRY" = 1 ] || cat "$OUT/summary.txt"

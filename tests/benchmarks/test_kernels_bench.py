@@ -90,6 +90,10 @@ def test_gpu_check_script_parses_and_plans():
     assert "--num-loras 4 --max-lora-rank 16" in live and "lora.json" in live
     assert "weight_update --model dummy:qwen3-0.6b dummy:llama3-8b" in live and "weight_update.json" in live
     assert "lora" not in quant
+    spec = subprocess.run(["bash", str(GPU_CHECK), "--dry-run", "--spec"], check=True, capture_output=True,
+                          text=True).stdout
+    assert "--dataset repeat --batch-size 16" in spec and "--compare-speculative" in spec and "spec_b1.json" in spec
+    assert "spec_b" not in live
     small = subprocess.run(["bash", str(GPU_CHECK), "--small", "--dry-run"], check=True, capture_output=True,
                            text=True).stdout
     assert "pallas_kernels.bench --small" in small and "jaxvllm.benchmarks.engine_step --small" in small
