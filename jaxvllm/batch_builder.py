@@ -66,8 +66,10 @@ class HostBatch:
     # (row, request) of the requests admitted this step that use sampler state: the runner
     # writes their device state rows before it dispatches the step.
     admitted: list[tuple[int, Request]] = field(default_factory=list)
-    # Device drafts: the persistent rows the draft model drafts for after this step.
+    # Device drafts: the sequence rows the drafter drafts for after this step; with an EAGLE
+    # head, after each row's chunk the prompt's next token where it samples nothing (-1: none).
     proposing: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    chunk_next: np.ndarray | None = None
 
     def grammar_masks(self) -> list[tuple[int, object, list[int]]]:
         """(first logits row, grammar, drafts) of each constrained row: its bitmask rows are
@@ -271,9 +273,9 @@ class BatchBuilder:
                      drafts: np.ndarray, last: np.ndarray, ends: np.ndarray, samples: np.ndarray,
                      seq_of_token: np.ndarray, num_blocks: np.ndarray) -> np.ndarray:
         """Device drafts: a draft's id codes its place in `draft_rows` (its row, its index);
-        rows whose step before is in flight are `shifted`. Returns the persistent rows that
-        sample and have the K slots after this step's tokens allocated: the draft model
-        drafts for them on the device, and they are marked `drafted` for the next step."""
+        rows whose step before is in flight are `shifted`. Returns the sequence rows that
+        sample and have the K slots after this step's tokens allocated: the drafter drafts
+        for them on the device, and their rows are marked `drafted` for the next step."""
         k, n = self.spec_tokens, len(rows)
         for i in np.flatnonzero(drafts).tolist():
             first = last[i] - drafts[i] + 1
@@ -284,7 +286,7 @@ class BatchBuilder:
         v["next_pos"][:n] = ends
         propose = samples & (num_blocks * self.block_size >= ends + k)
         self.input_batch.drafted[rows] = propose
-        return rows[propose]
+        return np.flatnonzero(propose)
 
     @staticmethod
     def _host_tokens(scheduled: ScheduledBatch) -> np.ndarray:

@@ -272,10 +272,10 @@ class EngineConfig:
                 None, self.tensor_parallel_size):
             raise ValueError(f"draft_tensor_parallel_size={spec.draft_tensor_parallel_size!r}: the draft model is split "
                              f"as the target is (tensor_parallel_size={self.tensor_parallel_size})")
-        if spec is not None and spec.method != "draft_model" and self.async_scheduling:
-            # The n-gram proposer and the EAGLE head read each step's accepted tokens on the
-            # host before they draft the next step (docs/design.md, "Speculative decoding");
-            # a draft model drafts on the device.
+        if spec is not None and spec.method not in MODEL_SPECULATIVE_METHODS and self.async_scheduling:
+            # The n-gram proposer reads each step's accepted tokens on the host before it
+            # drafts the next step (docs/design.md, "Speculative decoding"); a draft model
+            # and an EAGLE head draft on the device.
             logger.info("speculative decoding with %s: steps run synchronously (async_scheduling=False)", spec.method)
             self.async_scheduling = False
 

@@ -94,7 +94,7 @@ class LLMEngine:
                                               digests=self._multiprocess)
         self.output_processor = OutputProcessor(self.tokenizer)
         # Speculative decoding: drafts proposed on the host after each (synchronous) step, or
-        # under async scheduling by the draft model on the device (`runner.device_drafts`).
+        # under async scheduling by the draft model or EAGLE head on the device (`runner.device_drafts`).
         # The scheduler then takes requests one at a time: its vectorized path has no drafts.
         self.proposer, self._contexts, self._backoff = None, None, None
         spec = config.speculative_config
@@ -366,10 +366,10 @@ class LLMEngine:
             self._set_drafts(request, row[:cap])
 
     def _device_drafts(self) -> None:
-        """Under async scheduling with a draft model: each running request whose newest
-        drafts are on the device (`InputBatch.drafted`) verifies them in the next step, as
-        many as fit under its max_tokens counting every pending token (-1s: the runner reads
-        them there). None for a structured output, whose masks need the drafts on the host, or
+        """Under async scheduling with a draft model or EAGLE head: each running request
+        whose newest drafts are on the device (`InputBatch.drafted`) verifies them in the next
+        step, as many as fit under its max_tokens counting every pending token (-1s: the
+        runner reads them there). None for a structured output, whose masks need the drafts on the host, or
         while more requests run than `disable_by_batch_size`."""
         k, rows = self.runner.spec_tokens, self.runner.builder.input_batch
         threshold = self.config.speculative_config.disable_by_batch_size

@@ -54,7 +54,7 @@ _VALUE_FLAGS: dict[str, tuple[Callable[[str], Any], str]] = {
     "generation-config": (str, "default sampling params from: 'auto' (the model's), 'vllm' or a folder"),
     "speculative-config": (json_object, 'speculative decoding, as a JSON object, e.g. \'{"method": "ngram", '
                                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
-                                        '"prompt_lookup_min": 2}\' (n-gram and EAGLE steps run synchronously)'),
+                                        '"prompt_lookup_min": 2}\' (n-gram steps run synchronously)'),
     "max-loras": (int, "LoRA: adapters on the device at once (the most distinct ones in a step)"),
     "max-lora-rank": (int, "LoRA: the largest adapter rank (smaller ones are zero-padded to it)"),
     "max-cpu-loras": (int, "LoRA: adapters kept read in host memory (default: max-loras)"),

@@ -26,7 +26,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from tqdm.auto import tqdm
 
 from jaxvllm.batch_builder import BatchBuilder, HostBatch, default_buckets
-from jaxvllm.config import ATTENTION_BACKENDS, EngineConfig
+from jaxvllm.config import ATTENTION_BACKENDS, MODEL_SPECULATIVE_METHODS, EngineConfig
 from jaxvllm.input_batch import NARROW_WIDTH, SMALLEST_WIDTH, BatchLayout
 from jaxvllm.kv_cache import (
     KVCacheSpec,
@@ -85,7 +85,7 @@ class PendingStep:
     prompt_logprobs: list[Logprobs]  # per chunk of the batch's prompt rows
     accepted: jax.Array | None = None  # a speculative step's accepted drafts per row
     drafts: jax.Array | None = None  # and the drafts it verified [S, K]
-    proposes: bool = False  # device drafts: the draft model drafts after its sampler
+    proposes: bool = False  # device drafts: the drafter drafts after its sampler
     # Until a constrained step is sampled: the forward's logits and sampling prefix.
     logits: jax.Array | None = None
     sampling_rows: jax.Array | None = None
@@ -190,13 +190,15 @@ def jit_forward(cfg: ModelConfig, backend: str, mesh: Mesh | None = None, aux_la
                    donate_argnums=(1,), out_shardings=out)
 
 
-def jit_sampler(logprobs_mode: str = "raw_logprobs", mesh: Mesh | None = None):
+def jit_sampler(logprobs_mode: str = "raw_logprobs", mesh: Mesh | None = None, keep_rows: bool = False):
     """The sampler as the runner compiles it, per (row count, features): the last sampled
-    tokens and the sampler state donated. With a mesh it runs whole on every device."""
+    tokens, the sampler state and the device drafts donated (`keep_rows`: the state only).
+    With a mesh it runs whole on every device."""
     # partial: a function of its own, so that each runner counts only its own variants
     return jax.jit(partial(_sample, logprobs_mode=logprobs_mode),
                    static_argnames=("num_rows", "features", "spec_tokens", "device_drafts"),
-                   donate_argnums=(2, 3, 5), out_shardings=None if mesh is None else replicated(mesh))
+                   donate_argnums=(3,) if keep_rows else (2, 3, 5),
+                   out_shardings=None if mesh is None else replicated(mesh))
 
 
 def jit_prompt_logprobs(cfg: ModelConfig):
@@ -238,9 +240,9 @@ class ModelRunner:
         self.backend = resolve_backend(c.attention_backend, softcapped=self.cfg.attn_logit_softcapping is not None)
         # Speculative decoding's K: steps with drafts take layouts and samplers with room for K a row.
         self.spec_tokens = c.speculative_config.num_speculative_tokens if c.speculative_config else 0
-        # Async scheduling with a draft model: the drafts stay on the device (`draft_rows`).
+        # Async scheduling with a draft model or EAGLE head: the drafts stay on the device (`draft_rows`).
         self.device_drafts = bool(c.async_scheduling and c.speculative_config is not None
-                                  and c.speculative_config.method == "draft_model")
+                                  and c.speculative_config.method in MODEL_SPECULATIVE_METHODS)
         cpu = self.devices[0].platform == "cpu"
         # CPU steps may loop a batch-dependent number of times (`ModelInputs.dynamic_loops`).
         dynamic_loops = self.backend == "reference" and cpu
@@ -281,7 +283,8 @@ class ModelRunner:
         self.drafter = self.draft or self.eagle
         aux_layers = self.eagle.aux_layers if self.eagle is not None else ()
         self._forward = jit_forward(self.cfg, self.backend, self.mesh, aux_layers=aux_layers)
-        self._sampler = jit_sampler(c.logprobs_mode, self.mesh)
+        # (an EAGLE head's prefill reads the step's inputs after its sampler: as its forward did)
+        self._sampler = jit_sampler(c.logprobs_mode, self.mesh, keep_rows=self.device_drafts and self.eagle is not None)
         self._prompt_logprobs = jit_prompt_logprobs(self.cfg)
         self._write_row = jax.jit(write_state_row, donate_argnums=(0,))
         self._weight_index = None  # (HF name -> its places in the params, KV repeats): update_weights'
@@ -395,7 +398,8 @@ class ModelRunner:
         if self.eagle is not None:  # its prefill after each target layout, its decode per row counts
             jobs += [partial(self._compile_eagle, batch) for batch in batches]
             rows = sorted({self._eagle_rows(n) for n in range(1, self.config.max_num_seqs + 1)})
-            jobs += [partial(self.eagle.compile_decode, self.params, r, b.widths[-1], self._replicated) for r in rows]
+            jobs += [partial(self.eagle.compile_decode, self.params, r, b.widths[-1], self._replicated,
+                             self.draft_rows) for r in rows]
         with count_compilations() as counts, ThreadPoolExecutor(COMPILE_THREADS) as pool:
             desc = f"Compiling token buckets {b.buckets[0]}-{b.buckets[-1]}"  # (max_num_batched_tokens: the last)
             for _ in tqdm(pool.map(lambda job: job(), jobs), total=len(jobs), desc=desc, dynamic_ncols=True):
@@ -419,7 +423,7 @@ class ModelRunner:
 
     def _compile_eagle(self, batch: HostBatch) -> None:
         self.eagle.compile_prefill(self.params, step_input(batch.packed, self._replicated), self.last_sampled,
-                                   batch.layout, self._replicated)
+                                   batch.layout, self._replicated, self.draft_rows)
 
     def _compile_prompt_logprobs(self, bucket: int, width: int) -> None:
         """Prompt logprobs of a bucket's hidden states: warmed for width 0 (each token's own
@@ -453,6 +457,12 @@ class ModelRunner:
         batch = self.builder.prepare(scheduled, slots)
         for row, request in batch.admitted:  # their device sampler state, before the step reads it
             self.sampler_state = self._write_row(self.sampler_state, row, state_row(request, self.cfg.vocab_size))
+        if self.eagle is not None and self.device_drafts:  # (the head's next token after a prompt chunk)
+            batch.chunk_next = np.full(batch.layout.num_rows, -1, np.int32)
+            for i, s in enumerate(scheduled):
+                end = s.start + s.num_new_tokens
+                if not s.samples and end < len(s.request.token_ids):
+                    batch.chunk_next[i] = s.request.token_ids[end]
         return self.launch(batch)
 
     def launch(self, batch: HostBatch, kv_caches=None) -> PendingStep:
@@ -471,9 +481,9 @@ class ModelRunner:
             self._forward_shapes.add(layout)
             if self.draft is not None:
                 self.draft.forward(packed, self.last_sampled, layout, self.draft_rows)
-                step.proposes = layout.device_drafts
             if self.eagle is not None:
                 self.eagle.keep(packed, layout, hidden, aux)
+            step.proposes = layout.device_drafts
         chunk = min(PROMPT_LOGPROBS_CHUNK, layout.num_tokens)
         for start in range(0, len(batch.prompt_rows), chunk):
             part = np.stack([batch.prompt_rows[start : start + chunk], batch.prompt_targets[start : start + chunk]])
@@ -493,6 +503,7 @@ class ModelRunner:
         state = self.sampler_state if features.state else None
         mask = step_input(bitmask, self._replicated) if features.grammar else None
         self._sampler_variants.add((layout.num_rows, layout.num_logits, features))
+        before = (self.last_sampled, self.draft_rows)  # (as the step's forward read them)
         step.sampled, step.accepted, step.drafts, step.logprobs, self.last_sampled, state, draft_rows = self._sampler(
             step.sampling_rows, step.logits, self.last_sampled, state, mask, self.draft_rows,
             num_rows=layout.num_rows, features=features, spec_tokens=layout.spec_tokens,
@@ -503,22 +514,39 @@ class ModelRunner:
             self.sampler_state = state
         if layout.device_drafts:
             self.draft_rows = draft_rows
-            if step.proposes and len(step.batch.proposing):  # (not the memory profile's step)
-                self._propose_on_device(step.batch.proposing)
+            if step.proposes:  # (not the memory profile's step)
+                self._propose_on_device(step, *before)
 
-    def _propose_on_device(self, proposing: np.ndarray) -> None:
-        """Device drafts for the persistent rows `proposing`, after their step's sampler: the
-        draft model's K decode steps over as many rows as a bucket of them has (each row a
-        padded token's cost on a CPU), at the narrowest block-table width that holds them."""
-        b, ib = self.builder, self.builder.input_batch
-        n = len(proposing)
-        rows = np.zeros(b.rows_for(b.bucket_for(n)), np.int32)
+    def _propose_on_device(self, step: PendingStep, last_sampled_before, draft_rows_before) -> None:
+        """Device drafts after a step's sampler, for the rows it marked (`HostBatch.proposing`):
+        the draft model's K decode steps over as many rows as a bucket of them has (each row a
+        padded token's cost on a CPU), at the narrowest block-table width that holds them; or
+        the EAGLE head's prefill over the step (every step) and its decode for those rows."""
+        b, ib, batch = self.builder, self.builder.input_batch, step.batch
+        seqs = batch.proposing
+        n = len(seqs)
+        proposing = batch.layout.views(batch.packed)["slot"][seqs]  # (their persistent rows)
+        if self.eagle is not None:
+            rows = np.zeros(self._eagle_rows(n), np.int32)
+            width = b.widths[-1]
+        else:
+            if not n:
+                return
+            rows = np.zeros(b.rows_for(b.bucket_for(n)), np.int32)
+            width = b.width_for(int(ib.num_blocks[proposing].max()))
         rows[:n] = proposing
-        width = b.width_for(int(ib.num_blocks[proposing].max()))
+        live = np.arange(len(rows)) < n
         tables = np.zeros((len(rows), width), np.int32)
         tables[:n] = ib.block_table[proposing, :width]
-        self.draft_rows = self.draft.propose_rows(rows, np.arange(len(rows)) < n, tables, self.last_sampled,
-                                                  self.draft_rows, self._replicated)
+        if self.draft is not None:
+            self.draft_rows = self.draft.propose_rows(rows, live, tables, self.last_sampled, self.draft_rows,
+                                                      self._replicated)
+            return
+        padded = np.zeros(self.config.max_num_seqs, np.int32)
+        padded[:n] = seqs
+        self.draft_rows = self.eagle.propose_rows(self.params, last_sampled_before, draft_rows_before, step.sampled,
+                                                  step.accepted, batch.chunk_next, padded, rows if n else None, live,
+                                                  tables, self.draft_rows, self._replicated)
 
     def propose_drafts(self, request_ids: list[str], tokens: list[int], positions: list[int],
                        block_ids: list[list[int]]) -> np.ndarray:

@@ -158,6 +158,8 @@ def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int =
                           [jax.eval_shape(lambda: dummy_params(cfg, dtype)), kv_caches, spec((max_num_seqs,)),
                            spec((max_num_seqs,), jnp.bool_), spec((max_num_seqs, layout.width)), last_sampled,
                            draft_rows]))
+        cases += eagle_cases(cfg, backend, layout, block_size, dtype, caches(1), [packed, last_sampled], common,
+                             max_num_seqs, draft_rows)
     elif spec_tokens:
         from jaxvllm.spec_decode.draft_model import jit_propose
 
@@ -174,21 +176,32 @@ def engine_step_cases(backend: str, model: str = "qwen3-0.6b", num_tokens: int =
 
 
 def eagle_cases(cfg: ModelConfig, backend: str, layout, block_size: int, dtype, head_caches, step: list,
-                common: dict, max_num_seqs: int) -> list[Case]:
+                common: dict, max_num_seqs: int, draft_rows=None) -> list[Case]:
     """An EAGLE-3 head of one layer (a draft vocabulary of a quarter of the target's) after a
-    target step of `layout`: its prefill over the step's tokens, and K drafts for every row."""
+    target step of `layout`: its prefill over the step's tokens, and K drafts for every row
+    (with `draft_rows`: the device-drafts forms, after the step's sampler)."""
     import dataclasses
 
     from jaxvllm.spec_decode.eagle import EagleConfig, default_aux_layers, jit_eagle, param_specs
 
     head = dataclasses.replace(cfg, num_layers=1)
     e = EagleConfig("eagle3", head, cfg.vocab_size // 4, cfg.hidden_size, default_aux_layers(cfg.num_layers))
-    prefill, decode = jit_eagle(e, head, cfg, backend, None, layout.spec_tokens, block_size)
+    prefill, decode = jit_eagle(e, head, cfg, backend, None, layout.spec_tokens, block_size,
+                                device_drafts=draft_rows is not None)
     t, s = layout.num_tokens, max_num_seqs
     params = jax.eval_shape(lambda: dummy_params(head, dtype, specs=param_specs(e, set())))
     target = jax.eval_shape(lambda: dummy_params(cfg, dtype))
     one_layer = dict(common, num_layers=1, copy_shapes=[list(head_caches[0].shape)], donated=len(head_caches))
     states = spec((s, cfg.hidden_size), dtype)
+    if draft_rows is not None:
+        rows = spec((layout.num_rows,))
+        return [Case("eagle_prefill_rows", one_layer, SimpleNamespace(trace=partial(prefill.trace, layout=layout)),
+                     [params, target, head_caches, spec((t, 3 * cfg.hidden_size), dtype), *step, draft_rows, rows,
+                      rows, rows, spec((s,))]),
+                Case("eagle_decode_rows", dict(one_layer, donated=len(head_caches) + 1),
+                     SimpleNamespace(trace=decode.trace),
+                     [params, target, head_caches, states, states, spec((s,)), spec((s,), jnp.bool_),
+                      spec((s, layout.width)), draft_rows])]
     return [Case("eagle_prefill", one_layer, SimpleNamespace(trace=partial(prefill.trace, layout=layout)),
                  [params, target, head_caches, spec((t, 3 * cfg.hidden_size), dtype), *step, spec((t,)),
                   spec((t,), jnp.bool_), spec((s,))]),

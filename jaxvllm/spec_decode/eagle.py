@@ -16,6 +16,11 @@ K/V of position p can only be written once token p + 1 is known, after the targe
   place, in slots the engine allocated). Drafts are argmaxes (q one-hot), as in vLLM's V1
   proposer.
 
+Under async scheduling the step's tokens are known on the device only when the next step
+is dispatched: `_prefill_rows` finds each token's next one there, from the step's input ids,
+the counts accepted and the tokens sampled, and `_decode_rows` writes the drafts to
+`draft_rows`, where the next step reads them (`BatchLayout.model_inputs`).
+
 Checkpoints are read in their published layouts, as vLLM's `llama_eagle.py` and
 `llama_eagle3.py` read them:
 
@@ -222,19 +227,58 @@ def _drafts(params, target_params, states, target: ModelConfig):
     return best + params["d2t"][best] if "d2t" in params else best
 
 
-def _prefill(params, target_params, kv_caches, hidden, packed, last_sampled, next_tokens, valid, draft_index, *,
-             e: EagleConfig, cfg: ModelConfig, backend: str, mesh: Mesh | None, layout: BatchLayout):
-    """The head over a target step's batch (`hidden`: the step's hidden states; each token's
-    next one `next_tokens` [T], its K/V written where `valid`); returns the head's states
-    and carries at tokens `draft_index` [max_num_seqs] (the drafting rows' newest positions,
-    then padding), and the caches."""
-    inputs = layout.model_inputs(packed, last_sampled)
+def _over_step(params, target_params, kv_caches, hidden, inputs: ModelInputs, next_tokens, valid, draft_index, *,
+               e: EagleConfig, cfg: ModelConfig, backend: str, mesh: Mesh | None):
+    """The head over a target step's `inputs` (`hidden`: the step's hidden states; each
+    token's next one `next_tokens` [T], its K/V written where `valid`); returns the head's
+    states and carries at tokens `draft_index` [max_num_seqs] (the drafting rows' newest
+    positions, then padding), and the caches."""
     inputs = dataclasses.replace(inputs, input_ids=next_tokens, slot_mapping=jnp.where(valid, inputs.slot_mapping, -1))
     if e.aux_layers:
         hidden = linear(hidden, params["fc"], params.get("fc_bias"))
     embed = params.get("embed", target_params["embed"])
     states, carry, kv_caches = _head(params, embed, kv_caches, next_tokens, hidden, inputs, e, cfg, backend, mesh)
     return states[draft_index], carry[draft_index], kv_caches
+
+
+def _prefill(params, target_params, kv_caches, hidden, packed, last_sampled, next_tokens, valid, draft_index, *,
+             e: EagleConfig, cfg: ModelConfig, backend: str, mesh: Mesh | None, layout: BatchLayout):
+    """`_over_step` after a step whose tokens the host has appended (`next_tokens`, `valid`
+    and `draft_index` from the host)."""
+    return _over_step(params, target_params, kv_caches, hidden, layout.model_inputs(packed, last_sampled), next_tokens,
+                      valid, draft_index, e=e, cfg=cfg, backend=backend, mesh=mesh)
+
+
+def next_tokens_on_device(layout: BatchLayout, packed, inputs: ModelInputs, sampled, accepted, chunk_next):
+    """After a step whose tokens only the device knows: each token's next one [T] and
+    whether it is known [T], and each row's last accepted token's index in the step [S]. A
+    token's next one is the step's next input (an accepted draft, or the prompt's next
+    token in the chunk); after a row's last accepted token, the token it sampled, or for a
+    chunk that samples nothing `chunk_next` [S] (the prompt's next token, -1: none)."""
+    t, qsl = layout.num_tokens, inputs.query_start_loc
+    q = jnp.arange(t, dtype=jnp.int32)
+    row = jnp.clip(jnp.searchsorted(qsl[1:], q, side="right", method="compare_all"), 0, qsl.shape[0] - 2)
+    samples = layout.sampling(packed).counts_sample
+    last = qsl[1:] - qsl[:-1] - 1  # each row's last token (its offset in the row), then the accepted ones'
+    if layout.spec_tokens:
+        last = last - layout.drafts(packed)[1] + accepted
+    offset, end = q - qsl[row], jnp.where(samples, sampled, chunk_next)
+    before = offset < last[row]
+    next_tokens = jnp.where(before, inputs.input_ids[jnp.minimum(q + 1, t - 1)], end[row])
+    valid = (q < qsl[-1]) & (before | ((offset == last[row]) & (samples | (chunk_next >= 0))[row]))
+    return next_tokens, valid, qsl[:-1] + last
+
+
+def _prefill_rows(params, target_params, kv_caches, hidden, packed, last_sampled, draft_rows, sampled, accepted,
+                  chunk_next, seqs, *, e: EagleConfig, cfg: ModelConfig, backend: str, mesh: Mesh | None,
+                  layout: BatchLayout):
+    """`_over_step` after a step with device drafts (`last_sampled`, `draft_rows`: as that
+    step's forward read them; `sampled`, `accepted`: its sampler's), for the drafting rows
+    `seqs` [max_num_seqs] (sequence rows of the step, then padding)."""
+    inputs = layout.model_inputs(packed, last_sampled, draft_rows)
+    next_tokens, valid, newest = next_tokens_on_device(layout, packed, inputs, sampled, accepted, chunk_next)
+    return _over_step(params, target_params, kv_caches, hidden, inputs, next_tokens, valid, newest[seqs], e=e, cfg=cfg,
+                      backend=backend, mesh=mesh)
 
 
 def _decode(params, target_params, kv_caches, states, carry, positions, live, block_tables, *, e: EagleConfig,
@@ -256,16 +300,28 @@ def _decode(params, target_params, kv_caches, states, carry, positions, live, bl
     return jnp.stack(drafts, axis=1), kv_caches
 
 
+def _decode_rows(params, target_params, kv_caches, states, carry, rows, live, block_tables, draft_rows, **kw):
+    """`_decode` with device drafts: each of the persistent `rows`' newest position from
+    `draft_rows` (column 1), its drafts written there (columns 2..)."""
+    drafts, kv_caches = _decode(params, target_params, kv_caches, states, carry, draft_rows[rows, 1], live,
+                                block_tables, **kw)
+    target_rows = jnp.where(live, rows, draft_rows.shape[0])  # (other rows: dropped)
+    return draft_rows.at[target_rows, 2:].set(drafts, mode="drop"), kv_caches
+
+
 def jit_eagle(e: EagleConfig, cfg: ModelConfig, target: ModelConfig, backend: str, mesh: Mesh | None, k: int,
-              block_size: int, dynamic_loops: bool = False):
+              block_size: int, dynamic_loops: bool = False, device_drafts: bool = False):
     """The head's two executables as the runner compiles them, the head's caches donated:
-    the prefill per target layout, the decode per drafting row count (and width)."""
+    the prefill per target layout, the decode per drafting row count (and width); with
+    `device_drafts`, their forms that read and write `draft_rows`."""
     caches = None if mesh is None else kv_cache_sharding(mesh)
     out = None if mesh is None else (replicated(mesh), caches)
-    prefill = jax.jit(partial(_prefill, e=e, cfg=cfg, backend=backend, mesh=mesh), static_argnames="layout",
-                      donate_argnums=(2,), out_shardings=None if mesh is None else (replicated(mesh),) * 2 + (caches,))
-    decode = jax.jit(partial(_decode, e=e, cfg=cfg, target=target, backend=backend, mesh=mesh, k=k,
-                             block_size=block_size, dynamic_loops=dynamic_loops), donate_argnums=(2,), out_shardings=out)
+    prefill = jax.jit(partial(_prefill_rows if device_drafts else _prefill, e=e, cfg=cfg, backend=backend, mesh=mesh),
+                      static_argnames="layout", donate_argnums=(2,),
+                      out_shardings=None if mesh is None else (replicated(mesh),) * 2 + (caches,))
+    decode = jax.jit(partial(_decode_rows if device_drafts else _decode, e=e, cfg=cfg, target=target, backend=backend,
+                             mesh=mesh, k=k, block_size=block_size, dynamic_loops=dynamic_loops),
+                     donate_argnums=(2, 8) if device_drafts else (2,), out_shardings=out)
     return prefill, decode
 
 
@@ -284,8 +340,10 @@ class EagleHead:
                                            seed=config.seed, mesh=mesh, device=device)
         self.cfg = with_cache_storage(self.cfg, dtype, device.platform)
         self.kv_spec = KVCacheSpec(self.cfg, config.block_size, dtype, num_devices)
+        # Async scheduling: the drafts stay on the device (`propose_rows`).
+        self.device_drafts = config.async_scheduling
         self._prefill, self._decode = jit_eagle(self.eagle, self.cfg, target, backend, mesh, self.k,
-                                                config.block_size, dynamic_loops)
+                                                config.block_size, dynamic_loops, self.device_drafts)
         self.kv_caches = None
         self.step = None  # (packed, layout, hidden) of the target step the next proposal follows
 
@@ -316,20 +374,50 @@ class EagleHead:
         self.step = None
         return np.asarray(drafts)
 
-    def compile_prefill(self, target_params, packed, last_sampled, layout: BatchLayout, place) -> None:
+    def propose_rows(self, target_params, last_sampled, draft_rows_before, sampled, accepted, chunk_next: np.ndarray,
+                     seqs: np.ndarray, rows: np.ndarray | None, live: np.ndarray, block_tables: np.ndarray, draft_rows,
+                     place):
+        """Device drafts after the kept step's sampler: `_prefill_rows` (every step: the
+        head's K/V of its tokens), then for the persistent `rows` (None: none drafts)
+        `_decode_rows`; returns the new draft_rows."""
+        packed, layout, hidden = self.step
+        self.step = None
+        states, carry, self.kv_caches = self._prefill(
+            self.params, target_params, self.kv_caches, hidden, packed, last_sampled, draft_rows_before, sampled,
+            accepted, *[step_input(x, place) for x in (chunk_next, seqs)], layout=layout)
+        if rows is None:
+            return draft_rows
+        rest = [step_input(x, place) for x in (rows, live, block_tables)]
+        draft_rows, self.kv_caches = self._decode(self.params, target_params, self.kv_caches, states, carry, *rest,
+                                                  draft_rows)
+        return draft_rows
+
+    def compile_prefill(self, target_params, packed, last_sampled, layout: BatchLayout, place,
+                        draft_rows=None) -> None:
         """Compile, without running, the prefill after a target layout."""
-        t = layout.num_tokens
+        t, s = layout.num_tokens, layout.num_rows
         width_in = (len(self.eagle.aux_layers) or 1) * self.eagle.target_hidden_size
         hidden = jax.ShapeDtypeStruct((t, width_in), self.kv_spec.dtype, sharding=place)
+        if self.device_drafts:
+            rows = jax.ShapeDtypeStruct((s,), jnp.int32, sharding=place)
+            host = [np.zeros(s, np.int32), np.zeros(self.max_num_seqs, np.int32)]
+            self._prefill.lower(self.params, target_params, self.kv_caches, hidden, packed, last_sampled, draft_rows,
+                                rows, rows if layout.spec_tokens else None, *[step_input(x, place) for x in host],
+                                layout=layout).compile()
+            return
         host = [np.zeros(t, np.int32), np.zeros(t, bool), np.zeros(self.max_num_seqs, np.int32)]
         self._prefill.lower(self.params, target_params, self.kv_caches, hidden, packed, last_sampled,
                             *[step_input(x, place) for x in host], layout=layout).compile()
 
-    def compile_decode(self, target_params, rows: int, width: int, place) -> None:
+    def compile_decode(self, target_params, rows: int, width: int, place, draft_rows=None) -> None:
         """Compile, without running, the decode of `rows` drafting rows."""
         states = jax.ShapeDtypeStruct((self.max_num_seqs, self.eagle.model.hidden_size), self.kv_spec.dtype,
                                       sharding=place)
         host = [np.zeros(rows, np.int32), np.zeros(rows, bool), np.zeros((rows, width), np.int32)]
+        if self.device_drafts:  # (host[0]: the persistent rows, not positions)
+            self._decode.lower(self.params, target_params, self.kv_caches, states, states,
+                               *[step_input(x, place) for x in host], draft_rows).compile()
+            return
         self._decode.lower(self.params, target_params, self.kv_caches, states, states,
                            *[step_input(x, place) for x in host]).compile()
 

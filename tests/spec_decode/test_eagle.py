@@ -61,25 +61,31 @@ def heads(target, tmp_path_factory):
 
 
 def _spied(llm: LLM) -> list[tuple[list[int], list[int]]]:
-    """Record each (context, drafts) the engine's head proposes."""
-    runner, seen = llm.llm_engine.runner, []
-    propose = runner.propose_eagle
+    """Record each (context, drafts) a step verified, from the drafts the runner hands back
+    with its tokens (under async scheduling only the device knew them before)."""
+    scheduler, seen = llm.llm_engine.scheduler, []
+    update = scheduler.update_from_output
 
-    def spy(scheduled, drafting, blocks):
-        drafts = propose(scheduled, drafting, blocks)
-        seen.extend((list(r.token_ids), row.tolist()) for r, row in zip(drafting, drafts))
-        return drafts
+    def spy(out, sampled, num_accepted=None, draft_ids=None):
+        if num_accepted is not None:
+            for i, (request, d) in enumerate(zip(out.scheduled.requests, out.scheduled.num_drafts.tolist())):
+                if d and not request.is_finished:  # (its tokens so far: the context the drafts followed)
+                    seen.append((list(request.token_ids), draft_ids[i, :d].tolist()))
+        return update(out, sampled, num_accepted, draft_ids)
 
-    runner.propose_eagle = spy
+    scheduler.update_from_output = spy
     return seen
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
-def test_drafts_equal_the_reference_and_greedy_outputs_are_kept(method, target, heads, plain):
+def test_drafts_equal_the_reference_and_greedy_outputs_are_kept(method, async_scheduling, target, heads, plain):
     from transformers import AutoModelForCausalLM
 
     want = token_ids(plain)
-    with LLM(str(target), speculative_config=eagle_config(method, heads[method]), **ENGINE) as llm:
+    with LLM(str(target), speculative_config=eagle_config(method, heads[method]), async_scheduling=async_scheduling,
+             **ENGINE) as llm:
+        assert llm.llm_engine.runner.device_drafts == async_scheduling  # (async: the drafts stay on the device)
         seen = _spied(llm)
         with count_compilations() as counts:
             assert token_ids(llm) == want
@@ -90,7 +96,7 @@ def test_drafts_equal_the_reference_and_greedy_outputs_are_kept(method, target, 
     picked = seen[:: max(1, len(seen) // 16)]  # (contexts of every length, prompts of every request)
     assert len(picked) >= 12
     for context, drafts in picked:
-        assert drafts == reference_drafts(hf, heads[method], method, context, K, AUX), len(context)
+        assert drafts == reference_drafts(hf, heads[method], method, context, K, AUX)[: len(drafts)], len(context)
 
 
 @pytest.mark.parametrize("method, head", [("eagle", "eagle-repeat"), ("eagle3", "eagle3-const")])
