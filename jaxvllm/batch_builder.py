@@ -66,8 +66,8 @@ class HostBatch:
     # (row, request) of the requests admitted this step that use sampler state: the runner
     # writes their device state rows before it dispatches the step.
     admitted: list[tuple[int, Request]] = field(default_factory=list)
-    # Device drafts: the sequence rows the drafter drafts for after this step; with an EAGLE
-    # head, after each row's chunk the prompt's next token where it samples nothing (-1: none).
+    # Device drafts: the sequence rows the drafter drafts for after this step; after each
+    # row's chunk the prompt's next token where it samples nothing (-1: none), an EAGLE head's.
     proposing: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     chunk_next: np.ndarray | None = None
 
@@ -234,16 +234,16 @@ class BatchBuilder:
             ids[from_host] = flat
         else:
             ids[:] = flat
-        proposing = None
+        proposing, chunk_next = np.zeros(0, np.int64), None
         if self.device_drafts:
             proposing = self._device_rows(v, ids, rows, pending, drafts, last, ends, samples, seq_of_token,
                                           scheduled.num_blocks)
+            chunk_next = self._chunk_next(scheduled, layout.num_rows)
 
         layout.row_columns(packed)[:, :n] = ib.packed_columns[:, rows]
         features = self._fill_sampling_rows(v, rows, own_ends, samples, bool(grammar_rows))
-        batch = HostBatch(layout, packed, features, n, grammar_rows=grammar_rows, admitted=admitted)
-        if proposing is not None:
-            batch.proposing = proposing
+        batch = HostBatch(layout, packed, features, n, grammar_rows=grammar_rows, admitted=admitted,
+                          proposing=proposing, chunk_next=chunk_next)
         if ib.num_special:  # (else no row has a grammar or prompt logprobs)
             self._prompt_targets(batch, v["query_start_loc"], scheduled, rows)
         return batch
@@ -287,6 +287,17 @@ class BatchBuilder:
         propose = samples & (num_blocks * self.block_size >= ends + k)
         self.input_batch.drafted[rows] = propose
         return np.flatnonzero(propose)
+
+    @staticmethod
+    def _chunk_next(scheduled: ScheduledBatch, num_rows: int) -> np.ndarray:
+        """After each chunk that samples nothing, the prompt's next token (an EAGLE head's
+        input there under device drafts); -1 for the others and padding rows [num_rows]."""
+        chunk_next = np.full(num_rows, -1, np.int32)
+        for i in np.flatnonzero(~scheduled.samples).tolist():
+            end, tokens = int(scheduled.starts[i] + scheduled.num_new_tokens[i]), scheduled.requests[i].token_ids
+            if end < len(tokens):
+                chunk_next[i] = tokens[end]
+        return chunk_next
 
     @staticmethod
     def _host_tokens(scheduled: ScheduledBatch) -> np.ndarray:

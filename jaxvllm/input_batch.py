@@ -177,9 +177,9 @@ class BatchLayout:
         input_ids = jnp.where(prev >= 0, last_sampled[jnp.maximum(prev, 0)], ids)
         positions, slots, seq_lens, tables = f("positions"), f("slot_mapping"), f("seq_lens"), f("block_tables")
         if self.device_drafts:
-            drafts = draft_rows[:, 2:].reshape(-1)
+            drafts = draft_rows[:, DRAFTS:].reshape(-1)
             input_ids = jnp.where(ids < 0, drafts[jnp.clip(-ids - 1, 0, drafts.shape[0] - 1)], input_ids)
-            shift = jnp.where(f("shifted") != 0, draft_rows[f("slot"), 0], 0)  # [S]
+            shift = jnp.where(f("shifted") != 0, draft_rows[f("slot"), REJECTED], 0)  # [S]
             seq = f("shift_seq")
             row = jnp.maximum(seq, 0)
             positions = positions - jnp.where(seq >= 0, shift[row], 0)
@@ -202,6 +202,17 @@ class BatchLayout:
     def device_rows(self, packed: jax.Array) -> tuple[jax.Array, jax.Array]:
         """With device drafts: each row's `shifted` and `next_pos` [S]."""
         return self._field(packed, "shifted"), self._field(packed, "next_pos")
+
+
+# Columns of the device drafts' per-row buffer (`ModelRunner.draft_rows`, [persistent rows,
+# 2 + K]): what the row's step before rejected, its newest token's position, its K drafts.
+REJECTED, NEWEST, DRAFTS = 0, 1, 2
+
+
+def store_drafts(draft_rows: jax.Array, rows: jax.Array, live: jax.Array, drafts: jax.Array) -> jax.Array:
+    """`draft_rows` with the drafts [R, K] of the `live` persistent `rows` written."""
+    target = jnp.where(live, rows, draft_rows.shape[0])  # (other rows: dropped)
+    return draft_rows.at[target, DRAFTS:].set(drafts, mode="drop")
 
 
 # The narrowest block-table width. An attention whose cost follows the table's width (the

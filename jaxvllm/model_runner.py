@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from jaxvllm.batch_builder import BatchBuilder, HostBatch, default_buckets
 from jaxvllm.config import ATTENTION_BACKENDS, MODEL_SPECULATIVE_METHODS, EngineConfig
-from jaxvllm.input_batch import NARROW_WIDTH, SMALLEST_WIDTH, BatchLayout
+from jaxvllm.input_batch import DRAFTS, NARROW_WIDTH, NEWEST, REJECTED, SMALLEST_WIDTH, BatchLayout
 from jaxvllm.kv_cache import (
     KVCacheSpec,
     allocate_kv_caches,
@@ -151,12 +151,12 @@ def _sample(sampling_rows, logits, last_sampled, state, bitmask, draft_rows=None
     accepted = drafts = None
     if device_drafts:
         shifted, next_pos = layout.device_rows(sampling_rows)
-        shift = jnp.where(shifted != 0, draft_rows[t.slot, 0], 0)
+        shift = jnp.where(shifted != 0, draft_rows[t.slot, REJECTED], 0)
         t = dataclasses.replace(t, output_index=t.output_index - shift)
     if spec_tokens:
         drafts, num_drafts, logits_start = layout.drafts(sampling_rows)
         if device_drafts:  # (-1 on the host: the row's device draft)
-            drafts = jnp.where(drafts < 0, draft_rows[t.slot, 2:], drafts)
+            drafts = jnp.where(drafts < 0, draft_rows[t.slot, DRAFTS:], drafts)
         sampled, accepted, logprobs, state = sample_with_drafts(logits, t, state, features, drafts, num_drafts,
                                                                 logits_start, logprobs_mode, bitmask)
     else:
@@ -164,8 +164,8 @@ def _sample(sampling_rows, logits, last_sampled, state, bitmask, draft_rows=None
     rows = jnp.where(t.counts_sample, t.slot, last_sampled.shape[0])  # other rows: dropped
     if device_drafts:
         rejected = num_drafts - accepted if spec_tokens else jnp.zeros_like(shift)
-        draft_rows = draft_rows.at[rows, 0].set(rejected, mode="drop")
-        draft_rows = draft_rows.at[rows, 1].set(next_pos - shift - rejected, mode="drop")
+        draft_rows = draft_rows.at[rows, REJECTED].set(rejected, mode="drop")
+        draft_rows = draft_rows.at[rows, NEWEST].set(next_pos - shift - rejected, mode="drop")
     return sampled, accepted, drafts, logprobs, last_sampled.at[rows].set(sampled, mode="drop"), state, draft_rows
 
 
@@ -457,12 +457,6 @@ class ModelRunner:
         batch = self.builder.prepare(scheduled, slots)
         for row, request in batch.admitted:  # their device sampler state, before the step reads it
             self.sampler_state = self._write_row(self.sampler_state, row, state_row(request, self.cfg.vocab_size))
-        if self.eagle is not None and self.device_drafts:  # (the head's next token after a prompt chunk)
-            batch.chunk_next = np.full(batch.layout.num_rows, -1, np.int32)
-            for i, s in enumerate(scheduled):
-                end = s.start + s.num_new_tokens
-                if not s.samples and end < len(s.request.token_ids):
-                    batch.chunk_next[i] = s.request.token_ids[end]
         return self.launch(batch)
 
     def launch(self, batch: HostBatch, kv_caches=None) -> PendingStep:
@@ -522,22 +516,19 @@ class ModelRunner:
         the draft model's K decode steps over as many rows as a bucket of them has (each row a
         padded token's cost on a CPU), at the narrowest block-table width that holds them; or
         the EAGLE head's prefill over the step (every step) and its decode for those rows."""
-        b, ib, batch = self.builder, self.builder.input_batch, step.batch
+        b, batch = self.builder, step.batch
         seqs = batch.proposing
         n = len(seqs)
         proposing = batch.layout.views(batch.packed)["slot"][seqs]  # (their persistent rows)
         if self.eagle is not None:
-            rows = np.zeros(self._eagle_rows(n), np.int32)
-            width = b.widths[-1]
+            rows, width = np.zeros(self._eagle_rows(n), np.int32), b.widths[-1]
         else:
             if not n:
                 return
-            rows = np.zeros(b.rows_for(b.bucket_for(n)), np.int32)
-            width = b.width_for(int(ib.num_blocks[proposing].max()))
+            rows, width = np.zeros(b.rows_for(b.bucket_for(n)), np.int32), None
         rows[:n] = proposing
         live = np.arange(len(rows)) < n
-        tables = np.zeros((len(rows), width), np.int32)
-        tables[:n] = ib.block_table[proposing, :width]
+        tables = self._row_tables(proposing, len(rows), width)
         if self.draft is not None:
             self.draft_rows = self.draft.propose_rows(rows, live, tables, self.last_sampled, self.draft_rows,
                                                       self._replicated)
@@ -603,10 +594,15 @@ class ModelRunner:
             row = ib.row_of[rid]
             if len(blocks) != ib.num_blocks[row]:
                 ib.set_blocks(row, blocks)
-        row = np.array([ib.row_of[rid] for rid in request_ids], np.int64)
-        width = width or self.builder.width_for(int(ib.num_blocks[row].max(initial=1)))
-        tables = np.zeros((rows, width), np.int32)
-        tables[: len(row)] = ib.block_table[row, :width]
+        return self._row_tables(np.array([ib.row_of[rid] for rid in request_ids], np.int64), rows, width)
+
+    def _row_tables(self, rows: np.ndarray, num_rows: int, width: int | None = None) -> np.ndarray:
+        """The block tables [num_rows, width] of persistent `rows` (then padding); `width` by
+        default the narrowest that holds them."""
+        ib = self.builder.input_batch
+        width = width or self.builder.width_for(int(ib.num_blocks[rows].max(initial=1)))
+        tables = np.zeros((num_rows, width), np.int32)
+        tables[: len(rows)] = ib.block_table[rows, :width]
         return tables
 
     def release(self, request_ids) -> None:

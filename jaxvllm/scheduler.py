@@ -348,8 +348,8 @@ class Scheduler:
             if last and c.enable_chunked_prefill and c.fill_buckets is not None:
                 num_new = bucket_edge(c.fill_buckets, c.max_num_batched_tokens - budget, num_new)
             lookahead = self._lookahead(num_cached + num_new == request.num_tokens, num_cached + num_new)
-            if (lookahead == 0 or kv.allocate_slots(request, num_new + lookahead, computed) is None) and \
-                    kv.allocate_slots(request, num_new, computed) is None:
+            with_lookahead = lookahead > 0 and kv.allocate_slots(request, num_new + lookahead, computed) is not None
+            if not with_lookahead and kv.allocate_slots(request, num_new, computed) is None:
                 break
             # Nothing is preempted once admissions start, so this step will write these
             # blocks: a request admitted next with the same prefix shares them in the

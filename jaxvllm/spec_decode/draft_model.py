@@ -29,7 +29,7 @@ from jax.sharding import Mesh
 
 from jaxvllm.batch import ModelInputs
 from jaxvllm.config import EngineConfig
-from jaxvllm.input_batch import BatchLayout
+from jaxvllm.input_batch import NEWEST, BatchLayout, store_drafts
 from jaxvllm.kv_cache import KVCacheSpec, allocate_kv_caches, with_cache_storage
 from jaxvllm.loader import load_model, resolve_dtype
 from jaxvllm.model_config import ModelConfig
@@ -76,11 +76,10 @@ def _propose_rows(params, kv_caches, rows, live, block_tables, last_sampled, dra
     position of each persistent row in `rows` (`last_sampled`, `draft_rows` column 1; rows
     not `live`: padding), over its `block_tables` row; the drafts go to its row of
     `draft_rows` (columns 2..)."""
-    drafts, kv_caches = _propose(params, kv_caches, last_sampled[rows], draft_rows[rows, 1], live, block_tables,
+    drafts, kv_caches = _propose(params, kv_caches, last_sampled[rows], draft_rows[rows, NEWEST], live, block_tables,
                                  cfg=cfg, backend=backend, mesh=mesh, k=k, block_size=block_size,
                                  dynamic_loops=dynamic_loops)
-    target = jnp.where(live, rows, draft_rows.shape[0])  # (other rows: dropped)
-    return draft_rows.at[target, 2:].set(drafts, mode="drop"), kv_caches
+    return store_drafts(draft_rows, rows, live, drafts), kv_caches
 
 
 def check_draft_model(config: EngineConfig, tokenizer) -> None:

@@ -49,7 +49,7 @@ from jax.sharding import Mesh
 
 from jaxvllm.batch import ModelInputs
 from jaxvllm.config import EngineConfig
-from jaxvllm.input_batch import BatchLayout
+from jaxvllm.input_batch import NEWEST, BatchLayout, store_drafts
 from jaxvllm.kv_cache import KVCacheSpec, allocate_kv_caches, with_cache_storage
 from jaxvllm.layers import linear, rms_norm
 from jaxvllm.loader import _param_shardings, dummy_params, load_safetensors, resolve_dtype, tensor_files
@@ -303,10 +303,9 @@ def _decode(params, target_params, kv_caches, states, carry, positions, live, bl
 def _decode_rows(params, target_params, kv_caches, states, carry, rows, live, block_tables, draft_rows, **kw):
     """`_decode` with device drafts: each of the persistent `rows`' newest position from
     `draft_rows` (column 1), its drafts written there (columns 2..)."""
-    drafts, kv_caches = _decode(params, target_params, kv_caches, states, carry, draft_rows[rows, 1], live,
+    drafts, kv_caches = _decode(params, target_params, kv_caches, states, carry, draft_rows[rows, NEWEST], live,
                                 block_tables, **kw)
-    target_rows = jnp.where(live, rows, draft_rows.shape[0])  # (other rows: dropped)
-    return draft_rows.at[target_rows, 2:].set(drafts, mode="drop"), kv_caches
+    return store_drafts(draft_rows, rows, live, drafts), kv_caches
 
 
 def jit_eagle(e: EagleConfig, cfg: ModelConfig, target: ModelConfig, backend: str, mesh: Mesh | None, k: int,
@@ -398,12 +397,12 @@ class EagleHead:
         t, s = layout.num_tokens, layout.num_rows
         width_in = (len(self.eagle.aux_layers) or 1) * self.eagle.target_hidden_size
         hidden = jax.ShapeDtypeStruct((t, width_in), self.kv_spec.dtype, sharding=place)
-        if self.device_drafts:
-            rows = jax.ShapeDtypeStruct((s,), jnp.int32, sharding=place)
+        if self.device_drafts:  # (the sampler's tokens and accepted counts, one per row)
+            per_row = jax.ShapeDtypeStruct((s,), jnp.int32, sharding=place)
             host = [np.zeros(s, np.int32), np.zeros(self.max_num_seqs, np.int32)]
             self._prefill.lower(self.params, target_params, self.kv_caches, hidden, packed, last_sampled, draft_rows,
-                                rows, rows if layout.spec_tokens else None, *[step_input(x, place) for x in host],
-                                layout=layout).compile()
+                                per_row, per_row if layout.spec_tokens else None,
+                                *[step_input(x, place) for x in host], layout=layout).compile()
             return
         host = [np.zeros(t, np.int32), np.zeros(t, bool), np.zeros(self.max_num_seqs, np.int32)]
         self._prefill.lower(self.params, target_params, self.kv_caches, hidden, packed, last_sampled,
