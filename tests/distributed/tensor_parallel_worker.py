@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import jax
-import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -22,7 +21,7 @@ from jaxvllm import LLM, SamplingParams
 from jaxvllm.models import MODELS
 from jaxvllm.models.common import layer_params
 from tests.models.paged import hf_greedy
-from tests.spec_decode.eagle_heads import make_head
+from tests.spec_decode.eagle_heads import make_head, passing_head
 from weights.make_tiny import make_tiny
 
 ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, token_buckets=[64])
@@ -156,11 +155,7 @@ def speculative(path: Path) -> dict:
     draft = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}  # (the target itself)
     # EAGLE heads split as the target is: one passing the target's state through (its drafts
     # repeat the last token, which loops accept), a random EAGLE-3 head over layers 0 and 1.
-    d, zero = 64, lambda *shape: np.zeros(shape, np.float32)  # noqa: E731
-    passing = {"fc.weight": np.concatenate([zero(d, d), np.eye(d, dtype=np.float32)], 1),
-               "layers.0.self_attn.o_proj.weight": zero(d, d), "layers.0.mlp.down_proj.weight": zero(d, 128)}
-    eagle = {"method": "eagle", "model": str(make_head(path, path.parent / "eagle", "eagle", **passing)),
-             "num_speculative_tokens": 3}
+    eagle = {"method": "eagle", "model": str(passing_head(path, path.parent / "eagle")), "num_speculative_tokens": 3}
     eagle3 = {"method": "eagle3", "num_speculative_tokens": 3,
               "model": str(make_head(path, path.parent / "eagle3", "eagle3", draft_vocab=256, aux_layers=[0, 1, 1]))}
     for name, kwargs in (("tp1", {}), ("tp2_spec", dict(tensor_parallel_size=2, speculative_config=spec)),

@@ -3,11 +3,29 @@ and without drafts that must agree."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
 from jaxvllm import LLM, SamplingParams
 
 ENGINE = dict(max_model_len=160, max_num_seqs=8, max_num_batched_tokens=64, token_buckets=[16, 64], dtype="float32")
 PROMPTS = [{"prompt_token_ids": p} for p in ([1, 2, 3, 4, 5], [7, 8, 9], list(range(20, 60)), [300] * 9)]
 GREEDY = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+
+
+def perturbed_copy(target: Path, out: Path, noise: float = 0.3) -> Path:
+    """A copy of the checkpoint `target` with noise on every weight: a draft model that
+    mostly agrees with it."""
+    shutil.copytree(target, out)
+    rng = np.random.default_rng(0)
+    for file in out.glob("*.safetensors"):
+        tensors = load_file(file)
+        save_file({name: (w + rng.normal(0, noise * w.std() + 1e-6, w.shape)).astype(w.dtype)
+                   for name, w in tensors.items()}, file, metadata={"format": "pt"})
+    return out
 
 
 def token_ids(llm: LLM, params=GREEDY, prompts=PROMPTS) -> list[list[int]]:

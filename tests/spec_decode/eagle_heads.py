@@ -62,6 +62,19 @@ def make_head(target: Path, out: Path, method: str, *, seed: int = 0, draft_voca
     return out
 
 
+def passing_head(target: Path, out: Path) -> Path:
+    """An EAGLE head that passes the target's final state through (fc = [0 | I], its layer's
+    outputs zero): it drafts, K times, the token the target chose last, which a random
+    model often repeats, so some drafts pass and some do not on any architecture."""
+    cfg = json.loads((target / "config.json").read_text())
+    d, f, hq = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"]
+    hd = cfg.get("head_dim") or d // hq
+    zero = lambda *shape: np.zeros(shape, np.float32)  # noqa: E731
+    passing = {"fc.weight": np.concatenate([zero(d, d), np.eye(d, dtype=np.float32)], 1),
+               "layers.0.self_attn.o_proj.weight": zero(d, hq * hd), "layers.0.mlp.down_proj.weight": zero(d, f)}
+    return make_head(target, out, "eagle", **passing)
+
+
 def _rms(x, w, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 

@@ -8,15 +8,12 @@ structured output (no drafts) runs beside requests that draft."""
 
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
 
 from jaxvllm import LLM, SamplingParams, StructuredOutputsParams
 from jaxvllm.utils.compilation_cache import count_compilations
-from tests.spec_decode.common import ENGINE, GREEDY, PROMPTS, check_same_under_pressure, token_ids
+from tests.spec_decode.common import ENGINE, GREEDY, PROMPTS, check_same_under_pressure, perturbed_copy, token_ids
 from weights.make_tiny import make_tiny
 
 
@@ -28,13 +25,7 @@ def draft_config(model, k: int = 3) -> dict:
 def perturbed(tiny_checkpoint, tmp_path_factory):
     """The tiny Llama with noise on every weight: a draft that mostly agrees with it."""
     target = tiny_checkpoint("llama")
-    folder = tmp_path_factory.mktemp("draft") / "llama-perturbed"
-    shutil.copytree(target, folder)
-    rng = np.random.default_rng(0)
-    for file in folder.glob("*.safetensors"):
-        tensors = load_file(file)
-        save_file({name: (w + rng.normal(0, 0.3 * w.std() + 1e-6, w.shape)).astype(w.dtype)
-                   for name, w in tensors.items()}, file, metadata={"format": "pt"})
+    folder = perturbed_copy(target, tmp_path_factory.mktemp("draft") / "llama-perturbed")
     return target, folder
 
 

@@ -17,7 +17,7 @@ from safetensors.numpy import load_file, save_file
 from jaxvllm import LLM, SamplingParams
 from jaxvllm.utils.compilation_cache import count_compilations
 from tests.spec_decode.common import ENGINE, GREEDY, check_same_under_pressure, token_ids
-from tests.spec_decode.eagle_heads import make_head, reference_drafts
+from tests.spec_decode.eagle_heads import make_head, passing_head, reference_drafts
 
 K = 3
 AUX = [0, 2, 3]  # the EAGLE-3 head's target layers (of 4)
@@ -47,14 +47,12 @@ def heads(target, tmp_path_factory):
     root = tmp_path_factory.mktemp("eagle")
     d = 64
     zero = lambda *shape: np.zeros(shape, np.float32)  # noqa: E731
-    passing = dict(zip(["fc.weight", "layers.0.self_attn.o_proj.weight", "layers.0.mlp.down_proj.weight"],
-                       [np.concatenate([zero(d, d), np.eye(d, dtype=np.float32)], 1), zero(d, d), zero(d, 128)]))
     d2t = np.zeros(256, np.int64)
     d2t[0] = 91
     return {
         "eagle": make_head(target, root / "eagle", "eagle"),
         "eagle3": make_head(target, root / "eagle3", "eagle3", draft_vocab=256, aux_layers=AUX),
-        "eagle-repeat": make_head(target, root / "eagle-repeat", "eagle", **passing),
+        "eagle-repeat": passing_head(target, root / "eagle-repeat"),
         "eagle3-const": make_head(target, root / "eagle3-const", "eagle3", draft_vocab=256, aux_layers=AUX,
                                   **{"norm.weight": zero(d), "d2t": d2t}),
     }

@@ -2,7 +2,8 @@
 those without it, for every architecture and under preemption, chunked prefill, prefix
 caching, n > 1 and stops that fall among accepted drafts; drafts are proposed and partly
 accepted (else equality proves nothing); seeded sampling repeats; vLLM's metrics add up;
-nothing compiles after warm-up; bad configs are refused by name."""
+nothing compiles after warm-up; bad configs are refused by name. On every architecture
+the draft-model and EAGLE methods are checked here too."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import pytest
 
 from jaxvllm import LLM, SamplingParams
 from jaxvllm.utils.compilation_cache import count_compilations
+from tests.spec_decode.common import perturbed_copy
+from tests.spec_decode.eagle_heads import passing_head
 
 ALL_ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral"]
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -44,19 +47,21 @@ def engines(tiny_checkpoint):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ALL_ARCHS)
-def test_greedy_outputs_unchanged_every_architecture(arch, tiny_checkpoint):
-    path = str(tiny_checkpoint(arch))
-    plain = LLM(path, **ENGINE)
-    try:
+def test_greedy_outputs_unchanged_every_architecture(arch, tiny_checkpoint, tmp_path):
+    """Each method on each architecture: n-gram (synchronous), and a draft model (a noisy
+    copy of the target) and an EAGLE head (one that passes the target's state through)
+    under async scheduling, their drafts on the device."""
+    path = tiny_checkpoint(arch)
+    with LLM(str(path), **ENGINE) as plain:
         expected = token_ids(plain, GREEDY)
-    finally:
-        plain.shutdown()
-    spec = LLM(path, speculative_config=SPEC, **ENGINE)
-    try:
-        assert token_ids(spec, GREEDY) == expected
-        assert_partly_accepted(spec)
-    finally:
-        spec.shutdown()
+    draft = perturbed_copy(path, tmp_path / "draft")
+    head = passing_head(path, tmp_path / "head")
+    for spec in (SPEC, {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3},
+                 {"method": "eagle", "model": str(head), "num_speculative_tokens": 3}):
+        with LLM(str(path), speculative_config=spec, **ENGINE) as llm:
+            assert llm.llm_engine.runner.device_drafts == (spec["method"] != "ngram")
+            assert token_ids(llm, GREEDY) == expected, spec["method"]
+            assert_partly_accepted(llm)
 
 
 def test_greedy_outputs_unchanged_and_synchronous(engines):
