@@ -16,6 +16,7 @@ from jaxvllm.batch_builder import BatchBuilder
 from jaxvllm.engine import LLMEngine
 from jaxvllm.model_runner import ModelRunner, PendingStep
 from jaxvllm.scheduler import Scheduler
+from tests.spec_decode.eagle_heads import passing_head
 
 ENGINE = dict(max_model_len=160, max_num_seqs=8, max_num_batched_tokens=32, token_buckets=[32],
               num_gpu_blocks_override=24)
@@ -38,14 +39,19 @@ def python_sigint_handler():
     signal.signal(signal.SIGINT, previous)
 
 
-@pytest.fixture(scope="module", params=["async", "sync", "async-draft"])
-def case(request, tiny_checkpoint):
-    """An engine (async-draft: drafts on the device from another random model of the same
-    shape, so that most are rejected) and its outputs."""
+@pytest.fixture(scope="module", params=["async", "sync", "async-draft", "async-eagle"])
+def case(request, tiny_checkpoint, tmp_path_factory):
+    """An engine and its outputs. Drafts on the device: async-draft's from another random
+    model of the same shape (most rejected), async-eagle's from an EAGLE head that drafts
+    the last token again (some accepted)."""
     path = tiny_checkpoint("qwen3")
-    spec = {"method": "draft_model", "model": str(tiny_checkpoint("qwen3", seed=1)), "num_speculative_tokens": 2}
-    llm = LLM(path, async_scheduling=request.param != "sync",
-              speculative_config=spec if request.param == "async-draft" else None, **ENGINE)
+    spec = None
+    if request.param == "async-draft":
+        spec = {"method": "draft_model", "model": str(tiny_checkpoint("qwen3", seed=1)), "num_speculative_tokens": 2}
+    elif request.param == "async-eagle":
+        head = passing_head(path, tmp_path_factory.mktemp("eagle") / "head")
+        spec = {"method": "eagle", "model": str(head), "num_speculative_tokens": 2}
+    llm = LLM(path, async_scheduling=request.param != "sync", speculative_config=spec, **ENGINE)
     want = tokens(llm.generate(prompts(), GREEDY, use_tqdm=False))
     yield llm, want
     llm.shutdown()
