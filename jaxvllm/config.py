@@ -305,9 +305,6 @@ class EngineConfig:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras!r}) must be an int >= max_loras ({self.max_loras})")
         if self.lora_dtype not in LORA_DTYPES:
             raise ValueError(f"lora_dtype={self.lora_dtype!r}; choose from {LORA_DTYPES}")
-        if self.enable_lora and self.speculative_config is not None:
-            raise ValueError("enable_lora with speculative_config is not supported by jaxvllm yet (the drafts would "
-                             "come from the base model); use one or the other")
 
     def _check_names(self) -> None:
         """Paths and names."""

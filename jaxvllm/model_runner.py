@@ -390,13 +390,14 @@ class ModelRunner:
         jobs += [partial(self._compile_prompt_logprobs, bucket, width=0) for bucket in b.buckets]
         row = jax.tree.map(lambda x: x[0], self.sampler_state)
         jobs.append(lambda: self._write_row.lower(self.sampler_state, 0, row).compile())
+        # A drafter runs the base model (no adapter, as in vLLM) after each target layout, LoRA's too.
         if self.draft is not None:  # its forward over each target layout, its proposer per row count and width
-            jobs += [partial(self._compile_draft, batch) for batch in batches]
+            jobs += [partial(self._compile_draft, batch) for batch in batches + lora_batches]
             jobs += [partial(self.draft.compile_propose, rows, width, self._replicated, self.last_sampled,
                              self.draft_rows) for rows in sorted({b.rows_for(bucket) for bucket in b.buckets})
                      for width in b.widths]
         if self.eagle is not None:  # its prefill after each target layout, its decode per row counts
-            jobs += [partial(self._compile_eagle, batch) for batch in batches]
+            jobs += [partial(self._compile_eagle, batch) for batch in batches + lora_batches]
             rows = sorted({self._eagle_rows(n) for n in range(1, self.config.max_num_seqs + 1)})
             jobs += [partial(self.eagle.compile_decode, self.params, r, b.widths[-1], self._replicated,
                              self.draft_rows) for r in rows]

@@ -168,14 +168,14 @@ class DraftModel:
 
     def compile_propose(self, rows: int, width: int, place, last_sampled=None, draft_rows=None) -> None:
         """Compile, without running, the proposer of a row count and block-table width (with
-        `draft_rows`: the device-drafts one)."""
-        spec = lambda shape, dtype=jnp.int32: jax.ShapeDtypeStruct(shape, dtype, sharding=place)  # noqa: E731
+        `draft_rows`: the device-drafts one), on host inputs placed as a run places them."""
+        ints, live, tables = np.zeros(rows, np.int32), np.zeros(rows, bool), np.zeros((rows, width), np.int32)
         if draft_rows is not None:
-            self._propose_rows.lower(self.params, self.kv_caches, spec((rows,)), spec((rows,), jnp.bool_),
-                                     spec((rows, width)), last_sampled, draft_rows).compile()
+            args = [step_input(x, place) for x in (ints, live, tables)]
+            self._propose_rows.lower(self.params, self.kv_caches, *args, last_sampled, draft_rows).compile()
             return
-        self._propose.lower(self.params, self.kv_caches, spec((rows,)), spec((rows,)), spec((rows,), jnp.bool_),
-                            spec((rows, width))).compile()
+        args = [step_input(x, place) for x in (ints, ints, live, tables)]
+        self._propose.lower(self.params, self.kv_caches, *args).compile()
 
     def arrays(self) -> list:
         return jax.tree.leaves((self.params, self.kv_caches))

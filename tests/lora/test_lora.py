@@ -184,6 +184,32 @@ def test_preemption_and_chunked_prefill_under_adapters(tiny_checkpoint, adapter,
         assert [list(o.token_ids) for o in outs] == peft_reference(base, path)[0], path
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle"])
+def test_speculative_decoding_under_adapters(method, tiny_checkpoint, adapter, peft_reference, compile_counter,
+                                             tmp_path):
+    """Drafts verified by the target with each request's adapter, as vLLM does: the drafter
+    (a draft model, an EAGLE head; both on the device under async scheduling) runs the base
+    model. Outputs stay PEFT's, adapters and base in one batch, drafts are accepted, and
+    nothing compiles after the warm-up."""
+    from tests.spec_decode.eagle_heads import passing_head
+
+    base = tiny_checkpoint("llama")
+    paths = [adapter("llama", i) for i in range(2)]
+    loras = [request(p, i) for i, p in enumerate(paths)] + [None]
+    spec = {"method": method, "num_speculative_tokens": 3}
+    spec.update({"ngram": dict(prompt_lookup_max=3, prompt_lookup_min=1), "draft_model": dict(model=str(base)),
+                 "eagle": dict(model=str(passing_head(base, tmp_path / "head")))}[method])
+    prompts = PROMPTS + [[7, 8, 9] * 5]  # (a repeating prompt: n-gram drafts)
+    with LLM(base, enable_lora=True, max_loras=2, max_lora_rank=8, speculative_config=spec, **ENGINE) as llm:
+        before = compile_counter.count
+        got = run(llm, loras, prompts)
+        assert compile_counter.count == before
+        stats = llm.stats()
+    for path, outs in zip(paths + [None], got):
+        assert [list(o.token_ids) for o in outs[: len(PROMPTS)]] == peft_reference(base, path)[0], path
+    assert stats["spec_decode_num_accepted_tokens"] > 0
+
+
 def test_adapter_over_a_quantized_base(tiny_checkpoint, adapter, peft_reference, tmp_path):
     """A GPTQ 4-bit base (W4A16: an exact oracle) with an adapter in float32: PEFT's over
     the HF model holding the dequantized weights."""
@@ -280,9 +306,6 @@ def test_refusals(llama_llm, adapter, tiny_checkpoint, tmp_path):
         LoRARequest("x", 0, str(good))
     with pytest.raises(ValueError, match=r"max_cpu_loras \(1\) must be an int >= max_loras \(2\)"):
         EngineConfig(model="m", enable_lora=True, max_loras=2, max_cpu_loras=1)
-    with pytest.raises(ValueError, match="enable_lora with speculative_config is not supported"):
-        EngineConfig(model="m", enable_lora=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2,
-                                                                     "prompt_lookup_max": 3})
     # still serving, adapters and all
     assert len(run(llama_llm, [request(good, 0), None])[0]) == len(PROMPTS)
 
