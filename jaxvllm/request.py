@@ -174,6 +174,12 @@ class ScheduledRequest:
             r = self.request
             self.samples = self.start + self.num_new_tokens == r.num_tokens + r.num_pending
 
+    @property
+    def num_in_flight(self) -> int:
+        """What this step adds to `request.num_pending`: the token it samples and, counting on
+        each one passing, the drafts it verifies."""
+        return int(self.samples) * (1 + self.num_drafts)
+
 
 class ScheduledBatch:
     """A step's scheduled chunks as columns, in schedule order (running requests first,

@@ -301,11 +301,11 @@ class Scheduler:
                     continue
             samples = start + num_new >= num_tokens
             drafts = max(0, start + num_new - num_tokens)
-            scheduled[request.request_id] = ScheduledRequest(
+            scheduled[request.request_id] = chunk = ScheduledRequest(
                 request, start, num_new, req_blocks[request.request_id], samples, drafts
             )
             request.num_computed_tokens = start + num_new
-            request.num_pending += samples * (1 + drafts)
+            request.num_pending += chunk.num_in_flight
             budget -= num_new
         batch = ScheduledBatch.of(list(scheduled.values()))
         # Victims are out; the requests still scheduled will run this step, so their blocks
@@ -363,7 +363,7 @@ class Scheduler:
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached + num_new
-            request.num_pending += scheduled_request.samples
+            request.num_pending += scheduled_request.num_in_flight
             kv.record_prefix_hits(request.num_tokens, num_cached)
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_cached
@@ -389,7 +389,7 @@ class Scheduler:
             if victim.request_id in scheduled:  # the priority policy may pick one already scheduled
                 dropped = scheduled.pop(victim.request_id)
                 freed += dropped.num_new_tokens
-                victim.num_pending -= dropped.samples * (1 + dropped.num_drafts)
+                victim.num_pending -= dropped.num_in_flight
             if victim is request:
                 return freed, False
         return freed, True
