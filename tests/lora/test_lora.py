@@ -300,6 +300,7 @@ def test_refusals(llama_llm, adapter, tiny_checkpoint, tmp_path):
                                use_tqdm=False)
         assert not llama_llm.llm_engine.has_unfinished_requests()
         assert 100 + i not in llama_llm.llm_engine.list_loras()
+    run(llama_llm, [request(good, 0)])  # (id 1 is adapter-0's, whichever tests ran before)
     with pytest.raises(ValueError, match=r"lora_int_id 1 is adapter 'adapter-0'"):
         llama_llm.generate(prompt, lora_request=LoRARequest("other", 1, str(adapter("llama", 1))), use_tqdm=False)
     with pytest.raises(ValueError, match="lora_int_id must be an int >= 1"):
