@@ -179,7 +179,7 @@ class BatchLayout:
         if self.device_drafts:
             drafts = draft_rows[:, DRAFTS:].reshape(-1)
             input_ids = jnp.where(ids < 0, drafts[jnp.clip(-ids - 1, 0, drafts.shape[0] - 1)], input_ids)
-            shift = jnp.where(f("shifted") != 0, draft_rows[f("slot"), REJECTED], 0)  # [S]
+            shift = self.rejected_before(packed, draft_rows)
             seq = f("shift_seq")
             row = jnp.maximum(seq, 0)
             positions = positions - jnp.where(seq >= 0, shift[row], 0)
@@ -199,9 +199,14 @@ class BatchLayout:
         return (self._field(packed, "draft_ids").reshape(self.num_rows, self.spec_tokens),
                 self._field(packed, "num_drafts"), self._field(packed, "logits_start"))
 
-    def device_rows(self, packed: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """With device drafts: each row's `shifted` and `next_pos` [S]."""
-        return self._field(packed, "shifted"), self._field(packed, "next_pos")
+    def rejected_before(self, packed: jax.Array, draft_rows: jax.Array) -> jax.Array:
+        """With device drafts: what each `shifted` row's step before rejected (0 for the
+        other rows) [S], which its positions, length and output index lose."""
+        return jnp.where(self._field(packed, "shifted") != 0, draft_rows[self._field(packed, "slot"), REJECTED], 0)
+
+    def next_positions(self, packed: jax.Array) -> jax.Array:
+        """With device drafts: the host's position of the token each row samples [S]."""
+        return self._field(packed, "next_pos")
 
 
 # Columns of the device drafts' per-row buffer (`ModelRunner.draft_rows`, [persistent rows,

@@ -150,8 +150,7 @@ def _sample(sampling_rows, logits, last_sampled, state, bitmask, draft_rows=None
     t = layout.sampling(sampling_rows)
     accepted = drafts = None
     if device_drafts:
-        shifted, next_pos = layout.device_rows(sampling_rows)
-        shift = jnp.where(shifted != 0, draft_rows[t.slot, REJECTED], 0)
+        shift = layout.rejected_before(sampling_rows, draft_rows)
         t = dataclasses.replace(t, output_index=t.output_index - shift)
     if spec_tokens:
         drafts, num_drafts, logits_start = layout.drafts(sampling_rows)
@@ -165,7 +164,8 @@ def _sample(sampling_rows, logits, last_sampled, state, bitmask, draft_rows=None
     if device_drafts:
         rejected = num_drafts - accepted if spec_tokens else jnp.zeros_like(shift)
         draft_rows = draft_rows.at[rows, REJECTED].set(rejected, mode="drop")
-        draft_rows = draft_rows.at[rows, NEWEST].set(next_pos - shift - rejected, mode="drop")
+        draft_rows = draft_rows.at[rows, NEWEST].set(layout.next_positions(sampling_rows) - shift - rejected,
+                                                     mode="drop")
     return sampled, accepted, drafts, logprobs, last_sampled.at[rows].set(sampled, mode="drop"), state, draft_rows
 
 

@@ -413,12 +413,9 @@ class EagleHead:
         states = jax.ShapeDtypeStruct((self.max_num_seqs, self.eagle.model.hidden_size), self.kv_spec.dtype,
                                       sharding=place)
         host = [np.zeros(rows, np.int32), np.zeros(rows, bool), np.zeros((rows, width), np.int32)]
-        if self.device_drafts:  # (host[0]: the persistent rows, not positions)
-            self._decode.lower(self.params, target_params, self.kv_caches, states, states,
-                               *[step_input(x, place) for x in host], draft_rows).compile()
-            return
-        self._decode.lower(self.params, target_params, self.kv_caches, states, states,
-                           *[step_input(x, place) for x in host]).compile()
+        # (device drafts: host[0] the persistent rows, not positions, and draft_rows after them)
+        args = [step_input(x, place) for x in host] + ([draft_rows] if self.device_drafts else [])
+        self._decode.lower(self.params, target_params, self.kv_caches, states, states, *args).compile()
 
     def arrays(self) -> list:
         return jax.tree.leaves((self.params, self.kv_caches))
