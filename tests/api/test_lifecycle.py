@@ -120,3 +120,43 @@ def test_second_llm_while_first_alive_then_replace(path):
     assert live_device_memory() == (2 * one[0] - before[0], 2 * one[1] - before[1])
     del a, b
     assert live_device_memory() == before
+
+
+def test_generate_freezes_older_objects_only_while_it_runs(path):
+    """generate keeps the objects that existed before it out of full collections (a
+    process with jax, transformers and torch imported holds about a million) and gives
+    them back to the collector when it returns or is interrupted; a freeze the user made
+    is left as it was."""
+    llm = LLM(path, **ENGINE_ARGS)
+    first = token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    seen, step = [], llm.llm_engine.step
+
+    def spy(interrupt_at=None):
+        def spying_step():
+            seen.append(gc.get_freeze_count())
+            if len(seen) == interrupt_at:
+                raise KeyboardInterrupt
+            return step()
+        return spying_step
+
+    assert gc.get_freeze_count() == 0
+    llm.llm_engine.step = spy()
+    assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == first
+    assert seen and min(seen) > 0
+    assert gc.get_freeze_count() == 0
+
+    seen.clear()
+    llm.llm_engine.step = spy(interrupt_at=2)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert gc.get_freeze_count() == 0
+
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        llm.llm_engine.step = step
+        assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == first
+        assert 0 < gc.get_freeze_count() <= frozen  # (some frozen objects were freed meanwhile)
+    finally:
+        gc.unfreeze()
+    llm.shutdown()
