@@ -331,34 +331,59 @@ def is_random(t: SamplingTensors) -> jax.Array:
     return (t.temperature > 0) & (t.top_k != 1)
 
 
-def random_logits(logits, t: SamplingTensors, features: SamplerFeatures, banned: jax.Array | None = None):
-    """The logits a random row draws from: temperature, then min-p, top-k and top-p, then
-    the `banned` token [S] (-1: none) masked."""
+def random_logits(logits, t: SamplingTensors, features: SamplerFeatures):
+    """The logits a random row draws from: temperature, then min-p, top-k and top-p."""
     temperature = jnp.where(t.temperature > 0, t.temperature, 1.0)[:, None]
-    x = apply_top_k_top_p_min_p(logits / temperature, t.top_k, t.top_p, t.min_p, features)
-    if banned is not None:
-        x = jnp.where(jnp.arange(x.shape[-1]) == banned[:, None], -jnp.inf, x)
-    return x
+    return apply_top_k_top_p_min_p(logits / temperature, t.top_k, t.top_p, t.min_p, features)
 
 
-def draw(logits, t: SamplingTensors, features: SamplerFeatures, banned: jax.Array | None = None):
+def _first_reaching(cumulative: jax.Array, weights: jax.Array, target: jax.Array) -> jax.Array:
+    """Along the last axis: the first entry of positive weight whose cumulative sum reaches
+    `target`, or the last of positive weight when rounding leaves none (never an entry of
+    weight 0: a token top-k, a grammar or a ban removed)."""
+    positive = weights > 0
+    reach = (cumulative >= target[..., None]) & positive
+    last = weights.shape[-1] - 1 - jnp.argmax(positive[..., ::-1], axis=-1)
+    return jnp.where(jnp.any(reach, axis=-1), jnp.argmax(reach, axis=-1), last).astype(jnp.int32)
+
+
+def inverse_cdf_sample(x: jax.Array, u: jax.Array, block: int = 256) -> jax.Array:
+    """A token of softmax(x) [S, vocab] per row, by inverse transform sampling: the first
+    whose cumulative probability reaches u [S] in (0, 1]. The cumulative sum runs over block
+    sums, then inside the one block it lands in: XLA makes a cumulative sum over the whole
+    vocabulary a `reduce_window`, which XLA:CPU runs slowly."""
+    rows, vocab = x.shape
+    top = jnp.max(x, axis=-1, keepdims=True)
+    weights = jnp.exp(x - jnp.where(jnp.isfinite(top), top, 0.0))
+    blocks = jnp.pad(weights, ((0, 0), (0, -vocab % block))).reshape(rows, -1, block)
+    sums = jnp.sum(blocks, axis=-1)
+    cumulative = jnp.cumsum(sums, axis=-1)
+    target = u * cumulative[:, -1]
+    b = _first_reaching(cumulative, sums, target)
+    before = jnp.where(b > 0, jnp.take_along_axis(cumulative, jnp.maximum(b - 1, 0)[:, None], axis=1)[:, 0], 0.0)
+    inside = jnp.take_along_axis(blocks, b[:, None, None], axis=1)[:, 0]
+    return b * block + _first_reaching(before[:, None] + jnp.cumsum(inside, axis=-1), inside, target)
+
+
+def draw(logits, t: SamplingTensors, features: SamplerFeatures):
     """(each row's token [S], the logits it was drawn from: the processed logprobs' source)
     from logits after the state's transforms: the argmax, or for random rows a draw keyed by
-    (seed, output index)."""
+    (seed, output index).
+
+    A random row's draw takes one uniform number (`inverse_cdf_sample`), where Gumbel-max
+    takes one a token; and one number a position lets speculative decoding draw at each
+    verified position what sampling without drafts would (`rejection_sampler`)."""
     sampled = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # ties -> lowest id, as torch.argmax
     if not features.random:
         return sampled, logits
-    x = random_logits(logits, t, features, banned)
+    x = random_logits(logits, t, features)
 
-    def row_gumbel(seed, index):
-        key = jax.random.fold_in(jax.random.key(seed), index)
-        return jax.random.gumbel(key, (x.shape[-1],), jnp.float32)
+    def row_uniform(seed, index):
+        return jax.random.uniform(jax.random.fold_in(jax.random.key(seed), index), (), jnp.float32)
 
-    gumbel = jax.vmap(row_gumbel)(t.seeds, t.output_index)
-    # Gumbel-max: argmax(x + G) is a sample of softmax(x).
-    random = jnp.argmax(x + gumbel, axis=-1).astype(jnp.int32)
+    u = 1.0 - jax.vmap(row_uniform)(t.seeds, t.output_index)  # (0, 1]
     rows = is_random(t)
-    return jnp.where(rows, random, sampled), jnp.where(rows[:, None], x, logits)
+    return jnp.where(rows, inverse_cdf_sample(x, u), sampled), jnp.where(rows[:, None], x, logits)
 
 
 def record_outputs(state: SamplerState, t: SamplingTensors, tokens: jax.Array, num: jax.Array,

@@ -7,18 +7,21 @@ distribution for the token after draft j - 1 (position 0: after the row's own la
 Each position's logits go through every transform the row's sampling has, as if the drafts
 before it had been sampled: the grammar's bitmask of that position, then the sampler state
 with the earlier drafts counted (penalties, bad words) and min_tokens at that output index.
-Drafts are accepted from the first while they pass:
+Every proposer's drafts are argmaxes, so the proposal q is one-hot, and vLLM's rule
+(accept a draft with probability min(1, p / q), p the target's distribution after
+temperature, min-p, top-k and top-p; at the first rejection sample from the normalized
+(p - q)+; after the last draft, a bonus token from p) comes down to: accept it with
+probability p(draft); if rejected, sample from p without it. Drawing x from p at each
+position and accepting while the draft is x does exactly that, so each position draws its
+token as `sample` would at that output index, with the same key (the row's seed and the
+output index), and the row emits its drafts up to the first that is not its draw, then
+that draw (the draw after the last draft, when all pass): between 1 and d + 1 tokens.
 
-- greedy rows: the draft is the target's argmax;
-- random rows: a uniform draw u < p(draft) / q(draft), where p is the target's distribution
-  after temperature, min-p, top-k and top-p, and q the proposer's. The n-gram proposer's q
-  is one-hot, so u < p(draft).
-
-Then one more token is sampled at the first position not accepted: from p with the
-rejected draft masked (the normalized (p - q)+ of a one-hot q), or, when every draft
-passed, from p itself (the bonus token). Each row thus emits between 1 and d + 1 tokens.
-Every draw is keyed by (the row's seed, the output index it decides), so seeded requests
-repeat exactly. Static shapes, no branches: the trip counts are K and the vocabulary.
+The draws being those of sampling without drafts, a seeded request's output is the same
+with or without speculative decoding, whatever drafts were offered: with any method and
+K, with async scheduling or not, and however max_tokens or free blocks cap the drafts.
+Greedy rows are the temperature-0 case (the draw is the argmax). Static shapes, no
+branches: the trip counts are K and the vocabulary.
 """
 
 from __future__ import annotations
@@ -29,12 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxvllm.sampler import (Logprobs, SamplerFeatures, SamplerState, SamplingTensors, apply_state,
-                             apply_token_bitmask, compute_logprobs, draw, is_random, random_logits, record_outputs)
-
-# Folded into an acceptance draw's key, so that it is independent of the sampler's draw
-# for the same (seed, output index).
-ACCEPT_STREAM = 1
-
+                             apply_token_bitmask, compute_logprobs, draw, record_outputs)
 
 def _logits_rows(t: SamplingTensors, num_drafts: jax.Array, logits_start: jax.Array, num_logits: int, k: int):
     """Each logits row's sampling tensors [L] (its sequence row's, at the output index it
@@ -86,44 +84,22 @@ def sample_with_drafts(
         counts, recent = _with_drafts(state, t, draft_ids, owner, position, at, features)
         logits = apply_state(logits, rows_t, state, features, counts, recent)
 
-    # Which drafts pass: row i's draft j is scored at logits row logits_start[i] + j.
+    # Every verified position draws the token `sample` would draw there, keyed by (seed,
+    # output index); a draft passes when it is that token. Row i's draft j is scored at
+    # logits row logits_start[i] + j, and the row emits the draws up to its first miss.
+    drawn, processed = draw(logits, rows_t, features)
     valid = jnp.arange(k) < num_drafts[:, None]
     scoring = jnp.minimum(jnp.where(valid, logits_start[:, None] + jnp.arange(k), num_logits), num_logits - 1)
-    passed = jnp.argmax(logits, axis=-1)[scoring] == draft_ids
-    if features.random:
-        x = random_logits(logits, rows_t, features)
-        p = jnp.take_along_axis(jax.nn.softmax(x[scoring], axis=-1), draft_ids[..., None], axis=-1)[..., 0]
-
-        def uniform(seed, index):
-            key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), index), ACCEPT_STREAM)
-            return jax.random.uniform(key, (), jnp.float32)
-
-        u = jax.vmap(jax.vmap(uniform, in_axes=(None, 0)))(t.seeds, t.output_index[:, None] + jnp.arange(k))
-        passed = jnp.where(is_random(t)[:, None], u < p, passed)
-    accepted = jnp.sum(jnp.cumprod(passed & valid, axis=-1), axis=-1).astype(jnp.int32)
-
-    # The token after the accepted drafts: the rejected draft banned, or the bonus token.
-    final = jnp.minimum(logits_start + accepted, num_logits - 1)
-    rejected = jnp.take_along_axis(draft_ids, jnp.minimum(accepted, k - 1)[:, None], axis=1)[:, 0]
-    banned = jnp.where(accepted < num_drafts, rejected, -1)
-    final_t = dataclasses.replace(t, output_index=t.output_index + accepted)
-    sampled, processed = draw(logits[final], final_t, features, banned)
+    passed = (drawn[scoring] == draft_ids) & valid
+    accepted = jnp.sum(jnp.cumprod(passed, axis=-1), axis=-1).astype(jnp.int32)
+    sampled = drawn[jnp.minimum(logits_start + accepted, num_logits - 1)]
     if features.state:
         emitted = jnp.concatenate([draft_ids, sampled[:, None]], axis=1)
         emitted = jnp.where(jnp.arange(k + 1) == accepted[:, None], sampled[:, None], emitted)
         state = record_outputs(state, t, emitted, accepted + 1, features)
 
     logprobs = None
-    if features.logprobs:
-        normalize = logprobs_mode.endswith("logprobs")
-        if logprobs_mode.startswith("raw"):
-            source, last_source = raw, raw[final]
-        else:
-            source = jnp.where(is_random(rows_t)[:, None], x, logits) if features.random else logits
-            last_source = processed
-        scored = draft_ids[owner, jnp.minimum(position, k - 1)]  # the draft each logits row scores
-        drafts = compute_logprobs(source, scored, features.logprobs, normalize=normalize)
-        last = compute_logprobs(last_source, sampled, features.logprobs, normalize=normalize)
-        emitted_at = jnp.where(t.counts_sample, logits_start + accepted, num_logits)  # (others: dropped)
-        logprobs = jax.tree.map(lambda d, e: d.at[emitted_at].set(e, mode="drop"), drafts, last)
+    if features.logprobs:  # per logits row, of its draw: the token it emits, up to the row's first miss
+        source = raw if logprobs_mode.startswith("raw") else processed
+        logprobs = compute_logprobs(source, drawn, features.logprobs, normalize=logprobs_mode.endswith("logprobs"))
     return sampled, accepted, logprobs, state

@@ -12,6 +12,7 @@ from jaxvllm.sampler import (
     SamplingTensors,
     apply_penalties,
     init_state,
+    inverse_cdf_sample,
     sample,
     write_state_row,
 )
@@ -106,6 +107,28 @@ def test_empirical_distribution_matches_exact(settings):
     assert eps < 0.048
     assert np.abs(counts / N - want).sum() < eps, (counts / N, want)
     assert np.all(counts[want == 0] == 0), "a filtered-out token was sampled"
+
+
+@pytest.mark.parametrize("vocab,block", [(1000, 256), (1000, 16), (64, 256)])
+def test_inverse_cdf_sample_over_blocks(vocab, block):
+    """The two-level draw (block sums, then inside one block) is softmax's inverse CDF over a
+    vocabulary of several blocks, the last one partial: N evenly spaced u give each token
+    its probability's share of them, to 1 / N; and it never draws a masked token, not where
+    a whole block is masked, nor at the ends (u = 1, u near 0)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(0, 2, vocab).astype(np.float32)
+    x[rng.random(vocab) < 0.3] = -np.inf
+    x[: block if vocab > 2 * block else 3] = -np.inf  # the first block (or tokens), all masked
+    x[-1] = -np.inf
+    p = np.where(np.isfinite(x), np.exp(x.astype(np.float64) - x[np.isfinite(x)].max()), 0.0)
+    p /= p.sum()
+    u = (np.arange(N) + 0.5) / N
+    tokens = np.asarray(jax.jit(inverse_cdf_sample, static_argnames="block")(
+        jnp.broadcast_to(x, (N, vocab)), jnp.asarray(u, jnp.float32), block=block))
+    assert np.all(p[tokens] > 0), "a masked token was drawn"
+    assert np.abs(np.bincount(tokens, minlength=vocab) / N - p).max() <= 2 / N
+    ends = np.asarray(inverse_cdf_sample(jnp.asarray(np.stack([x, x])), jnp.asarray([1.0, 1e-30]), block=block))
+    assert ends.tolist() == [np.flatnonzero(p)[-1], np.flatnonzero(p)[0]]
 
 
 def test_greedy_top_k_1_and_seeds():

@@ -1,6 +1,7 @@
 """Structured outputs (vLLM's StructuredOutputsParams, on llguidance) on random-weight tiny
 models, where only the constraint can make the text valid."""
 
+import dataclasses
 import json
 import re
 import threading
@@ -131,7 +132,8 @@ def test_choice_outputs_are_one_of_the_choices(llm):
     choices = ["positive", "negative", "neutral", "not sure"]
     outputs = llm.generate(PROMPTS, constrained(choice=choices), use_tqdm=False)
     assert all(text in choices for text in texts(outputs))
-    sampled = llm.generate(PROMPTS, constrained(choice=choices, temperature=1.0), use_tqdm=False)
+    params = [dataclasses.replace(constrained(choice=choices, temperature=1.0), seed=i) for i in range(len(PROMPTS))]
+    sampled = llm.generate(PROMPTS, params, use_tqdm=False)
     assert all(text in choices for text in texts(sampled))
     assert len(set(texts(sampled))) > 1  # the mask leaves the choice to the model
 

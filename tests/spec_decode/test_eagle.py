@@ -107,6 +107,7 @@ def test_heads_that_agree_get_drafts_accepted(method, head, target, heads, plain
             first = token_ids(llm, params)
             assert token_ids(llm, params) == first
         assert counts.compilations == 0
+    assert first == token_ids(plain, params)  # (each verified position draws what sampling without drafts would)
     assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
 
 

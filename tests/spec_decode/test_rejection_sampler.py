@@ -1,7 +1,8 @@
 """The rejection sampler keeps the target's distribution, as vLLM's tests check it: over
 many seeded draws on fixed target logits and a fixed (one-hot, n-gram) draft, the emitted
 tokens follow the target's distribution after its transforms, at the verified position and
-at the bonus one. A recovery that forgot to mask the rejected draft fails the bound."""
+at the bonus one. A sampler that accepts by a draw of its own and then forgets to mask the
+rejected draft fails the bound."""
 
 from __future__ import annotations
 
@@ -63,10 +64,12 @@ def test_emitted_tokens_follow_the_target(draft, temperature, top_k):
     assert abs(accepted.mean() - p0[draft]) < 0.02  # accepted with probability p(draft)
     if accepted.sum() > 500:  # the bonus token, after an accepted draft: from position 1
         assert np.abs(frequencies(sampled[accepted == 1]) - p1).sum() / 2 < 0.05
-    # Recovery without masking the rejected draft would emit it too often.
+    # The bound has power: a sampler that accepts by a draw of its own and then samples
+    # from p without masking the rejected draft emits the draft too often.
     unmasked = np.asarray(sample(rows.reshape(DRAWS, 2, VOCAB)[:, 0], tensors(DRAWS, temperature, top_k), None,
                                  features)[0])
-    wrong = np.where(accepted == 1, draft, unmasked)
+    coin = np.random.default_rng(0).random(DRAWS) < p0[draft]
+    wrong = np.where(coin, draft, unmasked)
     if p0[draft] > 0.05:
         assert np.abs(frequencies(wrong) - p0).sum() / 2 > 0.03
 
@@ -119,16 +122,20 @@ def sequential(logits, t, state, features, drafts, bitmask, logprobs_mode="raw_l
         state = after
 
 
-@pytest.mark.parametrize("logprobs_mode", ["raw_logprobs", "processed_logprobs"])
-def test_state_and_grammar_see_the_drafts_before_each_position(logprobs_mode):
+@pytest.mark.parametrize("logprobs_mode,temperature", [("raw_logprobs", 0.0), ("processed_logprobs", 0.0),
+                                                       ("raw_logprobs", 0.9), ("processed_logprobs", 1.3)])
+def test_state_and_grammar_see_the_drafts_before_each_position(logprobs_mode, temperature):
     """Penalties, bad words, min_tokens, bias and the grammar's per-position bitmask judge
     each verified position as if the drafts before it had been sampled: accepted counts,
-    tokens, logprobs and the state after equal sampling the row one position at a time."""
+    tokens, logprobs and the state after equal sampling the row one position at a time,
+    greedy or seeded random (each position draws what sampling without drafts would)."""
     vocab, rows, k = 16, 4, 3
     rng = np.random.default_rng(0)
-    features = SamplerFeatures(state=True, bad_words=True, grammar=True, logprobs=2)
+    features = SamplerFeatures(random=temperature > 0, top_k=temperature > 0, state=True, bad_words=True,
+                               grammar=True, logprobs=2)
     t = state_tensors(rows, frequency_penalty=[0.0, 2.0, 0.5, 0.0], presence_penalty=[0.0, 1.0, 0.0, 0.5],
-                      repetition_penalty=[1.0, 1.0, 1.5, 2.0], min_tokens=[0, 0, 7, 0], output_index=[3, 4, 5, 6])
+                      repetition_penalty=[1.0, 1.0, 1.5, 2.0], min_tokens=[0, 0, 7, 0], output_index=[3, 4, 5, 6],
+                      temperature=[temperature] * rows, top_k=[0, 5, 0, 3], seeds=[11, 12, 13, 14])
     state = init_state(rows + 1, vocab)
     for slot in range(1, rows + 1):
         bias = np.where(rng.random(vocab) < 0.1, -np.inf, rng.normal(0, 0.5, vocab)).astype(np.float32)

@@ -115,12 +115,18 @@ def test_preemption_chunked_prefill_prefix_caching_and_n(tiny_checkpoint):
     assert stats["spec_decode_num_accepted_tokens"] > 0
 
 
-def test_seeded_sampling_repeats(engines):
-    _, spec = engines
-    params = SamplingParams(temperature=0.8, top_k=3, max_tokens=40, seed=7, ignore_eos=True)
+def test_seeded_sampling_repeats_and_equals_sampling_without_drafts(engines):
+    """Each verified position draws what sampling without drafts would draw there, so a
+    seeded output is the same with or without them, whatever was accepted."""
+    plain, spec = engines
+    params = [SamplingParams(temperature=0.8, top_k=3, max_tokens=40, seed=7, ignore_eos=True),
+              SamplingParams(temperature=1.2, top_p=0.9, min_p=0.02, frequency_penalty=0.4, repetition_penalty=1.2,
+                             max_tokens=23, seed=8, n=2, ignore_eos=True)]
     before = spec.stats()["spec_decode_num_accepted_tokens"]
-    first = token_ids(spec, params)
-    assert token_ids(spec, params) == first
+    for sp in params:
+        first = token_ids(spec, sp)
+        assert token_ids(spec, sp) == first
+        assert token_ids(plain, sp) == first
     assert spec.stats()["spec_decode_num_accepted_tokens"] > before
 
 
