@@ -17,6 +17,7 @@ from jaxvllm.inputs import prompt_list
 from jaxvllm.outputs import RequestOutput
 from jaxvllm.sampling_params import RequestOutputKind, SamplingParams
 
+
 @contextmanager
 def old_objects_frozen() -> Iterator[None]:
     """Leave the objects that exist now out of the collector's full passes for the block.

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jaxvllm.sampler import (Logprobs, SamplerFeatures, SamplerState, SamplingTensors, apply_state,
                              apply_token_bitmask, compute_logprobs, draw, record_outputs)
 
+
 def _logits_rows(t: SamplingTensors, num_drafts: jax.Array, logits_start: jax.Array, num_logits: int, k: int):
     """Each logits row's sampling tensors [L] (its sequence row's, at the output index it
     decides) and its position among that row's verified tokens [L]. Logits rows past the
@@ -88,15 +89,12 @@ def sample_with_drafts(
     # output index); a draft passes when it is that token. Row i's draft j is scored at
     # logits row logits_start[i] + j, and the row emits the draws up to its first miss.
     drawn, processed = draw(logits, rows_t, features)
-    valid = jnp.arange(k) < num_drafts[:, None]
-    scoring = jnp.minimum(jnp.where(valid, logits_start[:, None] + jnp.arange(k), num_logits), num_logits - 1)
-    passed = (drawn[scoring] == draft_ids) & valid
+    draws = drawn[jnp.minimum(logits_start[:, None] + jnp.arange(k + 1), num_logits - 1)]  # [S, K + 1]
+    passed = (draws[:, :k] == draft_ids) & (jnp.arange(k) < num_drafts[:, None])
     accepted = jnp.sum(jnp.cumprod(passed, axis=-1), axis=-1).astype(jnp.int32)
-    sampled = drawn[jnp.minimum(logits_start + accepted, num_logits - 1)]
-    if features.state:
-        emitted = jnp.concatenate([draft_ids, sampled[:, None]], axis=1)
-        emitted = jnp.where(jnp.arange(k + 1) == accepted[:, None], sampled[:, None], emitted)
-        state = record_outputs(state, t, emitted, accepted + 1, features)
+    sampled = jnp.take_along_axis(draws, accepted[:, None], axis=1)[:, 0]
+    if features.state:  # the first accepted + 1 draws are what the row emits
+        state = record_outputs(state, t, draws, accepted + 1, features)
 
     logprobs = None
     if features.logprobs:  # per logits row, of its draw: the token it emits, up to the row's first miss
