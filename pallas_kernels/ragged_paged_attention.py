@@ -77,11 +77,13 @@ def _check_shapes(q, k_cache, v_cache, positions, query_start_loc, seq_lens, blo
         )
 
 
-# The reference's working set: query tokens per step of its loop over the batch, and keys
+# The reference's working set: query rows per step of its loop over the batch, and keys
 # (rounded to whole pages) per step of each chunk's loop over the block-table columns.
-# (On XLA:CPU, 128 query tokens ran a 2048-token prefill 27% faster than 256: the tiles stay
-# in cache.)
+# Static loops take 128 tokens a step; XLA:CPU's loops (`dynamic_kv_steps`) take 16 tokens
+# (their gathered pages stay in a core's cache) or 128 rows of query blocks (16 blocks of 8).
 _REF_QUERY_CHUNK = 128
+_REF_CPU_QUERY_CHUNK = 16
+_REF_CPU_BLOCK_ROWS = 128
 _REF_KV_CHUNK = 128
 
 
@@ -129,33 +131,37 @@ def ragged_paged_attention_reference(
     every token's whole context, 2 * kv_heads * T * max_blocks_per_seq * block_size *
     head_dim, took 128 GiB at max_model_len 4096.
 
-    `dynamic_kv_steps`: each query chunk runs its KV loop only up to the last column its
-    tokens see, a loop whose trip count depends on the batch. For XLA:CPU only, which runs
-    loops in its own runtime (no graphs, no host sync): a batch of short sequences skips
-    the columns past their ends. Never on a GPU, where such a loop leaves the CUDA graph
-    and syncs with the host every iteration.
+    `dynamic_kv_steps`: loops whose trip counts depend on the batch. Only the query chunks
+    that hold a real token run, and each runs its KV loop only up to the last column its
+    tokens see: a batch of short sequences skips the columns past their ends. For
+    XLA:CPU only, which runs loops in its own runtime (no graphs, no host sync). Never on
+    a GPU, where such a loop leaves the CUDA graph and syncs with the host every iteration.
 
-    `query_block` B > 1 (with `dynamic_kv_steps`): the chunks hold blocks of up to B
-    consecutive tokens of one sequence (`_query_blocks`: cdiv(T, B) + S of them at most,
-    the unused ones last, which no KV step visits), and each block gathers its sequence's
-    pages once for its B queries, where B = 1 gathers them once per token. A prefill's
-    gather shrinks B-fold; a decode token, alone in its block, computes B rows for one.
+    `query_block` B > 1 (with `dynamic_kv_steps`): the tokens run in blocks of up to B
+    consecutive tokens of one sequence (`_query_blocks`: cdiv(T, B) + S of them at most),
+    the used ones only. A block gathers its sequence's pages once for its B queries, where
+    a token alone gathers them for itself: a prefill's gathers shrink B-fold, but a decode
+    token, alone in its block, computes B rows for one.
     """
     return _chunked_reference(
         q, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables,
         sm_scale=sm_scale, sliding_window=sliding_window,
-        query_chunk=_REF_QUERY_CHUNK, kv_chunk=_REF_KV_CHUNK, k_scale=k_scale, v_scale=v_scale,
+        query_chunk=_REF_CPU_QUERY_CHUNK if dynamic_kv_steps else _REF_QUERY_CHUNK,
+        block_rows=_REF_CPU_BLOCK_ROWS, kv_chunk=_REF_KV_CHUNK, k_scale=k_scale, v_scale=v_scale,
         logits_soft_cap=logits_soft_cap, dynamic_kv_steps=dynamic_kv_steps, query_block=query_block,
     )
 
 
 def _chunked_reference(
     q, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables,
-    *, sm_scale, sliding_window, query_chunk: int, kv_chunk: int, k_scale=None, v_scale=None,
-    logits_soft_cap: float | None = None, dynamic_kv_steps: bool = False, query_block: int = 1,
+    *, sm_scale, sliding_window, query_chunk: int, kv_chunk: int, block_rows: int = _REF_CPU_BLOCK_ROWS,
+    k_scale=None, v_scale=None, logits_soft_cap: float | None = None, dynamic_kv_steps: bool = False,
+    query_block: int = 1,
 ):
     """`ragged_paged_attention_reference` with the chunk sizes as parameters (tests shrink them)."""
     _check_shapes(q, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables)
+    if query_block > 1 and not dynamic_kv_steps:
+        raise ValueError("query_block > 1 needs dynamic_kv_steps (its loop skips the unused blocks)")
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_cache.shape
     num_seqs, max_blocks = block_tables.shape
@@ -165,26 +171,6 @@ def _chunked_reference(
     token_ids = jnp.arange(num_tokens)
     seq_of_token = jnp.searchsorted(query_start_loc[1:], token_ids, side="right")
     seq_of_token = jnp.minimum(seq_of_token, num_seqs - 1)
-
-    # Query blocks: up to B = query_block consecutive tokens of one sequence, which gather
-    # that sequence's pages once. B = 1: every token is its own block.
-    blocks = _query_blocks(positions, query_start_loc, seq_of_token, query_block) if query_block > 1 else None
-    if blocks is None:
-        block_q, block_pos, block_seqs = q[:, None], positions[:, None], seq_of_token
-    else:
-        token_of_slot, block_pos, block_seqs, _ = blocks
-        block_q = q[token_of_slot]
-    num_blocks, width = block_pos.shape
-
-    # Chunks [num_chunks, C, B, ...] of C = query_chunk // B blocks: the blocks padded to
-    # whole chunks, the extra ones (no queries: position -1) computed and dropped.
-    chunk = max(1, min(num_blocks, query_chunk // width))
-    num_chunks = cdiv(num_blocks, chunk)
-    pad = num_chunks * chunk - num_blocks
-    qg = jnp.pad(block_q, ((0, pad), (0, 0), (0, 0), (0, 0)))
-    qg = qg.reshape(num_chunks, chunk, width, num_kv_heads, group, head_dim)
-    chunk_positions = jnp.pad(block_pos, ((0, pad), (0, 0)), constant_values=-1).reshape(num_chunks, chunk, width)
-    chunk_seqs = jnp.pad(block_seqs, (0, pad)).reshape(num_chunks, chunk)
 
     # KV steps: P block-table columns (K keys) each, the table padded to whole steps with
     # page 0, whose keys lie at positions >= max_blocks * block_size >= seq_len (masked).
@@ -198,14 +184,17 @@ def _chunked_reference(
     # The softmax scale with the k_scale of an fp8 cache folded in: q . (s k) = s (q . k);
     # per KV head, [kv_heads, 1, 1, 1] against scores [kv_heads, C, B*G, K].
     score_scale = sm_scale if k_scale is None else sm_scale * per_head_scale(k_scale, num_kv_heads)[:, None, None, None]
-    rows = width * group  # query rows of a block per KV head: its B tokens' G query heads each
 
-    def attend_chunk(args):
-        q_c, query_pos, seqs = args  # [C, B, kv_heads, G, D], [C, B], [C]
+    def attend_chunk(q_c, query_pos, seqs):
+        """C blocks of B query tokens: q_c [C, B, num_q_heads, D], their positions [C, B] (-1:
+        no query) and each block's sequence [C] -> out [C, B, num_q_heads, D]."""
+        chunk, width = query_pos.shape
+        rows = width * group  # query rows of a block per KV head: its B tokens' G query heads each
         # Head-major, [kv_heads, C, B*G, ...]: both products are plain matmuls batched over
         # (KV head, block), and nothing in the loop is transposed (XLA:CPU otherwise moves
         # the scores and V between layouts on every KV step).
-        q_h = q_c.transpose(2, 0, 1, 3, 4).reshape(num_kv_heads, chunk, rows, head_dim)
+        q_h = q_c.reshape(chunk, width, num_kv_heads, group, head_dim).transpose(2, 0, 1, 3, 4)
+        q_h = q_h.reshape(num_kv_heads, chunk, rows, head_dim)
         row_pos = jnp.repeat(query_pos, group, axis=1)[None, :, :, None]  # [1, C, B*G, 1]
         context_len = seq_lens[seqs]
 
@@ -254,20 +243,56 @@ def _chunked_reference(
         if v_scale is not None:
             out = out * per_head_scale(v_scale, num_kv_heads)[:, None, None, None]
         out = out.reshape(num_kv_heads, chunk, width, group, head_dim).transpose(1, 2, 0, 3, 4)
-        return out.astype(q.dtype)
+        return out.reshape(chunk, width, num_q_heads, head_dim).astype(q.dtype)
 
-    out = lax.map(attend_chunk, (qg, chunk_positions, chunk_seqs))
-    out = out.reshape(num_chunks * chunk * width, num_q_heads, head_dim)
-    return out[:num_tokens] if blocks is None else out[blocks[3]]
+    def per_token():
+        """Chunks of C tokens, each token its sequence's pages gathered for it alone. With
+        `dynamic_kv_steps`, only the chunks that hold a real token run."""
+        chunk = min(num_tokens, query_chunk)
+        num_chunks = cdiv(num_tokens, chunk)
+        pad = num_chunks * chunk - num_tokens
+        qg = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(num_chunks, chunk, 1, num_q_heads, head_dim)
+        chunk_positions = jnp.pad(positions, (0, pad), constant_values=-1).reshape(num_chunks, chunk, 1)
+        chunk_seqs = jnp.pad(seq_of_token, (0, pad)).reshape(num_chunks, chunk)
+        if not dynamic_kv_steps:
+            out = lax.map(lambda args: attend_chunk(*args), (qg, chunk_positions, chunk_seqs))
+        else:
+            def body(i, out):
+                return lax.dynamic_update_index_in_dim(out, attend_chunk(qg[i], chunk_positions[i], chunk_seqs[i]), i, 0)
+            used = cdiv(query_start_loc[-1], chunk)
+            out = lax.fori_loop(0, used, body, jnp.zeros(qg.shape, q.dtype))
+        return out.reshape(num_chunks * chunk, num_q_heads, head_dim)[:num_tokens]
+
+    def in_blocks():
+        """Blocks of up to B consecutive tokens of one sequence, `block_rows` // B a loop
+        step, the used ones only: a block gathers its sequence's pages once for its B
+        tokens. Each step scatters its rows that hold a query to their tokens."""
+        token_of_slot, slot_pos, block_seqs, used_blocks = _query_blocks(positions, query_start_loc, query_block)
+        chunk = max(1, min(len(block_seqs), block_rows // query_block, cdiv(num_tokens, query_block)))
+        num_chunks = cdiv(len(block_seqs), chunk)
+        pad = num_chunks * chunk - len(block_seqs)
+        token_of_slot = jnp.pad(token_of_slot, ((0, pad), (0, 0))).reshape(num_chunks, chunk, query_block)
+        slot_pos = jnp.pad(slot_pos, ((0, pad), (0, 0)), constant_values=-1).reshape(num_chunks, chunk, query_block)
+        block_seqs = jnp.pad(block_seqs, (0, pad)).reshape(num_chunks, chunk)
+        target = jnp.where(slot_pos >= 0, token_of_slot, num_tokens)  # (no query: dropped)
+
+        def body(i, out):
+            rows = attend_chunk(q[token_of_slot[i]], slot_pos[i], block_seqs[i])
+            return out.at[target[i]].set(rows, mode="drop")
+
+        out = jnp.zeros_like(q)
+        return lax.fori_loop(0, cdiv(used_blocks, chunk), body, out)
+
+    return per_token() if query_block == 1 else in_blocks()
 
 
-def _query_blocks(positions: jax.Array, query_start_loc: jax.Array, seq_of_token: jax.Array, block: int):
+def _query_blocks(positions: jax.Array, query_start_loc: jax.Array, block: int):
     """The tokens in blocks of up to `block` consecutive tokens of one sequence, each
     sequence's blocks in turn, the unused ones last; at most cdiv(T, block) + S of them
     (each sequence leaves at most one block part-full), and never more than T.
 
     Returns (token_of_slot [N, block], position_of_slot [N, block] (-1: no query),
-    sequence_of_block [N], slot_of_token [T]) for N blocks."""
+    sequence_of_block [N], the number of used blocks) for N blocks."""
     num_tokens, num_seqs = positions.shape[0], query_start_loc.shape[0] - 1
     num_blocks = min(num_tokens, cdiv(num_tokens, block) + num_seqs)
     starts = query_start_loc[:-1]
@@ -281,9 +306,7 @@ def _query_blocks(positions: jax.Array, query_start_loc: jax.Array, seq_of_token
     live = (offset < lens[seq][:, None]) & (b < ends[-1])[:, None]
     token = jnp.where(live, starts[seq][:, None] + offset, 0)
     position = jnp.where(live, positions[token], -1)
-    within = jnp.arange(num_tokens) - starts[seq_of_token]  # each token's offset in its sequence
-    slot = (first[seq_of_token] + within // block) * block + within % block
-    return token, position, seq, jnp.clip(slot, 0, num_blocks * block - 1)
+    return token, position, seq, ends[-1]
 
 
 def _gather_pages(cache: jax.Array, pages: jax.Array, step: jax.Array, dtype=None) -> jax.Array:

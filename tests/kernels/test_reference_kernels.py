@@ -155,7 +155,8 @@ def _paged_batch(rng, specs, *, group, block_size, dtype, kv_heads=2, dim=16, pa
     ), sum(new)
 
 
-_STATIC = ("sm_scale", "sliding_window", "query_chunk", "kv_chunk", "dynamic_kv_steps", "query_block")
+_STATIC = ("sm_scale", "sliding_window", "query_chunk", "kv_chunk", "block_rows", "dynamic_kv_steps",
+           "query_block")
 _dense = jax.jit(_dense_reference, static_argnames=("sm_scale", "sliding_window"))
 _chunked = jax.jit(_chunked_reference, static_argnames=_STATIC)
 _public = jax.jit(ragged_paged_attention_reference, static_argnames=("sm_scale", "sliding_window"))
@@ -181,12 +182,13 @@ def test_chunked_reference_matches_dense(group, block_size, window, batch, kv_ch
     args, real = _paged_batch(rng, _BATCHES[batch], group=group, block_size=block_size, dtype=jnp.float32)
     want = _dense(*args, sm_scale=0.3, sliding_window=window)
     outs = {"chunked": _chunked(*args, sm_scale=0.3, sliding_window=window, query_chunk=7, kv_chunk=kv_chunk),
-            # (the CPU engine's: each chunk's KV loop stops at the last column it sees)
+            # (the CPU engine's: only the chunks with a real token run, each KV loop to its last column)
             "dynamic": _chunked(*args, sm_scale=0.3, sliding_window=window, query_chunk=7, kv_chunk=kv_chunk,
                                 dynamic_kv_steps=True),
-            # (and in blocks of 3 tokens of one sequence: 2 blocks a chunk, a sequence's pages gathered once a block)
+            # (and in blocks of 3 tokens of one sequence, 2 a loop step (an odd count of used
+            # blocks leaves the last step one unused), a sequence's pages gathered once a block)
             "blocks": _chunked(*args, sm_scale=0.3, sliding_window=window, query_chunk=7, kv_chunk=kv_chunk,
-                               dynamic_kv_steps=True, query_block=3)}
+                               block_rows=6, dynamic_kv_steps=True, query_block=3)}
     if real > 256:
         outs["public"] = _public(*args, sm_scale=0.3, sliding_window=window)
     for name, out in outs.items():
