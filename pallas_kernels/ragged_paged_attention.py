@@ -167,11 +167,6 @@ def _chunked_reference(
     num_seqs, max_blocks = block_tables.shape
     group = num_q_heads // num_kv_heads
 
-    # The sequence of each token; padding tokens fall on the last sequence.
-    token_ids = jnp.arange(num_tokens)
-    seq_of_token = jnp.searchsorted(query_start_loc[1:], token_ids, side="right")
-    seq_of_token = jnp.minimum(seq_of_token, num_seqs - 1)
-
     # KV steps: P block-table columns (K keys) each, the table padded to whole steps with
     # page 0, whose keys lie at positions >= max_blocks * block_size >= seq_len (masked).
     pages_per_step = max(1, min(max_blocks, kv_chunk // block_size))
@@ -248,6 +243,9 @@ def _chunked_reference(
     def per_token():
         """Chunks of C tokens, each token its sequence's pages gathered for it alone. With
         `dynamic_kv_steps`, only the chunks that hold a real token run."""
+        # The sequence of each token; padding tokens fall on the last sequence.
+        seq_of_token = jnp.searchsorted(query_start_loc[1:], jnp.arange(num_tokens), side="right")
+        seq_of_token = jnp.minimum(seq_of_token, num_seqs - 1)
         chunk = min(num_tokens, query_chunk)
         num_chunks = cdiv(num_tokens, chunk)
         pad = num_chunks * chunk - num_tokens
