@@ -32,6 +32,8 @@ class ModelInputs:
     dynamic_loops (static): loops may run a number of times that depends on the batch (the
         reference attention's KV loop stops at the last column used). Only on a CPU, whose
         runtime runs loops without the host; on a GPU every loop keeps a known trip count.
+    verifies_drafts (static): rows may bring drafts to verify (1 + K tokens of one sequence),
+        which the CPU reference attention then runs in query blocks.
     """
 
     input_ids: jax.Array
@@ -45,3 +47,4 @@ class ModelInputs:
     decode_only: bool = field(default=False, metadata=dict(static=True))
     dynamic_loops: bool = field(default=False, metadata=dict(static=True))
     lora_kernel: bool = field(default=False, metadata=dict(static=True))
+    verifies_drafts: bool = field(default=False, metadata=dict(static=True))

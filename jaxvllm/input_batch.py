@@ -188,7 +188,8 @@ class BatchLayout:
             seq_lens = seq_lens - shift
         return ModelInputs(input_ids, positions, slots, f("query_start_loc"), seq_lens,
                            tables, f("logits_indices"), f("lora_slots") if self.lora else None,
-                           self.decode_only, self.dynamic_loops, self.lora and self.lora_kernel)
+                           self.decode_only, self.dynamic_loops, self.lora and self.lora_kernel,
+                           self.spec_tokens > 0)
 
     def sampling(self, packed: jax.Array) -> SamplingTensors:
         return SamplingTensors(**{k: self._field(packed, k) for k in SamplingTensors.__dataclass_fields__})

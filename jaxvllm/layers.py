@@ -275,9 +275,10 @@ CPU_QUERY_BLOCK = 8
 def reference_query_block(num_tokens: int, inputs: ModelInputs) -> int:
     """Query tokens per block of the reference attention in a step of `num_tokens` (the
     bucket). Blocks only with CPU loops, whose KV steps skip the unused blocks, and only in
-    a bucket at least twice its sequence rows (max_num_seqs): every step of decodes alone
-    fits the bucket below, and a decode token alone in a block of 8 would compute 8 rows."""
-    if inputs.dynamic_loops and num_tokens >= 2 * inputs.block_tables.shape[0]:
+    a step that verifies drafts or a bucket at least twice its sequence rows (max_num_seqs):
+    every step of decodes alone fits the bucket below, and a decode token alone in a block
+    of 8 would compute 8 rows."""
+    if inputs.dynamic_loops and (inputs.verifies_drafts or num_tokens >= 2 * inputs.block_tables.shape[0]):
         return CPU_QUERY_BLOCK
     return 1
 

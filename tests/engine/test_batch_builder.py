@@ -1,6 +1,7 @@
 """The batch builder: buckets, block-table widths, rows and the packed batch of a step,
 built and checked with no model, params or device."""
 
+import jax.numpy as jnp
 import numpy as np
 
 from jaxvllm.batch_builder import BatchBuilder, default_buckets
@@ -171,8 +172,13 @@ def test_device_drafts_and_positions_to_correct():
     np.testing.assert_array_equal(v["draft_ids"][0], [-1, -1])
     np.testing.assert_array_equal(v["num_drafts"][:2], [2, 0])
     assert builder.input_batch.drafted[[0, 1]].all()
+    rows = builder.max_num_seqs
+    inputs = layout.model_inputs(jnp.asarray(batch.packed), jnp.zeros(rows, jnp.int32), jnp.zeros((rows, 4), jnp.int32))
+    assert inputs.verifies_drafts  # (static: the CPU reference attention runs such a step in query blocks)
     # A row without its lookahead slots proposes nothing: its 16th token fills its one block.
     c = Request("c", list(range(30, 45)), params, max_tokens=8)
     c.token_ids.append(21)
     full = builder.prepare([ScheduledRequest(c, 15, 1, [5], True)])
     assert len(full.proposing) == 0 and not builder.input_batch.drafted[2]
+    assert not full.layout.model_inputs(jnp.asarray(full.packed), jnp.zeros(rows, jnp.int32),
+                                        jnp.zeros((rows, 4), jnp.int32)).verifies_drafts

@@ -55,17 +55,21 @@ def test_linear_takes_weights_in_hf_layout_with_head_axes():
 
 def test_reference_query_blocks_only_where_no_decode_step_lands():
     """Query blocks (a sequence's pages gathered once for up to 8 of its tokens) need the CPU
-    loops that skip unused blocks, and a bucket that no step of decodes alone takes: one at
-    least twice its sequence rows, for every such step fits the bucket below."""
+    loops that skip unused blocks, and a step that is not decodes alone: one that verifies
+    drafts (1 + K tokens a row), or a bucket at least twice its sequence rows, for every step
+    of decodes alone fits the bucket below."""
     from types import SimpleNamespace
 
     from jaxvllm.layers import CPU_QUERY_BLOCK, reference_query_block
 
-    def inputs(rows: int, dynamic_loops: bool = True):
-        return SimpleNamespace(dynamic_loops=dynamic_loops, block_tables=np.zeros((rows, 4), np.int32))
+    def inputs(rows: int, dynamic_loops: bool = True, verifies_drafts: bool = False):
+        return SimpleNamespace(dynamic_loops=dynamic_loops, block_tables=np.zeros((rows, 4), np.int32),
+                               verifies_drafts=verifies_drafts)
 
     assert reference_query_block(2048, inputs(256)) == CPU_QUERY_BLOCK > 1
     assert reference_query_block(512, inputs(256)) == CPU_QUERY_BLOCK
     assert reference_query_block(256, inputs(256)) == 1  # 256 decodes take this bucket
     assert reference_query_block(32, inputs(32)) == 1  # (rows = min(max_num_seqs, bucket))
     assert reference_query_block(2048, inputs(256, dynamic_loops=False)) == 1  # a GPU's static loops
+    assert reference_query_block(16, inputs(16, verifies_drafts=True)) == CPU_QUERY_BLOCK  # a 16-token verify
+    assert reference_query_block(16, inputs(16, dynamic_loops=False, verifies_drafts=True)) == 1
