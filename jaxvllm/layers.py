@@ -12,6 +12,7 @@ trainer-side forward's cache-free causal attention (`dense_causal_attention`).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from functools import partial
 
 import jax
@@ -29,30 +30,73 @@ from pallas_kernels import mixed_paged_attention, ragged_paged_attention_referen
 from pallas_kernels.common import as_bits, from_bits
 
 
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class InputMajorWeight:
+    """A layer matrix stored inputs first: `value` [*in, *out], HF's [*out, *in] with its
+    input axes moved to the front. The CPU layout (`loader.load_model`): XLA:CPU's YNNPACK
+    dots read a weight stored [in, out] faster than one stored [out, in] at a few rows, and
+    alike at one row. `shape` is the weight's own ([*out, *in]), as the other formats'."""
+
+    value: jax.Array
+    num_in: int = field(metadata=dict(static=True))
+
+    @staticmethod
+    def axes(ndim: int, num_in: int) -> tuple[int, ...]:
+        """Where the value's axes come from in the weight ([*out, *in])."""
+        return (*range(ndim - num_in, ndim), *range(ndim - num_in))
+
+    @classmethod
+    def of(cls, weight: jax.Array, num_in: int) -> "InputMajorWeight":
+        return cls(jnp.transpose(weight, cls.axes(weight.ndim, num_in)), num_in)
+
+    def weight(self) -> jax.Array:
+        """The weight in HF's [*out, *in] order (a transposed copy)."""
+        return jnp.transpose(self.value, np.argsort(self.axes(self.value.ndim, self.num_in)))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.value.shape[a] for a in np.argsort(self.axes(self.value.ndim, self.num_in)))
+
+    @property
+    def ndim(self) -> int:
+        return self.value.ndim
+
+    @property
+    def dtype(self):
+        return self.value.dtype
+
+
 def linear(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None, *,
            preferred_element_type=None) -> jax.Array:
     """x @ W for a weight in HF's [out, in] layout with its head axes explicit: x [T, *in]
     times weight [*out, *in] -> [T, *out] (q_proj [heads, head_dim, hidden] gives [T, heads,
     head_dim]; o_proj [hidden, heads, head_dim] takes them back). Every model matmul goes
-    through here, so that a weight format (quantized: `jaxvllm.quantization`) or an adapter
-    plugs in once: a `LoRAWeight` adds each token's adapter to the base product."""
+    through here, so that a weight format (quantized: `jaxvllm.quantization`; stored inputs
+    first: `InputMajorWeight`) or an adapter plugs in once: a `LoRAWeight` adds each
+    token's adapter to the base product."""
     if isinstance(weight, LoRAWeight):
         out = linear(x, weight.base, bias, preferred_element_type=preferred_element_type)
         return out + lora_delta(x, weight).astype(out.dtype)
     out_axes = weight.shape[: weight.ndim - (x.ndim - 1)]  # x's axes after the first meet the weight's last
+    contract = 1  # the weight's axis that meets x's inputs, as one [out, in] matrix
+    if isinstance(weight, InputMajorWeight):
+        weight, contract = weight.value, 0
     if isinstance(weight, QuantizedWeight):
         out = quantized_matmul(x.reshape(x.shape[0], -1), weight, math.prod(out_axes))
         out = out.reshape(x.shape[0], *out_axes).astype(preferred_element_type or x.dtype)
         return out if bias is None else out + bias
-    # As one [T, in] x [out, in] matmul (free reshapes): XLA:CPU otherwise copies a weight
-    # with several out or in axes into [in, out] order on every step.
+    # As one [T, in] x [out, in] (or [in, out]) matmul (free reshapes): XLA:CPU otherwise
+    # copies a weight with several out or in axes into [in, out] order on every step.
     dtype = jnp.result_type(x, weight)
-    x2, w2 = x.reshape(x.shape[0], -1).astype(dtype), weight.reshape(math.prod(out_axes), -1).astype(dtype)
+    w2 = weight.reshape(math.prod(out_axes), -1) if contract else weight.reshape(-1, math.prod(out_axes))
+    x2, w2 = x.reshape(x.shape[0], -1).astype(dtype), w2.astype(dtype)
     # 16-bit operands accumulate in float32 and round once, as the platforms do anyway; asked
     # for, XLA:CPU multiplies bf16 weights as they are instead of converting every weight
     # to float32 on every step.
     accumulate = preferred_element_type or (jnp.float32 if jnp.dtype(dtype).itemsize < 4 else None)
-    dot = partial(jax.lax.dot_general, dimension_numbers=(((1,), (1,)), ((), ())), preferred_element_type=accumulate)
+    dot = partial(jax.lax.dot_general, dimension_numbers=(((1,), (contract,)), ((), ())),
+                  preferred_element_type=accumulate)
     if x2.shape[0] == 1 and jnp.dtype(dtype).itemsize < 4:
         # XLA:CPU converts the whole weight for a one-row product of 16-bit operands (a
         # bf16 model's 1-token step): two rows, one of them zeros, take the path that

@@ -325,7 +325,8 @@ class LLM:
 
     def get_params(self) -> dict:
         """The model's params pytree as the engine runs it (replica 0's): the layers' weights
-        stacked (or one per layer on a CPU), heads explicit; see `jaxvllm.models.common`."""
+        stacked (or one per layer on a CPU, each matrix stored inputs first as a
+        `jaxvllm.layers.InputMajorWeight`), heads explicit; see `jaxvllm.models.common`."""
         self._check_open()
         return self.llm_engine.runner.params
 

@@ -15,12 +15,13 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from jaxvllm.config import DTYPES, LOAD_FORMATS
 from jaxvllm.dummy import missing_model_message
+from jaxvllm.layers import InputMajorWeight
 from jaxvllm.model_config import SIDE_BY_SIDE, ModelConfig
 from jaxvllm.models import MODELS
 from jaxvllm.models.common import ParamSpec, merge_parts, merged
@@ -111,10 +112,12 @@ def load_model(
         params = join_quantized(params, specs, fmt, leaves)
         return run_cfg, single_device_kernels(params) if mesh is None else params
     shardings, repeats = _param_shardings(run_cfg, mesh, device), kv_repeats(cfg, run_cfg)
+    # The CPU layout's layer matrices inputs first (not those the online quantizer takes).
+    input_major = not stack and quantization is None
     if load_format == "dummy":
-        params = dummy_params(cfg, jdtype, seed, shardings, repeats)
+        params = dummy_params(cfg, jdtype, seed, shardings, repeats, input_major=input_major)
     else:
-        params = load_safetensors(Path(model), cfg, jdtype, shardings, repeats)
+        params = load_safetensors(Path(model), cfg, jdtype, shardings, repeats, input_major=input_major)
     if quantization is not None:
         params = quantize_params(params, MODELS[cfg.architecture].param_specs(cfg),
                                  partial(quantize_in_place, method=quantization))
@@ -171,13 +174,16 @@ def open_safetensors(file: Path):
 
 def load_safetensors(path: Path, cfg: ModelConfig, dtype, shardings: dict, repeats: int = 1,
                      specs: list | None = None, read_elsewhere: frozenset = frozenset(),
-                     fmt: CheckpointFormat | None = None, perms: dict | None = None) -> dict:
+                     fmt: CheckpointFormat | None = None, perms: dict | None = None,
+                     input_major: bool = False) -> dict:
     """Each device reads only its slice of each tensor (safetensors `get_slice`), so no
     tensor is ever whole on one device, nor in host memory when it is split; a stack of
     layers is read layer by layer into each device's block. `specs`: the params to read
     (default: those of `cfg`'s architecture); `read_elsewhere`: other tensors the caller
     knows of (not reported as unused); `fmt`: a quantized checkpoint's format, whose packed
-    tensors are read through `stored_tensors.packed_view` (`perms`: act-order modules')."""
+    tensors are read through `stored_tensors.packed_view` (`perms`: act-order modules');
+    `input_major`: the layers' matrices kept in lists (`QUANTIZED`, when not stacked) as
+    `InputMajorWeight`s, each block transposed as it is read."""
     specs = specs or MODELS[cfg.architecture].param_specs(cfg)
     files = tensor_files(path)
     tensors = [m for s in specs if s.init != "rows" for m in (s.layers or (s,))]  # one per HF tensor (or expert set)
@@ -250,6 +256,9 @@ def load_safetensors(path: Path, cfg: ModelConfig, dtype, shardings: dict, repea
                     value = _placed((spec.shape, rows.__getitem__), shardings[spec.path])
                 elif spec.layers and spec.stack:
                     value = _layer_stack([reader(m) for m in spec.layers], shardings[spec.path])
+                elif spec.layers and input_major and spec.path[-1] in QUANTIZED:
+                    value = [_input_major(reader(m), shardings[m.path], in_axes(m.shape, m.hf_shape))
+                             for m in spec.layers]
                 elif spec.layers:
                     value = [_placed(reader(m), shardings[m.path]) for m in spec.layers]
                 else:
@@ -272,6 +281,29 @@ def _placed(reader: tuple, sharding) -> jax.Array:
     """One array placed by `sharding` from its reader ((shape, block of an index))."""
     shape, block = reader
     return jax.make_array_from_callback(shape, sharding, block)
+
+
+def _input_major(reader: tuple, sharding, num_in: int) -> InputMajorWeight:
+    """A layer matrix ([*out, *in], from its reader) placed inputs first: each device's
+    block read as the weight's own and transposed on the host, so the device never holds
+    the weight in both orders."""
+    shape, block = reader
+    axes = InputMajorWeight.axes(len(shape), num_in)
+    weight_axis = np.argsort(axes)  # where each of the weight's axes is in the value
+
+    def value_block(index: tuple[slice, ...]) -> np.ndarray:
+        return np.ascontiguousarray(block(tuple(index[a] for a in weight_axis)).transpose(axes))
+
+    value_shape = tuple(shape[a] for a in axes)
+    return InputMajorWeight(jax.make_array_from_callback(value_shape, _permuted(sharding, axes), value_block), num_in)
+
+
+def _permuted(sharding, axes: tuple[int, ...]):
+    """The sharding of an array whose axes are another's in the order `axes`."""
+    if not isinstance(sharding, NamedSharding):
+        return sharding
+    spec = (*sharding.spec, *[None] * (len(axes) - len(sharding.spec)))
+    return NamedSharding(sharding.mesh, P(*(spec[a] for a in axes)))
 
 
 def _layer_stack(readers: list, sharding) -> jax.Array:
@@ -551,10 +583,10 @@ def _random_param(key, scale, *, shape, dtype, init: str, repeats: int, parts: t
 
 
 def dummy_params(cfg: ModelConfig, dtype, seed: int = 0, shardings: dict | None = None,
-                 repeats: int = 1, specs: list | None = None) -> dict:
+                 repeats: int = 1, specs: list | None = None, input_major: bool = False) -> dict:
     """Random weights of the right shapes (normal with the config's initializer_range), made
     on their devices as `shardings` places them (default: one device), the same values
-    whatever the split."""
+    whatever the split or layout (`input_major`: as `load_safetensors`)."""
     key = jax.random.key(seed)
     params: dict = {}
     specs = specs or MODELS[cfg.architecture].param_specs(cfg)
@@ -577,10 +609,21 @@ def dummy_params(cfg: ModelConfig, dtype, seed: int = 0, shardings: dict | None 
             value = random(keys, spec.layers[0], spec.path, spec.shape[1:])
         elif spec.layers:
             value = [random(jax.random.fold_in(key_i, j), m, m.path, m.shape) for j, m in enumerate(spec.layers)]
+            if input_major and spec.path[-1] in QUANTIZED:
+                value = [_moved_inputs_first(w, in_axes(m.shape, m.hf_shape), shardings[m.path])
+                         for w, m in zip(value, spec.layers)]
         else:
             value = random(key_i, spec, spec.path, spec.shape)
         _put(params, spec.path, value)
     return params
+
+
+def _moved_inputs_first(weight: jax.Array, num_in: int, sharding) -> InputMajorWeight:
+    """A placed layer matrix as an `InputMajorWeight` on its devices (the old array freed)."""
+    moved = InputMajorWeight.of(weight, num_in)
+    moved = InputMajorWeight(jax.device_put(moved.value, _permuted(sharding, moved.axes(weight.ndim, num_in))), num_in)
+    weight.delete()
+    return moved
 
 
 def _put(params: dict, path: tuple, value) -> None:

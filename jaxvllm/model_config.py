@@ -92,7 +92,8 @@ class ModelConfig:
     # XLA:CPU copies each layer's slice out of a stack, every step).
     stack_layers: bool = True
     # q/k/v as one weight and gate/up as another (`models.common.attention_specs`), each one
-    # matmul: set by `loader.load_model` where layers are not stacked (XLA:CPU). XLA's GPU
+    # matmul: set by `loader.load_model` where layers are not stacked (XLA:CPU), which also
+    # stores each layer matrix inputs first there (`layers.InputMajorWeight`). XLA's GPU
     # backend merges those matmuls itself, and copies the slices of a merged one out.
     merge_projections: bool = False
     # The KV cache's element type when the cache is stored as unsigned ints of that width

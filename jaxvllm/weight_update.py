@@ -26,6 +26,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
+from jaxvllm.layers import InputMajorWeight
 from jaxvllm.loader import repeated_kv
 from jaxvllm.model_config import KV_GROUPS, SIDE_BY_SIDE
 from jaxvllm.models.common import ParamSpec, merge_parts
@@ -245,7 +246,10 @@ def updated_params(params: dict, pairs: list[tuple[str, Any]], index: dict[str, 
 
 
 def _placed_as(old, value):
-    """`value` (an array or a `QuantizedWeight`) cast and placed as `old` is, with its meta."""
+    """`value` (an array or a `QuantizedWeight`) cast and placed as `old` is, with its meta
+    (a weight of an `InputMajorWeight` moved inputs first as it is)."""
+    if isinstance(old, InputMajorWeight) and not isinstance(value, InputMajorWeight):
+        value = InputMajorWeight.of(value, old.num_in)
     return jax.tree.unflatten(jax.tree.structure(old), [jax.device_put(v.astype(o.dtype), o.sharding)
                                                         for o, v in zip(jax.tree.leaves(old), jax.tree.leaves(value))])
 
@@ -282,9 +286,11 @@ def _merged(member: ParamSpec, parts: dict[int, jax.Array], old) -> jax.Array:
 
 # Rows by static slices: an index given to the device would be a host-to-device transfer.
 def _member(param, row: int | None):
-    """A layer's member of a stack (or list), or the param itself (row None)."""
+    """A layer's member of a stack (or list), or the param itself (row None); an
+    `InputMajorWeight`'s weight in HF's order."""
     if row is None or isinstance(param, list):
-        return param if row is None else param[row]
+        member = param if row is None else param[row]
+        return member.weight() if isinstance(member, InputMajorWeight) else member
     return jax.lax.index_in_dim(param, row, keepdims=False)
 
 

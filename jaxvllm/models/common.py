@@ -3,13 +3,15 @@ self-attention over the paged cache, the gated MLP and the lm_head.
 
 Params keep HF's [out, in] matrices, only reshaped so the head axis is explicit
 (q_proj [num_heads, head_dim, hidden], o_proj [hidden, num_heads, head_dim]): loading
-is a reshape, never a transpose, and tensor-parallel sharding rules can name the head
+is a reshape (a CPU's aside, below), and tensor-parallel sharding rules can name the head
 axis per parameter. Every matmul with such a weight goes through `layers.linear`. On a
 CPU, as in vLLM, q/k/v are one weight and gate/up another, each one matmul
 (`ModelConfig.merge_projections`): qkv_proj [num_kv_heads, group + 2, head_dim, hidden]
 (each KV head's query heads, then its k and its v, so that a split on KV heads gives
 each device whole groups) and gate_up_proj [2, intermediate, hidden] (`ParamSpec.parts`).
-XLA's GPU backend merges those matmuls itself.
+XLA's GPU backend merges those matmuls itself. A CPU also stores each layer matrix inputs
+first (`layers.InputMajorWeight`: the spec's shape with its input axes moved to the front,
+each block transposed as the loader reads it), which XLA:CPU multiplies faster.
 
 Each kind of layer parameter is one array stacked over the layers that have it
 (`params["layers"]["q_proj"]` [num_layers, heads, head_dim, hidden]), so a step's

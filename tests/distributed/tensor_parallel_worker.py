@@ -74,10 +74,12 @@ def first_layer(runner) -> dict:
 
 
 def shard_shapes(llm: LLM) -> dict[str, list]:
-    """The shape of every device's block of a few parameters and of a KV cache."""
+    """The shape of every device's block of a few parameters (a matrix stored inputs first:
+    of its value) and of a KV cache."""
     runner = llm.llm_engine.runner
     layer = first_layer(runner)
-    arrays = {name: layer[name] for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "input_norm")}
+    arrays = {name: getattr(layer[name], "value", layer[name])
+              for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "input_norm")}
     arrays["embed"] = runner.params["embed"]
     arrays["k_cache"] = runner.kv_caches[0]
     return {name: sorted({tuple(s.data.shape) for s in a.addressable_shards}) + [len(a.addressable_shards)]

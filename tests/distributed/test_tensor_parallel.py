@@ -65,10 +65,11 @@ def test_each_device_holds_its_share(results):
     over 8 devices: every split parameter has 1/8 per device (q/k/v: one KV head with its one
     query head); norms are whole everywhere."""
     shards = results["cases"]["llama-8-heads"]["shards"]
-    assert shards["qkv_proj"] == [[1, 3, 16, 64], 8]
-    assert shards["o_proj"] == [[64, 1, 16], 8]
-    assert shards["gate_up_proj"] == [[2, 16, 64], 8]
-    assert shards["down_proj"] == [[64, 16], 8]
+    # (a CPU's layer matrices are stored inputs first: hidden leads qkv's and gate/up's)
+    assert shards["qkv_proj"] == [[64, 1, 3, 16], 8]
+    assert shards["o_proj"] == [[1, 16, 64], 8]
+    assert shards["gate_up_proj"] == [[64, 2, 16], 8]
+    assert shards["down_proj"] == [[16, 64], 8]
     assert shards["embed"] == [[64, 64], 8]
     assert shards["input_norm"] == [[64], 8]
     assert shards["k_cache"][0][0] == 1 and shards["k_cache"][-1] == 8

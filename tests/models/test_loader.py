@@ -223,7 +223,9 @@ def test_stacked_layers_hold_each_layers_tensor(tmp_path, stacked):
     """Row i of a stack (or element i of a list, a CPU's layout) is layer i's checkpoint
     tensor, reshaped head-explicit; a parameter only some layers have (the dense MLP of
     `mlp_only_layers`) stacks those. A CPU's merged q/k/v hold each KV head's query heads,
-    then its k and v, HF's rows head by head; its gate/up, gate then up."""
+    then its k and v, HF's rows head by head; its gate/up, gate then up; each matrix is
+    stored inputs first (`InputMajorWeight`)."""
+    from jaxvllm.layers import InputMajorWeight
     from safetensors.numpy import load_file as load_numpy
     from weights.make_tiny import make_tiny
 
@@ -238,15 +240,19 @@ def test_stacked_layers_hold_each_layers_tensor(tmp_path, stacked):
         if stacked:
             np.testing.assert_array_equal(layers["q_proj"][i], tensor("q").reshape(layers["q_proj"].shape[1:]))
             continue
-        qkv = np.asarray(layers["qkv_proj"][i])
+        qkv = layers["qkv_proj"][i]
+        assert qkv.value.shape == (d, hkv, cfg.num_heads // hkv + 2, hd)  # (hidden, the input, first)
+        qkv = np.asarray(qkv.weight())
         assert qkv.shape == (hkv, cfg.num_heads // hkv + 2, hd, d)
         np.testing.assert_array_equal(qkv[:, :-2].reshape(-1, d), tensor("q"))
         np.testing.assert_array_equal(qkv[:, -2].reshape(-1, d), tensor("k"))
         np.testing.assert_array_equal(qkv[:, -1].reshape(-1, d), tensor("v"))
+    weight = lambda w: w.weight() if isinstance(w, InputMajorWeight) else w  # noqa: E731
     for row, i in enumerate((0, 2)):
         tensor = lambda x: tensors[f"model.layers.{i}.mlp.{x}_proj.weight"]  # noqa: E731
-        np.testing.assert_array_equal(layers["down_proj"][row], tensor("down"))
-        gate, up = (layers["gate_proj"][row], layers["up_proj"][row]) if stacked else layers["gate_up_proj"][row]
+        np.testing.assert_array_equal(weight(layers["down_proj"][row]), tensor("down"))
+        gate, up = ((layers["gate_proj"][row], layers["up_proj"][row]) if stacked
+                    else weight(layers["gate_up_proj"][row]))
         np.testing.assert_array_equal(gate, tensor("gate"))
         np.testing.assert_array_equal(up, tensor("up"))
     np.testing.assert_array_equal(layers["router"][0], tensors["model.layers.1.mlp.gate.weight"])

@@ -53,6 +53,38 @@ def test_linear_takes_weights_in_hf_layout_with_head_axes():
     assert logits.shape == (5, 4) and logits.dtype == jnp.float32  # (an lm_head [vocab, hidden])
 
 
+def test_input_major_weight_multiplies_as_the_weight():
+    """A CPU's layer matrices are stored inputs first (`InputMajorWeight`, [*in, *out]):
+    `linear` gives what the weight in HF's order gives, under an adapter too, at one row and
+    at several, in float32 and bfloat16; the weight comes back exactly."""
+    from jaxvllm.layers import InputMajorWeight, linear
+    from jaxvllm.lora.weights import LoRAWeight
+
+    rng = np.random.default_rng(1)
+    q_proj = jnp.asarray(rng.normal(size=(3, 4, 8)), jnp.float32)  # [heads, head_dim, hidden]
+    o_proj = jnp.asarray(rng.normal(size=(8, 3, 4)), jnp.float32)  # [hidden, heads, head_dim]
+    q_major, o_major = InputMajorWeight.of(q_proj, 1), InputMajorWeight.of(o_proj, 2)
+    assert q_major.value.shape == (8, 3, 4) and o_major.value.shape == (3, 4, 8)
+    assert q_major.shape == q_proj.shape and o_major.shape == o_proj.shape
+    np.testing.assert_array_equal(q_major.weight(), q_proj)
+    np.testing.assert_array_equal(o_major.weight(), o_proj)
+    for rows in (1, 5):
+        x = jnp.asarray(rng.normal(size=(rows, 8)), jnp.float32)
+        heads = linear(x, q_proj)
+        np.testing.assert_allclose(linear(x, q_major), heads, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(linear(heads, o_major, jnp.ones(8)), linear(heads, o_proj, jnp.ones(8)),
+                                   rtol=1e-5, atol=1e-5)
+        x16 = x.astype(jnp.bfloat16)
+        np.testing.assert_allclose(linear(x16, InputMajorWeight.of(q_proj.astype(jnp.bfloat16), 1)).astype(np.float32),
+                                   linear(x16, q_proj.astype(jnp.bfloat16)).astype(np.float32), rtol=2e-2, atol=2e-2)
+    # An adapter over it: slot 0 on every token, a [1, R, in] and b [1, out, R] (one part).
+    x = jnp.asarray(rng.normal(size=(5, 8)), jnp.float32)
+    a, b = jnp.asarray(rng.normal(size=(1, 2, 8)), jnp.float32), jnp.asarray(rng.normal(size=(1, 3, 4, 2)), jnp.float32)
+    slots = jnp.zeros(5, jnp.int32)
+    np.testing.assert_allclose(linear(x, LoRAWeight(q_major, a, (b,), slots)), linear(x, LoRAWeight(q_proj, a, (b,), slots)),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_reference_query_blocks_only_where_no_decode_step_lands():
     """Query blocks (a sequence's pages gathered once for up to 8 of its tokens) need the CPU
     loops that skip unused blocks, and a step that is not decodes alone: one that verifies
