@@ -46,17 +46,22 @@ class InputMajorWeight:
         """Where the value's axes come from in the weight ([*out, *in])."""
         return (*range(ndim - num_in, ndim), *range(ndim - num_in))
 
+    @staticmethod
+    def weight_axes(ndim: int, num_in: int) -> tuple[int, ...]:
+        """Where the weight's axes are in the value (the inverse of `axes`)."""
+        return (*range(num_in, ndim), *range(num_in))
+
     @classmethod
     def of(cls, weight: jax.Array, num_in: int) -> "InputMajorWeight":
         return cls(jnp.transpose(weight, cls.axes(weight.ndim, num_in)), num_in)
 
     def weight(self) -> jax.Array:
         """The weight in HF's [*out, *in] order (a transposed copy)."""
-        return jnp.transpose(self.value, np.argsort(self.axes(self.value.ndim, self.num_in)))
+        return jnp.transpose(self.value, self.weight_axes(self.value.ndim, self.num_in))
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.value.shape[a] for a in np.argsort(self.axes(self.value.ndim, self.num_in)))
+        return tuple(self.value.shape[a] for a in self.weight_axes(self.value.ndim, self.num_in))
 
     @property
     def ndim(self) -> int:

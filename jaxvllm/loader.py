@@ -288,11 +288,10 @@ def _input_major(reader: tuple, sharding, num_in: int) -> InputMajorWeight:
     block read as the weight's own and transposed on the host, so the device never holds
     the weight in both orders."""
     shape, block = reader
-    axes = InputMajorWeight.axes(len(shape), num_in)
-    weight_axis = np.argsort(axes)  # where each of the weight's axes is in the value
+    axes, weight_axes = InputMajorWeight.axes(len(shape), num_in), InputMajorWeight.weight_axes(len(shape), num_in)
 
     def value_block(index: tuple[slice, ...]) -> np.ndarray:
-        return np.ascontiguousarray(block(tuple(index[a] for a in weight_axis)).transpose(axes))
+        return np.ascontiguousarray(block(tuple(index[a] for a in weight_axes)).transpose(axes))
 
     value_shape = tuple(shape[a] for a in axes)
     return InputMajorWeight(jax.make_array_from_callback(value_shape, _permuted(sharding, axes), value_block), num_in)
@@ -620,10 +619,10 @@ def dummy_params(cfg: ModelConfig, dtype, seed: int = 0, shardings: dict | None 
 
 def _moved_inputs_first(weight: jax.Array, num_in: int, sharding) -> InputMajorWeight:
     """A placed layer matrix as an `InputMajorWeight` on its devices (the old array freed)."""
-    moved = InputMajorWeight.of(weight, num_in)
-    moved = InputMajorWeight(jax.device_put(moved.value, _permuted(sharding, moved.axes(weight.ndim, num_in))), num_in)
+    axes = InputMajorWeight.axes(weight.ndim, num_in)
+    value = jax.device_put(jnp.transpose(weight, axes), _permuted(sharding, axes))
     weight.delete()
-    return moved
+    return InputMajorWeight(value, num_in)
 
 
 def _put(params: dict, path: tuple, value) -> None:
