@@ -444,6 +444,11 @@ class LLMEngine:
 
     # -- state ---------------------------------------------------------------------------
 
+    def finish_warmup(self) -> None:
+        """Wait for the compiles start-up left for after it (on a CPU, every token bucket but
+        the smallest): what benchmarks do before they time steps."""
+        self.runner.finish_warmup()
+
     def stats(self) -> dict:
         so, runner, kv = self.structured_outputs, self.runner, self.kv_cache_manager
         return {
@@ -462,10 +467,13 @@ class LLMEngine:
             "block_table_widths": list(runner.builder.widths),
             "async_scheduling": self.config.async_scheduling,
             "token_buckets": list(runner.builder.buckets),
-            # start-up: weights loaded, KV cache sized (profiled on a GPU), warm-up compiled
+            # start-up: weights loaded, KV cache sized (profiled on a GPU), warm-up compiled (until
+            # ready: on a CPU the smallest bucket; the compiles left for after it pending, then done)
             "load_seconds": runner.load_seconds,
             "profile_seconds": runner.profile_seconds,
             "warmup_seconds": runner.warmup_seconds,
+            "warmup_pending_compiles": runner.compiles.pending,
+            "warmup_done_seconds": runner.compiles.done_seconds,
             # the warm-up's XLA compilations, and how many the persistent compilation cache served
             "warmup_compilations": runner.warmup_compiles.compilations,
             "compilation_cache_hits": runner.warmup_compiles.cache_hits,

@@ -15,15 +15,17 @@ import logging
 import math
 import os
 import time
+import weakref
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property, partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, SingleDeviceSharding
-from tqdm.auto import tqdm
 
 from jaxvllm.batch_builder import BatchBuilder, HostBatch, default_buckets
 from jaxvllm.config import ATTENTION_BACKENDS, MODEL_SPECULATIVE_METHODS, EngineConfig
@@ -48,7 +50,8 @@ from jaxvllm.sharding import device_group, kv_cache_sharding, make_mesh, put, re
 from jaxvllm.spec_decode.draft_model import DraftModel
 from jaxvllm.spec_decode.eagle import EagleHead
 from jaxvllm.spec_decode.rejection_sampler import sample_with_drafts
-from jaxvllm.utils.compilation_cache import CompileCounts, count_compilations
+from jaxvllm.utils.compilation_cache import CompileCounts
+from jaxvllm.utils.compile_jobs import CompileJobs
 
 logger = logging.getLogger(__name__)
 
@@ -177,6 +180,57 @@ def _prompt_logprobs(params, hidden, rows, *, cfg: ModelConfig, width: int) -> L
     return compute_logprobs(logits, rows[1], width)
 
 
+def _structs(tree):
+    """The shapes and placements of a tree's arrays (what lowering reads of them)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+@dataclass
+class StepLowering:
+    """Compiles the runner's steps ahead of their first call, from the shapes and placements
+    of what the steps take (never an array: one a step donated would be gone) and without
+    a reference to the runner (a warm-up job left for later must not keep it alive). Each
+    `lower(...).compile()` fills the cache that the runner's call then finds."""
+
+    forward_fn: Callable
+    sampler_fn: Callable
+    prompt_logprobs_fn: Callable
+    replicated: Any
+    cfg: ModelConfig
+    dtype: Any
+    params: Any
+    kv_caches: Any
+    last_sampled: Any
+    draft_rows: Any
+    sampler_state: Any
+    lora: Any
+    forward_shapes: set  # (the runner's record of what compiled)
+    sampler_variants: set
+
+    def forward(self, layout: BatchLayout, packed: np.ndarray) -> None:
+        self.forward_shapes.add(layout)
+        self.forward_fn.lower(self.params, self.kv_caches, step_input(packed, self.replicated), self.last_sampled,
+                              self.lora if layout.lora else None, self.draft_rows, layout=layout).compile()
+
+    def sampler(self, layout: BatchLayout, features: SamplerFeatures) -> None:
+        """The sampler of a layout's rows (and drafts), on the shapes and placement the forward hands it."""
+        on_device = partial(jax.ShapeDtypeStruct, sharding=self.replicated)
+        sampling_rows = on_device((layout.sampling_size,), jnp.int32)
+        logits = on_device((layout.num_logits, self.cfg.vocab_size), jnp.float32)
+        state = self.sampler_state if features.state else None
+        self.sampler_variants.add((layout.num_rows, layout.num_logits, features))
+        self.sampler_fn.lower(sampling_rows, logits, self.last_sampled, state, None, self.draft_rows,
+                              num_rows=layout.num_rows, features=features, spec_tokens=layout.spec_tokens,
+                              device_drafts=layout.device_drafts).compile()
+
+    def prompt_logprobs(self, bucket: int, width: int) -> None:
+        """Prompt logprobs of a bucket's hidden states: warmed for width 0 (each token's own
+        logprob and rank, what loglikelihood scoring reads), the others compile when first used."""
+        hidden = jax.ShapeDtypeStruct((bucket, self.cfg.hidden_size), self.dtype, sharding=self.replicated)
+        rows = step_input(np.zeros((2, min(PROMPT_LOGPROBS_CHUNK, bucket)), np.int32), self.replicated)
+        self.prompt_logprobs_fn.lower(self.params, hidden, rows, width=width).compile()
+
+
 def jit_forward(cfg: ModelConfig, backend: str, mesh: Mesh | None = None, aux_layers: tuple[int, ...] = ()):
     """The model step as the runner compiles it, per layout: the KV caches donated. With a
     mesh, the model is split over its devices (tensor parallelism); None: one device.
@@ -293,6 +347,8 @@ class ModelRunner:
         # The forward layouts and (row count, logits rows, features) sampler variants compiled so far.
         self._forward_shapes: set[BatchLayout] = set()
         self._sampler_variants: set[tuple[int, int, SamplerFeatures]] = set()
+        self.compiles = CompileJobs(COMPILE_THREADS)  # (the warm-up's, and those it leaves for later)
+        weakref.finalize(self, self.compiles.cancel, False)  # (a dropped engine's are not compiled)
         self.sampler_state: SamplerState = self._new_sampler_state()
         # Each persistent row's last sampled token: where decode inputs come from under async scheduling.
         self.last_sampled = self._new_last_sampled()
@@ -313,7 +369,7 @@ class ModelRunner:
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.3f GiB (%s)", self.num_blocks, c.block_size,
                     self.num_blocks * c.block_size, self.num_blocks * self.kv_spec.bytes_per_block / 2**30,
                     self.kv_spec.dtype_name)
-        self.warmup_seconds, self.warmup_compiles = 0.0, CompileCounts()
+        self.warmup_seconds = 0.0
         # On a CPU the cache's zero-fill (page faults: up to seconds for gigabytes) runs beside
         # the warm-up, which compiles against the caches' shapes; a GPU allocates first, so
         # that the compiles' autotuning cannot take the cache's room.
@@ -370,9 +426,15 @@ class ModelRunner:
         and the common sampler variants of every row count (greedy, temperature,
         temperature + top-k/top-p), so that nothing compiles on first use; rarer sampler
         variants compile when first used. Lowering holds the GIL but XLA's compiles do not,
-        so they run on a thread pool. Each `lower(...).compile()` fills the same cache a
-        call would, and the persistent compilation cache serves a second process."""
-        start, b = time.perf_counter(), self.builder
+        so they run on threads. Each `lower(...).compile()` fills the same cache a call
+        would, and the persistent compilation cache serves a second process.
+
+        On a CPU (no drafter) the engine is ready once the smallest bucket's step is
+        compiled: the other buckets' compile after, on the same threads, smallest first, and
+        a step that needs one not yet compiled waits for it, or compiles it itself if no
+        thread has begun it (`CompileJobs`). A GPU compiles everything first (its autotuning
+        times kernels, which steps running beside it would disturb)."""
+        b = self.builder
         spec = (False, True) if self.spec_tokens else (False,)  # (with drafts: every bucket but 1-token ones)
         shapes = [(bucket, w, False, s) for bucket in b.buckets for w in b.widths for s in spec if bucket > 1 or not s]
         shapes += [(bucket, w, True, False) for bucket in b.decode_only_buckets for w in b.widths]
@@ -380,43 +442,63 @@ class ModelRunner:
         # LoRA: each shape also with adapters (a step without any keeps the variant above)
         lora_batches = [b.padding_batch(bucket, width, None, decode_only, s, lora=True)
                         for bucket, width, decode_only, s in shapes] if self.lora is not None else []
-        jobs = [partial(self._compile_forward, batch) for batch in batches + lora_batches]
+        # (what the jobs compile against: shapes and placements, and no reference to this runner,
+        # which compiles left for later must not keep alive)
+        lowering = StepLowering(self._forward, self._sampler, self._prompt_logprobs, self._replicated, self.cfg,
+                                self.dtype, *_structs((self.params, self.kv_caches, self.last_sampled,
+                                                       self.draft_rows, self.sampler_state,
+                                                       self.lora.stacks if self.lora is not None else None)),
+                                self._forward_shapes, self._sampler_variants)
+        later_buckets = [] if self.drafter is not None or self.devices[0].platform != "cpu" else b.buckets[1:]
+        later: dict[int, list] = {bucket: [] for bucket in later_buckets}
+        now = []
+        samplers = set()  # (one sampler per row count and, with drafts, logits rows)
+        for batch in sorted(batches + lora_batches, key=lambda batch: batch.layout.num_tokens):
+            jobs = later.get(batch.layout.num_tokens, now)
+            jobs.append((("forward", batch.layout), partial(lowering.forward, batch.layout, batch.packed)))
+            layout = batch.layout
+            if (layout.num_rows, layout.num_logits) not in samplers and not layout.lora:
+                samplers.add((layout.num_rows, layout.num_logits))
+                jobs += [(("sampler", layout.num_rows, layout.num_logits, features),
+                          partial(lowering.sampler, layout, features)) for features in COMMON_FEATURES]
+        for bucket in b.buckets:
+            later.get(bucket, now).append((("prompt_logprobs", bucket, 0),
+                                           partial(lowering.prompt_logprobs, bucket, 0)))
+        now.append((("write_row",), self._compile_write_row))
         if self.lora is not None:
-            jobs.append(self.lora.compile_write)
-        # One sampler per row count (and, with drafts, logits rows): the layouts' distinct ones.
-        samplers = {(batch.layout.num_rows, batch.layout.num_logits): batch.layout for batch in batches}
-        jobs += [partial(self._compile_sampler, layout, features) for layout in samplers.values()
-                 for features in COMMON_FEATURES]
-        jobs += [partial(self._compile_prompt_logprobs, bucket, width=0) for bucket in b.buckets]
-        row = jax.tree.map(lambda x: x[0], self.sampler_state)
-        jobs.append(lambda: self._write_row.lower(self.sampler_state, 0, row).compile())
+            now.append((("lora_write",), self.lora.compile_write))
         # A drafter runs the base model (no adapter, as in vLLM) after each target layout, LoRA's too.
+        drafter_jobs = []
         if self.draft is not None:  # its forward over each target layout, its proposer per row count and width
-            jobs += [partial(self._compile_draft, batch) for batch in batches + lora_batches]
-            jobs += [partial(self.draft.compile_propose, rows, width, self._replicated, self.last_sampled,
-                             self.draft_rows) for rows in sorted({b.rows_for(bucket) for bucket in b.buckets})
-                     for width in b.widths]
+            drafter_jobs += [partial(self._compile_draft, batch) for batch in batches + lora_batches]
+            drafter_jobs += [partial(self.draft.compile_propose, rows, width, self._replicated, self.last_sampled,
+                                     self.draft_rows) for rows in sorted({b.rows_for(bucket) for bucket in b.buckets})
+                             for width in b.widths]
         if self.eagle is not None:  # its prefill after each target layout, its decode per row counts
-            jobs += [partial(self._compile_eagle, batch) for batch in batches + lora_batches]
+            drafter_jobs += [partial(self._compile_eagle, batch) for batch in batches + lora_batches]
             rows = sorted({self._eagle_rows(n) for n in range(1, self.config.max_num_seqs + 1)})
-            jobs += [partial(self.eagle.compile_decode, self.params, r, b.widths[-1], self._replicated,
-                             self.draft_rows) for r in rows]
-        with count_compilations() as counts, ThreadPoolExecutor(COMPILE_THREADS) as pool:
-            desc = f"Compiling token buckets {b.buckets[0]}-{b.buckets[-1]}"  # (max_num_batched_tokens: the last)
-            for _ in tqdm(pool.map(lambda job: job(), jobs), total=len(jobs), desc=desc, dynamic_ncols=True):
-                pass
-        self.warmup_seconds, self.warmup_compiles = time.perf_counter() - start, counts
+            drafter_jobs += [partial(self.eagle.compile_decode, self.params, r, b.widths[-1], self._replicated,
+                                     self.draft_rows) for r in rows]
+        now += [(("drafter", i), job) for i, job in enumerate(drafter_jobs)]
+        ready = b.buckets[: len(b.buckets) - len(later_buckets)]
+        self.compiles.run(now, [job for bucket in later_buckets for job in later[bucket]],
+                          desc=f"Compiling token buckets {ready[0]}-{ready[-1]}")
+        self.warmup_seconds = self.compiles.ready_seconds
         decode_only = f" (and decode-only ones of {b.decode_only_buckets})" if b.decode_only_buckets else ""
-        logger.info("warm-up: compiled %d token buckets %s%s x %d block-table widths %s and %d sampler variants "
-                    "in %.1f s (%d compilations, %d from the persistent cache)", len(b.buckets), b.buckets,
-                    decode_only, len(b.widths), b.widths, self.num_compiled_sampler_variants(), self.warmup_seconds,
-                    counts.compilations, counts.cache_hits)
+        logger.info("warm-up: compiled token buckets %s%s x %d block-table widths %s and %d sampler variants in %.1f s "
+                    "(%d compilations, %d from the persistent cache)%s", ready, decode_only, len(b.widths), b.widths,
+                    sum(key[0] == "sampler" for key, _ in now), self.warmup_seconds, self.compiles.counts.compilations,
+                    self.compiles.counts.cache_hits,
+                    f"; buckets {later_buckets} compile now, smallest first" if later_buckets else "")
 
-    def _compile_forward(self, batch: HostBatch) -> None:
-        self._forward_shapes.add(batch.layout)
-        packed = step_input(batch.packed, self._replicated)
-        self._forward.lower(self.params, self.kv_caches, packed, self.last_sampled, self._lora_stacks(batch.layout),
-                            self.draft_rows, layout=batch.layout).compile()
+    @property
+    def warmup_compiles(self) -> CompileCounts:
+        """The warm-up's XLA compilations and persistent-cache hits (those left for later included)."""
+        return self.compiles.counts
+
+    def finish_warmup(self) -> None:
+        """Wait for the compiles the warm-up left for after start-up."""
+        self.compiles.wait_all()
 
     def _compile_draft(self, batch: HostBatch) -> None:
         self.draft.compile_forward(step_input(batch.packed, self._replicated), self.last_sampled, batch.layout,
@@ -426,23 +508,9 @@ class ModelRunner:
         self.eagle.compile_prefill(self.params, step_input(batch.packed, self._replicated), self.last_sampled,
                                    batch.layout, self._replicated, self.draft_rows)
 
-    def _compile_prompt_logprobs(self, bucket: int, width: int) -> None:
-        """Prompt logprobs of a bucket's hidden states: warmed for width 0 (each token's own
-        logprob and rank, what loglikelihood scoring reads), the others compile when first used."""
-        hidden = jax.ShapeDtypeStruct((bucket, self.cfg.hidden_size), self.dtype, sharding=self._replicated)
-        rows = step_input(np.zeros((2, min(PROMPT_LOGPROBS_CHUNK, bucket)), np.int32), self._replicated)
-        self._prompt_logprobs.lower(self.params, hidden, rows, width=width).compile()
-
-    def _compile_sampler(self, layout: BatchLayout, features: SamplerFeatures) -> None:
-        """The sampler of a layout's rows (and drafts), on the shapes and placement the forward hands it."""
-        on_device = partial(jax.ShapeDtypeStruct, sharding=self._replicated)
-        num_rows, spec_tokens = layout.num_rows, layout.spec_tokens
-        sampling_rows = on_device((layout.sampling_size,), jnp.int32)
-        logits = on_device((layout.num_logits, self.cfg.vocab_size), jnp.float32)
-        state = self.sampler_state if features.state else None
-        self._sampler_variants.add((num_rows, logits.shape[0], features))
-        self._sampler.lower(sampling_rows, logits, self.last_sampled, state, None, self.draft_rows, num_rows=num_rows,
-                            features=features, spec_tokens=spec_tokens, device_drafts=layout.device_drafts).compile()
+    def _compile_write_row(self) -> None:
+        row = jax.tree.map(lambda x: x[0], self.sampler_state)
+        self._write_row.lower(self.sampler_state, 0, row).compile()
 
     # -- one step ----------------------------------------------------------------------
 
@@ -466,6 +534,7 @@ class ModelRunner:
         with structured-output rows is sampled later, by `sample`, with their bitmask."""
         layout = batch.layout
         packed = step_input(batch.packed, self._replicated)
+        self.compiles.wait(("forward", layout))
         logits, hidden, aux, sampling_rows, caches = self._forward(
             self.params, self.kv_caches if kv_caches is None else kv_caches, packed, self.last_sampled,
             self._lora_stacks(layout), self.draft_rows, layout=layout
@@ -480,6 +549,8 @@ class ModelRunner:
                 self.eagle.keep(packed, layout, hidden, aux)
             step.proposes = layout.device_drafts
         chunk = min(PROMPT_LOGPROBS_CHUNK, layout.num_tokens)
+        if len(batch.prompt_rows):
+            self.compiles.wait(("prompt_logprobs", layout.num_tokens, batch.prompt_width))
         for start in range(0, len(batch.prompt_rows), chunk):
             part = np.stack([batch.prompt_rows[start : start + chunk], batch.prompt_targets[start : start + chunk]])
             rows = np.zeros((2, chunk), np.int32)  # (padding: row 0, token 0; dropped on the host)
@@ -498,6 +569,7 @@ class ModelRunner:
         state = self.sampler_state if features.state else None
         mask = step_input(bitmask, self._replicated) if features.grammar else None
         self._sampler_variants.add((layout.num_rows, layout.num_logits, features))
+        self.compiles.wait(("sampler", layout.num_rows, layout.num_logits, features))
         before = (self.last_sampled, self.draft_rows)  # (as the step's forward read them)
         step.sampled, step.accepted, step.drafts, step.logprobs, self.last_sampled, state, draft_rows = self._sampler(
             step.sampling_rows, step.logits, self.last_sampled, state, mask, self.draft_rows,
@@ -789,6 +861,7 @@ class ModelRunner:
         The runner cannot run again; calling close twice is harmless."""
         if self.closed:
             return
+        self.compiles.cancel()
         draft = self.drafter.arrays() if self.drafter is not None else []
         draft += self.lora.arrays() if self.lora is not None else []
         for array in jax.tree.leaves((self.params, self.kv_caches, self.sampler_state, self.last_sampled, draft)):

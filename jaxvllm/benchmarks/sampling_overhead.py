@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> dict:
         llm = LLM(source.path, load_format=source.load_format or "auto",
                   max_model_len=args.input_len + args.output_len, max_num_seqs=args.num_prompts,
                   max_num_batched_tokens=max(args.num_prompts, 1024), enable_prefix_caching=False)
+        llm.llm_engine.finish_warmup()
     vocab = llm.llm_engine.model_config.vocab_size
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(3, vocab, args.input_len).tolist()} for _ in range(args.num_prompts)]

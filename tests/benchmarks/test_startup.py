@@ -19,6 +19,9 @@ def test_second_process_compiles_nothing(tmp_path, capsys):
     assert (cold["run"], warm["run"]) == ("cold", "warm")
     for run in (cold, warm):
         assert run["ready_seconds"] > run["warmup_seconds"] > 0 and run["load_seconds"] > 0
+        # (a CPU is ready after its smallest bucket; the figures cover the rest, compiled after)
+        assert run["all_compiled_seconds"] >= run["ready_seconds"] and run["pending_at_ready"] > 0
+        assert run["warmup_done_seconds"] >= run["warmup_seconds"]
         assert run["profile_seconds"] >= 0
         assert run["max_num_batched_tokens"] == 256 == run["token_buckets"][-1]  # dummy:tiny's own default
         assert run["token_buckets"][:3] == [1, 4, 16]  # (a CPU's)

@@ -240,6 +240,7 @@ def test_no_compiles_after_warmup(tiny_checkpoint, compile_counter):
     llm = LLM(tiny_checkpoint("llama"), max_model_len=128, max_num_seqs=12, max_num_batched_tokens=24,
               token_buckets=[8, 24])
     assert llm.stats()["async_scheduling"] is True
+    llm.llm_engine.finish_warmup()  # (bucket 24 compiles after ready on a CPU)
     prompts = [{"prompt_token_ids": list(range(10, 10 + n))} for n in (20, 3, 6, 1)]  # both buckets
     warmed = [
         SamplingParams(temperature=0, max_tokens=6),
@@ -272,6 +273,7 @@ def test_no_sampler_compile_in_a_bucket_sharing_its_row_count(tiny_checkpoint, c
     # Buckets 8 and 16 both have 6 rows: one set of sampler variants serves both.
     llm = LLM(tiny_checkpoint("mistral"), max_model_len=128, max_num_seqs=6, max_num_batched_tokens=16,
               token_buckets=[8, 16])
+    llm.llm_engine.finish_warmup()
     before = compile_counter.count
     try:
         llm.generate({"prompt_token_ids": list(range(10, 22))}, SamplingParams(temperature=0, max_tokens=2),

@@ -125,6 +125,7 @@ def test_no_compilation_after_warmup(tiny_checkpoint):
     """The prompt-logprob executable of every token bucket is compiled by the warm-up
     (width 0, what scoring reads): a scoring run compiles nothing."""
     llm = LLM(str(tiny_checkpoint("qwen3")), **ENGINE)
+    llm.llm_engine.finish_warmup()
     rng = random.Random(3)
     requests = [([rng.randrange(3, 200) for _ in range(n)], [rng.randrange(3, 200) for _ in range(k)])
                 for n, k in ((3, 1), (17, 5), (40, 2), (90, 20), (30, 1))]

@@ -149,6 +149,7 @@ def test_five_adapters_swap_through_two_slots(async_scheduling, tiny_checkpoint,
     loras = [request(p, i) for i, p in enumerate(paths)] + [None]
     with LLM(base, enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=3,
              async_scheduling=async_scheduling, **ENGINE) as llm:
+        llm.llm_engine.finish_warmup()
         before = compile_counter.count
         got = run(llm, loras)
         assert compile_counter.count == before
@@ -201,6 +202,7 @@ def test_speculative_decoding_under_adapters(method, tiny_checkpoint, adapter, p
                  "eagle": dict(model=str(passing_head(base, tmp_path / "head")))}[method])
     prompts = PROMPTS + [[7, 8, 9] * 5]  # (a repeating prompt: n-gram drafts)
     with LLM(base, enable_lora=True, max_loras=2, max_lora_rank=8, speculative_config=spec, **ENGINE) as llm:
+        llm.llm_engine.finish_warmup()
         before = compile_counter.count
         got = run(llm, loras, prompts)
         assert compile_counter.count == before

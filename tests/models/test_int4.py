@@ -338,6 +338,7 @@ def test_no_compiles_after_warmup(int4_checkpoint, compile_counter):
     prompts = [{"prompt_token_ids": list(range(10, 10 + n))} for n in (20, 3, 6, 1)]
     llm = LLM(int4_checkpoint("awq"), max_model_len=128, max_num_seqs=12, max_num_batched_tokens=24,
               token_buckets=[8, 24])
+    llm.llm_engine.finish_warmup()
     before = compile_counter.count
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
     assert compile_counter.count == before

@@ -504,6 +504,7 @@ def test_no_compiles_after_warmup(tiny_checkpoint, compressed_checkpoint, compil
     for path, quantization in ((tiny_checkpoint("llama"), "fp8"), (compressed_checkpoint("llama", "int8"), None)):
         llm = LLM(path, quantization=quantization, max_model_len=128, max_num_seqs=12, max_num_batched_tokens=24,
                   token_buckets=[8, 24])
+        llm.llm_engine.finish_warmup()
         before = compile_counter.count
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
         assert compile_counter.count == before, f"{quantization or path.name}: a bucket compiled while serving"

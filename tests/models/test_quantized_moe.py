@@ -202,6 +202,8 @@ def test_quantized_experts_through_the_engine(tiny_checkpoint, compile_counter):
     engine = dict(max_model_len=128, max_num_seqs=12, max_num_batched_tokens=24, token_buckets=[8, 24])
     full = LLM(tiny_checkpoint("mixtral"), **engine)
     fp8 = LLM(tiny_checkpoint("mixtral"), quantization="fp8", **engine)
+    full.llm_engine.finish_warmup()
+    fp8.llm_engine.finish_warmup()
     prompts = [{"prompt_token_ids": list(range(10, 10 + n))} for n in (20, 3, 6, 1)]
     before = compile_counter.count
     out = fp8.generate(prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
