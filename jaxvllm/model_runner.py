@@ -46,7 +46,8 @@ from jaxvllm.models import MODELS
 from jaxvllm.request import Request, ScheduledBatch, ScheduledRequest
 from jaxvllm.sampler import (COMMON_FEATURES, Logprobs, SamplerFeatures, SamplerState, compute_logprobs, init_state,
                              sample, state_row, write_state_row)
-from jaxvllm.sharding import device_group, kv_cache_sharding, make_mesh, put, replicated, step_input, to_host
+from jaxvllm.sharding import (device_group, kv_cache_sharding, make_mesh, put, replicated, step_input, structs,
+                              to_host)
 from jaxvllm.spec_decode.draft_model import DraftModel
 from jaxvllm.spec_decode.eagle import EagleHead
 from jaxvllm.spec_decode.rejection_sampler import sample_with_drafts
@@ -180,11 +181,6 @@ def _prompt_logprobs(params, hidden, rows, *, cfg: ModelConfig, width: int) -> L
     return compute_logprobs(logits, rows[1], width)
 
 
-def _structs(tree):
-    """The shapes and placements of a tree's arrays (what lowering reads of them)."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-
-
 @dataclass
 class StepLowering:
     """Compiles the runner's steps ahead of their first call, from the shapes and placements
@@ -218,7 +214,7 @@ class StepLowering:
         sampling_rows = on_device((layout.sampling_size,), jnp.int32)
         logits = on_device((layout.num_logits, self.cfg.vocab_size), jnp.float32)
         state = self.sampler_state if features.state else None
-        self.sampler_variants.add((layout.num_rows, layout.num_logits, features))
+        self.sampler_variants.add((layout.num_rows, layout.num_logits, layout.spec_tokens, features))
         self.sampler_fn.lower(sampling_rows, logits, self.last_sampled, state, None, self.draft_rows,
                               num_rows=layout.num_rows, features=features, spec_tokens=layout.spec_tokens,
                               device_drafts=layout.device_drafts).compile()
@@ -344,9 +340,9 @@ class ModelRunner:
         self._weight_index = None  # (HF name -> its places in the params, KV repeats): update_weights'
         self._asleep: set[str] = set()
         self._given: set[int] = set()  # ids of arrays update_weights took as they were: the caller's, not deleted
-        # The forward layouts and (row count, logits rows, features) sampler variants compiled so far.
+        # The forward layouts and (row count, logits rows, drafts, features) sampler variants compiled so far.
         self._forward_shapes: set[BatchLayout] = set()
-        self._sampler_variants: set[tuple[int, int, SamplerFeatures]] = set()
+        self._sampler_variants: set[tuple[int, int, int, SamplerFeatures]] = set()
         self.compiles = CompileJobs(COMPILE_THREADS)  # (the warm-up's, and those it leaves for later)
         weakref.finalize(self, self.compiles.cancel, False)  # (a dropped engine's are not compiled)
         self.sampler_state: SamplerState = self._new_sampler_state()
@@ -429,10 +425,10 @@ class ModelRunner:
         so they run on threads. Each `lower(...).compile()` fills the same cache a call
         would, and the persistent compilation cache serves a second process.
 
-        On a CPU (no drafter) the engine is ready once the smallest bucket's step is
-        compiled: the other buckets' compile after, on the same threads, smallest first, and
-        a step that needs one not yet compiled waits for it, or compiles it itself if no
-        thread has begun it (`CompileJobs`). A GPU compiles everything first (its autotuning
+        On a CPU the engine is ready once the smallest bucket's step (and a drafter's after
+        it) is compiled: the other buckets compile after, on the same threads, smallest
+        first, and a step that needs one not yet compiled waits for it, or compiles it
+        itself if no thread has begun it (`CompileJobs`). A GPU compiles everything first (its autotuning
         times kernels, which steps running beside it would disturb)."""
         b = self.builder
         spec = (False, True) if self.spec_tokens else (False,)  # (with drafts: every bucket but 1-token ones)
@@ -445,41 +441,45 @@ class ModelRunner:
         # (what the jobs compile against: shapes and placements, and no reference to this runner,
         # which compiles left for later must not keep alive)
         lowering = StepLowering(self._forward, self._sampler, self._prompt_logprobs, self._replicated, self.cfg,
-                                self.dtype, *_structs((self.params, self.kv_caches, self.last_sampled,
+                                self.dtype, *structs((self.params, self.kv_caches, self.last_sampled,
                                                        self.draft_rows, self.sampler_state,
                                                        self.lora.stacks if self.lora is not None else None)),
                                 self._forward_shapes, self._sampler_variants)
-        later_buckets = [] if self.drafter is not None or self.devices[0].platform != "cpu" else b.buckets[1:]
+        later_buckets = [] if self.devices[0].platform != "cpu" else b.buckets[1:]
         later: dict[int, list] = {bucket: [] for bucket in later_buckets}
         now = []
-        samplers = set()  # (one sampler per row count and, with drafts, logits rows)
+        jobs_of = lambda bucket: later.get(bucket, now)  # noqa: E731  (a bucket's jobs: before ready or after)
+        samplers = set()  # (one sampler per row count and, with drafts, logits rows: verifying or not)
         for batch in sorted(batches + lora_batches, key=lambda batch: batch.layout.num_tokens):
-            jobs = later.get(batch.layout.num_tokens, now)
-            jobs.append((("forward", batch.layout), partial(lowering.forward, batch.layout, batch.packed)))
-            layout = batch.layout
-            if (layout.num_rows, layout.num_logits) not in samplers and not layout.lora:
-                samplers.add((layout.num_rows, layout.num_logits))
-                jobs += [(("sampler", layout.num_rows, layout.num_logits, features),
+            layout, jobs = batch.layout, jobs_of(batch.layout.num_tokens)
+            jobs.append((("forward", layout), partial(lowering.forward, layout, batch.packed)))
+            sampler = (layout.num_rows, layout.num_logits, layout.spec_tokens)
+            if sampler not in samplers and not layout.lora:
+                samplers.add(sampler)
+                jobs += [(("sampler", *sampler, features),
                           partial(lowering.sampler, layout, features)) for features in COMMON_FEATURES]
+            # A drafter runs the base model (no adapter, as in vLLM) after each target layout, LoRA's too.
+            packed = step_input(batch.packed, self._replicated)
+            if self.draft is not None:
+                jobs.append((("draft_forward", layout), self.draft.compile_forward(
+                    packed, lowering.last_sampled, layout, lowering.draft_rows)))
+            if self.eagle is not None:
+                jobs.append((("eagle_prefill", layout), self.eagle.compile_prefill(
+                    lowering.params, packed, lowering.last_sampled, layout, self._replicated, lowering.draft_rows)))
         for bucket in b.buckets:
-            later.get(bucket, now).append((("prompt_logprobs", bucket, 0),
-                                           partial(lowering.prompt_logprobs, bucket, 0)))
+            jobs_of(bucket).append((("prompt_logprobs", bucket, 0), partial(lowering.prompt_logprobs, bucket, 0)))
+        if self.draft is not None:  # its proposer per row count and width
+            for rows, bucket in {b.rows_for(bucket): bucket for bucket in reversed(b.buckets)}.items():
+                jobs_of(bucket).extend((("draft_propose", rows, width), self.draft.compile_propose(
+                    rows, width, self._replicated, lowering.last_sampled, lowering.draft_rows)) for width in b.widths)
+        if self.eagle is not None:  # its decode per row count of drafting requests
+            for rows in sorted({self._eagle_rows(n) for n in range(1, self.config.max_num_seqs + 1)}):
+                job = self.eagle.compile_decode(lowering.params, rows, b.widths[-1], self._replicated,
+                                                lowering.draft_rows)
+                jobs_of(b.bucket_for(min(rows, b.buckets[-1]))).append((("eagle_decode", rows), job))
         now.append((("write_row",), self._compile_write_row))
         if self.lora is not None:
             now.append((("lora_write",), self.lora.compile_write))
-        # A drafter runs the base model (no adapter, as in vLLM) after each target layout, LoRA's too.
-        drafter_jobs = []
-        if self.draft is not None:  # its forward over each target layout, its proposer per row count and width
-            drafter_jobs += [partial(self._compile_draft, batch) for batch in batches + lora_batches]
-            drafter_jobs += [partial(self.draft.compile_propose, rows, width, self._replicated, self.last_sampled,
-                                     self.draft_rows) for rows in sorted({b.rows_for(bucket) for bucket in b.buckets})
-                             for width in b.widths]
-        if self.eagle is not None:  # its prefill after each target layout, its decode per row counts
-            drafter_jobs += [partial(self._compile_eagle, batch) for batch in batches + lora_batches]
-            rows = sorted({self._eagle_rows(n) for n in range(1, self.config.max_num_seqs + 1)})
-            drafter_jobs += [partial(self.eagle.compile_decode, self.params, r, b.widths[-1], self._replicated,
-                                     self.draft_rows) for r in rows]
-        now += [(("drafter", i), job) for i, job in enumerate(drafter_jobs)]
         ready = b.buckets[: len(b.buckets) - len(later_buckets)]
         self.compiles.run(now, [job for bucket in later_buckets for job in later[bucket]],
                           desc=f"Compiling token buckets {ready[0]}-{ready[-1]}")
@@ -499,14 +499,6 @@ class ModelRunner:
     def finish_warmup(self) -> None:
         """Wait for the compiles the warm-up left for after start-up."""
         self.compiles.wait_all()
-
-    def _compile_draft(self, batch: HostBatch) -> None:
-        self.draft.compile_forward(step_input(batch.packed, self._replicated), self.last_sampled, batch.layout,
-                                   self.draft_rows)
-
-    def _compile_eagle(self, batch: HostBatch) -> None:
-        self.eagle.compile_prefill(self.params, step_input(batch.packed, self._replicated), self.last_sampled,
-                                   batch.layout, self._replicated, self.draft_rows)
 
     def _compile_write_row(self) -> None:
         row = jax.tree.map(lambda x: x[0], self.sampler_state)
@@ -544,6 +536,7 @@ class ModelRunner:
             self.kv_caches = caches
             self._forward_shapes.add(layout)
             if self.draft is not None:
+                self.compiles.wait(("draft_forward", layout))
                 self.draft.forward(packed, self.last_sampled, layout, self.draft_rows)
             if self.eagle is not None:
                 self.eagle.keep(packed, layout, hidden, aux)
@@ -568,8 +561,8 @@ class ModelRunner:
         features, layout = step.batch.features, step.batch.layout
         state = self.sampler_state if features.state else None
         mask = step_input(bitmask, self._replicated) if features.grammar else None
-        self._sampler_variants.add((layout.num_rows, layout.num_logits, features))
-        self.compiles.wait(("sampler", layout.num_rows, layout.num_logits, features))
+        self._sampler_variants.add((layout.num_rows, layout.num_logits, layout.spec_tokens, features))
+        self.compiles.wait(("sampler", layout.num_rows, layout.num_logits, layout.spec_tokens, features))
         before = (self.last_sampled, self.draft_rows)  # (as the step's forward read them)
         step.sampled, step.accepted, step.drafts, step.logprobs, self.last_sampled, state, draft_rows = self._sampler(
             step.sampling_rows, step.logits, self.last_sampled, state, mask, self.draft_rows,
@@ -603,11 +596,13 @@ class ModelRunner:
         live = np.arange(len(rows)) < n
         tables = self._row_tables(proposing, len(rows), width)
         if self.draft is not None:
+            self.compiles.wait(("draft_propose", len(rows), tables.shape[1]))
             self.draft_rows = self.draft.propose_rows(rows, live, tables, self.last_sampled, self.draft_rows,
                                                       self._replicated)
             return
         padded = np.zeros(self.config.max_num_seqs, np.int32)
         padded[:n] = seqs
+        self._wait_for_eagle(batch.layout, len(rows) if n else None)
         self.draft_rows = self.eagle.propose_rows(self.params, last_sampled_before, draft_rows_before, step.sampled,
                                                   step.accepted, batch.chunk_next, padded, rows if n else None, live,
                                                   tables, self.draft_rows, self._replicated)
@@ -623,6 +618,7 @@ class ModelRunner:
         token, position = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
         token[: len(tokens)], position[: len(positions)] = tokens, positions
         tables = self._draft_tables(request_ids, block_ids, rows)
+        self.compiles.wait(("draft_propose", rows, tables.shape[1]))
         return self.draft.propose(token, position, live, tables, self._replicated)[: len(request_ids)]
 
     def propose_eagle(self, scheduled: ScheduledBatch, drafting: list[Request], block_ids: list[list[int]]
@@ -649,9 +645,16 @@ class ModelRunner:
         positions = np.zeros(rows, np.int32)
         positions[: len(drafting)] = [r.num_tokens - 1 for r in drafting]
         tables = self._draft_tables([r.request_id for r in drafting], block_ids, rows, self.builder.widths[-1])
+        self._wait_for_eagle(layout, rows)
         drafts = self.eagle.propose(self.params, self.last_sampled, next_tokens, valid, draft_index, positions,
                                     np.arange(rows) < len(drafting), tables, self._replicated)
         return drafts[: len(drafting)]
+
+    def _wait_for_eagle(self, layout: BatchLayout, rows: int | None) -> None:
+        """Until the EAGLE head's prefill after `layout`, and its decode of `rows` (if any), are compiled."""
+        self.compiles.wait(("eagle_prefill", layout))
+        if rows is not None:
+            self.compiles.wait(("eagle_decode", rows))
 
     def _eagle_rows(self, n: int) -> int:
         """The EAGLE decode's row count for `n` drafting requests: the next power of two (its

@@ -93,6 +93,12 @@ def step_input(x: np.ndarray, sharding):
     return x if sharding.is_fully_addressable else put(x, sharding)
 
 
+def structs(tree):
+    """The shapes and placements of a tree's arrays: what lowering reads of them, without
+    holding them (a step may donate or sleep drop them before a compile runs)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
 def to_host(x: jax.Array) -> np.ndarray:
     """A replicated array's value, from this process's copy (across processes no process
     can address the whole array, yet each holds all of it)."""

@@ -19,6 +19,7 @@ the next step reads them (`BatchLayout.model_inputs`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -34,7 +35,7 @@ from jaxvllm.kv_cache import KVCacheSpec, allocate_kv_caches, with_cache_storage
 from jaxvllm.loader import load_model, resolve_dtype
 from jaxvllm.model_config import ModelConfig
 from jaxvllm.models import MODELS
-from jaxvllm.sharding import kv_cache_sharding, replicated, step_input
+from jaxvllm.sharding import kv_cache_sharding, replicated, step_input, structs
 
 
 def _forward(params, kv_caches, packed, last_sampled, draft_rows=None, *, cfg: ModelConfig, backend: str,
@@ -162,20 +163,23 @@ class DraftModel:
         drafts, self.kv_caches = self._propose(self.params, self.kv_caches, *args)
         return np.asarray(drafts)
 
-    def compile_forward(self, packed, last_sampled, layout: BatchLayout, draft_rows=None) -> None:
-        """Compile, without running, the draft's forward over a target layout."""
-        self._forward.lower(self.params, self.kv_caches, packed, last_sampled, draft_rows, layout=layout).compile()
+    def compile_forward(self, packed, last_sampled, layout: BatchLayout, draft_rows=None) -> Callable[[], None]:
+        """A job that compiles, without running, the draft's forward over a target layout;
+        it holds the shapes of this model's arrays, not them (nor this model)."""
+        forward, params, caches = self._forward, structs(self.params), structs(self.kv_caches)
+        return lambda: forward.lower(params, caches, packed, last_sampled, draft_rows, layout=layout).compile()
 
-    def compile_propose(self, rows: int, width: int, place, last_sampled=None, draft_rows=None) -> None:
-        """Compile, without running, the proposer of a row count and block-table width (with
-        `draft_rows`: the device-drafts one), on host inputs placed as a run places them."""
+    def compile_propose(self, rows: int, width: int, place, last_sampled=None, draft_rows=None) -> Callable[[], None]:
+        """A job that compiles, without running, the proposer of a row count and block-table
+        width (with `draft_rows`: the device-drafts one), on host inputs placed as a run
+        places them."""
+        params, caches = structs(self.params), structs(self.kv_caches)
         ints, live, tables = np.zeros(rows, np.int32), np.zeros(rows, bool), np.zeros((rows, width), np.int32)
         if draft_rows is not None:
-            args = [step_input(x, place) for x in (ints, live, tables)]
-            self._propose_rows.lower(self.params, self.kv_caches, *args, last_sampled, draft_rows).compile()
-            return
-        args = [step_input(x, place) for x in (ints, ints, live, tables)]
-        self._propose.lower(self.params, self.kv_caches, *args).compile()
+            propose_rows, args = self._propose_rows, [step_input(x, place) for x in (ints, live, tables)]
+            return lambda: propose_rows.lower(params, caches, *args, last_sampled, draft_rows).compile()
+        propose, args = self._propose, [step_input(x, place) for x in (ints, ints, live, tables)]
+        return lambda: propose.lower(params, caches, *args).compile()
 
     def arrays(self) -> list:
         return jax.tree.leaves((self.params, self.kv_caches))

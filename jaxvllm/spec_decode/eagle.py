@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -56,7 +57,7 @@ from jaxvllm.loader import _param_shardings, dummy_params, load_safetensors, res
 from jaxvllm.model_config import ModelConfig
 from jaxvllm.models import MODELS
 from jaxvllm.models.common import ParamSpec, attention, attention_specs, mlp, mlp_specs
-from jaxvllm.sharding import kv_cache_sharding, kv_repeats, put, replicated, sharded_config, step_input
+from jaxvllm.sharding import kv_cache_sharding, kv_repeats, put, replicated, sharded_config, step_input, structs
 from jaxvllm.spec_decode.draft_model import decode_inputs
 
 
@@ -392,30 +393,32 @@ class EagleHead:
         return draft_rows
 
     def compile_prefill(self, target_params, packed, last_sampled, layout: BatchLayout, place,
-                        draft_rows=None) -> None:
-        """Compile, without running, the prefill after a target layout."""
+                        draft_rows=None) -> Callable[[], None]:
+        """A job that compiles, without running, the prefill after a target layout; it holds
+        the shapes of this head's arrays, not them (nor this head)."""
         t, s = layout.num_tokens, layout.num_rows
         width_in = (len(self.eagle.aux_layers) or 1) * self.eagle.target_hidden_size
         hidden = jax.ShapeDtypeStruct((t, width_in), self.kv_spec.dtype, sharding=place)
+        prefill, params, caches = self._prefill, structs(self.params), structs(self.kv_caches)
         if self.device_drafts:  # (the sampler's tokens and accepted counts, one per row)
             per_row = jax.ShapeDtypeStruct((s,), jnp.int32, sharding=place)
-            host = [np.zeros(s, np.int32), np.zeros(self.max_num_seqs, np.int32)]
-            self._prefill.lower(self.params, target_params, self.kv_caches, hidden, packed, last_sampled, draft_rows,
-                                per_row, per_row if layout.spec_tokens else None,
-                                *[step_input(x, place) for x in host], layout=layout).compile()
-            return
-        host = [np.zeros(t, np.int32), np.zeros(t, bool), np.zeros(self.max_num_seqs, np.int32)]
-        self._prefill.lower(self.params, target_params, self.kv_caches, hidden, packed, last_sampled,
-                            *[step_input(x, place) for x in host], layout=layout).compile()
+            host = [step_input(x, place) for x in (np.zeros(s, np.int32), np.zeros(self.max_num_seqs, np.int32))]
+            args = (draft_rows, per_row, per_row if layout.spec_tokens else None, *host)
+        else:
+            args = tuple(step_input(x, place) for x in (np.zeros(t, np.int32), np.zeros(t, bool),
+                                                        np.zeros(self.max_num_seqs, np.int32)))
+        return lambda: prefill.lower(params, target_params, caches, hidden, packed, last_sampled, *args,
+                                     layout=layout).compile()
 
-    def compile_decode(self, target_params, rows: int, width: int, place, draft_rows=None) -> None:
-        """Compile, without running, the decode of `rows` drafting rows."""
+    def compile_decode(self, target_params, rows: int, width: int, place, draft_rows=None) -> Callable[[], None]:
+        """A job that compiles, without running, the decode of `rows` drafting rows."""
         states = jax.ShapeDtypeStruct((self.max_num_seqs, self.eagle.model.hidden_size), self.kv_spec.dtype,
                                       sharding=place)
         host = [np.zeros(rows, np.int32), np.zeros(rows, bool), np.zeros((rows, width), np.int32)]
         # (device drafts: host[0] the persistent rows, not positions, and draft_rows after them)
         args = [step_input(x, place) for x in host] + ([draft_rows] if self.device_drafts else [])
-        self._decode.lower(self.params, target_params, self.kv_caches, states, states, *args).compile()
+        decode, params, caches = self._decode, structs(self.params), structs(self.kv_caches)
+        return lambda: decode.lower(params, target_params, caches, states, states, *args).compile()
 
     def arrays(self) -> list:
         return jax.tree.leaves((self.params, self.kv_caches))

@@ -94,41 +94,58 @@ def test_cancel_drops_what_no_thread_has_begun():
 # -- an engine ---------------------------------------------------------------------------------
 
 ENGINE = dict(max_model_len=128, max_num_seqs=8, token_buckets=[4, 8, 16], compilation_cache_dir="")
-PROMPTS = [{"prompt_token_ids": list(range(10, 10 + n))} for n in (14, 3)]  # a 17-token step: bucket 16
+PROMPTS = [{"prompt_token_ids": list(range(10, 10 + n))} for n in (14, 3)] + [  # a 17-token step: bucket 16
+    {"prompt_token_ids": [7, 8, 9] * 4}]  # (n-gram drafts)
 GREEDY = SamplingParams(temperature=0, max_tokens=5)
 
 
-@pytest.fixture
-def forward_compiles(monkeypatch):
-    """The forwards the warm-up's jobs compiled, by runner, and the forward compiles on the
-    main thread outside them (a step's own jit call compiling: what must not happen)."""
-    in_job, jobs, misses = threading.local(), [], []
-    compile_forward = StepLowering.forward
+STEPS = {f"jit({name})" for name in ("_forward", "_sample", "_prompt_logprobs", "_propose", "_propose_rows",
+                                     "_prefill", "_prefill_rows", "_decode", "_decode_rows")}
 
-    def wrapped(self, layout, packed):
+
+@pytest.fixture
+def step_compiles(monkeypatch):
+    """The forwards the warm-up's jobs compiled, by runner, and the step executables that
+    compiled on the main thread outside a job (a step's own jit call compiling one: what
+    must not happen)."""
+    in_job, forwards, misses = threading.local(), [], []
+    run, compile_forward = CompileJobs._run, StepLowering.forward
+
+    def run_flagged(self, *args):
         in_job.on = True
         try:
-            compile_forward(self, layout, packed)
-            jobs.append((id(self.forward_shapes), layout))  # (the runner's set: which runner)
+            run(self, *args)
         finally:
             in_job.on = False
 
+    def forward(self, layout, packed):
+        compile_forward(self, layout, packed)
+        forwards.append((id(self.forward_shapes), layout))  # (the runner's set: which runner)
+
     def listen(event, seconds, fun_name=None, **kwargs):
-        if (event == "/jax/core/compile/backend_compile_duration" and fun_name == "jit(_forward)"
+        if (event == "/jax/core/compile/backend_compile_duration" and fun_name in STEPS
                 and threading.current_thread() is threading.main_thread() and not getattr(in_job, "on", False)):
             misses.append(fun_name)
 
-    monkeypatch.setattr(StepLowering, "forward", wrapped)
+    monkeypatch.setattr(CompileJobs, "_run", run_flagged)
+    monkeypatch.setattr(StepLowering, "forward", forward)
     jax.monitoring.register_event_duration_secs_listener(listen)
-    yield jobs, misses
+    yield forwards, misses
     jax.monitoring.unregister_event_duration_listener(listen)
 
 
-def test_a_cpu_engine_is_ready_after_its_smallest_bucket(tiny_checkpoint, forward_compiles):
+@pytest.mark.parametrize("drafter", [None, "draft_model", "ngram"])
+def test_a_cpu_engine_is_ready_after_its_smallest_bucket(drafter, tiny_checkpoint, step_compiles):
     """Ready with bucket 4 compiled; a step of bucket 16 right away waits for (or itself
-    runs) its compile, and no forward compiles twice or outside the warm-up's jobs. The
-    outputs are those of the same engine with everything compiled."""
-    llm = LLM(tiny_checkpoint("llama"), **ENGINE)
+    runs) its compile, and no step executable compiles twice or outside the warm-up's
+    jobs, a drafter's included. The outputs are those of the same engine with everything
+    compiled."""
+    path = tiny_checkpoint("llama")
+    spec = {"draft_model": {"model": str(path)}, "ngram": {"prompt_lookup_max": 3, "prompt_lookup_min": 1},
+            None: None}[drafter]
+    if spec is not None:
+        spec.update(method=drafter, num_speculative_tokens=3)
+    llm = LLM(path, speculative_config=spec, **ENGINE)
     try:
         stats = llm.stats()
         assert stats["warmup_pending_compiles"] > 0 and stats["warmup_done_seconds"] is None
@@ -136,15 +153,17 @@ def test_a_cpu_engine_is_ready_after_its_smallest_bucket(tiny_checkpoint, forwar
         llm.llm_engine.finish_warmup()
         stats = llm.stats()
         assert stats["warmup_pending_compiles"] == 0 and stats["warmup_done_seconds"] >= stats["warmup_seconds"]
-        assert stats["num_compiled_buckets"] == 3
+        assert stats["num_compiled_buckets"] == (3 if spec is None else 6)  # (with drafts: each also verifying)
         again = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
+        if drafter == "draft_model":
+            assert stats["spec_decode_num_accepted_tokens"] > 0
         runner = id(llm.llm_engine.runner._forward_shapes)
     finally:
         llm.shutdown()
-    jobs, misses = forward_compiles
-    layouts = [layout for owner, layout in jobs if owner == runner]
-    assert sorted(layout.num_tokens for layout in layouts) == [4, 8, 16] and not misses
+    forwards, misses = step_compiles
+    layouts = [layout for owner, layout in forwards if owner == runner]
+    assert len(layouts) == len(set(layouts)) == stats["num_compiled_buckets"] and not misses
 
 
 def test_shutdown_and_exit_with_compiles_left(tiny_checkpoint):

@@ -35,6 +35,8 @@ def engines(perturbed):
     target, draft = perturbed
     llms = (LLM(str(target), **ENGINE), LLM(str(target), speculative_config=draft_config(draft), **ENGINE),
             LLM(str(target), speculative_config=draft_config(draft), async_scheduling=False, **ENGINE))
+    for llm in llms:
+        llm.llm_engine.finish_warmup()  # (the tests count compiles)
     yield llms
     for llm in llms:
         llm.shutdown()

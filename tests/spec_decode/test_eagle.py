@@ -85,6 +85,7 @@ def test_drafts_equal_the_reference_and_greedy_outputs_are_kept(method, async_sc
              **ENGINE) as llm:
         assert llm.llm_engine.runner.device_drafts == async_scheduling  # (async: the drafts stay on the device)
         seen = _spied(llm)
+        llm.llm_engine.finish_warmup()
         with count_compilations() as counts:
             assert token_ids(llm) == want
         stats = llm.stats()
@@ -102,6 +103,7 @@ def test_heads_that_agree_get_drafts_accepted(method, head, target, heads, plain
     with LLM(str(target), speculative_config=eagle_config(method, heads[head]), **ENGINE) as llm:
         assert token_ids(llm) == token_ids(plain)
         stats = llm.stats()
+        llm.llm_engine.finish_warmup()
         params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_tokens=20, seed=3, ignore_eos=True)
         with count_compilations() as counts:
             first = token_ids(llm, params)
