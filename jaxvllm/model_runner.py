@@ -428,8 +428,8 @@ class ModelRunner:
         On a CPU the engine is ready once the smallest bucket's step (and a drafter's after
         it) is compiled: the other buckets compile after, on the same threads, smallest
         first, and a step that needs one not yet compiled waits for it, or compiles it
-        itself if no thread has begun it (`CompileJobs`). A GPU compiles everything first (its autotuning
-        times kernels, which steps running beside it would disturb)."""
+        itself if no thread has begun it (`CompileJobs`). A GPU compiles everything first
+        (its autotuning times kernels, which steps running beside it would disturb)."""
         b = self.builder
         spec = (False, True) if self.spec_tokens else (False,)  # (with drafts: every bucket but 1-token ones)
         shapes = [(bucket, w, False, s) for bucket in b.buckets for w in b.widths for s in spec if bucket > 1 or not s]
