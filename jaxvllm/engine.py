@@ -447,7 +447,7 @@ class LLMEngine:
     def finish_warmup(self) -> None:
         """Wait for the compiles start-up left for after it (on a CPU, every token bucket but
         the smallest): what benchmarks do before they time steps."""
-        self.runner.finish_warmup()
+        self.runner.compiles.wait_all()
 
     def stats(self) -> dict:
         so, runner, kv = self.structured_outputs, self.runner, self.kv_cache_manager
@@ -474,10 +474,11 @@ class LLMEngine:
             "warmup_seconds": runner.warmup_seconds,
             "warmup_pending_compiles": runner.compiles.pending,
             "warmup_done_seconds": runner.compiles.done_seconds,
-            # the warm-up's XLA compilations, and how many the persistent compilation cache served
-            "warmup_compilations": runner.warmup_compiles.compilations,
-            "compilation_cache_hits": runner.warmup_compiles.cache_hits,
-            "compilation_cache_misses": runner.warmup_compiles.cache_misses,
+            # the warm-up's XLA compilations (those left for after ready included), and how many
+            # the persistent compilation cache served
+            "warmup_compilations": runner.compiles.counts.compilations,
+            "compilation_cache_hits": runner.compiles.counts.cache_hits,
+            "compilation_cache_misses": runner.compiles.counts.cache_misses,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "prefix_cache_queries": kv.stats.queries,

@@ -51,7 +51,6 @@ from jaxvllm.sharding import (device_group, kv_cache_sharding, make_mesh, put, r
 from jaxvllm.spec_decode.draft_model import DraftModel
 from jaxvllm.spec_decode.eagle import EagleHead
 from jaxvllm.spec_decode.rejection_sampler import sample_with_drafts
-from jaxvllm.utils.compilation_cache import CompileCounts
 from jaxvllm.utils.compile_jobs import CompileJobs
 
 logger = logging.getLogger(__name__)
@@ -490,15 +489,6 @@ class ModelRunner:
                     sum(key[0] == "sampler" for key, _ in now), self.warmup_seconds, self.compiles.counts.compilations,
                     self.compiles.counts.cache_hits,
                     f"; buckets {later_buckets} compile now, smallest first" if later_buckets else "")
-
-    @property
-    def warmup_compiles(self) -> CompileCounts:
-        """The warm-up's XLA compilations and persistent-cache hits (those left for later included)."""
-        return self.compiles.counts
-
-    def finish_warmup(self) -> None:
-        """Wait for the compiles the warm-up left for after start-up."""
-        self.compiles.wait_all()
 
     def _compile_write_row(self) -> None:
         row = jax.tree.map(lambda x: x[0], self.sampler_state)
