@@ -1,25 +1,30 @@
 #!/usr/bin/env bash
-# GPU check of the Pallas kernels: the kernel tests compiled (not interpreted), the engine
-# parity test, the kernel benchmark, then the engine step benchmark; at most 9 minutes on one
-# H200 (214 s in its last run, before engine_step timed 3 more variants). Results go to $OUT
-# (default $TMPDIR/jaxvllm-gpu-check): a NAME.log per step (env, kernels, engine, bench,
-# engine_step), bench.json, engine_step.json, summary.txt.
+# GPU check: the Pallas kernel tests compiled (not interpreted), the engine parity test, the
+# kernel benchmark and the engine step benchmark (214 s on one H200 in their last run), then
+# each open issue's GPU figures in issue order, as long as the time budget lasts: a step
+# runs at most until the budget (default 500 s from the start) is spent, and a step that
+# would get less than 20 s is skipped (a line in summary.txt says so). Results go to $OUT
+# (default $TMPDIR/jaxvllm-gpu-check): a NAME.log per step, the JSON files below, summary.txt.
 #
-#   scripts/gpu_check.sh            on the GPU machine (the project copied in, not installed)
-#   scripts/gpu_check.sh --small    anywhere: interpret-mode tests, benchmarks --small (a CPU rehearsal)
+#   scripts/gpu_check.sh            on the GPU machine (the project copied in, not installed):
+#                                   the base steps, then every extra below
+#   scripts/gpu_check.sh --small    anywhere: interpret-mode tests, benchmarks --small, tiny
+#                                   models (a CPU rehearsal; no budget unless --budget)
 #   scripts/gpu_check.sh --dry-run  print what would run
-#   scripts/gpu_check.sh --b1       then B1 (the nano-vllm workload), the fp8 KV cache against the
-#                                   model's dtype, with the host's time per step in parts
-#                                   (b1.log, b1.json; up to 5 more minutes)
-#   scripts/gpu_check.sh --quant    then batch-1 decode with quantized weights against the same
-#                                   model unquantized, fp8 then 4-bit (gptq-dummy): quant_fp8.json,
-#                                   quant_int4.json (up to 8 more minutes)
-#   scripts/gpu_check.sh --live     then multi-LoRA throughput (4 adapters against the base model:
-#                                   lora.json) and update_weights on dummy:llama3-8b from device
-#                                   arrays (weight_update.json; up to 8 more minutes)
-#   scripts/gpu_check.sh --spec     then n-gram drafts (K = 4) on the repeat dataset against no drafts,
-#                                   batch 1 and 16 on dummy:llama3-8b: inter-token latency and
-#                                   acceptance (spec_b1.json, spec_b16.json; up to 8 more minutes)
+#   scripts/gpu_check.sh --base     the base steps only
+#   --budget SECONDS                the time budget (0: none)
+# Extras (naming any runs the base steps and only the extras named):
+#   --startup   issue 26: `LLM(...)` ready time, dummy:qwen3-0.6b cold and warm, dummy:llama3-8b
+#               cold (startup_qwen3-0.6b.json, startup_llama3-8b.json)
+#   --b1        issue 26: B1 (the nano-vllm workload), the fp8 KV cache against the model's dtype,
+#               with the host's time per step in parts (b1.json)
+#   --spec      issue 28: n-gram drafts (K = 4) on the repeat dataset against no drafts, batch 1
+#               and 16 on dummy:llama3-8b: inter-token latency and acceptance (spec_b1.json,
+#               spec_b16.json)
+#   --quant     issue 29: batch-1 decode with quantized weights against the same model
+#               unquantized, fp8 then 4-bit (gptq-dummy): quant_fp8.json, quant_int4.json
+#   --live      issues 30/31: multi-LoRA throughput (4 adapters against the base model: lora.json)
+#               and update_weights on dummy:llama3-8b from device arrays (weight_update.json)
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -29,28 +34,36 @@ OUT="${OUT:-${TMPDIR:-/tmp}/jaxvllm-gpu-check}"
 PYTHON="${PYTHON:-python}"
 MODE=gpu
 DRY=0
-B1=0
-QUANT=0
-LIVE=0
-SPEC=0
-for arg in "$@"; do
-    case "$arg" in
+BASE_ONLY=0
+BUDGET=
+EXTRAS=()
+while [ $# -gt 0 ]; do
+    case "$1" in
         --small) MODE=small ;;
         --dry-run) DRY=1 ;;
-        --b1) B1=1 ;;
-        --quant) QUANT=1 ;;
-        --live) LIVE=1 ;;
-        --spec) SPEC=1 ;;
-        -h | --help) sed -n 2,22p "$0"; exit 0 ;;
-        *) echo "unknown option: $arg (see --help)" >&2; exit 2 ;;
+        --base) BASE_ONLY=1 ;;
+        --budget) BUDGET=${2:?--budget needs SECONDS}; shift ;;
+        --startup | --b1 | --spec | --quant | --live) EXTRAS+=("${1#--}") ;;
+        -h | --help) sed -n 2,30p "$0"; exit 0 ;;
+        *) echo "unknown option: $1 (see --help)" >&2; exit 2 ;;
     esac
+    shift
 done
+if [ "$BASE_ONLY" = 1 ]; then
+    EXTRAS=()
+elif [ ${#EXTRAS[@]} = 0 ]; then
+    EXTRAS=(startup b1 spec quant live)  # issue order
+fi
+wants() { [[ " ${EXTRAS[*]-} " == *" $1 "* ]]; }
 
 if [ "$MODE" = gpu ]; then
     export JAXVLLM_PALLAS_INTERPRET=0          # compiled Triton kernels in the tests too
     export JAX_DEFAULT_MATMUL_PRECISION=highest # float32 parity tests: no TF32 in the XLA reference
     BENCH_ARGS=()
-    LIMITS=(30 120 90 180 120 300)              # env, kernel tests, engine test, bench, engine step: <= 9 min; B1
+    LIMITS=(30 120 90 180 120 300)              # env, kernel tests, engine test, bench, engine step; B1
+    BUDGET=${BUDGET:-500}
+    STARTUP_ARGS=(--max-model-len 2048)
+    STARTUP_MODELS=("dummy:qwen3-0.6b cold warm" "dummy:llama3-8b cold")
     B1_ARGS=(--model dummy:qwen3-0.6b --dataset nanovllm)
     QUANT_ARGS=(--model dummy:llama3-8b --batch-size 1 --input-len 128 --output-len 128 --num-iters 3)
     LORA_ARGS=(--model dummy:qwen3-0.6b --dataset random --num-prompts 256 --input-len 128 --output-len 128)
@@ -59,6 +72,9 @@ if [ "$MODE" = gpu ]; then
 else
     BENCH_ARGS=(--small)
     LIMITS=(60 300 300 300 300 300)
+    BUDGET=${BUDGET:-0}
+    STARTUP_ARGS=(--max-model-len 256)
+    STARTUP_MODELS=("dummy:tiny cold warm")
     B1_ARGS=(--model dummy:tiny --dataset random --num-prompts 16 --input-len 32 --output-len 16)
     QUANT_ARGS=(--model dummy:tiny --batch-size 1 --input-len 16 --output-len 8 --num-iters 1)
     LORA_ARGS=(--model dummy:tiny --dataset random --num-prompts 16 --input-len 32 --output-len 16)
@@ -69,10 +85,20 @@ fi
 [ "$DRY" = 1 ] || mkdir -p "$OUT"
 FAILED=0
 
-# run NAME LIMIT_SECONDS COMMAND...: log to $OUT/NAME.log, one line per step in summary.txt.
+# run NAME LIMIT_SECONDS COMMAND...: log to $OUT/NAME.log, one line per step in summary.txt;
+# the limit is cut to what is left of the budget, and the step skipped if under 20 s are.
 run() {
-    local name=$1 limit=$2
+    local name=$1 limit=$2 left
     shift 2
+    if [ "$BUDGET" -gt 0 ] && [ "$DRY" = 0 ]; then
+        left=$((BUDGET - SECONDS))
+        if [ "$left" -lt 20 ]; then
+            echo "== $name: skipped, ${left}s of the ${BUDGET}s budget left"
+            echo "$name skipped=budget" >>"$OUT/summary.txt"
+            return 0
+        fi
+        [ "$left" -lt "$limit" ] && limit=$left
+    fi
     echo "== $name (limit ${limit}s): $*"
     [ "$DRY" = 1 ] && return 0
     local start=$SECONDS rc
@@ -98,32 +124,42 @@ fi
 run bench "${LIMITS[3]}" "$PYTHON" -m pallas_kernels.bench ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"} --json "$OUT/bench.json"
 run engine_step "${LIMITS[4]}" "$PYTHON" -m jaxvllm.benchmarks.engine_step ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"} \
     --json "$OUT/engine_step.json"
-if [ "$B1" = 1 ]; then
+if wants startup; then  # issue 26: ready in at most 60 s cold for the 8B
+    for entry in "${STARTUP_MODELS[@]}"; do
+        read -r model runs <<<"$entry"
+        name="startup_${model#dummy:}"
+        run "$name" 240 "$PYTHON" -m jaxvllm.benchmarks.startup --model "$model" --runs $runs "${STARTUP_ARGS[@]}" \
+            --json "$OUT/$name.json"
+    done
+fi
+
+if wants b1; then
     run b1 "${LIMITS[5]}" "$PYTHON" -m jaxvllm bench throughput "${B1_ARGS[@]}" --compare-kv-cache-dtype \
         --disable-tqdm --output-json "$OUT/b1.json"
 fi
 
-if [ "$QUANT" = 1 ]; then  # the issue's goals: fp8 at least 1.7x bf16's speed, 4-bit 2.5x; weight bytes in each JSON
-    run quant_fp8 240 "$PYTHON" -m jaxvllm bench latency "${QUANT_ARGS[@]}" --quantization fp8 \
-        --compare-quantization --output-json "$OUT/quant_fp8.json"
-    run quant_int4 240 "$PYTHON" -m jaxvllm bench latency "${QUANT_ARGS[@]}" --quantization gptq-dummy \
-        --compare-quantization --output-json "$OUT/quant_int4.json"
-fi
-
-if [ "$LIVE" = 1 ]; then  # issue 30: LoRA's cost against the base; issue 31: an 8B update under 100 ms
-    run lora 240 "$PYTHON" -m jaxvllm bench throughput "${LORA_ARGS[@]}" --num-loras 4 --max-lora-rank 16 \
-        --disable-tqdm --output-json "$OUT/lora.json"
-    run weight_update 240 "$PYTHON" -m jaxvllm.benchmarks.weight_update --model "${WEIGHTS_MODELS[@]}" \
-        --json "$OUT/weight_update.json"
-fi
-
-if [ "$SPEC" = 1 ]; then  # issue 28: n-gram inter-token latency at batch 1 and 16, with and without drafts
+if wants spec; then  # issue 28: n-gram inter-token latency at batch 1 and 16, with and without drafts
     NGRAM='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
     for batch in 1 16; do
         run "spec_b$batch" 240 "$PYTHON" -m jaxvllm bench latency "${SPEC_ARGS[@]}" --dataset repeat \
             --batch-size "$batch" --speculative-config "$NGRAM" --compare-speculative --output-json "$OUT/spec_b$batch.json"
     done
 fi
+
+if wants quant; then  # the issue's goals: fp8 at least 1.7x bf16's speed, 4-bit 2.5x; weight bytes in each JSON
+    run quant_fp8 240 "$PYTHON" -m jaxvllm bench latency "${QUANT_ARGS[@]}" --quantization fp8 \
+        --compare-quantization --output-json "$OUT/quant_fp8.json"
+    run quant_int4 240 "$PYTHON" -m jaxvllm bench latency "${QUANT_ARGS[@]}" --quantization gptq-dummy \
+        --compare-quantization --output-json "$OUT/quant_int4.json"
+fi
+
+if wants live; then  # issue 30: LoRA's cost against the base; issue 31: an 8B update under 100 ms
+    run lora 240 "$PYTHON" -m jaxvllm bench throughput "${LORA_ARGS[@]}" --num-loras 4 --max-lora-rank 16 \
+        --disable-tqdm --output-json "$OUT/lora.json"
+    run weight_update 240 "$PYTHON" -m jaxvllm.benchmarks.weight_update --model "${WEIGHTS_MODELS[@]}" \
+        --json "$OUT/weight_update.json"
+fi
+
 
 [ "$DRY" = 1 ] || cat "$OUT/summary.txt"
 exit "$FAILED"

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -71,31 +72,47 @@ def test_benchmarks_refuse_full_shapes_on_cpu(main, capsys):
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
-def test_gpu_check_script_parses_and_plans():
+def test_gpu_check_script_parses_and_plans(tmp_path):
+    def plan(*args):
+        return subprocess.run(["bash", str(GPU_CHECK), "--dry-run", *args], check=True, capture_output=True,
+                              text=True).stdout
+
     subprocess.run(["bash", "-n", str(GPU_CHECK)], check=True)
-    out = subprocess.run(["bash", str(GPU_CHECK), "--dry-run"], check=True, capture_output=True, text=True).stdout
-    assert "tests/kernels/test_attention.py" in out and "tests/kernels/test_pallas_engine.py" in out
-    assert "pallas_kernels.bench --json" in out
-    assert "jaxvllm.benchmarks.engine_step --json" in out and "engine_step.json" in out
-    assert "b1" not in out  # B1 only when asked: it needs a device session of its own
-    b1 = subprocess.run(["bash", str(GPU_CHECK), "--dry-run", "--b1"], check=True, capture_output=True, text=True).stdout
+    base = plan("--base")
+    assert "tests/kernels/test_attention.py" in base and "tests/kernels/test_pallas_engine.py" in base
+    assert "pallas_kernels.bench --json" in base
+    assert "jaxvllm.benchmarks.engine_step --json" in base and "engine_step.json" in base
+    assert "b1" not in base and "startup" not in base
+    # With no extra named, every extra runs after the base steps, in issue order.
+    everything = plan()
+    steps = [line.split()[1] for line in everything.splitlines() if line.startswith("== ")]
+    assert steps == ["env", "kernels", "engine", "bench", "engine_step", "startup_qwen3-0.6b", "startup_llama3-8b",
+                     "b1", "spec_b1", "spec_b16", "quant_fp8", "quant_int4", "lora", "weight_update"]
+    startup = plan("--startup")
+    assert "startup --model dummy:qwen3-0.6b --runs cold warm --max-model-len 2048" in startup
+    assert "startup --model dummy:llama3-8b --runs cold --max-model-len 2048" in startup
+    assert "startup_llama3-8b.json" in startup and "b1" not in startup
+    b1 = plan("--b1")
     assert "--dataset nanovllm --compare-kv-cache-dtype" in b1 and "b1.json" in b1
-    assert "quant_" not in b1
-    quant = subprocess.run(["bash", str(GPU_CHECK), "--dry-run", "--quant"], check=True, capture_output=True,
-                           text=True).stdout
+    assert "quant_" not in b1 and "startup" not in b1
+    quant = plan("--quant")
     assert "--model dummy:llama3-8b --batch-size 1" in quant
     assert "--quantization gptq-dummy --compare-quantization" in quant
-    live = subprocess.run(["bash", str(GPU_CHECK), "--dry-run", "--live"], check=True, capture_output=True,
-                          text=True).stdout
+    live = plan("--live")
     assert "--num-loras 4 --max-lora-rank 16" in live and "lora.json" in live
     assert "weight_update --model dummy:qwen3-0.6b dummy:llama3-8b" in live and "weight_update.json" in live
     assert "lora" not in quant
-    spec = subprocess.run(["bash", str(GPU_CHECK), "--dry-run", "--spec"], check=True, capture_output=True,
-                          text=True).stdout
+    spec = plan("--spec")
     assert "--dataset repeat --batch-size 16" in spec and "--compare-speculative" in spec and "spec_b1.json" in spec
     assert "spec_b" not in live
-    small = subprocess.run(["bash", str(GPU_CHECK), "--small", "--dry-run"], check=True, capture_output=True,
-                           text=True).stdout
+    small = plan("--small")
     assert "pallas_kernels.bench --small" in small and "jaxvllm.benchmarks.engine_step --small" in small
+    assert "startup --model dummy:tiny" in small
     bad = subprocess.run(["bash", str(GPU_CHECK), "--bogus"], capture_output=True, text=True)
     assert bad.returncode == 2
+    # A spent budget skips the steps, each named in the summary.
+    spent = subprocess.run(["bash", str(GPU_CHECK), "--small", "--base", "--budget", "1"], capture_output=True,
+                           text=True, env=dict(os.environ, OUT=str(tmp_path)))
+    assert spent.returncode == 0, spent.stdout + spent.stderr
+    summary = (tmp_path / "summary.txt").read_text().splitlines()
+    assert summary == [f"{name} skipped=budget" for name in ("env", "kernels", "engine", "bench", "engine_step")]
