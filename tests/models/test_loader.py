@@ -256,3 +256,43 @@ def test_stacked_layers_hold_each_layers_tensor(tmp_path, stacked):
         np.testing.assert_array_equal(gate, tensor("gate"))
         np.testing.assert_array_equal(up, tensor("up"))
     np.testing.assert_array_equal(layers["router"][0], tensors["model.layers.1.mlp.gate.weight"])
+
+
+def test_dummy_values():
+    """Dummy weights: mean 0 and the scale as standard deviation, a different stream per key,
+    a layer of a stack (keys vmapped) the same as that layer's key alone, and the same
+    values however the devices split the array."""
+    import os
+    import subprocess
+    import sys
+    from functools import partial
+
+    from jaxvllm.loader import dummy_values
+
+    key = jax.random.key(7)
+    value = np.asarray(jax.jit(partial(dummy_values, shape=(256, 384), scale=0.05))(key))
+    assert abs(value.mean()) < 1e-3 and abs(value.std() - 0.05) < 1e-3
+    assert np.abs(value).max() < 0.05 * 3 ** 0.5 + 1e-6 and len(np.unique(value)) > 0.99 * value.size
+    other = np.asarray(dummy_values(jax.random.fold_in(key, 1), (256, 384), 0.05))
+    assert abs(np.corrcoef(value.ravel(), other.ravel())[0, 1]) < 0.02
+    keys = jax.vmap(partial(jax.random.fold_in, key))(jnp.arange(3))
+    stack = jax.vmap(partial(dummy_values, shape=(16, 24), scale=1.0))(keys)
+    np.testing.assert_array_equal(stack[2], dummy_values(jax.random.fold_in(key, 2), (16, 24), 1.0))
+
+    code = """
+import jax, numpy as np
+from functools import partial
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jaxvllm.loader import dummy_values
+mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("a", "b"))
+f = partial(dummy_values, shape=(12, 8, 20), scale=0.1)
+whole = np.asarray(jax.jit(f)(jax.random.key(1)))
+for spec in (P("a", None, "b"), P(None, ("a", "b")), P(None, None, "a")):
+    split = jax.jit(f, out_shardings=NamedSharding(mesh, spec))(jax.random.key(1))
+    assert len(split.addressable_shards) == 4 and split.sharding.spec == spec
+    np.testing.assert_array_equal(np.asarray(split), whole)
+print("same")
+"""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("same"), done.stderr[-3000:]
