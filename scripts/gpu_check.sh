@@ -2,9 +2,11 @@
 # GPU check: the Pallas kernel tests compiled (not interpreted), the engine parity test, the
 # kernel benchmark and the engine step benchmark (214 s on one H200 in their last run), then
 # each open issue's GPU figures in issue order, as long as the time budget lasts: a step
-# runs at most until the budget (default 500 s from the start) is spent, and a step that
-# would get less than 20 s is skipped (a line in summary.txt says so). Results go to $OUT
-# (default $TMPDIR/jaxvllm-gpu-check): a NAME.log per step, the JSON files below, summary.txt.
+# runs at most until the budget is spent (default 420 s from the start, which leaves a
+# session's 15 device minutes room for the machine's start and a rerun of the base steps),
+# and a step that would get less than 20 s is skipped (a line in summary.txt says so).
+# Results go to $OUT (default $TMPDIR/jaxvllm-gpu-check): a NAME.log per step, the JSON
+# files below, summary.txt.
 #
 #   scripts/gpu_check.sh            on the GPU machine (the project copied in, not installed):
 #                                   the base steps, then every extra below
@@ -44,7 +46,7 @@ while [ $# -gt 0 ]; do
         --base) BASE_ONLY=1 ;;
         --budget) BUDGET=${2:?--budget needs SECONDS}; shift ;;
         --startup | --b1 | --spec | --quant | --live) EXTRAS+=("${1#--}") ;;
-        -h | --help) sed -n 2,30p "$0"; exit 0 ;;
+        -h | --help) sed -n '2,/^[^#]/{/^#/p}' "$0"; exit 0 ;;
         *) echo "unknown option: $1 (see --help)" >&2; exit 2 ;;
     esac
     shift
@@ -61,7 +63,7 @@ if [ "$MODE" = gpu ]; then
     export JAX_DEFAULT_MATMUL_PRECISION=highest # float32 parity tests: no TF32 in the XLA reference
     BENCH_ARGS=()
     LIMITS=(30 120 90 180 120 300)              # env, kernel tests, engine test, bench, engine step; B1
-    BUDGET=${BUDGET:-500}
+    BUDGET=${BUDGET:-420}
     STARTUP_ARGS=(--max-model-len 2048)
     STARTUP_MODELS=("dummy:qwen3-0.6b cold warm" "dummy:llama3-8b cold")
     B1_ARGS=(--model dummy:qwen3-0.6b --dataset nanovllm)
