@@ -35,6 +35,10 @@ class StepTiming:
     schedule_seconds: float = 0.0
     prepare_seconds: float = 0.0
     launch_seconds: float = 0.0
+    # Of launch: the calls of the jitted forward (the batch's transfer in it) and sampler (a
+    # structured-output step's sampler is called after launch, when its masks are ready).
+    forward_call_seconds: float = 0.0
+    sampler_call_seconds: float = 0.0
     process_seconds: float = 0.0
     wait_seconds: float = 0.0  # blocked on a step's tokens (the device was busy meanwhile)
 
@@ -49,7 +53,8 @@ class StepTiming:
         return {**asdict(self), "host_seconds": self.host_seconds, "host_share": share,
                 "wait_share": 1.0 - share if self.step_seconds else 0.0, "mean_step_ms": per_step(self.step_seconds),
                 "host_ms_per_step": {part: per_step(getattr(self, f"{part}_seconds"))
-                                     for part in ("schedule", "prepare", "launch", "process", "host")}}
+                                     for part in ("schedule", "prepare", "launch", "forward_call", "sampler_call",
+                                                  "process", "host")}}
 
 
 @contextmanager
@@ -77,7 +82,10 @@ def time_steps(llm: LLM) -> Iterator[StepTiming]:
     execute_method = runner.execute
     patches = [(engine, "step", "step_seconds", True), (engine.scheduler, "schedule", "schedule_seconds", False),
                (runner.builder, "prepare", "prepare_seconds", False), (runner, "launch", "launch_seconds", False),
+               (runner, "_forward", "forward_call_seconds", False), (runner, "_sampler", "sampler_call_seconds", False),
                (engine, "_process", "process_seconds", False)]
+    # (methods come back by deleting the wrapper; the jitted functions are instance attributes)
+    own = [(obj, name, obj.__dict__[name]) for obj, name, _, _ in patches if name in obj.__dict__]
     for obj, name, field_name, count in patches:
         setattr(obj, name, timed(getattr(obj, name), field_name, count))
     runner.execute = execute
@@ -85,7 +93,9 @@ def time_steps(llm: LLM) -> Iterator[StepTiming]:
         yield timing
     finally:
         for obj, name in [(o, n) for o, n, _, _ in patches] + [(runner, "execute")]:
-            delattr(obj, name)  # the class's method shows through again
+            delattr(obj, name)
+        for obj, name, value in own:
+            setattr(obj, name, value)
 
 
 class JaxvllmBackend:

@@ -159,8 +159,10 @@ def print_result(label: str, r: dict[str, Any]) -> None:
         print(f"  host share of step time: {100 * steps['host_share']:.1f}% (host {steps['host_seconds']:.3f} s, "
               f"waiting for the device {steps['wait_seconds']:.3f} s, {steps['steps']} steps of "
               f"{steps['mean_step_ms']:.2f} ms)")
-        parts = steps["host_ms_per_step"]
-        print("  host ms per step: " + ", ".join(f"{part} {parts[part]:.3f}" for part in parts))
+        ms = steps["host_ms_per_step"]
+        print(f"  host ms per step: schedule {ms['schedule']:.3f}, prepare {ms['prepare']:.3f}, launch "
+              f"{ms['launch']:.3f} (calls: forward {ms['forward_call']:.3f}, sampler {ms['sampler_call']:.3f}), "
+              f"process {ms['process']:.3f}, host {ms['host']:.3f}")
 
 
 def run_unconstrained(backend, requests: list[ds.BenchRequest], constrained: RunTimings,

@@ -77,6 +77,10 @@ def test_throughput_both_backends(tmp_path, capsys):
     timing = jax_run["step_timing"]
     assert timing["steps"] > 0 and 0 < timing["host_share"] < 1
     assert timing["host_seconds"] > 0 and timing["wait_seconds"] > 0
+    # The jitted forward's and sampler's calls are parts of the launch.
+    assert 0 < timing["forward_call_seconds"] and 0 < timing["sampler_call_seconds"]
+    assert timing["forward_call_seconds"] + timing["sampler_call_seconds"] <= timing["launch_seconds"]
+    assert "launch" in out and "(calls: forward" in out
     assert jax_run["engine_stats"]["num_compiled_buckets"] == 4  # [1, 4, 16, 32]: a CPU's buckets up to 32 tokens
     assert report["config"]["engine_args"]["max_model_len"] == 64  # the flag wins over the dataset's 17
     env = report["environment"]
