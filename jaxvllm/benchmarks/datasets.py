@@ -58,9 +58,11 @@ JSON_SCHEMA_MAX_TOKENS = 512
 class BenchRequest:
     prompt_token_ids: list[int]
     # Exactly this many tokens are generated (EOS is ignored); with structured outputs, at
-    # most this many: the completion ends where its grammar does.
+    # most this many: the completion ends where its grammar does; with stop_at_eos, at most
+    # this many, the EOS included.
     output_len: int
     structured_outputs: StructuredOutputsParams | None = None
+    stop_at_eos: bool = False
 
     @property
     def prompt_len(self) -> int:

@@ -113,6 +113,8 @@ class HFBackend:
         self.mode = self._resolve_mode(mode)
         config = self.model.config
         self.pad_token_id = config.pad_token_id if config.pad_token_id is not None else 0
+        eos = self.model.generation_config.eos_token_id  # (what a stop_at_eos request stops at)
+        self.eos_token_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
     @property
     def device_name(self) -> str:
@@ -181,7 +183,8 @@ class HFBackend:
         manager.start()
         try:
             for i, r in enumerate(requests):
-                options = _accepted(add_request, request_id=str(i), max_new_tokens=r.output_len, eos_token_id=-1,
+                eos = self.eos_token_ids if r.stop_at_eos and self.eos_token_ids else -1  # -1: no EOS
+                options = _accepted(add_request, request_id=str(i), max_new_tokens=r.output_len, eos_token_id=eos,
                                     record_timestamps=True)
                 add_request(r.prompt_token_ids, **options)
             while len(results) < len(requests):
@@ -233,14 +236,19 @@ class HFBackend:
 
     def _run_padded(self, requests: list[BenchRequest], temperature: float, use_tqdm: bool) -> RunTimings:
         torch = self.torch
-        order = sorted(range(len(requests)), key=lambda i: requests[i].output_len)
+        # Batches of requests that all stop at EOS or all run to their length, shortest first.
+        batches = []
+        for stop in (False, True):
+            order = sorted((i for i, r in enumerate(requests) if r.stop_at_eos == stop),
+                           key=lambda i: requests[i].output_len)
+            batches += [order[b : b + self.batch_size] for b in range(0, len(order), self.batch_size)]
         outputs: list[list[int]] = [[] for _ in requests]
         ttft, e2e = [0.0] * len(requests), [0.0] * len(requests)
         bar = tqdm(total=len(requests), desc="HF processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         start = time.perf_counter()
         try:
-            for b in range(0, len(order), self.batch_size):
-                batch = order[b : b + self.batch_size]
+            for batch in batches:
+                stop = requests[batch[0]].stop_at_eos
                 width = max(requests[i].prompt_len for i in batch)
                 ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long)
                 mask = torch.zeros((len(batch), width), dtype=torch.long)
@@ -250,15 +258,20 @@ class HFBackend:
                     mask[row, width - len(p) :] = 1
                 max_new = max(requests[i].output_len for i in batch)
                 clock = _TokenClock()
+                # (min_new_tokens keeps EOS from being chosen)
+                length = {"eos_token_id": self.eos_token_ids or None} if stop else {"min_new_tokens": max_new}
                 out = self.model.generate(
                     input_ids=ids.to(self.device), attention_mask=mask.to(self.device), streamer=clock,
-                    generation_config=self._generation_config(max_new, temperature, min_new_tokens=max_new),
+                    generation_config=self._generation_config(max_new, temperature, **length),
                 )
                 new = out[:, width:].tolist()
                 for row, i in enumerate(batch):
-                    n = requests[i].output_len
-                    outputs[i] = new[row][:n]
-                    ttft[i], e2e[i] = clock.times[0] - start, clock.times[n - 1] - start
+                    tokens = new[row][: requests[i].output_len]
+                    if stop:  # (through its first EOS; padding after it)
+                        ends = [k for k, t in enumerate(tokens) if t in self.eos_token_ids]
+                        tokens = tokens[: ends[0] + 1] if ends else tokens
+                    outputs[i] = tokens
+                    ttft[i], e2e[i] = clock.times[0] - start, clock.times[len(tokens) - 1] - start
                 bar.update(len(batch))
             self._sync()
             elapsed = time.perf_counter() - start

@@ -125,7 +125,8 @@ class JaxvllmBackend:
         prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
         # A constrained completion ends with its grammar: EOS is not ignored there.
         params = [SamplingParams(temperature=temperature, max_tokens=r.output_len,
-                                 ignore_eos=r.structured_outputs is None, structured_outputs=r.structured_outputs)
+                                 ignore_eos=r.structured_outputs is None and not r.stop_at_eos,
+                                 structured_outputs=r.structured_outputs)
                   for r in requests]
         self.llm.reset_prefix_cache()
         with time_steps(self.llm) as timing:

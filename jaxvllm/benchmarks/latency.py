@@ -1,7 +1,8 @@
 """`jaxvllm bench latency`: how long one batch takes, end to end and per token (vLLM's flag names).
 
 Each iteration generates `--batch-size` requests of `--input-len` prompt tokens and
-exactly `--output-len` output tokens. Every iteration has fresh random prompts, so
+exactly `--output-len` output tokens (with `--stop-at-eos`, at most that many: each
+completion ends at its EOS, as a chat user's does). Every iteration has fresh random prompts, so
 that a prefix cache cannot turn later iterations into cache hits. The first
 `--num-iters-warmup` iterations are not counted; the engine's own start-up
 (weights, compiling the buckets) is reported apart. `--dataset repeat` takes the
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -41,7 +43,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "repeat, reformat or continue a passage (for speculative decoding)")
     group.add_argument("--batch-size", type=int, default=8, help="requests per iteration")
     group.add_argument("--input-len", type=int, default=32, help="random: prompt tokens per request")
-    group.add_argument("--output-len", type=int, default=128, help="generated tokens per request (EOS ignored)")
+    group.add_argument("--output-len", type=int, default=128,
+                       help="generated tokens per request (EOS ignored unless --stop-at-eos)")
+    group.add_argument("--stop-at-eos", action="store_true",
+                       help="end each completion at its EOS (at most --output-len tokens); the default, as vLLM's "
+                            "bench latency, generates exactly --output-len")
     group.add_argument("--num-iters-warmup", type=int, default=10, help="iterations run before timing")
     group.add_argument("--num-iters", type=int, default=30, help="timed iterations")
     add_engine_args(parser)
@@ -58,10 +64,12 @@ def iterations(args: argparse.Namespace, source: ModelSource) -> list[list[ds.Be
     seeds = range(args.seed, args.seed + args.num_iters_warmup + args.num_iters)
     if args.dataset == "repeat":
         encode = ds.chat_encoder(load_tokenizer(source, args.tokenizer))
-        return [ds.repeat_requests(args.batch_size, args.output_len, encode, seed=seed) for seed in seeds]
-    vocab_size = prompt_vocab_size(source, args.tokenizer)
-    return [ds.random_requests(args.batch_size, args.input_len, args.output_len, vocab_size, seed=seed)
-            for seed in seeds]
+        batches = [ds.repeat_requests(args.batch_size, args.output_len, encode, seed=seed) for seed in seeds]
+    else:
+        vocab_size = prompt_vocab_size(source, args.tokenizer)
+        batches = [ds.random_requests(args.batch_size, args.input_len, args.output_len, vocab_size, seed=seed)
+                   for seed in seeds]
+    return [[replace(r, stop_at_eos=args.stop_at_eos) for r in batch] for batch in batches]
 
 
 def measure(backend, batches: list[list[ds.BenchRequest]], num_warmup: int, temperature: float,
@@ -114,8 +122,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         longest = max(r.prompt_len for batch in batches for r in batch)
         kwargs = engine_kwargs(args, source, seed=args.seed, max_model_len=longest + args.output_len)
         prompt = f"{args.input_len} prompt" if args.dataset == "random" else f"{args.dataset} prompt (<= {longest})"
-        print(f"{args.num_iters} iterations of {args.batch_size} requests, {prompt} + "
-              f"{args.output_len} output tokens each")
+        outputs_each = f"up to {args.output_len} output tokens (to EOS)" if args.stop_at_eos else \
+            f"{args.output_len} output tokens"
+        print(f"{args.num_iters} iterations of {args.batch_size} requests, {prompt} + {outputs_each} each")
         runs = [(name, name, kwargs) for name in backend_names(args.backend)]
         if args.compare_speculative:  # the same work without speculative decoding
             runs.append((NO_SPEC_KEY, "jaxvllm", {**kwargs, "speculative_config": None}))
@@ -139,6 +148,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "benchmark": "latency",
         "config": {"model": args.model, "dataset": args.dataset, "backend": args.backend,
                    "batch_size": args.batch_size, "input_len": args.input_len, "output_len": args.output_len,
+                   "stop_at_eos": args.stop_at_eos,
                    "num_iters_warmup": args.num_iters_warmup, "num_iters": args.num_iters, "seed": args.seed,
                    "temperature": args.temperature, "hf_mode": args.hf_mode,
                    "engine_args": kwargs},

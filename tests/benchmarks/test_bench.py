@@ -126,6 +126,39 @@ def test_latency_both_backends(tmp_path, capsys, hf_mode):
     assert report["config"]["batch_size"] == 2 and report["environment"]["jax_version"]
 
 
+def test_stop_at_eos_both_backends(tiny_checkpoint):
+    """A request with stop_at_eos ends at its first EOS (kept), on jaxvllm and on HF in both
+    modes; one without it runs to its length. The EOS is the token the model picks third
+    for the first prompt, set as the checkpoint's eos_token_id (same weights)."""
+    from jaxvllm.dummy import ModelSource
+    from jaxvllm.benchmarks.hf_backend import HFBackend
+    from jaxvllm.benchmarks.jaxvllm_backend import JaxvllmBackend
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 300, 9).tolist() for _ in range(3)]
+
+    def complete(path, stop, backend):
+        requests = [ds.BenchRequest(p, 6, stop_at_eos=stop) for p in prompts]
+        if backend == "jaxvllm":
+            engine = JaxvllmBackend(str(path), max_model_len=32, dtype="float32")
+        else:
+            engine = HFBackend(ModelSource(str(path), str(path), False), dtype="float32", mode=backend, batch_size=2)
+        try:
+            return engine.run(requests, use_tqdm=False).output_token_ids
+        finally:
+            engine.close()
+
+    full = complete(tiny_checkpoint("llama"), False, "jaxvllm")
+    assert full == complete(tiny_checkpoint("llama"), False, "padded")
+    eos = full[0][2]
+    path = tiny_checkpoint("llama", eos_token_id=eos)
+    want = [tokens[: tokens.index(eos) + 1] if eos in tokens else tokens for tokens in full]
+    assert len(want[0]) <= 3
+    for backend in ("jaxvllm", "padded", "cb"):
+        assert complete(path, True, backend) == want, backend
+    assert complete(path, False, "jaxvllm") == full
+
+
 def test_hf_backend_without_torch_says_how_to_get_it(monkeypatch):
     from jaxvllm.benchmarks.hf_backend import import_torch
 
