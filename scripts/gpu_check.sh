@@ -1,22 +1,23 @@
 #!/usr/bin/env bash
 # GPU check: the Pallas kernel tests compiled (not interpreted) and the engine parity test, side
 # by side, then the kernel benchmark and the engine step benchmark (277 s on one H100 in their
-# last run, the tests one after the other), then
-# each open issue's GPU figures in issue order, as long as the time budget lasts: a step
-# runs at most until the budget is spent (default 420 s from the start, which leaves a
-# session's 15 device minutes room for the machine's start and a rerun of the base steps),
+# last run, the tests one after the other), then the open issues' GPU figures, those not
+# yet measured on a GPU first, as long as the time budget lasts: a step runs at most until
+# the budget is spent (default 480 s from the start, which leaves a session's 15 device
+# minutes room for the machine's start and a rerun of the base steps),
 # and a step that would get less than 20 s is skipped (a line in summary.txt says so).
 # Results go to $OUT (default $TMPDIR/jaxvllm-gpu-check): a NAME.log per step, the JSON
 # files below, summary.txt.
 #
 #   scripts/gpu_check.sh            on the GPU machine (the project copied in, not installed):
-#                                   the base steps, then every extra below
+#                                   the base steps, then every extra below, in the order
+#                                   spec, quant, b1, live, startup
 #   scripts/gpu_check.sh --small    anywhere: interpret-mode tests, benchmarks --small, tiny
 #                                   models (a CPU rehearsal; no budget unless --budget)
 #   scripts/gpu_check.sh --dry-run  print what would run
 #   scripts/gpu_check.sh --base     the base steps only
 #   --budget SECONDS                the time budget (0: none)
-# Extras (naming any runs the base steps and only the extras named):
+# Extras (naming any runs the base steps and only the extras named, in the order named):
 #   --startup   issue 26: `LLM(...)` ready time, dummy:qwen3-0.6b cold and warm, dummy:llama3-8b
 #               cold (startup_qwen3-0.6b.json, startup_llama3-8b.json)
 #   --b1        issue 26: B1 (the nano-vllm workload), the fp8 KV cache against the model's dtype,
@@ -56,16 +57,16 @@ done
 if [ "$BASE_ONLY" = 1 ]; then
     EXTRAS=()
 elif [ ${#EXTRAS[@]} = 0 ]; then
-    EXTRAS=(startup b1 spec quant live)  # issue order
+    # Not yet measured on a GPU first: an H100 measured start-up and B1's bf16 half (2026-12-05).
+    EXTRAS=(spec quant b1 live startup)
 fi
-wants() { [[ " ${EXTRAS[*]-} " == *" $1 "* ]]; }
 
 if [ "$MODE" = gpu ]; then
     export JAXVLLM_PALLAS_INTERPRET=0          # compiled Triton kernels in the tests too
     export JAX_DEFAULT_MATMUL_PRECISION=highest # float32 parity tests: no TF32 in the XLA reference
     BENCH_ARGS=()
     LIMITS=(30 150 150 180 120 300)             # env, kernel tests, engine test, bench, engine step; B1
-    BUDGET=${BUDGET:-420}
+    BUDGET=${BUDGET:-480}
     STARTUP_ARGS=(--max-model-len 2048)
     STARTUP_MODELS=("dummy:qwen3-0.6b cold warm" "dummy:llama3-8b cold")
     B1_ARGS=(--model dummy:qwen3-0.6b --dataset nanovllm)
@@ -143,42 +144,48 @@ fi
 run bench "${LIMITS[3]}" "$PYTHON" -m pallas_kernels.bench ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"} --json "$OUT/bench.json"
 run engine_step "${LIMITS[4]}" "$PYTHON" -m jaxvllm.benchmarks.engine_step ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"} \
     --json "$OUT/engine_step.json"
-if wants startup; then  # issue 26: ready in at most 60 s cold for the 8B
+# The extras, each a function, run in the order of EXTRAS.
+extra_startup() {  # issue 26: ready in at most 60 s cold for the 8B
+    local entry model runs name
     for entry in "${STARTUP_MODELS[@]}"; do
         read -r model runs <<<"$entry"
         name="startup_${model#dummy:}"
         run "$name" 240 "$PYTHON" -m jaxvllm.benchmarks.startup --model "$model" --runs $runs "${STARTUP_ARGS[@]}" \
             --json "$OUT/$name.json"
     done
-fi
+}
 
-if wants b1; then
+extra_b1() {
     run b1 "${LIMITS[5]}" "$PYTHON" -m jaxvllm bench throughput "${B1_ARGS[@]}" --compare-kv-cache-dtype \
         --disable-tqdm --output-json "$OUT/b1.json"
-fi
+}
 
-if wants spec; then  # issue 28: n-gram inter-token latency at batch 1 and 16, with and without drafts
-    NGRAM='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+extra_spec() {  # issue 28: n-gram inter-token latency at batch 1 and 16, with and without drafts
+    local ngram='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+    local batch
     for batch in 1 16; do
         run "spec_b$batch" 240 "$PYTHON" -m jaxvllm bench latency "${SPEC_ARGS[@]}" --dataset repeat \
-            --batch-size "$batch" --speculative-config "$NGRAM" --compare-speculative --output-json "$OUT/spec_b$batch.json"
+            --batch-size "$batch" --speculative-config "$ngram" --compare-speculative --output-json "$OUT/spec_b$batch.json"
     done
-fi
+}
 
-if wants quant; then  # the issue's goals: fp8 at least 1.7x bf16's speed, 4-bit 2.5x; weight bytes in each JSON
+extra_quant() {  # issue 29: fp8 at least 1.7x bf16's speed, 4-bit 2.5x; weight bytes in each JSON
     run quant_fp8 240 "$PYTHON" -m jaxvllm bench latency "${QUANT_ARGS[@]}" --quantization fp8 \
         --compare-quantization --output-json "$OUT/quant_fp8.json"
     run quant_int4 240 "$PYTHON" -m jaxvllm bench latency "${QUANT_ARGS[@]}" --quantization gptq-dummy \
         --compare-quantization --output-json "$OUT/quant_int4.json"
-fi
+}
 
-if wants live; then  # issue 30: LoRA's cost against the base; issue 31: an 8B update under 100 ms
+extra_live() {  # issue 30: LoRA's cost against the base; issue 31: an 8B update under 100 ms
     run lora 240 "$PYTHON" -m jaxvllm bench throughput "${LORA_ARGS[@]}" --num-loras 4 --max-lora-rank 16 \
         --disable-tqdm --output-json "$OUT/lora.json"
     run weight_update 240 "$PYTHON" -m jaxvllm.benchmarks.weight_update --model "${WEIGHTS_MODELS[@]}" \
         --json "$OUT/weight_update.json"
-fi
+}
 
+for extra in ${EXTRAS[@]+"${EXTRAS[@]}"}; do
+    "extra_$extra"
+done
 
 [ "$DRY" = 1 ] && exit 0
 cat "$OUT/summary.txt"

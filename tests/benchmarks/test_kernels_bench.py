@@ -83,11 +83,11 @@ def test_gpu_check_script_parses_and_plans(tmp_path):
     assert "pallas_kernels.bench --json" in base
     assert "jaxvllm.benchmarks.engine_step --json" in base and "engine_step.json" in base
     assert "b1" not in base and "startup" not in base
-    # With no extra named, every extra runs after the base steps, in issue order.
+    # With no extra named, every extra runs after the base steps, those never measured on a GPU first.
     everything = plan()
     steps = [line.split()[1] for line in everything.splitlines() if line.startswith("== ")]
-    assert steps == ["env", "kernels", "engine", "bench", "engine_step", "startup_qwen3-0.6b", "startup_llama3-8b",
-                     "b1", "spec_b1", "spec_b16", "quant_fp8", "quant_int4", "lora", "weight_update"]
+    assert steps == ["env", "kernels", "engine", "bench", "engine_step", "spec_b1", "spec_b16", "quant_fp8",
+                     "quant_int4", "b1", "lora", "weight_update", "startup_qwen3-0.6b", "startup_llama3-8b"]
     startup = plan("--startup")
     assert "startup --model dummy:qwen3-0.6b --runs cold warm --max-model-len 2048" in startup
     assert "startup --model dummy:llama3-8b --runs cold --max-model-len 2048" in startup
