@@ -31,6 +31,7 @@ from jaxvllm.batch_builder import BatchBuilder, HostBatch, default_buckets
 from jaxvllm.config import ATTENTION_BACKENDS, MODEL_SPECULATIVE_METHODS, EngineConfig
 from jaxvllm.input_batch import DRAFTS, NARROW_WIDTH, NEWEST, REJECTED, SMALLEST_WIDTH, BatchLayout
 from jaxvllm.kv_cache import (
+    CACHE_STEP_COMPILER_OPTIONS,
     KVCacheSpec,
     allocate_kv_caches,
     kv_cache_scales,
@@ -235,8 +236,8 @@ def jit_forward(cfg: ModelConfig, backend: str, mesh: Mesh | None = None, aux_la
     caches = None if mesh is None else kv_cache_sharding(mesh)
     out = None if mesh is None else (replicated(mesh),) * 4 + (caches,)
     return jax.jit(partial(_forward, cfg=cfg, backend=backend, mesh=mesh, aux_layers=tuple(aux_layers)),
-                   static_argnames="layout",
-                   donate_argnums=(1,), out_shardings=out)
+                   static_argnames="layout", donate_argnums=(1,), out_shardings=out,
+                   compiler_options=CACHE_STEP_COMPILER_OPTIONS)
 
 
 def jit_sampler(logprobs_mode: str = "raw_logprobs", mesh: Mesh | None = None, keep_rows: bool = False):

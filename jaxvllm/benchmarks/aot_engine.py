@@ -13,6 +13,8 @@ The same compile-only sm_90a device and CUDA PJRT plugin as `pallas_kernels.aot_
 - holds a `conditional`: XLA's GPU runtime copies each predicate to the host and waits
   for it, a device-to-host sync in the middle of every step;
 - holds a `while` loop whose trip count XLA does not know (a sync per iteration);
+- holds instructions XLA's rematerialization pass recomputed (named `*.remat*`): over a
+  cache that fills the device, the pass judged the step over its memory limit;
 - on the pallas backend, runs any thunk outside XLA's command buffers (CUDA graphs): the
   host then launches it, or each iteration of a loop, on every step, where a graph is one
   launch for the whole step (the reference backend's loops are left so).
@@ -219,6 +221,9 @@ def engine_cases(quick: bool = False) -> list[Case]:
     step_cases = partial(engine_step_cases, num_layers=2 if quick else None)
     cases = [c for t in (16, 256, 2048) for c in step_cases("pallas", num_tokens=t, sampler=("all",))]
     cases += step_cases("reference", sampler=("greedy",))
+    # A cache of 56 GiB, as the runner sizes one to fill an H200 (the 28-layer model's at
+    # 2048 tokens a sequence): its size must not set off XLA's rematerialization.
+    cases += step_cases("pallas", sampler=(), context=2048 * 28 // (2 if quick else 28))
     cases += step_cases("pallas", sampler=(), kv_cache_dtype=jnp.float8_e4m3fn)  # fp8 KV cache, decode
     for kv_cache_dtype in (None, jnp.float8_e4m3fn):  # the decode-only forward of a step of 256 decode rows
         cases += step_cases("pallas", sampler=(), kv_cache_dtype=kv_cache_dtype, decode_only=True)
@@ -261,6 +266,11 @@ def unbounded_loops(hlo_text: str) -> int:
     return sum(1 for line in hlo_text.splitlines() if " while(" in line and "known_trip_count" not in line)
 
 
+def rematerialized(hlo_text: str) -> int:
+    """Instructions the rematerialization pass added (copies of others, named `*.remat*`)."""
+    return len(re.findall(r"^\s+(?:ROOT )?%?[\w.\-]*\.remat[\w.\-]* = ", hlo_text, re.M))
+
+
 # Ops of an entry computation that launch nothing on a GPU.
 _NO_LAUNCH = {"parameter", "bitcast", "get-tuple-element", "tuple", "constant"}
 
@@ -283,7 +293,8 @@ def inspect(case: Case, hlo: str) -> dict:
             # (a batch's small integer inputs, such as block tables, may be offset in a fusion of their own)
             "parameter_rewrites": sum(n >= MIN_REWRITE for n in parameter_rewrites(hlo).values()),
             "aliased_outputs": aliased_outputs(hlo), "conditionals": conditionals(hlo),
-            "unbounded_loops": unbounded_loops(hlo), "launches": launches(hlo)}
+            "unbounded_loops": unbounded_loops(hlo), "rematerialized": rematerialized(hlo),
+            "launches": launches(hlo)}
 
 
 def problems(case: Case) -> list[str]:
@@ -302,6 +313,8 @@ def problems(case: Case) -> list[str]:
         found.append(f"{r['conditionals']} conditionals in the compiled step (a host sync each)")
     if r.get("unbounded_loops"):
         found.append(f"{r['unbounded_loops']} while loops without a known trip count (a host sync per iteration)")
+    if r.get("rematerialized"):
+        found.append(f"{r['rematerialized']} instructions recomputed by XLA's rematerialization pass")
     if r.get("ungraphed_thunks") and case.params.get("backend") == "pallas":
         found.append(f"{r['ungraphed_thunks']} thunks outside CUDA graphs (host launches on every step)")
     return found

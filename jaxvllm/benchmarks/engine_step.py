@@ -36,7 +36,7 @@ import numpy as np
 from jaxvllm.batch import ModelInputs
 from jaxvllm.model_config import ModelConfig
 from jaxvllm.dummy import get_dummy
-from jaxvllm.kv_cache import allocate_kv_caches
+from jaxvllm.kv_cache import CACHE_STEP_COMPILER_OPTIONS, allocate_kv_caches
 from jaxvllm.loader import dummy_params
 from jaxvllm.models import forward
 from pallas_kernels.bench import DTYPE
@@ -81,7 +81,7 @@ def bench_step(cfg: dict, iters: int, backends=tuple(BACKENDS)) -> dict:
             logits, caches = forward(params, caches, inputs, mcfg, backend)
             return jnp.argmax(logits, axis=-1), caches
 
-        return jax.jit(step, donate_argnums=(1,))
+        return jax.jit(step, donate_argnums=(1,), compiler_options=CACHE_STEP_COMPILER_OPTIONS)  # (the runner's)
 
     for name in backends:
         backend, cache_dtype = BACKENDS[name]

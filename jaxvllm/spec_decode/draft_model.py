@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 from jaxvllm.batch import ModelInputs
 from jaxvllm.config import EngineConfig
 from jaxvllm.input_batch import NEWEST, BatchLayout, store_drafts
-from jaxvllm.kv_cache import KVCacheSpec, allocate_kv_caches, with_cache_storage
+from jaxvllm.kv_cache import CACHE_STEP_COMPILER_OPTIONS, KVCacheSpec, allocate_kv_caches, with_cache_storage
 from jaxvllm.loader import load_model, resolve_dtype
 from jaxvllm.model_config import ModelConfig
 from jaxvllm.models import MODELS
@@ -108,7 +108,8 @@ def jit_propose(cfg: ModelConfig, backend: str, mesh: Mesh | None, k: int, block
     caches = None if mesh is None else kv_cache_sharding(mesh)
     return jax.jit(partial(_propose, cfg=cfg, backend=backend, mesh=mesh, k=k, block_size=block_size,
                            dynamic_loops=dynamic_loops),
-                   donate_argnums=(1,), out_shardings=None if mesh is None else (replicated(mesh), caches))
+                   donate_argnums=(1,), out_shardings=None if mesh is None else (replicated(mesh), caches),
+                   compiler_options=CACHE_STEP_COMPILER_OPTIONS)
 
 
 def jit_propose_rows(cfg: ModelConfig, backend: str, mesh: Mesh | None, k: int, block_size: int,
@@ -118,7 +119,8 @@ def jit_propose_rows(cfg: ModelConfig, backend: str, mesh: Mesh | None, k: int, 
     caches = None if mesh is None else kv_cache_sharding(mesh)
     return jax.jit(partial(_propose_rows, cfg=cfg, backend=backend, mesh=mesh, k=k, block_size=block_size,
                            dynamic_loops=dynamic_loops),
-                   donate_argnums=(1, 6), out_shardings=None if mesh is None else (replicated(mesh), caches))
+                   donate_argnums=(1, 6), out_shardings=None if mesh is None else (replicated(mesh), caches),
+                   compiler_options=CACHE_STEP_COMPILER_OPTIONS)
 
 
 class DraftModel:
@@ -135,7 +137,8 @@ class DraftModel:
         self.kv_spec = KVCacheSpec(self.cfg, config.block_size, dtype, num_devices)
         caches = None if mesh is None else kv_cache_sharding(mesh)
         self._forward = jax.jit(partial(_forward, cfg=self.cfg, backend=backend, mesh=mesh),
-                                static_argnames="layout", donate_argnums=(1,), out_shardings=caches)
+                                static_argnames="layout", donate_argnums=(1,), out_shardings=caches,
+                                compiler_options=CACHE_STEP_COMPILER_OPTIONS)
         self._propose = jit_propose(self.cfg, backend, mesh, self.k, config.block_size, dynamic_loops)
         self._propose_rows = jit_propose_rows(self.cfg, backend, mesh, self.k, config.block_size, dynamic_loops)
         self.kv_caches = None

@@ -51,7 +51,7 @@ from jax.sharding import Mesh
 from jaxvllm.batch import ModelInputs
 from jaxvllm.config import EngineConfig
 from jaxvllm.input_batch import NEWEST, BatchLayout, store_drafts
-from jaxvllm.kv_cache import KVCacheSpec, allocate_kv_caches, with_cache_storage
+from jaxvllm.kv_cache import CACHE_STEP_COMPILER_OPTIONS, KVCacheSpec, allocate_kv_caches, with_cache_storage
 from jaxvllm.layers import linear, rms_norm
 from jaxvllm.loader import _param_shardings, dummy_params, load_safetensors, resolve_dtype, tensor_files
 from jaxvllm.model_config import ModelConfig
@@ -318,10 +318,12 @@ def jit_eagle(e: EagleConfig, cfg: ModelConfig, target: ModelConfig, backend: st
     out = None if mesh is None else (replicated(mesh), caches)
     prefill = jax.jit(partial(_prefill_rows if device_drafts else _prefill, e=e, cfg=cfg, backend=backend, mesh=mesh),
                       static_argnames="layout", donate_argnums=(2,),
-                      out_shardings=None if mesh is None else (replicated(mesh),) * 2 + (caches,))
+                      out_shardings=None if mesh is None else (replicated(mesh),) * 2 + (caches,),
+                      compiler_options=CACHE_STEP_COMPILER_OPTIONS)
     decode = jax.jit(partial(_decode_rows if device_drafts else _decode, e=e, cfg=cfg, target=target, backend=backend,
                              mesh=mesh, k=k, block_size=block_size, dynamic_loops=dynamic_loops),
-                     donate_argnums=(2, 8) if device_drafts else (2,), out_shardings=out)
+                     donate_argnums=(2, 8) if device_drafts else (2,), out_shardings=out,
+                     compiler_options=CACHE_STEP_COMPILER_OPTIONS)
     return prefill, decode
 
 

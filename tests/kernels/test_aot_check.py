@@ -4,12 +4,14 @@ scripts/gpu_aot_check.sh, with the CUDA plugin outside this environment."""
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import subprocess
 from pathlib import Path
 
 import jax.numpy as jnp
+
 import pytest
 
 from jaxvllm.benchmarks import aot_engine
@@ -109,6 +111,8 @@ def test_engine_problems_name_copies_rewrites_aliasing_and_conditionals():
         case = aot_check.Case("engine_step", {"donated": 8, "backend": backend}, None, [])
         case.result = {"ok": True, "cache_copies": 0, "aliased_outputs": 8, "conditionals": 0, "ungraphed_thunks": 2}
         assert aot_engine.problems(case) == want
+    case.result = {"ok": True, "cache_copies": 0, "aliased_outputs": 8, "conditionals": 0, "rematerialized": 65}
+    assert aot_engine.problems(case) == ["65 instructions recomputed by XLA's rematerialization pass"]
     case.result = {"ok": False, "error": "XlaRuntimeError: boom"}
     assert aot_engine.problems(case) == ["XlaRuntimeError: boom"]
 
@@ -116,7 +120,8 @@ def test_engine_problems_name_copies_rewrites_aliasing_and_conditionals():
 def test_engine_inspect_reads_the_donated_shapes_off_the_case():
     case = aot_check.Case("engine_step", {"copy_shapes": [[8, 16384, 16, 128], [4, 100]]}, None, [])
     assert aot_engine.inspect(case, HLO) == {"cache_copies": 2, "parameter_rewrites": 0, "aliased_outputs": 2,
-                                             "conditionals": 1, "unbounded_loops": 0, "launches": 4}
+                                             "conditionals": 1, "unbounded_loops": 0, "rematerialized": 0,
+                                             "launches": 4}
 
 
 def test_launches_count_the_entry_computations_kernels():
@@ -138,6 +143,10 @@ ENTRY %main {
 }
 """
     assert aot_engine.launches(hlo) == 2
+    # The rematerialization pass's copies, named after the instruction they recompute.
+    remat = "  %fusion.3.remat = f32[4]{0} fusion(%p0), kind=kLoop, calls=%fused\n" \
+            "  ROOT %gte.7.remat2 = f32[] get-tuple-element(%k), index=1\n  %x = f32[] add(%fusion.3.remat, %c)\n"
+    assert aot_engine.rematerialized(hlo) == 0 and aot_engine.rematerialized(remat) == 2
     loops = "%w = (s32[]) while(%t), condition=%c, body=%b\n%k = (s32[]) while(%t), condition=%c, body=%b, " \
             'backend_config={"known_trip_count":{"n":"32"}}\n'
     assert aot_engine.unbounded_loops(loops) == 1
@@ -182,6 +191,10 @@ def test_cases_cover_the_issue_matrix():
     assert {(r, k, n) for k, n in ((2048, 768), (768, 2048)) for r in (2048, 16384)} == blocked
     engine = aot_engine.engine_cases()
     assert any(c.params.get("kv_cache") for c in engine)
+    # A cache as large as the runner makes one on an H200 (56 GiB), at any depth.
+    for quick in (False, True):
+        big = [c for c in aot_engine.engine_cases(quick) if c.params["context"] > 1024]
+        assert len(big) == 1 and math.prod(big[0].args[1][0].shape) * 2 * 2 == 56 * 2**30
     for quantization in ("gptq-dummy", "fp8-block"):
         assert any(c.params["model"] == "qwen3-30b-a3b" and c.params.get("quantization") == quantization
                    for c in engine)
