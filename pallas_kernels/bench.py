@@ -30,7 +30,6 @@ helpers are `pallas_kernels.harness`'s.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from functools import partial
@@ -48,6 +47,7 @@ from pallas_kernels.harness import (
     json_path,
     max_abs_err,
     summary,
+    time_donated,
     time_fn,
     tuning_name,
     write_json,
@@ -266,13 +266,7 @@ def bench_kv(cfg: dict, iters: int, interpret: bool) -> list[dict]:
             caches = (jnp.zeros(shape, DTYPE), jnp.zeros(shape, DTYPE))
             compiled = fn.lower(*caches, new_k, new_v, slot_mapping).compile()
             copies = count_cache_copies(compiled.as_text(), shape)
-            times = []
-            for _ in range(iters + 1):
-                start = time.perf_counter()
-                caches = fn(*caches, new_k, new_v, slot_mapping)
-                jax.block_until_ready(caches)
-                times.append(time.perf_counter() - start)
-            t = statistics.median(times[1:])
+            t, _ = time_donated(lambda c: fn(*c, new_k, new_v, slot_mapping), caches, iters=iters)
             return {"us": t * 1e6, "written_gb_s": written / t / 1e9, "cache_copies_in_hlo": copies}
 
         attempt(row, "xla_scatter", run)

@@ -33,6 +33,19 @@ def time_fn(fn: Callable, *args, iters: int, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
+def time_donated(fn: Callable, state: Any, *, iters: int) -> tuple[float, Any]:
+    """Median wall seconds of `state = fn(state)` where `fn` donates its argument (an update
+    in place, as the engine's caches): each call takes the last one's output. Returns the
+    time and the final state. The first call is not timed."""
+    state = jax.block_until_ready(fn(state))
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        state = jax.block_until_ready(fn(state))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), state
+
+
 def tuning_name(tuning: dict) -> str:
     """A tuning's keyword arguments as the JSON key of its figures ("default" when none)."""
     return ",".join(f"{k}={v}" for k, v in tuning.items()) or "default"
