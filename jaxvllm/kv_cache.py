@@ -40,11 +40,10 @@ CPU_KV_CACHE_BYTES = 2 << 30
 MAX_CACHE_ROWS = 2**31 - 1
 
 # Compile options of every step that takes KV caches. XLA:GPU's rematerialization pass
-# counts a donated cache more than once (the sm_90a Qwen3-0.6B step over 56 GiB of cache:
-# 141 GiB at its peak), so over caches sized to fill the device it always finds the step
-# over its memory limit and recomputes instructions in vain (at 256 tokens 557 kernels a
-# step against 517, for 27 MiB of temporaries). The limit as 10x the device's memory keeps
-# the pass from running; the KV cache's sizing already leaves the step's temporaries room.
+# counts a donated cache more than once, so over caches sized to fill the device it finds
+# every step over its memory limit and recomputes instructions in vain (design page,
+# "Stacked layer weights"). A limit of 10x the device's memory keeps the pass from
+# running; the cache's sizing already leaves the step's temporaries room.
 CACHE_STEP_COMPILER_OPTIONS = {"xla_gpu_memory_limit_slop_factor": 1000}
 
 # kv_cache_dtype (config.KV_CACHE_DTYPES, vLLM's engine argument) -> the cache's element
