@@ -89,19 +89,21 @@ fi
 
 [ "$DRY" = 1 ] || mkdir -p "$OUT"
 
+# spent: under 20 s of the budget left (a step would get too little to finish).
+spent() { [ "$BUDGET" -gt 0 ] && [ $((BUDGET - SECONDS)) -lt 20 ]; }
+
 # run NAME LIMIT_SECONDS COMMAND...: log to $OUT/NAME.log, one line per step in summary.txt;
-# the limit is cut to what is left of the budget, and the step skipped if under 20 s are.
+# the limit is cut to what is left of the budget, and the step skipped once it is spent.
 run() {
-    local name=$1 limit=$2 left
+    local name=$1 limit=$2
     shift 2
     if [ "$BUDGET" -gt 0 ] && [ "$DRY" = 0 ]; then
-        left=$((BUDGET - SECONDS))
-        if [ "$left" -lt 20 ]; then
-            echo "== $name: skipped, ${left}s of the ${BUDGET}s budget left"
+        if spent; then
+            echo "== $name: skipped, $((BUDGET - SECONDS))s of the ${BUDGET}s budget left"
             echo "$name skipped=budget" >>"$OUT/summary.txt"
             return 0
         fi
-        [ "$left" -lt "$limit" ] && limit=$left
+        [ $((BUDGET - SECONDS)) -lt "$limit" ] && limit=$((BUDGET - SECONDS))
     fi
     echo "== $name (limit ${limit}s): $*"
     [ "$DRY" = 1 ] && return 0
@@ -119,7 +121,7 @@ together() {
     local i
     for ((i = 1; i <= $#; i++)); do [ "${!i}" = -- ] && break; done
     local first=("${@:1:i-1}") second=("${@:i+1}")
-    if [ "$DRY" = 1 ] || { [ "$BUDGET" -gt 0 ] && [ $((BUDGET - SECONDS)) -lt 20 ]; }; then
+    if [ "$DRY" = 1 ] || spent; then
         run "${first[@]}"  # (in order: a plan, or two skips)
         run "${second[@]}"
         return
