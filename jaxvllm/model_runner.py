@@ -44,11 +44,12 @@ from jaxvllm.loader import JNP_DTYPES, load_config, load_model, resolve_dtype
 from jaxvllm.lora.manager import LoRAManager
 from jaxvllm.model_config import ModelConfig
 from jaxvllm.models import MODELS
+from jaxvllm.models.common import logits_params
 from jaxvllm.request import Request, ScheduledBatch, ScheduledRequest
 from jaxvllm.sampler import (COMMON_FEATURES, Logprobs, SamplerFeatures, SamplerState, compute_logprobs, init_state,
                              sample, state_row, write_state_row)
-from jaxvllm.sharding import (device_group, kv_cache_sharding, make_mesh, put, replicated, step_input, structs,
-                              to_host)
+from jaxvllm.sharding import (FlatTree, as_tree, device_group, kv_cache_sharding, make_mesh, put, replicated,
+                              step_input, structs, to_host)
 from jaxvllm.spec_decode.draft_model import DraftModel
 from jaxvllm.spec_decode.eagle import EagleHead
 from jaxvllm.spec_decode.rejection_sampler import sample_with_drafts
@@ -127,8 +128,10 @@ def _forward(params, kv_caches, packed, last_sampled, lora=None, draft_rows=None
     sampling prefix (for the sampler, which then compiles per row count only), and the
     updated caches. Logits of a vocabulary-split lm_head are gathered: the sampler reads
     whole rows. `lora`: the LoRA slots' stacks, read in a layout with adapters (else None);
-    `draft_rows`: the device drafts, in a layout that has them (`BatchLayout.model_inputs`)."""
+    `draft_rows`: the device drafts, in a layout that has them (`BatchLayout.model_inputs`).
+    `params` may come as a `FlatTree` (the runner's steps: a cheaper dispatch)."""
     model = MODELS[cfg.architecture]
+    params = as_tree(params)
     inputs = layout.model_inputs(packed, last_sampled, draft_rows)
     if layout.lora:
         params = {**params, "lora": lora}
@@ -176,7 +179,8 @@ def _sample(sampling_rows, logits, last_sampled, state, bitmask, draft_rows=None
 def _prompt_logprobs(params, hidden, rows, *, cfg: ModelConfig, width: int) -> Logprobs:
     """Logprobs of prompt tokens `rows[1]` at the token rows `rows[0]` of `hidden` (int32
     [2, chunk]), with the top `width`: only the rows asked for meet the lm_head. (Always
-    logprobs of the model's logits, whatever the logprobs mode, as vLLM.)"""
+    logprobs of the model's logits, whatever the logprobs mode, as vLLM.) `params`: the
+    model's `logits_params`."""
     logits = MODELS[cfg.architecture].compute_logits(params, hidden[rows[0]], cfg)
     return compute_logprobs(logits, rows[1], width)
 
@@ -205,8 +209,9 @@ class StepLowering:
 
     def forward(self, layout: BatchLayout, packed: np.ndarray) -> None:
         self.forward_shapes.add(layout)
-        self.forward_fn.lower(self.params, self.kv_caches, step_input(packed, self.replicated), self.last_sampled,
-                              self.lora if layout.lora else None, self.draft_rows, layout=layout).compile()
+        self.forward_fn.lower(FlatTree.of(self.params), self.kv_caches, step_input(packed, self.replicated),
+                              self.last_sampled, self.lora if layout.lora else None, self.draft_rows,
+                              layout=layout).compile()
 
     def sampler(self, layout: BatchLayout, features: SamplerFeatures) -> None:
         """The sampler of a layout's rows (and drafts), on the shapes and placement the forward hands it."""
@@ -224,7 +229,7 @@ class StepLowering:
         logprob and rank, what loglikelihood scoring reads), the others compile when first used."""
         hidden = jax.ShapeDtypeStruct((bucket, self.cfg.hidden_size), self.dtype, sharding=self.replicated)
         rows = step_input(np.zeros((2, min(PROMPT_LOGPROBS_CHUNK, bucket)), np.int32), self.replicated)
-        self.prompt_logprobs_fn.lower(self.params, hidden, rows, width=width).compile()
+        self.prompt_logprobs_fn.lower(logits_params(self.params), hidden, rows, width=width).compile()
 
 
 def jit_forward(cfg: ModelConfig, backend: str, mesh: Mesh | None = None, aux_layers: tuple[int, ...] = ()):
@@ -393,6 +398,19 @@ class ModelRunner:
         b = self.builder
         return b.padding_batch(b.buckets[-1], b.widths[-1], COMMON_FEATURES[-1])
 
+    @property
+    def params(self):
+        """The model's weights (a tree of arrays; None while asleep)."""
+        return self._params
+
+    @params.setter
+    def params(self, params) -> None:
+        # (and, for the steps' dispatch: flattened once for the forward, see `FlatTree`; the
+        # lm_head's part alone for the steps that only score hidden states)
+        self._params = params
+        self.flat_params = None if params is None else FlatTree.of(params)
+        self.logits_params = None if params is None else logits_params(params)
+
     def _profile(self) -> None:
         """Run the largest step once, on a cache of one sequence's blocks."""
         probe = self._allocate_kv_caches(self.builder.max_blocks_per_seq)
@@ -405,8 +423,8 @@ class ModelRunner:
         batch = self._profile_batch()
         probe = self._kv_cache_specs(self.builder.max_blocks_per_seq)
         packed = step_input(batch.packed, self._replicated)
-        compiled = self._forward.lower(self.params, probe, packed, self.last_sampled, self._lora_stacks(batch.layout),
-                                       self.draft_rows, layout=batch.layout).compile()
+        compiled = self._forward.lower(self.flat_params, probe, packed, self.last_sampled,
+                                       self._lora_stacks(batch.layout), self.draft_rows, layout=batch.layout).compile()
         m = compiled.memory_analysis()
         return int(m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
 
@@ -465,7 +483,8 @@ class ModelRunner:
                     packed, lowering.last_sampled, layout, lowering.draft_rows)))
             if self.eagle is not None:
                 jobs.append((("eagle_prefill", layout), self.eagle.compile_prefill(
-                    lowering.params, packed, lowering.last_sampled, layout, self._replicated, lowering.draft_rows)))
+                    logits_params(lowering.params), packed, lowering.last_sampled, layout, self._replicated,
+                    lowering.draft_rows)))
         for bucket in b.buckets:
             jobs_of(bucket).append((("prompt_logprobs", bucket, 0), partial(lowering.prompt_logprobs, bucket, 0)))
         if self.draft is not None:  # its proposer per row count and width
@@ -474,7 +493,7 @@ class ModelRunner:
                     rows, width, self._replicated, lowering.last_sampled, lowering.draft_rows)) for width in b.widths)
         if self.eagle is not None:  # its decode per row count of drafting requests
             for rows in sorted({self._eagle_rows(n) for n in range(1, self.config.max_num_seqs + 1)}):
-                job = self.eagle.compile_decode(lowering.params, rows, b.widths[-1], self._replicated,
+                job = self.eagle.compile_decode(logits_params(lowering.params), rows, b.widths[-1], self._replicated,
                                                 lowering.draft_rows)
                 jobs_of(b.bucket_for(min(rows, b.buckets[-1]))).append((("eagle_decode", rows), job))
         now.append((("write_row",), self._compile_write_row))
@@ -519,7 +538,7 @@ class ModelRunner:
         packed = step_input(batch.packed, self._replicated)
         self.compiles.wait(("forward", layout))
         logits, hidden, aux, sampling_rows, caches = self._forward(
-            self.params, self.kv_caches if kv_caches is None else kv_caches, packed, self.last_sampled,
+            self.flat_params, self.kv_caches if kv_caches is None else kv_caches, packed, self.last_sampled,
             self._lora_stacks(layout), self.draft_rows, layout=layout
         )
         step = PendingStep(batch, None, None, [])
@@ -539,7 +558,7 @@ class ModelRunner:
             part = np.stack([batch.prompt_rows[start : start + chunk], batch.prompt_targets[start : start + chunk]])
             rows = np.zeros((2, chunk), np.int32)  # (padding: row 0, token 0; dropped on the host)
             rows[:, : part.shape[1]] = part
-            step.prompt_logprobs.append(self._prompt_logprobs(self.params, hidden, step_input(rows, self._replicated),
+            step.prompt_logprobs.append(self._prompt_logprobs(self.logits_params, hidden, step_input(rows, self._replicated),
                                                               width=batch.prompt_width))
         if batch.features is not None:
             step.logits, step.sampling_rows = logits, sampling_rows
@@ -594,7 +613,7 @@ class ModelRunner:
         padded = np.zeros(self.config.max_num_seqs, np.int32)
         padded[:n] = seqs
         self._wait_for_eagle(batch.layout, len(rows) if n else None)
-        self.draft_rows = self.eagle.propose_rows(self.params, last_sampled_before, draft_rows_before, step.sampled,
+        self.draft_rows = self.eagle.propose_rows(self.logits_params, last_sampled_before, draft_rows_before, step.sampled,
                                                   step.accepted, batch.chunk_next, padded, rows if n else None, live,
                                                   tables, self.draft_rows, self._replicated)
 
@@ -637,7 +656,7 @@ class ModelRunner:
         positions[: len(drafting)] = [r.num_tokens - 1 for r in drafting]
         tables = self._draft_tables([r.request_id for r in drafting], block_ids, rows, self.builder.widths[-1])
         self._wait_for_eagle(layout, rows)
-        drafts = self.eagle.propose(self.params, self.last_sampled, next_tokens, valid, draft_index, positions,
+        drafts = self.eagle.propose(self.logits_params, self.last_sampled, next_tokens, valid, draft_index, positions,
                                     np.arange(rows) < len(drafting), tables, self._replicated)
         return drafts[: len(drafting)]
 

@@ -93,6 +93,56 @@ def step_input(x: np.ndarray, sharding):
     return x if sharding.is_fully_addressable else put(x, sharding)
 
 
+class _Structure:
+    """A pytree's structure as a `FlatTree`'s static part: jit hashes and compares the
+    static parts of its arguments on every call, and this one answers from a stored hash
+    and by identity instead of walking the tree each time."""
+
+    __slots__ = ("treedef", "_hash")
+
+    def __init__(self, treedef) -> None:
+        self.treedef, self._hash = treedef, hash(treedef)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (isinstance(other, _Structure) and self.treedef == other.treedef)
+
+
+@jax.tree_util.register_pytree_node_class
+class FlatTree:
+    """A pytree handed to a jitted step as its leaves, flattened once when it is made.
+    jit's dispatch flattens every argument on each call, visiting each node of the tree
+    (a CPU's model holds a dataclass per layer matrix, see `layers.InputMajorWeight`), and
+    on a CPU, whose caches the step before has just swept, every visit misses. The step
+    reads `tree` while it traces."""
+
+    def __init__(self, leaves: tuple, structure: _Structure) -> None:
+        self.leaves, self.structure = leaves, structure
+
+    @classmethod
+    def of(cls, tree) -> "FlatTree":
+        leaves, treedef = jax.tree.flatten(tree)
+        return cls(tuple(leaves), _Structure(treedef))
+
+    @property
+    def tree(self):
+        return self.structure.treedef.unflatten(self.leaves)
+
+    def tree_flatten(self):
+        return self.leaves, self.structure
+
+    @classmethod
+    def tree_unflatten(cls, structure: _Structure, leaves) -> "FlatTree":
+        return cls(tuple(leaves), structure)
+
+
+def as_tree(tree):
+    """The tree itself, whether given as a tree or as a `FlatTree`."""
+    return tree.tree if isinstance(tree, FlatTree) else tree
+
+
 def structs(tree):
     """The shapes and placements of a tree's arrays: what lowering reads of them, without
     holding them (a step may donate or sleep drop them before a compile runs)."""

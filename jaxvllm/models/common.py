@@ -124,7 +124,19 @@ class Model(Protocol):
         residual stream [T, hidden] entering each of `aux_layers` (EAGLE-3's inputs)."""
 
     def compute_logits(self, params: Params, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:
-        """float32 logits [rows, vocab] of final-normed hidden rows."""
+        """float32 logits [rows, vocab] of final-normed hidden rows. It reads only the
+        params named in `LOGITS_PARAMS` (`logits_params`)."""
+
+
+# What `compute_logits` reads of a model's params: steps that only score hidden states
+# (prompt logprobs, an EAGLE head's drafts) take these, not every layer's weights as
+# arguments (each one more leaf for every call's dispatch).
+LOGITS_PARAMS = ("embed", "lm_head")
+
+
+def logits_params(params: Params) -> Params:
+    """The part of `params` that `compute_logits` reads."""
+    return {name: params[name] for name in LOGITS_PARAMS if name in params}
 
 
 # Kept one array per layer (a list), not stacked: the grouped-matmul kernel reads an

@@ -219,7 +219,8 @@ def _head(params, embed, kv_caches, input_ids, hidden, inputs: ModelInputs, e: E
 
 
 def _drafts(params, target_params, states, target: ModelConfig):
-    """Each row's argmax token, in the target's ids."""
+    """Each row's argmax token, in the target's ids. (`target_params`, in every step of the
+    head: the target's `logits_params`, its embeddings and lm_head.)"""
     if "head" in params:
         logits = linear(states, params["head"], preferred_element_type=jnp.float32)
     else:

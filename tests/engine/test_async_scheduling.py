@@ -439,7 +439,7 @@ def test_step_executables_do_not_branch(engines):
     hidden = jax.ShapeDtypeStruct((layout.num_tokens, runner.cfg.hidden_size), runner.dtype)
     rows = np.zeros((2, 16), np.int32)
     for width in (0, 20):
-        prompt_logprobs = runner._prompt_logprobs.lower(runner.params, hidden, rows, width=width)
+        prompt_logprobs = runner._prompt_logprobs.lower(runner.logits_params, hidden, rows, width=width)
         assert_no_host_sync(prompt_logprobs.compile().as_text(), "prompt logprobs")
 
 

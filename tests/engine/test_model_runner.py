@@ -142,3 +142,34 @@ def test_one_cache_for_every_layer_updated_in_place(dtype, kv_cache_dtype, tiny_
                                     layout=batch.layout).compile().as_text()
         assert count_cache_copies(hlo, caches[0].shape) == 0, bucket
         assert parameter_rewrites(hlo) == {}, bucket
+
+
+def test_forward_takes_the_params_flattened_once(tiny_checkpoint, compile_counter):
+    """The runner hands its forward the params as a `FlatTree`, made when the params are
+    set: the step compiled ahead from the params' shapes is the one each call finds (no
+    trace after warm-up), a FlatTree made anew of the same structure finds it too, and new
+    params (a weight update, a wake-up) are flattened again."""
+    from jaxvllm.sharding import FlatTree, structs
+
+    llm = LLM(str(tiny_checkpoint("llama")), **SMALL)
+    runner = llm.llm_engine.runner
+    assert runner.flat_params.leaves == tuple(jax.tree.leaves(runner.params))
+    assert jax.tree.structure(runner.flat_params.tree) == jax.tree.structure(runner.params)
+    llm.llm_engine.finish_warmup()
+    before = compile_counter.count
+    params = SamplingParams(max_tokens=4, temperature=0)
+    first = llm.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert compile_counter.count == before
+    runner.params = jax.tree.map(jnp.copy, runner.params)  # (new arrays, the same values)
+    assert runner.flat_params.leaves == tuple(jax.tree.leaves(runner.params))
+    before = compile_counter.count
+    again = llm.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert again == first and compile_counter.count == before
+    # (a FlatTree of shapes and one of arrays: equal static parts, one compiled step)
+    add = jax.jit(lambda flat: sum(x.sum() for x in jax.tree.leaves(flat.tree)))
+    add.lower(FlatTree.of(structs(runner.params))).compile()
+    before = compile_counter.count
+    add(FlatTree.of(runner.params))
+    add(FlatTree.of(runner.params))
+    assert compile_counter.count == before and add._cache_size() == 1
+    llm.llm_engine.shutdown()
