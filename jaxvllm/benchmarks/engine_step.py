@@ -12,7 +12,9 @@ read per second, the host's time to dispatch a step (the call's return, before t
 device is done: what the engine's host pays per step for it), the same steps back to
 back as the engine runs them (`pipelined_step_ms`, and `busy_dispatch_ms`: a call's
 return while the step before still runs; near the step time, dispatch waits for the
-device and the host's work cannot overlap it), copies of the cache in the compiled HLO
+device and the host's work cannot overlap it; `device_put_*`: the same with the inputs
+handed to `jax.device_put` before each call, to tell a GPU's own dispatch from its copy of
+numpy inputs), copies of the cache in the compiled HLO
 (should be 0), and whether the backends' greedy tokens agree. It
 complements `python -m pallas_kernels.bench` (the kernels alone), whose harness
 (`pallas_kernels.harness`) it uses; it lives here because the kernel package imports
@@ -105,9 +107,12 @@ def bench_step(cfg: dict, iters: int, backends=tuple(BACKENDS)) -> dict:
                     dispatch.append(returned - start)
             t = statistics.median(times)
             pipelined, busy_dispatch, caches = back_to_back(fn, params, caches, inputs, iters)
+            put_pipelined, put_dispatch, caches = back_to_back(fn, params, caches, inputs, iters, jax.device_put)
             kv_bytes = kv_elements_per_step * jnp.dtype(cache_dtype).itemsize
             return {"step_ms": t * 1e3, "dispatch_ms": statistics.median(dispatch) * 1e3,
                     "pipelined_step_ms": pipelined * 1e3, "busy_dispatch_ms": busy_dispatch * 1e3,
+                    "device_put_pipelined_step_ms": put_pipelined * 1e3,
+                    "device_put_busy_dispatch_ms": put_dispatch * 1e3,
                     "kv_tb_s": kv_bytes / t / 1e12, "cache_copies_in_hlo": copies,
                     "tokens_head": np.asarray(tokens[:8]).tolist()}
 
@@ -122,24 +127,29 @@ def bench_step(cfg: dict, iters: int, backends=tuple(BACKENDS)) -> dict:
         r = result.get(name, {})
         if "pipelined_step_ms" in r:
             print(f"  {name}: step {r['step_ms']:.3f} ms, dispatch {r['dispatch_ms']:.3f} ms; back to back "
-                  f"{r['pipelined_step_ms']:.3f} ms per step, dispatch {r['busy_dispatch_ms']:.3f} ms", flush=True)
+                  f"{r['pipelined_step_ms']:.3f} ms per step, dispatch {r['busy_dispatch_ms']:.3f} ms "
+                  f"(inputs put first: {r['device_put_pipelined_step_ms']:.3f} ms per step, dispatch "
+                  f"{r['device_put_busy_dispatch_ms']:.3f} ms with the put)", flush=True)
     return result
 
 
-def back_to_back(fn, params, caches, inputs, iters: int) -> tuple[float, float, Any]:
+def back_to_back(fn, params, caches, inputs, iters: int, transfer=None) -> tuple[float, float, Any]:
     """Steps as the engine runs them: each dispatched while the one before still runs, its
-    inputs given as numpy (which the call copies in, as the runner's packed batch is).
-    Returns (seconds per step, the median seconds a call took to return, the caches). A
-    call that returns only once the step before is done (busy dispatch near the step
-    time) would leave the host no time to overlap its work with the device's."""
+    inputs given as numpy (which the call copies in, as the runner's packed batch is), or
+    handed to `transfer` first (`jax.device_put`: whether a GPU's call returns sooner when
+    its inputs are already on their way). Returns (seconds per step, the median seconds a
+    call took to return, the transfer's included, the caches). A call that returns only
+    once the step before is done (busy dispatch near the step time) would leave the host
+    no time to overlap its work with the device's."""
     host_inputs = jax.tree.map(np.asarray, inputs)
-    tokens, caches = fn(params, caches, host_inputs)  # numpy arguments: a cache entry of their own
+    transfer = transfer or (lambda x: x)
+    tokens, caches = fn(params, caches, transfer(host_inputs))  # (numpy arguments: a cache entry of their own)
     jax.block_until_ready(tokens)
     returned = []
     start = time.perf_counter()
     for _ in range(iters):
         call = time.perf_counter()
-        tokens, caches = fn(params, caches, host_inputs)
+        tokens, caches = fn(params, caches, transfer(host_inputs))
         returned.append(time.perf_counter() - call)
     jax.block_until_ready(tokens)
     return (time.perf_counter() - start) / iters, statistics.median(returned), caches

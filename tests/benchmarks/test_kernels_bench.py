@@ -57,6 +57,7 @@ def test_engine_step_small_runs_every_backend(tmp_path, monkeypatch):
         run = step[backend]
         assert run["step_ms"] > 0 and 0 < run["dispatch_ms"] <= run["step_ms"] and run["cache_copies_in_hlo"] == 0
         assert run["pipelined_step_ms"] > 0 and 0 < run["busy_dispatch_ms"] <= run["pipelined_step_ms"]
+        assert 0 < run["device_put_busy_dispatch_ms"] <= run["device_put_pipelined_step_ms"]
     # fp8 reads half the bytes: its TB/s is half the bf16 cache's, times its speedup.
     assert step["pallas_fp8"]["kv_tb_s"] == pytest.approx(step["pallas"]["kv_tb_s"] / 2 * step["fp8_speedup_vs_pallas"])
     assert step["greedy_tokens_equal_head"]
