@@ -558,7 +558,8 @@ class ModelRunner:
             part = np.stack([batch.prompt_rows[start : start + chunk], batch.prompt_targets[start : start + chunk]])
             rows = np.zeros((2, chunk), np.int32)  # (padding: row 0, token 0; dropped on the host)
             rows[:, : part.shape[1]] = part
-            step.prompt_logprobs.append(self._prompt_logprobs(self.logits_params, hidden, step_input(rows, self._replicated),
+            step.prompt_logprobs.append(self._prompt_logprobs(self.logits_params, hidden,
+                                                              step_input(rows, self._replicated),
                                                               width=batch.prompt_width))
         if batch.features is not None:
             step.logits, step.sampling_rows = logits, sampling_rows
@@ -613,9 +614,9 @@ class ModelRunner:
         padded = np.zeros(self.config.max_num_seqs, np.int32)
         padded[:n] = seqs
         self._wait_for_eagle(batch.layout, len(rows) if n else None)
-        self.draft_rows = self.eagle.propose_rows(self.logits_params, last_sampled_before, draft_rows_before, step.sampled,
-                                                  step.accepted, batch.chunk_next, padded, rows if n else None, live,
-                                                  tables, self.draft_rows, self._replicated)
+        self.draft_rows = self.eagle.propose_rows(self.logits_params, last_sampled_before, draft_rows_before,
+                                                  step.sampled, step.accepted, batch.chunk_next, padded,
+                                                  rows if n else None, live, tables, self.draft_rows, self._replicated)
 
     def propose_drafts(self, request_ids: list[str], tokens: list[int], positions: list[int],
                        block_ids: list[list[int]]) -> np.ndarray:
