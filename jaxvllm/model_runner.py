@@ -48,8 +48,8 @@ from jaxvllm.models.common import logits_params
 from jaxvllm.request import Request, ScheduledBatch, ScheduledRequest
 from jaxvllm.sampler import (COMMON_FEATURES, Logprobs, SamplerFeatures, SamplerState, compute_logprobs, init_state,
                              sample, state_row, write_state_row)
-from jaxvllm.sharding import (FlatTree, as_tree, device_group, kv_cache_sharding, make_mesh, put, replicated,
-                              step_input, structs, to_host)
+from jaxvllm.sharding import (FlatParams, FlatTree, as_tree, device_group, kv_cache_sharding, make_mesh, put,
+                              replicated, step_input, structs, to_host)
 from jaxvllm.spec_decode.draft_model import DraftModel
 from jaxvllm.spec_decode.eagle import EagleHead
 from jaxvllm.spec_decode.rejection_sampler import sample_with_drafts
@@ -275,6 +275,8 @@ def resolve_backend(backend: str, softcapped: bool = False) -> str:
 
 
 class ModelRunner:
+    params = FlatParams()  # the model's weights (None while asleep), and `flat_params`: the forward's
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = c = config
         # This replica's devices; tensor parallelism: a mesh over them (None: one device, nothing split).
@@ -397,19 +399,6 @@ class ModelRunner:
         """The largest step: the memory profile runs it."""
         b = self.builder
         return b.padding_batch(b.buckets[-1], b.widths[-1], COMMON_FEATURES[-1])
-
-    @property
-    def params(self):
-        """The model's weights (a tree of arrays; None while asleep)."""
-        return self._params
-
-    @params.setter
-    def params(self, params) -> None:
-        # (and, for the steps' dispatch: flattened once for the forward, see `FlatTree`; the
-        # lm_head's part alone for the steps that only score hidden states)
-        self._params = params
-        self.flat_params = None if params is None else FlatTree.of(params)
-        self.logits_params = None if params is None else logits_params(params)
 
     def _profile(self) -> None:
         """Run the largest step once, on a cache of one sequence's blocks."""
@@ -558,7 +547,7 @@ class ModelRunner:
             part = np.stack([batch.prompt_rows[start : start + chunk], batch.prompt_targets[start : start + chunk]])
             rows = np.zeros((2, chunk), np.int32)  # (padding: row 0, token 0; dropped on the host)
             rows[:, : part.shape[1]] = part
-            step.prompt_logprobs.append(self._prompt_logprobs(self.logits_params, hidden,
+            step.prompt_logprobs.append(self._prompt_logprobs(logits_params(self.params), hidden,
                                                               step_input(rows, self._replicated),
                                                               width=batch.prompt_width))
         if batch.features is not None:
@@ -614,9 +603,10 @@ class ModelRunner:
         padded = np.zeros(self.config.max_num_seqs, np.int32)
         padded[:n] = seqs
         self._wait_for_eagle(batch.layout, len(rows) if n else None)
-        self.draft_rows = self.eagle.propose_rows(self.logits_params, last_sampled_before, draft_rows_before,
-                                                  step.sampled, step.accepted, batch.chunk_next, padded,
-                                                  rows if n else None, live, tables, self.draft_rows, self._replicated)
+        self.draft_rows = self.eagle.propose_rows(logits_params(self.params), last_sampled_before,
+                                                  draft_rows_before, step.sampled, step.accepted, batch.chunk_next,
+                                                  padded, rows if n else None, live, tables, self.draft_rows,
+                                                  self._replicated)
 
     def propose_drafts(self, request_ids: list[str], tokens: list[int], positions: list[int],
                        block_ids: list[list[int]]) -> np.ndarray:
@@ -657,8 +647,8 @@ class ModelRunner:
         positions[: len(drafting)] = [r.num_tokens - 1 for r in drafting]
         tables = self._draft_tables([r.request_id for r in drafting], block_ids, rows, self.builder.widths[-1])
         self._wait_for_eagle(layout, rows)
-        drafts = self.eagle.propose(self.logits_params, self.last_sampled, next_tokens, valid, draft_index, positions,
-                                    np.arange(rows) < len(drafting), tables, self._replicated)
+        drafts = self.eagle.propose(logits_params(self.params), self.last_sampled, next_tokens, valid, draft_index,
+                                    positions, np.arange(rows) < len(drafting), tables, self._replicated)
         return drafts[: len(drafting)]
 
     def _wait_for_eagle(self, layout: BatchLayout, rows: int | None) -> None:

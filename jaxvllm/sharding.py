@@ -138,6 +138,22 @@ class FlatTree:
         return cls(tuple(leaves), structure)
 
 
+class FlatParams:
+    """A `params` attribute that also keeps its `FlatTree` in `flat_params`, made whenever
+    the params are set (the load, a wake-up, a weight update): what the steps run every
+    engine step take."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.private = "_" + name
+
+    def __get__(self, obj, objtype=None):
+        return self if obj is None else getattr(obj, self.private)
+
+    def __set__(self, obj, params) -> None:
+        setattr(obj, self.private, params)
+        obj.flat_params = None if params is None else FlatTree.of(params)
+
+
 def as_tree(tree):
     """The tree itself, whether given as a tree or as a `FlatTree`."""
     return tree.tree if isinstance(tree, FlatTree) else tree

@@ -35,12 +35,13 @@ from jaxvllm.kv_cache import CACHE_STEP_COMPILER_OPTIONS, KVCacheSpec, allocate_
 from jaxvllm.loader import load_model, resolve_dtype
 from jaxvllm.model_config import ModelConfig
 from jaxvllm.models import MODELS
-from jaxvllm.sharding import kv_cache_sharding, replicated, step_input, structs
+from jaxvllm.sharding import FlatParams, FlatTree, as_tree, kv_cache_sharding, replicated, step_input, structs
 
 
 def _forward(params, kv_caches, packed, last_sampled, draft_rows=None, *, cfg: ModelConfig, backend: str,
              mesh: Mesh | None, layout: BatchLayout):
     """The draft over a target step's batch: only its K/V is kept."""
+    params = as_tree(params)  # (a FlatTree: see `DraftModel.params`)
     inputs = layout.model_inputs(packed, last_sampled, draft_rows)
     return MODELS[cfg.architecture].hidden_states(params, kv_caches, inputs, cfg, backend, mesh)[1]
 
@@ -61,6 +62,7 @@ def _propose(params, kv_caches, tokens, positions, live, block_tables, *, cfg: M
              mesh: Mesh | None, k: int, block_size: int, dynamic_loops: bool):
     """K greedy decode steps from `tokens` [S] at `positions` [S] (rows not `live`: padding,
     writing nothing); returns the drafts [S, K] and the caches."""
+    params = as_tree(params)  # (a FlatTree: see `DraftModel.params`)
     model, drafts = MODELS[cfg.architecture], []
     for step in range(k):
         inputs = decode_inputs(tokens, positions + step, live, block_tables, block_size=block_size, backend=backend,
@@ -126,6 +128,8 @@ def jit_propose_rows(cfg: ModelConfig, backend: str, mesh: Mesh | None, k: int, 
 class DraftModel:
     """The draft's params and KV cache, and its two compiled steps (see the module's doc)."""
 
+    params = FlatParams()  # (its steps take `flat_params`, as the runner's forward)
+
     def __init__(self, config: EngineConfig, *, mesh: Mesh | None, device, backend: str,
                  dynamic_loops: bool, num_devices: int) -> None:
         spec = config.speculative_config
@@ -150,33 +154,35 @@ class DraftModel:
 
     def forward(self, packed, last_sampled, layout: BatchLayout, draft_rows=None) -> None:
         """Dispatch the draft over a target step's batch."""
-        self.kv_caches = self._forward(self.params, self.kv_caches, packed, last_sampled, draft_rows, layout=layout)
+        self.kv_caches = self._forward(self.flat_params, self.kv_caches, packed, last_sampled, draft_rows,
+                                       layout=layout)
 
     def propose_rows(self, rows: np.ndarray, live: np.ndarray, block_tables: np.ndarray, last_sampled, draft_rows,
                      place):
         """Dispatch device drafts after a step's sampler (see `_propose_rows`); the new draft_rows."""
         args = [step_input(x, place) for x in (rows, live, block_tables)]
-        draft_rows, self.kv_caches = self._propose_rows(self.params, self.kv_caches, *args, last_sampled, draft_rows)
+        draft_rows, self.kv_caches = self._propose_rows(self.flat_params, self.kv_caches, *args, last_sampled,
+                                                        draft_rows)
         return draft_rows
 
     def propose(self, tokens: np.ndarray, positions: np.ndarray, live: np.ndarray, block_tables: np.ndarray,
                 place) -> np.ndarray:
         """Drafts [S, K] (host) for the `live` rows' newest tokens at their positions."""
         args = [step_input(x, place) for x in (tokens, positions, live, block_tables)]
-        drafts, self.kv_caches = self._propose(self.params, self.kv_caches, *args)
+        drafts, self.kv_caches = self._propose(self.flat_params, self.kv_caches, *args)
         return np.asarray(drafts)
 
     def compile_forward(self, packed, last_sampled, layout: BatchLayout, draft_rows=None) -> Callable[[], None]:
         """A job that compiles, without running, the draft's forward over a target layout;
         it holds the shapes of this model's arrays, not them (nor this model)."""
-        forward, params, caches = self._forward, structs(self.params), structs(self.kv_caches)
+        forward, params, caches = self._forward, FlatTree.of(structs(self.params)), structs(self.kv_caches)
         return lambda: forward.lower(params, caches, packed, last_sampled, draft_rows, layout=layout).compile()
 
     def compile_propose(self, rows: int, width: int, place, last_sampled=None, draft_rows=None) -> Callable[[], None]:
         """A job that compiles, without running, the proposer of a row count and block-table
         width (with `draft_rows`: the device-drafts one), on host inputs placed as a run
         places them."""
-        params, caches = structs(self.params), structs(self.kv_caches)
+        params, caches = FlatTree.of(structs(self.params)), structs(self.kv_caches)
         ints, live, tables = np.zeros(rows, np.int32), np.zeros(rows, bool), np.zeros((rows, width), np.int32)
         if draft_rows is not None:
             propose_rows, args = self._propose_rows, [step_input(x, place) for x in (ints, live, tables)]

@@ -10,6 +10,7 @@ import pytest
 
 from jaxvllm import LLM, RequestOutput, RequestOutputKind, SamplingParams
 from jaxvllm.input_batch import BatchLayout
+from jaxvllm.models.common import logits_params
 from jaxvllm.sampler import SamplerFeatures
 from tests.conftest import ARCHS
 
@@ -439,7 +440,7 @@ def test_step_executables_do_not_branch(engines):
     hidden = jax.ShapeDtypeStruct((layout.num_tokens, runner.cfg.hidden_size), runner.dtype)
     rows = np.zeros((2, 16), np.int32)
     for width in (0, 20):
-        prompt_logprobs = runner._prompt_logprobs.lower(runner.logits_params, hidden, rows, width=width)
+        prompt_logprobs = runner._prompt_logprobs.lower(logits_params(runner.params), hidden, rows, width=width)
         assert_no_host_sync(prompt_logprobs.compile().as_text(), "prompt logprobs")
 
 
