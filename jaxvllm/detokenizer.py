@@ -47,6 +47,8 @@ _FORCE_AFTER = 6
 # Tokens after a forced commit point: a UTF-8 character needs at most 3 more bytes,
 # so with 3 tokens after it the decoder has settled everything before the point.
 _FORCE_KEEP = 3
+# Prompt tokens looked at for the context that the first output tokens decode after.
+_PROMPT_CONTEXT = 24
 # Drop ids before the window once this many have piled up (memory stays bounded).
 _TRIM_AT = 1024
 # What the ByteFallback decoder reads as one byte: "<0x" + 2 digits (Rust's
@@ -61,7 +63,9 @@ class IncrementalDetokenizer:
     `text` equals `tokenizer.decode(output_ids, skip_special_tokens=...)` after every
     `update` until a stop string appears; then `text` is cut before the stop string
     (after it with `include_stop_str_in_output`) and further `update` calls raise
-    RuntimeError, since tokens after the stop are not part of the completion.
+    RuntimeError, since tokens after the stop are not part of the completion. Given
+    `prompt_token_ids`, the text is instead what the output adds to the prompt's last
+    tokens, decode(context + output_ids)[len(decode(context)):], as vLLM's is.
     """
 
     def __init__(
@@ -72,6 +76,7 @@ class IncrementalDetokenizer:
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
         spaces_between_special_tokens: bool = True,
+        prompt_token_ids: Sequence[int] = (),
     ) -> None:
         stop = (stop,) if isinstance(stop, str) else tuple(stop or ())  # vLLM also takes one string
         for s in stop:
@@ -117,6 +122,8 @@ class IncrementalDetokenizer:
         self._tail = ""  # text of the pending ids ids[read:]
         self._text: str | None = ""  # cached `text`; None when stale
         self._stopped = False
+        if prompt_token_ids:
+            self._prime(prompt_token_ids)
 
     # -- public ----------------------------------------------------------------------
 
@@ -130,6 +137,13 @@ class IncrementalDetokenizer:
             self._chunks = [committed[:-64], committed[-64:]] if committed else []
             self._text = committed + self._tail
         return self._text
+
+    @property
+    def stop_buffer(self) -> int:
+        """Characters at the end of `text` that could still be the start of a stop string
+        left out of the text: a stream holds them back until the completion ends (vLLM's
+        `stop_buffer_length`)."""
+        return self._max_stop_len - 1 if self._stop and not self._include_stop else 0
 
     def update(self, new_token_ids: Sequence[int], check_stop: bool = True) -> str | None:
         """Append output tokens (usually one per step); return the stop string if one now
@@ -160,6 +174,26 @@ class IncrementalDetokenizer:
         return None
 
     # -- internals -------------------------------------------------------------------
+
+    def _prime(self, prompt_token_ids: Sequence[int]) -> None:
+        """Start the window with the prompt's last tokens as committed context, as vLLM's
+        detokenizer does: the completion's first token then decodes as it follows the
+        prompt (a SentencePiece "▁Paris" keeps its space, which it loses at the start of
+        a text). The context is the shortest suffix of at least `_CONTEXT` visible tokens
+        whose text is whole (no U+FFFD), else the last `_PROMPT_CONTEXT` of them."""
+        visible = [int(t) for t in prompt_token_ids[-_PROMPT_CONTEXT:]
+                   if int(t) not in self._hidden and self._id_to_token(int(t)) is not None]
+        context = visible
+        for size in range(_CONTEXT, len(visible)):
+            if _REPLACEMENT not in self._decode(visible[-size:]):
+                context = visible[-size:]
+                break
+        if context:
+            self._ids = context
+            self._is_byte = [self._byte_fallback and _BYTE_TOKEN.match(self._id_to_token(t)) is not None
+                             for t in context]
+            self._read = len(context)
+            self._prefix_text = self._decode(context)
 
     def _decode(self, ids: list[int]) -> str:
         if self._backend_decode is not None:
@@ -265,19 +299,20 @@ class IncrementalDetokenizer:
 
     def _check_stop(self, changed_from: int) -> str | None:
         """Search the changed text (plus len(longest stop) - 1 characters before it) for
-        the stop strings; on a match cut the text and finish. The earliest match wins;
-        between matches at the same offset, the one listed first in `stop`."""
+        the stop strings; on a match cut the text and finish. As vLLM's: the match that is
+        complete first (ends earliest) wins, as it would have one character at a time;
+        between matches that end together, the one listed first in `stop`."""
         lo = max(0, changed_from - (self._max_stop_len - 1))
         region = self._recent_committed(self._committed_len - lo) + self._tail
-        first, found = len(region), None
+        first, end, found = 0, len(region) + 1, None
         for s in self._stop:
             # An occurrence must reach into the changed text: older ones were seen before.
-            i = region.find(s, max(0, changed_from - lo - len(s) + 1), first + len(s) - 1)
-            if i != -1 and i < first:
-                first, found = i, s
+            i = region.find(s, max(0, changed_from - lo - len(s) + 1), end - 1)
+            if i != -1 and i + len(s) < end:
+                first, end, found = i, i + len(s), s
         if found is None:
             return None
-        end = lo + first + (len(found) if self._include_stop else 0)
+        end = lo + (end if self._include_stop else first)
         text = ("".join(self._chunks) + self._tail)[:end]
         self._chunks, self._committed_len, self._tail = [text], len(text), ""
         self._text = text

@@ -21,7 +21,7 @@ import jax
 
 from jaxvllm.config import EngineConfig
 from jaxvllm.dummy import resolve_model
-from jaxvllm.input_processor import InputProcessor, load_tokenizer
+from jaxvllm.input_processor import InputProcessor, eos_token_ids, load_tokenizer, read_generation_config
 from jaxvllm.interrupts import defer_interrupts
 from jaxvllm.kv_cache_manager import KVCacheManager
 from jaxvllm.lora.request import LoRARequest
@@ -61,10 +61,8 @@ class LLMEngine:
             check_eagle_head(config)  # (the same)
         self.runner = runner_class(config)
         self.model_config = self.runner.cfg
-        eos = set(self.model_config.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = tuple(sorted(eos))
+        self.generation_config = read_generation_config(config)
+        self.eos_token_ids = eos_token_ids(self.model_config.eos_token_ids, self.generation_config, self.tokenizer)
         self.kv_cache_manager = KVCacheManager(
             self.runner.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
         )
@@ -220,8 +218,9 @@ class LLMEngine:
         return outputs
 
     def get_num_unfinished_requests(self) -> int:
-        """Requests added and not yet finished (a request with n > 1 counts once)."""
-        return len(self._parents)
+        """Completions added and not yet finished: as vLLM's, a request of n > 1 counts each
+        of its n until it finishes."""
+        return sum(not c.is_finished for parent in self._parents.values() for c in parent.children)
 
     def has_unfinished_requests(self) -> bool:
         """Requests to finish, or a dispatched step still to read."""

@@ -46,6 +46,43 @@ def load_tokenizer(config: EngineConfig):
         ) from e
 
 
+def read_generation_config(config: EngineConfig) -> dict[str, Any]:
+    """The fields of the model's generation_config.json that differ from transformers'
+    defaults ({} without one), as vLLM reads them: from the model's folder unless
+    `generation_config` names another ("vllm" still reads the model's, for its EOS ids)."""
+    from transformers import GenerationConfig
+
+    source = config.generation_config
+    try:
+        return GenerationConfig.from_pretrained(config.model if source in ("auto", "vllm") else source,
+                                                local_files_only=True).to_diff_dict()
+    except OSError:
+        return {}
+
+
+def eos_token_ids(config_eos: tuple[int, ...], generation_config: dict[str, Any], tokenizer) -> tuple[int, ...]:
+    """Every id that ends a completion unless `ignore_eos`, the model's EOS first: the
+    tokenizer's (else config.json's first), whose stop_reason is None as vLLM's. The others
+    (config.json's and generation_config.json's: Llama 3 and Qwen instruct models list
+    several) stop as vLLM adds them to `stop_token_ids`, with their id as stop_reason."""
+    listed = generation_config.get("eos_token_id")
+    listed = [*config_eos, *([listed] if isinstance(listed, int) else listed or ())]
+    first = None if tokenizer is None else tokenizer.eos_token_id
+    return tuple(dict.fromkeys(t for t in (first, *listed) if t is not None))
+
+
+def fold_seed(seed: int) -> int:
+    """The sampler's 32-bit seed of a request seed, which may be any 64-bit int (vLLM's
+    range): seeds in [0, 2**32) are kept, others mixed by SplitMix64's finalizer, so that
+    seeds apart by 2**32 or a sign do not share a stream."""
+    if 0 <= seed < 2**32:
+        return seed
+    z, mask = (seed + 0x9E3779B97F4A7C15) % 2**64, 2**64 - 1
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return (z ^ (z >> 31)) & 0xFFFFFFFF
+
+
 class InputProcessor:
     """Builds the `Request`s of one user request (its n completions); queues nothing.
 
@@ -64,19 +101,24 @@ class InputProcessor:
 
     def tokenize_prompt(self, prompt: Any, add_special_tokens: bool = True) -> tuple[str | None, list[int], str | None]:
         """A str, or a dict with "prompt" (str) or "prompt_token_ids" (list of ints) and an
-        optional "cache_salt" -> (text, token ids, salt); raises on bad input."""
+        optional "cache_salt" -> (text, token ids, salt); raises on bad input. A dict with
+        both is vLLM's `TokensPrompt` with its text: the ids are the prompt, the text is
+        only reported."""
         if isinstance(prompt, dict):
             unknown = set(prompt) - _PROMPT_KEYS
             if unknown:
                 raise ValueError(f"unknown prompt key(s) {sorted(unknown)}; allowed: {sorted(_PROMPT_KEYS)}")
-            if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
-                raise ValueError("a prompt dict needs exactly one of 'prompt' or 'prompt_token_ids'")
+            if "prompt" not in prompt and "prompt_token_ids" not in prompt:
+                raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
             salt = prompt.get("cache_salt")
             if salt is not None and not isinstance(salt, str):
                 raise TypeError(f"cache_salt must be a str, got {type(salt).__name__}")
-            if "prompt" in prompt:
+            if "prompt_token_ids" not in prompt:
                 return (*self.tokenize_prompt(prompt["prompt"], add_special_tokens)[:2], salt)
-            return None, self._check_token_ids(prompt["prompt_token_ids"]), salt
+            text = prompt.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise TypeError(f"a TokensPrompt's 'prompt' (its text) must be a str, got {type(text).__name__}")
+            return text, self._check_token_ids(prompt["prompt_token_ids"]), salt
         if not isinstance(prompt, str):
             raise TypeError(f"a prompt must be a str or a dict, got {type(prompt).__name__}")
         if not prompt:
@@ -188,7 +230,7 @@ class InputProcessor:
         """Completion `index` of a request: its id, seed, detokenizer and grammar."""
         arrival = next(self._arrivals)
         # Each completion has its own randomness: seed + index, or a seed drawn from the engine's.
-        seed = (params.seed + index) % 2**32 if params.seed is not None else (self.config.seed * 1_000_003 + arrival) % 2**32
+        seed = fold_seed(params.seed + index) if params.seed is not None else (self.config.seed * 1_000_003 + arrival) % 2**32
         child = Request(
             request_id if params.n == 1 else f"{index}_{request_id}", token_ids, params, prompt=text,
             priority=priority, max_tokens=max_tokens, eos_token_ids=self.eos_token_ids, arrival_index=arrival,
@@ -199,7 +241,7 @@ class InputProcessor:
             child.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, skip_special_tokens=params.skip_special_tokens, stop=params.stop_strings,
                 include_stop_str_in_output=params.include_stop_str_in_output,
-                spaces_between_special_tokens=params.spaces_between_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens, prompt_token_ids=token_ids,
             )
         if params.structured_outputs is not None:  # (checked, and compiled once per spec)
             child.grammar = self.structured_outputs.grammar(params.structured_outputs)

@@ -12,6 +12,7 @@ class TextPrompt(TypedDict):
 
 class TokensPrompt(TypedDict):
     prompt_token_ids: list[int]
+    prompt: NotRequired[str]  # the text of the ids, if known: the outputs' `prompt` (never tokenized)
     cache_salt: NotRequired[str]
 
 

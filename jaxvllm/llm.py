@@ -11,6 +11,7 @@ from typing import Any, Iterator, Sequence
 from tqdm.auto import tqdm
 
 from jaxvllm.beam_search import BeamSearchOutput, beam_search
+from jaxvllm.chat_utils import CONTENT_FORMATS, detect_content_format, parse_conversation
 from jaxvllm.config import EngineConfig
 from jaxvllm.engine import LLMEngine
 from jaxvllm.inputs import prompt_list
@@ -76,18 +77,9 @@ class LLM:
         return SamplingParams(**self._default_sampling)
 
     def _read_generation_config(self) -> dict[str, Any]:
-        from transformers import GenerationConfig
-
-        source = self.llm_engine.config.generation_config
-        if source == "vllm":
+        if self.llm_engine.config.generation_config == "vllm":
             return {}
-        try:
-            config = GenerationConfig.from_pretrained(
-                self.llm_engine.config.model if source == "auto" else source, local_files_only=True
-            )
-        except OSError:
-            return {}
-        given = config.to_diff_dict()
+        given = self.llm_engine.generation_config
         names = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                  "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
         return {ours: given[hf] for hf, ours in names.items() if given.get(hf) is not None}
@@ -154,25 +146,36 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict] | None = None,
+        chat_template_content_format: str = "auto",
         use_tqdm: bool = True,
         lora_request: Any = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or a
         list of them, rendered with the tokenizer's chat template (or `chat_template`).
         `continue_final_message`, `chat_template_kwargs` and `tools` go to the template, as
-        in vLLM (transformers' `apply_chat_template`)."""
+        in vLLM (transformers' `apply_chat_template`). Content may be a string, a list of
+        OpenAI text parts or None; the template gets it as one string or as parts
+        (`chat_template_content_format`: "auto" detects which the template reads)."""
         self._check_open()
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message=True needs add_generation_prompt=False")
+        if chat_template_content_format not in CONTENT_FORMATS:
+            raise ValueError(f"chat_template_content_format must be one of {CONTENT_FORMATS}, "
+                             f"got {chat_template_content_format!r}")
         if not isinstance(messages, (list, tuple)) or not messages:
             raise TypeError("messages must be a non-empty list of message dicts, or a list of such lists")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
-        if chat_template is None and tokenizer.chat_template is None:
+        template = chat_template if chat_template is not None else tokenizer.chat_template
+        if template is None:
             raise ValueError("the tokenizer has no chat template; pass chat_template=")
+        content_format = chat_template_content_format
+        if content_format == "auto":
+            content_format = detect_content_format(template)
         prompts = [
             tokenizer.apply_chat_template(
-                list(conv), chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=False,
+                parse_conversation(conv, content_format), chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt, tokenize=False,
                 continue_final_message=continue_final_message, tools=tools, **(chat_template_kwargs or {}),
             )
             for conv in conversations

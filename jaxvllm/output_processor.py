@@ -12,7 +12,7 @@ string it finds is handed back for the engine to finish the request.
 from __future__ import annotations
 
 from jaxvllm.outputs import CompletionOutput, Logprob, RequestOutput
-from jaxvllm.request import ParentRequest, Request, RequestStatus, ScheduledRequest
+from jaxvllm.request import ParentRequest, Request, ScheduledRequest
 from jaxvllm.sampling_params import RequestOutputKind
 
 
@@ -27,15 +27,23 @@ class OutputProcessor:
         new = request.output_token_ids[request.num_detokenized :]
         if request.detokenizer is None or not new:
             return None
+        # As vLLM's, the text leaves out the EOS or stop token id that ended the completion
+        # (unless include_stop_str_in_output).
+        skipped = int(request.stopped_on_token and not request.params.include_stop_str_in_output)
+        request.num_detokenized += skipped
+        new = new[: len(new) - skipped]
+        if not new:
+            return None
         # Several new tokens (accepted drafts): one at a time, so that a stop string ends the
         # completion at the token that completes it and the tokens after it are dropped.
         parts = [new] if len(new) == 1 or not request.has_stop_strings else [[token] for token in new]
         for i, part in enumerate(parts):
             request.num_detokenized += len(part)
             # vLLM looks for stop strings only once more than min_tokens tokens exist.
-            stop = request.detokenizer.update(part, check_stop=request.num_detokenized > request.params.min_tokens)
+            stop = request.detokenizer.update(part, check_stop=request.num_detokenized - skipped
+                                              > request.params.min_tokens)
             if stop is not None:
-                dropped = len(parts) - 1 - i
+                dropped = len(parts) - 1 - i + skipped
                 if dropped and request.logprobs is not None:  # (their logprobs, recorded already, go too)
                     for token, entry in zip(request.token_ids[-dropped:], request.logprobs[-dropped:]):
                         request.cumulative_logprob -= entry[token].logprob
@@ -93,40 +101,56 @@ class OutputProcessor:
 
     def step_outputs(self, updated: list[Request], parents: dict[str, ParentRequest]
                      ) -> tuple[list[RequestOutput], list[ParentRequest]]:
-        """The outputs of the parents of a step's updated requests, as each one's output_kind
-        asks, and the parents that finished (the caller forgets them)."""
-        outputs, finished, seen, final_only = [], [], set(), RequestOutputKind.FINAL_ONLY
-        for request in updated:
+        """The outputs of a step's updated requests, as their parent's output_kind asks, and
+        the parents that finished (the caller forgets them). As vLLM V1's: a streamed (not
+        FINAL_ONLY) parent of n > 1 completions gives one output per updated completion,
+        holding that completion alone; FINAL_ONLY gives all n at once, at the end."""
+        outputs, finished, whole, last = [], {}, set(), {}
+        for request in dict.fromkeys(updated):  # (each once)
             parent = parents.get(request.parent_id)
-            if parent is None or parent.request_id in seen:
+            if parent is None:
                 continue
-            if parent.output_kind is final_only and request.status is not RequestStatus.FINISHED:
-                continue  # its parent is not finished either
-            seen.add(parent.request_id)
-            if parent.finished:
-                finished.append(parent)
+            streamed = parent.output_kind is not RequestOutputKind.FINAL_ONLY
+            done = request.is_finished and parent.finished
+            if streamed and len(parent.children) > 1:
+                outputs.append(self.output(parent, only=parent.children.index(request)))
+                if parent.request_id in last:  # (only its last output of the step says finished)
+                    last[parent.request_id].finished = False
+                last[parent.request_id] = outputs[-1]
+            elif parent.request_id not in whole and (streamed or done):
+                whole.add(parent.request_id)
                 outputs.append(self.output(parent))
-            elif parent.output_kind is not final_only:
-                outputs.append(self.output(parent))
-        return outputs, finished
+            if done:
+                finished[parent.request_id] = parent
+        return outputs, list(finished.values())
 
-    def output(self, parent: ParentRequest) -> RequestOutput:
-        """The parent's RequestOutput: everything so far, or (DELTA) what is new since the
-        last one. Until a completion finishes its text holds back a trailing U+FFFD (the
-        start of a character the next token may complete), as vLLM's does."""
+    def output(self, parent: ParentRequest, only: int | None = None) -> RequestOutput:
+        """The parent's RequestOutput (of completion `only` alone, if given): everything so
+        far, or (DELTA) what is new since the last one. Until a completion finishes its text
+        holds back a trailing U+FFFD (the start of a character the next token may complete)
+        and, with stop strings, as many characters as could start one (vLLM's stop buffer),
+        so that no text is streamed that a stop string later takes back. DELTA sends the
+        prompt logprobs once, with a completion's first output (later ones get [])."""
         delta = parent.output_kind == RequestOutputKind.DELTA
+        first = parent.children[0 if only is None else only]
+        prompt_logprobs = first.prompt_logprobs
+        if delta and prompt_logprobs is not None and parent.sent[0 if only is None else only][0]:
+            prompt_logprobs = []  # (sent with this completion's first output)
         completions = []
-        for i, child in enumerate(parent.children):
+        for i in range(len(parent.children)) if only is None else (only,):
+            child = parent.children[i]
             self.detokenize(child)
             text = child.detokenizer.text if child.detokenizer is not None else ""
             if not child.is_finished:
                 text = text.rstrip("\ufffd")
+                if child.detokenizer is not None and child.detokenizer.stop_buffer:
+                    text = text[: max(0, len(text) - child.detokenizer.stop_buffer)]
             tokens, logprobs = child.output_token_ids, child.logprobs
             if delta:
                 sent_tokens, sent_chars = parent.sent[i]
                 tokens = tokens[sent_tokens:]
                 logprobs = logprobs[sent_tokens:] if logprobs is not None else None
-                parent.sent[i] = (sent_tokens + len(tokens), len(text))
+                parent.sent[i] = (sent_tokens + len(tokens), max(sent_chars, len(text)))
                 text = text[sent_chars:]
             completions.append(CompletionOutput(
                 index=i,
@@ -137,7 +161,6 @@ class OutputProcessor:
                 finish_reason=child.finish_reason if child.is_finished else None,
                 stop_reason=child.stop_reason,
             ))
-        first = parent.children[0]
         return RequestOutput(
             request_id=parent.request_id,
             prompt=first.prompt,
@@ -146,5 +169,5 @@ class OutputProcessor:
             finished=parent.finished,
             num_cached_tokens=first.num_cached_tokens or 0,
             metrics=first.metrics,
-            prompt_logprobs=first.prompt_logprobs,
+            prompt_logprobs=prompt_logprobs,
         )

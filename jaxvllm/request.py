@@ -65,9 +65,11 @@ class Request:
         self.priority = priority
         self.max_tokens = max_tokens
         self.max_num_tokens = len(self.prompt_token_ids) + max_tokens  # prompt + outputs at most
-        self.eos_token_ids = () if params.ignore_eos else eos_token_ids
+        # The model's EOS first (stop_reason None), then its other end ids (stop_reason the id).
+        # min_tokens masks them even under ignore_eos, as vLLM's (`_all_stop_token_ids`).
+        self.eos_token_ids = eos_token_ids
         self.has_stop_strings = bool(params.stop_strings)
-        self.stop_ids = frozenset(self.eos_token_ids) | frozenset(params.stop_token_ids)
+        self.stop_ids = frozenset(() if params.ignore_eos else eos_token_ids) | frozenset(params.stop_token_ids)
         self.arrival_index = arrival_index  # FCFS order and priority tie-break
         self.seed = seed  # the engine derives it from params.seed (+ completion index) or its own seed
         self.num_computed_tokens = 0
@@ -130,6 +132,12 @@ class Request:
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
 
+    @property
+    def stopped_on_token(self) -> bool:
+        """Ended by its last token, an EOS or stop token id (not a stop string or grammar)."""
+        return (self.finish_reason == "stop" and not isinstance(self.stop_reason, str)
+                and self.token_ids[-1] in self.stop_ids)
+
     def append_token(self, token_id: int) -> None:
         """Add a sampled token and set finish_reason when it ends the completion (a complete
         structured output ends it too: "stop")."""
@@ -144,7 +152,7 @@ class Request:
             complete = self.grammar.finished
         if token_id in self.stop_ids:
             self.finish_reason = "stop"
-            self.stop_reason = None if token_id in self.eos_token_ids else token_id
+            self.stop_reason = None if self.eos_token_ids and token_id == self.eos_token_ids[0] else token_id
         elif complete:
             self.finish_reason = "stop"
         elif len(self.token_ids) >= self.max_num_tokens:

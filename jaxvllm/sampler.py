@@ -374,8 +374,13 @@ def draw(logits, t: SamplingTensors, features: SamplerFeatures):
     takes one a token; and one number a position lets speculative decoding draw at each
     verified position what sampling without drafts would (`rejection_sampler`)."""
     sampled = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # ties -> lowest id, as torch.argmax
+    # top_k = 1 under a temperature draws the argmax, but its processed logits are vLLM's
+    # (which samples the row): the top token's over the temperature, the others -inf.
+    temperature = jnp.where(t.temperature > 0, t.temperature, 1.0)[:, None]
+    top_1 = jnp.where(logits >= jnp.max(logits, axis=-1, keepdims=True), logits / temperature, -jnp.inf)
+    processed = jnp.where(((t.temperature > 0) & (t.top_k == 1))[:, None], top_1, logits)
     if not features.random:
-        return sampled, logits
+        return sampled, processed
     x = random_logits(logits, t, features)
 
     def row_uniform(seed, index):
@@ -383,7 +388,7 @@ def draw(logits, t: SamplingTensors, features: SamplerFeatures):
 
     u = 1.0 - jax.vmap(row_uniform)(t.seeds, t.output_index)  # (0, 1]
     rows = is_random(t)
-    return jnp.where(rows, inverse_cdf_sample(x, u), sampled), jnp.where(rows[:, None], x, logits)
+    return jnp.where(rows, inverse_cdf_sample(x, u), sampled), jnp.where(rows[:, None], x, processed)
 
 
 def record_outputs(state: SamplerState, t: SamplingTensors, tokens: jax.Array, num: jax.Array,

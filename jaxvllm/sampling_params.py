@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import logging
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,6 +16,10 @@ from jaxvllm.config import check_bool, check_int, check_number
 # their logprobs are not asked for: scoring a continuation (lm-eval's loglikelihood) costs
 # its own tokens, and contexts that several requests share are computed once.
 PROMPT_LOGPROBS_START = "prompt_logprobs_start"
+# A positive temperature below this is raised to it, as vLLM's (`_MAX_TEMP`).
+MIN_TEMPERATURE = 1e-2
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_logprobs(k: int | None, vocab_size: int) -> int | None:
@@ -130,6 +135,10 @@ class SamplingParams:
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         self.temperature = check_number("temperature", self.temperature, low=0.0)
+        if 0 < self.temperature < MIN_TEMPERATURE:  # vLLM's words and floor
+            logger.warning("temperature %s is less than %s, which may cause numerical errors nan or inf in tensors. "
+                           "We have maxed it out to %s.", self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
+            self.temperature = MIN_TEMPERATURE
         self.top_p = check_number("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
         self.top_k = check_int("top_k", self.top_k, low=-1)
         self.min_p = check_number("min_p", self.min_p, low=0.0, high=1.0)
@@ -138,8 +147,8 @@ class SamplingParams:
         self.repetition_penalty = check_number("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)
         if self.seed is not None and not isinstance(self.seed, bool) and self.seed == -1:
             self.seed = None  # vLLM's "no seed"
-        if self.seed is not None:
-            self.seed = check_int("seed", self.seed, low=0, high=2**32 - 1)
+        if self.seed is not None:  # torch.Generator.manual_seed's range, which vLLM passes seeds to
+            self.seed = check_int("seed", self.seed, low=-(2**63), high=2**64 - 1)
         if self.max_tokens is not None:
             self.max_tokens = check_int("max_tokens", self.max_tokens, low=1)
         self.min_tokens = check_int("min_tokens", self.min_tokens, low=0)
@@ -281,15 +290,13 @@ class SamplingParams:
     def check_satisfiable(self, eos_token_ids: Sequence[int]) -> None:
         """Refuse parameters that contradict each other for this model: checked when a request is added.
 
-        While fewer than min_tokens are generated the sampler masks the stop token ids (EOS
-        unless ignore_eos, and stop_token_ids); if allowed_token_ids holds nothing else, no
-        token would be left to sample.
+        While fewer than min_tokens are generated the sampler masks the stop token ids (the
+        EOS ids, even under ignore_eos as vLLM's, and stop_token_ids); if allowed_token_ids
+        holds nothing else, no token would be left to sample.
         """
         if self.min_tokens <= 0 or self.allowed_token_ids is None:
             return
-        stops = set(self.stop_token_ids or ())
-        if not self.ignore_eos:
-            stops.update(int(t) for t in (() if eos_token_ids is None else eos_token_ids))
+        stops = set(self.stop_token_ids or ()) | {int(t) for t in (() if eos_token_ids is None else eos_token_ids)}
         if stops.issuperset(self.allowed_token_ids):
             raise ValueError(
                 f"allowed_token_ids {self.allowed_token_ids} are all stop tokens, so "

@@ -67,7 +67,8 @@ def prompts_file(tmp_path):
     ('{"prompt_token_ids": [1, -5]}', "Token id -5 is out of vocabulary"),
     ('{"prompt_token_ids": []}', "The decoder prompt cannot be empty"),
     ('{"prompt": "x", "max_tokens": 3}', "unknown prompt key"),
-    ('{"prompt": "x", "prompt_token_ids": [1]}', "exactly one of"),
+    ('{"prompt": 5, "prompt_token_ids": [1]}', "must be a str"),
+    ('{"cache_salt": "x"}', "needs 'prompt'"),
     (json.dumps({"prompt_token_ids": [5] * 70}), "context length is only"),
     ("{not json", "not JSON"),
 ])

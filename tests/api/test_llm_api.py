@@ -47,7 +47,9 @@ def test_per_prompt_params_stop_ids_and_ignore_eos(llm):
 
 
 def test_eos_stops_unless_ignored(llm, tiny_checkpoint, tmp_path):
-    """A checkpoint whose config names, as EOS, a token the greedy completion reaches."""
+    """A checkpoint whose config names, as EOS, a token the greedy completion reaches. The
+    tokenizer's EOS (2) is the model's; the other stops as vLLM's extra EOS ids do: as a
+    stop token id, its id the stop_reason."""
     import json
     import shutil
 
@@ -58,10 +60,10 @@ def test_eos_stops_unless_ignored(llm, tiny_checkpoint, tmp_path):
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "eos_token_id": [2, eos]}))
     other = LLM(path, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, token_buckets=[16, 64])
-    assert set(other.llm_engine.eos_token_ids) == {2, eos}
+    assert other.llm_engine.eos_token_ids == (2, eos)
     [out] = other.generate("The quick brown fox", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert out.outputs[0].token_ids == tokens[: tokens.index(eos) + 1]
-    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason is None
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == eos
     [ignored] = other.generate("The quick brown fox", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                                use_tqdm=False)
     assert ignored.outputs[0].token_ids == tokens and ignored.outputs[0].finish_reason == "length"
@@ -134,7 +136,8 @@ def test_generate_refuses_while_requests_added_by_hand(llm):
         ({"prompt_token_ids": [5, 10_000]}, GREEDY, ValueError, r"^Token id 10000 is out of vocabulary"),
         ({"prompt_token_ids": "5 6"}, GREEDY, TypeError, "prompt_token_ids must be a list"),
         ({"text": "hi"}, GREEDY, ValueError, r"unknown prompt key\(s\) \['text'\]"),
-        ({"prompt": "hi", "prompt_token_ids": [4]}, GREEDY, ValueError, "exactly one of"),
+        ({"prompt": 5, "prompt_token_ids": [4]}, GREEDY, TypeError, "TokensPrompt's 'prompt' .* must be a str"),
+        ({"cache_salt": "s"}, GREEDY, ValueError, "needs 'prompt' \\(text\\) or 'prompt_token_ids'"),
         (123, GREEDY, TypeError, "prompts must be a str"),
         (["ok", 5], GREEDY, TypeError, "a prompt must be a str or a dict, got int"),
         ("ok", "greedy", TypeError, "sampling params must be SamplingParams"),
@@ -161,7 +164,7 @@ def test_bad_input_is_refused_and_engine_keeps_serving(llm, prompts, params, err
         (dict(max_tokens=0), r"^max_tokens must be at least 1, got 0.$"),
         (dict(max_tokens=2.5), "max_tokens must be an int, got 2.5"),
         (dict(temperature=-0.1), r"^temperature must be non-negative, got -0.1.$"),
-        (dict(seed=-2), r"seed must be in \[0, 4294967295\]"),  # (-1 is vLLM's None)
+        (dict(seed=-(2**63) - 1), r"seed must be in \[-9223372036854775808, 18446744073709551615\]"),
         (dict(stop_token_ids=[-3]), "stop_token_ids must be non-negative"),
     ],
 )

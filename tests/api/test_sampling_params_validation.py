@@ -31,7 +31,7 @@ FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_
         (dict(top_p=np.float64(0.0)), r"^top_p must be in \(0, 1\], got 0.0.$"),
         (dict(top_k=np.int64(-2)), r"^top_k must be 0 \(disable\), or at least 1, got -2.$"),
         (dict(n=np.int32(0)), r"^n must be at least 1, got 0.$"),
-        (dict(seed=np.uint64(2**32)), r"^seed must be in \[0, 4294967295\], got 4294967296.$"),
+        (dict(seed=2**64), r"^seed must be in \[-9223372036854775808, 18446744073709551615\], got 18446744073709551616.$"),
         (dict(logit_bias={3: np.float32(200)}), r"^logit_bias values must be in \[-100, 100\]"),
         (dict(max_tokens=np.int64(2), min_tokens=np.int64(3)), r"^min_tokens must be less than or equal to max_tokens=2, got 3.$"),
         # Bools are refused where numbers are expected, Python and numpy alike.
@@ -126,6 +126,8 @@ def test_greedy_temperature_from_numpy_zero():
         (dict(allowed_token_ids=[2, 9], stop_token_ids=[9], min_tokens=3), (2, 0), r"min_tokens=3 cannot be met"),
         # Only stop_token_ids, with ignore_eos.
         (dict(allowed_token_ids=[9], stop_token_ids=[9], min_tokens=1, ignore_eos=True), [2], r"are all stop tokens"),
+        # Only EOS, with ignore_eos: min_tokens masks it all the same (vLLM's `_all_stop_token_ids`).
+        (dict(allowed_token_ids=[2], min_tokens=1, ignore_eos=True), [2], r"are all stop tokens"),
         # Several EOS ids, numpy ids.
         (dict(allowed_token_ids=[np.int64(4), 5], min_tokens=np.int32(2)), np.array([4, 5]), r"min_tokens=2 cannot be met"),
     ],
@@ -141,7 +143,6 @@ def test_check_satisfiable_refuses(kwargs, eos, message):
     [
         (dict(allowed_token_ids=[2], min_tokens=0), [2]),  # no min_tokens: stopping at once is fine
         (dict(allowed_token_ids=[2, 3], min_tokens=1), [2]),  # 3 is left to sample
-        (dict(allowed_token_ids=[2], min_tokens=1, ignore_eos=True), [2]),  # EOS is not a stop token
         (dict(allowed_token_ids=[2, 9], stop_token_ids=[9], min_tokens=1), []),  # no EOS: 2 is left
         (dict(stop_token_ids=[9], min_tokens=4), [2]),  # no allowed_token_ids
         (dict(min_tokens=4), [2]),

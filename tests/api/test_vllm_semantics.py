@@ -105,6 +105,9 @@ def test_prompt_types_priority_lora_and_chat_kwargs(llm):
     a, b = llm.generate([TokensPrompt(prompt_token_ids=[5, 6]), TextPrompt(prompt="Hello")], params, priority=1,
                         use_tqdm=False, lora_request=None)
     assert a.prompt_token_ids == [5, 6] and b.prompt == "Hello"
+    # A TokensPrompt may carry its text: the ids are what runs, the text is reported.
+    [c] = llm.generate(TokensPrompt(prompt_token_ids=[5, 6], prompt="five six"), params, use_tqdm=False)
+    assert (c.prompt, c.prompt_token_ids, c.outputs[0].token_ids) == ("five six", [5, 6], a.outputs[0].token_ids)
     with pytest.raises(ValueError, match="LoRA adapters need an engine started with enable_lora=True"):
         llm.generate("Hello", params, lora_request=object(), use_tqdm=False)
     template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }};{% endfor %}"
@@ -120,6 +123,44 @@ def test_prompt_types_priority_lora_and_chat_kwargs(llm):
         llm.chat(conversation, params, chat_template=template, continue_final_message=True, use_tqdm=False)
 
 
+def test_chat_content_parts_as_the_template_reads_them(llm):
+    """As vLLM's `LLM.chat`: content may be a list of OpenAI text parts or None. A template
+    that reads one string gets the text parts joined by newlines (None: ""); one that loops
+    over a message's content gets parts (a string becomes one part). Tool-call arguments
+    sent as JSON reach the template as dicts. Non-text parts are refused."""
+    params = SamplingParams(temperature=0, max_tokens=2)
+    string = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }};{% endfor %}"
+    parts = ("{% for m in messages %}{{ m.role }}:{% for p in m.content %} <{{ p.text }}>{% endfor %};"
+             "{% endfor %}")
+    conversation = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "What is"}, {"type": "text", "text": "2 + 2?"}]},
+        {"role": "assistant", "content": None},
+    ]
+
+    def prompt(template, **kwargs):
+        return llm.chat(conversation, params, chat_template=template, add_generation_prompt=False, use_tqdm=False,
+                        **kwargs)[0].prompt
+
+    assert prompt(string) == "system: Be brief.;user: What is\n2 + 2?;assistant: ;"
+    assert prompt(parts) == "system: <Be brief.>;user: <What is> <2 + 2?>;assistant:;"
+    [forced] = llm.chat([{"role": "user", "content": "Hi"}], params, chat_template=string, use_tqdm=False,
+                        add_generation_prompt=False, chat_template_content_format="openai")  # (as asked)
+    assert forced.prompt == "user: [{'type': 'text', 'text': 'Hi'}];"
+    tools = ("{% for m in messages %}{% for c in m.tool_calls or [] %}{{ c.function.name }}"
+             "{{ c.function.arguments['x'] + 1 }}{% endfor %}{% endfor %}")
+    call = {"role": "assistant", "content": None,
+            "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": '{"x": 41}'}}]}
+    [out] = llm.chat([conversation[0], call], params, chat_template=tools, add_generation_prompt=False,
+                     use_tqdm=False)
+    assert out.prompt == "add42"
+    with pytest.raises(ValueError, match="content part .*image_url.* is not supported"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], params,
+                 chat_template=string, use_tqdm=False)
+    with pytest.raises(ValueError, match="chat_template_content_format must be one of"):
+        llm.chat(conversation, params, chat_template=string, chat_template_content_format="json", use_tqdm=False)
+
+
 def test_engine_args_from_the_command_line_and_engine_helpers(tiny_checkpoint):
     """vLLM's `EngineArgs` example: flags -> EngineArgs -> LLMEngine, stepped by hand."""
     import argparse
@@ -133,7 +174,7 @@ def test_engine_args_from_the_command_line_and_engine_helpers(tiny_checkpoint):
     assert engine.config.max_model_len == 64 and engine.config.enforce_eager
     engine.add_request("0", "Hello", SamplingParams(temperature=0, max_tokens=3))
     engine.add_request("1", {"prompt_token_ids": [5, 6]}, SamplingParams(n=2, max_tokens=2))
-    assert engine.get_num_unfinished_requests() == 2
+    assert engine.get_num_unfinished_requests() == 3  # (as vLLM's: each of the n = 2 completions counts)
     finished = []
     while engine.has_unfinished_requests():
         finished += [o.request_id for o in engine.step() if o.finished]
@@ -162,6 +203,36 @@ def test_default_sampling_params_come_from_generation_config(tiny_checkpoint, tm
         assert any(o.outputs[0].finish_reason == "length" and len(o.outputs[0].token_ids) == 3 for o in outputs)
     with LLM(path, **ENGINE, enforce_eager=True, generation_config="vllm") as llm:
         assert llm.get_default_sampling_params() == SamplingParams()
+
+
+def test_generation_config_eos_ids_stop_as_stop_token_ids(llm, tiny_checkpoint, tmp_path):
+    """generation_config.json may list more end ids than the tokenizer's EOS (Qwen and Llama 3
+    instruct models do): vLLM (`update_from_generation_config`) adds them to stop_token_ids,
+    so they stop a completion with their id as stop_reason; the tokenizer's EOS keeps None;
+    ignore_eos ignores both. HF's generate stops at them too."""
+    import json
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt, greedy_8 = [5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=8)
+    base = llm.generate({"prompt_token_ids": prompt}, greedy_8, use_tqdm=False)[0].outputs[0].token_ids
+    eos, extra = llm.get_tokenizer().eos_token_id, base[1]
+    assert extra not in base[:1] and eos not in base
+    path = tmp_path / "two-eos"
+    shutil.copytree(tiny_checkpoint("qwen3"), path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, extra]}))
+    hf = AutoModelForCausalLM.from_pretrained(path).generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)
+    assert hf[0, len(prompt):].tolist() == base[:2]
+    with LLM(path, **ENGINE, enforce_eager=True) as two:
+        out = two.generate({"prompt_token_ids": prompt}, greedy_8, use_tqdm=False)[0].outputs[0]
+        assert (out.token_ids, out.finish_reason, out.stop_reason) == (base[:2], "stop", extra)
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        assert two.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0].token_ids == base
+        params = SamplingParams(temperature=0, max_tokens=8, allowed_token_ids=[eos])
+        out = two.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+        assert (out.token_ids, out.finish_reason, out.stop_reason) == ([eos], "stop", None)
 
 
 # -- SamplingParams fields and engine arguments for logprobs ---------------------------------
@@ -198,11 +269,22 @@ def test_logprobs_modes(llm, tiny_checkpoint):
     prompt = {"prompt_token_ids": [5, 6, 7]}
     greedy = SamplingParams(temperature=0, max_tokens=3, logprobs=5, logit_bias={9: 5.0})
     sampled = SamplingParams(temperature=0.5, top_k=3, seed=1, max_tokens=3, logprobs=5)
-    raw = [llm.generate(prompt, p, use_tqdm=False)[0].outputs[0] for p in (greedy, sampled)]
-    for mode in ("raw_logits", "processed_logprobs"):
+    top_1 = SamplingParams(temperature=0.5, top_k=1, seed=1, max_tokens=3, logprobs=5)  # (drawn as greedy)
+    every = (greedy, sampled, top_1)
+    raw = [llm.generate(prompt, p, use_tqdm=False)[0].outputs[0] for p in every]
+    by_mode = {}
+    for mode in ("raw_logits", "processed_logprobs", "processed_logits"):
         with LLM(tiny_checkpoint("qwen3"), **ENGINE, logprobs_mode=mode, enforce_eager=True) as other:
-            outs = [other.generate(prompt, p, use_tqdm=False)[0].outputs[0] for p in (greedy, sampled)]
-        for out, ref, params in zip(outs, raw, (greedy, sampled)):
+            outs = by_mode[mode] = [other.generate(prompt, p, use_tqdm=False)[0].outputs[0] for p in every]
+        for out, ref, params in zip(outs, raw, every):
+            if mode == "processed_logits":  # top_k = 1 as vLLM samples it: the top logit over T, the rest -inf
+                if params is top_1:
+                    logits = by_mode["raw_logits"][every.index(top_1)].logprobs
+                    for step, step_logits, token in zip(out.logprobs, logits, out.token_ids):
+                        finite = {t: lp.logprob for t, lp in step.items() if np.isfinite(lp.logprob)}
+                        assert list(finite) == [token]
+                        assert np.isclose(finite[token], step_logits[token].logprob / 0.5, atol=1e-4)
+                continue
             assert out.token_ids == ref.token_ids  # the mode changes what is reported, never the tokens
             for step, ref_step in zip(out.logprobs, ref.logprobs):
                 tokens = [t for t in ref_step if t in step]
@@ -213,9 +295,9 @@ def test_logprobs_modes(llm, tiny_checkpoint):
                 elif params is greedy:  # processed = log_softmax(logits + bias): raw + bias + one constant
                     bias = 5.0 * (np.array(tokens) == 9)
                     assert np.ptp(values - ref_values - bias) < 1e-4
-                else:  # processed with temperature 0.5 and top_k=3: three finite logprobs summing to 1
+                else:  # processed with temperature 0.5 and top_k k: k finite logprobs summing to 1
                     finite = [lp.logprob for lp in step.values() if np.isfinite(lp.logprob)]
-                    assert len(finite) == 3 and np.isclose(np.sum(np.exp(finite)), 1.0, atol=1e-4)
+                    assert len(finite) == params.top_k and np.isclose(np.sum(np.exp(finite)), 1.0, atol=1e-4)
 
 
 
@@ -308,6 +390,27 @@ def test_best_of_logits_processors_extra_args_and_seed(llm):
         SamplingParams(extra_args=["x"])
 
 
+def test_seeds_take_vllms_64_bit_range(llm):
+    """vLLM hands seeds to torch.Generator.manual_seed: any int in [-2**63, 2**64 - 1]. Each
+    gives its own reproducible stream; those below 2**32 keep the streams they always had."""
+    from jaxvllm.input_processor import fold_seed
+
+    assert [fold_seed(s) for s in (0, 7, 2**32 - 1)] == [0, 7, 2**32 - 1]
+    folded = {fold_seed(s) for s in (2**32, 2**40, 2**64 - 2, -1, -5, -(2**63), 2**63 + 7)}
+    assert len(folded) == 7 and not folded & {0, 7, 256}
+    prompt = {"prompt_token_ids": [5, 6, 7]}
+
+    def sample(seed):
+        params = SamplingParams(temperature=1.0, max_tokens=8, seed=seed, ignore_eos=True)
+        return llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+
+    big, negative = sample(2**40 + 3), sample(-5)
+    assert big == sample(2**40 + 3) and negative == sample(-5)
+    assert len({tuple(big), tuple(negative), tuple(sample(3))}) == 3
+    with pytest.raises(ValueError, match=r"seed must be in \[-9223372036854775808, 18446744073709551615\]"):
+        SamplingParams(seed=2**64)
+
+
 def test_special_token_text_options(llm):
     tokenizer = llm.get_tokenizer()
     special = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
@@ -319,3 +422,93 @@ def test_special_token_text_options(llm):
             out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
             assert out.text == tokenizer.decode(out.token_ids, skip_special_tokens=skip,
                                                 spaces_between_special_tokens=spaces)
+
+
+# -- output text: stop tokens, streams and the prompt's context ------------------------------
+
+
+def test_stop_token_text_is_left_out(llm):
+    """vLLM's detokenizer leaves the EOS or stop token id that ended a completion out of its
+    text (its id stays in token_ids), unless include_stop_str_in_output."""
+    tokenizer = llm.get_tokenizer()
+    prompt = {"prompt_token_ids": [5, 6, 7]}
+    ref = greedy(llm, prompt, max_tokens=6)
+    stop_id = ref.token_ids[2]
+    assert stop_id not in ref.token_ids[:2] and tokenizer.decode([stop_id])
+    out = greedy(llm, prompt, max_tokens=6, stop_token_ids=[stop_id])
+    assert (out.token_ids, out.stop_reason) == (ref.token_ids[:3], stop_id)
+    assert out.text == tokenizer.decode(ref.token_ids[:2])
+    kept = greedy(llm, prompt, max_tokens=6, stop_token_ids=[stop_id], include_stop_str_in_output=True)
+    assert kept.text == tokenizer.decode(ref.token_ids[:3])
+    # The EOS (a special token): left out even where special tokens are shown.
+    eos = tokenizer.eos_token_id
+    params = dict(max_tokens=6, ignore_eos=False, allowed_token_ids=[eos, 40], logit_bias={eos: 100},
+                  min_tokens=2, skip_special_tokens=False)
+    out = greedy(llm, prompt, **params)
+    assert out.token_ids[-1] == eos and out.stop_reason is None
+    assert out.text == tokenizer.decode(out.token_ids[:-1], skip_special_tokens=False)
+
+
+def test_min_tokens_masks_eos_even_when_ignored(llm):
+    """vLLM's min_tokens masks every stop id, the EOS included, with ignore_eos as without;
+    and a positive temperature below 0.01 is raised to 0.01."""
+    eos = llm.get_tokenizer().eos_token_id
+    for ignore_eos in (False, True):
+        out = greedy(llm, {"prompt_token_ids": [5, 6, 7]}, max_tokens=6, logit_bias={eos: 100}, min_tokens=3,
+                     ignore_eos=ignore_eos)
+        assert eos not in out.token_ids[:3] and out.token_ids[3] == eos
+        assert len(out.token_ids) == (6 if ignore_eos else 4)
+    assert [SamplingParams(temperature=t).temperature for t in (0, 1e-4, 0.01, 0.5)] == [0, 0.01, 0.01, 0.5]
+
+
+def test_streams_hold_back_what_may_start_a_stop_string(llm):
+    """Until a completion ends, a stream holds back len(longest stop string) - 1 characters
+    (vLLM's stop buffer): CUMULATIVE texts only grow, DELTA pieces add up to the final text,
+    and no piece shows what the stop string takes back."""
+    from jaxvllm import RequestOutputKind
+
+    tokenizer = llm.get_tokenizer()
+    prompt = {"prompt_token_ids": [5, 6, 7]}
+    words = [i for i in range(len(tokenizer)) if tokenizer.decode([i]).strip().isalpha()
+             and len(tokenizer.decode([i])) >= 3]  # (plain text, so characters and tokens line up)
+    ref = greedy(llm, prompt, max_tokens=10, allowed_token_ids=words)
+    text = tokenizer.decode(ref.token_ids)
+    # 5 characters that first appear after the 4th token.
+    stop = next(text[p:p + 5] for p in range(len(tokenizer.decode(ref.token_ids[:4])), len(text) - 4)
+                if text.find(text[p:p + 5]) == p)
+    engine = llm.llm_engine
+    for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA):
+        engine.add_request(kind.name, prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                                             allowed_token_ids=words, stop=[stop], output_kind=kind))
+    texts = {"CUMULATIVE": [], "DELTA": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            texts[out.request_id].append(out.outputs[0].text)
+    final = text[: text.find(stop)]
+    assert texts["CUMULATIVE"][-1] == final and "".join(texts["DELTA"]) == final
+    assert all(final.startswith(t) for t in texts["CUMULATIVE"])
+    assert len(texts["DELTA"]) > 2 and all(len(t) <= len(final) for t in texts["CUMULATIVE"])
+
+
+def test_text_continues_the_prompt(tiny_checkpoint, tmp_path):
+    """As vLLM's (and transformers' text-generation pipeline), a completion's text is what it
+    adds to the prompt: with a SentencePiece tokenizer (Llama 2, Mistral), a first token
+    "▁word" keeps its space, which decoding the completion alone drops."""
+    import shutil
+
+    from tests.engine.test_detokenizer import _sentencepiece_tokenizer
+
+    path = tmp_path / "llama-sentencepiece"
+    shutil.copytree(tiny_checkpoint("llama"), path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (path / name).unlink(missing_ok=True)
+    tokenizer = _sentencepiece_tokenizer()
+    tokenizer.save_pretrained(path)
+    words = [i for t, i in tokenizer.get_vocab().items() if t.startswith("▁") and len(t) > 2]
+    with LLM(path, **ENGINE, enforce_eager=True) as sp:
+        params = SamplingParams(temperature=0, max_tokens=5, allowed_token_ids=words)
+        [out] = sp.generate("The quick brown", params, use_tqdm=False)
+    ids = out.prompt_token_ids
+    text = tokenizer.decode(ids + out.outputs[0].token_ids)[len(tokenizer.decode(ids)):]
+    assert out.outputs[0].text == text and text.startswith(" ")
+    assert not tokenizer.decode(out.outputs[0].token_ids).startswith(" ")

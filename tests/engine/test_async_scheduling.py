@@ -358,6 +358,9 @@ def test_stops_under_async(engines):
 
 
 def test_output_kinds_through_step(engines):
+    """vLLM V1's output kinds through `step()`. A streamed request of n > 1 completions gives
+    one output per completion and step, holding that completion alone; FINAL_ONLY gives all
+    n once. DELTA sends the prompt logprobs with a completion's first output only."""
     llm = engines("llama")[True]
     prompt = {"prompt_token_ids": list(range(30, 70))}  # 40 tokens: two chunks, then decode
     kinds = {
@@ -369,33 +372,41 @@ def test_output_kinds_through_step(engines):
     for name, kind in kinds.items():
         for n in (1, 2):
             params = SamplingParams(n=n, temperature=1.0, seed=9, max_tokens=10, ignore_eos=True, logprobs=1,
-                                    output_kind=kind)
+                                    prompt_logprobs=1, output_kind=kind)
             requests[f"{name}-{n}"] = (prompt, params)
     seen = run_by_hand(llm, requests)
+
+    def stream(outputs: list[RequestOutput], i: int) -> list:
+        return [c for o in outputs for c in o.outputs if c.index == i]
+
     for n in (1, 2):
         cumulative, delta, final = seen[f"cumulative-{n}"], seen[f"delta-{n}"], seen[f"final-{n}"]
-        end = cumulative[-1]
-        assert [len(c.token_ids) for c in end.outputs] == [10] * n
-        # CUMULATIVE: every step with a new token, everything so far.
-        assert len(cumulative) >= 10
-        for before, after in zip(cumulative, cumulative[1:]):
-            assert sum(len(c.token_ids) for c in after.outputs) > sum(len(c.token_ids) for c in before.outputs)
-            for cb, ca in zip(before.outputs, after.outputs):
-                assert ca.token_ids[: len(cb.token_ids)] == cb.token_ids
-                # A trailing U+FFFD (a character's first bytes) may become the whole character.
-                assert ca.text.startswith(cb.text.rstrip("\ufffd"))
-        # DELTA: only what is new; the pieces add up to the cumulative output.
+        assert all(len(o.outputs) == 1 for o in cumulative + delta)
+        # FINAL_ONLY: exactly one output, at the end, with every completion.
+        assert len(final) == 1 and final[0].finished and [c.index for c in final[0].outputs] == list(range(n))
+        end = final[0]
+        assert len(end.prompt_logprobs) == 40 and end.prompt_logprobs[0] is None
+        assert all(o.prompt_logprobs == end.prompt_logprobs for o in cumulative)
         for i in range(n):
-            pieces = [o.outputs[i] for o in delta]
+            # CUMULATIVE: every step with a new token, everything so far; the last as FINAL_ONLY's.
+            steps = stream(cumulative, i)
+            last, want = steps[-1], end.outputs[i]
+            assert len(steps) >= 10
+            assert (last.token_ids, last.text, last.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+            for before, after in zip(steps, steps[1:]):
+                assert len(after.token_ids) > len(before.token_ids)
+                assert after.token_ids[: len(before.token_ids)] == before.token_ids
+                # A trailing U+FFFD (a character's first bytes) may become the whole character.
+                assert after.text.startswith(before.text.rstrip("\ufffd"))
+            # DELTA: only what is new; the pieces add up to the final output.
+            pieces = stream(delta, i)
             assert sum((p.token_ids for p in pieces), []) == end.outputs[i].token_ids
             assert "".join(p.text for p in pieces) == end.outputs[i].text
             assert sum((p.logprobs for p in pieces), []) == end.outputs[i].logprobs
             assert all(p.finish_reason is None for p in pieces[:-1]) and pieces[-1].finish_reason == "length"
-        assert sum(len(c.token_ids) for c in delta[0].outputs) > 0
-        assert all(sum(len(c.token_ids) for c in o.outputs) > 0 for o in delta)
-        # FINAL_ONLY: exactly one output, at the end, the same as the cumulative one.
-        assert len(final) == 1 and final[0].finished
-        assert summary(final) == summary([end])
+            assert all(p.token_ids for p in pieces)
+            sent = [o.prompt_logprobs for o in delta if o.outputs[0].index == i]
+            assert sent[0] == end.prompt_logprobs and all(p == [] for p in sent[1:])
     assert_no_leak(llm)
 
 

@@ -10,7 +10,7 @@ vocabulary are spelled as <0xNN> byte tokens, so partial UTF-8 shows up.
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from jaxvllm.detokenizer import IncrementalDetokenizer
@@ -307,15 +307,20 @@ def test_earliest_stop_in_the_text_wins(tokenizers):
     # Token by token, the earlier one is found first anyway.
     d, _, stop = _feed(tok, ids, stop=["lazy", "quick"])
     assert (stop, d.text) == ("quick", "The ")
-    # Overlapping stop strings completed by the same token: the one starting earlier.
+    # Overlapping stop strings completed by the same update: as vLLM's, the one complete
+    # first (as character by character), whatever starts first or is listed first.
     d = IncrementalDetokenizer(tok, stop=["own fox", "brown f"], include_stop_str_in_output=True)
     assert d.update(ids) == "brown f"
     assert d.text == "The quick brown f"
-    # Matches at the same offset: the one listed first.
-    for stops in (["brown", "bro"], ["bro", "brown"]):
-        d = IncrementalDetokenizer(tok, stop=stops, include_stop_str_in_output=True)
+    for stops in (["quick brown fox", "brown"], ["brown", "quick brown fox"], ["brown", "bro"], ["bro", "brown"]):
+        d = IncrementalDetokenizer(tok, stop=stops)
+        expected = "bro" if "bro" in stops else "brown"
+        assert d.update(ids) == expected and d.text == "The quick "
+    # Matches that end together: the one listed first.
+    for stops in (["quick brown", "brown"], ["brown", "quick brown"]):
+        d = IncrementalDetokenizer(tok, stop=stops)
         assert d.update(ids) == stops[0]
-        assert d.text == "The quick " + stops[0]
+        assert d.text == "The " + ("quick " if stops[0] == "brown" else "")
 
 
 def test_stop_found_only_once_more_text_arrives(tokenizers):
@@ -375,14 +380,36 @@ def test_stop_strings_match_a_search_of_the_full_text(tokenizers, name, data):
         got = d.update(ids[done:done + size])
         done += size
         text = tok.decode(ids[:done], skip_special_tokens=True)
-        hits = [(text.find(s), order, s) for order, s in enumerate(stops) if s in text]
+        # The match complete first wins (then the one listed first), as vLLM's.
+        hits = [(text.find(s) + len(s), order, text.find(s), s) for order, s in enumerate(stops) if s in text]
         if not hits:
             assert got is None and d.text == text
             continue
-        at, _, expected = min(hits)
+        _, _, at, expected = min(hits)
         assert got == expected
         assert d.text == text[:at + (len(expected) if include else 0)]
         break
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_text_after_a_prompt_is_what_it_adds(tokenizers, name, data):
+    """Given the prompt's ids, the text after every update is what the output adds to the
+    prompt (vLLM's): decode(prompt + output)[len(decode(prompt)):]."""
+    tok = tokenizers[name]
+    ids = _encode(tok, SENTENCE + " " + MIXED + " " + SENTENCE)
+    cut = data.draw(st.integers(1, len(ids) - 2))
+    prompt, output = ids[:cut], ids[cut:cut + 25]
+    head = tok.decode(prompt)
+    assume(not head.endswith("\ufffd"))  # (a prompt that ends inside a character has no whole text)
+    d = IncrementalDetokenizer(tok, prompt_token_ids=prompt)
+    done = 0
+    while done < len(output):
+        size = data.draw(st.integers(1, 3))
+        d.update(output[done:done + size])
+        done += size
+        assert d.text == tok.decode(prompt + output[:done])[len(head):]
 
 
 # -- bounded work -------------------------------------------------------------------

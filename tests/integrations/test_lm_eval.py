@@ -263,6 +263,28 @@ def test_requests_are_batched_through_the_engine(runs):
     assert 10 in calls  # the generations
 
 
+def test_do_sample_without_temperature_samples(tiny_checkpoint, monkeypatch):
+    """lm-eval's vllm and hf backends sample at temperature 1.0 when a task sets do_sample and
+    no temperature; greedy when do_sample is false or missing, or the temperature is 0."""
+    from lm_eval.api.instance import Instance
+
+    import jaxvllm.integrations.lm_eval as integration
+
+    llm = LLM(str(tiny_checkpoint("qwen3")), max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64)
+    lm = integration.JaxvllmLM(llm=llm)
+    asked: list[float] = []
+    original = LLM.generate
+    monkeypatch.setattr(LLM, "generate", lambda self, prompts, params, *a, **k: asked.extend(
+        p.temperature for p in params) or original(self, prompts, params, *a, **k))
+    kwargs = [{"do_sample": True}, {"do_sample": True, "temperature": 0.5}, {"do_sample": False}, {},
+              {"temperature": 0.0}]
+    requests = [Instance("generate_until", {}, ("Hello", {"until": ["\n"], "max_gen_toks": 2, **k}), i)
+                for i, k in enumerate(kwargs)]
+    assert len(lm.generate_until(requests, disable_tqdm=True)) == 5
+    assert asked == [1.0, 0.5, 0.0, 0.0, 0.0]
+    llm.shutdown()
+
+
 def test_batch_size_is_refused_not_ignored(tiny_checkpoint):
     """lm-eval's batch_size: its default 1 and "auto" leave batching to the engine; a value
     that asks for something is refused, naming the engine arguments that do bound a step."""

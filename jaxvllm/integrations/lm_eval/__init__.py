@@ -301,8 +301,8 @@ class JaxvllmLM(TemplateLM):
             kwargs = dict(normalize_gen_kwargs(gen_kwargs, self.max_gen_toks))
             until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
             max_gen_toks = int(kwargs.pop("max_gen_toks"))
-            kwargs.pop("do_sample", None)
-            temperature = float(kwargs.pop("temperature", 0.0))
+            # do_sample without a temperature samples at 1.0, as lm-eval's vllm and hf backends do.
+            temperature = float(kwargs.pop("temperature", 1.0 if kwargs.pop("do_sample", False) else 0.0))
             max_ctx_len = self.max_length - max_gen_toks
             if max_ctx_len < 1:
                 raise ValueError(f"max_gen_toks ({max_gen_toks}) leaves no room for a context in max_length "
