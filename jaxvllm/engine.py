@@ -80,6 +80,7 @@ class LLMEngine:
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None  # async: the step not yet read
         self.weight_updates, self.weight_update_seconds = 0, 0.0
         self._parents: dict[str, ParentRequest] = {}
+        self._unreported: list[Request] = []  # finished by a failed step: final outputs still to return
         # Across processes (jax.distributed) each one schedules for itself: the requests are
         # compared once they change, before the next step.
         self._multiprocess = jax.process_count() > 1
@@ -213,6 +214,7 @@ class LLMEngine:
                 self.runner.release(c.request_id for c in parent.children)
                 outputs.append(self.output_processor.output(parent))
                 self._requests_changed = True
+            self.output_processor.commit()
             if not self.scheduler.has_unfinished_requests():
                 self._in_flight = None  # its tokens are for aborted requests only: never read
         return outputs
@@ -223,8 +225,9 @@ class LLMEngine:
         return sum(not c.is_finished for parent in self._parents.values() for c in parent.children)
 
     def has_unfinished_requests(self) -> bool:
-        """Requests to finish, or a dispatched step still to read."""
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        """Requests to finish, a dispatched step still to read, or outputs still to return."""
+        return (self.scheduler.has_unfinished_requests() or self._in_flight is not None
+                or any(c.parent_id in self._parents for c in self._unreported))
 
     # -- one step ----------------------------------------------------------------------
 
@@ -236,7 +239,9 @@ class LLMEngine:
         A failed or interrupted step changes nothing a later step could notice: the
         bookkeeping runs with Ctrl-C held back (`defer_interrupts`), so an interrupt lands
         only while the host waits for the device; after any exception, `_recover` puts
-        every running request back to be recomputed, then the exception propagates.
+        every running request back to be recomputed, then the exception propagates. The
+        outputs it would have returned come with a later step: DELTA streams resend what
+        it built, and a request it finished gets its final output then.
         """
         self._check_open()
         if self._requests_changed:
@@ -255,12 +260,20 @@ class LLMEngine:
                         self._sample_constrained()
                 else:
                     self._sample_constrained(launched)
-            if launched is None:
-                return []
-            result = launched[1].result()  # waits for the device
+            updated = []
+            if launched is not None:
+                result = launched[1].result()  # waits for the device
+                with defer_interrupts():
+                    updated = self._process(launched[0], result, launched[1].batch.grammar_rows)
+                    self._sample_constrained()
             with defer_interrupts():
-                outputs = self._process(launched[0], result, launched[1].batch.grammar_rows)
-                self._sample_constrained()
+                # (with the completions a failed step finished: their final outputs are still due)
+                outputs, done = self.output_processor.step_outputs(self._unreported + updated, self._parents)
+                self.output_processor.commit()  # (from here on the outputs are the caller's)
+                self._unreported = []
+                for parent in done:
+                    del self._parents[parent.request_id]
+                    self.metrics.record_parent_finished(parent.children)
                 return outputs
         except BaseException:
             with defer_interrupts():
@@ -279,8 +292,9 @@ class LLMEngine:
         mask = self.structured_outputs.bitmask(step.batch.grammar_masks(), step.batch.layout.num_logits)
         self.runner.sample(step, mask)
 
-    def _process(self, out: SchedulerOutput, result: RunnerOutput, grammar_rows=()) -> list[RequestOutput]:
-        """Append a step's tokens and apply the stop checks; the outputs to return.
+    def _process(self, out: SchedulerOutput, result: RunnerOutput, grammar_rows=()) -> list[Request]:
+        """Append a step's tokens and apply the stop checks; the requests to output (those
+        that got tokens or ended).
         `grammar_rows`: the step's (scheduled index, grammar, drafts) of structured-output rows."""
         now = time.time()  # when the host has this step's tokens (the scheduler stamps first tokens too)
         ended, ending = self._end_dead_ends(out, result, grammar_rows)
@@ -310,11 +324,7 @@ class LLMEngine:
         self.runner.release(finished)
         if self.proposer is not None and not self.runner.device_drafts:
             self._propose_drafts(out.scheduled)
-        outputs, done = self.output_processor.step_outputs(updated + ended, self._parents)
-        for parent in done:
-            del self._parents[parent.request_id]
-            self.metrics.record_parent_finished(parent.children)
-        return outputs
+        return updated + ended
 
     def _propose_drafts(self, scheduled: ScheduledBatch) -> None:
         """Draft tokens for each running request's next step, from its tokens so far. Only
@@ -436,6 +446,9 @@ class LLMEngine:
         requests are recomputed from their tokens on the host, and donated buffers a
         failed call consumed are made anew (the prefix cache too, if the KV cache was)."""
         self._in_flight = None
+        self.output_processor.rollback()
+        self._unreported = [child for parent in self._parents.values() for i, child in enumerate(parent.children)
+                            if child.is_finished and i not in parent.finals_sent]
         self.kv_cache_manager.rollback()
         self.scheduler.recompute_all()
         if self.runner.recover():

@@ -20,6 +20,24 @@ class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self._token_texts: dict[int, str] = {}  # a token's text alone, for logprobs
+        # What the outputs built since the last `commit` hold, (parent, completion, (tokens,
+        # characters) or None for a final output): sent once the caller has the outputs.
+        self._sending: list[tuple[ParentRequest, int, tuple[int, int] | None]] = []
+
+    def commit(self) -> None:
+        """The outputs built since the last commit reached the caller: DELTA streams go on
+        after them, and the completions they finished are reported."""
+        for parent, i, sent in self._sending:
+            if sent is None:
+                parent.finals_sent.add(i)
+            else:
+                parent.sent[i] = sent
+        self._sending.clear()
+
+    def rollback(self) -> None:
+        """The outputs built since the last commit were lost (a failed step): the next
+        outputs send their tokens and text again."""
+        self._sending.clear()
 
     def detokenize(self, request: Request) -> str | None:
         """Bring the text up to date with the tokens. Returns the stop string that ends the
@@ -150,8 +168,10 @@ class OutputProcessor:
                 sent_tokens, sent_chars = parent.sent[i]
                 tokens = tokens[sent_tokens:]
                 logprobs = logprobs[sent_tokens:] if logprobs is not None else None
-                parent.sent[i] = (sent_tokens + len(tokens), max(sent_chars, len(text)))
+                self._sending.append((parent, i, (sent_tokens + len(tokens), max(sent_chars, len(text)))))
                 text = text[sent_chars:]
+            if child.is_finished:
+                self._sending.append((parent, i, None))
             completions.append(CompletionOutput(
                 index=i,
                 text=text,

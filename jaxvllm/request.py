@@ -275,6 +275,7 @@ class ParentRequest:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Per child, (tokens, characters of text) already returned: DELTA outputs start there.
     sent: list[tuple[int, int]] = field(default_factory=list)
+    finals_sent: set[int] = field(default_factory=set)  # children whose final output was returned
     digest: bytes = b""  # across processes: what every process must agree on (`LLMEngine._check_same_requests`)
 
     def __post_init__(self) -> None:

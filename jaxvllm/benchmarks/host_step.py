@@ -170,6 +170,7 @@ def time_steps(engine: LLMEngine, steps: int, rng, profile: cProfile.Profile | N
             engine._propose_drafts(out.scheduled)
         t4 = clock()
         outputs = [output_processor.output(engine._parents[r.parent_id]) for r in updated]
+        output_processor.commit()
         t5 = clock()
         assert len(out.scheduled) == n == len(outputs), "every request should decode every step"
         for part, dt in zip(PARTS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t5 - t0)):

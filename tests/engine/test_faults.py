@@ -101,6 +101,58 @@ def test_fault_at_each_stage(case, monkeypatch, owner, name, error, at_call):
     assert_healthy(llm, want)
 
 
+def run_by_hand(engine: LLMEngine, kind) -> dict:
+    """Requests of 2-7 tokens stepped by hand through `LLMEngine.step()`, whose failures are
+    skipped: per request, its tokens as the outputs add up, its finish reason and how many
+    of its outputs said finished."""
+    from jaxvllm import RequestOutputKind
+
+    for i, prompt in enumerate(prompts()):
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=2 + i, ignore_eos=True,
+                                                           output_kind=kind))
+    seen = {}
+    while engine.has_unfinished_requests():
+        try:
+            outputs = engine.step()
+        except RuntimeError:
+            continue
+        for out in outputs:
+            tokens_so_far, _, finals = seen.get(out.request_id, ([], None, 0))
+            c = out.outputs[0]
+            got = tokens_so_far + c.token_ids if kind == RequestOutputKind.DELTA else c.token_ids
+            seen[out.request_id] = (got, c.finish_reason, finals + out.finished)
+    return seen
+
+
+@pytest.mark.parametrize("kind", ["DELTA", "CUMULATIVE"])
+@pytest.mark.parametrize("name,at_call", [("step_outputs", 3), ("output", 2), ("output", 7)])
+def test_outputs_of_a_failed_step_come_with_a_later_one(case, monkeypatch, kind, name, at_call):
+    """Stepped by hand, a step that fails after it appended its tokens (here while it builds
+    its outputs) loses none of them: DELTA pieces still add up, and a request it finished
+    gets its final output from the next step."""
+    from jaxvllm import RequestOutputKind
+    from jaxvllm.output_processor import OutputProcessor
+
+    llm, want = case
+    engine, kind = llm.llm_engine, RequestOutputKind[kind]
+    reference = run_by_hand(engine, kind)
+    real, calls = getattr(OutputProcessor, name), []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == at_call:
+            raise RuntimeError("injected")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(OutputProcessor, name, failing)
+    got = run_by_hand(engine, kind)
+    monkeypatch.undo()
+    assert len(calls) > at_call and got == reference
+    assert all(finals == 1 and reason == "length" for _, reason, finals in got.values())
+    assert not engine._parents
+    assert_healthy(llm, want)
+
+
 def test_failed_call_that_consumed_the_kv_cache(case, monkeypatch):
     """A jitted step that took the donated caches and then failed: the runner makes new ones
     (and forgets the prefix cache, whose contents went with them)."""
