@@ -71,6 +71,21 @@ def assert_healthy(llm: LLM, want) -> None:
     assert len(engine.runner.builder.input_batch) == 0 and not any(r.num_pending for r in engine.scheduler.requests.values())
 
 
+def fail_once(monkeypatch, owner, name: str, at_call: int, error=RuntimeError) -> list:
+    """Make `owner.name` raise `error("injected")` at its `at_call`-th call; the calls made
+    so far (a list that grows)."""
+    real, calls = getattr(owner, name), []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == at_call:
+            raise error("injected")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, failing)
+    return calls
+
+
 STAGES = [
     (Scheduler, "schedule"),  # before anything is dispatched
     (BatchBuilder, "prepare"),  # after blocks were registered for the step
@@ -85,16 +100,7 @@ STAGES = [
 @pytest.mark.parametrize("at_call", [1, 4])
 def test_fault_at_each_stage(case, monkeypatch, owner, name, error, at_call):
     llm, want = case
-    real = getattr(owner, name)
-    calls = []
-
-    def failing(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == at_call:
-            raise error("injected")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(owner, name, failing)
+    fail_once(monkeypatch, owner, name, at_call, error)
     with pytest.raises(error, match="injected"):
         llm.generate(prompts(), GREEDY, use_tqdm=False)
     monkeypatch.undo()
@@ -136,15 +142,7 @@ def test_outputs_of_a_failed_step_come_with_a_later_one(case, monkeypatch, kind,
     llm, want = case
     engine, kind = llm.llm_engine, RequestOutputKind[kind]
     reference = run_by_hand(engine, kind)
-    real, calls = getattr(OutputProcessor, name), []
-
-    def failing(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == at_call:
-            raise RuntimeError("injected")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(OutputProcessor, name, failing)
+    calls = fail_once(monkeypatch, OutputProcessor, name, at_call)
     got = run_by_hand(engine, kind)
     monkeypatch.undo()
     assert len(calls) > at_call and got == reference
