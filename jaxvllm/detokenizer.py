@@ -304,16 +304,16 @@ class IncrementalDetokenizer:
         between matches that end together, the one listed first in `stop`."""
         lo = max(0, changed_from - (self._max_stop_len - 1))
         region = self._recent_committed(self._committed_len - lo) + self._tail
-        first, end, found = 0, len(region) + 1, None
+        start, end, found = 0, len(region) + 1, None  # (the best match so far, in `region`)
         for s in self._stop:
             # An occurrence must reach into the changed text: older ones were seen before.
             i = region.find(s, max(0, changed_from - lo - len(s) + 1), end - 1)
             if i != -1 and i + len(s) < end:
-                first, end, found = i, i + len(s), s
+                start, end, found = i, i + len(s), s
         if found is None:
             return None
-        end = lo + (end if self._include_stop else first)
-        text = ("".join(self._chunks) + self._tail)[:end]
+        cut = lo + (end if self._include_stop else start)
+        text = ("".join(self._chunks) + self._tail)[:cut]
         self._chunks, self._committed_len, self._tail = [text], len(text), ""
         self._text = text
         self._stopped = True
