@@ -150,9 +150,10 @@ class OutputProcessor:
         so that no text is streamed that a stop string later takes back. DELTA sends the
         prompt logprobs once, with a completion's first output (later ones get [])."""
         delta = parent.output_kind == RequestOutputKind.DELTA
-        first = parent.children[0 if only is None else only]
+        lead = 0 if only is None else only  # (the completion whose prompt fields the output reports)
+        first = parent.children[lead]
         prompt_logprobs = first.prompt_logprobs
-        if delta and prompt_logprobs is not None and parent.sent[0 if only is None else only][0]:
+        if delta and prompt_logprobs is not None and parent.sent[lead][0]:
             prompt_logprobs = []  # (sent with this completion's first output)
         completions = []
         for i in range(len(parent.children)) if only is None else (only,):

@@ -331,10 +331,14 @@ def is_random(t: SamplingTensors) -> jax.Array:
     return (t.temperature > 0) & (t.top_k != 1)
 
 
+def over_temperature(logits, t: SamplingTensors):
+    """Each row's logits over its temperature (greedy rows: as they are)."""
+    return logits / jnp.where(t.temperature > 0, t.temperature, 1.0)[:, None]
+
+
 def random_logits(logits, t: SamplingTensors, features: SamplerFeatures):
     """The logits a random row draws from: temperature, then min-p, top-k and top-p."""
-    temperature = jnp.where(t.temperature > 0, t.temperature, 1.0)[:, None]
-    return apply_top_k_top_p_min_p(logits / temperature, t.top_k, t.top_p, t.min_p, features)
+    return apply_top_k_top_p_min_p(over_temperature(logits, t), t.top_k, t.top_p, t.min_p, features)
 
 
 def _first_reaching(cumulative: jax.Array, weights: jax.Array, target: jax.Array) -> jax.Array:
@@ -376,8 +380,7 @@ def draw(logits, t: SamplingTensors, features: SamplerFeatures):
     sampled = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # ties -> lowest id, as torch.argmax
     # top_k = 1 under a temperature draws the argmax, but its processed logits are vLLM's
     # (which samples the row): the top token's over the temperature, the others -inf.
-    temperature = jnp.where(t.temperature > 0, t.temperature, 1.0)[:, None]
-    top_1 = jnp.where(logits >= jnp.max(logits, axis=-1, keepdims=True), logits / temperature, -jnp.inf)
+    top_1 = jnp.where(logits >= jnp.max(logits, axis=-1, keepdims=True), over_temperature(logits, t), -jnp.inf)
     processed = jnp.where(((t.temperature > 0) & (t.top_k == 1))[:, None], top_1, logits)
     if not features.random:
         return sampled, processed
