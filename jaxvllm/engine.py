@@ -162,7 +162,7 @@ class LLMEngine:
         with defer_interrupts():
             manager.add(lora_request, replace=True)
             if replaces:
-                self.reset_prefix_cache()
+                self._reset_prefix_cache()
         return True
 
     def remove_lora(self, lora_id: int) -> bool:
@@ -452,7 +452,7 @@ class LLMEngine:
         self.kv_cache_manager.rollback()
         self.scheduler.recompute_all()
         if self.runner.recover():
-            self.reset_prefix_cache()
+            self._reset_prefix_cache()
 
     # -- state ---------------------------------------------------------------------------
 
@@ -552,7 +552,7 @@ class LLMEngine:
             raise RuntimeError("the engine is asleep already; wake_up() first")
         with defer_interrupts():
             self.runner.sleep(level)
-            self.reset_prefix_cache()
+            self._reset_prefix_cache()
 
     def wake_up(self, tags: list[str] | None = None) -> bool:
         """Bring back the weights and the KV cache (`tags`: "weights", "kv_cache"; None:
@@ -582,7 +582,7 @@ class LLMEngine:
             raise RuntimeError("reload_weights while requests are unfinished: finish or abort them first")
         with defer_interrupts():
             self.runner.reload_weights()
-            self.reset_prefix_cache()
+            self._reset_prefix_cache()
 
     def update_weights(self, weights) -> int:
         """Replace some or all of the model's weights in place (HF names; see
@@ -597,16 +597,32 @@ class LLMEngine:
         start = time.perf_counter()
         with defer_interrupts():
             count = self.runner.update_weights(weights)
-            self.reset_prefix_cache()
+            self._reset_prefix_cache()
         jax.block_until_ready(self.runner.params)
         self.weight_updates += 1
         self.weight_update_seconds += time.perf_counter() - start
         return count
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """vLLM's: forget every cached block. While running requests hold KV blocks it is
+        refused (False, with a warning) unless `reset_running_requests`: then they are
+        preempted and recomputed from their tokens, their outputs unchanged."""
+        self._check_open()
+        if self.kv_cache_manager.req_blocks:
+            if not reset_running_requests:
+                logger.warning("prefix cache not reset: %d running requests hold KV blocks (finish or abort them, "
+                               "or pass reset_running_requests=True)", len(self.kv_cache_manager.req_blocks))
+                return False
+            with defer_interrupts():
+                self._in_flight = None  # (its tokens come out the same when recomputed)
+                self.kv_cache_manager.rollback()
+                self.scheduler.recompute_all()
+        self._reset_prefix_cache()
+        return True
+
+    def _reset_prefix_cache(self) -> None:
         self.metrics.track_prefix_cache(self.kv_cache_manager.stats)  # (the reset starts new stats)
         self.kv_cache_manager.reset_prefix_cache()
-        return True
 
     def _check_open(self) -> None:
         if self.runner.closed:

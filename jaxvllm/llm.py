@@ -333,10 +333,12 @@ class LLM:
         self._check_open()
         return self.llm_engine.runner.params
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget all cached prefix blocks (their memory stays with the KV pool)."""
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget all cached prefix blocks (their memory stays with the KV pool). Returns
+        False, as vLLM does, while running requests hold blocks, unless
+        `reset_running_requests` (they are preempted and recomputed)."""
         self._check_open()
-        return all([e.reset_prefix_cache() for e in self.engines])
+        return all([e.reset_prefix_cache(reset_running_requests) for e in self.engines])
 
     def get_metrics(self) -> list:
         """vLLM's: a snapshot of the engine's metrics since it was created, a list of

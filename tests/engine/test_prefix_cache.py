@@ -299,3 +299,39 @@ def test_preempted_request_hits_its_own_blocks(tiny_checkpoint):
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
     cold = LLM(tiny_checkpoint("llama"), **ENGINE, enable_prefix_caching=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in cold.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_reset_with_running_requests_is_refused_unless_asked(async_scheduling, tiny_checkpoint):
+    """vLLM's reset_prefix_cache(reset_running_requests=False): refused while requests hold
+    blocks; with True they are preempted, recomputed, and finish as they would have."""
+    llm = LLM(tiny_checkpoint("llama"), **ENGINE, async_scheduling=async_scheduling)
+    rng = np.random.default_rng(8)
+    prefix = [int(t) for t in rng.integers(3, 384, size=40)]
+    prompts = [{"prompt_token_ids": prefix + [int(t) for t in rng.integers(3, 384, size=5)]} for _ in range(3)]
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=4, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=9, max_tokens=12, ignore_eos=True)]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    engine = llm.llm_engine
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), prompt, p)
+    finished = {}
+
+    def steps(n):
+        for _ in range(n):
+            finished.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+
+    steps(4)
+    assert llm.reset_prefix_cache() is False  # (requests hold blocks: nothing forgotten)
+    assert engine.stats()["prefix_cache_queries"] > 0
+    steps(2)
+    assert llm.reset_prefix_cache(reset_running_requests=True) is True
+    stats = engine.stats()
+    assert stats["prefix_cache_queries"] == 0 and stats["num_free_blocks"] == stats["num_gpu_blocks"]
+    while engine.has_unfinished_requests():
+        steps(1)
+    assert [finished[str(i)] for i in range(3)] == expected
+    assert engine.stats()["num_free_blocks"] == engine.stats()["num_gpu_blocks"]
+    assert llm.reset_prefix_cache() is True

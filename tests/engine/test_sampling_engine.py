@@ -114,6 +114,14 @@ def test_min_tokens_masks_stop_ids_and_eos(llm):
     [ignored] = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True,
                                                      logit_bias={eos: 100.0}), use_tqdm=False)
     assert ignored.outputs[0].token_ids == [eos] * 5 and ignored.outputs[0].finish_reason == "length"
+    # Any finite bias, as vLLM's LLM takes it: -1e9 bans a token, 1e9 forces one.
+    first = ids[0]
+    [banned] = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=1, logit_bias={first: -1e9}),
+                            use_tqdm=False)
+    assert banned.outputs[0].token_ids[0] != first
+    [sampled] = llm.generate("Hello", SamplingParams(temperature=1.0, seed=3, max_tokens=4, ignore_eos=True,
+                                                     logit_bias={7: 1e9}, logprobs=1), use_tqdm=False)
+    assert sampled.outputs[0].token_ids == [7] * 4
 
 
 def test_allowed_token_ids_and_penalties(llm):
@@ -186,7 +194,6 @@ def test_detokenize_options(llm):
         (dict(min_tokens=5, max_tokens=4), r"^min_tokens must be less than or equal to max_tokens=4, got 5.$"),
         (dict(stop=[""]), "stop must be a non-empty string"),
         (dict(stop="x", detokenize=False), "stop strings are only supported when detokenize is True"),
-        (dict(logit_bias={3: 200.0}), r"logit_bias values must be in \[-100, 100\]"),
         (dict(allowed_token_ids=[]), "allowed_token_ids must not be empty"),
         (dict(temperature="hot"), "temperature must be a number"),
     ],
