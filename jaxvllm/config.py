@@ -221,6 +221,9 @@ class EngineConfig:
     # Where generate(prompts) with no sampling params takes its defaults from: "auto" (the
     # model's generation_config.json), "vllm" (SamplingParams()'s) or another folder.
     generation_config: str = "auto"
+    # vLLM's: fields (HF's names: temperature, top_p, top_k, min_p, repetition_penalty,
+    # max_new_tokens) over the generation config's; with generation_config="vllm" the only ones.
+    override_generation_config: dict[str, Any] | None = None
     # vLLM's names that mean nothing here, accepted so that vLLM scripts run unchanged:
     # no stats are logged periodically; only built-in architectures run, never remote code;
     # preemption recomputes instead of swapping to CPU; local folders have no revisions;
@@ -314,6 +317,9 @@ class EngineConfig:
             raise ValueError(f"tokenizer must be a path or None, got {self.tokenizer!r}")
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
+        overrides = self.override_generation_config
+        if overrides is not None and (not isinstance(overrides, dict) or not all(isinstance(k, str) for k in overrides)):
+            raise ValueError(f"override_generation_config must be a dict of generation config fields, got {overrides!r}")
         names = [self.served_model_name] if isinstance(self.served_model_name, str) else self.served_model_name
         if names is not None and (not isinstance(names, list) or not names
                                   or not all(isinstance(n, str) and n for n in names)):

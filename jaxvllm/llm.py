@@ -70,16 +70,16 @@ class LLM:
         """vLLM's: the sampling settings the checkpoint's generation_config.json recommends
         (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), over
         `SamplingParams()`'s defaults; `SamplingParams()` when it has none, or when the
-        engine's `generation_config` is "vllm". `generate` and `chat` use these when given
-        no sampling params, as vLLM's do."""
+        engine's `generation_config` is "vllm"; `override_generation_config` over either.
+        `generate` and `chat` use these when given no sampling params, as vLLM's do."""
         if self._default_sampling is None:
             self._default_sampling = self._read_generation_config()
         return SamplingParams(**self._default_sampling)
 
     def _read_generation_config(self) -> dict[str, Any]:
-        if self.llm_engine.config.generation_config == "vllm":
-            return {}
-        given = self.llm_engine.generation_config
+        config = self.llm_engine.config
+        given = {} if config.generation_config == "vllm" else dict(self.llm_engine.generation_config)
+        given.update(config.override_generation_config or {})
         names = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                  "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
         return {ours: given[hf] for hf, ours in names.items() if given.get(hf) is not None}

@@ -203,6 +203,15 @@ def test_default_sampling_params_come_from_generation_config(tiny_checkpoint, tm
         assert any(o.outputs[0].finish_reason == "length" and len(o.outputs[0].token_ids) == 3 for o in outputs)
     with LLM(path, **ENGINE, enforce_eager=True, generation_config="vllm") as llm:
         assert llm.get_default_sampling_params() == SamplingParams()
+    # override_generation_config: over the file's fields, or (with "vllm") alone.
+    override = {"temperature": 0.3, "max_new_tokens": 5}
+    with LLM(path, **ENGINE, enforce_eager=True, override_generation_config=override) as llm:
+        params = llm.get_default_sampling_params()
+        assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (0.3, 0.9, 20, 5)
+    with LLM(path, **ENGINE, enforce_eager=True, generation_config="vllm", override_generation_config=override) as llm:
+        assert llm.get_default_sampling_params() == SamplingParams(temperature=0.3, max_tokens=5)
+    with pytest.raises(ValueError, match="override_generation_config must be a dict"):
+        LLM(path, **ENGINE, override_generation_config=[("temperature", 0.3)])
 
 
 def test_generation_config_eos_ids_stop_as_stop_token_ids(llm, tiny_checkpoint, tmp_path):
