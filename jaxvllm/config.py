@@ -14,7 +14,7 @@ import math
 import numbers
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -224,6 +224,9 @@ class EngineConfig:
     # vLLM's: fields (HF's names: temperature, top_p, top_k, min_p, repetition_penalty,
     # max_new_tokens) over the generation config's; with generation_config="vllm" the only ones.
     override_generation_config: dict[str, Any] | None = None
+    # vLLM's: fields set on the model's HF config before it is read (e.g. {"num_hidden_layers":
+    # 2}; a dict value updates a nested config), or a function from config to config.
+    hf_overrides: dict[str, Any] | Callable | None = None
     # vLLM's names that mean nothing here, accepted so that vLLM scripts run unchanged:
     # no stats are logged periodically; only built-in architectures run, never remote code;
     # preemption recomputes instead of swapping to CPU; local folders have no revisions;
@@ -317,6 +320,8 @@ class EngineConfig:
             raise ValueError(f"tokenizer must be a path or None, got {self.tokenizer!r}")
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
+        if not (self.hf_overrides is None or isinstance(self.hf_overrides, dict) or callable(self.hf_overrides)):
+            raise ValueError(f"hf_overrides must be a dict of config fields or a function, got {self.hf_overrides!r}")
         overrides = self.override_generation_config
         if overrides is not None and (not isinstance(overrides, dict) or not all(isinstance(k, str) for k in overrides)):
             raise ValueError(f"override_generation_config must be a dict of generation config fields, got {overrides!r}")

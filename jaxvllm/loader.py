@@ -38,8 +38,10 @@ JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.f
 _INDEX_FILE = "model.safetensors.index.json"
 
 
-def load_config(model: str | Path) -> ModelConfig:
-    """Read `config.json` with transformers' AutoConfig; never touches the network."""
+def load_config(model: str | Path, hf_overrides: dict[str, Any] | Callable | None = None) -> ModelConfig:
+    """Read `config.json` with transformers' AutoConfig; never touches the network.
+    `hf_overrides` (vLLM's): fields set on the HF config (a dict value updates a nested
+    config such as text_config field by field), or a function from config to config."""
     from transformers import AutoConfig
 
     path = Path(model)
@@ -51,7 +53,22 @@ def load_config(model: str | Path) -> ModelConfig:
         hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     except Exception as e:  # transformers raises several types for a bad or unknown config
         raise ValueError(f"cannot read {path / 'config.json'}: {e}") from e
+    if callable(hf_overrides):
+        hf_config = hf_overrides(hf_config)
+    elif hf_overrides:
+        _override(hf_config, hf_overrides)
     return ModelConfig.from_hf(hf_config)
+
+
+def _override(hf_config, overrides: dict[str, Any]) -> None:
+    from transformers import PretrainedConfig
+
+    for key, value in overrides.items():
+        nested = getattr(hf_config, key, None)
+        if isinstance(nested, PretrainedConfig) and isinstance(value, dict):
+            _override(nested, value)
+        else:
+            setattr(hf_config, key, value)
 
 
 def resolve_dtype(dtype: str, cfg: ModelConfig):
@@ -72,6 +89,7 @@ def load_model(
     expert_parallel: bool = False,
     stack_layers: bool | None = None,
     quantization: str | None = None,
+    hf_overrides: dict[str, Any] | Callable | None = None,
 ) -> tuple[ModelConfig, dict]:
     """Return (config, params) with params in `dtype` ("auto" = the checkpoint's dtype),
     split over `mesh` as `jaxvllm.sharding` says (None: all on `device`, default the first); the
@@ -83,10 +101,11 @@ def load_model(
     devices): each kind of layer weight one array over the layers, or one per layer, and
     then q/k/v and gate/up merged (`ModelConfig.merge_projections`). `quantization` "fp8":
     the layers' linear weights quantized as they load (`jaxvllm.quantization`).
+    `hf_overrides`: as `load_config`'s.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not supported; choose from {LOAD_FORMATS}")
-    cfg = load_config(model)
+    cfg = load_config(model, hf_overrides)
     check_quantization(quantization, cfg)
     fmt = None
     if cfg.quant_method is not None:

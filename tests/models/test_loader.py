@@ -296,3 +296,34 @@ print("same")
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("same"), done.stderr[-3000:]
+
+
+def test_hf_overrides_change_the_config_the_model_runs(tiny_checkpoint, hf_model):
+    """vLLM's hf_overrides: a dict of fields, or a function, applied to the HF config before
+    it is read; the common use, fewer layers of a checkpoint, equals HF with the same change."""
+    from transformers import AutoModelForCausalLM
+
+    from jaxvllm import LLM, SamplingParams
+    from tests.models.paged import hf_greedy
+
+    path = tiny_checkpoint("qwen3")
+    assert load_config(path).num_layers == 2
+    assert load_config(path, {"num_hidden_layers": 1}).num_layers == 1
+
+    def one_layer(config):
+        config.num_hidden_layers = 1
+        return config
+
+    assert load_config(path, one_layer).num_layers == 1
+    prompts = [[5, 6, 7, 8], [40, 2, 9]]
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, num_hidden_layers=1).eval()
+    want = hf_greedy(hf, prompts, 6)
+    assert want != hf_greedy(hf_model(path), prompts, 6)  # (the override matters)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(path, hf_overrides={"num_hidden_layers": 1}, max_model_len=64, enforce_eager=True) as llm:
+        assert llm.llm_engine.model_config.num_layers == 1
+        got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                            use_tqdm=False)]
+    assert got == want
+    with pytest.raises(ValueError, match="hf_overrides must be a dict of config fields or a function"):
+        LLM(path, hf_overrides=[("num_hidden_layers", 1)])
