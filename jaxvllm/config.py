@@ -161,6 +161,9 @@ class EngineConfig:
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
+    # vLLM's: the KV cache's bytes on each device, instead of sizing it from
+    # gpu_memory_utilization (nothing is profiled then); num_gpu_blocks_override wins over it.
+    kv_cache_memory_bytes: int | None = None
     max_num_seqs: int = 256
     # None: chosen for the platform (`for_platform`): 8192, or 2048 on a CPU.
     max_num_batched_tokens: int | None = None
@@ -235,7 +238,12 @@ class EngineConfig:
     trust_remote_code: bool = False
     swap_space: float = 4.0
     revision: str | None = None
+    tokenizer_revision: str | None = None
+    code_revision: str | None = None
+    max_parallel_loading_workers: int | None = None  # the safetensors files are read one after another
     compilation_config: Any = None
+    # vLLM's model runner kind: jaxvllm runs generative models only ("auto" or "generate").
+    runner: str = "auto"
     # vLLM's structured outputs settings: a StructuredOutputsConfig or a dict of its fields.
     structured_outputs_config: StructuredOutputsConfig | dict | None = None
     download_dir: str | None = None  # nothing is ever downloaded
@@ -263,6 +271,9 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization={self.quantization!r} is not supported by jaxvllm; choose from None, "
                              + ", ".join(repr(m) for m in QUANTIZATION_METHODS))
+        if self.runner not in ("auto", "generate"):
+            raise ValueError(f"runner={self.runner!r}: jaxvllm runs generative models only ('auto' or 'generate'); "
+                             "pooling and embedding models are not supported")
         check_bool("enable_lora", self.enable_lora)
         self._check_lora()
         so = self.structured_outputs_config
@@ -337,7 +348,7 @@ class EngineConfig:
         """Counts, lengths and the memory share; the token buckets."""
         for name in ("block_size", "max_num_seqs"):
             _check_positive_int(name, getattr(self, name))
-        for name in ("max_model_len", "num_gpu_blocks_override", "max_num_batched_tokens"):
+        for name in ("max_model_len", "num_gpu_blocks_override", "kv_cache_memory_bytes", "max_num_batched_tokens"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name), " (or None)")
         if not is_int(self.seed):

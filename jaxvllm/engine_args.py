@@ -44,6 +44,8 @@ _VALUE_FLAGS: dict[str, tuple[Callable[[str], Any], str]] = {
     "block-size": (int, "tokens per KV cache block"),
     "gpu-memory-utilization": (float, "share of device memory for weights, activations and KV cache"),
     "num-gpu-blocks-override": (int, "number of KV cache blocks, instead of sizing them from device memory"),
+    "kv-cache-memory-bytes": (int, "the KV cache's bytes on each device, instead of sizing it from "
+                                   "gpu-memory-utilization"),
     "attention-backend": (str, "'auto', 'reference' or 'pallas' (where available)"),
     "tokenizer": (str, "tokenizer folder (default: the model's)"),
     "load-format": (str, "'auto', 'safetensors' or 'dummy' (random weights)"),

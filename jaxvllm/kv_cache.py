@@ -151,10 +151,18 @@ def num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, devices: list, max_mo
     memory for weights, activations and the KV cache. `profile()` runs the largest step
     once; the cache is sized from the device with the least room left after it.
     `step_bytes()` is that step's own memory from XLA's analysis, for when the allocator's
-    peak predates it. Capped at what 32-bit offsets address."""
+    peak predates it. `num_gpu_blocks_override`, then `kv_cache_memory_bytes` (a device's
+    share), skip the profile. Capped at what 32-bit offsets address."""
     if config.num_gpu_blocks_override is not None:
         return spec.addressable(config.num_gpu_blocks_override, override=True)
     max_blocks_per_seq = -(-max_model_len // spec.block_size)
+    if config.kv_cache_memory_bytes is not None:
+        num_blocks = int(config.kv_cache_memory_bytes // (spec.bytes_per_block / len(devices)))
+        if num_blocks < max_blocks_per_seq:
+            raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds {num_blocks} KV blocks "
+                             f"of {spec.bytes_per_block // len(devices)} bytes a device; one sequence of "
+                             f"max_model_len={max_model_len} needs {max_blocks_per_seq}")
+        return spec.addressable(num_blocks)
     mine = local_devices(devices)  # (across processes, each profiles its own devices)
     stats = device_memory_stats(mine[0])
     if not stats or "bytes_limit" not in stats:  # CPU: enough for every sequence, within a fixed budget

@@ -48,6 +48,8 @@ def no_loading(monkeypatch):
     (dict(block_size=0), r"block_size must be a positive int, got 0"),
     (dict(block_size=True), r"block_size .* got True"),
     (dict(num_gpu_blocks_override=0), r"num_gpu_blocks_override .* got 0"),
+    (dict(kv_cache_memory_bytes=-1), r"kv_cache_memory_bytes .* got -1"),
+    (dict(runner="pooling"), r"runner='pooling': jaxvllm runs generative models only"),
     (dict(max_num_seqs=64, max_num_batched_tokens=32), r"max_num_batched_tokens \(32\) must be >= max_num_seqs \(64\)"),
     (dict(scheduling_policy="lifo"), r"scheduling_policy must be one of \('fcfs', 'priority'\), got 'lifo'"),
     (dict(attention_backend="flash"), r"attention_backend 'flash' is not available"),

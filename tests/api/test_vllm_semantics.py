@@ -77,7 +77,8 @@ def test_vllm_engine_arguments_are_accepted(tiny_checkpoint):
               swap_space=0, revision="main", compilation_config={"level": 3}, tokenizer_mode="auto",
               tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1, kv_cache_dtype="auto",
               quantization=None, enable_lora=False, download_dir="/nowhere", max_seq_len_to_capture=8192,
-              served_model_name="tiny")
+              served_model_name="tiny", tokenizer_revision="main", code_revision="main",
+              max_parallel_loading_workers=2, runner="generate")
     assert {m.labels["model_name"] for m in llm.get_metrics()} == {"tiny"}
     assert llm.llm_engine.config.dtype == "float32"
     assert llm.stats()["warmup_seconds"] == 0 and llm.stats()["num_compiled_buckets"] == 0  # enforce_eager: lazy

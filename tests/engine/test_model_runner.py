@@ -64,6 +64,13 @@ def test_kv_cache_cpu_default_and_override(tiny_checkpoint, caplog):
     assert "KV cache: 16 blocks x 16 tokens = 256 tokens" in caplog.text
     assert "warm-up: compiled token buckets [32] x 1 block-table widths [4] and 3 sampler variants" in caplog.text
     assert ModelRunner(EngineConfig(model=path, num_gpu_blocks_override=7, **SMALL)).num_blocks == 7
+    # vLLM's kv_cache_memory_bytes: a device's bytes, no profile; the override wins over it.
+    per_block = runner.kv_spec.bytes_per_block
+    assert ModelRunner(EngineConfig(model=path, kv_cache_memory_bytes=9 * per_block + 5, **SMALL)).num_blocks == 9
+    assert ModelRunner(EngineConfig(model=path, kv_cache_memory_bytes=9 * per_block, num_gpu_blocks_override=7,
+                                    **SMALL)).num_blocks == 7
+    with pytest.raises(ValueError, match=rf"kv_cache_memory_bytes={per_block} holds 1 KV blocks .* needs 4"):
+        ModelRunner(EngineConfig(model=path, kv_cache_memory_bytes=per_block, **SMALL))
 
 
 def test_every_block_table_width_is_warmed_up(tiny_checkpoint):
