@@ -6,7 +6,7 @@ import dataclasses
 import gc
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from tqdm.auto import tqdm
 
@@ -119,7 +119,7 @@ class LLM:
         prompts: Any,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., tqdm] = True,
         priority: int | Sequence[int] | None = None,
         lora_request: Any = None,
     ) -> list[RequestOutput]:
@@ -147,7 +147,7 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict] | None = None,
         chat_template_content_format: str = "auto",
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., tqdm] = True,
         lora_request: Any = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or a
@@ -202,7 +202,7 @@ class LLM:
             e.abort_request(self._generating)
         self._generating = []
 
-    def _run(self, prompts, sampling_params, priority, use_tqdm: bool, add_special_tokens: bool = True,
+    def _run(self, prompts, sampling_params, priority, use_tqdm, add_special_tokens: bool = True,
              lora_request=None):
         self._abort_generating()
         engine = self.llm_engine  # validates and builds the requests; any replica may run them
@@ -241,7 +241,8 @@ class LLM:
                     rank = load.index(min(load))
                     self.engines[rank].add_parent(request)
                     load[rank] += sum(c.num_prompt_tokens + c.max_tokens for c in request.children)
-                bar = tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+                make_bar = use_tqdm if callable(use_tqdm) else tqdm  # (vLLM's: a tqdm-like factory may be given)
+                bar = make_bar(total=len(requests), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
                 start, num_output_tokens = time.perf_counter(), 0
                 while busy := [e for e in self.engines if e.has_unfinished_requests()]:
                     for e in busy:

@@ -1,5 +1,7 @@
 """The vLLM-compatible surface: prompt forms, outputs, step-by-step engine use, bad input."""
 
+import io
+
 import pytest
 
 from jaxvllm import LLM, CompletionOutput, RequestOutput, SamplingParams
@@ -31,6 +33,16 @@ def test_prompt_forms_and_outputs(llm):
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
     single = llm.generate("Hello, world", GREEDY, use_tqdm=False)
     assert len(single) == 1 and single[0].outputs[0].token_ids == out.token_ids
+    bars = []
+
+    def make_bar(**kwargs):  # vLLM's use_tqdm may be a tqdm-like factory
+        from tqdm import tqdm
+
+        bars.append(tqdm(**kwargs, file=io.StringIO()))
+        return bars[-1]
+
+    assert llm.generate(["Hello, world"] * 2, GREEDY, use_tqdm=make_bar)[1].outputs[0].token_ids == out.token_ids
+    assert len(bars) == 1 and bars[0].n == 2 and bars[0].total == 2
 
 
 def test_per_prompt_params_stop_ids_and_ignore_eos(llm):
