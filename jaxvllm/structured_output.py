@@ -61,15 +61,32 @@ def tokenizer_size(tokenizer) -> int:
     return backend.get_vocab_size(with_added_tokens=True) if backend is not None else len(tokenizer)
 
 
+# Where a JSON schema holds subschemas: maps of named ones, and one or a list of them.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
+_SUBSCHEMAS = ("additionalProperties", "unevaluatedProperties", "propertyNames", "contains", "additionalItems",
+               "unevaluatedItems", "not", "if", "then", "else", "contentSchema", "items", "prefixItems", "allOf",
+               "anyOf", "oneOf")
+
+
 def _no_additional_properties(schema):
-    """vLLM's `disable_additional_properties`: every object schema without its own
-    `additionalProperties` gets `false`."""
-    if isinstance(schema, dict):
-        schema = {k: _no_additional_properties(v) for k, v in schema.items()}
-        if schema.get("type") == "object" and "additionalProperties" not in schema:
-            schema["additionalProperties"] = False
-    elif isinstance(schema, list):
-        schema = [_no_additional_properties(v) for v in schema]
+    """vLLM's `disable_additional_properties`: a schema that lists `properties` (or
+    `patternProperties`) and says nothing of others gets `additionalProperties: false`.
+    Subschemas are reached through the schema keywords only, so `const` and `enum` values
+    and free-form objects ({"type": "object"} alone) stay as written."""
+    if isinstance(schema, list):
+        return [_no_additional_properties(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    schema = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            schema[key] = {name: _no_additional_properties(s) for name, s in schema[key].items()}
+    for key in _SUBSCHEMAS:
+        if isinstance(schema.get(key), (dict, list)):
+            schema[key] = _no_additional_properties(schema[key])
+    listed = isinstance(schema.get("properties"), dict) or isinstance(schema.get("patternProperties"), dict)
+    if listed and "additionalProperties" not in schema:
+        schema["additionalProperties"] = False
     return schema
 
 
@@ -92,8 +109,8 @@ def grammar_text(spec: StructuredOutputsParams, config: StructuredOutputsConfig)
 
     if spec.json is not None:
         return json_grammar(spec.json)
-    if spec.json_object:
-        return json_grammar({"type": "object"})
+    if spec.json_object:  # (any object: disable_additional_properties does not apply, as in vLLM)
+        return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=defaults)
     if spec.regex is not None:
         return llguidance.grammar_from("regex", spec.regex)
     if spec.choice is not None:
@@ -103,24 +120,32 @@ def grammar_text(spec: StructuredOutputsParams, config: StructuredOutputsConfig)
     try:
         tag = json.loads(spec.structural_tag)
         triggers, structures = tag["triggers"], tag["structures"]
+        if not isinstance(triggers, list) or not isinstance(structures, list):
+            raise TypeError("not lists")
     except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ValueError('structured outputs: structural_tag must be JSON with "structures" and "triggers"') from e
+        raise ValueError('structured outputs: structural_tag must be JSON with "structures" and "triggers" '
+                         'lists') from e
     tags = []
     for s in structures:
-        trigger = next((t for t in triggers if s["begin"].startswith(t)), None)
+        try:
+            begin, schema, end = s["begin"], s["schema"], s["end"]
+            trigger = next((t for t in triggers if begin.startswith(t)), None)
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f'structured outputs: each structural_tag structure needs "begin", "schema" and "end" '
+                             f'strings, and "triggers" a list of strings; got {s!r}') from e
         if trigger is None:
-            raise ValueError(f"structured outputs: structural_tag begin {s['begin']!r} starts with no trigger of {triggers}")
-        tags.append(llguidance.StructTag(trigger=trigger, begin=s["begin"], grammar=json_grammar(s["schema"]),
-                                         end=s["end"]))
+            raise ValueError(f"structured outputs: structural_tag begin {begin!r} starts with no trigger of {triggers}")
+        tags.append(llguidance.StructTag(trigger=trigger, begin=begin, grammar=json_grammar(schema), end=end))
     if not tags:
         raise ValueError("structured outputs: structural_tag has no structures")
     return llguidance.StructTag.to_grammar(tags)
 
 
 def spec_key(spec: StructuredOutputsParams) -> str:
-    """Specs that give the same grammar share one compilation."""
+    """Specs that give the same grammar share one compilation. A schema's property order is
+    the order its output takes, so the key keeps it (as vLLM's does)."""
     fields = {k: v for k, v in spec.__dict__.items() if v not in (None, False) and k != "disable_fallback"}
-    return json.dumps(fields, sort_keys=True, default=str)
+    return json.dumps(fields, default=str)
 
 
 class Grammar:

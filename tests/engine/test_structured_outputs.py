@@ -166,6 +166,53 @@ def test_structural_tag(llm):
     bad = json.dumps({"structures": [{"begin": "<g>", "schema": schema, "end": "</g>"}], "triggers": ["<function="]})
     with pytest.raises(ValueError, match="starts with no trigger"):
         llm.generate("x", constrained(structural_tag=bad), use_tqdm=False)
+    for malformed in ({"structures": [{"begin": "<function=a>"}], "triggers": ["<function="]},
+                      {"structures": [5], "triggers": ["<function="]}, {"structures": 5, "triggers": []},
+                      {"structures": [{"begin": "<f>", "schema": schema, "end": "</f>"}], "triggers": [3]}):
+        with pytest.raises(ValueError, match="structural_tag"):
+            llm.generate("x", constrained(structural_tag=json.dumps(malformed)), use_tqdm=False)
+
+
+def accepts(tokenizer, grammar: str, text: str) -> bool:
+    """Whether a grammar matches `text` whole (token by token, as the engine would feed it)."""
+    matcher = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tokenizer), grammar)
+    return matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False)) and matcher.is_accepting()
+
+
+def test_disable_additional_properties_as_vllm(path):
+    """vLLM's rule: schemas listing properties get additionalProperties false; free-form
+    objects, const values and json_object stay open; untyped or union-typed schemas with
+    properties are closed too."""
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    closed = StructuredOutputsConfig(disable_additional_properties=True)
+
+    def both(text, **spec):
+        spec = StructuredOutputsParams(**spec)
+        return accepts(tokenizer, grammar_text(spec, StructuredOutputsConfig()), text), \
+            accepts(tokenizer, grammar_text(spec, closed), text)
+
+    assert both('{"x": 1}', json_object=True) == (True, True)
+    meta = {"type": "object", "properties": {"meta": {"type": "object"}}}
+    assert both('{"meta": {"k": "v"}}', json=meta) == (True, True)
+    assert both('{"meta": {}, "extra": 1}', json=meta) == (True, False)
+    const = {"type": "object", "properties": {"c": {"const": {"type": "object", "p": 1}}}}
+    assert both('{"c": {"type": "object", "p": 1}}', json=const) == (True, True)
+    untyped = {"properties": {"a": {"type": "integer"}}}
+    assert both('{"a": 1, "b": 2}', json=untyped) == (True, False)
+    union = {"type": ["object", "null"], "properties": {"a": {"type": "integer"}}}
+    assert both('{"a": 1, "b": 2}', json=union) == (True, False)
+    nested = {"type": "array", "items": {"anyOf": [{"properties": {"a": {"type": "integer"}}}]}}
+    assert both('[{"a": 1, "b": 2}]', json=nested) == (True, False)
+
+
+def test_property_order_is_kept(llm):
+    """Two schemas that differ only in property order are two grammars: each output follows its own."""
+    props = {"name": {"type": "string", "maxLength": 4}, "age": {"type": "integer", "minimum": 0, "maximum": 9}}
+    forward = {"type": "object", "properties": props, "required": ["name", "age"], "additionalProperties": False}
+    backward = {**forward, "properties": dict(reversed(props.items()))}
+    params = [constrained(json=schema, disable_any_whitespace=True) for schema in (forward, backward)]
+    outputs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert [list(json.loads(o.outputs[0].text)) for o in outputs] == [["name", "age"], ["age", "name"]]
 
 
 def hf_masked_greedy(hf, tokenizer, vocab_size, spec: StructuredOutputsParams, prompt_ids, max_tokens, eos):
@@ -260,6 +307,8 @@ def test_params_need_exactly_one_constraint():
         StructuredOutputsParams()
     with pytest.raises(ValueError, match="You can only use one kind of structured outputs constraint but multiple"):
         StructuredOutputsParams(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="regex must not contain a NUL character"):
+        StructuredOutputsParams(regex="a\x00b")
     with pytest.raises(ValueError, match="structured_outputs must be a StructuredOutputsParams"):
         SamplingParams(structured_outputs={"regex": "a"})
 
