@@ -123,7 +123,8 @@ class LLMEngine:
         self._check_awake("a request")
         lora_id = self.lora_id(lora_request)
         return self.input_processor.process(request_id, prompt, params, priority,
-                                            add_special_tokens=add_special_tokens, lora_id=lora_id)
+                                            add_special_tokens=add_special_tokens, lora_id=lora_id,
+                                            lora_version=self.runner.lora.versions[lora_id] if lora_id else 0)
 
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None, priority: int = 0,
                     lora_request: LoRARequest | None = None) -> None:
@@ -151,8 +152,8 @@ class LLMEngine:
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Read an adapter (checked against the model) so that requests can use it; an id
         added before is read again (from this request's folder) and replaced, in its device
-        slot too, and the prefix cache reset (its blocks came from the old adapter). Refused
-        while requests are unfinished when it replaces one."""
+        slot too (the blocks cached under the old one serve it no more: see
+        `LoRAManager.versions`). Refused while requests are unfinished when it replaces one."""
         self._check_open()
         manager = self._lora_manager()
         replaces = lora_request.lora_int_id in manager.requests
@@ -161,8 +162,6 @@ class LLMEngine:
                                "unfinished: finish or abort them first")
         with defer_interrupts():
             manager.add(lora_request, replace=True)
-            if replaces:
-                self._reset_prefix_cache()
         return True
 
     def remove_lora(self, lora_id: int) -> bool:
@@ -608,15 +607,17 @@ class LLMEngine:
         refused (False, with a warning) unless `reset_running_requests`: then they are
         preempted and recomputed from their tokens, their outputs unchanged."""
         self._check_open()
-        if self.kv_cache_manager.req_blocks:
+        holders = [rid for rid, blocks in self.kv_cache_manager.req_blocks.items() if blocks]
+        if holders:
             if not reset_running_requests:
                 logger.warning("prefix cache not reset: %d running requests hold KV blocks (finish or abort them, "
-                               "or pass reset_running_requests=True)", len(self.kv_cache_manager.req_blocks))
+                               "or pass reset_running_requests=True)", len(holders))
                 return False
             with defer_interrupts():
                 self._in_flight = None  # (its tokens come out the same when recomputed)
                 self.kv_cache_manager.rollback()
                 self.scheduler.recompute_all()
+                self.runner.release(holders)  # (their rows' device state is rebuilt on readmission)
         self._reset_prefix_cache()
         return True
 

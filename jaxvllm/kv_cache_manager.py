@@ -20,12 +20,14 @@ from jaxvllm.request import Request, ScheduledBatch, ScheduledRequest
 
 def _first_block_keys(request: Request) -> bytes:
     """What a request's first block hash adds to its tokens (and so every later block's,
-    through the parents): its cache salt and LoRA adapter, as vLLM's extra keys, so that
-    requests with different salts or adapters never share cached KV."""
+    through the parents): its cache salt and LoRA adapter (id and reading), as vLLM's extra
+    keys, so that requests with different salts or adapters never share cached KV. The
+    salt's length comes first, so no salt can spell another salt with an adapter."""
+    if not request.cache_salt and not request.lora_id:
+        return b""
     salt = request.cache_salt.encode() if request.cache_salt else b""
-    if not request.lora_id:
-        return salt
-    return len(salt).to_bytes(8, "little") + salt + request.lora_id.to_bytes(8, "little")
+    return (len(salt).to_bytes(8, "little") + salt + request.lora_id.to_bytes(8, "little")
+            + request.lora_version.to_bytes(8, "little"))
 
 
 def hash_block(parent: bytes | None, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
@@ -186,13 +188,14 @@ class KVCacheManager:
         step that writes the blocks may never run (the request may be preempted later in
         the same schedule); `cache_blocks` registers them once that is settled.
         """
-        blocks = self.req_blocks.setdefault(request.request_id, [])
+        blocks = self.req_blocks.get(request.request_id, [])
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         total = num_computed + num_new_tokens
         need = self.blocks_needed(total) - len(blocks) - len(computed_blocks)
         reviving = sum(1 for b in computed_blocks if self.pool.ref_counts[b] == 0)
         if need > self.pool.num_free_blocks - reviving:
             return None
+        self.req_blocks[request.request_id] = blocks
         self.pool.touch(computed_blocks)
         blocks.extend(computed_blocks)
         new = self.pool.allocate(need) if need > 0 else []

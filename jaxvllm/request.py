@@ -36,7 +36,7 @@ class Request:
         "num_computed_tokens", "num_pending", "num_cached_tokens", "cache_salt", "read_prefix_cache", "num_logprobs",
         "num_prompt_logprobs", "bad_words_token_ids", "block_hashes", "uses_sampler_state", "logprobs",
         "cumulative_logprob", "prompt_logprobs", "prompt_logprobs_start", "grammar", "detokenizer", "num_detokenized",
-        "num_preemptions", "status", "finish_reason", "stop_reason", "metrics", "spec_token_ids", "lora_id",
+        "num_preemptions", "status", "finish_reason", "stop_reason", "metrics", "spec_token_ids", "lora_id", "lora_version",
     )
 
     def __init__(
@@ -55,6 +55,7 @@ class Request:
         vocab_size: int = 0,
         bad_words_token_ids: list[list[int]] = (),
         lora_id: int = 0,
+        lora_version: int = 0,
     ) -> None:
         self.request_id = request_id
         self.parent_id = request_id  # the user's request id (differs for n > 1)
@@ -78,6 +79,8 @@ class Request:
         self.num_cached_tokens: int | None = None  # prefix-cache hit on first admission
         self.cache_salt = cache_salt  # requests with different salts never share cached blocks
         self.lora_id = lora_id  # the LoRA adapter's lora_int_id (0: the base model)
+        # Which reading of that adapter (`LoRAManager.versions`): blocks cached under another never serve it.
+        self.lora_version = lora_version
         # Off for prompt logprobs by default: they need every prompt token computed (as vLLM).
         self.read_prefix_cache = params.reads_prefix_cache
         # Top logprobs per token, -1 (the whole vocabulary) resolved; None: not asked for.

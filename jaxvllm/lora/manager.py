@@ -34,6 +34,10 @@ class LoRAManager:
         self.targets: list[LoRATarget] = lora_targets(specs)
         self.max_loras, self.max_rank, self.max_cpu_loras, self.dtype = max_loras, max_rank, max_cpu_loras, dtype
         self.requests: dict[int, LoRARequest] = {}  # every adapter added, by id
+        # Each added id's reading, numbered across the engine's life: a prefix cached with one
+        # never serves another (an id removed and added again, or replaced, may be new weights).
+        self.versions: dict[int, int] = {}
+        self._readings = 0
         self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # read ones, least recently used first
         self.pinned: set[int] = set()
         self.slot_loads = self.host_reads = 0
@@ -88,6 +92,9 @@ class LoRAManager:
             self.host.move_to_end(request.lora_int_id)
             return False
         adapter = read_adapter(request, self.targets, self.max_rank)
+        if known is None or replace:
+            self._readings += 1
+            self.versions[request.lora_int_id] = self._readings
         self.requests[request.lora_int_id] = request
         self._keep(adapter)
         if request.lora_int_id in self.slot_ids:
@@ -107,6 +114,7 @@ class LoRAManager:
         """Forget an adapter (host and device); False if unknown."""
         if self.requests.pop(lora_id, None) is None:
             return False
+        self.versions.pop(lora_id, None)
         self.host.pop(lora_id, None)
         self.pinned.discard(lora_id)
         self.slot_ids = [None if s == lora_id else s for s in self.slot_ids]

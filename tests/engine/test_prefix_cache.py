@@ -309,8 +309,8 @@ def test_reset_with_running_requests_is_refused_unless_asked(async_scheduling, t
     rng = np.random.default_rng(8)
     prefix = [int(t) for t in rng.integers(3, 384, size=40)]
     prompts = [{"prompt_token_ids": prefix + [int(t) for t in rng.integers(3, 384, size=5)]} for _ in range(3)]
-    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-              SamplingParams(temperature=1.0, seed=4, max_tokens=12, ignore_eos=True),
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=2.0),
+              SamplingParams(temperature=1.0, seed=4, max_tokens=12, ignore_eos=True, frequency_penalty=1.5),
               SamplingParams(temperature=0.8, top_p=0.9, seed=9, max_tokens=12, ignore_eos=True)]
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 

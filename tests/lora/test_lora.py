@@ -169,6 +169,29 @@ def test_prefix_cache_is_keyed_by_adapter(llama_llm, adapter):
     cached = [llama_llm.generate(prompt, sp, lora_request=lr, use_tqdm=False)[0].num_cached_tokens
               for lr in (a, b, None, a, b, None)]
     assert cached == [0, 0, 0, 32, 32, 32]
+    # A salt never spells an adapter's key: this one was adapter 1's whole key before.
+    salted = {**prompt[0], "cache_salt": "\x00" * 8 + "\x01" + "\x00" * 7}
+    assert llama_llm.generate(salted, sp, use_tqdm=False)[0].num_cached_tokens == 0
+
+
+def test_an_id_added_again_reads_no_block_of_its_last_adapter(tiny_checkpoint, adapter, peft_reference):
+    """remove_lora, then another adapter (or the same folder, retrained) under the same id:
+    the prefix cached with the first must not serve it (vLLM keys blocks on name and path)."""
+    base = tiny_checkpoint("llama")
+    first, second = adapter("llama", 0), adapter("llama", 1)
+    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+
+    def generate(llm, lora):
+        outs = llm.generate(prompts, sp, lora_request=lora, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs], [o.num_cached_tokens for o in outs]
+
+    with LLM(base, enable_lora=True, max_lora_rank=8, **ENGINE) as llm:
+        tokens, fresh = generate(llm, LoRARequest("a", 3, str(first)))  # (the prompts share their first tokens)
+        assert tokens == peft_reference(base, first)[0]
+        assert llm.llm_engine.remove_lora(3)
+        assert generate(llm, LoRARequest("b", 3, str(second))) == (peft_reference(base, second)[0], fresh)
+        assert generate(llm, LoRARequest("b", 3, str(second)))[1] == [0, 16, 32]  # (the same reading hits)
 
 
 def test_preemption_and_chunked_prefill_under_adapters(tiny_checkpoint, adapter, peft_reference):
