@@ -122,9 +122,11 @@ class LLMEngine:
         self._check_open()
         self._check_awake("a request")
         lora_id = self.lora_id(lora_request)
-        return self.input_processor.process(request_id, prompt, params, priority,
-                                            add_special_tokens=add_special_tokens, lora_id=lora_id,
-                                            lora_version=self.runner.lora.versions[lora_id] if lora_id else 0)
+        parent = self.input_processor.process(request_id, prompt, params, priority,
+                                              add_special_tokens=add_special_tokens, lora_id=lora_id,
+                                              lora_version=self.runner.lora.versions[lora_id] if lora_id else 0)
+        parent.lora_request = lora_request
+        return parent
 
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None, priority: int = 0,
                     lora_request: LoRARequest | None = None) -> None:

@@ -181,6 +181,7 @@ class OutputProcessor:
                 logprobs=logprobs,
                 finish_reason=child.finish_reason if child.is_finished else None,
                 stop_reason=child.stop_reason,
+                lora_request=parent.lora_request,
             ))
         return RequestOutput(
             request_id=parent.request_id,
@@ -191,4 +192,5 @@ class OutputProcessor:
             num_cached_tokens=first.num_cached_tokens or 0,
             metrics=first.metrics,
             prompt_logprobs=prompt_logprobs,
+            lora_request=parent.lora_request,
         )

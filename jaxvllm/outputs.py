@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -23,6 +24,7 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None  # "stop", "length", "abort" or None while running
     stop_reason: int | str | None = None  # the stop token id or string, None for EOS
+    lora_request: Any = None  # the request's LoRARequest (None: the base model)
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -48,3 +50,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = field(default=None, repr=False)
+    lora_request: Any = None  # the request's LoRARequest (None: the base model)

@@ -7,6 +7,7 @@ import enum
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -280,6 +281,7 @@ class ParentRequest:
     sent: list[tuple[int, int]] = field(default_factory=list)
     finals_sent: set[int] = field(default_factory=set)  # children whose final output was returned
     digest: bytes = b""  # across processes: what every process must agree on (`LLMEngine._check_same_requests`)
+    lora_request: Any = None  # reported on its outputs, as vLLM's
 
     def __post_init__(self) -> None:
         for child in self.children:
