@@ -128,9 +128,24 @@ class LLMEngine:
         parent.lora_request = lora_request
         return parent
 
-    def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None, priority: int = 0,
-                    lora_request: LoRARequest | None = None) -> None:
-        self.add_parent(self.make_requests(request_id, prompt, params, priority, lora_request=lora_request))
+    def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, lora_request: LoRARequest | None = None,
+                    tokenization_kwargs: dict[str, Any] | None = None, trace_headers: Any = None,
+                    priority: int = 0) -> None:
+        """vLLM's signature. `arrival_time` (time.time()'s clock) replaces now as the
+        request's arrival in its metrics; `tokenization_kwargs` may say `add_special_tokens`;
+        `trace_headers` is accepted (jaxvllm does no tracing)."""
+        unknown = sorted(set(tokenization_kwargs or {}) - {"add_special_tokens"})
+        if unknown:
+            raise ValueError(f"tokenization_kwargs {unknown} are not supported; only 'add_special_tokens' is "
+                             "(truncate with SamplingParams(truncate_prompt_tokens=...))")
+        add_special_tokens = (tokenization_kwargs or {}).get("add_special_tokens", True)
+        parent = self.make_requests(request_id, prompt, params, priority, add_special_tokens=add_special_tokens,
+                                    lora_request=lora_request)
+        if arrival_time is not None:
+            for child in parent.children:
+                child.metrics.arrival_time = float(arrival_time)
+        self.add_parent(parent)
 
     # -- LoRA adapters (vLLM's names) -------------------------------------------------------
 
@@ -626,6 +641,26 @@ class LLMEngine:
     def _reset_prefix_cache(self) -> None:
         self.metrics.track_prefix_cache(self.kv_cache_manager.stats)  # (the reset starts new stats)
         self.kv_cache_manager.reset_prefix_cache()
+
+    def get_tokenizer(self):
+        """The HF tokenizer; ValueError under skip_tokenizer_init=True (as vLLM)."""
+        if self.tokenizer is None:
+            raise ValueError("skip_tokenizer_init=True: this engine has no tokenizer (chat() and text prompts need one)")
+        return self.tokenizer
+
+    # The methods collective_rpc runs (vLLM's name for a call on every worker).
+    RPC_METHODS = ("reload_weights", "update_weights", "sleep", "wake_up", "is_sleeping", "reset_prefix_cache")
+
+    def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict | None = None) -> list:
+        """vLLM's: run one of `RPC_METHODS` on this engine's one worker (itself, in this
+        process: `timeout` never applies); returns [its result]."""
+        self._check_open()
+        if method not in self.RPC_METHODS:
+            raise ValueError(f"collective_rpc method {method!r} is not supported; choose from {self.RPC_METHODS}")
+        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(f"collective_rpc timeout must be a positive number of seconds or None, got {timeout!r}")
+        return [getattr(self, method)(*args, **(kwargs or {}))]
 
     def _check_open(self) -> None:
         if self.runner.closed:

@@ -86,9 +86,7 @@ class LLM:
 
     def get_tokenizer(self):
         """The HF tokenizer; ValueError under skip_tokenizer_init=True (as vLLM), so chat() refuses too."""
-        if self.llm_engine.tokenizer is None:
-            raise ValueError("skip_tokenizer_init=True: this LLM has no tokenizer (chat() and text prompts need one)")
-        return self.llm_engine.tokenizer
+        return self.llm_engine.get_tokenizer()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -317,15 +315,12 @@ class LLM:
         self._check_open()
         return all([e.wake_up(tags) for e in self.engines])
 
-    # The engine methods collective_rpc runs (vLLM's name for a call on every worker).
-    RPC_METHODS = ("reload_weights", "update_weights", "sleep", "wake_up", "is_sleeping", "reset_prefix_cache")
-
-    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
-        """Run an engine method on every replica, with vLLM's name; returns their results."""
+    def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict | None = None) -> list:
+        """vLLM's: run an engine method (`LLMEngine.RPC_METHODS`) on every replica; returns
+        their results."""
         self._check_open()
-        if method not in self.RPC_METHODS:
-            raise ValueError(f"collective_rpc method {method!r} is not supported; choose from {self.RPC_METHODS}")
-        return [getattr(e, method)(*args, **(kwargs or {})) for e in self.engines]
+        return [r for e in self.engines for r in e.collective_rpc(method, timeout, args, kwargs)]
 
     def get_params(self) -> dict:
         """The model's params pytree as the engine runs it (replica 0's): the layers' weights

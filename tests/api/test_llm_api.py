@@ -129,6 +129,18 @@ def test_engine_step_by_step_and_abort(llm):
     assert engine.abort_request(["y", "unknown"]) == []
     assert llm.stats()["num_free_blocks"] == llm.stats()["num_gpu_blocks"]
 
+    # vLLM's add_request signature: arrival_time 4th, tokenization_kwargs, trace_headers, priority.
+    tokenizer = engine.get_tokenizer()
+    engine.add_request("w", "Hello", SamplingParams(temperature=0, max_tokens=2), 1234.5,
+                       tokenization_kwargs={"add_special_tokens": False}, trace_headers={"x": "y"}, priority=0)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert outs[-1].metrics.arrival_time == 1234.5
+    assert outs[-1].prompt_token_ids == tokenizer.encode("Hello", add_special_tokens=False)
+    with pytest.raises(ValueError, match=r"tokenization_kwargs \['truncation'\] are not supported"):
+        engine.add_request("v", "Hello", GREEDY, tokenization_kwargs={"truncation": True})
+
 
 def test_generate_refuses_while_requests_added_by_hand(llm):
     engine = llm.llm_engine

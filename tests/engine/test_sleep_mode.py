@@ -82,7 +82,9 @@ def test_level_2_then_the_rl_sequence(llm, tiny_checkpoint, other, compile_count
     assert completions(llm) == want
     assert compile_counter.count == compiles
     # back to the checkpoint's own weights, as vLLM's collective_rpc("reload_weights")
-    assert llm.collective_rpc("reload_weights") == [None]
+    assert llm.collective_rpc("reload_weights", timeout=30) == [None]
+    assert llm.collective_rpc("is_sleeping", None, ()) == [False]  # (vLLM's order: method, timeout, args, kwargs)
+    assert llm.llm_engine.collective_rpc("reset_prefix_cache", kwargs={"reset_running_requests": True}) == [True]
     with LLM(str(tiny_checkpoint("qwen3")), **ENGINE) as fresh:
         assert completions(llm) == completions(fresh)
 

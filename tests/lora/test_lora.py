@@ -278,6 +278,8 @@ def test_adapter_api(llama_llm, adapter, tiny_checkpoint):
     with_lora = llama_llm.chat(chat, sp, chat_template=template, lora_request=a, use_tqdm=False)
     without = llama_llm.chat(chat, sp, chat_template=template, use_tqdm=False)
     assert with_lora[0].outputs[0].token_ids != without[0].outputs[0].token_ids
+    assert with_lora[0].lora_request is a and with_lora[0].outputs[0].lora_request is a  # (vLLM's fields)
+    assert without[0].lora_request is None and without[0].outputs[0].lora_request is None
 
 
 def _edit_config(src: Path, out: Path, **changes) -> Path:
