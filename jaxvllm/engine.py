@@ -225,8 +225,7 @@ class LLMEngine:
                 for child in parent.children:
                     if not child.is_finished:
                         self.scheduler.finish(child, "abort")
-                        self.metrics.record_finished(child)
-                self.metrics.record_parent_finished(parent.children)
+                        self.metrics.forget(child)  # (a completion that finished before was counted then)
                 self.runner.release(c.request_id for c in parent.children)
                 outputs.append(self.output_processor.output(parent))
                 self._requests_changed = True

@@ -271,8 +271,13 @@ class MetricsCollector:
         self.request_decode_time.observe(decode_time)
         self.request_inference_time.observe(last_token_time - m.first_scheduled_time)
         self.request_prefill_kv_computed_tokens.observe(request.num_prompt_tokens - (request.num_cached_tokens or 0))
-        if num_generated > 1:  # the first token is the prefill's
-            self.request_time_per_output_token.observe(decode_time / (num_generated - 1))
+        # (the first token is the prefill's; vLLM observes 0 for a request of one token)
+        self.request_time_per_output_token.observe(decode_time / (num_generated - 1) if num_generated > 1 else 0.0)
+
+    def forget(self, request: Request) -> None:
+        """A completion the user aborted: as vLLM's, it is no finished request (no
+        `request_success`, no per-request histogram); its tokens stay counted."""
+        self._last_token_time.pop(request, None)
 
     def record_parent_finished(self, children: Sequence[Request]) -> None:
         """A user request finished, all n of its completions: its n and the most tokens

@@ -364,7 +364,8 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached + num_new
             request.num_pending += scheduled_request.num_in_flight
-            kv.record_prefix_hits(request.num_tokens, num_cached)
+            if request.read_prefix_cache:  # (as vLLM's: a request that skips the lookup is no query)
+                kv.record_prefix_hits(request.num_tokens, num_cached)
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_cached
             if request.metrics.first_scheduled_time is None:
