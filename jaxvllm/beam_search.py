@@ -22,9 +22,9 @@ from jaxvllm.sampling_params import BeamSearchParams, SamplingParams, resolve_lo
 @dataclass
 class BeamSearchSequence:
     """One beam: its tokens (the prompt's included, as vLLM), the logprob dict of each
-    generated step and their running sum. `text` (the decoded tokens), `finish_reason`
-    ("stop" for EOS, "length" otherwise) and `stop_reason` (the EOS id) are filled when
-    the sequence is returned."""
+    generated step and their running sum. `text` (the decoded tokens) and `finish_reason`
+    ("stop" for an end id, "length" otherwise) are filled when the sequence is returned;
+    `stop_reason` stays None, as vLLM's."""
 
     tokens: list[int]
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
@@ -32,6 +32,7 @@ class BeamSearchSequence:
     text: str | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    lora_request: Any = None
 
 
 @dataclass
@@ -41,14 +42,10 @@ class BeamSearchOutput:
     sequences: list[BeamSearchSequence]
 
 
-def get_beam_search_score(tokens: list[int], cumulative_logprob: float, eos_token_id: int | None,
-                          length_penalty: float = 1.0) -> float:
-    """vLLM's (and HF's) score: cumulative logprob over length ** length_penalty, where the
-    length counts the prompt and not a final EOS."""
-    seq_len = len(tokens)
-    if tokens[-1] == eos_token_id:
-        seq_len -= 1
-    return cumulative_logprob / (seq_len**length_penalty)
+def get_beam_search_score(num_generated_tokens: int, cumulative_logprob: float, length_penalty: float = 1.0) -> float:
+    """vLLM's and HF's score: cumulative logprob over length ** length_penalty, where the
+    length counts the generated tokens, a final EOS included."""
+    return cumulative_logprob / (max(num_generated_tokens, 1) ** length_penalty)
 
 
 @dataclass
@@ -59,16 +56,17 @@ class _Instance:
     completed: list[BeamSearchSequence] = field(default_factory=list)
     cache_salt: str | None = None
     lora_request: Any = None
+    priority: int = 0
 
 
 def beam_search(engine: LLMEngine, generate: Callable[..., list], prompts: Any, params: BeamSearchParams, *,
                 use_tqdm: bool = False, concurrency_limit: int | None = None,
-                lora_requests: list | None = None) -> list[BeamSearchOutput]:
+                lora_requests: list | None = None, priorities: list[int] | None = None) -> list[BeamSearchOutput]:
     """Run vLLM's beam search for each prompt (a str, a TextPrompt, a TokensPrompt or a list
     of them), each step one `generate` call (`LLM.generate`) over `engine` (the one whose
     tokenizer and limits apply); outputs come back in input order. `concurrency_limit`
-    searches at most that many prompts at once (None: all). `lora_requests`: each prompt's
-    LoRA adapter (None: the base model)."""
+    searches at most that many prompts at once (None: all). `lora_requests`,
+    `priorities`: each prompt's LoRA adapter (None: the base model) and priority."""
     if not isinstance(params, BeamSearchParams):
         raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
     tokenizer = engine.tokenizer
@@ -96,14 +94,15 @@ def beam_search(engine: LLMEngine, generate: Callable[..., list], prompts: Any, 
         except (ValueError, TypeError) as e:
             e.add_note(f"(prompt {i} of {len(prompts)})")  # the message stays vLLM's, as in generate
             raise
-        instances.append(_Instance([BeamSearchSequence(token_ids)], cache_salt=salt,
-                                   lora_request=lora_requests[i] if lora_requests else None))
+        lora_request = lora_requests[i] if lora_requests else None
+        instances.append(_Instance([BeamSearchSequence(token_ids, lora_request=lora_request)], cache_salt=salt,
+                                   lora_request=lora_request, priority=priorities[i] if priorities else 0))
 
-    eos = tokenizer.eos_token_id  # vLLM's: the tokenizer's EOS alone
+    ends = set(engine.eos_token_ids)  # vLLM's: the tokenizer's EOS and generation_config.json's end ids
     width = params.beam_width
 
     def score(beam: BeamSearchSequence) -> float:
-        return get_beam_search_score(beam.tokens, beam.cum_logprob, eos, params.length_penalty)
+        return get_beam_search_score(len(beam.logprobs), beam.cum_logprob, params.length_penalty)
 
     # 2 * beam_width candidates per beam, as HF (enough that EOS candidates leave beam_width others).
     step_params = SamplingParams(logprobs=2 * width, max_tokens=1, temperature=params.temperature)
@@ -120,16 +119,17 @@ def beam_search(engine: LLMEngine, generate: Callable[..., list], prompts: Any, 
                     break
                 outputs = iter(generate([_tokens_prompt(beam.tokens, inst.cache_salt) for inst, beam in live],
                                         step_params, use_tqdm=False,
-                                        lora_request=[inst.lora_request for inst, _ in live]))
+                                        lora_request=[inst.lora_request for inst, _ in live],
+                                        priority=[inst.priority for inst, _ in live] if priorities else None))
                 for inst in batch:  # the outputs come in the order of `live`: instance by instance
                     candidates = []
                     for beam in inst.beams:
                         step_logprobs = next(outputs).outputs[0].logprobs[0]
                         for token, logprob in step_logprobs.items():
                             child = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [step_logprobs],
-                                                       beam.cum_logprob + logprob.logprob)
-                            if token == eos and not params.ignore_eos:
-                                child.finish_reason, child.stop_reason = "stop", eos
+                                                       beam.cum_logprob + logprob.logprob, lora_request=beam.lora_request)
+                            if token in ends and not params.ignore_eos:
+                                child.finish_reason = "stop"
                                 inst.completed.append(child)
                             else:
                                 candidates.append(child)
@@ -140,7 +140,7 @@ def beam_search(engine: LLMEngine, generate: Callable[..., list], prompts: Any, 
     for inst in instances:
         best = sorted(inst.completed + inst.beams, key=score, reverse=True)[:width]
         for beam in best:
-            beam.text = tokenizer.decode(beam.tokens)  # as vLLM: prompt and special tokens included
+            beam.text = tokenizer.decode(beam.tokens, skip_special_tokens=params.skip_special_tokens)  # (the prompt's too)
             beam.finish_reason = beam.finish_reason or "length"
         results.append(BeamSearchOutput(best))
     return results

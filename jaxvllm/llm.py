@@ -265,17 +265,20 @@ class LLM:
         lora_request: Any = None,
         use_tqdm: bool = False,
         concurrency_limit: int | None = None,
+        priority: int | Sequence[int] | None = None,
     ) -> list[BeamSearchOutput]:
         """vLLM's beam search with `params` (a `BeamSearchParams`): a `BeamSearchOutput` per
         prompt (a str, a `TextPrompt`, a `TokensPrompt` or a list of them) holding its
         `params.beam_width` best sequences, best first, prompt tokens included.
         Each step is one `generate` call over every live beam (see jaxvllm/beam_search.py).
-        concurrency_limit: search at most this many prompts at once (None: all)."""
+        concurrency_limit: search at most this many prompts at once (None: all). priority:
+        one for all prompts or one per prompt, as generate's."""
         self._check_open()
         n = len(prompt_list(prompts))
         return beam_search(self.llm_engine, self.generate, prompts, params, use_tqdm=use_tqdm,
                            concurrency_limit=concurrency_limit,
-                           lora_requests=self._per_prompt(lora_request, n, "lora_request", None))
+                           lora_requests=self._per_prompt(lora_request, n, "lora_request", None),
+                           priorities=None if priority is None else self._per_prompt(priority, n, "priority", 0))
 
     def stats(self) -> dict:
         """Replica 0's figures (KV blocks, preemptions, compiled buckets, ...); with data

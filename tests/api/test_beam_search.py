@@ -50,34 +50,37 @@ def hf_logprobs(model, tokens: list[int]) -> torch.Tensor:
         return torch.log_softmax(model(torch.tensor([tokens])).logits[0].float(), dim=-1)
 
 
-def score(tokens: list[int], cum_logprob: float, eos: int, length_penalty: float) -> float:
-    """vLLM's beam score, written out: the length counts the prompt, not a final EOS."""
-    return cum_logprob / ((len(tokens) - (tokens[-1] == eos)) ** length_penalty)
+def score(num_generated: int, cum_logprob: float, length_penalty: float) -> float:
+    """vLLM's (and HF's) beam score, written out: the length counts the generated tokens, a
+    final EOS included."""
+    return cum_logprob / (max(num_generated, 1) ** length_penalty)
 
 
-def reference_beam_search(model, prompt, width, steps, eos, length_penalty, ignore_eos):
+def reference_beam_search(model, prompt, width, steps, ends, length_penalty, ignore_eos):
     """vLLM's algorithm over HF's logprobs, the plain way: (tokens, cum_logprob), best first."""
     beams, completed = [(list(prompt), 0.0)], []
+    rank = lambda b: score(len(b[0]) - len(prompt), b[1], length_penalty)  # noqa: E731
     for _ in range(steps):
         candidates = []
         for tokens, cum in beams:
             top = torch.topk(hf_logprobs(model, tokens)[-1], 2 * width)
             for logprob, token in zip(top.values.tolist(), top.indices.tolist()):
                 new = (tokens + [token], cum + logprob)
-                (completed if token == eos and not ignore_eos else candidates).append(new)
-        beams = sorted(candidates, key=lambda b: score(*b, eos, length_penalty), reverse=True)[:width]
-    return sorted(completed + beams, key=lambda b: score(*b, eos, length_penalty), reverse=True)[:width]
+                (completed if token in ends and not ignore_eos else candidates).append(new)
+        beams = sorted(candidates, key=rank, reverse=True)[:width]
+    return sorted(completed + beams, key=rank, reverse=True)[:width]
 
 
 def check_sequence(seq: BeamSearchSequence, prompt: list[int], tokenizer) -> None:
     """What every returned sequence satisfies: the prompt leads its tokens, one logprob dict
-    per generated token, cum_logprob is their sum, text decodes all tokens (as vLLM)."""
+    per generated token, cum_logprob is their sum, text decodes all tokens but the special
+    ones (as vLLM's skip_special_tokens default)."""
     assert isinstance(seq, BeamSearchSequence) and seq.tokens[: len(prompt)] == prompt
     generated = seq.tokens[len(prompt):]
     assert len(seq.logprobs) == len(generated)
     assert all(t in step for t, step in zip(generated, seq.logprobs))
     assert seq.cum_logprob == pytest.approx(sum(step[t].logprob for t, step in zip(generated, seq.logprobs)), abs=1e-5)
-    assert seq.text == tokenizer.decode(seq.tokens)
+    assert seq.text == tokenizer.decode(seq.tokens, skip_special_tokens=True)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -94,7 +97,7 @@ def test_matches_hf_beam_search(arch, llms, hf_model):
         assert len(outputs) == 2 and all(isinstance(o, BeamSearchOutput) for o in outputs)
         for prompt, output in zip(prompts, outputs):
             assert [s.tokens for s in output.sequences] == hf_beam_search(model, prompt, width, MAX_TOKENS), width
-            # EOS never reaches these beams: where it does, vLLM's score and HF's part ways (see below).
+            # (EOS never reaches these beams: HF's stopping rules for finished beams are its own.)
             assert all(tokenizer.eos_token_id not in s.tokens for s in output.sequences)
             for seq in output.sequences:
                 check_sequence(seq, prompt, tokenizer)
@@ -104,49 +107,51 @@ def test_matches_hf_beam_search(arch, llms, hf_model):
                 assert seq.cum_logprob == pytest.approx(hf_cum, abs=1e-3)
 
 
-@pytest.fixture
-def eos_case(llms, hf_model):
-    """qwen3 with the tokenizer's EOS moved to the third token of the greedy completion of
-    TOKEN_PROMPT, so that the best beam meets EOS at its third step (the tiny model's own
-    EOS is never a top candidate). Beam search reads EOS from the tokenizer, as vLLM."""
+@pytest.fixture(scope="module")
+def eos_case(llms, hf_model, tmp_path_factory):
+    """qwen3 whose generation_config.json adds, as Llama 3 and Qwen instruct models do, an end
+    id: the third token of the greedy completion of TOKEN_PROMPT, so that the best beam meets
+    it at its third step (the tiny model's own EOS is never a top candidate). Beam search
+    ends beams at the tokenizer's EOS and those ids, as vLLM's."""
+    import json
+    import shutil
+
     path, llm = llms("qwen3")
-    tokenizer = llm.get_tokenizer()
     greedy = llm.generate({"prompt_token_ids": TOKEN_PROMPT}, SamplingParams(temperature=0, max_tokens=3),
                           use_tqdm=False)[0].outputs[0].token_ids
-    eos = greedy[2]
-    assert eos not in greedy[:2] and eos not in TOKEN_PROMPT
-    own = tokenizer.eos_token
-    tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos)
-    try:
-        assert tokenizer.eos_token_id == eos
-        yield llm, hf_model(path), eos
-    finally:  # the module's other tests see the checkpoint's EOS
-        tokenizer.eos_token = own
+    end = greedy[2]
+    assert end not in greedy[:2] and end not in TOKEN_PROMPT
+    copy = tmp_path_factory.mktemp("eos") / "qwen3"
+    shutil.copytree(path, copy)
+    eos = llm.get_tokenizer().eos_token_id
+    (copy / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, end]}))
+    with LLM(copy, **ENGINE) as ended:
+        yield ended, hf_model(path), end, {eos, end}
 
 
 @pytest.mark.parametrize("length_penalty", [0.0, 1.0, 3.0])
 def test_eos_and_length_penalty_follow_vllm(eos_case, length_penalty):
-    """A candidate EOS finishes its beam (finish_reason "stop", kept with its EOS); finished and
-    live beams are ranked together by cum_logprob / len ** length_penalty, as the plain
-    re-implementation over HF's logprobs ranks them."""
-    llm, model, eos = eos_case
+    """A candidate end id finishes its beam (finish_reason "stop", kept with its end id);
+    finished and live beams are ranked together by cum_logprob / generated ** length_penalty,
+    as the plain re-implementation over HF's logprobs ranks them."""
+    llm, model, end, ends = eos_case
     width = 2
     [output] = llm.beam_search({"prompt_token_ids": TOKEN_PROMPT},
                                BeamSearchParams(width, MAX_TOKENS, length_penalty=length_penalty))
-    want = reference_beam_search(model, TOKEN_PROMPT, width, MAX_TOKENS, eos, length_penalty, ignore_eos=False)
+    want = reference_beam_search(model, TOKEN_PROMPT, width, MAX_TOKENS, ends, length_penalty, ignore_eos=False)
     assert [s.tokens for s in output.sequences] == [tokens for tokens, _ in want]
     assert [s.cum_logprob for s in output.sequences] == pytest.approx([cum for _, cum in want], abs=1e-3)
-    scores = [score(s.tokens, s.cum_logprob, eos, length_penalty) for s in output.sequences]
+    scores = [score(len(s.logprobs), s.cum_logprob, length_penalty) for s in output.sequences]
     assert scores == sorted(scores, reverse=True)
     for seq in output.sequences:
         check_sequence(seq, TOKEN_PROMPT, llm.get_tokenizer())
-        if seq.tokens[-1] == eos:
-            assert seq.finish_reason == "stop" and seq.stop_reason == eos
-            assert len(seq.tokens) < len(TOKEN_PROMPT) + MAX_TOKENS and eos not in seq.tokens[:-1]
+        if seq.tokens[-1] == end:
+            assert seq.finish_reason == "stop" and seq.stop_reason is None
+            assert len(seq.tokens) < len(TOKEN_PROMPT) + MAX_TOKENS and end not in seq.tokens[:-1]
         else:
             assert seq.finish_reason == "length" and len(seq.tokens) == len(TOKEN_PROMPT) + MAX_TOKENS
-    finished = [s.tokens[-1] == eos for s in output.sequences]
-    # The short EOS beam wins when length does not count, and loses to long beams when it counts a lot.
+    finished = [s.tokens[-1] == end for s in output.sequences]
+    # The short finished beam wins when length does not count, and loses to long beams when it counts a lot.
     if length_penalty == 0.0:
         assert finished[0]
     if length_penalty == 3.0:
@@ -154,21 +159,17 @@ def test_eos_and_length_penalty_follow_vllm(eos_case, length_penalty):
 
 
 def test_ignore_eos_extends_through_eos(eos_case):
-    """ignore_eos=True: EOS is extended like any other token. Without a length penalty the beams
-    are HF's with EOS off; with one, vLLM's score still counts a beam that ends in EOS one
-    token shorter (so the EOS path drops out here, unlike in HF), and so do we."""
-    llm, model, eos = eos_case
-    [free] = llm.beam_search([{"prompt_token_ids": TOKEN_PROMPT}],
-                             BeamSearchParams(2, MAX_TOKENS, ignore_eos=True, length_penalty=0.0))
-    assert [s.tokens for s in free.sequences] == hf_beam_search(model, TOKEN_PROMPT, 2, MAX_TOKENS)
-    assert all(eos in s.tokens[len(TOKEN_PROMPT): -1] for s in free.sequences)  # the EOS path went on
-    [penalized] = llm.beam_search([{"prompt_token_ids": TOKEN_PROMPT}], BeamSearchParams(2, MAX_TOKENS, ignore_eos=True))
-    want = reference_beam_search(model, TOKEN_PROMPT, 2, MAX_TOKENS, eos, 1.0, ignore_eos=True)
-    assert [s.tokens for s in penalized.sequences] == [tokens for tokens, _ in want]
-    assert all(eos not in s.tokens for s in penalized.sequences)
-    for seq in free.sequences + penalized.sequences:
-        check_sequence(seq, TOKEN_PROMPT, llm.get_tokenizer())
-        assert seq.finish_reason == "length" and len(seq.tokens) == len(TOKEN_PROMPT) + MAX_TOKENS
+    """ignore_eos=True: an end id is extended like any other token, and the beams are HF's
+    with EOS off, whatever the length penalty (every live beam has as many generated tokens)."""
+    llm, model, end, _ = eos_case
+    for length_penalty in (0.0, 1.0):
+        [output] = llm.beam_search([{"prompt_token_ids": TOKEN_PROMPT}],
+                                   BeamSearchParams(2, MAX_TOKENS, ignore_eos=True, length_penalty=length_penalty))
+        assert [s.tokens for s in output.sequences] == hf_beam_search(model, TOKEN_PROMPT, 2, MAX_TOKENS)
+        assert all(end in s.tokens[len(TOKEN_PROMPT): -1] for s in output.sequences)  # the end id's path went on
+        for seq in output.sequences:
+            check_sequence(seq, TOKEN_PROMPT, llm.get_tokenizer())
+            assert seq.finish_reason == "length" and len(seq.tokens) == len(TOKEN_PROMPT) + MAX_TOKENS
 
 
 def test_prompt_forms_concurrency_and_prefix_sharing(llms):
@@ -186,10 +187,18 @@ def test_prompt_forms_concurrency_and_prefix_sharing(llms):
     one_at_a_time = llm.beam_search(prompts, params, concurrency_limit=1, use_tqdm=True)
     assert [[s.tokens for s in o.sequences] for o in together] == [[s.tokens for s in o.sequences] for o in one_at_a_time]
     assert together[2].sequences[0].tokens[:3] == [9, 8, 7]  # input order
+    prioritized = llm.beam_search(prompts, params, priority=[2, 0, 1])  # (vLLM's: scheduling only)
+    assert [[s.tokens for s in o.sequences] for o in prioritized] == [[s.tokens for s in o.sequences] for o in together]
+
+    # The text skips special tokens unless asked (a prompt holding the EOS shows it).
+    special = {"prompt_token_ids": TOKEN_PROMPT + [tokenizer.eos_token_id]}
+    [skipped] = llm.beam_search(special, BeamSearchParams(2, 2, ignore_eos=True))
+    [kept] = llm.beam_search(special, BeamSearchParams(2, 2, ignore_eos=True, skip_special_tokens=False))
+    assert tokenizer.eos_token not in skipped.sequences[0].text and tokenizer.eos_token in kept.sequences[0].text
 
     # temperature > 0 samples each step's chosen token; its logprob joins the candidates too.
     [hot] = llm.beam_search(text, BeamSearchParams(beam_width=2, max_tokens=3, temperature=1.0))
-    scores = [score(s.tokens, s.cum_logprob, tokenizer.eos_token_id, 1.0) for s in hot.sequences]
+    scores = [score(len(s.logprobs), s.cum_logprob, 1.0) for s in hot.sequences]
     assert len(hot.sequences) == 2 and scores == sorted(scores, reverse=True)
     for seq in hot.sequences:
         check_sequence(seq, ids, tokenizer)

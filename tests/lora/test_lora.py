@@ -272,6 +272,7 @@ def test_adapter_api(llama_llm, adapter, tiny_checkpoint):
                                   lora_request=a)
     plain = llama_llm.beam_search([{"prompt_token_ids": PROMPTS[0]}], BeamSearchParams(beam_width=2, max_tokens=3))
     assert len(beams[0].sequences) == 2 and beams[0].sequences[0].tokens != plain[0].sequences[0].tokens
+    assert all(s.lora_request is a for s in beams[0].sequences) and plain[0].sequences[0].lora_request is None
     chat = [{"role": "user", "content": "hi"}]
     template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
