@@ -148,6 +148,11 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+# Arguments that vLLM's EngineArgs type Optional, None meaning its default: None means ours.
+_NONE_MEANS_DEFAULT = ("seed", "block_size", "max_num_seqs", "enable_prefix_caching", "enable_chunked_prefill",
+                       "async_scheduling")
+
+
 @dataclass
 class EngineConfig:
     """Everything `LLM(...)` takes; the names and defaults of vLLM's engine arguments."""
@@ -259,6 +264,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         """Check every argument's type and range here, so that `LLM(...)` and the command
         line refuse bad values (naming the argument and the value) before loading anything."""
+        for f in dataclasses.fields(self):  # (vLLM's EngineArgs leave these None for "the default")
+            if f.name in _NONE_MEANS_DEFAULT and getattr(self, f.name) is None:
+                setattr(self, f.name, f.default)
         self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
         self._check_names()
         self._check_sizes()

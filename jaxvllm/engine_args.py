@@ -65,7 +65,25 @@ _VALUE_FLAGS: dict[str, tuple[Callable[[str], Any], str]] = {
     "max-lora-rank": (int, "LoRA: the largest adapter rank (smaller ones are zero-padded to it)"),
     "max-cpu-loras": (int, "LoRA: adapters kept read in host memory (default: max-loras)"),
     "lora-dtype": (str, "LoRA: the adapters' dtype ('auto': the model's)"),
+    "scheduling-policy": (str, "'fcfs' or 'priority' (lower priority values first)"),
+    "tokenizer-mode": (str, "'auto' (HF's fast tokenizer)"),
+    "pipeline-parallel-size": (int, "1 only (jaxvllm has no pipeline parallelism)"),
+    "structured-outputs-config": (json_object, "structured outputs settings, as a JSON object of vLLM's "
+                                               "StructuredOutputsConfig fields"),
+    "compilation-config": (str, "accepted for vLLM's scripts; XLA compiles one executable per token bucket"),
+    "max-seq-len-to-capture": (int, "accepted for vLLM's scripts (no CUDA graphs)"),
+    "swap-space": (float, "accepted for vLLM's scripts (preemption recomputes)"),
+    "revision": (str, "accepted for vLLM's scripts (local folders have no revisions)"),
+    "tokenizer-revision": (str, "accepted for vLLM's scripts"),
+    "code-revision": (str, "accepted for vLLM's scripts"),
+    "download-dir": (str, "accepted for vLLM's scripts (nothing is downloaded)"),
+    "max-parallel-loading-workers": (int, "accepted for vLLM's scripts"),
+    "runner": (str, "'auto' or 'generate' (generative models only)"),
+    "served-model-name": (str, "the name(s) the metrics' model_name label shows (default: the model's path)"),
 }
+# Flags with more names (vLLM's short ones) or that take several values.
+_ALIASES = {"tensor-parallel-size": ["-tp"], "compilation-config": ["-O"]}
+_NARGS = {"served-model-name": "+"}
 _BOOL_FLAGS: dict[str, str] = {
     "enable-chunked-prefill": "cut long prompts into chunks that share steps with decoding requests",
     "enable-prefix-caching": "reuse the KV cache blocks of prompt prefixes seen before",
@@ -77,6 +95,9 @@ _BOOL_FLAGS: dict[str, str] = {
                               "(E / N each) instead of each expert by its intermediate dimension",
     "enable-lora": "serve LoRA adapters (PEFT folders) over the base model, several in one batch",
     "enable-sleep-mode": "allow LLM.sleep(level) / wake_up(tags), which free the KV cache and the weights",
+    "skip-tokenizer-init": "load no tokenizer: token-id prompts only, no text",
+    "trust-remote-code": "accepted for vLLM's scripts (only built-in architectures run, never remote code)",
+    "disable-log-stats": "accepted for vLLM's scripts (no stats are logged periodically)",
 }
 
 
@@ -88,7 +109,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             extra = {"choices": list(KV_CACHE_DTYPES)}
         if kind is json_object:
             extra = {"metavar": "JSON"}
-        group.add_argument(f"--{flag}", type=kind, default=None, help=help_text, **extra)
+        group.add_argument(f"--{flag}", *_ALIASES.get(flag, []), type=kind, default=None, help=help_text,
+                           nargs=_NARGS.get(flag), **extra)
     for flag, help_text in _BOOL_FLAGS.items():
         group.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=None, help=help_text)
 
@@ -119,7 +141,9 @@ class EngineArgs(EngineConfig):
         may pass every parsed flag on: `LLM(**vars(parser.parse_args()))`."""
         parser.add_argument("--model", default=None, help=MODEL_HELP)
         add_engine_args(parser)
-        names = {flag.replace("-", "_") for flag in (*_VALUE_FLAGS, *_BOOL_FLAGS)}
+        # (jaxvllm's own commands take --seed for the prompts' sampling; vLLM's scripts for the engine)
+        parser.add_argument("--seed", type=int, default=None, help="the engine's seed (sampling without one)")
+        names = {flag.replace("-", "_") for flag in (*_VALUE_FLAGS, *_BOOL_FLAGS, "seed")}
         parser.set_defaults(**{f.name: f.default for f in dataclasses.fields(EngineConfig)
                                if f.name in names and f.default is not dataclasses.MISSING})
         return parser

@@ -51,6 +51,14 @@ class Counter(Metric):
 
 
 @dataclass
+class Vector(Metric):
+    """Integer counters in order: vLLM's type of `vllm:spec_decode_num_accepted_tokens_per_pos`
+    alone (one counter per draft position)."""
+
+    values: list[int]
+
+
+@dataclass
 class Gauge(Metric):
     """A numerical value that can go up or down."""
 
@@ -336,8 +344,7 @@ class MetricsCollector:
                 counter("vllm:spec_decode_num_drafts", self.spec_num_drafts),
                 counter("vllm:spec_decode_num_draft_tokens", self.spec_num_draft_tokens),
                 counter("vllm:spec_decode_num_accepted_tokens", self.spec_num_accepted_tokens),
-                *(counter("vllm:spec_decode_num_accepted_tokens_per_pos", n, position=str(i))
-                  for i, n in enumerate(self.spec_accepted_per_pos)),
+                Vector("vllm:spec_decode_num_accepted_tokens_per_pos", dict(labels), list(self.spec_accepted_per_pos)),
             ]
         histograms = (
             ("vllm:request_prompt_tokens", self.request_prompt_tokens),

@@ -159,7 +159,7 @@ def test_skip_tokenizer_init(no_tokenizer_dir, tiny_checkpoint):
             llm.generate(prompt, GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="skip_tokenizer_init=True: stop strings need a tokenizer"):
         llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=4, stop=["x"]), use_tqdm=False)
-    with pytest.raises(ValueError, match="skip_tokenizer_init=True: this LLM has no tokenizer"):
+    with pytest.raises(ValueError, match="skip_tokenizer_init=True: this engine has no tokenizer"):
         llm.get_tokenizer()
     with pytest.raises(ValueError, match="skip_tokenizer_init=True"):
         llm.chat([{"role": "user", "content": "Hi"}], GREEDY, use_tqdm=False)

@@ -183,6 +183,27 @@ def test_engine_args_from_the_command_line_and_engine_helpers(tiny_checkpoint):
     engine.shutdown()
 
 
+def test_vllm_script_flags_and_none_defaults():
+    """The flags vLLM's example scripts pass (`--seed`, `--trust-remote-code`, `-tp`, `-O3`, ...),
+    through `from jaxvllm.utils import FlexibleArgumentParser` (vLLM's path up to 0.10); and
+    None for the arguments vLLM types Optional means the default."""
+    from jaxvllm import EngineArgs
+    from jaxvllm.config import EngineConfig
+    from jaxvllm.utils import FlexibleArgumentParser
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(["--model", "dummy:tiny", "--seed", "42", "--trust-remote-code", "-tp", "1", "-O3",
+                              "--served-model-name", "a", "b", "--tokenizer_mode", "auto", "--disable-log-stats",
+                              "--swap-space", "0", "--scheduling-policy", "priority"])
+    config = EngineArgs.from_cli_args(args)
+    assert (config.seed, config.trust_remote_code, config.tensor_parallel_size, config.served_model_name,
+            config.scheduling_policy) == (42, True, 1, ["a", "b"], "priority")
+    defaults = EngineConfig(model="dummy:tiny")
+    nones = EngineConfig(model="dummy:tiny", seed=None, block_size=None, max_num_seqs=None,
+                         enable_prefix_caching=None, enable_chunked_prefill=None, async_scheduling=None)
+    assert nones == defaults
+
+
 def test_default_sampling_params_come_from_generation_config(tiny_checkpoint, tmp_path):
     """As vLLM's: read once from generation_config.json (generation_config="auto"), used by
     generate/chat when given no sampling params; "vllm" ignores the file."""

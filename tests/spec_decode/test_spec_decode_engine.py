@@ -13,6 +13,7 @@ import re
 import pytest
 
 from jaxvllm import LLM, SamplingParams
+from jaxvllm.metrics import Vector
 from jaxvllm.utils.compilation_cache import count_compilations
 from tests.spec_decode.common import perturbed_copy
 from tests.spec_decode.eagle_heads import passing_head
@@ -134,11 +135,13 @@ def test_metrics_are_consistent(engines):
     """vLLM's `test_engine_metrics` checks for n-gram speculative decoding."""
     _, spec = engines
     token_ids(spec, GREEDY)
-    metrics = {(m.name, m.labels.get("position")): m.value for m in spec.get_metrics() if "spec_decode" in m.name}
-    drafts = metrics[("vllm:spec_decode_num_drafts", None)]
-    draft_tokens = metrics[("vllm:spec_decode_num_draft_tokens", None)]
-    accepted = metrics[("vllm:spec_decode_num_accepted_tokens", None)]
-    per_pos = [metrics[("vllm:spec_decode_num_accepted_tokens_per_pos", str(i))] for i in range(3)]
+    metrics = {m.name: m for m in spec.get_metrics() if "spec_decode" in m.name}
+    drafts = metrics["vllm:spec_decode_num_drafts"].value
+    draft_tokens = metrics["vllm:spec_decode_num_draft_tokens"].value
+    accepted = metrics["vllm:spec_decode_num_accepted_tokens"].value
+    per_pos = metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert isinstance(per_pos, Vector) and len(per_pos.values) == 3  # (vLLM's reader type)
+    per_pos = per_pos.values
     assert 0 < drafts <= draft_tokens and 0 < accepted <= draft_tokens
     assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
     stats = spec.stats()
