@@ -113,6 +113,17 @@ class ModelConfig:
         return bool(self.moe_layers) and self.moe_layers[i]
 
     @property
+    def max_model_len_limit(self) -> int:
+        """The longest sequence the model takes, as vLLM derives it: max_position_embeddings,
+        but a RoPE scaled by `factor` reaches that many times further (YaRN's from its
+        original_max_position_embeddings); Llama 3's scaling, and Gemma 3's, do not extend it."""
+        rope = self.rope
+        if self.architecture == "Gemma3ForCausalLM" or rope.rope_type not in ("linear", "yarn"):
+            return self.max_position_embeddings
+        base = rope.original_max_position_embeddings if rope.rope_type == "yarn" else self.max_position_embeddings
+        return int(base * rope.factor)
+
+    @property
     def sm_scale(self) -> float:
         return (self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim) ** -0.5
 

@@ -288,11 +288,13 @@ class ModelRunner:
         self.cfg, self.params = self._load()
         self.load_seconds = time.perf_counter() - start
         self.dtype = resolve_dtype(c.dtype, self.cfg)
-        self.max_model_len = c.max_model_len or self.cfg.max_position_embeddings
-        if self.max_model_len > self.cfg.max_position_embeddings:
+        limit = self.cfg.max_model_len_limit
+        self.max_model_len = c.max_model_len or limit
+        if self.max_model_len > limit:
             raise ValueError(
-                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
-                f"({self.cfg.max_position_embeddings})"
+                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings ({limit}"
+                + (f": {self.cfg.max_position_embeddings} extended by its RoPE scaling)"
+                   if limit != self.cfg.max_position_embeddings else ")")
             )
         self.backend = resolve_backend(c.attention_backend, softcapped=self.cfg.attn_logit_softcapping is not None)
         # Speculative decoding's K: steps with drafts take layouts and samplers with room for K a row.

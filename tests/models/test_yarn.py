@@ -64,3 +64,29 @@ def test_yarn_logits_match_transformers(arch, tmp_path_factory, hf_model):
         errs.append(rel_err(logits[0], want[i]))
     print(f"{arch} yarn max rel err {max(errs):.2e}")
     assert max(errs) <= TOL
+
+
+def test_rope_scaling_extends_the_longest_sequence(tmp_path_factory):
+    """As vLLM derives max_model_len: YaRN reaches factor x original_max_position_embeddings,
+    linear scaling factor x max_position_embeddings; Llama 3's scaling changes nothing. So a
+    checkpoint given YaRN through hf_overrides (vLLM's context-extension recipe) runs longer."""
+    from transformers import LlamaConfig, Qwen3Config
+
+    from jaxvllm import LLM
+
+    def limit(config_class, rope, max_pos):
+        return ModelConfig.from_hf(config_class(rope_parameters=rope, max_position_embeddings=max_pos,
+                                                architectures=[config_class.__name__[:-6] + "ForCausalLM"]))\
+            .max_model_len_limit
+
+    assert limit(Qwen3Config, dict(YARN), 32) == 128
+    assert limit(Qwen3Config, dict(rope_type="yarn", rope_theta=1e6, factor=4.0,
+                                   original_max_position_embeddings=32768), 40960) == 131072
+    assert limit(LlamaConfig, dict(rope_type="linear", rope_theta=1e4, factor=2.0), 2048) == 4096
+    assert limit(LlamaConfig, dict(rope_type="llama3", rope_theta=5e5, factor=8.0, low_freq_factor=1.0,
+                                   high_freq_factor=4.0, original_max_position_embeddings=8192), 131072) == 131072
+    path = make_tiny("qwen3", tmp_path_factory.mktemp("yarn") / "plain", max_position_embeddings=32)
+    with pytest.raises(ValueError, match="max_model_len 128 exceeds the model's max_position_embeddings"):
+        LLM(path, max_model_len=128, enforce_eager=True)
+    with LLM(path, max_model_len=128, enforce_eager=True, hf_overrides={"rope_parameters": dict(YARN)}) as llm:
+        assert llm.llm_engine.runner.max_model_len == 128
