@@ -94,6 +94,8 @@ class SpeculativeConfig:
     draft_tensor_parallel_size: int | None = None
     # No drafts in a step while more requests than this run (drafts pay in small batches).
     disable_by_batch_size: int | None = None
+    # vLLM's: the draft's longest sequence; here only the engine's own (no request stops drafting).
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         method = self.method

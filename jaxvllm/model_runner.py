@@ -296,6 +296,10 @@ class ModelRunner:
                 + (f": {self.cfg.max_position_embeddings} extended by its RoPE scaling)"
                    if limit != self.cfg.max_position_embeddings else ")")
             )
+        spec = c.speculative_config
+        if spec is not None and spec.max_model_len not in (None, self.max_model_len):
+            raise ValueError(f"speculative_config max_model_len={spec.max_model_len!r}: only the engine's "
+                             f"max_model_len ({self.max_model_len}) is supported (drafts never stop before it)")
         self.backend = resolve_backend(c.attention_backend, softcapped=self.cfg.attn_logit_softcapping is not None)
         # Speculative decoding's K: steps with drafts take layouts and samplers with room for K a row.
         self.spec_tokens = c.speculative_config.num_speculative_tokens if c.speculative_config else 0

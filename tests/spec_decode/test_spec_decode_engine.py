@@ -178,6 +178,15 @@ def test_bad_configs_are_refused_before_loading(config, message):
         LLM("/nonexistent/model", speculative_config=config)
 
 
+def test_the_engines_max_model_len_is_taken(tiny_checkpoint):
+    """vLLM's examples pass speculative_config's max_model_len (the draft's) equal to the engine's."""
+    path = str(tiny_checkpoint("llama"))
+    with LLM(path, max_model_len=64, enforce_eager=True, speculative_config={**SPEC, "max_model_len": 64}) as llm:
+        assert llm.llm_engine.config.speculative_config.max_model_len == 64
+    with pytest.raises(ValueError, match=r"speculative_config max_model_len=32: only the engine's max_model_len \(64\)"):
+        LLM(path, max_model_len=64, enforce_eager=True, speculative_config={**SPEC, "max_model_len": 32})
+
+
 def test_logprobs_of_every_emitted_token(engines):
     """Requests with logprobs are drafted for (raw modes): each emitted token, accepted draft or
     not, has the target's logprob and top logprobs, as without drafts."""
