@@ -251,6 +251,16 @@ class EngineConfig:
     compilation_config: Any = None
     # vLLM's model runner kind: jaxvllm runs generative models only ("auto" or "generate").
     runner: str = "auto"
+    # vLLM's multi-modal settings, which a text model ignores (jaxvllm's models are all text);
+    # vLLM's kernels' and executors' settings: one process drives every device here.
+    limit_mm_per_prompt: dict | None = None
+    mm_processor_kwargs: dict | None = None
+    disable_chunked_mm_input: bool = False
+    disable_custom_all_reduce: bool = False
+    distributed_executor_backend: str | None = None
+    # vLLM features jaxvllm lacks, accepted off only: prompt embeddings, weights offloaded to CPU.
+    enable_prompt_embeds: bool = False
+    cpu_offload_gb: float = 0
     # vLLM's structured outputs settings: a StructuredOutputsConfig or a dict of its fields.
     structured_outputs_config: StructuredOutputsConfig | dict | None = None
     download_dir: str | None = None  # nothing is ever downloaded
@@ -281,6 +291,14 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization={self.quantization!r} is not supported by jaxvllm; choose from None, "
                              + ", ".join(repr(m) for m in QUANTIZATION_METHODS))
+        if self.enable_prompt_embeds is not False:
+            raise ValueError("enable_prompt_embeds=True: prompt embeddings are not supported by jaxvllm")
+        if self.cpu_offload_gb not in (0, 0.0, None):
+            raise ValueError(f"cpu_offload_gb={self.cpu_offload_gb!r}: offloading weights to CPU memory is not "
+                             "supported by jaxvllm (0 only)")
+        if self.distributed_executor_backend not in (None, "uni", "mp", "ray", "external_launcher"):
+            raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r}: choose from None, "
+                             "'uni', 'mp', 'ray', 'external_launcher' (one process drives every device either way)")
         if self.runner not in ("auto", "generate"):
             raise ValueError(f"runner={self.runner!r}: jaxvllm runs generative models only ('auto' or 'generate'); "
                              "pooling and embedding models are not supported")
