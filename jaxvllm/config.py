@@ -272,6 +272,9 @@ class EngineConfig:
     compilation_cache_dir: str | None = None
     # vLLM's speculative decoding: a SpeculativeConfig or a dict of its fields (None: off).
     speculative_config: SpeculativeConfig | dict | None = None
+    # vLLM's profiler settings, for LLM.start_profile / stop_profile: here {"profiler": "jax",
+    # "jax_profiler_dir": FOLDER} (jax.profiler traces: TensorBoard's or Perfetto's viewer).
+    profiler_config: dict | None = None
 
     def __post_init__(self) -> None:
         """Check every argument's type and range here, so that `LLM(...)` and the command
@@ -291,6 +294,7 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization={self.quantization!r} is not supported by jaxvllm; choose from None, "
                              + ", ".join(repr(m) for m in QUANTIZATION_METHODS))
+        self._check_profiler()
         if self.enable_prompt_embeds is not False:
             raise ValueError("enable_prompt_embeds=True: prompt embeddings are not supported by jaxvllm")
         if self.cpu_offload_gb not in (0, 0.0, None):
@@ -350,6 +354,19 @@ class EngineConfig:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras!r}) must be an int >= max_loras ({self.max_loras})")
         if self.lora_dtype not in LORA_DTYPES:
             raise ValueError(f"lora_dtype={self.lora_dtype!r}; choose from {LORA_DTYPES}")
+
+    def _check_profiler(self) -> None:
+        given = self.profiler_config
+        if given is None:
+            return
+        if isinstance(given, dict) and given.get("profiler", "jax") != "jax":
+            raise ValueError(f"profiler_config profiler={given['profiler']!r}: jaxvllm's is 'jax' (jax.profiler "
+                             "traces); torch's, CUDA's and proton's are not available")
+        if not isinstance(given, dict) or set(given) - {"profiler", "jax_profiler_dir"}:
+            raise ValueError(f'profiler_config must be {{"profiler": "jax", "jax_profiler_dir": FOLDER}}, got {given!r}')
+        folder = given.get("jax_profiler_dir")
+        if not isinstance(folder, str) or not folder:
+            raise ValueError(f"profiler_config needs jax_profiler_dir, the folder for the traces, got {folder!r}")
 
     def _check_names(self) -> None:
         """Paths and names."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import time
 from typing import Any, Callable, Iterable
 
@@ -664,6 +665,20 @@ class LLMEngine:
     def _check_open(self) -> None:
         if self.runner.closed:
             raise RuntimeError("this engine was shut down; create a new LLM")
+
+    def start_profile(self, profile_prefix: str | None = None) -> None:
+        """vLLM's: start a trace of everything this process runs (jax.profiler's, of the host and
+        the device), into profiler_config's jax_profiler_dir (under `profile_prefix` if given)."""
+        self._check_open()
+        if self.config.profiler_config is None:
+            raise RuntimeError('profiling is not enabled: start the engine with profiler_config={"profiler": "jax", '
+                               '"jax_profiler_dir": FOLDER}')
+        folder = self.config.profiler_config["jax_profiler_dir"]
+        jax.profiler.start_trace(os.path.join(folder, profile_prefix) if profile_prefix else folder)
+
+    def stop_profile(self) -> None:
+        """Write the trace `start_profile` began."""
+        jax.profiler.stop_trace()
 
     def shutdown(self) -> None:
         """Abort every request and free the device memory (weights, KV cache, sampler state)."""

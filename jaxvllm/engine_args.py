@@ -79,6 +79,7 @@ _VALUE_FLAGS: dict[str, tuple[Callable[[str], Any], str]] = {
     "download-dir": (str, "accepted for vLLM's scripts (nothing is downloaded)"),
     "max-parallel-loading-workers": (int, "accepted for vLLM's scripts"),
     "runner": (str, "'auto' or 'generate' (generative models only)"),
+    "profiler-config": (json_object, 'for LLM.start_profile: \'{"profiler": "jax", "jax_profiler_dir": FOLDER}\''),
     "served-model-name": (str, "the name(s) the metrics' model_name label shows (default: the model's path)"),
 }
 # Flags with more names (vLLM's short ones) or that take several values.

@@ -332,6 +332,14 @@ class LLM:
         self._check_open()
         return self.llm_engine.runner.params
 
+    def start_profile(self, profile_prefix: str | None = None) -> None:
+        """vLLM's: trace what runs from here to `stop_profile()` (jax.profiler's trace, host and
+        device, of the whole process) into profiler_config's jax_profiler_dir."""
+        self.llm_engine.start_profile(profile_prefix)
+
+    def stop_profile(self) -> None:
+        self.llm_engine.stop_profile()
+
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget all cached prefix blocks (their memory stays with the KV pool). Returns
         False, as vLLM does, while running requests hold blocks, unless

@@ -545,3 +545,18 @@ def test_text_continues_the_prompt(tiny_checkpoint, tmp_path):
     text = tokenizer.decode(ids + out.outputs[0].token_ids)[len(tokenizer.decode(ids)):]
     assert out.outputs[0].text == text and text.startswith(" ")
     assert not tokenizer.decode(out.outputs[0].token_ids).startswith(" ")
+
+
+def test_profiling_writes_a_jax_trace(tiny_checkpoint, tmp_path):
+    """vLLM's start_profile / stop_profile, with profiler_config naming jax.profiler's folder."""
+    path = tiny_checkpoint("qwen3")
+    with LLM(path, **ENGINE, enforce_eager=True, profiler_config={"profiler": "jax",
+                                                                 "jax_profiler_dir": str(tmp_path)}) as llm:
+        llm.start_profile("run1")
+        llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+        llm.stop_profile()
+    assert list((tmp_path / "run1").rglob("*.xplane.pb"))
+    with LLM(path, **ENGINE, enforce_eager=True) as llm, pytest.raises(RuntimeError, match="profiling is not enabled"):
+        llm.start_profile()
+    with pytest.raises(ValueError, match="profiler_config profiler='torch': jaxvllm's is 'jax'"):
+        LLM(path, profiler_config={"profiler": "torch", "torch_profiler_dir": "/tmp"})
