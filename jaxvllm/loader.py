@@ -291,6 +291,14 @@ def load_safetensors(path: Path, cfg: ModelConfig, dtype, shardings: dict, repea
     unused = set(files) - {name for s in tensors for name in names[s.path]} - {"lm_head.weight"} - read_elsewhere
     unused = {name for name in unused if not _KV_SCALE.fullmatch(name)  # an fp8 KV cache's: load_kv_scales
               and not (fmt is not None and name.endswith(fmt.unused))}  # a format's bookkeeping
+    # A scale or index the loader does not read belongs to a weight it reads wrong (a quantized
+    # router read as plain values, an act-order it does not apply): refused, not ignored.
+    unread = sorted(name for name in unused if name.endswith(_QUANTIZATION_TENSORS))
+    if fmt is not None and unread:
+        for array in jax.tree.leaves(params):
+            array.delete()
+        raise ValueError(f"{path}: quantization tensors jaxvllm does not read: {unread[:5]} ({len(unread)} in all); "
+                         f"the weights they belong to are not supported quantized")
     if unused:
         logger.warning("ignoring %d tensor(s) not used by %s: %s", len(unused), cfg.architecture, sorted(unused)[:5])
     return params
@@ -676,6 +684,10 @@ def _put(params: dict, path: tuple, value) -> None:
             node = node[part]
     node[path[-1]] = value
 
+
+# The tensors of a quantized checkpoint that say how to read a weight (scales, zero points, group indices).
+_QUANTIZATION_TENSORS = (".weight_scale", ".weight_scale_inv", ".scales", ".qzeros", ".g_idx", ".weight_g_idx",
+                         ".weight_zero_point")
 
 # vLLM's names of an fp8 KV cache's per-layer scales in a checkpoint (float32: one value, or
 # one per KV head).

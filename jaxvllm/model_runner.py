@@ -827,7 +827,7 @@ class ModelRunner:
             self._given |= {id(a) for a in jax.tree.leaves(weights) if isinstance(a, jax.Array)}
             return count
         if self._weight_index is None:
-            original = load_config(self.config.model)  # (the checkpoint's KV heads, before any repetition)
+            original = load_config(self.config.model, self.config.hf_overrides)  # (the KV heads before repetition)
             layout = dataclasses.replace(original, stack_layers=self.cfg.stack_layers,
                                          merge_projections=self.cfg.merge_projections)
             self._weight_index = (weight_index(MODELS[self.cfg.architecture].param_specs(layout)),
@@ -837,7 +837,8 @@ class ModelRunner:
         pairs = named_tensors(weights)
         if multiprocess:
             pairs = across_processes(pairs, self._replicated)
-        self.params, count = updated_params(self.params, pairs, index, repeats, skip, self.config.quantization)
+        self.params, count = updated_params(self.params, pairs, index, repeats, skip, self.config.quantization,
+                                            self.dtype)
         self._given |= {id(a) for _, a in pairs if isinstance(a, jax.Array)}
         return count
 

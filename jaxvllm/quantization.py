@@ -153,7 +153,7 @@ class CheckpointFormat:
     def ignores(self, hf_name: str) -> bool:
         """Whether the weight `hf_name` stays full precision (its module, or one above it, is ignored)."""
         module = hf_name.removesuffix(".weight")
-        return any(re.fullmatch(m[3:], module) if m.startswith("re:") else
+        return any(re.match(m[3:], module) if m.startswith("re:") else  # (compressed-tensors' and vLLM's match)
                    module == m or module.startswith(m + ".") or module.endswith("." + m) for m in self.ignore)
 
 
@@ -273,6 +273,9 @@ def _pack_quantized_format(weights: dict, inputs: dict | None, ignore: tuple, mo
     group = weights.get("group_size") if got["strategy"] == "group" else 0
     if got["strategy"] == "group" and not (isinstance(group, int) and group > 0):
         raise ValueError(f"{model}: compressed-tensors group_size {group!r} must be a positive int")
+    if weights.get("actorder") not in (None, False, "weight"):  # ("weight": the order quantized in; no g_idx)
+        raise ValueError(f"{model}: compressed-tensors actorder {weights['actorder']!r} (weight_g_idx) is not "
+                         f"supported; jaxvllm reads actorder null or 'weight'")
     symmetric = weights.get("symmetric", True)
     return CheckpointFormat("compressed-tensors", (1, group), "int4", "weight_scale", ignore, "weight_packed",
                             None if symmetric else "weight_zero_point", "compressed-tensors", (".weight_shape",))

@@ -180,11 +180,13 @@ def check(pairs: list[tuple[str, Any]], index: dict[str, list[Place]], skip: fro
 
 
 def updated_params(params: dict, pairs: list[tuple[str, Any]], index: dict[str, list[Place]], repeats: int,
-                   skip: frozenset = frozenset(), quantization: str | None = None) -> tuple[dict, int]:
+                   skip: frozenset = frozenset(), quantization: str | None = None,
+                   dtype=jnp.float32) -> tuple[dict, int]:
     """New params with the given tensors in place (the old ones untouched), and how many
     tensors went in. `repeats`: how many times each checkpoint KV head is repeated.
     `quantization`: the online method (`quantization.ONLINE`) the linear weights were
-    quantized with at load; the new ones are quantized alike, whole weights only."""
+    quantized with at load; the new ones are quantized alike, whole weights only, from
+    the engine's `dtype` (as the loader quantizes them: a float32 tensor rounded to it first)."""
     check(pairs, index, skip)
     # The new values of each member (a param, a stack's row, a list's element), part by part.
     members: dict[tuple, dict[int, jax.Array]] = {}
@@ -224,7 +226,7 @@ def updated_params(params: dict, pairs: list[tuple[str, Any]], index: dict[str, 
         value = _merged(member, parts, lambda: _member(old, row))
         if quantized:  # as the loader quantized it
             num_in = EXPERT_STACK if path[-1] in EXPERTS else in_axes(member.shape, member.hf_shape)
-            value = quantize_online(value.astype(jnp.float32), num_in, quantization)
+            value = quantize_online(value.astype(dtype), num_in, quantization)
         rows.setdefault(path, {})[row] = value
     new = dict(params)  # (shallow: only the replaced arrays differ, the old params stay as they were)
     new["layers"] = dict(params["layers"])
@@ -346,6 +348,9 @@ def replaced_params(params: dict, weights: dict) -> tuple[dict, int]:
         if tuple(new.shape) != tuple(old.shape):
             raise ValueError(f"update_weights: params{jax.tree_util.keystr(path)} has shape {tuple(new.shape)}; "
                              f"the model's is {tuple(old.shape)}")
+        if jnp.issubdtype(new.dtype, jnp.floating) != jnp.issubdtype(old.dtype, jnp.floating):
+            raise ValueError(f"update_weights: params{jax.tree_util.keystr(path)} has dtype {new.dtype}; the "
+                             f"model's is {old.dtype} (floating-point and integer values do not mix)")
 
     def place(old, new):
         new = as_jax(new)

@@ -223,6 +223,23 @@ def test_online_quantized_engine_quantizes_the_update(arch, quantization, tiny_c
         assert completions(llm) == want
 
 
+@pytest.mark.parametrize("quantization", ["fp8", "gptq-dummy"])
+def test_a_float32_update_of_a_bfloat16_engine_is_quantized_as_a_load(quantization, tiny_checkpoint):
+    """A trainer's float32 weights into a bf16 engine quantized online: rounded to bf16 first,
+    as the loader rounds them, so the params equal a fresh load's."""
+    a, b = tiny_checkpoint("llama"), tiny_checkpoint("llama", seed=1)
+    with LLM(str(b), quantization=quantization, dtype="bfloat16", **ENGINE) as llm:
+        want = leaves(llm)
+    with LLM(str(a), quantization=quantization, dtype="bfloat16", **ENGINE) as llm:
+        llm.update_weights(hf_state(b).items())
+        assert all(np.array_equal(x, y) for x, y in zip(leaves(llm), want))
+    with LLM(str(a), **ENGINE) as llm:  # (a pytree's integers and floats do not mix)
+        params = llm.get_params()
+        wrong = jax.tree.map(lambda x: x.astype(jnp.int32), params)
+        with pytest.raises(ValueError, match=r"has dtype int32; the model's is float32"):
+            llm.update_weights(wrong)
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
 def test_stacked_layout(arch, tiny_checkpoint, monkeypatch):
     """A GPU's layout on a CPU (each kind of layer weight one stack, q/k/v apart): each

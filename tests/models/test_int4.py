@@ -364,6 +364,10 @@ def test_bad_int4_checkpoints_are_refused(int4_checkpoint, tiny_checkpoint, tmp_
             "num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": True},
             "input_activations": {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}}}),
          r"pack-quantized with input_activations .* is not supported; jaxvllm reads weight-only \(W4A16\)"),
+        (w4a16, dict(config_groups={"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": True,
+            "actorder": "group"}}}),
+         r"compressed-tensors actorder 'group' \(weight_g_idx\) is not supported"),
     ]
     for i, (path, changes, match) in enumerate(cases):
         live = len(jax.live_arrays())
@@ -382,6 +386,14 @@ def test_bad_int4_checkpoints_are_refused(int4_checkpoint, tiny_checkpoint, tmp_
     save_file(tensors, str(no_scale / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"missing tensor\(s\): model.layers.1.mlp.down_proj.weight_scale"):
         LLM(no_scale, **ENGINE)
+    # A scale of a weight the loader reads as plain values (a quantized router, say) is refused.
+    stray = _with_config(w4a16, tmp_path / "stray-scale")
+    tensors = load_file(str(stray / "model.safetensors"))
+    tensors["model.layers.0.input_layernorm.weight_scale"] = torch.ones(1)
+    save_file(tensors, str(stray / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"quantization tensors jaxvllm does not read: "
+                                         r"\['model.layers.0.input_layernorm.weight_scale'\]"):
+        LLM(stray, **ENGINE)
     with pytest.raises(ValueError, match=r"quantization='gptq-dummy': this checkpoint is quantized already"):
         LLM(gptq, quantization="gptq-dummy", **ENGINE)
     # (expert stacks' refusals: tests/models/test_quantized_moe.py)

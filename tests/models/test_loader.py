@@ -324,6 +324,9 @@ def test_hf_overrides_change_the_config_the_model_runs(tiny_checkpoint, hf_model
         assert llm.llm_engine.model_config.num_layers == 1
         got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                             use_tqdm=False)]
+        state = load_file(str(path / "model.safetensors"))
+        with pytest.raises(ValueError, match=r"'model.layers.1.[a-z_.]+' is not a weight of this model"):
+            llm.update_weights(state)  # (the layers the override dropped are not the model's)
     assert got == want
     with pytest.raises(ValueError, match="hf_overrides must be a dict of config fields or a function"):
         LLM(path, hf_overrides=[("num_hidden_layers", 1)])

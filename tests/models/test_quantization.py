@@ -306,6 +306,17 @@ def test_fp8_checkpoint_through_the_engine(fp8_checkpoint, tiny_checkpoint):
     full.shutdown()
 
 
+def test_ignore_entries_match_as_compressed_tensors_and_vllm_match_them():
+    """"re:" entries match from the module name's start (re.match), as compressed-tensors' and
+    vLLM's do; plain ones name a module or one above it."""
+    from jaxvllm.quantization import CheckpointFormat
+
+    fmt = CheckpointFormat("compressed-tensors", (1, 0), ignore=("lm_head", "re:.*self_attn", "re:model.layers.1."))
+    assert fmt.ignores("model.layers.0.self_attn.q_proj.weight") and fmt.ignores("lm_head.weight")
+    assert fmt.ignores("model.layers.1.mlp.down_proj.weight")
+    assert not fmt.ignores("model.layers.0.mlp.down_proj.weight")
+
+
 def test_quantize_fp8_scales_each_output_row():
     w = jnp.asarray(np.random.default_rng(0).normal(size=(3, 4, 10)), jnp.float32).at[0, 0].mul(100)
     q = quantize_fp8(w, 2)  # two input axes: one scale per row of the first
