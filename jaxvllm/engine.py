@@ -25,6 +25,7 @@ from jaxvllm.dummy import resolve_model
 from jaxvllm.input_processor import InputProcessor, eos_token_ids, load_tokenizer, read_generation_config
 from jaxvllm.interrupts import defer_interrupts
 from jaxvllm.kv_cache_manager import KVCacheManager
+from jaxvllm.loader import checkpoint_tensors
 from jaxvllm.lora.request import LoRARequest
 from jaxvllm.metrics import Metric, MetricsCollector, spec_decode_rates
 from jaxvllm.model_runner import ModelRunner, PendingStep, RunnerOutput
@@ -591,9 +592,20 @@ class LLMEngine:
             raise RuntimeError(f"{what} while the engine sleeps ({', '.join(sorted(self.runner.asleep))} not "
                                f"awake): call wake_up() first")
 
-    def reload_weights(self) -> None:
-        """Read the weights from the checkpoint again (collective_rpc's "reload_weights")."""
+    def reload_weights(self, weights_iterator: Any = None, weights_path: str | None = None,
+                       is_checkpoint_format: bool = True) -> None:
+        """Read the weights again (vLLM's collective_rpc "reload_weights"): from the checkpoint,
+        or (as `update_weights`) from `weights_path`, a folder of the model's safetensors (a
+        trainer's save), or `weights_iterator`, (HF name, tensor) pairs."""
         self._check_open()
+        if not is_checkpoint_format:
+            raise ValueError("reload_weights(is_checkpoint_format=False) is not supported: give HF-named tensors, or "
+                             "the params' own pytree (get_params()'s) to update_weights")
+        if weights_iterator is not None and weights_path is not None:
+            raise ValueError("reload_weights takes weights_iterator or weights_path, not both")
+        if weights_iterator is not None or weights_path is not None:
+            self.update_weights(weights_iterator if weights_path is None else checkpoint_tensors(weights_path))
+            return
         if self.has_unfinished_requests():
             raise RuntimeError("reload_weights while requests are unfinished: finish or abort them first")
         with defer_interrupts():

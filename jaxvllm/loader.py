@@ -184,6 +184,19 @@ def tensor_files(path: Path) -> dict[str, Path]:
     return files
 
 
+def checkpoint_tensors(path: str | Path) -> list[tuple[str, np.ndarray]]:
+    """Every tensor of a folder of safetensors files, as (HF name, host array) pairs: a
+    trainer's save, to push into a running engine."""
+    by_file: dict[Path, list[str]] = {}
+    for name, file in tensor_files(Path(path)).items():
+        by_file.setdefault(file, []).append(name)
+    pairs = []
+    for file, names in by_file.items():
+        with open_safetensors(file) as f:
+            pairs += [(name, f.get_tensor(name)) for name in names]
+    return pairs
+
+
 def open_safetensors(file: Path):
     try:  # numpy (bfloat16 through ml_dtypes): slices stay on the host until placed on their device
         return safe_open(str(file), framework="numpy")

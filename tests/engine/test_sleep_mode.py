@@ -86,7 +86,16 @@ def test_level_2_then_the_rl_sequence(llm, tiny_checkpoint, other, compile_count
     assert llm.collective_rpc("is_sleeping", None, ()) == [False]  # (vLLM's order: method, timeout, args, kwargs)
     assert llm.llm_engine.collective_rpc("reset_prefix_cache", kwargs={"reset_running_requests": True}) == [True]
     with LLM(str(tiny_checkpoint("qwen3")), **ENGINE) as fresh:
-        assert completions(llm) == completions(fresh)
+        own = completions(fresh)
+        assert completions(llm) == own
+    # vLLM's reload_weights arguments: a trainer's saved folder, or (name, tensor) pairs.
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": str(other)})
+    assert completions(llm) == want
+    own_tensors = load_file(str(tiny_checkpoint("qwen3") / "model.safetensors"))
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(own_tensors.items())})
+    assert completions(llm) == own
+    with pytest.raises(ValueError, match=r"is_checkpoint_format=False\) is not supported"):
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": str(other), "is_checkpoint_format": False})
 
 
 def test_refusals(llm, tiny_checkpoint):
