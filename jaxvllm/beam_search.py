@@ -50,12 +50,12 @@ def get_beam_search_score(num_generated_tokens: int, cumulative_logprob: float, 
 
 @dataclass
 class _Instance:
-    """One prompt's search: the live beams, the finished ones and the prompt's cache salt."""
+    """One prompt's search: the live beams (each with its adapter), the finished ones, the prompt's cache
+    salt and priority."""
 
     beams: list[BeamSearchSequence]
     completed: list[BeamSearchSequence] = field(default_factory=list)
     cache_salt: str | None = None
-    lora_request: Any = None
     priority: int = 0
 
 
@@ -94,9 +94,8 @@ def beam_search(engine: LLMEngine, generate: Callable[..., list], prompts: Any, 
         except (ValueError, TypeError) as e:
             e.add_note(f"(prompt {i} of {len(prompts)})")  # the message stays vLLM's, as in generate
             raise
-        lora_request = lora_requests[i] if lora_requests else None
-        instances.append(_Instance([BeamSearchSequence(token_ids, lora_request=lora_request)], cache_salt=salt,
-                                   lora_request=lora_request, priority=priorities[i] if priorities else 0))
+        first = BeamSearchSequence(token_ids, lora_request=lora_requests[i] if lora_requests else None)
+        instances.append(_Instance([first], cache_salt=salt, priority=priorities[i] if priorities else 0))
 
     ends = set(engine.eos_token_ids)  # vLLM's: the tokenizer's EOS and generation_config.json's end ids
     width = params.beam_width
@@ -119,7 +118,7 @@ def beam_search(engine: LLMEngine, generate: Callable[..., list], prompts: Any, 
                     break
                 outputs = iter(generate([_tokens_prompt(beam.tokens, inst.cache_salt) for inst, beam in live],
                                         step_params, use_tqdm=False,
-                                        lora_request=[inst.lora_request for inst, _ in live],
+                                        lora_request=[beam.lora_request for _, beam in live],
                                         priority=[inst.priority for inst, _ in live] if priorities else None))
                 for inst in batch:  # the outputs come in the order of `live`: instance by instance
                     candidates = []
