@@ -225,3 +225,12 @@ def test_prefix_cache_counters_survive_a_reset(llm):
     # A request with prompt logprobs skips the lookup: as vLLM's, no query.
     llm.generate(prompt, greedy(2, prompt_logprobs=1), use_tqdm=False)
     assert changed(after, read(llm), "vllm:prefix_cache_queries") == 0
+
+
+def test_vllm_reader_module_path():
+    """vLLM's metrics example imports the reader classes from vllm.v1.metrics.reader."""
+    import jaxvllm.metrics
+    from jaxvllm.v1.metrics.reader import Counter, Gauge, Histogram, Vector
+
+    assert (Counter, Gauge, Histogram, Vector) == (jaxvllm.metrics.Counter, jaxvllm.metrics.Gauge,
+                                                   jaxvllm.metrics.Histogram, jaxvllm.metrics.Vector)
