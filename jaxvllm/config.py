@@ -295,17 +295,7 @@ class EngineConfig:
             raise ValueError(f"quantization={self.quantization!r} is not supported by jaxvllm; choose from None, "
                              + ", ".join(repr(m) for m in QUANTIZATION_METHODS))
         self._check_profiler()
-        if self.enable_prompt_embeds is not False:
-            raise ValueError("enable_prompt_embeds=True: prompt embeddings are not supported by jaxvllm")
-        if self.cpu_offload_gb not in (0, 0.0, None):
-            raise ValueError(f"cpu_offload_gb={self.cpu_offload_gb!r}: offloading weights to CPU memory is not "
-                             "supported by jaxvllm (0 only)")
-        if self.distributed_executor_backend not in (None, "uni", "mp", "ray", "external_launcher"):
-            raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r}: choose from None, "
-                             "'uni', 'mp', 'ray', 'external_launcher' (one process drives every device either way)")
-        if self.runner not in ("auto", "generate"):
-            raise ValueError(f"runner={self.runner!r}: jaxvllm runs generative models only ('auto' or 'generate'); "
-                             "pooling and embedding models are not supported")
+        self._check_vllm_only()
         check_bool("enable_lora", self.enable_lora)
         self._check_lora()
         so = self.structured_outputs_config
@@ -354,6 +344,21 @@ class EngineConfig:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras!r}) must be an int >= max_loras ({self.max_loras})")
         if self.lora_dtype not in LORA_DTYPES:
             raise ValueError(f"lora_dtype={self.lora_dtype!r}; choose from {LORA_DTYPES}")
+
+    def _check_vllm_only(self) -> None:
+        """vLLM's arguments for what jaxvllm lacks or has no use for: their values that mean
+        nothing here pass, the others are refused by name."""
+        if self.enable_prompt_embeds is not False:
+            raise ValueError("enable_prompt_embeds=True: prompt embeddings are not supported by jaxvllm")
+        if self.cpu_offload_gb not in (0, 0.0, None):
+            raise ValueError(f"cpu_offload_gb={self.cpu_offload_gb!r}: offloading weights to CPU memory is not "
+                             "supported by jaxvllm (0 only)")
+        if self.distributed_executor_backend not in (None, "uni", "mp", "ray", "external_launcher"):
+            raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r}: choose from None, "
+                             "'uni', 'mp', 'ray', 'external_launcher' (one process drives every device either way)")
+        if self.runner not in ("auto", "generate"):
+            raise ValueError(f"runner={self.runner!r}: jaxvllm runs generative models only ('auto' or 'generate'); "
+                             "pooling and embedding models are not supported")
 
     def _check_profiler(self) -> None:
         given = self.profiler_config
