@@ -156,11 +156,12 @@ def num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, devices: list, max_mo
     if config.num_gpu_blocks_override is not None:
         return spec.addressable(config.num_gpu_blocks_override, override=True)
     max_blocks_per_seq = -(-max_model_len // spec.block_size)
+    per_device = spec.bytes_per_block / len(devices)  # (a block's bytes on each device)
     if config.kv_cache_memory_bytes is not None:
-        num_blocks = int(config.kv_cache_memory_bytes // (spec.bytes_per_block / len(devices)))
+        num_blocks = int(config.kv_cache_memory_bytes // per_device)
         if num_blocks < max_blocks_per_seq:
             raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds {num_blocks} KV blocks "
-                             f"of {spec.bytes_per_block // len(devices)} bytes a device; one sequence of "
+                             f"of {int(per_device)} bytes a device; one sequence of "
                              f"max_model_len={max_model_len} needs {max_blocks_per_seq}")
         return spec.addressable(num_blocks)
     mine = local_devices(devices)  # (across processes, each profiles its own devices)
@@ -170,7 +171,6 @@ def num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, devices: list, max_mo
         return spec.addressable(max(max_blocks_per_seq, min(wanted, CPU_KV_CACHE_BYTES // spec.bytes_per_block)))
     peaks_before = {d: device_memory_stats(d).get("peak_bytes_in_use", 0) for d in mine}
     profile()
-    per_device = spec.bytes_per_block / len(devices)
     fits = []
     for device in mine:
         stats = device_memory_stats(device)

@@ -225,6 +225,17 @@ def load_safetensors(path: Path, cfg: ModelConfig, dtype, shardings: dict, repea
     missing = [name for s in tensors for name in names[s.path] if name not in files]
     if missing:
         raise ValueError(f"checkpoint {path} is missing tensor(s): {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
+    unused = set(files) - {name for s in tensors for name in names[s.path]} - {"lm_head.weight"} - read_elsewhere
+    unused = {name for name in unused if not _KV_SCALE.fullmatch(name)  # an fp8 KV cache's: load_kv_scales
+              and not (fmt is not None and name.endswith(fmt.unused))}  # a format's bookkeeping
+    # A scale or index the loader does not read belongs to a weight it reads wrong (a quantized
+    # router read as plain values, an act-order it does not apply): refused, not ignored.
+    unread = sorted(name for name in unused if name.endswith(_QUANTIZATION_TENSORS))
+    if fmt is not None and unread:
+        raise ValueError(f"{path}: quantization tensors jaxvllm does not read: {unread[:5]} ({len(unread)} in all); "
+                         f"the weights they belong to are not supported quantized")
+    if unused:
+        logger.warning("ignoring %d tensor(s) not used by %s: %s", len(unused), cfg.architecture, sorted(unused)[:5])
     params: dict = {}
     with contextlib.ExitStack() as stack, tqdm(total=len(specs), desc="Loading safetensors",
                                                dynamic_ncols=True) as bar:
@@ -301,19 +312,6 @@ def load_safetensors(path: Path, cfg: ModelConfig, dtype, shardings: dict, repea
             for array in jax.tree.leaves(params):
                 array.delete()
             raise
-    unused = set(files) - {name for s in tensors for name in names[s.path]} - {"lm_head.weight"} - read_elsewhere
-    unused = {name for name in unused if not _KV_SCALE.fullmatch(name)  # an fp8 KV cache's: load_kv_scales
-              and not (fmt is not None and name.endswith(fmt.unused))}  # a format's bookkeeping
-    # A scale or index the loader does not read belongs to a weight it reads wrong (a quantized
-    # router read as plain values, an act-order it does not apply): refused, not ignored.
-    unread = sorted(name for name in unused if name.endswith(_QUANTIZATION_TENSORS))
-    if fmt is not None and unread:
-        for array in jax.tree.leaves(params):
-            array.delete()
-        raise ValueError(f"{path}: quantization tensors jaxvllm does not read: {unread[:5]} ({len(unread)} in all); "
-                         f"the weights they belong to are not supported quantized")
-    if unused:
-        logger.warning("ignoring %d tensor(s) not used by %s: %s", len(unused), cfg.architecture, sorted(unused)[:5])
     return params
 
 
