@@ -11,6 +11,8 @@ __version__ = "0.1.0"
 # name -> the module that defines it
 _EXPORTS = {
     "LLM": "jaxvllm.llm",
+    "AsyncEngineArgs": "jaxvllm.engine_args",
+    "AsyncLLM": "jaxvllm.async_llm",
     "BeamSearchOutput": "jaxvllm.beam_search",
     "BeamSearchSequence": "jaxvllm.beam_search",
     "BeamSearchParams": "jaxvllm.sampling_params",

@@ -153,3 +153,11 @@ class EngineArgs(EngineConfig):
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in vars(args).items() if k in names and v is not None})
+
+
+@dataclasses.dataclass
+class AsyncEngineArgs(EngineArgs):
+    """vLLM's `AsyncEngineArgs`, for `AsyncLLM.from_engine_args`: the engine arguments, and
+    whether to log each request's arrival, end and abort."""
+
+    enable_log_requests: bool = False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import enum
 import logging
 import numbers
@@ -214,6 +215,11 @@ class SamplingParams:
             keys = _token_ids("logit_bias keys", list(self.logit_bias))
             biases = [check_number("logit_bias values", v) for v in self.logit_bias.values()]  # (vLLM: any finite bias)
             self.logit_bias = dict(zip(keys, biases))
+
+    def clone(self) -> SamplingParams:
+        """vLLM's: a deep copy, whose fields a caller may change (output_kind, seed) without
+        touching the original."""
+        return copy.deepcopy(self)
 
     @property
     def stop_strings(self) -> list[str]:

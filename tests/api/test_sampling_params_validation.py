@@ -151,3 +151,14 @@ def test_check_satisfiable_refuses(kwargs, eos, message):
 def test_check_satisfiable_accepts(kwargs, eos):
     assert SamplingParams(**kwargs).check_satisfiable(eos) is None
     SamplingParams(**kwargs).check_satisfiable(tuple(eos))
+
+
+def test_clone_is_a_deep_copy():
+    """vLLM's `SamplingParams.clone()`: the copy's fields change without touching the original."""
+    p = SamplingParams(stop=["a"], logit_bias={3: 1.0}, seed=5)
+    q = p.clone()
+    q.stop.append("b")
+    q.logit_bias[4] = 2.0
+    q.seed = 6
+    assert q == SamplingParams(stop=["a", "b"], logit_bias={3: 1.0, 4: 2.0}, seed=6)
+    assert p == SamplingParams(stop=["a"], logit_bias={3: 1.0}, seed=5)

@@ -1,0 +1,380 @@
+"""vLLM's asyncio front end (`vllm.v1.engine.async_llm.AsyncLLM`): coroutines add requests
+and stream their outputs, as servers and RL rollout workers do.
+
+One background thread owns the `LLMEngine` and steps it while any request is unfinished.
+The engine is not thread-safe, so every call on it (adding, aborting, sleep, weight
+updates) is queued to that thread and runs between two steps; outputs go back to the
+coroutine that asked for them through that coroutine's event loop. A step's device work
+releases the GIL, so the event loop runs on while the engine waits for the device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import AsyncGenerator, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from jaxvllm.config import EngineConfig
+from jaxvllm.engine import LLMEngine
+from jaxvllm.lora.request import LoRARequest
+from jaxvllm.outputs import RequestOutput
+from jaxvllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PauseMode = Literal["abort", "wait", "keep"]
+
+
+@dataclass
+class _Stream:
+    """Where one request's outputs go: a queue read by a coroutine on `loop`."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item: RequestOutput | BaseException) -> bool:
+        """False when the loop is closed: nobody will read this stream again."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            return True
+        except RuntimeError:
+            return False
+
+
+@dataclass
+class _Call:
+    """A call to run on the engine thread; `future` (None: nobody waits) gets its result."""
+
+    fn: Callable[[], Any]
+    future: concurrent.futures.Future | None = None
+
+    def run(self) -> None:
+        try:
+            result = self.fn()
+        except Exception as e:
+            if self.future is None:
+                logger.exception("AsyncLLM: a call on the engine thread failed")
+            else:
+                self.future.set_exception(e)
+        else:
+            if self.future is not None:
+                self.future.set_result(result)
+
+    def cancel(self, error: BaseException) -> None:
+        if self.future is not None and not self.future.done():
+            self.future.set_exception(error)
+
+
+class AsyncLLM:
+    """`AsyncLLM(config)` or `AsyncLLM.from_engine_args(AsyncEngineArgs(model=...))`.
+
+    `generate(prompt, sampling_params, request_id)` is an async generator of the request's
+    `RequestOutput`s, as its `output_kind` asks (CUMULATIVE by default, DELTA, or
+    FINAL_ONLY); leaving it early (break, cancellation) aborts the request. A step that
+    raises fails the requests it was running (their generators raise) and leaves the
+    engine serving new ones. `shutdown()` stops the thread and frees the device memory.
+    """
+
+    def __init__(self, config: EngineConfig, log_requests: bool = False) -> None:
+        if config.data_parallel_size > 1:
+            raise ValueError(f"AsyncLLM runs one engine; data_parallel_size={config.data_parallel_size} needs LLM "
+                             "(which builds the replicas and spreads requests over them)")
+        self.engine = LLMEngine(config)
+        self._log_requests = log_requests
+        self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()  # None: stop
+        self._lock = threading.Lock()  # orders queueing a call against the thread's end
+        self._stopped = False
+        self._error: BaseException | None = None  # what ended the engine thread, if it failed
+        # The engine thread's own state:
+        self._streams: dict[str, _Stream] = {}
+        self._paused = False  # no steps until resume_generation()
+        self._rejecting = False  # new requests are refused (a pause in "abort" or "wait" mode)
+        self._drain_waiters: list[concurrent.futures.Future] = []  # pauses in "wait" mode
+        self._thread = threading.Thread(target=self._run, name="jaxvllm-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineConfig, start_engine_loop: bool = True,
+                         usage_context: Any = None, stat_loggers: list | None = None) -> "AsyncLLM":
+        """vLLM's constructor. The engine thread starts at once whatever `start_engine_loop`
+        says (it idles until a request comes); custom `stat_loggers` are not supported."""
+        if stat_loggers:
+            raise ValueError("AsyncLLM stat_loggers are not supported; read the engine's get_metrics() instead")
+        return cls(engine_args, log_requests=getattr(engine_args, "enable_log_requests", False))
+
+    # -- requests ------------------------------------------------------------------------
+
+    async def generate(self, prompt: Any, sampling_params: SamplingParams | None, request_id: str, *,
+                       prompt_text: str | None = None, lora_request: LoRARequest | None = None,
+                       tokenization_kwargs: dict[str, Any] | None = None, trace_headers: Any = None,
+                       priority: int = 0, data_parallel_rank: int | None = None
+                       ) -> AsyncGenerator[RequestOutput, None]:
+        """Add a request and yield its outputs until the finished one. Bad input raises here
+        (ValueError, TypeError), before anything is queued. `prompt_text` and
+        `trace_headers` are accepted, as by vLLM's engine; `data_parallel_rank` may only
+        name this engine's rank."""
+        if data_parallel_rank not in (None, self.engine.config.data_parallel_rank):
+            raise ValueError(f"data_parallel_rank={data_parallel_rank!r}: this AsyncLLM runs one engine, of rank "
+                             f"{self.engine.config.data_parallel_rank}")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+
+        def add() -> None:
+            if self._rejecting:
+                raise RuntimeError(f"request {request_id!r} refused: generation is paused (pause_generation); "
+                                   "call resume_generation() first")
+            self.engine.add_request(request_id, prompt, sampling_params, lora_request=lora_request,
+                                    tokenization_kwargs=tokenization_kwargs, priority=priority)
+            self._streams[request_id] = stream
+            if self._log_requests:
+                logger.info("Added request %s.", request_id)
+
+        try:
+            await self._on_engine(add)
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise RuntimeError(f"request {request_id!r} failed: an engine step raised {item!r}") from item
+                yield item
+                if item.finished:
+                    return
+        except (asyncio.CancelledError, GeneratorExit):
+            # The caller left (or was cancelled) before the end: the request stops, its
+            # blocks freed. (If the add was still queued, the abort runs after it; if the add
+            # failed, the id may be another request's, which is left alone.)
+            def abort_own() -> None:
+                if self._streams.get(request_id) is stream:
+                    self._abort([request_id])
+
+            with contextlib.suppress(RuntimeError):  # (shut down: every request was aborted)
+                self._queue(_Call(abort_own))
+            raise
+
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """Stop requests and free their blocks; each one's generator then yields its final
+        output (finish_reason "abort"), as vLLM's does. Unknown or finished ids are ignored."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        await self._on_engine(lambda: self._abort(ids))
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.engine.get_num_unfinished_requests()
+
+    # -- pausing, for weight updates -----------------------------------------------------
+
+    async def pause_generation(self, *, mode: PauseMode = "abort", clear_cache: bool = True) -> None:
+        """vLLM's: stop stepping until `resume_generation()`. "abort" aborts the requests in
+        flight and "wait" lets them finish first, both refusing new requests until the
+        resume; "keep" freezes them where they are and queues new ones. `clear_cache`
+        empties the prefix cache once paused (under "keep", the frozen requests give up
+        their blocks and are recomputed on resume, their outputs unchanged)."""
+        if mode not in ("abort", "wait", "keep"):
+            raise ValueError(f"pause_generation mode {mode!r}: choose from 'abort', 'wait', 'keep'")
+        drained: concurrent.futures.Future = concurrent.futures.Future()
+
+        def pause() -> None:
+            self._rejecting = mode != "keep"
+            self._paused = mode == "keep"  # ("wait" after "keep": the frozen requests run to their end first)
+            if mode == "abort":
+                self._abort(list(self._streams))
+            if mode == "wait" and self.engine.has_unfinished_requests():
+                self._drain_waiters.append(drained)  # resolved by the engine thread once idle
+            else:
+                drained.set_result(None)
+
+        await self._on_engine(pause)
+        await asyncio.wrap_future(drained)
+
+        def freeze() -> None:
+            self._paused = True
+            if clear_cache:
+                self.engine.reset_prefix_cache(reset_running_requests=True)
+
+        await self._on_engine(freeze)
+
+    async def resume_generation(self) -> None:
+        def resume() -> None:
+            self._paused = self._rejecting = False
+        await self._on_engine(resume)
+
+    async def is_paused(self) -> bool:
+        return self._paused
+
+    # -- the engine's other calls, run between steps ---------------------------------------
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return await self._on_engine(lambda: self.engine.reset_prefix_cache(reset_running_requests))
+
+    async def sleep(self, level: int = 1) -> None:
+        await self._on_engine(lambda: self.engine.sleep(level))
+
+    async def wake_up(self, tags: list[str] | None = None) -> bool:
+        return await self._on_engine(lambda: self.engine.wake_up(tags))
+
+    async def is_sleeping(self) -> bool:
+        return await self._on_engine(self.engine.is_sleeping)
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        return await self._on_engine(lambda: self.engine.add_lora(lora_request))
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return await self._on_engine(lambda: self.engine.remove_lora(lora_id))
+
+    async def list_loras(self) -> set[int]:
+        return await self._on_engine(self.engine.list_loras)
+
+    async def pin_lora(self, lora_id: int) -> bool:
+        return await self._on_engine(lambda: self.engine.pin_lora(lora_id))
+
+    async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
+                             kwargs: dict | None = None) -> list:
+        """The engine's `collective_rpc` (weight updates: "update_weights", "reload_weights")."""
+        return await self._on_engine(lambda: self.engine.collective_rpc(method, timeout, args, kwargs))
+
+    async def start_profile(self, profile_prefix: str | None = None) -> None:
+        await self._on_engine(lambda: self.engine.start_profile(profile_prefix))
+
+    async def stop_profile(self) -> None:
+        await self._on_engine(self.engine.stop_profile)
+
+    async def check_health(self) -> None:
+        """Raises if the engine thread has stopped."""
+        self._check_running()
+
+    def get_tokenizer(self):
+        return self.engine.get_tokenizer()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stopped
+
+    @property
+    def is_stopped(self) -> bool:
+        return self._stopped
+
+    @property
+    def errored(self) -> bool:
+        return self._error is not None
+
+    def shutdown(self) -> None:
+        """Abort every request (their generators end with the abort output), stop the engine
+        thread and free the device memory. Calling it twice is harmless."""
+        with self._lock:
+            if not self._stopped:
+                self._calls.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+        if self._error is not None:  # (the thread ended without freeing the engine)
+            self.engine.shutdown()
+
+    # -- the engine thread ---------------------------------------------------------------
+
+    def _check_running(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"the AsyncLLM engine thread died: {self._error!r}") from self._error
+        if self._stopped:
+            raise RuntimeError("this AsyncLLM was shut down (AsyncLLM.shutdown()); create a new one")
+
+    def _queue(self, call: _Call) -> None:
+        with self._lock:
+            self._check_running()
+            self._calls.put(call)
+
+    async def _on_engine(self, fn: Callable[[], Any]) -> Any:
+        call = _Call(fn, concurrent.futures.Future())
+        self._queue(call)
+        return await asyncio.wrap_future(call.future)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                if self._drain_waiters and not self.engine.has_unfinished_requests():
+                    for waiter in self._drain_waiters:  # pauses in "wait" mode: drained
+                        waiter.set_result(None)
+                    self._drain_waiters.clear()
+                if not self._serve_calls():
+                    return
+                if self.engine.has_unfinished_requests() and not self._paused:
+                    self._step()
+        except BaseException as e:  # a fault of this loop itself: nothing can run any more
+            logger.exception("AsyncLLM: the engine thread failed")
+            self._error = e
+            self._end(e)
+
+    def _serve_calls(self) -> bool:
+        """Run the queued calls, first waiting for one if there is nothing to step; False
+        once shutdown() asked the thread to end (it has ended everything then)."""
+        wait = self._paused or not self.engine.has_unfinished_requests()
+        while True:
+            try:
+                call = self._calls.get(block=wait)
+            except queue.Empty:
+                return True
+            if call is None:
+                self._end(RuntimeError("the AsyncLLM was shut down"))
+                return False
+            call.run()
+            wait = False
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # the engine has recovered (LLMEngine.step): its requests fail with the error
+            logger.exception("AsyncLLM: an engine step failed; its %d requests are aborted", len(self._streams))
+            streams, self._streams = self._streams, {}
+            self.engine.abort_request(list(streams))
+            for stream in streams.values():
+                stream.put(e)
+            return
+        for output in outputs:
+            self._deliver(output)
+
+    def _deliver(self, output: RequestOutput) -> None:
+        stream = self._streams.get(output.request_id)
+        if stream is None:  # (aborted by a generator that left; the abort is queued)
+            return
+        if output.finished:
+            del self._streams[output.request_id]
+            if self._log_requests:
+                logger.info("Finished request %s.", output.request_id)
+        if not stream.put(output) and not output.finished:  # its event loop is gone
+            self._abort([output.request_id])
+
+    def _abort(self, request_ids: list[str]) -> None:
+        if self._log_requests:
+            logger.info("Aborted request(s) %s.", ",".join(request_ids))
+        for output in self.engine.abort_request(request_ids):
+            self._deliver(output)
+        for rid in request_ids:
+            self._streams.pop(rid, None)
+
+    def _end(self, error: BaseException) -> None:
+        """Stop taking calls, fail the ones still queued and end every stream."""
+        with self._lock:
+            self._stopped = True
+        while True:
+            try:
+                call = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            if call is not None:
+                call.cancel(error)
+        for waiter in self._drain_waiters:
+            waiter.set_exception(error)
+        if self._error is None:
+            self._abort(list(self._streams))  # each generator ends with its abort output
+            self.engine.shutdown()
+        else:
+            for stream in self._streams.values():
+                stream.put(error)
+        self._streams.clear()

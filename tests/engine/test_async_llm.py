@@ -1,0 +1,288 @@
+"""vLLM's AsyncLLM: streamed outputs equal `LLM.generate`'s for every output kind, leaving a
+stream early (break, cancellation, Ctrl-C) aborts its request and frees its blocks, a
+failed step fails only its requests, pause_generation's three modes, and shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+
+import pytest
+
+from jaxvllm import LLM, AsyncEngineArgs, AsyncLLM, RequestOutputKind, SamplingParams
+
+ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, token_buckets=[64])
+PROMPTS = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 17, 40)]
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=7, n=2, max_tokens=10, ignore_eos=True)
+LONG = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoint):
+    return str(tiny_checkpoint("llama"))
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    """`LLM.generate`'s completions (token ids, text) per (params, prompt)."""
+    with LLM(checkpoint, **ENGINE) as llm:
+        return {name: [[(list(c.token_ids), c.text) for c in out.outputs]
+                       for out in llm.generate(PROMPTS + [PROMPTS[0]], params, use_tqdm=False)]
+                for name, params in (("greedy", GREEDY), ("seeded", SEEDED), ("long", LONG))}
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=checkpoint, **ENGINE))
+    yield engine
+    engine.shutdown()
+
+
+def with_kind(params: SamplingParams, kind: RequestOutputKind) -> SamplingParams:
+    params = params.clone()
+    params.output_kind = kind
+    return params
+
+
+async def collect(engine: AsyncLLM, prompt, params: SamplingParams, request_id: str) -> list:
+    return [out async for out in engine.generate(prompt, params, request_id)]
+
+
+async def started(engine: AsyncLLM, prompt, params: SamplingParams, request_id: str) -> tuple[asyncio.Task, list]:
+    """A task streaming a request, once its first output has come: (the task, its outputs so far)."""
+    seen: list = []
+
+    async def run():
+        async for out in engine.generate(prompt, params, request_id):
+            seen.append(out)
+        return seen
+
+    task = asyncio.create_task(run())
+    while not seen:
+        await asyncio.sleep(0.001)
+    return task, seen
+
+
+def completions(outputs: list, kind: RequestOutputKind) -> list[tuple[list[int], str]]:
+    """Each completion's tokens and text. As vLLM's, a streamed output of n > 1 holds only the
+    completions that changed: the latest of each (CUMULATIVE), or all of them joined (DELTA)."""
+    latest: dict[int, tuple[list[int], str]] = {}
+    for out in outputs:
+        for c in out.outputs:
+            tokens, text = latest.get(c.index, ([], "")) if kind is RequestOutputKind.DELTA else ([], "")
+            latest[c.index] = (tokens + list(c.token_ids), text + c.text)
+    return [latest[i] for i in sorted(latest)]
+
+
+def assert_idle(engine: AsyncLLM) -> None:
+    stats = engine.engine.stats()
+    assert engine.get_num_unfinished_requests() == 0
+    assert not engine.engine.has_unfinished_requests()
+    assert stats["num_free_blocks"] == stats["num_gpu_blocks"], "a KV block leaked"
+
+
+async def settle(engine: AsyncLLM) -> None:
+    """Wait until the engine thread has run every call queued so far."""
+    await engine.is_sleeping()
+
+
+@pytest.mark.parametrize("kind", list(RequestOutputKind))
+def test_streams_equal_generate(engine, reference, kind):
+    async def main():
+        runs = [collect(engine, p, with_kind(params, kind), f"{kind.name}-{name}-{i}")
+                for name, params in (("greedy", GREEDY), ("seeded", SEEDED))
+                for i, p in enumerate(PROMPTS + [PROMPTS[0]])]
+        return await asyncio.gather(*runs)
+
+    results = asyncio.run(main())
+    want = reference["greedy"] + reference["seeded"]
+    for outputs, expected in zip(results, want):
+        assert outputs[-1].finished and all(not o.finished for o in outputs[:-1])
+        assert completions(outputs, kind) == expected
+        if kind is RequestOutputKind.FINAL_ONLY:
+            assert len(outputs) == 1
+        else:
+            assert len(outputs) >= 10  # a token (or two completions' tokens) a step
+    assert_idle(engine)
+
+
+def test_leaving_a_stream_early_aborts_its_request(engine, reference):
+    async def main():
+        other = asyncio.create_task(collect(engine, PROMPTS[1], LONG, "stays"))
+        gen = engine.generate(PROMPTS[2], LONG, "leaves")
+        async for _ in gen:
+            break
+        await gen.aclose()  # (what garbage collection does too, a little later)
+        task, _ = await started(engine, PROMPTS[0], LONG, "cancelled")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        outputs = await other
+        await settle(engine)
+        return outputs
+
+    outputs = asyncio.run(main())
+    assert completions(outputs, RequestOutputKind.CUMULATIVE) == reference["long"][1]
+    assert_idle(engine)
+
+
+def test_abort_ends_the_stream_with_an_abort_output(engine):
+    async def main():
+        task, _ = await started(engine, PROMPTS[1], LONG, "aborted")
+        await engine.abort("aborted")
+        return await task
+
+    outputs = asyncio.run(main())
+    assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"
+    assert len(outputs[-1].outputs[0].token_ids) < LONG.max_tokens
+    assert_idle(engine)
+
+
+def test_bad_input_is_refused_and_others_go_on(engine, reference):
+    async def main():
+        task = asyncio.create_task(collect(engine, PROMPTS[1], LONG, "good"))
+        await asyncio.sleep(0)
+        with pytest.raises(ValueError, match="empty"):
+            await collect(engine, "", GREEDY, "empty")
+        with pytest.raises(ValueError, match="context length"):
+            await collect(engine, {"prompt_token_ids": [5] * 200}, GREEDY, "long")
+        with pytest.raises(ValueError, match="already in use"):
+            await collect(engine, PROMPTS[0], GREEDY, "good")
+        with pytest.raises(ValueError, match="temperature"):
+            await collect(engine, PROMPTS[0], SamplingParams(temperature=-1), "bad")
+        with pytest.raises(ValueError, match="data_parallel_rank"):
+            [o async for o in engine.generate(PROMPTS[0], GREEDY, "rank", data_parallel_rank=3)]
+        return await task
+
+    outputs = asyncio.run(main())
+    assert completions(outputs, RequestOutputKind.CUMULATIVE) == reference["long"][1]
+    assert_idle(engine)
+
+
+def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(engine, reference, monkeypatch):
+    runner = engine.engine.runner
+    calls = []
+    execute = runner.execute
+
+    def fail_on_the_third(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected device fault")
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute", fail_on_the_third)
+
+    async def main():
+        runs = [collect(engine, p, LONG, f"failing-{i}") for i, p in enumerate(PROMPTS)]
+        results = await asyncio.gather(*runs, return_exceptions=True)
+        monkeypatch.setattr(runner, "execute", execute)
+        again = await asyncio.gather(*(collect(engine, p, GREEDY, f"after-{i}") for i, p in enumerate(PROMPTS)))
+        return results, again
+
+    results, again = asyncio.run(main())
+    assert all(isinstance(r, RuntimeError) and "injected device fault" in repr(r.__cause__) for r in results)
+    assert [completions(o, RequestOutputKind.CUMULATIVE) for o in again] == reference["greedy"][:3]
+    assert_idle(engine)
+
+
+def test_ctrl_c_while_streaming_aborts_the_request(engine, reference):
+    """asyncio.run turns SIGINT into a cancellation of its main task (Python 3.11): the
+    stream's request is aborted, and the engine gives the same outputs afterwards."""
+    async def main():
+        async for _ in engine.generate(PROMPTS[2], LONG, "interrupted"):
+            await asyncio.sleep(0.01)
+
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        asyncio.run(main())
+    timer.join()
+
+    async def again():
+        await settle(engine)
+        return await collect(engine, PROMPTS[2], LONG, "interrupted")
+
+    outputs = asyncio.run(again())
+    assert completions(outputs, RequestOutputKind.CUMULATIVE) == reference["long"][2]
+    assert_idle(engine)
+
+
+def test_pause_generation_modes(engine, reference):
+    async def main():
+        # keep: the request freezes (no outputs while paused), then ends as it would have
+        task, seen = await started(engine, PROMPTS[1], LONG, "kept")
+        await engine.pause_generation(mode="keep")
+        assert await engine.is_paused()
+        await asyncio.sleep(0.1)  # (outputs sent before the pause reach the consumer)
+        count = len(seen)
+        queued = asyncio.create_task(collect(engine, PROMPTS[0], GREEDY, "queued-while-kept"))
+        await asyncio.sleep(0.3)
+        assert len(seen) == count and not queued.done()
+        await engine.resume_generation()
+        kept, queued = await task, await queued
+
+        # wait: returns once the request in flight has finished; new ones are refused meanwhile
+        task, _ = await started(engine, PROMPTS[2], LONG, "waited")
+        await engine.pause_generation(mode="wait", clear_cache=False)
+        assert task.done() and (await task)[-1].outputs[0].finish_reason == "length"
+        with pytest.raises(RuntimeError, match="paused"):
+            await collect(engine, PROMPTS[0], GREEDY, "refused")
+        await engine.resume_generation()
+
+        # abort: the request in flight ends with an abort output
+        task, _ = await started(engine, PROMPTS[2], LONG, "aborted-by-pause")
+        await engine.pause_generation()
+        aborted = await task
+        with pytest.raises(RuntimeError, match="paused"):
+            await collect(engine, PROMPTS[0], GREEDY, "refused")
+        await engine.resume_generation()
+        assert not await engine.is_paused()
+        after = await collect(engine, PROMPTS[0], GREEDY, "after-pause")
+        return kept, queued, aborted, after
+
+    kept, queued, aborted, after = asyncio.run(main())
+    assert completions(kept, RequestOutputKind.CUMULATIVE) == reference["long"][1]
+    assert completions(queued, RequestOutputKind.CUMULATIVE) == reference["greedy"][0]
+    assert aborted[-1].outputs[0].finish_reason == "abort"
+    assert completions(after, RequestOutputKind.CUMULATIVE) == reference["greedy"][0]
+    assert_idle(engine)
+
+
+def test_engine_calls_run_between_steps(engine, reference):
+    async def main():
+        task = asyncio.create_task(collect(engine, PROMPTS[1], LONG, "during-calls"))
+        await asyncio.sleep(0.05)
+        reset = await engine.reset_prefix_cache(reset_running_requests=True)
+        rpc = await engine.collective_rpc("is_sleeping")
+        with pytest.raises(ValueError, match="not supported"):
+            await engine.collective_rpc("no_such_method")
+        return reset, rpc, await task
+
+    reset, rpc, outputs = asyncio.run(main())
+    assert reset is True and rpc == [False]
+    assert completions(outputs, RequestOutputKind.CUMULATIVE) == reference["long"][1]
+    assert engine.get_tokenizer() is engine.tokenizer is not None
+    assert_idle(engine)
+
+
+def test_shutdown_ends_streams_and_refuses_calls(checkpoint):
+    engine = AsyncLLM(AsyncEngineArgs(model=checkpoint, **ENGINE))
+
+    async def main():
+        task, _ = await started(engine, PROMPTS[1], LONG, "cut")
+        await asyncio.to_thread(engine.shutdown)
+        outputs = await task
+        with pytest.raises(RuntimeError, match="shut down"):
+            await collect(engine, PROMPTS[0], GREEDY, "late")
+        return outputs
+
+    outputs = asyncio.run(main())
+    assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"
+    assert engine.is_stopped and not engine.is_running and not engine.errored
+    assert engine.engine.runner.closed
+    engine.shutdown()  # twice: harmless
+    with pytest.raises(ValueError, match="data_parallel_size"):
+        AsyncLLM(AsyncEngineArgs(model=checkpoint, data_parallel_size=2, **ENGINE))
