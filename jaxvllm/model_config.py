@@ -108,6 +108,9 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     sliding_rope: RopeConfig | None = None
+    # The longest sequence the engine running this model takes (vLLM's
+    # `llm_engine.model_config.max_model_len`): set by the model runner; None as read.
+    max_model_len: int | None = None
 
     def is_moe_layer(self, i: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[i]

@@ -289,13 +289,14 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - start
         self.dtype = resolve_dtype(c.dtype, self.cfg)
         limit = self.cfg.max_model_len_limit
-        self.max_model_len = c.max_model_len or limit
-        if self.max_model_len > limit:
+        max_model_len = c.max_model_len or limit
+        if max_model_len > limit:
             raise ValueError(
-                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings ({limit}"
+                f"max_model_len {max_model_len} exceeds the model's max_position_embeddings ({limit}"
                 + (f": {self.cfg.max_position_embeddings} extended by its RoPE scaling)"
                    if limit != self.cfg.max_position_embeddings else ")")
             )
+        self.cfg = dataclasses.replace(self.cfg, max_model_len=max_model_len)
         spec = c.speculative_config
         if spec is not None and spec.max_model_len not in (None, self.max_model_len):
             raise ValueError(f"speculative_config max_model_len={spec.max_model_len!r}: only the engine's "
@@ -392,6 +393,10 @@ class ModelRunner:
                     self.load_seconds, self.profile_seconds, self.warmup_seconds)
 
     # -- KV cache ----------------------------------------------------------------------
+
+    @property
+    def max_model_len(self) -> int:
+        return self.cfg.max_model_len
 
     def _allocate_kv_caches(self, num_blocks: int):
         return allocate_kv_caches(self.cfg, num_blocks, self.kv_spec.block_size, self.kv_spec.dtype, self.mesh,

@@ -175,6 +175,7 @@ def test_engine_args_from_the_command_line_and_engine_helpers(tiny_checkpoint):
                               "--max-num-batched-tokens", "64", "--enforce-eager"])
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
     assert engine.config.max_model_len == 64 and engine.config.enforce_eager
+    assert engine.model_config.max_model_len == 64  # (vLLM's scripts read it there)
     engine.add_request("0", "Hello", SamplingParams(temperature=0, max_tokens=3))
     engine.add_request("1", {"prompt_token_ids": [5, 6]}, SamplingParams(n=2, max_tokens=2))
     assert engine.get_num_unfinished_requests() == 3  # (as vLLM's: each of the n = 2 completions counts)

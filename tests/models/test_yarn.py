@@ -89,4 +89,4 @@ def test_rope_scaling_extends_the_longest_sequence(tmp_path_factory):
     with pytest.raises(ValueError, match="max_model_len 128 exceeds the model's max_position_embeddings"):
         LLM(path, max_model_len=128, enforce_eager=True)
     with LLM(path, max_model_len=128, enforce_eager=True, hf_overrides={"rope_parameters": dict(YARN)}) as llm:
-        assert llm.llm_engine.runner.max_model_len == 128
+        assert llm.llm_engine.runner.max_model_len == llm.llm_engine.model_config.max_model_len == 128
