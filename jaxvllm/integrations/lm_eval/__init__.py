@@ -45,6 +45,8 @@ How each request type runs (all requests of one call in ONE `LLM.generate`):
 - generate_until: the context left-truncated to max_length - max_gen_toks tokens,
   `SamplingParams(temperature=0 unless the task samples, max_tokens=max_gen_toks,
   stop=until + [EOS text])`, the text then cut at the first stop sequence as lm-eval does.
+  Special tokens are left out of the text, as lm-eval's `hf` model decodes (its `vllm`
+  model keeps them, `skip_special_tokens=False`, unless a task's gen_kwargs say otherwise).
 """
 
 from __future__ import annotations
