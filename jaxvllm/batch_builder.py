@@ -164,7 +164,8 @@ class BatchBuilder:
                 self._last_rows = None
 
     def release_all(self) -> None:
-        self.release(list(self.input_batch.row_of))
+        self.input_batch.clear()
+        self._last_rows = None
 
     # -- one step ------------------------------------------------------------------------
 

@@ -203,16 +203,14 @@ class LLMEngine:
             if rid in self._parents or rid in self.scheduler.requests:
                 raise ValueError(f"request id {rid!r} is already in use")
         with defer_interrupts():
-            added = []
             try:
                 for child in parent.children:
                     self.scheduler.add_request(child)
-                    added.append(child)
+                self._parents[parent.request_id] = parent
             except BaseException:
-                for child in added:
-                    self.scheduler.finish(child, "abort")
+                self._parents.pop(parent.request_id, None)
+                self._recover()  # (the children queued so far are nobody's: dropped)
                 raise
-            self._parents[parent.request_id] = parent
             self._requests_changed = True
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
@@ -220,17 +218,21 @@ class LLMEngine:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         outputs = []
         with defer_interrupts():
-            for rid in ids:
-                parent = self._parents.pop(rid, None)
-                if parent is None:
-                    continue
-                for child in parent.children:
-                    if not child.is_finished:
-                        self.scheduler.finish(child, "abort")
-                        self.metrics.forget(child)  # (a completion that finished before was counted then)
-                self.runner.release(c.request_id for c in parent.children)
-                outputs.append(self.output_processor.output(parent))
-                self._requests_changed = True
+            try:
+                for rid in ids:
+                    parent = self._parents.pop(rid, None)
+                    if parent is None:
+                        continue
+                    self._requests_changed = True
+                    for child in parent.children:
+                        if not child.is_finished:
+                            self.scheduler.finish(child, "abort")
+                            self.metrics.forget(child)  # (a completion that finished before was counted then)
+                    self.runner.release(c.request_id for c in parent.children)
+                    outputs.append(self.output_processor.output(parent))
+            except BaseException:
+                self._recover()  # (the children of a parent popped so far are nobody's: dropped)
+                raise
             self.output_processor.commit()
             if not self.scheduler.has_unfinished_requests():
                 self._in_flight = None  # its tokens are for aborted requests only: never read
@@ -283,9 +285,12 @@ class LLMEngine:
                 with defer_interrupts():
                     updated = self._process(launched[0], result, launched[1].batch.grammar_rows)
                     self._sample_constrained()
-            with defer_interrupts():
+            with defer_interrupts() as held:
                 # (with the completions a failed step finished: their final outputs are still due)
                 outputs, done = self.output_processor.step_outputs(self._unreported + updated, self._parents)
+                # A Ctrl-C held so far lands here, before the commit: raised after it, on
+                # the way out, it would take outputs that count as sent with it.
+                held.deliver()
                 self.output_processor.commit()  # (from here on the outputs are the caller's)
                 self._unreported = []
                 for parent in done:
@@ -458,16 +463,18 @@ class LLMEngine:
             )
 
     def _recover(self) -> None:
-        """Bring the engine back to a state every later step can trust: the step in flight
-        is dropped, blocks registered for a step that never ran are forgotten, running
-        requests are recomputed from their tokens on the host, and donated buffers a
-        failed call consumed are made anew (the prefix cache too, if the KV cache was)."""
+        """Bring the engine back to a state every later step can trust, after a failure
+        anywhere in a step or in the bookkeeping of adding and aborting: the step in flight
+        is dropped, blocks registered for a step that never ran are forgotten, the scheduler
+        and the KV blocks are made anew from the requests the caller knows (`_parents`),
+        each recomputed from its tokens on the host, and donated buffers a failed call
+        consumed are made anew (the prefix cache too, if the KV cache was)."""
         self._in_flight = None
         self.output_processor.rollback()
+        self.kv_cache_manager.rollback()
+        self.scheduler.recompute_all(child for parent in self._parents.values() for child in parent.children)
         self._unreported = [child for parent in self._parents.values() for i, child in enumerate(parent.children)
                             if child.is_finished and i not in parent.finals_sent]
-        self.kv_cache_manager.rollback()
-        self.scheduler.recompute_all()
         if self.runner.recover():
             self._reset_prefix_cache()
 
@@ -568,8 +575,8 @@ class LLMEngine:
         if self.is_sleeping():
             raise RuntimeError("the engine is asleep already; wake_up() first")
         with defer_interrupts():
+            self._reset_prefix_cache()  # (first: no cached block may outlive the cache it names)
             self.runner.sleep(level)
-            self._reset_prefix_cache()
 
     def wake_up(self, tags: list[str] | None = None) -> bool:
         """Bring back the weights and the KV cache (`tags`: "weights", "kv_cache"; None:
@@ -609,8 +616,8 @@ class LLMEngine:
         if self.has_unfinished_requests():
             raise RuntimeError("reload_weights while requests are unfinished: finish or abort them first")
         with defer_interrupts():
+            self._reset_prefix_cache()  # (first: no cached block may outlive the weights that made it)
             self.runner.reload_weights()
-            self._reset_prefix_cache()
 
     def update_weights(self, weights) -> int:
         """Replace some or all of the model's weights in place (HF names; see
@@ -624,8 +631,8 @@ class LLMEngine:
             raise RuntimeError("update_weights while the weights sleep: call wake_up(tags=['weights']) first")
         start = time.perf_counter()
         with defer_interrupts():
+            self._reset_prefix_cache()  # (first: no cached block may outlive the weights that made it)
             count = self.runner.update_weights(weights)
-            self._reset_prefix_cache()
         jax.block_until_ready(self.runner.params)
         self.weight_updates += 1
         self.weight_update_seconds += time.perf_counter() - start
@@ -645,7 +652,7 @@ class LLMEngine:
             with defer_interrupts():
                 self._in_flight = None  # (its tokens come out the same when recomputed)
                 self.kv_cache_manager.rollback()
-                self.scheduler.recompute_all()
+                self.scheduler.recompute_all(list(self.scheduler.requests.values()))
                 self.runner.release(holders)  # (their rows' device state is rebuilt on readmission)
         self._reset_prefix_cache()
         return True

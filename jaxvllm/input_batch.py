@@ -306,6 +306,12 @@ class InputBatch:
             self.num_special -= self._special(row)
         return row is not None
 
+    def clear(self) -> None:
+        """Every row free, made anew (after a failure, whatever it left half done)."""
+        self.row_of = {}
+        self._free_rows = list(range(self.max_num_seqs - 1, -1, -1))
+        self.num_special = 0
+
     def _special(self, row: int) -> bool:
         return bool(self.has_grammar[row] or self.num_prompt_logprobs[row] >= 0)
 

@@ -115,8 +115,23 @@ class BlockPool:
         self._evict(block)
 
     def reset_prefix_cache(self) -> None:
-        self.cached.clear()
+        self.cached = {}  # (first: from here on no lookup finds a block)
         self.block_hashes = [None] * self.num_blocks
+
+    def release_all(self) -> None:
+        """Every block free, made anew from the cache map alone: whatever a failure left half
+        done (a block taken and not recorded, a reference dropped twice) is whole again.
+        Free blocks keep their eviction order, then the others follow; cached ones stay cached."""
+        self.ref_counts = [0] * self.num_blocks
+        hashes: list[bytes | None] = [None] * self.num_blocks
+        for block_hash, block in list(self.cached.items()):
+            if hashes[block] is None and self.block_hashes[block] == block_hash:
+                hashes[block] = block_hash
+            else:  # (a half-made entry: forgotten)
+                del self.cached[block_hash]
+        self.block_hashes = hashes
+        order = [b for b in self._free if 0 <= b < self.num_blocks]
+        self._free = OrderedDict.fromkeys(order + sorted(set(range(self.num_blocks)).difference(order)))
 
 
 @dataclass
@@ -273,6 +288,14 @@ class KVCacheManager:
         blocks = self.req_blocks.pop(request.request_id, [])
         self._num_registered.pop(request.request_id, None)
         self.pool.free(blocks[::-1])
+
+    def release_all(self) -> None:
+        """Every request gives up its blocks (after a failure, when all of them are
+        recomputed): the pool is made anew, the prefix cache kept."""
+        self.req_blocks.clear()
+        self._num_registered.clear()
+        self._uncommitted.clear()
+        self.pool.release_all()
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return self.req_blocks.get(request_id, [])

@@ -755,8 +755,8 @@ class ModelRunner:
         self._params_struct = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                                            (self.params, own))
         self._host_params = jax.device_get((self.params if level == 1 else None, own))
-        for array in jax.tree.leaves((self.kv_caches, own, own_caches)):
-            array.delete()
+        freed = jax.tree.leaves((self.kv_caches, own, own_caches))
+        # Asleep before anything is deleted: a failure part-way leaves an engine that wakes.
         # The target's weights are let go, not deleted: a JAX trainer's arrays given to
         # update_weights are the params themselves, and stay the trainer's (their memory is
         # freed when nothing else holds them).
@@ -766,6 +766,8 @@ class ModelRunner:
         if self.eagle is not None:
             self.eagle.step = None  # (a finished step's hidden states)
         self._asleep = {"weights", "kv_cache"}
+        for array in freed:
+            array.delete()
 
     def wake_up(self, tags: list[str]) -> None:
         """Bring back what `tags` name: "weights" (level 1's copies; after level 2, buffers of

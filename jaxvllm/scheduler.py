@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -112,6 +113,9 @@ class WaitingQueue:
         self._heap = [e for e in self._heap if e[2] is not request]
         heapq.heapify(self._heap)
 
+    def clear(self) -> None:
+        self._heap = []
+
 
 class RunningRows:
     """The running requests' counters as numpy rows, in running order: what the vectorized
@@ -186,16 +190,18 @@ class Scheduler:
             self._stop_token_ids = np.array(sorted(self._stop_ids), np.int64)
 
     def finish(self, request: Request, reason: str) -> None:
-        """End a request (stopped, at its length, or aborted) and release its blocks."""
-        if request.status == RequestStatus.RUNNING:
-            self.running.remove(request)
-        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-            self.waiting.remove(request)
-        request.status = RequestStatus.FINISHED
+        """End a request (stopped, at its length, or aborted) and release its blocks. It is
+        finished first: a failure part-way leaves a finished request that `recompute_all`
+        drops, not one that runs on."""
+        status, request.status = request.status, RequestStatus.FINISHED
         request.finish_reason = reason
         request.metrics.finished_time = time.time()
-        self.kv.free(request)
+        if status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(request)
         del self.requests[request.request_id]
+        self.kv.free(request)
 
     def set_policy(self, policy: str) -> None:
         self.config.policy = policy
@@ -420,15 +426,27 @@ class Scheduler:
         request.num_computed_tokens = 0
         self.waiting.add(request)
 
-    def recompute_all(self) -> None:
-        """After a failed step: every running request goes back to the waiting queue to be
-        recomputed from its tokens on the host, and tokens still on the device are
-        forgotten (sampling depends only on (seed, position), so they come out the same)."""
-        for request in list(self.running):
-            self._requeue(request)
-        for request in self.requests.values():
-            request.num_pending = 0
+    def recompute_all(self, unfinished: Iterable[Request]) -> None:
+        """After a failure (a step's, or any in the engine's bookkeeping): the scheduler is
+        made anew from `unfinished`, the requests the engine still answers for. Each waits
+        to be recomputed from its tokens on the host; tokens still on the device are
+        forgotten (sampling depends only on (seed, position), so they come out the same);
+        every KV block is released. So whatever a failure left half done (a request in no
+        queue, a finished one still holding blocks, one nobody answers for) is gone."""
+        self.requests, self.running, self._rows = {}, [], None
+        self.waiting.clear()
+        for request in unfinished:
+            if request.finish_reason is not None:  # (its end was found, not yet carried out)
+                request.status = RequestStatus.FINISHED
+            if request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                request.status = RequestStatus.PREEMPTED
+            request.num_computed_tokens = request.num_pending = 0
             request.spec_token_ids = []
+            self.requests[request.request_id] = request
+            self.waiting.add(request)
+        self.kv.release_all()
 
     def update_from_output(self, out: SchedulerOutput, sampled, num_accepted=None, draft_ids=None) -> list[Request]:
         """Append each sampling request's token, finish those that stop; returns requests with new tokens.

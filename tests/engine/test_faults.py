@@ -1,9 +1,11 @@
 """Faults: a Ctrl-C or an exception at any point of a step leaves the LLM usable, with the
 same outputs afterwards and no KV block leaked."""
 
+import inspect
 import os
 import random
 import signal
+import sys
 import threading
 import time
 
@@ -14,8 +16,10 @@ import jaxvllm.llm
 from jaxvllm import LLM, SamplingParams
 from jaxvllm.batch_builder import BatchBuilder
 from jaxvllm.engine import LLMEngine
+from jaxvllm.input_batch import InputBatch
+from jaxvllm.kv_cache_manager import BlockPool, KVCacheManager
 from jaxvllm.model_runner import ModelRunner, PendingStep
-from jaxvllm.scheduler import Scheduler
+from jaxvllm.scheduler import Scheduler, WaitingQueue
 from tests.spec_decode.eagle_heads import passing_head
 
 ENGINE = dict(max_model_len=160, max_num_seqs=8, max_num_batched_tokens=32, token_buckets=[32],
@@ -120,7 +124,7 @@ def run_by_hand(engine: LLMEngine, kind) -> dict:
     while engine.has_unfinished_requests():
         try:
             outputs = engine.step()
-        except RuntimeError:
+        except (RuntimeError, KeyboardInterrupt):
             continue
         for out in outputs:
             tokens_so_far, _, finals = seen.get(out.request_id, ([], None, 0))
@@ -149,6 +153,100 @@ def test_outputs_of_a_failed_step_come_with_a_later_one(case, monkeypatch, kind,
     assert all(finals == 1 and reason == "length" for _, reason, finals in got.values())
     assert not engine._parents
     assert_healthy(llm, want)
+
+
+@pytest.mark.parametrize("kind", ["DELTA", "CUMULATIVE"])
+@pytest.mark.parametrize("at_call", [3, 6])
+def test_ctrl_c_while_a_step_builds_its_outputs_loses_none(case, monkeypatch, kind, at_call):
+    """A real SIGINT while `step()` builds its outputs is held until they are built, then
+    raised before they count as sent: the next step sends them again."""
+    from jaxvllm import RequestOutputKind
+    from jaxvllm.output_processor import OutputProcessor
+
+    llm, want = case
+    engine, kind = llm.llm_engine, RequestOutputKind[kind]
+    reference = run_by_hand(engine, kind)
+    real, calls = OutputProcessor.step_outputs, []
+
+    def interrupted(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == at_call:
+            signal.raise_signal(signal.SIGINT)  # (held: the step's bookkeeping is under way)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(OutputProcessor, "step_outputs", interrupted)
+    got = run_by_hand(engine, kind)
+    monkeypatch.undo()
+    assert len(calls) > at_call and got == reference
+    assert all(finals == 1 and reason == "length" for _, reason, finals in got.values())
+    assert_healthy(llm, want)
+
+
+def raise_at_line(function, text: str) -> None:
+    """Raise RuntimeError("injected") the first time the line of `function` that holds
+    `text` is about to run: an exception where no Ctrl-C can land (a bug, a MemoryError)."""
+    lines, first = inspect.getsourcelines(function)
+    (line,) = [first + i for i, source in enumerate(lines) if text in source]
+
+    def in_function(frame, event, arg):
+        if event == "line" and frame.f_lineno == line:
+            sys.settrace(None)
+            raise RuntimeError("injected")
+        return in_function
+
+    sys.settrace(lambda frame, event, arg: in_function if frame.f_code is function.__code__ else None)
+
+
+# Where the engine's bookkeeping is half done: each left state that the next calls
+# tripped over (a request nobody answers for, a leaked block or row, a row count off by one).
+HALF_DONE = [
+    (Scheduler.add_request, "self.waiting.add(request)"),  # in `requests`, in no queue
+    (LLMEngine.add_parent, "self._parents[parent.request_id] = parent"),  # children queued, parent unknown
+    (Scheduler.finish, "del self.requests[request.request_id]"),  # finished, still in `requests`
+    (Scheduler.finish, "self.kv.free(request)"),  # finished, holding its blocks
+    (BlockPool.allocate, "self._evict(b)"),  # blocks taken from the free queue, given to nobody
+    (InputBatch.add, "self.num_special += self._special(row)"),  # a row taken, not counted
+    (InputBatch.remove, "self._free_rows.append(row)"),  # a row given back to nobody
+]
+
+
+@pytest.mark.parametrize("function,text", HALF_DONE, ids=[f"{f.__qualname__}:{t.split('(')[0]}" for f, t in HALF_DONE])
+def test_an_exception_in_half_done_bookkeeping(case, function, text):
+    """The failure is recovered from like a failed step: the scheduler, the KV blocks and
+    the rows are made anew from the requests the caller knows."""
+    llm, want = case
+    raise_at_line(function, text)
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            llm.generate(prompts(), GREEDY, use_tqdm=False)
+    finally:
+        sys.settrace(None)
+    engine = llm.llm_engine
+    pool, rows = engine.kv_cache_manager.pool, engine.runner.builder.input_batch
+    assert not engine.scheduler.requests and not engine.scheduler.running and not len(engine.scheduler.waiting)
+    assert sorted(pool.free_blocks()) == list(range(pool.num_blocks)) and not any(pool.ref_counts)
+    assert len(rows._free_rows) == rows.max_num_seqs and rows.num_special == 0
+    assert_healthy(llm, want)
+
+
+def test_sleep_resets_the_prefix_cache_before_it_frees_the_kv_cache(tiny_checkpoint):
+    """A failure part-way through sleep leaves no cached block that names the freed cache
+    (a wake_up would give zeros for it: wrong outputs), and an engine that wakes."""
+    llm = LLM(tiny_checkpoint("qwen3"), enable_sleep_mode=True, **ENGINE)
+    want = tokens(llm.generate(prompts(), GREEDY, use_tqdm=False))
+    assert llm.stats()["prefix_cache_hits"] > 0
+    for function, text in ((ModelRunner.sleep, "self.params = self.kv_caches = None"),
+                           (ModelRunner.sleep, "array.delete()")):
+        raise_at_line(function, text)
+        try:
+            with pytest.raises(RuntimeError, match="injected"):
+                llm.sleep(1)
+        finally:
+            sys.settrace(None)
+        assert not llm.llm_engine.kv_cache_manager.pool.cached
+        llm.wake_up()
+        assert tokens(llm.generate(prompts(), GREEDY, use_tqdm=False)) == want
+    llm.shutdown()
 
 
 def test_failed_call_that_consumed_the_kv_cache(case, monkeypatch):
