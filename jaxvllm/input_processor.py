@@ -83,6 +83,15 @@ def fold_seed(seed: int) -> int:
     return (z ^ (z >> 31)) & 0xFFFFFFFF
 
 
+def unseeded(engine_seed: int, arrival: int) -> int:
+    """The sampler's seed of a request given none: drawn from the engine's seed and the
+    request's arrival by a hash, not counted from them, so that it is no small number a
+    user would give (request 1 had seed 1's stream: vLLM draws unseeded rows from its
+    global generator, apart from every seeded row's own)."""
+    digest = hashlib.blake2b(f"unseeded {engine_seed} {arrival}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little")
+
+
 class InputProcessor:
     """Builds the `Request`s of one user request (its n completions); queues nothing.
 
@@ -231,7 +240,7 @@ class InputProcessor:
         """Completion `index` of a request: its id, seed, detokenizer and grammar."""
         arrival = next(self._arrivals)
         # Each completion has its own randomness: seed + index, or a seed drawn from the engine's.
-        seed = fold_seed(params.seed + index) if params.seed is not None else (self.config.seed * 1_000_003 + arrival) % 2**32
+        seed = fold_seed(params.seed + index) if params.seed is not None else unseeded(self.config.seed, arrival)
         child = Request(
             request_id if params.n == 1 else f"{index}_{request_id}", token_ids, params, prompt=text,
             priority=priority, max_tokens=max_tokens, eos_token_ids=self.eos_token_ids, arrival_index=arrival,

@@ -101,13 +101,13 @@ class OutputProcessor:
 
     def _logprob_dict(self, token, logprob, rank, top_ids, top_logprobs, k, detokenize: bool) -> dict[int, Logprob]:
         """vLLM's format: the chosen token first, then the top k (rank order); each token's
-        text only when the request detokenizes (else None, as vLLM)."""
+        text only when the request detokenizes (else None, as vLLM). As vLLM's, a chosen
+        token among the top k takes its place's rank there (they differ only for a tie)."""
         decode = self._token_text if detokenize and self.tokenizer is not None else lambda _: None
         entry = {int(token): Logprob(float(logprob), int(rank), decode(int(token)))}
         for j in range(min(k, len(top_ids))):
             t = int(top_ids[j])
-            if t not in entry:
-                entry[t] = Logprob(float(top_logprobs[j]), j + 1, decode(t))
+            entry[t] = Logprob(float(top_logprobs[j]), j + 1, decode(t))
         return entry
 
     def _token_text(self, token_id: int) -> str:

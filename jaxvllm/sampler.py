@@ -219,14 +219,20 @@ def apply_penalties(logits, prompt_mask, output_counts, presence, frequency, rep
 
 
 def _largest_true(pred, lo, hi, iters: int = 32):
-    """Per row, bisect for the largest t in [lo, hi] with pred(t) (pred true below a threshold).
-    Unrolled on accelerators: a loop would run from the host (XLA's GPU runtime launches
-    each iteration), outside the step's CUDA graph; unrolled, its few fusions per iteration
-    join the graph. A loop on CPU, where XLA runs loops itself and compiling 32 copies of
-    the body doubled the sampler's compile time."""
+    """Per row, bisect for the largest t in [lo, hi] with pred(t) (pred true below a threshold):
+    over floats to within (hi - lo) / 2**iters, over unsigned ints exactly (32 steps span
+    them all). Unrolled on accelerators: a loop would run from the host (XLA's GPU runtime
+    launches each iteration), outside the step's CUDA graph; unrolled, its few fusions per
+    iteration join the graph. A loop on CPU, where XLA runs loops itself and compiling 32
+    copies of the body doubled the sampler's compile time."""
+    exact = jnp.issubdtype(lo.dtype, jnp.unsignedinteger)
 
     def body(_, bounds):
         lo, hi = bounds
+        if exact:  # (the upper middle: lo moves up whenever pred holds there)
+            mid = lo + (hi - lo + 1) // 2
+            ok = pred(mid)
+            return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
         mid = (lo + hi) / 2
         ok = pred(mid)
         return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
@@ -266,13 +272,24 @@ def _min_p_threshold(logits, min_p):
 
 
 def _top_k_threshold(logits, top_k):
-    """The k-th largest value (k <= 0: all)."""
+    """The k-th largest value (k <= 0: all), exactly: bisected over the logits' float32 bits
+    as order-preserving unsigned ints, so that a far outlier (a logit_bias of -1e9 that bans
+    a token) cannot widen the steps past the gaps between the values that matter."""
     vocab = logits.shape[-1]
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)[:, None]
-    lo = jnp.min(jnp.where(jnp.isfinite(logits), logits, jnp.inf), axis=-1, keepdims=True)
-    hi = jnp.max(logits, axis=-1, keepdims=True)
-    kth = _largest_true(lambda t: jnp.sum(logits >= t, axis=-1, keepdims=True) >= k, lo, hi)
-    return jnp.min(jnp.where(logits >= kth, logits, jnp.inf), axis=-1, keepdims=True)
+    keys = _ordered_keys(logits.astype(jnp.float32))
+    lo = jnp.min(jnp.where(jnp.isfinite(logits), keys, jnp.uint32(0xFFFFFFFF)), axis=-1, keepdims=True)
+    hi = jnp.max(keys, axis=-1, keepdims=True)
+    kth = _largest_true(lambda t: jnp.sum(keys >= t, axis=-1, keepdims=True) >= k, lo, hi)
+    return jnp.min(jnp.where(keys >= kth, logits, jnp.inf), axis=-1, keepdims=True)
+
+
+def _ordered_keys(x):
+    """float32 -> uint32 in the same order: negative floats' bits flipped, positive ones'
+    sign bit set."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    sign = jnp.uint32(0x80000000)
+    return jnp.where(bits & sign, ~bits, bits | sign)
 
 
 def _top_p_threshold(logits, top_p, below):
@@ -298,7 +315,7 @@ def compute_logprobs(logits: jax.Array, token_ids: jax.Array, width: int, normal
     shift = top if normalize else 0.0
     token_logit = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)
     token_lp = ((token_logit - shift) - lse)[:, 0]
-    rank = jnp.sum(logits > token_logit, axis=-1).astype(jnp.int32) + 1
+    rank = jnp.sum(logits >= token_logit, axis=-1).astype(jnp.int32)  # (vLLM's: a tie counts as above)
     rows = logits.shape[0]
     if width == 0:
         return Logprobs(token_lp, rank, jnp.zeros((rows, 0), jnp.int32), jnp.zeros((rows, 0), jnp.float32))

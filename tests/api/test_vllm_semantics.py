@@ -445,6 +445,21 @@ def test_seeds_take_vllms_64_bit_range(llm):
         SamplingParams(seed=2**64)
 
 
+def test_unseeded_requests_do_not_repeat_a_seeded_stream(llm):
+    """An unseeded request's seed is drawn, not counted (request k had seed k's stream), and
+    completions of one unseeded request differ; the same engine seed still repeats them."""
+    from jaxvllm.input_processor import unseeded
+
+    assert unseeded(0, 5) == unseeded(0, 5) and len({unseeded(0, k) for k in range(1000)}) == 1000
+    assert not {unseeded(0, k) for k in range(1000)} & set(range(1000))
+    prompt = {"prompt_token_ids": [5, 6, 7]}
+    kw = dict(temperature=1.0, max_tokens=16, ignore_eos=True)
+    outs = llm.generate([prompt] * 8, [SamplingParams(**kw) for _ in range(8)], use_tqdm=False)
+    drawn = {tuple(o.outputs[0].token_ids) for o in outs}
+    seeded = llm.generate([prompt] * 64, [SamplingParams(seed=s, **kw) for s in range(64)], use_tqdm=False)
+    assert len(drawn) == 8 and not drawn & {tuple(o.outputs[0].token_ids) for o in seeded}
+
+
 def test_special_token_text_options(llm):
     tokenizer = llm.get_tokenizer()
     special = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)

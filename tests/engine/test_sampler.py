@@ -237,3 +237,41 @@ def test_state_row_of_a_request_whose_eos_lies_past_the_vocabulary():
     np.testing.assert_array_equal(np.flatnonzero(row.stop_mask), [3, 5])
     np.testing.assert_array_equal(np.flatnonzero(row.prompt_mask), [1, 2])
     assert row.bias[1] == 2.0 and row.bias.shape == (8,)
+
+
+@pytest.mark.parametrize("shift", [0.0, -1e6, -1e9, -1e12, -1e30, -3.4e38])
+def test_top_k_keeps_exactly_k_beside_a_far_outlier(shift):
+    """A logit_bias of -1e9 that bans a token once widened top_k's bisection steps past the
+    gaps between the real logits, and kept 11 (or 999) tokens instead of 10."""
+    from jaxvllm.sampler import apply_top_k_top_p_min_p
+
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(3, 1000)).astype(np.float32)
+    logits[:, 7] += shift
+    logits[2, 100:] = -np.inf  # (a row with masked tokens too)
+    top_k = np.array([10, 1, 999], np.int32)
+    kept = apply_top_k_top_p_min_p(jnp.asarray(logits), jnp.asarray(top_k), jnp.ones(3, jnp.float32),
+                                   jnp.zeros(3, jnp.float32), SamplerFeatures(random=True, top_k=True))
+    kept = np.isfinite(np.asarray(kept))
+    assert kept.sum(axis=1).tolist() == [10, 1, 100]
+    for row, k in enumerate(top_k.tolist()):
+        want = np.argsort(-logits[row], kind="stable")[: min(k, np.isfinite(logits[row]).sum())]
+        assert set(np.flatnonzero(kept[row])) == set(want.tolist())
+
+
+def test_ranks_count_ties_as_above_and_the_top_k_place_wins():
+    """vLLM's rank is the count of logits >= the token's (a tie counts as above); in the
+    logprob dict a chosen token among the top k takes its place's rank there."""
+    from jaxvllm.output_processor import OutputProcessor
+    from jaxvllm.sampler import compute_logprobs
+
+    logits = jnp.asarray([[1.0, 3.0, 3.0, 2.0]])
+    lp = compute_logprobs(logits, jnp.asarray([2]), width=2)
+    assert int(lp.token_rank[0]) == 2 and np.asarray(lp.top_ids)[0].tolist() == [1, 2]
+    entry = OutputProcessor(None)._logprob_dict(2, lp.token_logprob[0], lp.token_rank[0], lp.top_ids[0],
+                                                lp.top_logprobs[0], 2, detokenize=False)
+    assert list(entry) == [2, 1] and entry[2].rank == 2 and entry[1].rank == 1
+    entry = OutputProcessor(None)._logprob_dict(2, lp.token_logprob[0], lp.token_rank[0], lp.top_ids[0],
+                                                lp.top_logprobs[0], 0, detokenize=False)
+    assert entry[2].rank == 2
+    assert int(compute_logprobs(logits, jnp.asarray([3]), width=0).token_rank[0]) == 3
