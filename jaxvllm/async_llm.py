@@ -15,7 +15,9 @@ import concurrent.futures
 import contextlib
 import logging
 import queue
+import sys
 import threading
+import weakref
 from collections.abc import AsyncGenerator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -29,6 +31,7 @@ from jaxvllm.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 PauseMode = Literal["abort", "wait", "keep"]
+_STOP = object()  # queued by shutdown(): the engine thread ends
 
 
 @dataclass
@@ -55,6 +58,8 @@ class _Call:
     future: concurrent.futures.Future | None = None
 
     def run(self) -> None:
+        if self.future is not None and not self.future.set_running_or_notify_cancel():
+            return  # (its coroutine was cancelled while it waited here: not run)
         try:
             result = self.fn()
         except Exception as e:
@@ -71,14 +76,34 @@ class _Call:
             self.future.set_exception(error)
 
 
+def _resolve(future: concurrent.futures.Future, error: BaseException | None = None) -> None:
+    """Give a waiter its end, unless its coroutine was cancelled meanwhile."""
+    if not future.done():
+        future.set_result(None) if error is None else future.set_exception(error)
+
+
+def _engine_thread(ref: weakref.ref, calls: queue.SimpleQueue) -> None:
+    """The engine thread: rounds of queued calls and a step. Between rounds it holds the
+    AsyncLLM only weakly, so that dropping the last reference to it shuts it down."""
+    call = None
+    while True:
+        llm = ref()
+        if llm is None or not llm._round(call):
+            return
+        idle = llm._paused or not llm.engine.has_unfinished_requests()
+        del llm
+        call = calls.get() if idle else None
+
+
 class AsyncLLM:
     """`AsyncLLM(config)` or `AsyncLLM.from_engine_args(AsyncEngineArgs(model=...))`.
 
     `generate(prompt, sampling_params, request_id)` is an async generator of the request's
     `RequestOutput`s, as its `output_kind` asks (CUMULATIVE by default, DELTA, or
     FINAL_ONLY); leaving it early (break, cancellation) aborts the request. A step that
-    raises fails the requests it was running (their generators raise) and leaves the
-    engine serving new ones. `shutdown()` stops the thread and frees the device memory.
+    raises fails every request in flight (their generators raise; vLLM's engine dies
+    there) and leaves the engine serving new ones. `shutdown()`, or dropping the last
+    reference, stops the thread and frees the device memory.
     """
 
     def __init__(self, config: EngineConfig, log_requests: bool = False) -> None:
@@ -87,16 +112,19 @@ class AsyncLLM:
                              "(which builds the replicas and spreads requests over them)")
         self.engine = LLMEngine(config)
         self._log_requests = log_requests
-        self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()  # None: stop
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()  # _Call, or _STOP
         self._lock = threading.Lock()  # orders queueing a call against the thread's end
-        self._stopped = False
+        self._stopped = False  # no more calls are taken
+        self._closed = False  # the streams are ended and the engine shut down
         self._error: BaseException | None = None  # what ended the engine thread, if it failed
         # The engine thread's own state:
         self._streams: dict[str, _Stream] = {}
         self._paused = False  # no steps until resume_generation()
         self._rejecting = False  # new requests are refused (a pause in "abort" or "wait" mode)
-        self._drain_waiters: list[concurrent.futures.Future] = []  # pauses in "wait" mode
-        self._thread = threading.Thread(target=self._run, name="jaxvllm-engine", daemon=True)
+        self._pauses = 0  # pauses and resumes so far: a drained "wait" pause freezes only if none came after it
+        self._drain_waiters: list[tuple[concurrent.futures.Future, int, bool]] = []  # "wait" pauses: (waiter, pause, clear_cache)
+        self._thread = threading.Thread(target=_engine_thread, args=(weakref.ref(self), self._calls),
+                                        name="jaxvllm-engine", daemon=True)
         self._thread.start()
 
     @classmethod
@@ -108,6 +136,11 @@ class AsyncLLM:
             raise ValueError("AsyncLLM stat_loggers are not supported; read the engine's get_metrics() instead")
         return cls(engine_args, log_requests=getattr(engine_args, "enable_log_requests", False))
 
+    def __del__(self) -> None:
+        # (not when __init__ failed; nor at interpreter exit, where the thread is gone)
+        if getattr(self, "_thread", None) is not None and not sys.is_finalizing():
+            self.shutdown()
+
     # -- requests ------------------------------------------------------------------------
 
     async def generate(self, prompt: Any, sampling_params: SamplingParams | None, request_id: str, *,
@@ -115,20 +148,22 @@ class AsyncLLM:
                        tokenization_kwargs: dict[str, Any] | None = None, trace_headers: Any = None,
                        priority: int = 0, data_parallel_rank: int | None = None
                        ) -> AsyncGenerator[RequestOutput, None]:
-        """Add a request and yield its outputs until the finished one. Bad input raises here
-        (ValueError, TypeError), before anything is queued. `prompt_text` and
-        `trace_headers` are accepted, as by vLLM's engine; `data_parallel_rank` may only
-        name this engine's rank."""
+        """Add a request and yield its outputs until the finished one. Bad input raises from
+        the first `__anext__` (ValueError, TypeError), with nothing added. The params are
+        copied first, as vLLM's are: changing them afterwards changes nothing here.
+        `prompt_text` and `trace_headers` are accepted, as by vLLM's engine;
+        `data_parallel_rank` may only name this engine's rank."""
         if data_parallel_rank not in (None, self.engine.config.data_parallel_rank):
             raise ValueError(f"data_parallel_rank={data_parallel_rank!r}: this AsyncLLM runs one engine, of rank "
                              f"{self.engine.config.data_parallel_rank}")
+        params = sampling_params.clone() if isinstance(sampling_params, SamplingParams) else sampling_params
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
 
         def add() -> None:
             if self._rejecting:
                 raise RuntimeError(f"request {request_id!r} refused: generation is paused (pause_generation); "
                                    "call resume_generation() first")
-            self.engine.add_request(request_id, prompt, sampling_params, lora_request=lora_request,
+            self.engine.add_request(request_id, prompt, params, lora_request=lora_request,
                                     tokenization_kwargs=tokenization_kwargs, priority=priority)
             self._streams[request_id] = stream
             if self._log_requests:
@@ -139,14 +174,14 @@ class AsyncLLM:
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
-                    raise RuntimeError(f"request {request_id!r} failed: an engine step raised {item!r}") from item
+                    raise RuntimeError(f"request {request_id!r} failed: {item!r}") from item
                 yield item
                 if item.finished:
                     return
         except (asyncio.CancelledError, GeneratorExit):
             # The caller left (or was cancelled) before the end: the request stops, its
-            # blocks freed. (If the add was still queued, the abort runs after it; if the add
-            # failed, the id may be another request's, which is left alone.)
+            # blocks freed. (If the add was still queued, it is not run, or the abort runs
+            # after it; if the add failed, the id may be another request's: left alone.)
             def abort_own() -> None:
                 if self._streams.get(request_id) is stream:
                     self._abort([request_id])
@@ -162,47 +197,54 @@ class AsyncLLM:
         await self._on_engine(lambda: self._abort(ids))
 
     def get_num_unfinished_requests(self) -> int:
-        return self.engine.get_num_unfinished_requests()
+        return self.engine.get_num_unfinished_requests()  # (safe from another thread)
 
     # -- pausing, for weight updates -----------------------------------------------------
 
     async def pause_generation(self, *, mode: PauseMode = "abort", clear_cache: bool = True) -> None:
         """vLLM's: stop stepping until `resume_generation()`. "abort" aborts the requests in
-        flight and "wait" lets them finish first, both refusing new requests until the
-        resume; "keep" freezes them where they are and queues new ones. `clear_cache`
+        flight and "wait" lets them finish first, both refusing new requests from the call
+        on; "keep" freezes the requests where they are and queues new ones. `clear_cache`
         empties the prefix cache once paused (under "keep", the frozen requests give up
-        their blocks and are recomputed on resume, their outputs unchanged)."""
+        their blocks and are recomputed on resume, their outputs unchanged). A resume
+        while a "wait" pause drains ends that pause."""
         if mode not in ("abort", "wait", "keep"):
             raise ValueError(f"pause_generation mode {mode!r}: choose from 'abort', 'wait', 'keep'")
         drained: concurrent.futures.Future = concurrent.futures.Future()
 
         def pause() -> None:
+            self._pauses += 1
             self._rejecting = mode != "keep"
-            self._paused = mode == "keep"  # ("wait" after "keep": the frozen requests run to their end first)
             if mode == "abort":
                 self._abort(list(self._streams))
             if mode == "wait" and self.engine.has_unfinished_requests():
-                self._drain_waiters.append(drained)  # resolved by the engine thread once idle
+                self._paused = False  # ("wait" after "keep": the frozen requests run to their end first)
+                self._drain_waiters.append((drained, self._pauses, clear_cache))  # (the thread freezes it when idle)
             else:
-                drained.set_result(None)
+                self._freeze(clear_cache)
+                _resolve(drained)
 
         await self._on_engine(pause)
         await asyncio.wrap_future(drained)
 
-        def freeze() -> None:
-            self._paused = True
-            if clear_cache:
-                self.engine.reset_prefix_cache(reset_running_requests=True)
-
-        await self._on_engine(freeze)
-
     async def resume_generation(self) -> None:
         def resume() -> None:
+            self._pauses += 1
             self._paused = self._rejecting = False
+            for waiter, _, _ in self._drain_waiters:
+                _resolve(waiter)
+            self._drain_waiters.clear()
+
         await self._on_engine(resume)
 
     async def is_paused(self) -> bool:
-        return self._paused
+        """True from a pause on (a "wait" pause's drain too), until the resume."""
+        return self._paused or self._rejecting
+
+    def _freeze(self, clear_cache: bool) -> None:
+        self._paused = True
+        if clear_cache:
+            self.engine.reset_prefix_cache(reset_running_requests=True)
 
     # -- the engine's other calls, run between steps ---------------------------------------
 
@@ -271,11 +313,11 @@ class AsyncLLM:
         thread and free the device memory. Calling it twice is harmless."""
         with self._lock:
             if not self._stopped:
-                self._calls.put(None)
+                self._calls.put(_STOP)
         if self._thread is not threading.current_thread():
             self._thread.join()
-        if self._error is not None:  # (the thread ended without freeing the engine)
-            self.engine.shutdown()
+        if not self._closed:  # (the thread let go of a dropped AsyncLLM, or failed)
+            self._end(RuntimeError("the AsyncLLM was shut down"))
 
     # -- the engine thread ---------------------------------------------------------------
 
@@ -295,36 +337,35 @@ class AsyncLLM:
         self._queue(call)
         return await asyncio.wrap_future(call.future)
 
-    def _run(self) -> None:
+    def _round(self, call: _Call | None) -> bool:
+        """One round of the engine thread: `call` and every call queued, then a step if a
+        request is unfinished. False once the thread is to end (it has ended everything)."""
         try:
             while True:
-                if self._drain_waiters and not self.engine.has_unfinished_requests():
-                    for waiter in self._drain_waiters:  # pauses in "wait" mode: drained
-                        waiter.set_result(None)
-                    self._drain_waiters.clear()
-                if not self._serve_calls():
-                    return
-                if self.engine.has_unfinished_requests() and not self._paused:
-                    self._step()
-        except BaseException as e:  # a fault of this loop itself: nothing can run any more
+                if call is _STOP:
+                    if not self._closed:
+                        self._end(RuntimeError("the AsyncLLM was shut down"))
+                    return False
+                if call is not None:
+                    call.run()
+                try:
+                    call = self._calls.get_nowait()
+                except queue.Empty:
+                    break
+            if self.engine.has_unfinished_requests() and not self._paused:
+                self._step()
+            if self._drain_waiters and not self.engine.has_unfinished_requests():
+                for waiter, pause, clear_cache in self._drain_waiters:
+                    if pause == self._pauses:  # (no pause or resume since)
+                        self._freeze(clear_cache)
+                    _resolve(waiter)
+                self._drain_waiters.clear()
+            return True
+        except BaseException as e:  # a fault of the thread's own code: nothing can run any more
             logger.exception("AsyncLLM: the engine thread failed")
             self._error = e
             self._end(e)
-
-    def _serve_calls(self) -> bool:
-        """Run the queued calls, first waiting for one if there is nothing to step; False
-        once shutdown() asked the thread to end (it has ended everything then)."""
-        wait = self._paused or not self.engine.has_unfinished_requests()
-        while True:
-            try:
-                call = self._calls.get(block=wait)
-            except queue.Empty:
-                return True
-            if call is None:
-                self._end(RuntimeError("the AsyncLLM was shut down"))
-                return False
-            call.run()
-            wait = False
+            return False
 
     def _step(self) -> None:
         try:
@@ -332,9 +373,11 @@ class AsyncLLM:
         except Exception as e:  # the engine has recovered (LLMEngine.step): its requests fail with the error
             logger.exception("AsyncLLM: an engine step failed; its %d requests are aborted", len(self._streams))
             streams, self._streams = self._streams, {}
-            self.engine.abort_request(list(streams))
-            for stream in streams.values():
-                stream.put(e)
+            try:
+                self.engine.abort_request(list(streams))
+            finally:  # (gone from the engine before their generators hear of it)
+                for stream in streams.values():
+                    stream.put(e)
             return
         for output in outputs:
             self._deliver(output)
@@ -359,7 +402,8 @@ class AsyncLLM:
             self._streams.pop(rid, None)
 
     def _end(self, error: BaseException) -> None:
-        """Stop taking calls, fail the ones still queued and end every stream."""
+        """Take no more calls, fail the queued ones, end every stream (with its abort output
+        after a shutdown, with `error` after a fault) and free the engine."""
         with self._lock:
             self._stopped = True
         while True:
@@ -367,14 +411,21 @@ class AsyncLLM:
                 call = self._calls.get_nowait()
             except queue.Empty:
                 break
-            if call is not None:
+            if call is not _STOP:
                 call.cancel(error)
-        for waiter in self._drain_waiters:
-            waiter.set_exception(error)
-        if self._error is None:
-            self._abort(list(self._streams))  # each generator ends with its abort output
-            self.engine.shutdown()
-        else:
+        for waiter, _, _ in self._drain_waiters:
+            _resolve(waiter, error)
+        self._drain_waiters.clear()
+        try:
+            if self._error is None:
+                self._abort(list(self._streams))
+        finally:
             for stream in self._streams.values():
                 stream.put(error)
-        self._streams.clear()
+            self._streams.clear()
+            self._closed = True
+            self._calls.put(_STOP)  # (wakes the thread, if it ends here from __del__ on another one)
+            try:
+                self.engine.shutdown()
+            except Exception:
+                logger.exception("AsyncLLM: shutting the engine down failed")

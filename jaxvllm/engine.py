@@ -241,7 +241,8 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         """Completions added and not yet finished: as vLLM's, a request of n > 1 counts each
         of its n until it finishes."""
-        return sum(not c.is_finished for parent in self._parents.values() for c in parent.children)
+        # (the list is made at once: AsyncLLM asks from another thread while its engine thread steps)
+        return sum(not c.is_finished for parent in list(self._parents.values()) for c in parent.children)
 
     def has_unfinished_requests(self) -> bool:
         """Requests to finish, a dispatched step still to read, or outputs still to return."""

@@ -171,6 +171,8 @@ class OutputProcessor:
                 logprobs = logprobs[sent_tokens:] if logprobs is not None else None
                 self._sending.append((parent, i, (sent_tokens + len(tokens), max(sent_chars, len(text)))))
                 text = text[sent_chars:]
+            elif logprobs is not None:  # (a copy, as the tokens are: the request's own list grows on)
+                logprobs = list(logprobs)
             if child.is_finished:
                 self._sending.append((parent, i, None))
             completions.append(CompletionOutput(

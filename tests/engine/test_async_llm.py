@@ -5,9 +5,11 @@ failed step fails only its requests, pause_generation's three modes, and shutdow
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import threading
+import time
 
 import pytest
 
@@ -286,3 +288,78 @@ def test_shutdown_ends_streams_and_refuses_calls(checkpoint):
     engine.shutdown()  # twice: harmless
     with pytest.raises(ValueError, match="data_parallel_size"):
         AsyncLLM(AsyncEngineArgs(model=checkpoint, data_parallel_size=2, **ENGINE))
+
+
+def test_cancelled_callers_and_resumed_pauses_leave_the_thread_serving(engine, reference, monkeypatch):
+    """A coroutine cancelled while its call waits in the queue (its future cancelled), a
+    "wait" pause given up by its caller, and a resume while a "wait" pause drains: the
+    engine thread serves on (these once killed it, or left generation paused)."""
+    step = engine.engine.step
+
+    def slow_step():
+        time.sleep(0.05)
+        return step()
+
+    monkeypatch.setattr(engine.engine, "step", slow_step)
+
+    async def main():
+        task, _ = await started(engine, PROMPTS[1], LONG, "slowed")
+        for call in (engine.reset_prefix_cache(), collect(engine, PROMPTS[0], GREEDY, "cancelled-add")):
+            pending = asyncio.ensure_future(call)
+            await asyncio.sleep(0)
+            pending.cancel()
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(engine.pause_generation(mode="wait"), 0.3)
+        assert await engine.is_paused()  # (the pause holds; it drains on)
+        await engine.resume_generation()
+        after = await collect(engine, PROMPTS[0], GREEDY, "after-resume")
+        waiting = asyncio.ensure_future(engine.pause_generation(mode="wait"))
+        await asyncio.sleep(0.1)
+        assert await engine.is_paused() and not waiting.done()
+        await engine.resume_generation()
+        await waiting  # (ended by the resume)
+        assert not await engine.is_paused()
+        again = await collect(engine, PROMPTS[0], GREEDY, "after-second-resume")
+        return await task, after, again
+
+    slowed, after, again = asyncio.run(main())
+    monkeypatch.undo()
+    assert engine.is_running and not engine.errored
+    assert completions(slowed, RequestOutputKind.CUMULATIVE) == reference["long"][1]
+    assert completions(after, RequestOutputKind.CUMULATIVE) == completions(again, RequestOutputKind.CUMULATIVE) \
+        == reference["greedy"][0]
+    assert_idle(engine)
+
+
+def test_params_are_copied_and_outputs_are_snapshots(engine, reference):
+    """The caller may change its SamplingParams once generate has started (vLLM clones
+    them); each CUMULATIVE output keeps the logprobs of its own tokens, not a list the
+    engine thread goes on filling."""
+    async def main():
+        params = SamplingParams(temperature=0, max_tokens=LONG.max_tokens, ignore_eos=True, logprobs=2)
+        gen = engine.generate(PROMPTS[1], params, "copied")
+        first = await gen.__anext__()
+        params.max_tokens, params.logprobs, params.temperature = 3, None, 1.0
+        outputs = [first]
+        async for out in gen:
+            await asyncio.sleep(0.005)  # (a slow reader: the engine runs ahead)
+            outputs.append(out)
+        return outputs
+
+    outputs = asyncio.run(main())
+    assert completions(outputs, RequestOutputKind.CUMULATIVE) == reference["long"][1]
+    for out in outputs:
+        c = out.outputs[0]
+        assert len(c.logprobs) == len(c.token_ids)
+    assert_idle(engine)
+
+
+def test_dropping_the_last_reference_shuts_it_down(checkpoint):
+    engine = AsyncLLM(AsyncEngineArgs(model=checkpoint, **ENGINE))
+    outputs = asyncio.run(collect(engine, PROMPTS[0], GREEDY, "once"))
+    assert outputs[-1].finished
+    runner, thread = engine.engine.runner, engine._thread
+    del engine
+    gc.collect()
+    thread.join(timeout=30)
+    assert runner.closed and not thread.is_alive()
