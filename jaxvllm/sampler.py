@@ -331,8 +331,9 @@ def apply_state(logits, t: SamplingTensors, state: SamplerState, features: Sampl
     position's, which count the drafts before it)."""
     use = t.use_state[:, None]
     x = logits + jnp.where(use, state.bias[t.slot], 0.0)
-    if features.bad_words:
-        x = ban_bad_words(x, state.bad_words[t.slot], state.recent[t.slot] if recent is None else recent)
+    if features.bad_words:  # (a row without state has none, whatever a request before it left in its slot)
+        words = jnp.where(t.use_state[:, None, None], state.bad_words[t.slot], -1)
+        x = ban_bad_words(x, words, state.recent[t.slot] if recent is None else recent)
     suppress = use & (t.output_index < t.min_tokens)[:, None] & state.stop_mask[t.slot]
     x = jnp.where(suppress, -jnp.inf, x)
     penalized = apply_penalties(

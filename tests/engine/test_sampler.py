@@ -275,3 +275,21 @@ def test_ranks_count_ties_as_above_and_the_top_k_place_wins():
                                                 lp.top_logprobs[0], 0, detokenize=False)
     assert entry[2].rank == 2
     assert int(compute_logprobs(logits, jnp.asarray([3]), width=0).token_rank[0]) == 3
+
+
+def test_a_row_without_state_ignores_bad_words_its_slot_held_before():
+    """A request without sampler state is not written to its slot on admission: the bad
+    words a finished or preempted request left there once banned its tokens too."""
+    state = state_with_row()
+    words = np.full(state.bad_words.shape[1:], -1, np.int32)
+    words[0, -1] = 0  # the old request banned token 0, the argmax
+    row = jax.tree.map(lambda x: np.asarray(x[1]), state)
+    state = write_state_row(state, 1, SamplerState(row.bias, row.prompt_mask, row.output_counts, row.stop_mask,
+                                                   words, row.recent))
+    logits = np.broadcast_to(LOGITS, (2, V)).copy()
+    t = tensors(2, temperature=0.0)
+    t.slot[:] = 1
+    t.use_state[0] = True  # row 0 is the old request's kind, row 1 a request without state in the same slot
+    features = SamplerFeatures(state=True, bad_words=True)
+    sampled, _, _ = _sample(logits, t, state, features=features)
+    assert np.asarray(sampled).tolist() == [1, 0]
