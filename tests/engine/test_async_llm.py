@@ -193,15 +193,22 @@ def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(engine, refer
 def test_ctrl_c_while_streaming_aborts_the_request(engine, reference):
     """asyncio.run turns SIGINT into a cancellation of its main task (Python 3.11): the
     stream's request is aborted, and the engine gives the same outputs afterwards."""
+    # (Python's own handler, which asyncio.run replaces only when it finds it, whatever a
+    # pytest-xdist worker or an earlier test left installed)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+
     async def main():
         async for _ in engine.generate(PROMPTS[2], LONG, "interrupted"):
             await asyncio.sleep(0.01)
 
     timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
-    with pytest.raises(KeyboardInterrupt):
-        asyncio.run(main())
-    timer.join()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            asyncio.run(main())
+    finally:
+        timer.join()
+        signal.signal(signal.SIGINT, previous)
 
     async def again():
         await settle(engine)
