@@ -470,14 +470,20 @@ class LLMEngine:
         and the KV blocks are made anew from the requests the caller knows (`_parents`),
         each recomputed from its tokens on the host, and donated buffers a failed call
         consumed are made anew (the prefix cache too, if the KV cache was)."""
-        self._in_flight = None
+        self._recompute_all()
         self.output_processor.rollback()
-        self.kv_cache_manager.rollback()
-        self.scheduler.recompute_all(child for parent in self._parents.values() for child in parent.children)
         self._unreported = [child for parent in self._parents.values() for i, child in enumerate(parent.children)
                             if child.is_finished and i not in parent.finals_sent]
         if self.runner.recover():
             self._reset_prefix_cache()
+
+    def _recompute_all(self) -> None:
+        """Drop the step in flight (its tokens come out the same when recomputed) and the
+        blocks registered for a step never dispatched; the scheduler and KV blocks are made
+        anew from the requests the caller knows (`_parents`), each to be recomputed."""
+        self._in_flight = None
+        self.kv_cache_manager.rollback()
+        self.scheduler.recompute_all(child for parent in self._parents.values() for child in parent.children)
 
     # -- state ---------------------------------------------------------------------------
 
@@ -651,9 +657,7 @@ class LLMEngine:
                                "or pass reset_running_requests=True)", len(holders))
                 return False
             with defer_interrupts():
-                self._in_flight = None  # (its tokens come out the same when recomputed)
-                self.kv_cache_manager.rollback()
-                self.scheduler.recompute_all(list(self.scheduler.requests.values()))
+                self._recompute_all()
                 self.runner.release(holders)  # (their rows' device state is rebuilt on readmission)
         self._reset_prefix_cache()
         return True

@@ -18,8 +18,8 @@ from contextlib import contextmanager
 class HeldInterrupts:
     """The SIGINTs held by one `defer_interrupts()` block."""
 
-    def __init__(self, previous=None) -> None:
-        self.previous = previous  # the handler the block replaced (None: nothing is held)
+    def __init__(self) -> None:
+        self.previous = None  # the handler the block replaced (None: nothing is held)
         self.received: list[tuple] = []
 
     def hold(self, *args) -> None:

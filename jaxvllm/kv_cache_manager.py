@@ -130,7 +130,7 @@ class BlockPool:
             else:  # (a half-made entry: forgotten)
                 del self.cached[block_hash]
         self.block_hashes = hashes
-        order = [b for b in self._free if 0 <= b < self.num_blocks]
+        order = list(self._free)
         self._free = OrderedDict.fromkeys(order + sorted(set(range(self.num_blocks)).difference(order)))
 
 
