@@ -83,6 +83,9 @@ class IncrementalDetokenizer:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
         self._tokenizer = tokenizer
+        self._options = dict(skip_special_tokens=skip_special_tokens, stop=stop,
+                             include_stop_str_in_output=include_stop_str_in_output,
+                             spaces_between_special_tokens=spaces_between_special_tokens)
         self._skip_special_tokens = skip_special_tokens
         # transformers' decode option (slow tokenizers honour it; fast ones never add the spaces).
         self._spaces = spaces_between_special_tokens
@@ -126,6 +129,11 @@ class IncrementalDetokenizer:
             self._prime(prompt_token_ids)
 
     # -- public ----------------------------------------------------------------------
+
+    def restarted(self, prompt_token_ids: Sequence[int] = ()) -> "IncrementalDetokenizer":
+        """A detokenizer with the same options that has seen no output yet: a failed step's
+        tokens were taken back, and the tokens before them are fed again."""
+        return IncrementalDetokenizer(self._tokenizer, prompt_token_ids=prompt_token_ids, **self._options)
 
     @property
     def text(self) -> str:

@@ -83,6 +83,9 @@ class LLMEngine:
         self.weight_updates, self.weight_update_seconds = 0, 0.0
         self._parents: dict[str, ParentRequest] = {}
         self._unreported: list[Request] = []  # finished by a failed step: final outputs still to return
+        # The requests of the step being processed and their token counts before it: what a
+        # failure before its outputs are committed takes them back to (`Request.roll_back`).
+        self._processing: tuple[list[Request], list[int]] | None = None
         # Across processes (jax.distributed) each one schedules for itself: the requests are
         # compared once they change, before the next step.
         self._multiprocess = jax.process_count() > 1
@@ -136,7 +139,11 @@ class LLMEngine:
                     priority: int = 0) -> None:
         """vLLM's signature. `arrival_time` (time.time()'s clock) replaces now as the
         request's arrival in its metrics; `tokenization_kwargs` may say `add_special_tokens`;
-        `trace_headers` is accepted (jaxvllm does no tracing)."""
+        `trace_headers` is accepted (jaxvllm does no tracing). As vLLM's, the request keeps a
+        copy of `params`: the caller may change or reuse them for the next request (the
+        engine reads some fields only when the request is first scheduled)."""
+        if isinstance(params, SamplingParams):
+            params = params.clone()
         unknown = sorted(set(tokenization_kwargs or {}) - {"add_special_tokens"})
         if unknown:
             raise ValueError(f"tokenization_kwargs {unknown} are not supported; only 'add_special_tokens' is "
@@ -293,7 +300,7 @@ class LLMEngine:
                 # the way out, it would take outputs that count as sent with it.
                 held.deliver()
                 self.output_processor.commit()  # (from here on the outputs are the caller's)
-                self._unreported = []
+                self._unreported, self._processing = [], None
                 for parent in done:
                     del self._parents[parent.request_id]
                     self.metrics.record_parent_finished(parent.children)
@@ -320,15 +327,17 @@ class LLMEngine:
         that got tokens or ended).
         `grammar_rows`: the step's (scheduled index, grammar, drafts) of structured-output rows."""
         now = time.time()  # when the host has this step's tokens (the scheduler stamps first tokens too)
+        requests = out.scheduled.requests
+        lengths = [len(r.token_ids) for r in requests]
+        self._processing = requests, lengths
         ended, ending = self._end_dead_ends(out, result, grammar_rows)
-        lengths = [r.num_tokens for r in out.scheduled.requests] if result.num_accepted is not None else None
         updated = self.scheduler.update_from_output(out, result.sampled, result.num_accepted, result.draft_ids)
         for request in ending:
             if not request.is_finished:
                 self._finish_at_dead_end(request)
         appended = None
-        if lengths is not None:  # (tokens a request got: more than one when it accepted drafts)
-            appended = [r.num_tokens - n for r, n in zip(out.scheduled.requests, lengths)]
+        if result.num_accepted is not None:  # (tokens a request got: more than one when it accepted drafts)
+            appended = [len(r.token_ids) - n for r, n in zip(requests, lengths)]
             self.metrics.record_spec_decode(out.scheduled.num_drafts, result.num_accepted)
             if self._backoff is not None:
                 for request, drafts, accepted in zip(out.scheduled.requests, out.scheduled.num_drafts,
@@ -469,7 +478,15 @@ class LLMEngine:
         is dropped, blocks registered for a step that never ran are forgotten, the scheduler
         and the KV blocks are made anew from the requests the caller knows (`_parents`),
         each recomputed from its tokens on the host, and donated buffers a failed call
-        consumed are made anew (the prefix cache too, if the KV cache was)."""
+        consumed are made anew (the prefix cache too, if the KV cache was). A step whose
+        outputs were not committed gives back the tokens it appended: its bookkeeping may
+        have stopped anywhere (tokens without logprobs, text or finish checks)."""
+        if self._processing is not None:
+            requests, lengths = self._processing
+            self._processing = None
+            for request, n in zip(requests, lengths):
+                if len(request.token_ids) != n:
+                    request.roll_back(n)
         self._recompute_all()
         self.output_processor.rollback()
         self._unreported = [child for parent in self._parents.values() for i, child in enumerate(parent.children)

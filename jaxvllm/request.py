@@ -136,6 +136,26 @@ class Request:
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
 
+    def roll_back(self, num_tokens: int) -> None:
+        """Take back the tokens past the first `num_tokens`, and what they ended or recorded:
+        a failed step's, whose bookkeeping may have stopped anywhere (recomputed, they come
+        out the same). The detokenizer and the grammar replay the tokens kept."""
+        del self.token_ids[num_tokens:]
+        kept = self.output_token_ids
+        if self.logprobs is not None:
+            del self.logprobs[len(kept):]
+            self.cumulative_logprob = 0.0
+            for token, entry in zip(kept, self.logprobs):  # (summed in the order they were)
+                self.cumulative_logprob += entry[token].logprob
+        if self.status is RequestStatus.FINISHED:
+            self.status = RequestStatus.PREEMPTED
+        self.finish_reason = self.stop_reason = None
+        if self.detokenizer is not None and self.num_detokenized:
+            self.detokenizer = self.detokenizer.restarted(self.prompt_token_ids)
+            self.num_detokenized = 0
+        if self.grammar is not None:
+            self.grammar.replay(kept)
+
     @property
     def stopped_on_token(self) -> bool:
         """Ended by its last token, an EOS or stop token id (not a stop string or grammar)."""

@@ -176,6 +176,14 @@ class Grammar:
         """How many leading `tokens` the grammar accepts from here (drafts past them are dropped)."""
         return 0 if self.finished else self.matcher.validate_tokens(tokens)
 
+    def replay(self, token_ids: list[int]) -> None:
+        """Start again and advance past `token_ids`: a failed step's tokens were taken back
+        after the matcher had consumed some of them."""
+        self._matcher = None
+        self.dead_end, self.dead_end_at = False, None
+        for token_id in token_ids:
+            self.matcher.consume_token(token_id)
+
     def accept(self, token_id: int) -> bool:
         """Advance past a sampled token; False if the grammar refuses it."""
         return self.matcher.consume_token(token_id)

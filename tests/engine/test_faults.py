@@ -15,10 +15,13 @@ import pytest
 import jaxvllm.llm
 from jaxvllm import LLM, SamplingParams
 from jaxvllm.batch_builder import BatchBuilder
+from jaxvllm.detokenizer import IncrementalDetokenizer
 from jaxvllm.engine import LLMEngine
 from jaxvllm.input_batch import InputBatch
 from jaxvllm.kv_cache_manager import BlockPool, KVCacheManager
 from jaxvllm.model_runner import ModelRunner, PendingStep
+from jaxvllm.output_processor import OutputProcessor
+from jaxvllm.request import Request
 from jaxvllm.scheduler import Scheduler, WaitingQueue
 from tests.spec_decode.eagle_heads import passing_head
 
@@ -141,7 +144,6 @@ def test_outputs_of_a_failed_step_come_with_a_later_one(case, monkeypatch, kind,
     its outputs) loses none of them: DELTA pieces still add up, and a request it finished
     gets its final output from the next step."""
     from jaxvllm import RequestOutputKind
-    from jaxvllm.output_processor import OutputProcessor
 
     llm, want = case
     engine, kind = llm.llm_engine, RequestOutputKind[kind]
@@ -161,7 +163,6 @@ def test_ctrl_c_while_a_step_builds_its_outputs_loses_none(case, monkeypatch, ki
     """A real SIGINT while `step()` builds its outputs is held until they are built, then
     raised before they count as sent: the next step sends them again."""
     from jaxvllm import RequestOutputKind
-    from jaxvllm.output_processor import OutputProcessor
 
     llm, want = case
     engine, kind = llm.llm_engine, RequestOutputKind[kind]
@@ -182,16 +183,21 @@ def test_ctrl_c_while_a_step_builds_its_outputs_loses_none(case, monkeypatch, ki
     assert_healthy(llm, want)
 
 
-def raise_at_line(function, text: str) -> None:
-    """Raise RuntimeError("injected") the first time the line of `function` that holds
-    `text` is about to run: an exception where no Ctrl-C can land (a bug, a MemoryError)."""
-    lines, first = inspect.getsourcelines(function)
-    (line,) = [first + i for i, source in enumerate(lines) if text in source]
+def raise_at_line(function, text: str = "", line: int | None = None, hit: int = 1) -> None:
+    """Raise RuntimeError("injected") the `hit`-th time the line of `function` that holds
+    `text` (or line number `line`) is about to run: an exception where no Ctrl-C can land
+    (a bug, a MemoryError)."""
+    if line is None:
+        lines, first = inspect.getsourcelines(function)
+        (line,) = [first + i for i, source in enumerate(lines) if text in source]
+    hits = []
 
     def in_function(frame, event, arg):
         if event == "line" and frame.f_lineno == line:
-            sys.settrace(None)
-            raise RuntimeError("injected")
+            hits.append(1)
+            if len(hits) == hit:
+                sys.settrace(None)
+                raise RuntimeError("injected")
         return in_function
 
     sys.settrace(lambda frame, event, arg: in_function if frame.f_code is function.__code__ else None)
@@ -226,6 +232,70 @@ def test_an_exception_in_half_done_bookkeeping(case, function, text):
     assert not engine.scheduler.requests and not engine.scheduler.running and not len(engine.scheduler.waiting)
     assert sorted(pool.free_blocks()) == list(range(pool.num_blocks)) and not any(pool.ref_counts)
     assert len(rows._free_rows) == rows.max_num_seqs and rows.num_special == 0
+    assert_healthy(llm, want)
+
+
+# Where a step's tokens are appended and its outputs built.
+OUTPUT_BOOKKEEPING = [LLMEngine._process, Scheduler.update_from_output, Request.append_token,
+                      OutputProcessor.record_logprobs, OutputProcessor.detokenize, IncrementalDetokenizer.update,
+                      OutputProcessor.step_outputs, OutputProcessor.output]
+
+
+def stream(engine: LLMEngine, params: list[SamplingParams]) -> tuple[dict, int]:
+    """DELTA outputs stepped by hand, failed steps skipped: per request, what its pieces add
+    up to (tokens, logprobs, text, finish and stop reasons, final outputs); and the failures."""
+    for i, (prompt, p) in enumerate(zip(prompts(), params)):
+        engine.add_request(f"r{i}", prompt, p)
+    seen, failures = {}, 0
+    while engine.has_unfinished_requests():
+        try:
+            outputs = engine.step()
+        except RuntimeError:
+            failures += 1
+            continue
+        for out in outputs:
+            c = out.outputs[0]
+            got, logprobs, text, finals, _, _ = seen.get(out.request_id, ([], [], "", 0, None, None))
+            logprobs = logprobs + [{t: (lp.logprob, lp.rank) for t, lp in d.items()} for d in c.logprobs]
+            seen[out.request_id] = (got + list(c.token_ids), logprobs, text + c.text, finals + out.finished,
+                                    c.finish_reason, c.stop_reason)
+    return seen, failures
+
+
+def test_an_exception_at_any_line_of_the_output_bookkeeping(case):
+    """Wherever a step's output bookkeeping stops (a bug, a MemoryError: a Ctrl-C waits for
+    it to end), the tokens it appended are taken back and recomputed: the streamed pieces,
+    logprobs, text, stop strings, finish reasons and a structured output come out as in a
+    run without the failure. Before, a request could keep a token without its logprob,
+    go past max_tokens, or leave its detokenizer or grammar a token ahead."""
+    from jaxvllm import RequestOutputKind, StructuredOutputsParams
+
+    llm, want = case
+    engine = llm.llm_engine
+    common = dict(temperature=0, logprobs=2, output_kind=RequestOutputKind.DELTA)
+    texts = [o.outputs[0].text for o in llm.generate(prompts(), SamplingParams(max_tokens=8, **common),
+                                                      use_tqdm=False)]
+    params = [SamplingParams(max_tokens=4 + i, ignore_eos=True, stop=[text[3:5]] if i % 2 and len(text) >= 5 else None, min_tokens=i % 3,
+                             include_stop_str_in_output=i == 3, **common) for i, text in enumerate(texts)]
+    params[4] = SamplingParams(max_tokens=10, structured_outputs=StructuredOutputsParams(regex=r"[a-z]{2,5} \d{1,2}"),
+                               **common)
+    reference, _ = stream(engine, params)
+    assert any(reason == "stop" for *_, reason, _ in reference.values())
+    injected = 0
+    for function in OUTPUT_BOOKKEEPING:
+        first = function.__code__.co_firstlineno
+        for line in sorted({n for *_, n in function.__code__.co_lines() if n is not None and n > first}):
+            raise_at_line(function, line=line, hit=2)
+            try:
+                got, failures = stream(engine, params)
+            finally:
+                sys.settrace(None)
+            where = f"{function.__qualname__}, line {line - first}"
+            assert got == reference or not failures, where
+            injected += failures
+            stats = llm.stats()
+            assert stats["num_free_blocks"] == stats["num_gpu_blocks"], where
+    assert injected > 100
     assert_healthy(llm, want)
 
 
