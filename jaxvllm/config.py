@@ -282,7 +282,7 @@ class EngineConfig:
         for f in dataclasses.fields(self):  # (vLLM's EngineArgs leave these None for "the default")
             if f.name in _NONE_MEANS_DEFAULT and getattr(self, f.name) is None:
                 setattr(self, f.name, f.default)
-        self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
+        self.dtype = _dtype_name(self.dtype)
         self._check_names()
         self._check_sizes()
         self._check_parallelism()
@@ -468,6 +468,16 @@ class EngineConfig:
 
 # vLLM's dtype names for ours.
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+
+
+def _dtype_name(dtype: Any) -> Any:
+    """As vLLM: a dtype's name in any case, an alias, or a torch dtype (torch.bfloat16);
+    anything else is left for the check to refuse."""
+    name = str(dtype)
+    if not isinstance(dtype, str) and not name.startswith("torch."):
+        return dtype
+    name = name.removeprefix("torch.").lower()
+    return _DTYPE_ALIASES.get(name, name)
 # Sampling floats go to device as float32: a larger magnitude would become inf there.
 _FLOAT32_MAX = 3.4028234663852886e38
 # vLLM's messages for its range checks ({} is the value).

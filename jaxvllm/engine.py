@@ -25,7 +25,7 @@ from jaxvllm.dummy import resolve_model
 from jaxvllm.input_processor import InputProcessor, eos_token_ids, load_tokenizer, read_generation_config
 from jaxvllm.interrupts import defer_interrupts
 from jaxvllm.kv_cache_manager import KVCacheManager
-from jaxvllm.loader import checkpoint_tensors
+from jaxvllm.loader import checkpoint_tensors, load_config
 from jaxvllm.lora.request import LoRARequest
 from jaxvllm.metrics import Metric, MetricsCollector, spec_decode_rates
 from jaxvllm.model_runner import ModelRunner, PendingStep, RunnerOutput
@@ -55,6 +55,8 @@ class LLMEngine:
         # A missing folder fails first; dummy:NAME becomes a temporary folder that lives as long as the engine.
         self._model_source = resolve_model(config.model)
         self.config = config = self._model_source.engine_config(config).for_platform(jax.default_backend())
+        # (a bad config.json or max_model_len is refused before the tokenizer or any weight loads)
+        load_config(config.model, config.hf_overrides).checked_max_model_len(config.max_model_len)
         self.tokenizer = load_tokenizer(config)
         method = config.speculative_config.method if config.speculative_config is not None else None
         if method == "draft_model":
@@ -124,6 +126,8 @@ class LLMEngine:
                       *, add_special_tokens: bool = True, lora_request: LoRARequest | None = None) -> ParentRequest:
         """Validate everything about a request (its n completions) without queueing it
         (its LoRA adapter is read, and checked, if the engine has not read it yet)."""
+        if not isinstance(request_id, str):  # (vLLM's words)
+            raise TypeError(f"request_id must be a string, got {type(request_id)}")
         self._check_open()
         self._check_awake("a request")
         lora_id = self.lora_id(lora_request)
@@ -154,7 +158,11 @@ class LLMEngine:
         if arrival_time is not None:
             for child in parent.children:
                 child.metrics.arrival_time = float(arrival_time)
-        self.add_parent(parent)
+        try:
+            self.add_parent(parent)
+        except ValueError:  # (its id in use: it takes no arrival)
+            self.input_processor.take_back([parent])
+            raise
 
     # -- LoRA adapters (vLLM's names) -------------------------------------------------------
 
@@ -207,7 +215,7 @@ class LLMEngine:
     def add_parent(self, parent: ParentRequest) -> None:
         """Queue all of a request's completions, or (on any error) none of them."""
         for rid in (parent.request_id, *(c.request_id for c in parent.children)):
-            if rid in self._parents or rid in self.scheduler.requests:
+            if self._in_use(rid):
                 raise ValueError(f"request id {rid!r} is already in use")
         with defer_interrupts():
             try:
@@ -220,6 +228,14 @@ class LLMEngine:
                 raise
             self._requests_changed = True
 
+    def _in_use(self, request_id: str) -> bool:
+        """A request's id, or a completion's ("{index}_{id}" for n > 1) of a request not yet
+        done, finished completions too (an abort of their request would reach a newcomer)."""
+        if request_id in self._parents or request_id in self.scheduler.requests:
+            return True
+        parent = self._parents.get(request_id.partition("_")[2])
+        return parent is not None and any(c.request_id == request_id for c in parent.children)
+
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Stop requests now and free their blocks; unknown or finished ids are ignored."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
@@ -231,11 +247,11 @@ class LLMEngine:
                     if parent is None:
                         continue
                     self._requests_changed = True
-                    for child in parent.children:
-                        if not child.is_finished:
-                            self.scheduler.finish(child, "abort")
-                            self.metrics.forget(child)  # (a completion that finished before was counted then)
-                    self.runner.release(c.request_id for c in parent.children)
+                    running = [child for child in parent.children if not child.is_finished]
+                    for child in running:
+                        self.scheduler.finish(child, "abort")
+                        self.metrics.forget(child)  # (a completion that finished before was counted then)
+                    self.runner.release(c.request_id for c in running)
                     outputs.append(self.output_processor.output(parent))
             except BaseException:
                 self._recover()  # (the children of a parent popped so far are nobody's: dropped)

@@ -11,7 +11,6 @@ as it was.
 from __future__ import annotations
 
 import hashlib
-import itertools
 from pathlib import Path
 from typing import Any, Callable
 
@@ -36,14 +35,18 @@ def load_tokenizer(config: EngineConfig):
         return None  # token-id prompts only; outputs have empty text
     path = config.tokenizer or config.model
     if not Path(path).is_dir():
-        raise FileNotFoundError(f"tokenizer directory {path!r} does not exist")
+        raise FileNotFoundError(f"tokenizer directory {path!r} " + ("is a file: give its folder" if Path(path).exists()
+                                                                     else "does not exist"))
+    advice = "pass tokenizer=PATH to use another folder, or skip_tokenizer_init=True for token-id prompts only"
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True, use_fast=config.tokenizer_mode != "slow")
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, use_fast=config.tokenizer_mode != "slow")
     except (OSError, ValueError) as e:
-        raise ValueError(
-            f"cannot load a tokenizer from {path!r} (pass tokenizer=PATH to use another folder, "
-            f"or skip_tokenizer_init=True for token-id prompts only): {e}"
-        ) from e
+        raise ValueError(f"cannot load a tokenizer from {path!r} ({advice}): {e}") from e
+    # (transformers makes some tokenizers, Qwen2's, from config.json alone: with no vocabulary)
+    if len(tokenizer) <= len(tokenizer.all_special_ids):
+        raise ValueError(f"cannot load a tokenizer from {path!r} ({advice}): it has no vocabulary files, and "
+                         f"{type(tokenizer).__name__} made without them holds {len(tokenizer)} token(s)")
+    return tokenizer
 
 
 def read_generation_config(config: EngineConfig) -> dict[str, Any]:
@@ -106,7 +109,7 @@ class InputProcessor:
         self.config, self.tokenizer = config, tokenizer
         self.vocab_size, self.max_model_len, self.eos_token_ids = vocab_size, max_model_len, eos_token_ids
         self.check_fits, self.structured_outputs, self.digests = check_fits, structured_outputs, digests
-        self._arrivals = itertools.count()
+        self.next_arrival = 0  # FCFS order, and what unseeded requests' seeds are drawn from
 
     def tokenize_prompt(self, prompt: Any, add_special_tokens: bool = True) -> tuple[str | None, list[int], str | None]:
         """A str, or a dict with "prompt" (str) or "prompt_token_ids" (list of ints) and an
@@ -137,6 +140,9 @@ class InputProcessor:
         token_ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
         if not token_ids:
             raise ValueError(f"The decoder prompt cannot be empty (the text {prompt!r} encodes to no tokens)")
+        if max(token_ids) >= self.vocab_size:  # (a tokenizer may have ids the model lacks)
+            raise ValueError(f"Token id {max(token_ids)} is out of vocabulary: the text encodes to it, and the "
+                             f"model's ids are 0 to {self.vocab_size - 1}")
         return prompt, token_ids, None
 
     def _check_token_ids(self, token_ids: Any) -> list[int]:
@@ -191,6 +197,8 @@ class InputProcessor:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(params.n, int) or params.n < 1:  # (checked when made; it may be set after)
+            raise ValueError(f"n must be at least 1, got {params.n!r}.")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
         params.check_supported(self.config.max_logprobs, self.vocab_size)
@@ -225,8 +233,10 @@ class InputProcessor:
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         self.check_fits(len(token_ids), max_tokens)
         request_id = str(request_id)
-        children = [self._child(request_id, index, text, token_ids, cache_salt, params, priority, max_tokens,
-                                bad_words, lora_id, lora_version) for index in range(params.n)]
+        first = self.next_arrival
+        children = [self._child(request_id, index, first + index, text, token_ids, cache_salt, params, priority,
+                                max_tokens, bad_words, lora_id, lora_version) for index in range(params.n)]
+        self.next_arrival = first + params.n  # (only once the request was built: a refused one takes none)
         parent = ParentRequest(request_id, children, params.output_kind)
         if self.digests:
             parent.digest = hashlib.blake2b(repr((request_id, token_ids, priority, params, [c.seed for c in children],
@@ -234,11 +244,17 @@ class InputProcessor:
                                             .encode(), digest_size=8).digest()
         return parent
 
-    def _child(self, request_id: str, index: int, text, token_ids, cache_salt, params: SamplingParams,
+    def take_back(self, parents: list[ParentRequest]) -> None:
+        """Requests built last and never queued (the call was refused) give back their
+        arrival numbers: later requests' unseeded seeds stay as without the refused call."""
+        arrivals = [c.arrival_index for p in parents for c in p.children]
+        if arrivals and max(arrivals) == self.next_arrival - 1:
+            self.next_arrival = min(arrivals)
+
+    def _child(self, request_id: str, index: int, arrival: int, text, token_ids, cache_salt, params: SamplingParams,
                priority: int, max_tokens: int, bad_words: list[list[int]], lora_id: int = 0,
                lora_version: int = 0) -> Request:
         """Completion `index` of a request: its id, seed, detokenizer and grammar."""
-        arrival = next(self._arrivals)
         # Each completion has its own randomness: seed + index, or a seed drawn from the engine's.
         seed = fold_seed(params.seed + index) if params.seed is not None else unseeded(self.config.seed, arrival)
         child = Request(

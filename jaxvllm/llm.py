@@ -220,6 +220,7 @@ class LLM:
             except (ValueError, TypeError) as e:
                 # The message stays vLLM's (scripts match on it); the traceback names the prompt.
                 e.add_note(f"(prompt {i} of {len(prompts)})")
+                engine.input_processor.take_back(requests)  # (none is queued: the next call draws as if none came)
                 raise
         self._request_counter += len(requests)
         for e in self.engines[1:]:  # every replica reads the adapters (replica 0 did, checking the requests)

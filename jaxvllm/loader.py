@@ -74,7 +74,8 @@ def _override(hf_config, overrides: dict[str, Any]) -> None:
 def resolve_dtype(dtype: str, cfg: ModelConfig):
     name = cfg.dtype if dtype == "auto" else dtype
     if name not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not supported; choose from 'auto', {', '.join(DTYPES)}")
+        what = f"the checkpoint's dtype {name!r} (dtype='auto')" if dtype == "auto" else f"dtype {dtype!r}"
+        raise ValueError(f"{what} is not supported; choose from 'auto', {', '.join(DTYPES)}")
     return JNP_DTYPES[name]
 
 
@@ -167,8 +168,10 @@ def tensor_files(path: Path) -> dict[str, Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError) as e:
-            raise ValueError(f"{index} is not a valid safetensors index: {e}") from e
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                raise ValueError("its weight_map must map each tensor name to a file name")
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{index} is not a valid safetensors index: {e!r}") from e
         files = {name: path / file for name, file in weight_map.items()}
         for file in sorted(set(files.values())):
             if not file.is_file():

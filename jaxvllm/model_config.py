@@ -126,6 +126,17 @@ class ModelConfig:
         base = rope.original_max_position_embeddings if rope.rope_type == "yarn" else self.max_position_embeddings
         return int(base * rope.factor)
 
+    def checked_max_model_len(self, requested: int | None) -> int:
+        """The engine's max_model_len: `requested`, if the model takes it, else the model's limit."""
+        limit = self.max_model_len_limit
+        if requested is not None and requested > limit:
+            raise ValueError(
+                f"max_model_len {requested} exceeds the model's max_position_embeddings ({limit}"
+                + (f": {self.max_position_embeddings} extended by its RoPE scaling)"
+                   if limit != self.max_position_embeddings else ")")
+            )
+        return requested or limit
+
     @property
     def sm_scale(self) -> float:
         return (self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim) ** -0.5

@@ -278,6 +278,27 @@ class ModelRunner:
     params = FlatParams()  # the model's weights (None while asleep), and `flat_params`: the forward's
 
     def __init__(self, config: EngineConfig) -> None:
+        try:
+            self._set_up(config)
+        except BaseException:
+            self._free_partial()  # (now, not when the traceback goes: a notebook keeps the last one)
+            raise
+
+    def _free_partial(self) -> None:
+        """After a failed `__init__`: delete the device arrays it made (the weights, caches)."""
+        compiles = self.__dict__.get("compiles")
+        if compiles is not None:
+            compiles.cancel()
+        drafter = self.__dict__.get("drafter")
+        made = [self.__dict__.get(name) for name in ("_params", "kv_caches", "sampler_state", "last_sampled",
+                                                     "draft_rows")]
+        made += drafter.arrays() if drafter is not None else []
+        for array in jax.tree.leaves(made):
+            if isinstance(array, jax.Array) and not array.is_deleted():
+                array.delete()
+        self._params = self.flat_params = None
+
+    def _set_up(self, config: EngineConfig) -> None:
         self.config = c = config
         # This replica's devices; tensor parallelism: a mesh over them (None: one device, nothing split).
         self.devices = device_group(c.tensor_parallel_size, c.data_parallel_rank, c.data_parallel_size)
@@ -288,15 +309,7 @@ class ModelRunner:
         self.cfg, self.params = self._load()
         self.load_seconds = time.perf_counter() - start
         self.dtype = resolve_dtype(c.dtype, self.cfg)
-        limit = self.cfg.max_model_len_limit
-        max_model_len = c.max_model_len or limit
-        if max_model_len > limit:
-            raise ValueError(
-                f"max_model_len {max_model_len} exceeds the model's max_position_embeddings ({limit}"
-                + (f": {self.cfg.max_position_embeddings} extended by its RoPE scaling)"
-                   if limit != self.cfg.max_position_embeddings else ")")
-            )
-        self.cfg = dataclasses.replace(self.cfg, max_model_len=max_model_len)
+        self.cfg = dataclasses.replace(self.cfg, max_model_len=self.cfg.checked_max_model_len(c.max_model_len))
         spec = c.speculative_config
         if spec is not None and spec.max_model_len not in (None, self.max_model_len):
             raise ValueError(f"speculative_config max_model_len={spec.max_model_len!r}: only the engine's "

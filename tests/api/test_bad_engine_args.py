@@ -142,6 +142,58 @@ def test_folder_without_tokenizer_is_an_error(no_tokenizer_dir):
         LLM(no_tokenizer_dir, **SMALL)
 
 
+def test_folder_whose_tokenizer_would_be_empty_is_an_error(tiny_checkpoint, no_loading, tmp_path):
+    """transformers makes Qwen2's tokenizer from config.json alone, with one token: refused as
+    a missing tokenizer, not served (every text then "encodes to no tokens")."""
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_checkpoint("qwen3") / name, tmp_path)
+    with pytest.raises(ValueError, match="cannot load a tokenizer from .*it has no vocabulary files"):
+        LLM(tmp_path, **SMALL)
+
+
+def test_load_errors_name_the_problem(tiny_checkpoint, no_loading, tmp_path):
+    """Before any weight loads: a config.json that is no JSON is named (not blamed on the
+    tokenizer); max_model_len past the model's limit (config.json decides it). And a
+    safetensors index that is not a map of names to files; a tokenizer= that names a file."""
+    model = tiny_checkpoint("qwen3")
+    bad_config = tmp_path / "bad-config"
+    shutil.copytree(model, bad_config)
+    (bad_config / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read .*config.json"):
+        LLM(bad_config, **SMALL)
+    with pytest.raises(ValueError, match=r"max_model_len 100000 exceeds the model's max_position_embeddings"):
+        LLM(model, **{**SMALL, "max_model_len": 100000})
+    with pytest.raises(FileNotFoundError, match="tokenizer directory .*tokenizer.json' is a file: give its folder"):
+        LLM(model, tokenizer=str(model / "tokenizer.json"), **SMALL)
+    from jaxvllm.loader import tensor_files
+
+    for index in ("[1, 2]", '{"weight_map": {"a": 3}}'):
+        (tmp_path / "model.safetensors.index.json").write_text(index)
+        with pytest.raises(ValueError, match="is not a valid safetensors index"):
+            tensor_files(tmp_path)
+
+
+def test_dtypes_as_vllm_takes_them():
+    """Any case, an alias, or a torch dtype, as vLLM's; other values are refused by name."""
+    import torch
+
+    for dtype, name in (("BFloat16", "bfloat16"), (torch.float16, "float16"), ("half", "float16"), ("AUTO", "auto")):
+        assert EngineConfig(model="m", dtype=dtype).dtype == name
+    with pytest.raises(ValueError, match=r"dtype \['bfloat16'\] is not supported"):
+        EngineConfig(model="m", dtype=["bfloat16"])
+
+
+def test_a_failure_after_the_weights_loaded_frees_them(tiny_checkpoint):
+    """An error the runner raises after loading (no KV block fits) deletes the weights at
+    once: a notebook keeps the last exception, and its traceback held them."""
+    import jax
+
+    before = len(jax.live_arrays())
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes=1 holds 0 KV blocks") as caught:
+        LLM(tiny_checkpoint("qwen3"), kv_cache_memory_bytes=1, **SMALL)
+    assert len(jax.live_arrays()) == before and caught.value is not None
+
+
 def test_skip_tokenizer_init(no_tokenizer_dir, tiny_checkpoint):
     llm = LLM(no_tokenizer_dir, skip_tokenizer_init=True, **SMALL)
     assert llm.llm_engine.tokenizer is None

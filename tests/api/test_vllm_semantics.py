@@ -71,6 +71,79 @@ def test_fields_assigned_after_construction_count(llm):
     assert llm.generate("Hello", params, use_tqdm=False)[0].outputs[0].finish_reason == "stop"
 
 
+def test_add_request_keeps_a_copy_of_the_params(llm):
+    """As vLLM's engine (it clones them): params changed or reused after `add_request` leave
+    the request alone. Before, the fields the sampler reads when the request is first
+    scheduled (temperature, penalties, logit_bias) were read from the caller's object."""
+    engine = llm.llm_engine
+    ref = greedy(llm)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine.add_request("copy", "Hello", params)
+    params.temperature, params.repetition_penalty, params.logit_bias = 1.0, 2.0, {5: 100.0}
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert outputs[-1].outputs[0].token_ids == ref.token_ids
+
+
+def test_a_text_prompt_past_the_model_vocabulary_is_refused(tiny_checkpoint):
+    """A tokenizer may hold ids the model lacks (added tokens): a text that encodes to one is
+    refused as its ids would be, and the request in flight goes on. Before, it was taken,
+    and with penalties every later step raised (the sampler's prompt mask), so nothing
+    in flight finished."""
+    llm = LLM(tiny_checkpoint("llama", vocab_size=384, extra_tokens=1), **ENGINE)
+    engine = llm.llm_engine
+    want = greedy(llm, repetition_penalty=1.2).token_ids
+    engine.add_request("good", "Hello", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                       repetition_penalty=1.2))
+    engine.step()
+    for prompt in ("Hello <|extra_0|>", {"prompt_token_ids": [5, 384]}):
+        with pytest.raises(ValueError, match="Token id 384 is out of vocabulary"):
+            engine.add_request("bad", prompt, SamplingParams(repetition_penalty=1.2))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert outputs[-1].request_id == "good" and outputs[-1].outputs[0].token_ids == want
+    assert llm.stats()["num_free_blocks"] == llm.stats()["num_gpu_blocks"]
+    llm.shutdown()
+
+
+def test_request_ids_of_completions_and_refused_calls(llm):
+    """vLLM's rules for ids: a str (TypeError otherwise), and not one in use, a completion's
+    ("{index}_{id}" for n > 1) included while its request runs: before, a finished
+    completion's id was taken, and aborting its request then freed the newcomer's row
+    (its output changed). A refused call takes no arrival number, so later unseeded
+    requests draw what they would have drawn; n set to 0 after construction is refused."""
+    engine = llm.llm_engine
+    with pytest.raises(TypeError, match="request_id must be a string"):
+        engine.add_request(5, "Hello", SamplingParams())
+    # n = 2, each completion 10 or 11 (11 stops it): a seed with which completion 0 ends first
+    def two(seed):
+        return SamplingParams(n=2, temperature=1.0, seed=seed, allowed_token_ids=[10, 11], stop_token_ids=[11],
+                              max_tokens=40)
+
+    lengths = [[len(c.token_ids) for c in out.outputs]
+               for out in llm.generate([{"prompt_token_ids": [1, 2]}] * 20, [two(s) for s in range(20)], use_tqdm=False)]
+    seed = next(s for s, (first, second) in enumerate(lengths) if first + 4 < second)
+    engine.add_request("X", {"prompt_token_ids": [1, 2]}, two(seed))
+    while "0_X" in engine.scheduler.requests:
+        engine.step()
+    assert "1_X" in engine.scheduler.requests
+    arrival = engine.input_processor.next_arrival
+    with pytest.raises(ValueError, match="request id '0_X' is already in use"):
+        engine.add_request("0_X", "Hello", SamplingParams())
+    assert engine.input_processor.next_arrival == arrival
+    engine.abort_request("X")
+    assert not engine.has_unfinished_requests()
+    bad = SamplingParams()
+    bad.n = 0
+    for prompts in (["Hello", "Hi", ""], ["Hello", "Hi", "Hey"]):
+        with pytest.raises(ValueError, match="cannot be empty|n must be at least 1"):
+            llm.generate(prompts, [SamplingParams(), SamplingParams(), bad if prompts[2] else SamplingParams()],
+                         use_tqdm=False)
+        assert engine.input_processor.next_arrival == arrival and not engine._parents
+
+
 def test_vllm_engine_arguments_are_accepted(tiny_checkpoint):
     path = tiny_checkpoint("qwen3")
     llm = LLM(path, **ENGINE, dtype="float", enforce_eager=True, disable_log_stats=True, trust_remote_code=True,
