@@ -34,6 +34,16 @@ PauseMode = Literal["abort", "wait", "keep"]
 _STOP = object()  # queued by shutdown(): the engine thread ends
 
 
+class EngineGenerateError(RuntimeError):
+    """vLLM's: a request failed because a step raised (the error is its `__cause__`); the
+    engine serves on."""
+
+
+class EngineDeadError(RuntimeError):
+    """vLLM's: the engine takes no more requests, since its thread failed or it was shut
+    down (the thread's error, if any, is the `__cause__`)."""
+
+
 @dataclass
 class _Stream:
     """Where one request's outputs go: a queue read by a coroutine on `loop`."""
@@ -101,8 +111,9 @@ class AsyncLLM:
     `generate(prompt, sampling_params, request_id)` is an async generator of the request's
     `RequestOutput`s, as its `output_kind` asks (CUMULATIVE by default, DELTA, or
     FINAL_ONLY); leaving it early (break, cancellation) aborts the request. A step that
-    raises fails every request in flight (their generators raise; vLLM's engine dies
-    there) and leaves the engine serving new ones. `shutdown()`, or dropping the last
+    raises fails every request in flight (their generators raise `EngineGenerateError`;
+    vLLM's engine dies there) and leaves the engine serving new ones. Once the engine takes
+    no more requests (shut down, or its thread failed) every call raises `EngineDeadError`. `shutdown()`, or dropping the last
     reference, stops the thread and frees the device memory.
     """
 
@@ -173,8 +184,10 @@ class AsyncLLM:
             await self._on_engine(add)
             while True:
                 item = await stream.queue.get()
+                if isinstance(item, EngineDeadError):
+                    raise EngineDeadError(f"request {request_id!r} failed: {item}") from item.__cause__
                 if isinstance(item, BaseException):
-                    raise RuntimeError(f"request {request_id!r} failed: {item!r}") from item
+                    raise EngineGenerateError(f"request {request_id!r} failed: {item!r}") from item
                 yield item
                 if item.finished:
                     return
@@ -317,15 +330,22 @@ class AsyncLLM:
         if self._thread is not threading.current_thread():
             self._thread.join()
         if not self._closed:  # (the thread let go of a dropped AsyncLLM, or failed)
-            self._end(RuntimeError("the AsyncLLM was shut down"))
+            self._end(EngineDeadError("the AsyncLLM was shut down"))
 
     # -- the engine thread ---------------------------------------------------------------
 
-    def _check_running(self) -> None:
+    @property
+    def dead_error(self) -> EngineDeadError:
+        """The error calls get once the engine takes no more requests (vLLM's)."""
         if self._error is not None:
-            raise RuntimeError(f"the AsyncLLM engine thread died: {self._error!r}") from self._error
-        if self._stopped:
-            raise RuntimeError("this AsyncLLM was shut down (AsyncLLM.shutdown()); create a new one")
+            error = EngineDeadError(f"the AsyncLLM engine thread died: {self._error!r}")
+            error.__cause__ = self._error
+            return error
+        return EngineDeadError("this AsyncLLM was shut down (AsyncLLM.shutdown()); create a new one")
+
+    def _check_running(self) -> None:
+        if self._error is not None or self._stopped:
+            raise self.dead_error
 
     def _queue(self, call: _Call) -> None:
         with self._lock:
@@ -344,7 +364,7 @@ class AsyncLLM:
             while True:
                 if call is _STOP:
                     if not self._closed:
-                        self._end(RuntimeError("the AsyncLLM was shut down"))
+                        self._end(EngineDeadError("the AsyncLLM was shut down"))
                     return False
                 if call is not None:
                     call.run()
@@ -364,7 +384,7 @@ class AsyncLLM:
         except BaseException as e:  # a fault of the thread's own code: nothing can run any more
             logger.exception("AsyncLLM: the engine thread failed")
             self._error = e
-            self._end(e)
+            self._end(self.dead_error)
             return False
 
     def _step(self) -> None:

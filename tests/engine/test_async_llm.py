@@ -14,6 +14,7 @@ import time
 import pytest
 
 from jaxvllm import LLM, AsyncEngineArgs, AsyncLLM, RequestOutputKind, SamplingParams
+from jaxvllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
 ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, token_buckets=[64])
 PROMPTS = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 17, 40)]
@@ -185,7 +186,7 @@ def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(engine, refer
         return results, again
 
     results, again = asyncio.run(main())
-    assert all(isinstance(r, RuntimeError) and "injected device fault" in repr(r.__cause__) for r in results)
+    assert all(isinstance(r, EngineGenerateError) and "injected device fault" in repr(r.__cause__) for r in results)
     assert [completions(o, RequestOutputKind.CUMULATIVE) for o in again] == reference["greedy"][:3]
     assert_idle(engine)
 
@@ -284,8 +285,10 @@ def test_shutdown_ends_streams_and_refuses_calls(checkpoint):
         task, _ = await started(engine, PROMPTS[1], LONG, "cut")
         await asyncio.to_thread(engine.shutdown)
         outputs = await task
-        with pytest.raises(RuntimeError, match="shut down"):
+        with pytest.raises(EngineDeadError, match="shut down"):
             await collect(engine, PROMPTS[0], GREEDY, "late")
+        with pytest.raises(EngineDeadError, match="shut down"):
+            await engine.reset_prefix_cache()
         return outputs
 
     outputs = asyncio.run(main())
@@ -295,6 +298,29 @@ def test_shutdown_ends_streams_and_refuses_calls(checkpoint):
     engine.shutdown()  # twice: harmless
     with pytest.raises(ValueError, match="data_parallel_size"):
         AsyncLLM(AsyncEngineArgs(model=checkpoint, data_parallel_size=2, **ENGINE))
+
+
+def test_a_failed_engine_thread_fails_everything_with_engine_dead_error(checkpoint, monkeypatch):
+    """vLLM's types: a fault of the thread's own code (not a step's) ends it; the streams in
+    flight and every later call raise EngineDeadError, caused by the fault."""
+    engine = AsyncLLM(AsyncEngineArgs(model=checkpoint, **ENGINE))
+
+    def broken(output):
+        raise ValueError("injected thread fault")
+
+    async def main():
+        monkeypatch.setattr(engine, "_deliver", broken)
+        with pytest.raises(EngineDeadError) as streamed:
+            await collect(engine, PROMPTS[0], GREEDY, "dies")
+        with pytest.raises(EngineDeadError) as later:
+            await collect(engine, PROMPTS[0], GREEDY, "late")
+        return streamed.value, later.value
+
+    streamed, later = asyncio.run(main())
+    assert all("injected thread fault" in repr(e.__cause__) for e in (streamed, later))
+    assert engine.errored and not engine.is_running and isinstance(engine.dead_error, EngineDeadError)
+    assert engine.engine.runner.closed
+    engine.shutdown()
 
 
 def test_cancelled_callers_and_resumed_pauses_leave_the_thread_serving(engine, reference, monkeypatch):
