@@ -341,7 +341,9 @@ class AsyncLLM:
             error = EngineDeadError(f"the AsyncLLM engine thread died: {self._error!r}")
             error.__cause__ = self._error
             return error
-        return EngineDeadError("this AsyncLLM was shut down (AsyncLLM.shutdown()); create a new one")
+        if self._stopped:
+            return EngineDeadError("this AsyncLLM was shut down (AsyncLLM.shutdown()); create a new one")
+        return EngineDeadError("the AsyncLLM engine is not running")  # (vLLM's gives one, whatever the state)
 
     def _check_running(self) -> None:
         if self._error is not None or self._stopped:

@@ -153,11 +153,13 @@ class LLMEngine:
             raise ValueError(f"tokenization_kwargs {unknown} are not supported; only 'add_special_tokens' is "
                              "(truncate with SamplingParams(truncate_prompt_tokens=...))")
         add_special_tokens = (tokenization_kwargs or {}).get("add_special_tokens", True)
+        if arrival_time is not None:
+            arrival_time = float(arrival_time)  # (a bad one fails before the request takes an arrival number)
         parent = self.make_requests(request_id, prompt, params, priority, add_special_tokens=add_special_tokens,
                                     lora_request=lora_request)
         if arrival_time is not None:
             for child in parent.children:
-                child.metrics.arrival_time = float(arrival_time)
+                child.metrics.arrival_time = arrival_time
         try:
             self.add_parent(parent)
         except ValueError:  # (its id in use: it takes no arrival)
@@ -261,6 +263,10 @@ class LLMEngine:
                 self._in_flight = None  # its tokens are for aborted requests only: never read
         return outputs
 
+    def request_ids(self) -> list[str]:
+        """The requests added and not done (their final output not yet returned)."""
+        return list(self._parents)
+
     def get_num_unfinished_requests(self) -> int:
         """Completions added and not yet finished: as vLLM's, a request of n > 1 counts each
         of its n until it finishes."""
@@ -319,7 +325,11 @@ class LLMEngine:
                 self._unreported, self._processing = [], None
                 for parent in done:
                     del self._parents[parent.request_id]
-                    self.metrics.record_parent_finished(parent.children)
+                try:  # (the outputs are committed: a failure here must not lose them)
+                    for parent in done:
+                        self.metrics.record_parent_finished(parent.children)
+                except Exception:
+                    logger.exception("recording the metrics of finished requests failed")
                 return outputs
         except BaseException:
             with defer_interrupts():

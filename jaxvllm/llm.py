@@ -65,6 +65,8 @@ class LLM:
         # interrupt wherever it lands leaves nothing queued that is not aborted (by that call's
         # cleanup, or, if a second interrupt cuts the cleanup short, by the next call).
         self._generating: list[str] = []
+        self._enqueued: list[str] = []  # queued by `enqueue`, not yet returned by `wait_for_completion`
+        self._finished: dict[str, RequestOutput] = {}  # final outputs not yet returned, by request id
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: the sampling settings the checkpoint's generation_config.json recommends
@@ -134,10 +136,85 @@ class LLM:
         self._check_open()
         return self._run(prompt_list(prompts), sampling_params, priority, use_tqdm, lora_request=lora_request)
 
+    def enqueue(
+        self,
+        prompts: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: Any = None,
+        priority: int | Sequence[int] | None = None,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+    ) -> list[str]:
+        """vLLM's: queue prompts (as `generate` takes them) without running them; returns their
+        request ids. `wait_for_completion()` runs them; a `generate` in between runs them along
+        with its own, and returns only its own. All are queued, or (on any error) none.
+        `use_tqdm` is accepted, as vLLM's (queueing shows no bar here)."""
+        self._check_open()
+        return self._enqueue(prompt_list(prompts), sampling_params, priority, lora_request)
+
+    def _enqueue(self, prompts, sampling_params, priority, lora_request, add_special_tokens: bool = True) -> list[str]:
+        self._abort_generating()
+        try:  # (queued as generate's are until all are: an interrupt aborts them, or the next call does)
+            self._queue(prompts, sampling_params, priority, lora_request, add_special_tokens, record=self._generating,
+                        copy_params=True)
+        except BaseException:
+            self._abort_generating()
+            raise
+        queued, self._generating = self._generating, []
+        self._enqueued += queued
+        return queued
+
+    def wait_for_completion(self, output_type: Any = None, *, use_tqdm: bool | Callable[..., tqdm] = True
+                            ) -> list[RequestOutput]:
+        """vLLM's: run what `enqueue` queued until every request has finished; their outputs, in
+        the order queued. Interrupted, they stay queued and the next call goes on with them
+        (what finished meanwhile is kept). `output_type` is accepted, as vLLM's (jaxvllm makes
+        `RequestOutput`s only)."""
+        self._check_open()
+        self._abort_generating()
+        self._check_no_requests_by_hand()
+        with old_objects_frozen():
+            self._step_until(self._enqueued, use_tqdm)
+        done, self._enqueued = self._enqueued, []
+        return [self._finished.pop(rid) for rid in done if rid in self._finished]  # (one aborted by hand has none)
+
     def chat(
         self,
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+        lora_request: Any = None,
+        **template_options: Any,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} messages) or a
+        list of them, rendered with the tokenizer's chat template. The template options are
+        vLLM's: `chat_template` (instead of the tokenizer's), `add_generation_prompt`,
+        `continue_final_message`, `chat_template_kwargs`, `tools` (transformers'
+        `apply_chat_template` takes them) and `chat_template_content_format`: content may be a
+        string, a list of OpenAI text parts or None, and the template gets it as one string
+        or as parts ("auto" detects which the template reads)."""
+        self._check_open()
+        prompts = self._chat_prompts(messages, **template_options)
+        # The template writes any BOS itself, so the rendered text is tokenized without special tokens.
+        return self._run(prompts, sampling_params, None, use_tqdm, add_special_tokens=False, lora_request=lora_request)
+
+    def enqueue_chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+        lora_request: Any = None,
+        priority: int | Sequence[int] | None = None,
+        **template_options: Any,
+    ) -> list[str]:
+        """vLLM's: `chat`'s conversations queued as `enqueue` queues prompts; their request ids."""
+        self._check_open()
+        prompts = self._chat_prompts(messages, **template_options)
+        return self._enqueue(prompts, sampling_params, priority, lora_request, add_special_tokens=False)
+
+    def _chat_prompts(
+        self,
+        messages: list[dict] | list[list[dict]],
         *,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
@@ -145,16 +222,8 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict] | None = None,
         chat_template_content_format: str = "auto",
-        use_tqdm: bool | Callable[..., tqdm] = True,
-        lora_request: Any = None,
-    ) -> list[RequestOutput]:
-        """Generate replies to one conversation (a list of {"role", "content"} messages) or a
-        list of them, rendered with the tokenizer's chat template (or `chat_template`).
-        `continue_final_message`, `chat_template_kwargs` and `tools` go to the template, as
-        in vLLM (transformers' `apply_chat_template`). Content may be a string, a list of
-        OpenAI text parts or None; the template gets it as one string or as parts
-        (`chat_template_content_format`: "auto" detects which the template reads)."""
-        self._check_open()
+    ) -> list[str]:
+        """Each conversation rendered with the chat template."""
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message=True needs add_generation_prompt=False")
         if chat_template_content_format not in CONTENT_FORMATS:
@@ -170,7 +239,7 @@ class LLM:
         content_format = chat_template_content_format
         if content_format == "auto":
             content_format = detect_content_format(template)
-        prompts = [
+        return [
             tokenizer.apply_chat_template(
                 parse_conversation(conv, content_format), chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt, tokenize=False,
@@ -178,8 +247,6 @@ class LLM:
             )
             for conv in conversations
         ]
-        # The template writes any BOS itself, so the rendered text is tokenized without special tokens.
-        return self._run(prompts, sampling_params, None, use_tqdm, add_special_tokens=False, lora_request=lora_request)
 
     @staticmethod
     def _per_prompt(value, n: int, name: str, default) -> list:
@@ -198,66 +265,103 @@ class LLM:
             return
         for e in self.engines:
             e.abort_request(self._generating)
+        for rid in self._generating:
+            self._finished.pop(rid, None)
         self._generating = []
+
+    def _check_no_requests_by_hand(self) -> None:
+        """Stepping the engines here would take the outputs of requests added through
+        `llm_engine` (only `enqueue`'s and this call's are the LLM's to collect)."""
+        ours = set(self._enqueued)
+        if any(set(e.request_ids()) - ours for e in self.engines):
+            raise RuntimeError("the engine has unfinished requests added by hand (llm_engine.add_request); finish "
+                               "or abort them first")
 
     def _run(self, prompts, sampling_params, priority, use_tqdm, add_special_tokens: bool = True,
              lora_request=None):
         self._abort_generating()
-        engine = self.llm_engine  # validates and builds the requests; any replica may run them
-        if any(e.scheduler.has_unfinished_requests() for e in self.engines):  # (a step left in flight is harmless)
-            raise RuntimeError("the engine has unfinished requests added by hand; finish or abort them first")
-        if sampling_params is None:
-            sampling_params = self.get_default_sampling_params()
-        params = self._per_prompt(sampling_params, len(prompts), "sampling_params", None)
-        priorities = self._per_prompt(priority, len(prompts), "priority", 0)
-        loras = self._per_prompt(lora_request, len(prompts), "lora_request", None)
-        requests = []
-        for i, (p, sp, pr, lr) in enumerate(zip(prompts, params, priorities, loras)):
-            rid = str(self._request_counter + i)
-            try:
-                requests.append(engine.make_requests(rid, p, sp, pr, add_special_tokens=add_special_tokens,
-                                                     lora_request=lr))
-            except (ValueError, TypeError) as e:
-                # The message stays vLLM's (scripts match on it); the traceback names the prompt.
-                e.add_note(f"(prompt {i} of {len(prompts)})")
-                engine.input_processor.take_back(requests)  # (none is queued: the next call draws as if none came)
-                raise
-        self._request_counter += len(requests)
-        for e in self.engines[1:]:  # every replica reads the adapters (replica 0 did, checking the requests)
-            for lora in {lr.lora_int_id: lr for lr in loras if lr is not None}.values():
-                e.lora_id(lora)
-        for e in self.engines:
-            e.scheduler.set_policy("priority" if priority is not None else e.config.scheduling_policy)
-
-        finished: dict[str, RequestOutput] = {}
-        bar = None
-        self._generating = [r.request_id for r in requests]  # before the first is queued
         with old_objects_frozen():
-            try:  # everything from the first request queued on: an interrupt anywhere leaves the engines clean
-                load = [0] * len(self.engines)  # tokens (prompt + most to generate) given to each replica
-                for request in requests:
-                    request.output_kind = RequestOutputKind.FINAL_ONLY  # generate keeps only the final outputs
-                    rank = load.index(min(load))
-                    self.engines[rank].add_parent(request)
-                    load[rank] += sum(c.num_prompt_tokens + c.max_tokens for c in request.children)
-                make_bar = use_tqdm if callable(use_tqdm) else tqdm  # (vLLM's: a tqdm-like factory may be given)
-                bar = make_bar(total=len(requests), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
-                start, num_output_tokens = time.perf_counter(), 0
-                while busy := [e for e in self.engines if e.has_unfinished_requests()]:
-                    for e in busy:
-                        for output in e.step():
-                            num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
-                            finished[output.request_id] = output
-                            bar.update(1)
-                    bar.set_postfix_str(f"output {num_output_tokens / (time.perf_counter() - start):.1f} tok/s", refresh=False)
+            try:  # from the first request queued on: an interrupt anywhere leaves the engines clean
+                requests = self._queue(prompts, sampling_params, priority, lora_request, add_special_tokens,
+                                       record=self._generating)
+                self._step_until(self._generating, use_tqdm)
             except BaseException:  # KeyboardInterrupt or a device error: this call's requests are aborted
                 self._abort_generating()
                 raise
-            finally:
-                if bar is not None:
-                    bar.close()
         self._generating = []
-        return [finished[r.request_id] for r in requests]
+        return [self._finished.pop(r.request_id) for r in requests]
+
+    def _queue(self, prompts, sampling_params, priority, lora_request, add_special_tokens: bool = True, *,
+               record: list[str], copy_params: bool = False) -> list:
+        """Validate every prompt and build its requests, then queue them all, spread over the
+        replicas by load, for their final outputs only. Their ids go in `record` before the
+        first is queued: whoever handles an interrupt knows each one queued. `copy_params`:
+        the requests keep copies of the params (as vLLM's engine): requests left queued read
+        some fields only when first scheduled, and the caller may change them meanwhile."""
+        self._check_no_requests_by_hand()
+        engine = self.llm_engine  # validates and builds the requests; any replica may run them
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        params = self._per_prompt(sampling_params, len(prompts), "sampling_params", None)
+        if copy_params:  # (one copy per object given)
+            copies = {id(sp): sp.clone() for sp in params if isinstance(sp, SamplingParams)}
+            params = [copies.get(id(sp), sp) for sp in params]
+        priorities = self._per_prompt(priority, len(prompts), "priority", 0)
+        loras = self._per_prompt(lora_request, len(prompts), "lora_request", None)
+        requests = []
+        try:
+            for i, (p, sp, pr, lr) in enumerate(zip(prompts, params, priorities, loras)):
+                rid = str(self._request_counter + i)
+                try:
+                    requests.append(engine.make_requests(rid, p, sp, pr, add_special_tokens=add_special_tokens,
+                                                         lora_request=lr))
+                except (ValueError, TypeError) as e:
+                    # The message stays vLLM's (scripts match on it); the traceback names the prompt.
+                    e.add_note(f"(prompt {i} of {len(prompts)})")
+                    raise
+            for e in self.engines[1:]:  # every replica reads the adapters (replica 0 did, checking the requests)
+                for lora in {lr.lora_int_id: lr for lr in loras if lr is not None}.values():
+                    e.lora_id(lora)
+        except Exception:
+            engine.input_processor.take_back(requests)  # (none is queued: the next call draws as if none came)
+            raise
+        self._request_counter += len(requests)
+        for e in self.engines:  # (the order of requests queued before stays as it was)
+            if priority is not None:
+                e.scheduler.set_policy("priority")
+            elif not e.request_ids():
+                e.scheduler.set_policy(e.config.scheduling_policy)
+        record += [r.request_id for r in requests]  # (before the first is queued)
+        # Tokens (prompt + most to generate) each replica holds, the requests queued before too.
+        load = [sum(r.num_prompt_tokens + r.max_tokens for r in e.scheduler.requests.values()) for e in self.engines]
+        for request in requests:
+            request.output_kind = RequestOutputKind.FINAL_ONLY  # the LLM keeps only the final outputs
+            rank = load.index(min(load))
+            self.engines[rank].add_parent(request)
+            load[rank] += sum(c.num_prompt_tokens + c.max_tokens for c in request.children)
+        return requests
+
+    def _step_until(self, request_ids: list[str], use_tqdm) -> None:
+        """Step the replicas until each of `request_ids` has its final output in `_finished`
+        (with the outputs of the other requests queued here that finish meanwhile)."""
+        waiting = set(request_ids) - self._finished.keys()
+        make_bar = use_tqdm if callable(use_tqdm) else tqdm  # (vLLM's: a tqdm-like factory may be given)
+        bar = make_bar(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            bar.update(len(request_ids) - len(waiting))
+            start, num_output_tokens = time.perf_counter(), 0
+            while waiting and (busy := [e for e in self.engines if e.has_unfinished_requests()]):
+                for e in busy:
+                    outputs = e.step()
+                    self._finished.update((output.request_id, output) for output in outputs)  # (kept, whatever comes)
+                    for output in outputs:
+                        if output.request_id in waiting:
+                            waiting.discard(output.request_id)
+                            num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
+                            bar.update(1)
+                bar.set_postfix_str(f"output {num_output_tokens / (time.perf_counter() - start):.1f} tok/s", refresh=False)
+        finally:
+            bar.close()
 
     def beam_search(
         self,

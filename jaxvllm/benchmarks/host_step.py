@@ -117,6 +117,7 @@ def build(num_requests: int, prompt_len: int, output_len: int, folder: str, rng:
     """
     spec = {"method": "ngram", "num_speculative_tokens": ngram, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
     config = EngineConfig(model=folder, load_format="dummy", max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE,
+                          hf_overrides={"max_position_embeddings": MAX_MODEL_LEN},  # (dummy:tiny's is 2048)
                           max_num_seqs=num_requests, max_num_batched_tokens=max(8192, num_requests * (1 + ngram)),
                           num_gpu_blocks_override=num_requests * -(-MAX_MODEL_LEN // BLOCK_SIZE),
                           async_scheduling=async_scheduling, compilation_cache_dir="",

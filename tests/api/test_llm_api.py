@@ -150,6 +150,68 @@ def test_generate_refuses_while_requests_added_by_hand(llm):
     engine.abort_request("z")
 
 
+def test_enqueue_and_wait_for_completion(llm, monkeypatch):
+    """vLLM's: `enqueue` queues prompts and returns their ids, `wait_for_completion` runs them
+    and returns their outputs in the order queued. A generate in between runs them along and
+    returns only its own; an interrupted wait leaves them queued (the next goes on); a bad
+    prompt queues none of its call's."""
+    from jaxvllm.engine import LLMEngine
+
+    engine = llm.llm_engine
+    first, second = ["Hello", "The sky", "One two"], ["Why", "Four five six"]
+    want = [o.outputs[0].token_ids for o in llm.generate(first + second, GREEDY, use_tqdm=False)]
+    ids = llm.enqueue(first[:2], GREEDY)
+    ids += llm.enqueue(first[2:], [GREEDY])
+    assert all(isinstance(i, str) for i in ids) and len(set(ids)) == 3
+    with pytest.raises(ValueError, match="cannot be empty"):
+        llm.enqueue(["Fine", ""], GREEDY)
+    assert sorted(engine.request_ids()) == sorted(ids)
+    assert [o.outputs[0].token_ids for o in llm.generate(second, GREEDY, use_tqdm=False)] == want[3:]
+    assert [o.outputs[0].token_ids for o in llm.wait_for_completion(use_tqdm=False)] == want[:3]
+    assert llm.wait_for_completion(use_tqdm=False) == [] and not engine.has_unfinished_requests()
+
+    ids = llm.enqueue(first, GREEDY)
+    real, calls = LLMEngine.step, []
+
+    def step(self):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(self)
+
+    monkeypatch.setattr(LLMEngine, "step", step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.wait_for_completion(use_tqdm=False)
+    monkeypatch.undo()
+    outputs = llm.wait_for_completion(use_tqdm=False)
+    assert [o.request_id for o in outputs] == ids and [o.outputs[0].token_ids for o in outputs] == want[:3]
+    engine.add_request("by-hand", "Hello", GREEDY)
+    with pytest.raises(RuntimeError, match="added by hand"):
+        llm.enqueue("Hello", GREEDY)
+    engine.abort_request("by-hand")
+
+    # The requests keep copies of their params: one changed and reused before the wait
+    # changes only the next request.
+    params = SamplingParams(temperature=0, max_tokens=5)
+    llm.enqueue(first[0], params)
+    params.temperature, params.logit_bias = 1.0, {7: 100.0}
+    llm.enqueue(first[1], params)
+    a, b = llm.wait_for_completion(use_tqdm=False)
+    assert a.outputs[0].token_ids == want[0] and b.outputs[0].token_ids == [7] * 5
+    # Priorities given to queued requests hold when a later call gives none (prompts of 40
+    # tokens: one prefill a step, in the order scheduled, so they finish in that order).
+    order = []
+    real_step = LLMEngine.step
+    monkeypatch.setattr(LLMEngine, "step", lambda self: [o for o in real_step(self) if not order.append(o.request_id)])
+    long = [{"prompt_token_ids": [5 + i] * 40} for i in range(3)]
+    ids = llm.enqueue(long, GREEDY, priority=[2, 1, 0])
+    ids += llm.enqueue_chat([{"role": "user", "content": "Hi"}], GREEDY, chat_template="{{ messages[0].content }}")
+    assert engine.scheduler.config.policy == "priority"
+    llm.wait_for_completion(use_tqdm=False)
+    monkeypatch.undo()
+    assert order.index(ids[2]) < order.index(ids[1]) < order.index(ids[0])
+
+
 @pytest.mark.parametrize(
     "prompts, params, error, match",
     [

@@ -144,6 +144,12 @@ def data_parallel(path: Path) -> dict:
             done = [m for m in llm.get_metrics() if m.name == "vllm:request_success"]
             out[name + "_finished_per_engine"] = {e: sum(m.value for m in done if m.labels["engine"] == e)
                                                   for e in out[name + "_engines"]}
+            # one prompt per enqueue call: each call counts what the replicas hold already
+            ids = [i for p, sp in zip(prompts, params) for i in llm.enqueue(p, sp)]
+            out[name + "_enqueued_per_replica"] = [len(e.request_ids()) for e in llm.engines]
+            outputs = llm.wait_for_completion(use_tqdm=False)
+            assert [o.request_id for o in outputs] == ids
+            out[name + "_enqueued"] = [[c.token_ids for c in o.outputs] for o in outputs]
     return out
 
 

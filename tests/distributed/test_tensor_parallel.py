@@ -140,6 +140,9 @@ def test_data_parallel_replicas_give_one_replicas_outputs(results):
     # requests spread over both replicas (by load: prompt + max tokens), none left running
     assert all(n > 0 for n in dp["dp2_finished_per_engine"].values())
     assert dp["dp2_replicas"] == [0, 0]
+    # enqueue + wait_for_completion as generate; prompts queued one call at a time still spread
+    assert dp["dp1_enqueued"] == dp["dp2_enqueued"] == dp["dp2tp2_enqueued"] == dp["dp1"]
+    assert dp["dp2_enqueued_per_replica"] == dp["dp2tp2_enqueued_per_replica"] == [4, 4]
 
 
 def test_bad_sizes_are_refused_naming_the_numbers(results):

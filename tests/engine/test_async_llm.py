@@ -317,6 +317,7 @@ def test_a_failed_engine_thread_fails_everything_with_engine_dead_error(checkpoi
         return streamed.value, later.value
 
     streamed, later = asyncio.run(main())
+    engine._thread.join(timeout=60)  # (the streams hear of the fault before the thread has freed the engine)
     assert all("injected thread fault" in repr(e.__cause__) for e in (streamed, later))
     assert engine.errored and not engine.is_running and isinstance(engine.dead_error, EngineDeadError)
     assert engine.engine.runner.closed
