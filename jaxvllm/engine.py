@@ -88,6 +88,9 @@ class LLMEngine:
         # The requests of the step being processed and their token counts before it: what a
         # failure before its outputs are committed takes them back to (`Request.roll_back`).
         self._processing: tuple[list[Request], list[int]] | None = None
+        # Outputs a step committed and could not return (an interrupt held during its last
+        # statements is raised on its way out): the next `step()` returns them.
+        self._carried: list[RequestOutput] = []
         # Across processes (jax.distributed) each one schedules for itself: the requests are
         # compared once they change, before the next step.
         self._multiprocess = jax.process_count() > 1
@@ -275,7 +278,7 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """Requests to finish, a dispatched step still to read, or outputs still to return."""
-        return (self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        return (self.scheduler.has_unfinished_requests() or self._in_flight is not None or bool(self._carried)
                 or any(c.parent_id in self._parents for c in self._unreported))
 
     # -- one step ----------------------------------------------------------------------
@@ -290,11 +293,16 @@ class LLMEngine:
         only while the host waits for the device; after any exception, `_recover` puts
         every running request back to be recomputed, then the exception propagates. The
         outputs it would have returned come with a later step: DELTA streams resend what
-        it built, and a request it finished gets its final output then.
+        it built, and a request it finished gets its final output then; outputs it had
+        committed already are what the next step returns.
         """
         self._check_open()
+        if self._carried:
+            outputs, self._carried = self._carried, []
+            return outputs
         if self._requests_changed:
             self._check_same_requests()
+        committed = None
         try:
             with defer_interrupts():
                 if self.runner.device_drafts:
@@ -322,7 +330,7 @@ class LLMEngine:
                 # the way out, it would take outputs that count as sent with it.
                 held.deliver()
                 self.output_processor.commit()  # (from here on the outputs are the caller's)
-                self._unreported, self._processing = [], None
+                self._unreported, self._processing, committed = [], None, outputs
                 for parent in done:
                     del self._parents[parent.request_id]
                 try:  # (the outputs are committed: a failure here must not lose them)
@@ -334,6 +342,8 @@ class LLMEngine:
         except BaseException:
             with defer_interrupts():
                 self._recover()
+                if committed is not None:
+                    self._carried = committed
             raise
 
     def _sample_constrained(self, launched: tuple[SchedulerOutput, PendingStep] | None = None) -> None:

@@ -174,29 +174,38 @@ class LLM:
         self._check_no_requests_by_hand()
         with old_objects_frozen():
             self._step_until(self._enqueued, use_tqdm)
-        done, self._enqueued = self._enqueued, []
-        return [self._finished.pop(rid) for rid in done if rid in self._finished]  # (one aborted by hand has none)
+        outputs = [self._finished[rid] for rid in self._enqueued if rid in self._finished]  # (none if aborted by hand)
+        for rid in self._enqueued:
+            self._finished.pop(rid, None)
+        self._enqueued = []
+        return outputs
 
     def chat(
         self,
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
         use_tqdm: bool | Callable[..., tqdm] = True,
         lora_request: Any = None,
-        **template_options: Any,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or a
-        list of them, rendered with the tokenizer's chat template. The template options are
-        vLLM's: `chat_template` (instead of the tokenizer's), `add_generation_prompt`,
-        `continue_final_message`, `chat_template_kwargs`, `tools` (transformers'
-        `apply_chat_template` takes them) and `chat_template_content_format`: content may be a
-        string, a list of OpenAI text parts or None, and the template gets it as one string
-        or as parts ("auto" detects which the template reads)."""
+        list of them, rendered with the tokenizer's chat template (or `chat_template`), with
+        vLLM's arguments in vLLM's order. `continue_final_message`, `chat_template_kwargs`
+        and `tools` go to the template (transformers' `apply_chat_template`). Content may be
+        a string, a list of OpenAI text parts or None; the template gets it as one string or
+        as parts (`chat_template_content_format`: "auto" detects which the template reads)."""
         self._check_open()
-        prompts = self._chat_prompts(messages, **template_options)
+        prompts = self._chat_prompts(messages, chat_template, chat_template_content_format, add_generation_prompt,
+                                     continue_final_message, tools, chat_template_kwargs)
         # The template writes any BOS itself, so the rendered text is tokenized without special tokens.
-        return self._run(prompts, sampling_params, None, use_tqdm, add_special_tokens=False, lora_request=lora_request)
+        return self._run(prompts, sampling_params, priority, use_tqdm, add_special_tokens=False,
+                         lora_request=lora_request)
 
     def enqueue_chat(
         self,
@@ -205,24 +214,21 @@ class LLM:
         use_tqdm: bool | Callable[..., tqdm] = True,
         lora_request: Any = None,
         priority: int | Sequence[int] | None = None,
-        **template_options: Any,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[str]:
         """vLLM's: `chat`'s conversations queued as `enqueue` queues prompts; their request ids."""
         self._check_open()
-        prompts = self._chat_prompts(messages, **template_options)
+        prompts = self._chat_prompts(messages, chat_template, chat_template_content_format, add_generation_prompt,
+                                     continue_final_message, tools, chat_template_kwargs)
         return self._enqueue(prompts, sampling_params, priority, lora_request, add_special_tokens=False)
 
-    def _chat_prompts(
-        self,
-        messages: list[dict] | list[list[dict]],
-        *,
-        chat_template: str | None = None,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        chat_template_kwargs: dict[str, Any] | None = None,
-        tools: list[dict] | None = None,
-        chat_template_content_format: str = "auto",
-    ) -> list[str]:
+    def _chat_prompts(self, messages, chat_template, chat_template_content_format, add_generation_prompt,
+                      continue_final_message, tools, chat_template_kwargs) -> list[str]:
         """Each conversation rendered with the chat template."""
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message=True needs add_generation_prompt=False")

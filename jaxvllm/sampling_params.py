@@ -218,8 +218,8 @@ class SamplingParams:
 
     def clone(self) -> SamplingParams:
         """vLLM's: a deep copy, whose fields a caller may change (output_kind, seed) without
-        touching the original."""
-        return copy.deepcopy(self)
+        touching the original; as vLLM's, logits processors are shared, not copied."""
+        return copy.deepcopy(self, memo={id(p): p for p in self.logits_processors or ()})
 
     @property
     def stop_strings(self) -> list[str]:

@@ -165,6 +165,10 @@ def test_enqueue_and_wait_for_completion(llm, monkeypatch):
     assert all(isinstance(i, str) for i in ids) and len(set(ids)) == 3
     with pytest.raises(ValueError, match="cannot be empty"):
         llm.enqueue(["Fine", ""], GREEDY)
+    import threading
+
+    with pytest.raises(ValueError, match="does not support per request user provided logits processors"):
+        llm.enqueue("Fine", SamplingParams(logits_processors=[threading.Lock()]))  # (shared by the copy, as vLLM's)
     assert sorted(engine.request_ids()) == sorted(ids)
     assert [o.outputs[0].token_ids for o in llm.generate(second, GREEDY, use_tqdm=False)] == want[3:]
     assert [o.outputs[0].token_ids for o in llm.wait_for_completion(use_tqdm=False)] == want[:3]

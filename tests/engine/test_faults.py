@@ -183,6 +183,33 @@ def test_ctrl_c_while_a_step_builds_its_outputs_loses_none(case, monkeypatch, ki
     assert_healthy(llm, want)
 
 
+@pytest.mark.parametrize("kind", ["DELTA", "CUMULATIVE"])
+def test_ctrl_c_after_a_step_committed_its_outputs_loses_none(case, monkeypatch, kind):
+    """A SIGINT that lands after a step committed its outputs (here while it records the
+    metrics of the requests it finished) is raised on the step's way out, and the next
+    step returns those outputs. Before, they were lost: sent, as far as the engine knew."""
+    from jaxvllm import RequestOutputKind
+    from jaxvllm.metrics import MetricsCollector
+
+    llm, want = case
+    engine, kind = llm.llm_engine, RequestOutputKind[kind]
+    reference = run_by_hand(engine, kind)
+    real, calls = MetricsCollector.record_parent_finished, []
+
+    def interrupted(self, children):
+        calls.append(1)
+        if len(calls) in (1, 3):
+            signal.raise_signal(signal.SIGINT)  # (held: the step's bookkeeping is under way)
+        return real(self, children)
+
+    monkeypatch.setattr(MetricsCollector, "record_parent_finished", interrupted)
+    got = run_by_hand(engine, kind)
+    monkeypatch.undo()
+    assert len(calls) > 3 and got == reference
+    assert all(finals == 1 and reason == "length" for _, reason, finals in got.values())
+    assert_healthy(llm, want)
+
+
 def raise_at_line(function, text: str = "", line: int | None = None, hit: int = 1) -> None:
     """Raise RuntimeError("injected") the `hit`-th time the line of `function` that holds
     `text` (or line number `line`) is about to run: an exception where no Ctrl-C can land
