@@ -331,13 +331,10 @@ class LLMEngine:
                 held.deliver()
                 self.output_processor.commit()  # (from here on the outputs are the caller's)
                 self._unreported, self._processing, committed = [], None, outputs
-                for parent in done:
+                for parent in done:  # (all forgotten before a failure in the metrics can stop it)
                     del self._parents[parent.request_id]
-                try:  # (the outputs are committed: a failure here must not lose them)
-                    for parent in done:
-                        self.metrics.record_parent_finished(parent.children)
-                except Exception:
-                    logger.exception("recording the metrics of finished requests failed")
+                for parent in done:
+                    self.metrics.record_parent_finished(parent.children)
                 return outputs
         except BaseException:
             with defer_interrupts():
@@ -376,8 +373,7 @@ class LLMEngine:
             appended = [len(r.token_ids) - n for r, n in zip(requests, lengths)]
             self.metrics.record_spec_decode(out.scheduled.num_drafts, result.num_accepted)
             if self._backoff is not None:
-                for request, drafts, accepted in zip(out.scheduled.requests, out.scheduled.num_drafts,
-                                                     result.num_accepted):
+                for request, drafts, accepted in zip(requests, out.scheduled.num_drafts, result.num_accepted):
                     self._backoff.record(request.request_id, int(drafts), int(accepted))
         self.metrics.record_step(updated, now, None if appended is None else sum(appended))
         if result.logprobs is not None or result.prompt_logprobs is not None:

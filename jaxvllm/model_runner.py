@@ -290,13 +290,18 @@ class ModelRunner:
         if compiles is not None:
             compiles.cancel()
         drafter = self.__dict__.get("drafter")
-        made = [self.__dict__.get(name) for name in ("_params", "kv_caches", "sampler_state", "last_sampled",
-                                                     "draft_rows")]
-        made += drafter.arrays() if drafter is not None else []
-        for array in jax.tree.leaves(made):
-            if isinstance(array, jax.Array) and not array.is_deleted():
-                array.delete()
+        self._delete_arrays([self.__dict__.get(name) for name in ("_params", "kv_caches", "sampler_state",
+                                                                  "last_sampled", "draft_rows")],
+                            drafter.arrays() if drafter is not None else [])
         self._params = self.flat_params = None
+
+    def _delete_arrays(self, *trees) -> None:
+        """Delete the device arrays in `trees` now (even if something else still refers to
+        them), but not those update_weights took as they were (a trainer's)."""
+        given = self.__dict__.get("_given", ())
+        for array in jax.tree.leaves(trees):
+            if isinstance(array, jax.Array) and not array.is_deleted() and id(array) not in given:
+                array.delete()
 
     def _set_up(self, config: EngineConfig) -> None:
         self.config = c = config
@@ -895,9 +900,7 @@ class ModelRunner:
         self.compiles.cancel()
         draft = self.drafter.arrays() if self.drafter is not None else []
         draft += self.lora.arrays() if self.lora is not None else []
-        for array in jax.tree.leaves((self.params, self.kv_caches, self.sampler_state, self.last_sampled, draft)):
-            if isinstance(array, jax.Array) and not array.is_deleted() and id(array) not in self._given:
-                array.delete()
+        self._delete_arrays(self.params, self.kv_caches, self.sampler_state, self.last_sampled, draft)
         self.params = self.kv_caches = self.sampler_state = self.last_sampled = self._host_params = None
         self._forward = self._sampler = self._prompt_logprobs = self._write_row = None
         self.draft = self.eagle = self.drafter = self.lora = None

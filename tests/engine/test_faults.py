@@ -183,10 +183,11 @@ def test_ctrl_c_while_a_step_builds_its_outputs_loses_none(case, monkeypatch, ki
     assert_healthy(llm, want)
 
 
+@pytest.mark.parametrize("error", ["SIGINT", "RuntimeError"])
 @pytest.mark.parametrize("kind", ["DELTA", "CUMULATIVE"])
-def test_ctrl_c_after_a_step_committed_its_outputs_loses_none(case, monkeypatch, kind):
-    """A SIGINT that lands after a step committed its outputs (here while it records the
-    metrics of the requests it finished) is raised on the step's way out, and the next
+def test_a_failure_after_a_step_committed_its_outputs_loses_none(case, monkeypatch, kind, error):
+    """A SIGINT or an exception after a step committed its outputs (here while it records
+    the metrics of the requests it finished) is raised on the step's way out, and the next
     step returns those outputs. Before, they were lost: sent, as far as the engine knew."""
     from jaxvllm import RequestOutputKind
     from jaxvllm.metrics import MetricsCollector
@@ -199,6 +200,8 @@ def test_ctrl_c_after_a_step_committed_its_outputs_loses_none(case, monkeypatch,
     def interrupted(self, children):
         calls.append(1)
         if len(calls) in (1, 3):
+            if error == "RuntimeError":
+                raise RuntimeError("injected")
             signal.raise_signal(signal.SIGINT)  # (held: the step's bookkeeping is under way)
         return real(self, children)
 
