@@ -16,6 +16,7 @@ import hashlib
 import logging
 import os
 import time
+from functools import partial
 from typing import Any, Callable, Iterable
 
 import jax
@@ -88,6 +89,9 @@ class LLMEngine:
         # The requests of the step being processed and their token counts before it: what a
         # failure before its outputs are committed takes them back to (`Request.roll_back`).
         self._processing: tuple[list[Request], list[int]] | None = None
+        # The metrics that step records, applied once its outputs are committed: tokens a
+        # failure takes back are counted once, when they come again.
+        self._metrics_due: list[Callable[[], None]] = []
         # Outputs a step committed and could not return (an interrupt held during its last
         # statements is raised on its way out): the next `step()` returns them.
         self._carried: list[RequestOutput] = []
@@ -333,6 +337,9 @@ class LLMEngine:
                 self._unreported, self._processing, committed = [], None, outputs
                 for parent in done:  # (all forgotten before a failure in the metrics can stop it)
                     del self._parents[parent.request_id]
+                due, self._metrics_due = self._metrics_due, []
+                for record in due:
+                    record()
                 for parent in done:
                     self.metrics.record_parent_finished(parent.children)
                 return outputs
@@ -371,20 +378,24 @@ class LLMEngine:
         appended = None
         if result.num_accepted is not None:  # (tokens a request got: more than one when it accepted drafts)
             appended = [len(r.token_ids) - n for r, n in zip(requests, lengths)]
-            self.metrics.record_spec_decode(out.scheduled.num_drafts, result.num_accepted)
+            self._metrics_due.append(partial(self.metrics.record_spec_decode, out.scheduled.num_drafts,
+                                             result.num_accepted))
             if self._backoff is not None:
                 for request, drafts, accepted in zip(requests, out.scheduled.num_drafts, result.num_accepted):
                     self._backoff.record(request.request_id, int(drafts), int(accepted))
-        self.metrics.record_step(updated, now, None if appended is None else sum(appended))
         if result.logprobs is not None or result.prompt_logprobs is not None:
             self.output_processor.record_logprobs(out.scheduled, result, set(map(id, updated)), appended)
-        finished = [r.request_id for r in ended]
+        finished, done = [r.request_id for r in ended], []
         for request in updated:
             if request.has_stop_strings and self.output_processor.detokenize(request) and not request.is_finished:
                 self.scheduler.finish(request, "stop")  # a stop string ends it
             if request.status is RequestStatus.FINISHED:
                 finished.append(request.request_id)
-                self.metrics.record_finished(request)  # its finish reason is final: stop strings were checked
+                done.append(request)
+        # (counted once stop strings were checked: accepted drafts past one are dropped)
+        num_tokens = None if appended is None else sum(len(r.token_ids) for r in requests) - sum(lengths)
+        self._metrics_due.append(partial(self.metrics.record_step, updated, now, num_tokens))
+        self._metrics_due.extend(partial(self.metrics.record_finished, request) for request in done)
         self.runner.release(finished)
         if self.proposer is not None and not self.runner.device_drafts:
             self._propose_drafts(out.scheduled)
@@ -474,7 +485,7 @@ class LLMEngine:
                 continue
             if grammar.dead_end:
                 self._finish_at_dead_end(request)
-                self.metrics.record_finished(request)
+                self._metrics_due.append(partial(self.metrics.record_finished, request))
                 ended.append(request)
             elif grammar.dead_end_at is not None and result.num_accepted[i] >= grammar.dead_end_at:
                 result.num_accepted, result.sampled = result.num_accepted.copy(), result.sampled.copy()  # (read-only)
@@ -513,6 +524,7 @@ class LLMEngine:
         consumed are made anew (the prefix cache too, if the KV cache was). A step whose
         outputs were not committed gives back the tokens it appended: its bookkeeping may
         have stopped anywhere (tokens without logprobs, text or finish checks)."""
+        self._metrics_due = []
         if self._processing is not None:
             requests, lengths = self._processing
             self._processing = None

@@ -139,7 +139,8 @@ class Request:
     def roll_back(self, num_tokens: int) -> None:
         """Take back the tokens past the first `num_tokens`, and what they ended or recorded:
         a failed step's, whose bookkeeping may have stopped anywhere (recomputed, they come
-        out the same). The detokenizer and the grammar replay the tokens kept."""
+        out the same). The detokenizer and the grammar replay the tokens kept.
+        The engine records a step's metrics only once it is committed."""
         del self.token_ids[num_tokens:]
         kept = self.output_token_ids
         if self.logprobs is not None:
@@ -150,6 +151,8 @@ class Request:
         if self.status is RequestStatus.FINISHED:
             self.status = RequestStatus.PREEMPTED
         self.finish_reason = self.stop_reason = None
+        if not kept:  # (its first token comes again: timed then)
+            self.metrics.first_token_time = None
         if self.detokenizer is not None and self.num_detokenized:
             self.detokenizer = self.detokenizer.restarted(self.prompt_token_ids)
             self.num_detokenized = 0

@@ -292,12 +292,29 @@ def stream(engine: LLMEngine, params: list[SamplingParams]) -> tuple[dict, int]:
     return seen, failures
 
 
+def counted(engine: LLMEngine) -> tuple:
+    """The metrics a run of `stream` adds to: tokens, finishes and histogram counts (with
+    drafts, steps recomputed after a failure may emit a request's tokens in other steps:
+    inter-token gaps, one per step a request gets tokens in, are not counted then)."""
+    m = engine.metrics
+    gaps = sum(m.inter_token_latency.counts) if engine.proposer is None else None
+    return (m.generation_tokens, m.prompt_tokens, m.prompt_tokens_computed, dict(m.request_success), gaps,
+            *(sum(h.counts) for h in (m.time_to_first_token, m.e2e_request_latency, m.request_decode_time)),
+            m.request_generation_tokens.sum, m.iteration_tokens.sum)
+
+
+def added(before: tuple, after: tuple) -> tuple:
+    return tuple({k: after[i][k] - v for k, v in b.items()} if isinstance(b, dict)
+                 else None if b is None else after[i] - b for i, b in enumerate(before))
+
+
 def test_an_exception_at_any_line_of_the_output_bookkeeping(case):
     """Wherever a step's output bookkeeping stops (a bug, a MemoryError: a Ctrl-C waits for
     it to end), the tokens it appended are taken back and recomputed: the streamed pieces,
     logprobs, text, stop strings, finish reasons and a structured output come out as in a
     run without the failure. Before, a request could keep a token without its logprob,
-    go past max_tokens, or leave its detokenizer or grammar a token ahead."""
+    go past max_tokens, or leave its detokenizer or grammar a token ahead; and its metrics
+    counted the tokens taken back twice."""
     from jaxvllm import RequestOutputKind, StructuredOutputsParams
 
     llm, want = case
@@ -309,19 +326,24 @@ def test_an_exception_at_any_line_of_the_output_bookkeeping(case):
                              include_stop_str_in_output=i == 3, **common) for i, text in enumerate(texts)]
     params[4] = SamplingParams(max_tokens=10, structured_outputs=StructuredOutputsParams(regex=r"[a-z]{2,5} \d{1,2}"),
                                **common)
+    before = counted(engine)
     reference, _ = stream(engine, params)
+    reference_metrics = added(before, counted(engine))
+    assert reference_metrics[0] == sum(len(got) for got, *_ in reference.values())  # (drafts past a stop: dropped)
     assert any(reason == "stop" for *_, reason, _ in reference.values())
     injected = 0
     for function in OUTPUT_BOOKKEEPING:
         first = function.__code__.co_firstlineno
         for line in sorted({n for *_, n in function.__code__.co_lines() if n is not None and n > first}):
             raise_at_line(function, line=line, hit=2)
+            before = counted(engine)
             try:
                 got, failures = stream(engine, params)
             finally:
                 sys.settrace(None)
             where = f"{function.__qualname__}, line {line - first}"
             assert got == reference or not failures, where
+            assert added(before, counted(engine)) == reference_metrics, where  # (tokens taken back count once)
             injected += failures
             stats = llm.stats()
             assert stats["num_free_blocks"] == stats["num_gpu_blocks"], where
