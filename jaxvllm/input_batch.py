@@ -11,8 +11,8 @@ and of the device buffer of last sampled tokens.
 `BatchLayout` is the static shape of a step (T tokens, S sequence rows, W block-table
 columns): every field of the batch, model inputs and sampling tensors alike, has a
 fixed place in one int32 vector (floats and uint32 seeds bitcast), so that the host
-fills it with numpy and ships it with one `device_put`, and the jitted functions slice
-it back apart.
+fills it with numpy and hands it to the jitted call as one array (one transfer), and
+the jitted functions slice it back apart.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ block_size, head_dim] (the layout is documented in `pallas_kernels/__init__.py`)
 KV heads under a mesh: a step takes two cache arguments (three with an fp8 cache's scales)
 whatever the depth, and each layer's kernels read its pages in place. An fp8 cache adds
 each layer's float32 (k_scale, v_scale) per KV head. The cache is
-allocated once, after a profiling run of the largest step has shown how much memory is
-left (vLLM's `gpu_memory_utilization`); the block pool that hands its blocks out is
+allocated once: on a GPU after a profiling run of the largest step has shown how much
+memory is left (vLLM's `gpu_memory_utilization`), on a CPU for every sequence within a
+fixed budget (`CPU_KV_CACHE_BYTES`); the block pool that hands its blocks out is
 `jaxvllm/kv_cache_manager.py`.
 """
 

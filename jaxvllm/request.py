@@ -75,7 +75,8 @@ class Request:
         self.arrival_index = arrival_index  # FCFS order and priority tie-break
         self.seed = seed  # the engine derives it from params.seed (+ completion index) or its own seed
         self.num_computed_tokens = 0
-        # Tokens sampled on the device but not yet appended here (async scheduling: at most 1).
+        # Tokens sampled on the device but not yet appended here (async scheduling: 1, or 1 + d
+        # while d drafts are verified: `ScheduledRequest.num_in_flight`).
         self.num_pending = 0
         self.num_cached_tokens: int | None = None  # prefix-cache hit on first admission
         self.cache_salt = cache_salt  # requests with different salts never share cached blocks

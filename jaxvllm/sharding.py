@@ -3,7 +3,7 @@
 One `jax.sharding.Mesh` with a single "tp" axis over `tensor_parallel_size` devices (of
 every process, when `jax.distributed` joins several: see `device_group`).
 The split is Megatron's, stated per parameter (`param_partition`) over the model's
-head-explicit layout (see `jaxvllm/models/llama.py`):
+head-explicit layout (see `jaxvllm/models/common.py`):
 
 - q/k/v projections (and their biases) by heads, gate/up by columns: each device computes
   its heads and its slice of the MLP with no communication;

@@ -2,7 +2,7 @@
 HF tensors by name, as vLLM's `load_weights` takes them, turned into the params' layout
 on the device.
 
-Each HF tensor name maps to one place in the params (`WeightIndex`): a parameter, or one
+Each HF tensor name maps to one place in the params (`weight_index`): a parameter, or one
 layer's row of a stack (or element of a list), a part of a merged parameter (the CPU's
 qkv_proj, gate_up_proj), one expert of a stack. The new value is made with jnp from the
 tensor where it already lies (a jax array is never moved through the host): HF's [out,

@@ -27,7 +27,8 @@ accepted, and any other value, or a `max_batch_size`, is refused with a message 
 `device` is accepted and ignored: JAX picks the device. From Python,
 `JaxvllmLM(llm=an_existing_LLM)` reuses a loaded engine.
 
-How each request type runs (all requests of one call in ONE `LLM.generate`):
+How each request type runs (all requests of one call in one `LLM.generate`, or a few past
+PROMPT_TOKENS_PER_CALL prompt tokens):
 - loglikelihood: context and continuation are tokenized as lm-eval's HF model does (the
   whole string encoded and split at the context's length, trailing spaces of the context
   moved to the continuation); the prompt is context + continuation (left-truncated to
