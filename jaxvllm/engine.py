@@ -538,13 +538,14 @@ class LLMEngine:
         if self.runner.recover():
             self._reset_prefix_cache()
 
-    def _recompute_all(self) -> None:
+    def _recompute_all(self, preempting: bool = False) -> None:
         """Drop the step in flight (its tokens come out the same when recomputed) and the
         blocks registered for a step never dispatched; the scheduler and KV blocks are made
         anew from the requests the caller knows (`_parents`), each to be recomputed."""
         self._in_flight = None
         self.kv_cache_manager.rollback()
-        self.scheduler.recompute_all(child for parent in self._parents.values() for child in parent.children)
+        self.scheduler.recompute_all((child for parent in self._parents.values() for child in parent.children),
+                                     preempting)
 
     # -- state ---------------------------------------------------------------------------
 
@@ -588,6 +589,9 @@ class LLMEngine:
             "prefix_cache_queries": kv.stats.queries,
             "prefix_cache_hits": kv.stats.hits,
             "prefix_cache_hit_rate": kv.stats.hit_rate,
+            # (lookups of requests readmitted after a preemption, apart: vLLM's)
+            "prefix_cache_preempted_queries": kv.stats.preempted_queries,
+            "prefix_cache_preempted_hits": kv.stats.preempted_hits,
             # host time spent filling structured-output bitmasks, and the steps that needed one
             "structured_output_mask_seconds": so.mask_seconds if so else 0.0,
             "structured_output_mask_steps": so.mask_steps if so else 0,
@@ -718,7 +722,7 @@ class LLMEngine:
                                "or pass reset_running_requests=True)", len(holders))
                 return False
             with defer_interrupts():
-                self._recompute_all()
+                self._recompute_all(preempting=True)
                 self.runner.release(holders)  # (their rows' device state is rebuilt on readmission)
         self._reset_prefix_cache()
         return True

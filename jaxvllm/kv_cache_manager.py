@@ -136,8 +136,13 @@ class BlockPool:
 
 @dataclass
 class PrefixCacheStats:
-    queries: int = 0  # prompt (+ output, on resume) tokens looked up
+    """vLLM's: lookups at a request's first admission; those of a request readmitted (after
+    a preemption or a failure) apart, as they find its own blocks."""
+
+    queries: int = 0  # prompt tokens looked up
     hits: int = 0  # of those, tokens found in cached blocks
+    preempted_queries: int = 0  # prompt and output tokens looked up on readmission
+    preempted_hits: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -277,8 +282,13 @@ class KVCacheManager:
             self.pool.uncache(block)
         self._uncommitted.clear()
 
-    def record_prefix_hits(self, num_queried: int, num_hit: int) -> None:
-        if self.enable_prefix_caching:
+    def record_prefix_hits(self, num_queried: int, num_hit: int, readmitted: bool) -> None:
+        if not self.enable_prefix_caching:
+            return
+        if readmitted:
+            self.stats.preempted_queries += num_queried
+            self.stats.preempted_hits += num_hit
+        else:
             self.stats.queries += num_queried
             self.stats.hits += num_hit
 

@@ -271,7 +271,7 @@ class MetricsCollector:
         last_token_time = self._last_token_time.pop(request, None)
         if m.first_scheduled_time is None:
             return
-        self.request_queue_time.observe(m.first_scheduled_time - m.arrival_time)
+        self.request_queue_time.observe(m.first_scheduled_time - m.queued_time)  # (vLLM's: not from arrival)
         if m.first_token_time is None or last_token_time is None:
             return
         decode_time = last_token_time - m.first_token_time

@@ -35,6 +35,7 @@ class RequestMetrics:
     """Wall-clock times (time.time()) of a request's milestones."""
 
     arrival_time: float
+    queued_time: float | None = None  # when the engine queued it (an `arrival_time` given may be earlier)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None

@@ -183,6 +183,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.check_fits(request.num_prompt_tokens, request.max_tokens)
+        request.metrics.queued_time = time.time()
         self.requests[request.request_id] = request
         self.waiting.add(request)
         if not request.stop_ids <= self._stop_ids:  # every request's stop ids: tokens the vectorized update checks
@@ -371,7 +372,8 @@ class Scheduler:
             request.num_computed_tokens = num_cached + num_new
             request.num_pending += scheduled_request.num_in_flight
             if request.read_prefix_cache:  # (as vLLM's: a request that skips the lookup is no query)
-                kv.record_prefix_hits(request.num_tokens, num_cached)
+                kv.record_prefix_hits(request.num_tokens, num_cached,
+                                      readmitted=request.metrics.first_scheduled_time is not None)
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_cached
             if request.metrics.first_scheduled_time is None:
@@ -426,13 +428,15 @@ class Scheduler:
         request.num_computed_tokens = 0
         self.waiting.add(request)
 
-    def recompute_all(self, unfinished: Iterable[Request]) -> None:
+    def recompute_all(self, unfinished: Iterable[Request], preempting: bool = False) -> None:
         """After a failure (a step's, or any in the engine's bookkeeping): the scheduler is
         made anew from `unfinished`, the requests the engine still answers for. Each waits
         to be recomputed from its tokens on the host; tokens still on the device are
         forgotten (sampling depends only on (seed, position), so they come out the same);
         every KV block is released. So whatever a failure left half done (a request in no
-        queue, a finished one still holding blocks, one nobody answers for) is gone."""
+        queue, a finished one still holding blocks, one nobody answers for) is gone.
+        `preempting`: the running requests count as preempted (a reset of the prefix cache
+        preempts them, as vLLM's does; a recovery does not)."""
         self.requests, self.running, self._rows = {}, [], None
         self.waiting.clear()
         for request in unfinished:
@@ -442,6 +446,9 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 request.status = RequestStatus.PREEMPTED
+                if preempting:
+                    request.num_preemptions += 1
+                    self.num_preemptions += 1
             request.num_computed_tokens = request.num_pending = 0
             request.spec_token_ids = []
             self.requests[request.request_id] = request

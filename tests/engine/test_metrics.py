@@ -234,3 +234,20 @@ def test_vllm_reader_module_path():
 
     assert (Counter, Gauge, Histogram, Vector) == (jaxvllm.metrics.Counter, jaxvllm.metrics.Gauge,
                                                    jaxvllm.metrics.Histogram, jaxvllm.metrics.Vector)
+
+
+def test_queue_time_counts_from_when_the_engine_queued_the_request(llm):
+    """vLLM's queue time runs from when the scheduler got the request (queued_ts), not from
+    an `arrival_time` the caller gave: that one moves only end-to-end latency and TTFT."""
+    import time
+
+    engine = llm.llm_engine
+    before = read(llm)
+    engine.add_request("early", tokens(3, 5), greedy(2), arrival_time=time.time() - 100)
+    while engine.has_unfinished_requests():
+        engine.step()
+    after = read(llm)
+    assert changed(before, after, "vllm:e2e_request_latency_seconds")[1] >= 100
+    assert changed(before, after, "vllm:time_to_first_token_seconds")[1] >= 100
+    count, total, _ = changed(before, after, "vllm:request_queue_time_seconds")
+    assert count == 1 and total < 50

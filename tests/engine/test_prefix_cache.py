@@ -296,7 +296,8 @@ def test_preempted_request_hits_its_own_blocks(tiny_checkpoint):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
     stats = llm.stats()
-    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_preempted_hits"] > 0
+    assert stats["prefix_cache_queries"] == 4 * 60  # (vLLM's: the first admissions only)
     cold = LLM(tiny_checkpoint("llama"), **ENGINE, enable_prefix_caching=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in cold.generate(prompts, params, use_tqdm=False)]
 
@@ -327,11 +328,15 @@ def test_reset_with_running_requests_is_refused_unless_asked(async_scheduling, t
     assert llm.reset_prefix_cache() is False  # (requests hold blocks: nothing forgotten)
     assert engine.stats()["prefix_cache_queries"] > 0
     steps(2)
+    preemptions, running = engine.stats()["num_preemptions"], len(engine.scheduler.running)
     assert llm.reset_prefix_cache(reset_running_requests=True) is True
     stats = engine.stats()
     assert stats["prefix_cache_queries"] == 0 and stats["num_free_blocks"] == stats["num_gpu_blocks"]
+    assert running and stats["num_preemptions"] == preemptions + running  # (vLLM's: each is preempted)
     while engine.has_unfinished_requests():
         steps(1)
+    assert engine.stats()["prefix_cache_queries"] == 0  # (readmitted after a preemption: no new query)
+    assert engine.stats()["prefix_cache_preempted_queries"] > 0
     assert [finished[str(i)] for i in range(3)] == expected
     assert engine.stats()["num_free_blocks"] == engine.stats()["num_gpu_blocks"]
     assert llm.reset_prefix_cache() is True
