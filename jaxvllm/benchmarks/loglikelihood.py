@@ -110,6 +110,10 @@ def run(model: str, workloads: list[str], num_docs: int, hf_batch_size: int, eng
     for name in workloads:
         docs = workload(name, num_docs, vocab)
         requests = [r for doc in docs for r in doc]
+        longest = max(len(c) + len(t) for _, c, t in requests)
+        if longest > lm.max_length + 1:  # (truncated, the backends would score different windows)
+            raise ValueError(f"the {name} workload's longest request is {longest} tokens: --max-model-len must be "
+                             f"at least {longest + 1} (it is {lm.max_model_len})")
         figures: dict[str, Any] = {"docs": len(docs), "requests": len(requests),
                                    "tokens": sum(len(c) + len(t) for _, c, t in requests)}
         llm.reset_prefix_cache()  # (nothing cached from an earlier workload)
@@ -149,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="also score with hf in float64 and compare both float32 runs with it")
     parser.add_argument("--json", type=Path, help="write the figures and the environment here")
     args = parser.parse_args(argv)
+    if args.docs < 1:
+        parser.error(f"--docs {args.docs}: at least 1")
     engine_args = {"max_model_len": args.max_model_len, "dtype": args.dtype, **args.engine_args}
     report = {"model": args.model, "engine_args": engine_args, "hf_batch_size": args.hf_batch_size,
               **run(args.model, args.workloads, args.docs, args.hf_batch_size, engine_args,

@@ -36,3 +36,14 @@ def test_scores_equal_hf(tiny_checkpoint, tmp_path, capsys):
             assert figures["float64"][backend]["max_abs_diff"] < 1e-4
             assert figures["float64"][backend]["greedy_differs"] == 0
     assert report["jaxvllm_stats"]["prefix_cache_hits"] > 0  # the shared contexts were read from the cache
+
+
+def test_refuses_what_would_compare_different_work(tiny_checkpoint, capsys):
+    """No documents, or a max_model_len under the workload's prompts (each backend would
+    truncate its own way, and the report would compare different windows): clear errors."""
+    with pytest.raises(SystemExit):
+        main(["--model", str(tiny_checkpoint("llama")), "--docs", "0"])
+    assert "--docs 0" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="mmlu workload's longest request is .* --max-model-len must be at least"):
+        main(["--model", str(tiny_checkpoint("llama")), "--docs", "1", "--workloads", "mmlu", "--max-model-len", "256",
+              "--no-full-prompt"])

@@ -313,3 +313,107 @@ def test_command_line_wrapper(task_dir, tiny_checkpoint, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "local_mc" in result.stdout and "local_gen" in result.stdout and "acc" in result.stdout
     assert list((tmp_path / "out").rglob("results_*.json"))
+
+
+def bos_checkpoint(path: Path, folder: Path) -> Path:
+    """A copy of a tiny Llama whose tokenizer adds BOS itself, with a chat template that starts
+    with the BOS text and refuses the system role (Gemma's and Mistral's templates do both)."""
+    import shutil
+
+    from tokenizers import Tokenizer, processors
+
+    shutil.copytree(path, folder)
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                             special_tokens=[("<s>", 1)])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}"
+        "{{ raise_exception('System role not supported') }}{% endif %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n"
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_bos_chat_templates_and_special_stops_as_lm_eval_hf(tiny_checkpoint, tmp_path, monkeypatch):
+    """What lm-eval's hf model does, on the same requests: `add_bos_token=True` puts a BOS
+    before every string on a tokenizer that adds none itself, and no second one on a string
+    that starts with it (a chat template's); a template that refuses the system role is
+    applied again without it; a stop sequence that is one special token ends generation
+    (the text leaves special tokens out, so it stops as a token id)."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    import jaxvllm.integrations.lm_eval as integration
+
+    def both(path: Path, **kwargs):
+        ours = integration.JaxvllmLM(pretrained=str(path), dtype="float32", max_length=64, **kwargs)
+        return ours, HFLM(pretrained=str(path), dtype="float32", device="cpu", max_length=64, batch_size=2, **kwargs)
+
+    scored = [("The capital of", " the dog"), ("<s>hello", " world")]
+    requests = [Instance("loglikelihood", {}, r, i) for i, r in enumerate(scored)]
+    for path in (tiny_checkpoint("llama"), bos_checkpoint(tiny_checkpoint("llama"), tmp_path / "bos")):
+        ours, hf = both(path, add_bos_token=True)
+        for text in ("hello world", "<s><|user|>\nhello\n"):
+            assert ours.tok_encode(text) == hf.tok_encode(text), (path.name, text)
+        assert ours.tok_encode("hello world")[0] == 1
+        for (a, greedy_a), (b, greedy_b) in zip(ours.loglikelihood(requests, True), hf.loglikelihood(requests, True)):
+            assert abs(a - b) < 1e-3 and greedy_a == greedy_b
+        ours.shutdown()
+    history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}]
+    assert ours.apply_chat_template(history) == hf.apply_chat_template(history) == "<s><|user|>\nhello\n<|assistant|>\n"
+
+    ours, hf = both(tiny_checkpoint("qwen3"))
+    asked = []
+    original = LLM.generate
+    monkeypatch.setattr(LLM, "generate", lambda self, prompts, params, *a, **k: asked.extend(params)
+                        or original(self, prompts, params, *a, **k))
+    # (this prompt's greedy continuation holds <s>, a special token, at its 13th token)
+    request = [Instance("generate_until", {}, ("hello time paged world once keys brown stores",
+                                               {"until": ["<s>"], "max_gen_toks": 24, "do_sample": False}), 0)]
+    assert ours.generate_until(request, True) == hf.generate_until(request, True)
+    assert 1 in asked[0].stop_token_ids
+    ours.shutdown()
+
+
+def test_reasoning_model_options(tiny_checkpoint, tmp_path):
+    """lm-eval's options for reasoning models, as its vllm model takes them: enable_thinking
+    and chat_template_args reach the chat template; with think_end_token the answer is what
+    follows it, the task's stop sequences cut only that (they stop nothing while it thinks)."""
+    import shutil
+
+    from lm_eval.api.instance import Instance
+
+    import jaxvllm.integrations.lm_eval as integration
+
+    path = tmp_path / "thinking"
+    shutil.copytree(tiny_checkpoint("qwen3"), path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                               "{% if enable_thinking %}<think>{% endif %}[{{ style }}]")
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="think_end_token is required"):
+        integration.JaxvllmLM(pretrained=str(path), enable_thinking=True)
+    with pytest.raises(ValueError, match="truncation_side='right' is not supported"):
+        integration.JaxvllmLM(pretrained=str(path), truncation_side="right")
+    with pytest.raises(ValueError, match="max_length=1000000 needs max_model_len 1000002 .* at most 2 below"):
+        integration.JaxvllmLM(pretrained=str(path), max_length=10**6)
+
+    plain = integration.JaxvllmLM(pretrained=str(path), dtype="float32", max_model_len=64,
+                                  chat_template_args={"style": "terse"})
+    assert plain.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi[terse]"
+    prompt = "hello time paged world once keys brown stores"
+    request = [Instance("generate_until", {}, (prompt, {"until": [], "max_gen_toks": 16, "do_sample": False}), 0)]
+    [whole] = plain.generate_until(request, True)
+    marker = whole[len(whole) // 3:len(whole) // 3 + 2]
+    after = whole.split(marker)[-1].lstrip()
+    stop = after[len(after) // 2]  # (its first occurrence in the whole text may be in the thoughts)
+    plain.shutdown()
+
+    thinking = integration.JaxvllmLM(pretrained=str(path), dtype="float32", max_model_len=64, enable_thinking=True,
+                                     think_end_token=marker, chat_template_args={"style": "terse"})
+    assert thinking.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi<think>[terse]"
+    request = [Instance("generate_until", {}, (prompt, {"until": [stop], "max_gen_toks": 16, "do_sample": False}), 0)]
+    assert thinking.generate_until(request, True) == [after.split(stop)[0]]
+    thinking.shutdown()

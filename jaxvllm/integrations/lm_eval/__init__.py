@@ -17,7 +17,10 @@ line with the same arguments):
 `model_args`: `pretrained` (a local checkpoint folder, or `dummy:NAME` for random weights),
 `max_length` (the token window scored at once, lm-eval's meaning; default max_model_len - 2,
 since the engine also needs room for the one token each scoring request generates),
-`max_gen_toks` (default 256), `add_bos_token`, `prefix_token_id`, and any `LLM(...)` engine
+`max_gen_toks` (default 256), `add_bos_token`, `prefix_token_id`, the reasoning models' options
+of lm-eval's `vllm` and `hf` models (`enable_thinking`, `chat_template_args`, passed to the chat
+template, and `think_end_token`: a generation's text is what follows it, the task's stop
+sequences applied to that answer only), and any `LLM(...)` engine
 argument (`dtype`, `max_model_len`, `max_num_seqs`, `max_num_batched_tokens`,
 `gpu_memory_utilization`, `attention_backend`, ...). lm-eval's `batch_size` is not a knob here:
 every request of a call goes to the engine at once, and its scheduler batches them
@@ -47,17 +50,21 @@ PROMPT_TOKENS_PER_CALL prompt tokens):
   `SamplingParams(temperature=0 unless the task samples, max_tokens=max_gen_toks,
   stop=until + [EOS text])`, the text then cut at the first stop sequence as lm-eval does.
   Special tokens are left out of the text, as lm-eval's `hf` model decodes (its `vllm`
-  model keeps them, `skip_special_tokens=False`, unless a task's gen_kwargs say otherwise).
+  model keeps them, `skip_special_tokens=False`, unless a task's gen_kwargs say otherwise);
+  a stop sequence that is one special token stops as that token's id.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import logging
 import tempfile
 from pathlib import Path
 from typing import Any
 
+import jinja2
 import numpy as np
 
 import lm_eval.models  # noqa: F401  lm-eval's own models first: `get_model("hf")` must keep working
@@ -120,10 +127,22 @@ class JaxvllmLM(TemplateLM):
         max_batch_size: Any = None,
         device: Any = None,
         lora_local_path: str | None = None,
+        enable_thinking: bool | None = None,
+        chat_template_args: dict | None = None,
+        think_end_token: str | None = None,
+        truncation_side: str = "left",
         **engine_kwargs: Any,
     ) -> None:
         super().__init__()
         check_batch_size(batch_size, max_batch_size)
+        if enable_thinking and think_end_token is None:  # (lm-eval's message)
+            raise ValueError(f"Got {enable_thinking=}, but {think_end_token=}. think_end_token is required when "
+                             "using `enable_thinking=True`.")
+        if truncation_side != "left":
+            raise ValueError(f"truncation_side={truncation_side!r} is not supported: jaxvllm truncates a context "
+                             "from the left, as lm-eval's hf model does")
+        self._chat_template_args = {**(chat_template_args or {}),
+                                    **({} if enable_thinking is None else {"enable_thinking": enable_thinking})}
         # lm-eval's vllm backend: one LoRA adapter (a PEFT folder) over the model, for every request
         self._lora = LoRARequest("finetuned", 1, str(lora_local_path)) if lora_local_path else None
         if self._lora is not None and llm is None:
@@ -136,6 +155,9 @@ class JaxvllmLM(TemplateLM):
         else:
             self.llm, self._owns_llm = self._make_llm(pretrained, max_length, engine_kwargs), True
         self.tokenizer = self.llm.get_tokenizer()
+        if add_bos_token is not None:  # (lm-eval's models load their tokenizer with it: a BOS, or none)
+            self.tokenizer = copy.deepcopy(self.tokenizer)
+            self.tokenizer.add_bos_token = add_bos_token
         self.max_model_len = self.llm.llm_engine.runner.max_model_len
         self._max_length = max_length if max_length is not None else self.max_model_len - 2
         if not 1 <= self._max_length <= self.max_model_len - 2:
@@ -146,6 +168,9 @@ class JaxvllmLM(TemplateLM):
         self._max_gen_toks = int(max_gen_toks)
         self.add_bos_token = add_bos_token
         self.custom_prefix_token_id = prefix_token_id
+        if isinstance(think_end_token, int) or str(think_end_token).isdigit():  # (a token id, as lm-eval's hf)
+            think_end_token = self.tokenizer.decode([int(think_end_token)])
+        self.think_end_token = think_end_token
         self._device = device
 
     def _make_llm(self, pretrained: str | None, max_length: int | None, engine_kwargs: dict[str, Any]) -> LLM:
@@ -159,10 +184,18 @@ class JaxvllmLM(TemplateLM):
             kwargs.update(spec.engine_defaults, load_format="dummy")
         elif not Path(path).is_dir():
             raise FileNotFoundError(f"pretrained={path!r} is not a folder (jaxvllm loads local checkpoints only)")
-        if max_length is not None and "max_model_len" not in engine_kwargs:
+        derived = max_length is not None and "max_model_len" not in engine_kwargs
+        if derived:
             kwargs["max_model_len"] = int(max_length) + 2
         kwargs.update(engine_kwargs)
-        return LLM(path, **kwargs)
+        try:
+            return LLM(path, **kwargs)
+        except ValueError as e:
+            if derived and "max_model_len" in str(e):
+                raise ValueError(f"max_length={max_length} needs max_model_len {kwargs['max_model_len']} (a scored "
+                                 f"window of max_length tokens is a prompt of max_length + 1 tokens plus the one "
+                                 f"token it generates): {e}; give a max_length at most 2 below it") from e
+            raise
 
     # -- what lm-eval asks of a model -------------------------------------------------------
 
@@ -203,20 +236,31 @@ class JaxvllmLM(TemplateLM):
                 "jaxvllm_max_model_len": self.max_model_len}
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        return self.tokenizer.apply_chat_template(
-            chat_history, tokenize=False, add_generation_prompt=add_generation_prompt,
-            continue_final_message=not add_generation_prompt,
-        )
+        """As lm-eval's models: a template that refuses the system role (Gemma's, Mistral's)
+        gets the history without it, with a warning."""
+        def render(history):
+            return self.tokenizer.apply_chat_template(history, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=not add_generation_prompt,
+                                                      **self._chat_template_args)
+        try:
+            return render(chat_history)
+        except jinja2.exceptions.TemplateError:
+            logger.warning("jaxvllm: the chat template failed; applying it again without the system role")
+            return render([m for m in chat_history if m["role"] != "system"])
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
                    **kwargs: Any) -> list[int]:
-        """As lm-eval's HF model: the tokenizer's own special tokens unless told (add_bos_token),
-        none when the string already starts with the prefix token's text."""
-        if add_special_tokens is None:
-            add_special_tokens = self.add_bos_token
-        if add_special_tokens is None and string.startswith(self.tokenizer.decode(self.prefix_token_id)):
-            add_special_tokens = False
-        special = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
+        """As lm-eval's HF model: the tokenizer's own special tokens unless told
+        (`add_special_tokens`, else `add_bos_token`), none when the string already starts with
+        the prefix token's text (a chat template's BOS) and the caller did not say."""
+        special = {}
+        if add_special_tokens is not None:
+            special["add_special_tokens"] = add_special_tokens
+        elif string.startswith(self.tokenizer.decode(self.prefix_token_id)):
+            special["add_special_tokens"] = False
+        elif self.add_bos_token is not None:
+            special["add_special_tokens"] = self.add_bos_token
         ids = self.tokenizer.encode(string, **special)
         return ids[-left_truncate_len:] if left_truncate_len else ids
 
@@ -315,18 +359,33 @@ class JaxvllmLM(TemplateLM):
             if ignored:
                 logger.warning("jaxvllm: ignoring generation kwargs %s", ignored)
             prompts.append({"prompt_token_ids": ids})
-            params.append(SamplingParams(
-                temperature=temperature, max_tokens=max_gen_toks, stop=[s for s in until if s] or None,
-                **{k: v for k, v in kwargs.items() if k in _SAMPLING_FIELDS},
-            ))
+            sampling = {k: v for k, v in kwargs.items() if k in _SAMPLING_FIELDS}
+            # A reasoning model's thoughts may hold the task's stop sequences: as lm-eval's vllm
+            # model, only EOS stops it, and the stop sequences cut the answer after the thoughts.
+            stop = [s for s in until if s and (s == eos or not self.think_end_token)]
+            # A stop sequence that is one special token (<|im_start|>) never shows in the text,
+            # which leaves special tokens out: it stops as a token id (lm-eval's hf model stops
+            # on it, reading the text with special tokens).
+            special = [self._special_ids[s] for s in stop if s in self._special_ids]
+            if special:
+                sampling["stop_token_ids"] = [*sampling.get("stop_token_ids", ()), *special]
+            params.append(SamplingParams(temperature=temperature, max_tokens=max_gen_toks, stop=stop or None,
+                                         **sampling))
             stops.append(until)
         outputs = self.llm.generate(prompts, params, use_tqdm=not disable_tqdm, lora_request=self._lora)
         results = []
         for req, out, until in zip(requests, outputs, stops):
-            text = postprocess_generated_text(out.outputs[0].text, until, None)
+            text = postprocess_generated_text(out.outputs[0].text, until, self.think_end_token)
             results.append(text)
             self.cache_hook.add_partial("generate_until", req.args, text)
         return results
+
+    @functools.cached_property
+    def _special_ids(self) -> dict[str, int]:
+        """Each special or added token's text -> its id."""
+        added = {t.content: i for i, t in self.tokenizer.added_tokens_decoder.items() if t.special}
+        named = dict(zip(self.tokenizer.all_special_tokens, self.tokenizer.all_special_ids))
+        return {**added, **named}
 
     # -- lifecycle ------------------------------------------------------------------------
 
