@@ -19,6 +19,7 @@ or fails keeps what it finished, and `--resume` completes such a file.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -30,6 +31,7 @@ import jaxvllm
 from jaxvllm.dummy import MODEL_HELP
 from jaxvllm.engine_args import add_engine_args, engine_kwargs
 from jaxvllm.interrupts import defer_interrupts
+from jaxvllm.utils.argparse_utils import FlexibleArgumentParser
 
 # flag -> (type, help) of SamplingParams fields, by vLLM's names. Only the flags a user
 # sets reach SamplingParams, so this list may run ahead of what SamplingParams supports:
@@ -60,7 +62,7 @@ class Interrupted(Exception):
 def build_parser() -> argparse.ArgumentParser:
     from jaxvllm.benchmarks import latency, throughput
 
-    parser = argparse.ArgumentParser(
+    parser = FlexibleArgumentParser(
         prog="jaxvllm",
         description="jaxvllm: LLM inference on JAX/XLA. Try: jaxvllm generate --model dummy:tiny "
         '--prompt "Hello, my name is"',
@@ -131,8 +133,10 @@ def _bench_runner(module):
 # -- generate -----------------------------------------------------------------------------
 
 
-def sampling_params(args: argparse.Namespace):
-    """SamplingParams from the sampling flags the user set; UsageError for one it refuses."""
+def sampling_params(args: argparse.Namespace, defaults=None):
+    """SamplingParams from the sampling flags the user set, over `defaults` (the model's
+    generation config: `LLM.get_default_sampling_params()`, as vLLM's entry points take it);
+    UsageError for one it refuses."""
     from jaxvllm import SamplingParams
 
     kwargs: dict[str, Any] = {}
@@ -144,7 +148,7 @@ def sampling_params(args: argparse.Namespace):
         constraint = structured_outputs(args)
         if constraint is not None:
             kwargs["structured_outputs"] = constraint
-        return SamplingParams(**kwargs)
+        return SamplingParams(**kwargs) if defaults is None else dataclasses.replace(defaults, **kwargs)
     except TypeError as e:
         raise UsageError(f"a sampling flag is not supported by this jaxvllm ({e}); set: {sorted(kwargs)}") from e
     except ValueError as e:
@@ -306,7 +310,10 @@ def output_record(out) -> dict[str, Any]:
     return {
         "prompt": out.prompt,
         "prompt_token_ids": out.prompt_token_ids,
-        "outputs": [{"index": c.index, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
+        "outputs": [{"index": c.index, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                     **({} if c.logprobs is None else {"logprobs": [
+                         {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                          for t, lp in step.items()} for step in c.logprobs]})}
                     for c in out.outputs],
     }
 
@@ -318,6 +325,10 @@ def print_record(r: dict[str, Any]) -> None:
         # A dummy model's ids mostly lie past its small tokenizer's vocabulary: show them.
         ids = "" if c["text"] else f", token ids: {c['token_ids']}"
         print(f"Prompt: {prompt!r}, {index}Generated text: {c['text']!r}{ids}")
+        for position, step in enumerate(c.get("logprobs") or ()):
+            ranked = sorted(step.items(), key=lambda item: item[1]["rank"])
+            print(f"  logprobs[{position}]: " + ", ".join(
+                f"{t} {v['decoded_token']!r} {v['logprob']:.4f}" for t, v in ranked))
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -346,6 +357,7 @@ def run_generate(args: argparse.Namespace) -> int:
         lora = LoRARequest(args.lora.name, 1, str(args.lora))
     with resolve_model(args.model) as source:
         llm = LLM(source.path, **engine_kwargs(args, source, **({"enable_lora": True} if lora else {})))
+        params = sampling_params(args, llm.get_default_sampling_params())  # (checked before the load too)
         if lora is not None:
             try:
                 llm.llm_engine.add_lora(lora)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +30,20 @@ def json_object(text: str) -> dict[str, Any]:
     return value
 
 
+def human_readable_int(value: str) -> int:
+    """vLLM's sizes: `1k` = 1000, `1K` = 1024 (k, m, g decimal; K, M, G binary), or a plain int."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgKMG])", value.strip())
+    if not match:
+        return int(value)
+    number, suffix = match.groups()
+    if suffix.islower():
+        return int(float(number) * 1000 ** "kmg".index(suffix) * 1000)
+    if "." in number:
+        raise argparse.ArgumentTypeError(f"{value!r}: no decimals with a binary suffix ({suffix}); did you mean "
+                                         f"{number}{suffix.lower()}?")
+    return int(number) * 1024 ** ("KMG".index(suffix) + 1)
+
+
 # flag name -> (type, help); the keyword argument is the flag with '_' for '-'.
 _VALUE_FLAGS: dict[str, tuple[Callable[[str], Any], str]] = {
     "dtype": (str, "weights and KV cache dtype ('auto' = the checkpoint's)"),
@@ -38,13 +53,13 @@ _VALUE_FLAGS: dict[str, tuple[Callable[[str], Any], str]] = {
     "kv-cache-dtype": (str, "KV cache dtype: 'auto' (the model's dtype), 'fp8' / 'fp8_e4m3' (float8_e4m3fn "
                             "with k/v scales from the checkpoint, else 1.0: twice the blocks) or "
                             "'fp8_e5m2'"),
-    "max-model-len": (int, "longest sequence (prompt + output); default: the model's max_position_embeddings"),
+    "max-model-len": (human_readable_int, "longest sequence (prompt + output); default: the model's max_position_embeddings"),
     "max-num-seqs": (int, "most sequences in one step"),
-    "max-num-batched-tokens": (int, "most tokens in one step (also the largest compiled token bucket)"),
+    "max-num-batched-tokens": (human_readable_int, "most tokens in one step (also the largest compiled token bucket)"),
     "block-size": (int, "tokens per KV cache block"),
     "gpu-memory-utilization": (float, "share of device memory for weights, activations and KV cache"),
     "num-gpu-blocks-override": (int, "number of KV cache blocks, instead of sizing them from device memory"),
-    "kv-cache-memory-bytes": (int, "the KV cache's bytes on each device, instead of sizing it from "
+    "kv-cache-memory-bytes": (human_readable_int, "the KV cache's bytes on each device, instead of sizing it from "
                                    "gpu-memory-utilization"),
     "attention-backend": (str, "'auto', 'reference' or 'pallas' (where available)"),
     "tokenizer": (str, "tokenizer folder (default: the model's)"),
@@ -83,7 +98,8 @@ _VALUE_FLAGS: dict[str, tuple[Callable[[str], Any], str]] = {
     "served-model-name": (str, "the name(s) the metrics' model_name label shows (default: the model's path)"),
 }
 # Flags with more names (vLLM's short ones) or that take several values.
-_ALIASES = {"tensor-parallel-size": ["-tp"], "compilation-config": ["-O"]}
+_ALIASES = {"tensor-parallel-size": ["-tp"], "pipeline-parallel-size": ["-pp"], "data-parallel-size": ["-dp"],
+            "quantization": ["-q"], "compilation-config": ["-O"]}
 _NARGS = {"served-model-name": "+"}
 _BOOL_FLAGS: dict[str, str] = {
     "enable-chunked-prefill": "cut long prompts into chunks that share steps with decoding requests",

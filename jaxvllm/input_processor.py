@@ -160,13 +160,13 @@ class InputProcessor:
         return [int(t) for t in token_ids]
 
     def check_prompt_length(self, num_tokens: int) -> None:
-        """A prompt must leave room for one generated token (vLLM's words, its server's)."""
+        """A prompt must leave room for one generated token (vLLM's server's words)."""
         max_model_len = self.max_model_len
         if num_tokens >= max_model_len:
             raise ValueError(
-                f"You passed {num_tokens} input tokens and requested 1 output tokens. However, the model's "
-                f"context length is only {max_model_len} tokens, resulting in a maximum input length of "
-                f"{max_model_len - 1} tokens. Please reduce the length of the input prompt."
+                f"You passed {num_tokens} input tokens, and a completion needs at least 1 output token. However, "
+                f"the model's context length is only {max_model_len} tokens, resulting in a maximum input length "
+                f"of {max_model_len - 1} tokens. Please reduce the length of the input prompt."
             )
 
     def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:

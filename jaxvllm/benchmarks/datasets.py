@@ -13,6 +13,7 @@ work speculative decoding by prompt lookup (n-gram drafts) is meant for.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -74,24 +75,27 @@ def _token_ids(rng: np.random.Generator, n: int, vocab_size: int) -> list[int]:
 
 
 def _lengths(rng: np.random.Generator, n: int, mean: int, range_ratio: float) -> np.ndarray:
-    """vLLM's random-dataset lengths: uniform in [mean * (1 - r), mean * (1 + r)], at least 1."""
-    low = max(1, int(mean * (1 - range_ratio)))
-    high = max(low, int(mean * (1 + range_ratio)))
+    """vLLM's random-dataset lengths: uniform in [floor(mean * (1 - r)), ceil(mean * (1 + r))], at least 1."""
+    low = max(1, math.floor(mean * (1 - range_ratio)))
+    high = max(low, math.ceil(mean * (1 + range_ratio)))
     return rng.integers(low, high + 1, size=n)
 
 
 def random_requests(
-    num_prompts: int, input_len: int, output_len: int, vocab_size: int, *, range_ratio: float = 0.0, seed: int = 0
+    num_prompts: int, input_len: int, output_len: int, vocab_size: int, *, range_ratio: float = 0.0, seed: int = 0,
+    prefix_len: int = 0,
 ) -> list[BenchRequest]:
-    """vLLM's `--dataset random`: lengths around input_len / output_len, random token ids."""
+    """vLLM's `--dataset random`: lengths around input_len / output_len, random token ids,
+    after `prefix_len` random tokens every prompt shares."""
     if not 0 <= range_ratio < 1:
         raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
-    if num_prompts < 1 or input_len < 1 or output_len < 1:
-        raise ValueError("num_prompts, input_len and output_len must be >= 1")
+    if num_prompts < 1 or input_len < 1 or output_len < 1 or prefix_len < 0:
+        raise ValueError("num_prompts, input_len and output_len must be >= 1, prefix_len >= 0")
     rng = np.random.default_rng(seed)
     in_lens = _lengths(rng, num_prompts, input_len, range_ratio)
     out_lens = _lengths(rng, num_prompts, output_len, range_ratio)
-    return [BenchRequest(_token_ids(rng, int(i), vocab_size), int(o)) for i, o in zip(in_lens, out_lens)]
+    prefix = _token_ids(rng, prefix_len, vocab_size) if prefix_len else []
+    return [BenchRequest(prefix + _token_ids(rng, int(i), vocab_size), int(o)) for i, o in zip(in_lens, out_lens)]
 
 
 def nanovllm_requests(vocab_size: int, *, num_prompts: int = NANOVLLM_NUM_PROMPTS, seed: int = 0) -> list[BenchRequest]:

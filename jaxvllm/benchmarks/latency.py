@@ -121,6 +121,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         batches = iterations(args, source)
         longest = max(r.prompt_len for batch in batches for r in batch)
         kwargs = engine_kwargs(args, source, seed=args.seed, max_model_len=longest + args.output_len)
+        if kwargs["max_model_len"] < longest + args.output_len:  # (vLLM's check: requests cut short time less work)
+            raise ValueError(f"--max-model-len {kwargs['max_model_len']} is less than the longest prompt plus "
+                             f"--output-len ({longest} + {args.output_len})")
         prompt = f"{args.input_len} prompt" if args.dataset == "random" else f"{args.dataset} prompt (<= {longest})"
         outputs_each = f"up to {args.output_len} output tokens (to EOS)" if args.stop_at_eos else \
             f"{args.output_len} output tokens"
@@ -168,3 +171,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               + ", ".join(f"{name} {ratio[key]:.2f}x" for key, name in _METRICS if key in ratio))
     write_report(args.output_json, report, hf_device)
     return report
+
+
+if __name__ == "__main__":  # (the same as `jaxvllm bench latency`)
+    import sys
+
+    from jaxvllm.cli import main
+
+    sys.exit(main(["bench", "latency", *sys.argv[1:]]))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -49,8 +50,10 @@ def start_in_child(model: str, cache_dir: str, engine_args: dict) -> dict:
     """`start_once` in a fresh Python process; its figures come back as the last line."""
     code = ("import json, sys; from jaxvllm.benchmarks.startup import start_once; "
             "print(json.dumps(start_once(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))))")
+    # (JAX's own setting would win over `cache_dir`: a cold start would find a warm cache)
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
     done = subprocess.run([sys.executable, "-c", code, model, cache_dir, json.dumps(engine_args)],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"starting {model} failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

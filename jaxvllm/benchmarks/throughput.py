@@ -38,12 +38,13 @@ from jaxvllm.loader import load_config
 
 DEFAULT_NUM_PROMPTS = 1000  # vLLM's
 DEFAULT_OUTPUT_LEN = 128
+DEFAULT_SHARED_PREFIX_LEN = 1024
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_bench_args(parser)
     group = parser.add_argument_group("dataset")
-    group.add_argument("--dataset", choices=ds.DATASETS, default="random",
+    group.add_argument("--dataset", "--dataset-name", choices=ds.DATASETS, default="random",
                        help="random: lengths around --input-len/--output-len; nanovllm: the B1 workload (256 "
                             "requests, prompt and output lengths uniform in [100, 1024]); shared-prefix: "
                             "--prefix-len shared tokens + --input-len own tokens per request; json-schema: "
@@ -56,9 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--output-len", type=int, default=None,
                        help=f"generated tokens per request (EOS ignored; default {DEFAULT_OUTPUT_LEN}); json-schema: "
                             f"the most per completion (default {ds.JSON_SCHEMA_MAX_TOKENS})")
-    group.add_argument("--range-ratio", type=float, default=0.0,
+    group.add_argument("--range-ratio", "--random-range-ratio", type=float, default=0.0,
                        help="random: lengths uniform in [len * (1 - r), len * (1 + r)]")
-    group.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: tokens every prompt starts with")
+    group.add_argument("--prefix-len", type=int, default=None,
+                       help=f"tokens every prompt starts with (random: default 0; shared-prefix: default "
+                            f"{DEFAULT_SHARED_PREFIX_LEN})")
     group.add_argument("--compare-prefix-caching", action="store_true",
                        help="run jaxvllm with prefix caching on, then off, and report computed prefill tokens "
                             "and wall time of each")
@@ -104,10 +107,11 @@ def make_requests(args: argparse.Namespace, source: ModelSource) -> list[ds.Benc
     if args.dataset == "nanovllm":
         return ds.nanovllm_requests(vocab_size, num_prompts=n or ds.NANOVLLM_NUM_PROMPTS, seed=args.seed)
     if args.dataset == "shared-prefix":
-        return ds.shared_prefix_requests(n or DEFAULT_NUM_PROMPTS, args.prefix_len, args.input_len, output_len(args),
+        prefix_len = DEFAULT_SHARED_PREFIX_LEN if args.prefix_len is None else args.prefix_len
+        return ds.shared_prefix_requests(n or DEFAULT_NUM_PROMPTS, prefix_len, args.input_len, output_len(args),
                                          vocab_size, seed=args.seed)
     return ds.random_requests(n or DEFAULT_NUM_PROMPTS, args.input_len, output_len(args), vocab_size,
-                              range_ratio=args.range_ratio, seed=args.seed)
+                              range_ratio=args.range_ratio, seed=args.seed, prefix_len=args.prefix_len or 0)
 
 
 def auto_max_model_len(dataset: str, requests: list[ds.BenchRequest], model_max: int) -> int:
@@ -365,3 +369,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"identical greedy completions: {same}/{len(requests)}")
     write_report(args.output_json, report, hf_device)
     return report
+
+
+if __name__ == "__main__":  # (the same as `jaxvllm bench throughput`)
+    import sys
+
+    from jaxvllm.cli import main
+
+    sys.exit(main(["bench", "throughput", *sys.argv[1:]]))

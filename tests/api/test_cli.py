@@ -125,6 +125,8 @@ def test_structured_output_usage_errors(tmp_path, capsys, args, message):
     ["bench", "throughput", "--model", "dummy:tiny", "--dataset", "sharegpt"],
     ["bench", "latency", "--model", "dummy:tiny", "--batch-size", "two"],
     ["bench"],  # a benchmark is required
+    ["bench", "throughput", "--model", "dummy:tiny", "--n", "2"],  # vLLM's, not ours: unknown, not --num-prompts
+    ["generate", "--model", "dummy:tiny", "--prompt", "x", "--max-model-len", "1.5K"],  # no decimals in binary
 ])
 def test_bad_flags_are_argparse_errors(args, capsys):
     assert main(args) == 2
@@ -178,3 +180,23 @@ def test_readme_first_command_runs():
     assert result.stdout.startswith("Prompt: 'Hello, my name is', Generated text: ")
     # Progress bars on the long phases go to stderr.
     assert "Compiling token buckets" in result.stderr and "Processed prompts" in result.stderr
+
+
+def test_generate_follows_the_generation_config_and_writes_logprobs(tmp_path):
+    """The model's generation config (here --override-generation-config) under the flags
+    given, as vLLM's entry points take it; --logprobs reach the output records; vLLM's
+    spellings of engine flags (underscores, short names, sizes with k)."""
+    out = tmp_path / "completions.jsonl"
+    code = main(["generate", "--model", "dummy:tiny", "--max_model_len", "0.064k", "--max-num-batched-tokens", "32",
+                 "--max-num-seqs", "8", "-pp", "1", "-dp", "1", "--disable-tqdm", "--prompt", "Hi", "--ignore-eos",
+                 "--override-generation-config", '{"max_new_tokens": 3, "temperature": 0}', "--logprobs", "2",
+                 "--output", str(out)])
+    assert code == 0
+    (completion,) = json.loads(out.read_text())["outputs"]
+    assert len(completion["token_ids"]) == 3 and len(completion["logprobs"]) == 3
+    for token, step in zip(completion["token_ids"], completion["logprobs"]):
+        assert str(token) in step and len(step) in (2, 3)  # (the top 2, and the sampled token if not among them)
+        assert min(v["rank"] for v in step.values()) == 1  # (greedy: the sampled token is the top one)
+    code = main(["generate", "--model", "dummy:tiny", *ENGINE, "--disable-tqdm", "--prompt", "Hi", "--ignore-eos",
+                 "--override-generation-config", '{"max_new_tokens": 3}', "--max-tokens", "5", "--output", str(out)])
+    assert code == 0 and len(json.loads(out.read_text())["outputs"][0]["token_ids"]) == 5  # (the flag wins)

@@ -220,7 +220,7 @@ def test_enqueue_and_wait_for_completion(llm, monkeypatch):
     "prompts, params, error, match",
     [
         ("x" * 400, GREEDY, ValueError, "the model's context length is only 128 tokens"),
-        ({"prompt_token_ids": list(range(3, 131))}, GREEDY, ValueError, r"^You passed 128 input tokens and requested 1 output tokens. However, the model's context length is only 128 tokens, resulting in a maximum input length of 127 tokens"),
+        ({"prompt_token_ids": list(range(3, 131))}, GREEDY, ValueError, r"^You passed 128 input tokens, and a completion needs at least 1 output token. However, the model's context length is only 128 tokens, resulting in a maximum input length of 127 tokens"),
         ("", GREEDY, ValueError, "^The decoder prompt cannot be empty\n\\(prompt 0 of 1\\)$"),
         ({"prompt_token_ids": []}, GREEDY, ValueError, "^The decoder prompt cannot be empty"),
         ({"prompt_token_ids": [5, 10_000]}, GREEDY, ValueError, r"^Token id 10000 is out of vocabulary"),

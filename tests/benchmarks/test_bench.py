@@ -1,6 +1,7 @@
 """`jaxvllm bench throughput|latency` end to end on CPU, side by side with HF, and their workloads."""
 
 import json
+import subprocess
 import sys
 
 import numpy as np
@@ -35,6 +36,12 @@ def test_random_requests_lengths_and_ids():
     assert ds.random_requests(4, 16, 8, 384, seed=3) == ds.random_requests(4, 16, 8, 384, seed=3)
     with pytest.raises(ValueError):
         ds.random_requests(4, 16, 8, 384, range_ratio=1.0)
+    # vLLM's bounds, floor and ceil: 10 with r = 0.25 is 7 to 13 (13 was never drawn)
+    assert {r.prompt_len for r in ds.random_requests(400, 10, 8, 384, range_ratio=0.25)} == set(range(7, 14))
+    # and vLLM's --prefix-len for random prompts: that many tokens every prompt starts with
+    shared = ds.random_requests(3, 8, 4, 384, prefix_len=100, seed=2)
+    assert [r.prompt_len for r in shared] == [108] * 3
+    assert shared[0].prompt_token_ids[:100] == shared[2].prompt_token_ids[:100]
 
 
 def test_nanovllm_is_b1():
@@ -241,3 +248,18 @@ def test_json_schema_requests_and_their_check():
     assert ds.is_valid_json(json.dumps(good))
     assert not ds.is_valid_json(json.dumps({**good, "age": 121}))
     assert not ds.is_valid_json(json.dumps(good)[:-1])
+
+
+def test_vllm_spellings_and_what_would_time_other_work(tmp_path, capsys):
+    """vLLM's names of the dataset flags; `python -m` runs the benchmark as the command does;
+    a --max-model-len that would cut each request short is refused, as vLLM's latency does."""
+    report = bench("throughput", tmp_path, "--model", "dummy:tiny", "--dataset-name", "random", "--num-prompts", "3",
+                   "--input-len", "4", "--output-len", "2", "--random-range-ratio", "0.5", "--prefix-len", "8")
+    assert report["config"]["range_ratio"] == 0.5 and report["config"]["prefix_len"] == 8
+    assert main(["bench", "latency", "--model", "dummy:tiny", "--max-model-len", "20", "--input-len", "8",
+                 "--output-len", "16"]) == 2
+    assert "less than the longest prompt plus --output-len (8 + 16)" in capsys.readouterr().err
+    for module in ("throughput", "latency"):
+        done = subprocess.run([sys.executable, "-m", f"jaxvllm.benchmarks.{module}", "--help"], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0 and f"usage: jaxvllm bench {module}" in done.stdout

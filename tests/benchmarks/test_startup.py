@@ -41,3 +41,22 @@ def test_max_num_batched_tokens_defaults_by_platform():
     assert EngineConfig(model="m", max_num_seqs=4096).for_platform("cpu").max_num_batched_tokens == 4096
     assert EngineConfig(model="m", max_num_seqs=8, token_buckets=[8, 24]).for_platform("gpu").max_num_batched_tokens == 24
     assert EngineConfig(model="m", max_num_seqs=8, max_num_batched_tokens=64).for_platform("cpu").max_num_batched_tokens == 64
+
+
+def test_a_cold_start_ignores_the_users_cache_folder(monkeypatch):
+    """JAX's own JAX_COMPILATION_CACHE_DIR would win over the benchmark's new folder: the
+    child process does not get it, so a "cold" start finds an empty cache."""
+    import subprocess
+
+    from jaxvllm.benchmarks import startup
+
+    seen = {}
+
+    def run(args, env=None, **kwargs):
+        seen.update(env)
+        return subprocess.CompletedProcess(args, 0, stdout='{"ok": 1}\n', stderr="")
+
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/somewhere/warm")
+    monkeypatch.setattr(startup.subprocess, "run", run)
+    assert startup.start_in_child("dummy:tiny", "/tmp/new", {}) == {"ok": 1}
+    assert "JAX_COMPILATION_CACHE_DIR" not in seen and seen.get("PATH")
