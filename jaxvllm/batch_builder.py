@@ -9,7 +9,6 @@ what it builds.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import chain
@@ -110,6 +109,7 @@ class BatchBuilder:
         # The last step's requests and their rows: reused while no request leaves or joins.
         self._last_rows: tuple[list[Request], np.ndarray] | None = None
         self._last_features: tuple[np.ndarray, bool, SamplerFeatures | None] | None = None  # over those rows
+        self._layouts: dict[tuple, BatchLayout] = {}  # (bucket, width, decode_only, spec, lora) -> its layout
 
     # -- shapes ------------------------------------------------------------------------
 
@@ -133,13 +133,16 @@ class BatchBuilder:
             return []
         return [b for b in self.buckets if b <= self.bucket_for(self.max_num_seqs)]
 
-    @functools.lru_cache(maxsize=None)  # noqa: B019 (one builder per engine: its few shapes)
     def _layout(self, bucket: int, width: int, decode_only: bool, spec: bool = False, lora: bool = False
                 ) -> BatchLayout:
         """A step shape's layout, made once (it caches its field offsets and padding)."""
-        return BatchLayout(bucket, self.rows_for(bucket), width, decode_only, self.dynamic_loops,
-                           self.spec_tokens if spec else 0, lora, lora and self.lora_kernel, self.device_drafts,
-                           self.block_size if self.device_drafts else 0)
+        key = bucket, width, decode_only, spec, lora
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layouts[key] = BatchLayout(
+                bucket, self.rows_for(bucket), width, decode_only, self.dynamic_loops, self.spec_tokens if spec else 0,
+                lora, lora and self.lora_kernel, self.device_drafts, self.block_size if self.device_drafts else 0)
+        return layout
 
     def logprobs_width(self, k: int) -> int:
         """Top logprobs computed in a step whose rows ask for up to k: vLLM's default

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import jaxvllm
+from jaxvllm.benchmarks.common import check_bench_args
 from jaxvllm.dummy import MODEL_HELP
 from jaxvllm.engine_args import add_engine_args, engine_kwargs
 from jaxvllm.interrupts import defer_interrupts
@@ -118,12 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _bench_runner(module):
     def run(args: argparse.Namespace) -> int:
-        if args.hf_batch_size < 1:
-            raise UsageError("--hf-batch-size must be >= 1")
-        if getattr(args, "num_prompts", None) is not None and args.num_prompts < 1:
-            raise UsageError("--num-prompts must be >= 1")
-        if hasattr(module, "check_args"):
-            module.check_args(args)
+        check_bench_args(module, args)
         module.run(args)
         return 0
 

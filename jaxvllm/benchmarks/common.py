@@ -44,6 +44,32 @@ class RunTimings:
         ]
 
 
+def check_bench_args(module, args: argparse.Namespace) -> None:
+    """What `jaxvllm bench` refuses before a benchmark module (`throughput`, `latency`) runs."""
+    if args.hf_batch_size < 1:
+        raise ValueError("--hf-batch-size must be >= 1")
+    if getattr(args, "num_prompts", None) is not None and args.num_prompts < 1:
+        raise ValueError("--num-prompts must be >= 1")
+    if hasattr(module, "check_args"):
+        module.check_args(args)
+
+
+def bench_main(module, name: str, argv: list[str]) -> int:
+    """`python -m jaxvllm.benchmarks.NAME`: the same flags and run as `jaxvllm bench NAME`."""
+    from jaxvllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog=f"python -m jaxvllm.benchmarks.{name}",
+                                    description=(module.__doc__ or "").split("\n\n")[0])
+    module.add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        check_bench_args(module, args)
+    except ValueError as e:
+        parser.error(str(e))
+    module.run(args)
+    return 0
+
+
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     """Flags of both bench commands (the engine flags come from `jaxvllm.engine_args`)."""
     parser.add_argument("--model", required=True, help=MODEL_HELP)

@@ -17,6 +17,7 @@ tokens/s and, greedy, how many completions the two runs share.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from dataclasses import replace
 from typing import Any
@@ -25,7 +26,7 @@ from tqdm.auto import tqdm
 
 from jaxvllm.benchmarks import datasets as ds
 from jaxvllm.benchmarks.backends import make_backend
-from jaxvllm.benchmarks.common import (NO_SPEC_KEY, UNQUANTIZED_KEY, add_bench_args, backend_names,
+from jaxvllm.benchmarks.common import (NO_SPEC_KEY, UNQUANTIZED_KEY, add_bench_args, backend_names, bench_main,
                                        check_compare_args, quantization_report, spec_decode_figures,
                                        speculative_report, stats, write_report)
 from jaxvllm.benchmarks.throughput import load_tokenizer, prompt_vocab_size
@@ -174,8 +175,4 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 if __name__ == "__main__":  # (the same as `jaxvllm bench latency`)
-    import sys
-
-    from jaxvllm.cli import main
-
-    sys.exit(main(["bench", "latency", *sys.argv[1:]]))
+    sys.exit(bench_main(sys.modules[__name__], "latency", sys.argv[1:]))

@@ -22,6 +22,7 @@ prints their time against the base model's.
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from jaxvllm.benchmarks import datasets as ds
 from jaxvllm.benchmarks.backends import make_backend
 from jaxvllm.benchmarks.lora_adapters import bench_adapters
 from jaxvllm.benchmarks.common import (NO_SPEC_KEY, UNQUANTIZED_KEY, RunTimings, add_bench_args, backend_names,
-                                       check_compare_args, quantization_report, spec_decode_figures,
+                                       bench_main, check_compare_args, quantization_report, spec_decode_figures,
                                        speculative_report, write_report)
 from jaxvllm.dummy import ModelSource, resolve_model
 from jaxvllm.engine_args import add_engine_args, engine_kwargs
@@ -372,8 +373,4 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 if __name__ == "__main__":  # (the same as `jaxvllm bench throughput`)
-    import sys
-
-    from jaxvllm.cli import main
-
-    sys.exit(main(["bench", "throughput", *sys.argv[1:]]))
+    sys.exit(bench_main(sys.modules[__name__], "throughput", sys.argv[1:]))

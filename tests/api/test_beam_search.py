@@ -251,7 +251,7 @@ def test_bad_arguments(llms):
         llm.beam_search("Hi", params, lora_request=object())
     with pytest.raises(TypeError, match="BeamSearchParams"):
         llm.beam_search("Hi", SamplingParams())
-    with pytest.raises(ValueError, match="^You passed 64 input tokens .* context length is only 64 tokens") as error:
+    with pytest.raises(ValueError, match="^You passed 64 input tokens.* context length is only 64 tokens") as error:
         llm.beam_search(["Hi", {"prompt_token_ids": list(range(64))}], params)
     assert error.value.__notes__ == ["(prompt 1 of 2)"]
     with pytest.raises(ValueError, match="^The decoder prompt cannot be empty"):

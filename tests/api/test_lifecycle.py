@@ -7,6 +7,8 @@ on the device: the count and total bytes of `jax.live_arrays()`.
 """
 
 import gc
+import subprocess
+import sys
 import weakref
 
 import jax
@@ -106,6 +108,29 @@ def test_del_frees_device_memory_without_cycles(path):
         assert (len(jax.live_arrays()), sum(a.nbytes for a in jax.live_arrays())) == before
     finally:
         gc.enable()
+
+
+def test_the_first_llm_of_a_process_is_freed_by_del_and_keeps_nothing(path):
+    """In a fresh process (a notebook's first cell), whose first LLM imports transformers'
+    config module and torch: that import left a cycle of frames holding the LLM (freed only
+    by a full collection), and every engine's batch builder stayed cached for the process."""
+    code = f"""
+import gc, sys, weakref
+import jax
+gc.disable()
+from jaxvllm import LLM, SamplingParams
+from jaxvllm.batch_builder import BatchBuilder
+for i in range(2):
+    llm = LLM({path!r}, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64)
+    llm.generate([{{"prompt_token_ids": [5, 6, 7]}}], SamplingParams(max_tokens=2), use_tqdm=False)
+    ref = weakref.ref(llm)
+    del llm
+    assert ref() is None and not jax.live_arrays(), i
+gc.enable(); gc.collect()
+assert not [o for o in gc.get_objects() if isinstance(o, BatchBuilder)]
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
 
 
 def test_second_llm_while_first_alive_then_replace(path):

@@ -262,4 +262,4 @@ def test_vllm_spellings_and_what_would_time_other_work(tmp_path, capsys):
     for module in ("throughput", "latency"):
         done = subprocess.run([sys.executable, "-m", f"jaxvllm.benchmarks.{module}", "--help"], capture_output=True,
                               text=True, timeout=120)
-        assert done.returncode == 0 and f"usage: jaxvllm bench {module}" in done.stdout
+        assert done.returncode == 0 and f"usage: python -m jaxvllm.benchmarks.{module}" in done.stdout

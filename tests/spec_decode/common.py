@@ -42,5 +42,6 @@ def check_same_under_pressure(target, speculative_config: dict, engine: dict, pr
             results.append(token_ids(llm, params, prompts))
             stats = llm.stats()
     assert results[0] == results[1]
-    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert stats["num_preemptions"] > 0
+    assert stats["prefix_cache_hits"] + stats["prefix_cache_preempted_hits"] > 0  # (readmissions: apart)
     assert stats["spec_decode_num_accepted_tokens"] > 0

@@ -112,7 +112,8 @@ def test_preemption_chunked_prefill_prefix_caching_and_n(tiny_checkpoint):
         finally:
             llm.shutdown()
     assert results[0] == results[1]
-    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert stats["num_preemptions"] > 0
+    assert stats["prefix_cache_hits"] + stats["prefix_cache_preempted_hits"] > 0  # (readmissions: apart)
     assert stats["spec_decode_num_accepted_tokens"] > 0
 
 
