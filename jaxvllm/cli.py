@@ -63,7 +63,10 @@ class Interrupted(Exception):
 def build_parser() -> argparse.ArgumentParser:
     from jaxvllm.benchmarks import latency, throughput
 
+    # (never abbreviated: a flag of vLLM's this command lacks, `--n`, `--profile`, is refused as
+    # unknown, not read as another one that starts the same)
     parser = FlexibleArgumentParser(
+        allow_abbrev=False,
         prog="jaxvllm",
         description="jaxvllm: LLM inference on JAX/XLA. Try: jaxvllm generate --model dummy:tiny "
         '--prompt "Hello, my name is"',
@@ -71,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"jaxvllm {jaxvllm.__version__}")
     commands = parser.add_subparsers(dest="command", metavar="{generate,bench}")
 
-    gen = commands.add_parser("generate", help="complete prompts and print (or write) the completions",
+    gen = commands.add_parser("generate", allow_abbrev=False,
+                              help="complete prompts and print (or write) the completions",
                               description="Complete prompts with a local checkpoint or a built-in dummy model.")
     gen.add_argument("--model", required=True, help=MODEL_HELP)
     gen.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for several)")
@@ -104,14 +108,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=run_generate)
 
-    bench = commands.add_parser("bench", help="benchmarks: throughput, latency",
+    bench = commands.add_parser("bench", allow_abbrev=False, help="benchmarks: throughput, latency",
                                 description="Benchmarks, optionally side by side with HF transformers.")
     benches = bench.add_subparsers(dest="bench", metavar="{throughput,latency}", required=True)
     for name, module, help_text in (
         ("throughput", throughput, "offline throughput of a request list (requests/s, tokens/s)"),
         ("latency", latency, "latency of one batch: end to end, time to first token, time per output token"),
     ):
-        sub = benches.add_parser(name, help=help_text, description=(module.__doc__ or "").split("\n\n")[0])
+        sub = benches.add_parser(name, allow_abbrev=False, help=help_text,
+                                 description=(module.__doc__ or "").split("\n\n")[0])
         module.add_arguments(sub)
         sub.set_defaults(func=_bench_runner(module))
     return parser

@@ -12,9 +12,11 @@ for a request that stopped meanwhile is dropped.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import logging
 import os
+import sys
 import time
 from functools import partial
 from typing import Any, Callable, Iterable
@@ -57,7 +59,12 @@ class LLMEngine:
         self._model_source = resolve_model(config.model)
         self.config = config = self._model_source.engine_config(config).for_platform(jax.default_backend())
         # (a bad config.json or max_model_len is refused before the tokenizer or any weight loads)
+        importing_torch = "torch" not in sys.modules
         load_config(config.model, config.hf_overrides).checked_max_model_len(config.max_model_len)
+        if importing_torch and "torch" in sys.modules:
+            # transformers' config module imported torch, whose torch.fx leaves a cycle of frames
+            # that holds the callers' (the LLM being built) until a full collection: freed now.
+            gc.collect()
         self.tokenizer = load_tokenizer(config)
         method = config.speculative_config.method if config.speculative_config is not None else None
         if method == "draft_model":
@@ -485,7 +492,7 @@ class LLMEngine:
                 continue
             if grammar.dead_end:
                 self._finish_at_dead_end(request)
-                self._metrics_due.append(partial(self.metrics.record_finished, request))
+                self.metrics.record_finished(request)  # (before its tokens: a failure leaves it finished)
                 ended.append(request)
             elif grammar.dead_end_at is not None and result.num_accepted[i] >= grammar.dead_end_at:
                 result.num_accepted, result.sampled = result.num_accepted.copy(), result.sampled.copy()  # (read-only)

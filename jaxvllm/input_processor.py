@@ -160,7 +160,7 @@ class InputProcessor:
         return [int(t) for t in token_ids]
 
     def check_prompt_length(self, num_tokens: int) -> None:
-        """A prompt must leave room for one generated token (vLLM's server's words)."""
+        """A prompt must leave room for one generated token (the message is after vLLM's server's)."""
         max_model_len = self.max_model_len
         if num_tokens >= max_model_len:
             raise ValueError(

@@ -18,10 +18,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
-# (at import, not inside the first `LLM(...)`: transformers' config module imports torch, whose
-# import leaves a cycle of frames that would hold that LLM, and its device arrays, until a
-# full garbage collection)
-from transformers import AutoConfig, PretrainedConfig
 
 from jaxvllm.config import DTYPES, LOAD_FORMATS
 from jaxvllm.dummy import missing_model_message
@@ -46,6 +42,8 @@ def load_config(model: str | Path, hf_overrides: dict[str, Any] | Callable | Non
     """Read `config.json` with transformers' AutoConfig; never touches the network.
     `hf_overrides` (vLLM's): fields set on the HF config (a dict value updates a nested
     config such as text_config field by field), or a function from config to config."""
+    from transformers import AutoConfig
+
     path = Path(model)
     if not path.is_dir():
         raise FileNotFoundError(missing_model_message(str(path)))
@@ -63,6 +61,8 @@ def load_config(model: str | Path, hf_overrides: dict[str, Any] | Callable | Non
 
 
 def _override(hf_config, overrides: dict[str, Any]) -> None:
+    from transformers import PretrainedConfig
+
     for key, value in overrides.items():
         nested = getattr(hf_config, key, None)
         if isinstance(nested, PretrainedConfig) and isinstance(value, dict):

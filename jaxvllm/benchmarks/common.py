@@ -58,15 +58,15 @@ def bench_main(module, name: str, argv: list[str]) -> int:
     """`python -m jaxvllm.benchmarks.NAME`: the same flags and run as `jaxvllm bench NAME`."""
     from jaxvllm.utils.argparse_utils import FlexibleArgumentParser
 
-    parser = FlexibleArgumentParser(prog=f"python -m jaxvllm.benchmarks.{name}",
+    parser = FlexibleArgumentParser(prog=f"python -m jaxvllm.benchmarks.{name}", allow_abbrev=False,
                                     description=(module.__doc__ or "").split("\n\n")[0])
     module.add_arguments(parser)
     args = parser.parse_args(argv)
     try:
         check_bench_args(module, args)
-    except ValueError as e:
-        parser.error(str(e))
-    module.run(args)
+        module.run(args)
+    except (ValueError, FileNotFoundError) as e:  # (the user's to fix: one line, as `jaxvllm bench`)
+        parser.exit(2, f"{parser.prog}: error: {' '.join(str(e).split())}\n")
     return 0
 
 

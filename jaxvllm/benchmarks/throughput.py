@@ -79,6 +79,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """The dataset's own default --prefix-len (random 0, as vLLM's; shared-prefix 1024)."""
+    if args.prefix_len is None:
+        args.prefix_len = DEFAULT_SHARED_PREFIX_LEN if args.dataset == "shared-prefix" else 0
+    if args.prefix_len < 0:
+        raise ValueError(f"--prefix-len {args.prefix_len}: at least 0")
+
+
 def load_tokenizer(source: ModelSource, tokenizer: str | None):
     from transformers import AutoTokenizer
 
@@ -108,11 +116,10 @@ def make_requests(args: argparse.Namespace, source: ModelSource) -> list[ds.Benc
     if args.dataset == "nanovllm":
         return ds.nanovllm_requests(vocab_size, num_prompts=n or ds.NANOVLLM_NUM_PROMPTS, seed=args.seed)
     if args.dataset == "shared-prefix":
-        prefix_len = DEFAULT_SHARED_PREFIX_LEN if args.prefix_len is None else args.prefix_len
-        return ds.shared_prefix_requests(n or DEFAULT_NUM_PROMPTS, prefix_len, args.input_len, output_len(args),
+        return ds.shared_prefix_requests(n or DEFAULT_NUM_PROMPTS, args.prefix_len, args.input_len, output_len(args),
                                          vocab_size, seed=args.seed)
     return ds.random_requests(n or DEFAULT_NUM_PROMPTS, args.input_len, output_len(args), vocab_size,
-                              range_ratio=args.range_ratio, seed=args.seed, prefix_len=args.prefix_len or 0)
+                              range_ratio=args.range_ratio, seed=args.seed, prefix_len=args.prefix_len)
 
 
 def auto_max_model_len(dataset: str, requests: list[ds.BenchRequest], model_max: int) -> int:

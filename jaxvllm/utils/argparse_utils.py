@@ -8,13 +8,7 @@ import sys
 
 class FlexibleArgumentParser(argparse.ArgumentParser):
     """An `argparse.ArgumentParser` that also reads `--max_model_len` as `--max-model-len`,
-    as vLLM's does (vLLM's also reads YAML config files; this one does not). Flags are never
-    abbreviated (`allow_abbrev=False`): a flag of vLLM's this parser lacks (`--n`,
-    `--profile`) is refused as unknown, not read as another that starts the same."""
-
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("allow_abbrev", False)
-        super().__init__(*args, **kwargs)
+    as vLLM's does (vLLM's also reads YAML config files; this one does not)."""
 
     def parse_known_args(self, args=None, namespace=None):
         args = sys.argv[1:] if args is None else list(args)

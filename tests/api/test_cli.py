@@ -125,8 +125,6 @@ def test_structured_output_usage_errors(tmp_path, capsys, args, message):
     ["bench", "throughput", "--model", "dummy:tiny", "--dataset", "sharegpt"],
     ["bench", "latency", "--model", "dummy:tiny", "--batch-size", "two"],
     ["bench"],  # a benchmark is required
-    ["bench", "throughput", "--model", "dummy:tiny", "--n", "2"],  # vLLM's, not ours: unknown, not --num-prompts
-    ["generate", "--model", "dummy:tiny", "--prompt", "x", "--max-model-len", "1.5K"],  # no decimals in binary
 ])
 def test_bad_flags_are_argparse_errors(args, capsys):
     assert main(args) == 2
@@ -180,6 +178,18 @@ def test_readme_first_command_runs():
     assert result.stdout.startswith("Prompt: 'Hello, my name is', Generated text: ")
     # Progress bars on the long phases go to stderr.
     assert "Compiling token buckets" in result.stderr and "Processed prompts" in result.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    # vLLM's flags that ours only start like: unknown, not read as another (--num-prompts, --profiler-config)
+    (["bench", "throughput", "--model", "dummy:tiny", "--n", "2"], "unrecognized arguments: --n 2"),
+    (["generate", "--model", "dummy:tiny", "--prompt", "x", "--max-tok", "2"], "unrecognized arguments: --max-tok"),
+    (["generate", "--model", "dummy:tiny", "--prompt", "x", "--max-model-len", "1.5K"],
+     "no decimals with a binary suffix"),
+])
+def test_flags_are_never_abbreviated_and_sizes_are_vllms(args, message, capsys):
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_generate_follows_the_generation_config_and_writes_logprobs(tmp_path):

@@ -430,6 +430,38 @@ def test_a_grammar_that_needs_an_id_past_the_vocabulary_ends_the_request(engines
     assert llm.llm_engine.kv_cache_manager.num_free_blocks == llm.llm_engine.runner.num_blocks
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_a_dead_end_in_a_step_that_failed_is_counted_once(engines, async_scheduling, monkeypatch):
+    """A request a dead end ended, in a step whose outputs then failed: it stays ended (it got
+    no token to take back), its final output comes with the next step, and it is a finished
+    request in the metrics, once (it was not counted at all)."""
+    llm = engines(short_vocab=True, async_scheduling=async_scheduling)
+    engine = llm.llm_engine
+    a = llm.get_tokenizer().encode("a", add_special_tokens=False)
+    stuck = SamplingParams(temperature=0, max_tokens=20,
+                           structured_outputs=StructuredOutputsParams(grammar='start: "a" "a" <|extra_0|> "b"'))
+    original, armed = engine.output_processor.step_outputs, [True]
+
+    def failing(requests, parents):
+        if armed[0] and any(r.is_finished for r in requests):
+            armed[0] = False
+            raise RuntimeError("injected")
+        return original(requests, parents)
+
+    monkeypatch.setattr(engine.output_processor, "step_outputs", failing)
+    before = dict(engine.metrics.request_success), sum(engine.metrics.e2e_request_latency.counts)
+    engine.add_request("dead-end", {"prompt_token_ids": a * 6}, stuck)
+    finals = []
+    while engine.has_unfinished_requests():
+        try:
+            finals += [o for o in engine.step() if o.finished]
+        except RuntimeError:
+            pass
+    assert not armed[0] and [o.outputs[0].finish_reason for o in finals] == ["abort"]
+    assert engine.metrics.request_success["abort"] == before[0]["abort"] + 1
+    assert sum(engine.metrics.e2e_request_latency.counts) == before[1] + 1
+
+
 def test_a_complete_match_that_only_an_eos_past_the_vocabulary_could_follow_stops(short_vocab_path):
     """The tokenizer's EOS past the model's vocabulary: a complete match is a dead end that
     stops (not aborts); every mask is the model's width, with no id past it allowed."""

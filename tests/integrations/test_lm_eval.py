@@ -386,6 +386,7 @@ def test_reasoning_model_options(tiny_checkpoint, tmp_path):
     from lm_eval.api.instance import Instance
 
     import jaxvllm.integrations.lm_eval as integration
+    from jaxvllm import SamplingParams
 
     path = tmp_path / "thinking"
     shutil.copytree(tiny_checkpoint("qwen3"), path)
@@ -416,4 +417,25 @@ def test_reasoning_model_options(tiny_checkpoint, tmp_path):
     assert thinking.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi<think>[terse]"
     request = [Instance("generate_until", {}, (prompt, {"until": [stop], "max_gen_toks": 16, "do_sample": False}), 0)]
     assert thinking.generate_until(request, True) == [after.split(stop)[0]]
+    thinking.shutdown()
+
+    # A special token ends the thoughts (given by id, as lm-eval's hf model takes it): the text,
+    # which leaves special tokens out, never shows it; the answer is the tokens after it.
+    # (this prompt's greedy continuation holds <s>, id 1, at its 13th token)
+    prompt = "hello time paged world once keys brown stores"
+    plain = integration.JaxvllmLM(pretrained=str(path), dtype="float32", max_model_len=64)
+    [out] = plain.llm.generate([{"prompt_token_ids": plain.tok_encode(prompt)}],
+                               SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    ids = list(out.outputs[0].token_ids)
+    assert 1 in ids[:-1]
+    answer = plain.tokenizer.decode(ids[len(ids) - ids[::-1].index(1):], skip_special_tokens=True).lstrip()
+    stopped = [Instance("generate_until", {}, (prompt, {"until": ["<s>"], "max_gen_toks": 24, "do_sample": False}), 0)]
+    [before_special] = plain.generate_until(stopped, True)
+    plain.shutdown()
+    thinking = integration.JaxvllmLM(pretrained=str(path), dtype="float32", max_model_len=64, think_end_token="1")
+    request = [Instance("generate_until", {}, (prompt, {"until": [], "max_gen_toks": 24, "do_sample": False}), 0)]
+    assert thinking.generate_until(request, True) == [answer]
+    # and a stop sequence that is a special token stops there while it thinks too
+    thinking.think_end_token = "@@ never written @@"
+    assert thinking.generate_until(stopped, True) == [before_special]
     thinking.shutdown()

@@ -169,7 +169,7 @@ class JaxvllmLM(TemplateLM):
         self.add_bos_token = add_bos_token
         self.custom_prefix_token_id = prefix_token_id
         if isinstance(think_end_token, int) or str(think_end_token).isdigit():  # (a token id, as lm-eval's hf)
-            think_end_token = self.tokenizer.decode([int(think_end_token)])
+            think_end_token = self.tokenizer.decode([int(think_end_token)], skip_special_tokens=False)
         self.think_end_token = think_end_token
         self._device = device
 
@@ -365,8 +365,8 @@ class JaxvllmLM(TemplateLM):
             stop = [s for s in until if s and (s == eos or not self.think_end_token)]
             # A stop sequence that is one special token (<|im_start|>) never shows in the text,
             # which leaves special tokens out: it stops as a token id (lm-eval's hf model stops
-            # on it, reading the text with special tokens).
-            special = [self._special_ids[s] for s in stop if s in self._special_ids]
+            # on it, reading the text with special tokens), thinking or not.
+            special = [self._special_ids[s] for s in until if s in self._special_ids]
             if special:
                 sampling["stop_token_ids"] = [*sampling.get("stop_token_ids", ()), *special]
             params.append(SamplingParams(temperature=temperature, max_tokens=max_gen_toks, stop=stop or None,
@@ -375,7 +375,15 @@ class JaxvllmLM(TemplateLM):
         outputs = self.llm.generate(prompts, params, use_tqdm=not disable_tqdm, lora_request=self._lora)
         results = []
         for req, out, until in zip(requests, outputs, stops):
-            text = postprocess_generated_text(out.outputs[0].text, until, self.think_end_token)
+            text, think_end = out.outputs[0].text, self.think_end_token
+            if think_end in self._special_ids:  # (not in the text: the answer is the tokens after it)
+                ids = list(out.outputs[0].token_ids)
+                end = self._special_ids[think_end]
+                if end in ids:
+                    after = ids[len(ids) - ids[::-1].index(end):]
+                    text = self.tokenizer.decode(after, skip_special_tokens=True).lstrip()
+                think_end = None
+            text = postprocess_generated_text(text, until, think_end)
             results.append(text)
             self.cache_hook.add_partial("generate_until", req.args, text)
         return results
