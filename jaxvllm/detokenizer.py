@@ -147,6 +147,13 @@ class IncrementalDetokenizer:
         return self._text
 
     @property
+    def settled_text(self) -> str:
+        """The committed text: what later tokens do not change (the pending tokens' text, a
+        character still incomplete or a run of byte tokens, left out). A stream sends only
+        this until the completion ends, as vLLM's detokenizer emits only complete text."""
+        return self.text[:self._committed_len]
+
+    @property
     def stop_buffer(self) -> int:
         """Characters at the end of `text` that could still be the start of a stop string
         left out of the text: a stream holds them back until the completion ends (vLLM's
@@ -307,17 +314,18 @@ class IncrementalDetokenizer:
 
     def _check_stop(self, changed_from: int) -> str | None:
         """Search the changed text (plus len(longest stop) - 1 characters before it) for
-        the stop strings; on a match cut the text and finish. As vLLM's: the match that is
-        complete first (ends earliest) wins, as it would have one character at a time;
-        between matches that end together, the one listed first in `stop`."""
+        the stop strings; on a match cut the text and finish. As vLLM's
+        (`check_stop_strings`): the first stop string in `stop`'s order that occurs there,
+        at its first occurrence, even if another one ends before it."""
         lo = max(0, changed_from - (self._max_stop_len - 1))
         region = self._recent_committed(self._committed_len - lo) + self._tail
-        start, end, found = 0, len(region) + 1, None  # (the best match so far, in `region`)
+        found = None
         for s in self._stop:
             # An occurrence must reach into the changed text: older ones were seen before.
-            i = region.find(s, max(0, changed_from - lo - len(s) + 1), end - 1)
-            if i != -1 and i + len(s) < end:
-                start, end, found = i, i + len(s), s
+            start = region.find(s, max(0, changed_from - lo - len(s) + 1))
+            if start != -1:
+                found, end = s, start + len(s)
+                break
         if found is None:
             return None
         cut = lo + (end if self._include_stop else start)

@@ -86,11 +86,15 @@ def _feed(tok, ids, chunks=None, **kwargs):
     d = IncrementalDetokenizer(tok, **kwargs)
     texts, i = [], 0
     for size in chunks or [1] * len(ids):
+        settled = d.settled_text
         stop = d.update(ids[i:i + size])
         i += size
         texts.append(d.text)
         if stop is not None:
             return d, texts, stop
+        # What a stream sent is never changed by later tokens (a take-back by
+        # clean_up_tokenization_spaces aside): the settled text only grows.
+        assert d.text.startswith(settled) or d._cleanup, (settled, d.text)
     return d, texts, None
 
 
@@ -297,30 +301,26 @@ def test_stop_inside_one_token_and_from_one_token_into_the_next(tokenizers, name
     assert d.text == SENTENCE[:where + len(spanning)]
 
 
-def test_earliest_stop_in_the_text_wins(tokenizers):
+def test_the_first_listed_stop_found_wins(tokenizers):
+    """As vLLM's `check_stop_strings`: among the stop strings the new text holds, the first
+    in the list's order, at its first occurrence, wins (even if another ends before it)."""
     tok = tokenizers["tiny"]
     ids = _encode(tok, SENTENCE)
-    # Both appear within one update: "fox" comes first in the text though listed second.
+    # Both appear within one update: "dog" is listed first though "fox" comes first in the text.
     d = IncrementalDetokenizer(tok, stop=["dog", "fox"])
-    assert d.update(ids) == "fox"
-    assert d.text == "The quick brown "
-    # Token by token, the earlier one is found first anyway.
+    assert d.update(ids) == "dog"
+    assert d.text == SENTENCE[:SENTENCE.index("dog")]
+    # Token by token, the one whose text comes first is found first.
     d, _, stop = _feed(tok, ids, stop=["lazy", "quick"])
     assert (stop, d.text) == ("quick", "The ")
-    # Overlapping stop strings completed by the same update: as vLLM's, the one complete
-    # first (as character by character), whatever starts first or is listed first.
-    d = IncrementalDetokenizer(tok, stop=["own fox", "brown f"], include_stop_str_in_output=True)
-    assert d.update(ids) == "brown f"
-    assert d.text == "The quick brown f"
+    # Overlapping stop strings completed by the same update: the one listed first.
+    for stops in (["own fox", "brown f"], ["brown f", "own fox"]):
+        d = IncrementalDetokenizer(tok, stop=stops, include_stop_str_in_output=True)
+        assert d.update(ids) == stops[0]
+        assert d.text == SENTENCE[:SENTENCE.index(stops[0]) + len(stops[0])]
     for stops in (["quick brown fox", "brown"], ["brown", "quick brown fox"], ["brown", "bro"], ["bro", "brown"]):
         d = IncrementalDetokenizer(tok, stop=stops)
-        expected = "bro" if "bro" in stops else "brown"
-        assert d.update(ids) == expected and d.text == "The quick "
-    # Matches that end together: the one listed first.
-    for stops in (["quick brown", "brown"], ["brown", "quick brown"]):
-        d = IncrementalDetokenizer(tok, stop=stops)
-        assert d.update(ids) == stops[0]
-        assert d.text == "The " + ("quick " if stops[0] == "brown" else "")
+        assert d.update(ids) == stops[0] and d.text == SENTENCE[:SENTENCE.index(stops[0])]
 
 
 def test_stop_found_only_once_more_text_arrives(tokenizers):
@@ -380,12 +380,12 @@ def test_stop_strings_match_a_search_of_the_full_text(tokenizers, name, data):
         got = d.update(ids[done:done + size])
         done += size
         text = tok.decode(ids[:done], skip_special_tokens=True)
-        # The match complete first wins (then the one listed first), as vLLM's.
-        hits = [(text.find(s) + len(s), order, text.find(s), s) for order, s in enumerate(stops) if s in text]
+        # The first listed among those the text now holds, as vLLM's (none was there before).
+        hits = [(order, text.find(s), s) for order, s in enumerate(stops) if s in text]
         if not hits:
             assert got is None and d.text == text
             continue
-        _, _, at, expected = min(hits)
+        _, at, expected = min(hits)
         assert got == expected
         assert d.text == text[:at + (len(expected) if include else 0)]
         break
