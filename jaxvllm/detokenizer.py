@@ -147,13 +147,6 @@ class IncrementalDetokenizer:
         return self._text
 
     @property
-    def settled_text(self) -> str:
-        """The committed text: what later tokens do not change (the pending tokens' text, a
-        character still incomplete or a run of byte tokens, left out). A stream sends only
-        this until the completion ends, as vLLM's detokenizer emits only complete text."""
-        return self.text[:self._committed_len]
-
-    @property
     def stop_buffer(self) -> int:
         """Characters at the end of `text` that could still be the start of a stop string
         left out of the text: a stream holds them back until the completion ends (vLLM's

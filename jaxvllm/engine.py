@@ -52,6 +52,7 @@ class LLMEngine:
     `executor_class`): the host benchmark passes a stub device there."""
 
     def __init__(self, config: EngineConfig, runner_class: Callable[[EngineConfig], ModelRunner] = ModelRunner) -> None:
+        importing_torch = "torch" not in sys.modules
         use_compilation_cache(config.compilation_cache)  # process-wide, as JAX's cache is
         names = config.served_model_name
         model_name = (names if isinstance(names, str) else names[0]) if names else config.model  # as vLLM's
@@ -59,12 +60,7 @@ class LLMEngine:
         self._model_source = resolve_model(config.model)
         self.config = config = self._model_source.engine_config(config).for_platform(jax.default_backend())
         # (a bad config.json or max_model_len is refused before the tokenizer or any weight loads)
-        importing_torch = "torch" not in sys.modules
         load_config(config.model, config.hf_overrides).checked_max_model_len(config.max_model_len)
-        if importing_torch and "torch" in sys.modules:
-            # transformers' config module imported torch, whose torch.fx leaves a cycle of frames
-            # that holds the callers' (the LLM being built) until a full collection: freed now.
-            gc.collect()
         self.tokenizer = load_tokenizer(config)
         method = config.speculative_config.method if config.speculative_config is not None else None
         if method == "draft_model":
@@ -128,6 +124,11 @@ class LLMEngine:
         if spec is not None:
             self.scheduler.vectorized = False
             self.metrics.enable_spec_decode(config.speculative_config.num_speculative_tokens)
+        if importing_torch and "torch" in sys.modules:
+            # transformers imported torch for the first time in this process, and torch.fx leaves
+            # a cycle of frames that holds their callers (the LLM being built) until a full
+            # collection: freed now, once.
+            gc.collect()
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineConfig) -> "LLMEngine":

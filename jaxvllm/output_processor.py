@@ -145,10 +145,9 @@ class OutputProcessor:
     def output(self, parent: ParentRequest, only: int | None = None) -> RequestOutput:
         """The parent's RequestOutput (of completion `only` alone, if given): everything so
         far, or (DELTA) what is new since the last one. Until a completion finishes its text
-        is the detokenizer's settled text (a character the next token may complete, or a run
-        of byte tokens the next may turn into U+FFFDs, held back) less, with stop strings, as
-        many characters as could start one (vLLM's stop buffer), so that no text is streamed
-        that a later token changes or a stop string takes back. DELTA sends the
+        holds back a trailing U+FFFD (the start of a character the next token may complete)
+        and, with stop strings, as many characters as could start one (vLLM's stop buffer),
+        so that no text is streamed that a stop string later takes back. DELTA sends the
         prompt logprobs once, with a completion's first output (later ones get [])."""
         delta = parent.output_kind == RequestOutputKind.DELTA
         lead = 0 if only is None else only  # (the completion whose prompt fields the output reports)
@@ -160,10 +159,11 @@ class OutputProcessor:
         for i in range(len(parent.children)) if only is None else (only,):
             child = parent.children[i]
             self.detokenize(child)
-            detokenizer = child.detokenizer
-            text = "" if detokenizer is None else detokenizer.text if child.is_finished else detokenizer.settled_text
-            if not child.is_finished and detokenizer is not None and detokenizer.stop_buffer:
-                text = text[: max(0, len(text) - detokenizer.stop_buffer)]
+            text = child.detokenizer.text if child.detokenizer is not None else ""
+            if not child.is_finished:
+                text = text.rstrip("\ufffd")
+                if child.detokenizer is not None and child.detokenizer.stop_buffer:
+                    text = text[: max(0, len(text) - child.detokenizer.stop_buffer)]
             tokens, logprobs = child.output_token_ids, child.logprobs
             if delta:
                 sent_tokens, sent_chars = parent.sent[i]

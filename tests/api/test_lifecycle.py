@@ -121,7 +121,7 @@ gc.disable()
 from jaxvllm import LLM, SamplingParams
 from jaxvllm.batch_builder import BatchBuilder
 for i in range(2):
-    llm = LLM({path!r}, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64)
+    llm = LLM({path!r} if i else "dummy:tiny", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64)
     llm.generate([{{"prompt_token_ids": [5, 6, 7]}}], SamplingParams(max_tokens=2), use_tqdm=False)
     ref = weakref.ref(llm)
     del llm

@@ -380,9 +380,8 @@ class JaxvllmLM(TemplateLM):
                 ids = list(out.outputs[0].token_ids)
                 end = self._special_ids[think_end]
                 if end in ids:
-                    after = ids[len(ids) - ids[::-1].index(end):]
-                    text = self.tokenizer.decode(after, skip_special_tokens=True).lstrip()
-                think_end = None
+                    text = self.tokenizer.decode(ids[len(ids) - ids[::-1].index(end):], skip_special_tokens=True)
+                text, think_end = text.lstrip(), None  # (as lm-eval strips the answer, found or not)
             text = postprocess_generated_text(text, until, think_end)
             results.append(text)
             self.cache_hook.add_partial("generate_until", req.args, text)
