@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import jaxvllm
-from jaxvllm.benchmarks.common import check_bench_args
 from jaxvllm.dummy import MODEL_HELP
 from jaxvllm.engine_args import add_engine_args, engine_kwargs
 from jaxvllm.interrupts import defer_interrupts
@@ -124,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _bench_runner(module):
     def run(args: argparse.Namespace) -> int:
+        from jaxvllm.benchmarks.common import check_bench_args  # (as build_parser: benchmarks load when used)
+
         check_bench_args(module, args)
         module.run(args)
         return 0

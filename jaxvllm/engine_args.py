@@ -37,7 +37,7 @@ def human_readable_int(value: str) -> int:
         return int(value)
     number, suffix = match.groups()
     if suffix.islower():
-        return int(float(number) * 1000 ** "kmg".index(suffix) * 1000)
+        return int(float(number) * 1000 ** ("kmg".index(suffix) + 1))
     if "." in number:
         raise argparse.ArgumentTypeError(f"{value!r}: no decimals with a binary suffix ({suffix}); did you mean "
                                          f"{number}{suffix.lower()}?")
@@ -53,9 +53,11 @@ _VALUE_FLAGS: dict[str, tuple[Callable[[str], Any], str]] = {
     "kv-cache-dtype": (str, "KV cache dtype: 'auto' (the model's dtype), 'fp8' / 'fp8_e4m3' (float8_e4m3fn "
                             "with k/v scales from the checkpoint, else 1.0: twice the blocks) or "
                             "'fp8_e5m2'"),
-    "max-model-len": (human_readable_int, "longest sequence (prompt + output); default: the model's max_position_embeddings"),
+    "max-model-len": (human_readable_int, "longest sequence (prompt + output); default: the model's "
+                                          "max_position_embeddings"),
     "max-num-seqs": (int, "most sequences in one step"),
-    "max-num-batched-tokens": (human_readable_int, "most tokens in one step (also the largest compiled token bucket)"),
+    "max-num-batched-tokens": (human_readable_int, "most tokens in one step (also the largest compiled token "
+                                                   "bucket)"),
     "block-size": (int, "tokens per KV cache block"),
     "gpu-memory-utilization": (float, "share of device memory for weights, activations and KV cache"),
     "num-gpu-blocks-override": (int, "number of KV cache blocks, instead of sizing them from device memory"),
