@@ -124,6 +124,7 @@ class IncrementalDetokenizer:
         self._committed_len = 0
         self._tail = ""  # text of the pending ids ids[read:]
         self._text: str | None = ""  # cached `text`; None when stale
+        self._searched_to = 0  # text before this was searched for stop strings
         self._stopped = False
         if prompt_token_ids:
             self._prime(prompt_token_ids)
@@ -156,8 +157,10 @@ class IncrementalDetokenizer:
     def update(self, new_token_ids: Sequence[int], check_stop: bool = True) -> str | None:
         """Append output tokens (usually one per step); return the stop string if one now
         appears in the text (then `text` is cut there and later calls are not allowed).
-        With `check_stop=False` (below min_tokens) the new text is not searched, and
-        later calls search only their own new text, as vLLM does."""
+        A trailing U+FFFD (a character the next token may complete) is not searched yet,
+        as vLLM's detokenizer adds no text until a character is complete. With
+        `check_stop=False` (below min_tokens) the new text is not searched, and later
+        calls search only their own new text, as vLLM does."""
         if self._stopped:
             raise RuntimeError("a stop string was already found; the completion is over")
         added = 0
@@ -179,6 +182,8 @@ class IncrementalDetokenizer:
         self._text = None
         if self._stop and check_stop:
             return self._check_stop(changed_from)
+        if self._stop:  # (below min_tokens: this text counts as searched)
+            self._searched_to = self._settled_len()
         return None
 
     # -- internals -------------------------------------------------------------------
@@ -305,17 +310,31 @@ class IncrementalDetokenizer:
         joined = "".join(reversed(parts))
         return joined[len(joined) - count:] if count else ""
 
+    def _settled_len(self) -> int:
+        """Length of the text without its trailing U+FFFD run."""
+        end, count = self._committed_len + len(self._tail), 16
+        while True:
+            recent = self._recent_committed(min(count, self._committed_len)) + self._tail
+            settled = len(recent.rstrip(_REPLACEMENT))
+            if settled or len(recent) == end:
+                return end - len(recent) + settled
+            count *= 4
+
     def _check_stop(self, changed_from: int) -> str | None:
-        """Search the changed text (plus len(longest stop) - 1 characters before it) for
-        the stop strings; on a match cut the text and finish. As vLLM's
-        (`check_stop_strings`): the first stop string in `stop`'s order that occurs there,
-        at its first occurrence, even if another one ends before it."""
-        lo = max(0, changed_from - (self._max_stop_len - 1))
+        """Search the text not searched before or changed since (plus len(longest stop) - 1
+        characters before it), up to its trailing U+FFFD, for the stop strings; on a match
+        cut the text and finish. As vLLM's (`check_stop_strings`): the first stop string
+        in `stop`'s order that occurs there, at its first occurrence, even if another one
+        ends before it."""
+        frontier = min(changed_from, self._searched_to)
+        lo = max(0, frontier - (self._max_stop_len - 1))
         region = self._recent_committed(self._committed_len - lo) + self._tail
+        region = region[:self._settled_len() - lo]
+        self._searched_to = lo + len(region)
         found = None
         for s in self._stop:
-            # An occurrence must reach into the changed text: older ones were seen before.
-            start = region.find(s, max(0, changed_from - lo - len(s) + 1))
+            # An occurrence must reach past the frontier: older ones were seen before.
+            start = region.find(s, max(0, frontier - lo - len(s) + 1))
             if start != -1:
                 found, end = s, start + len(s)
                 break

@@ -319,6 +319,20 @@ def test_the_first_listed_stop_found_wins(tokenizers):
         assert d.update(ids) == stops[0] and d.text == SENTENCE[:SENTENCE.index(stops[0])]
 
 
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_a_character_split_over_tokens_is_not_a_replacement_char_stop(tokenizers, name):
+    """stop=["\ufffd"] (a guard against broken text) ignores the U+FFFD that a character
+    shows until its last byte arrives, and finds one that more text leaves behind."""
+    tok = tokenizers[name]
+    hello, fine = _encode(tok, "Hello"), _encode(tok, " fine")
+    char = _byte_token_ids(tok, "漢")
+    _, texts, stop = _feed(tok, hello + char + fine, stop=["\ufffd"])
+    assert stop is None and texts[-1] == "Hello漢 fine"
+    assert texts[len(hello)].endswith("\ufffd")  # (shown while the character is partial)
+    _, texts, stop = _feed(tok, hello + char[:1] + fine, stop=["\ufffd"], include_stop_str_in_output=True)
+    assert stop == "\ufffd" and texts[-1] == "Hello\ufffd"
+
+
 def test_stop_found_only_once_more_text_arrives(tokenizers):
     """A stop string inside a partial UTF-8 character matches once the character is whole."""
     tok = tokenizers["sp"]
@@ -376,8 +390,10 @@ def test_stop_strings_match_a_search_of_the_full_text(tokenizers, name, data):
         got = d.update(ids[done:done + size])
         done += size
         text = tok.decode(ids[:done], skip_special_tokens=True)
-        # The first listed among those the text now holds, as vLLM's (none was there before).
-        hits = [(order, text.find(s), s) for order, s in enumerate(stops) if s in text]
+        # The first listed among those the text now holds, as vLLM's (none was there before),
+        # up to a trailing U+FFFD (vLLM's text holds complete characters only).
+        settled = text.rstrip("\ufffd")
+        hits = [(order, settled.find(s), s) for order, s in enumerate(stops) if s in settled]
         if not hits:
             assert got is None and d.text == text
             continue
