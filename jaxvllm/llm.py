@@ -410,9 +410,13 @@ class LLM:
         self._check_open()
         if any(e.has_unfinished_requests() for e in self.engines):
             raise RuntimeError("update_weights while requests are unfinished: finish or abort them first")
-        if len(self.engines) > 1 and isinstance(weights, Iterator):
-            weights = list(weights)  # (every replica reads it)
+        weights = self._for_every_replica(weights)
         return [e.update_weights(weights) for e in self.engines][0]
+
+    def _for_every_replica(self, value):
+        """A one-shot iterator (a generator of weights) read into a list when several
+        replicas read it: the first would otherwise leave the others nothing."""
+        return list(value) if len(self.engines) > 1 and isinstance(value, Iterator) else value
 
     def sleep(self, level: int = 1) -> None:
         """vLLM's sleep mode (`enable_sleep_mode=True`): level 1 moves the weights to host
@@ -434,6 +438,8 @@ class LLM:
         """vLLM's: run an engine method (`LLMEngine.RPC_METHODS`) on every replica; returns
         their results."""
         self._check_open()
+        args = tuple(self._for_every_replica(a) for a in args)
+        kwargs = {k: self._for_every_replica(v) for k, v in (kwargs or {}).items()}
         return [r for e in self.engines for r in e.collective_rpc(method, timeout, args, kwargs)]
 
     def get_params(self) -> dict:

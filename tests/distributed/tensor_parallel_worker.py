@@ -129,7 +129,11 @@ def per_device_sizing(path: Path) -> dict:
 
 
 def data_parallel(path: Path) -> dict:
-    """dp=2 (one device each) and dp=2 x tp=2 against dp=1: greedy and seeded sampling, n=2."""
+    """dp=2 (one device each) and dp=2 x tp=2 against dp=1: greedy and seeded sampling, n=2;
+    then the same after new weights came through collective_rpc as one-shot iterators."""
+    from safetensors.numpy import load_file
+
+    other = load_file(str(make_tiny("llama", path.parent / "llama-seed-1", seed=1) / "model.safetensors"))
     prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 9, 17, 25, 33, 40, 7, 12)]
     params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
               SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=6, n=2, ignore_eos=True)] * 4
@@ -150,6 +154,11 @@ def data_parallel(path: Path) -> dict:
             outputs = llm.wait_for_completion(use_tqdm=False)
             assert [o.request_id for o in outputs] == ids
             out[name + "_enqueued"] = [[c.token_ids for c in o.outputs] for o in outputs]
+            # (every replica must read the whole iterator, not what the first one left)
+            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(other.items())})
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            out[name + "_reloaded"] = [[c.token_ids for c in o.outputs] for o in outputs]
+            out[name + "_updated"] = llm.collective_rpc("update_weights", args=(((k, v) for k, v in other.items()),))
     return out
 
 

@@ -142,6 +142,10 @@ def test_data_parallel_replicas_give_one_replicas_outputs(results):
     assert dp["dp2_replicas"] == [0, 0]
     # enqueue + wait_for_completion as generate; prompts queued one call at a time still spread
     assert dp["dp1_enqueued"] == dp["dp2_enqueued"] == dp["dp2tp2_enqueued"] == dp["dp1"]
+    assert dp["dp1_reloaded"] != dp["dp1"]
+    assert dp["dp2_reloaded"] == dp["dp2tp2_reloaded"] == dp["dp1_reloaded"]
+    assert len(dp["dp1_updated"]) == 1 and dp["dp1_updated"][0] > 0
+    assert dp["dp2_updated"] == dp["dp2tp2_updated"] == dp["dp1_updated"] * 2
     assert dp["dp2_enqueued_per_replica"] == dp["dp2tp2_enqueued_per_replica"] == [4, 4]
 
 
