@@ -147,8 +147,7 @@ class LLMEngine:
         self._check_awake("a request")
         lora_id = self.lora_id(lora_request)
         parent = self.input_processor.process(request_id, prompt, params, priority,
-                                              add_special_tokens=add_special_tokens, lora_id=lora_id,
-                                              lora_version=self.runner.lora.versions[lora_id] if lora_id else 0)
+                                              add_special_tokens=add_special_tokens, lora_id=lora_id)
         parent.lora_request = lora_request
         return parent
 
@@ -188,40 +187,54 @@ class LLMEngine:
         checked if this engine has not read it yet."""
         if lora_request is None:
             return 0
-        manager = self._lora_manager()  # (an engine without LoRA refuses any, first)
-        if not isinstance(lora_request, LoRARequest):
-            raise TypeError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        manager = self._lora_manager(lora_request)  # (an engine without LoRA refuses any, first)
         with defer_interrupts():
             manager.add(lora_request)  # (read once: held ones are not read again)
         return lora_request.lora_int_id
 
-    def _lora_manager(self):
+    def _lora_manager(self, lora_request: Any = None):
         if self.runner.lora is None:
             raise ValueError("LoRA adapters need an engine started with enable_lora=True")
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
         return self.runner.lora
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Read an adapter (checked against the model) so that requests can use it; an id
-        added before is read again (from this request's folder) and replaced, in its device
-        slot too (the blocks cached under the old one serve it no more: see
-        `LoRAManager.versions`). Refused while requests are unfinished when it replaces one."""
-        self._check_open()
-        manager = self._lora_manager()
-        replaces = lora_request.lora_int_id in manager.requests
-        if replaces and self.has_unfinished_requests():
-            raise RuntimeError(f"add_lora would replace adapter {lora_request.lora_int_id} while requests are "
-                               "unfinished: finish or abort them first")
+        """vLLM's: read an adapter (checked against the model) so that requests can use it;
+        an id held from the same folder, unchanged, is only marked recently used. An id
+        held from another folder, or from files saved since (an adapter trained further:
+        adapter-only RL), is read again and replaced, in its device slot too (the blocks
+        cached under the old one serve it no more: see `LoRAManager.versions`); refused
+        while unfinished requests use it."""
+        self.check_add_lora(lora_request)
         with defer_interrupts():
-            manager.add(lora_request, replace=True)
+            self.runner.lora.add(lora_request, replace=True)
         return True
+
+    def check_add_lora(self, lora_request: LoRARequest) -> None:
+        """Raise what `add_lora` would refuse, changing nothing."""
+        self._check_open()
+        manager = self._lora_manager(lora_request)
+        lora_id = lora_request.lora_int_id
+        if lora_id in manager.requests and manager.changes(lora_request) and (users := self._lora_users(lora_id)):
+            raise RuntimeError(f"add_lora would replace adapter {lora_id} while unfinished requests use it "
+                               f"{users[:4]}: let them finish or abort them first")
 
     def remove_lora(self, lora_id: int) -> bool:
         """Forget an adapter; refused while an unfinished request uses it."""
-        users = [r.request_id for r in self.scheduler.requests.values() if r.lora_id == lora_id]
-        if users:
-            raise ValueError(f"LoRA adapter {lora_id} is in use by unfinished requests {users[:4]}; abort them first")
+        self.check_remove_lora(lora_id)
         with defer_interrupts():
-            return self._lora_manager().remove(lora_id)
+            return self.runner.lora.remove(lora_id)
+
+    def check_remove_lora(self, lora_id: int) -> None:
+        """Raise what `remove_lora` would refuse, changing nothing."""
+        self._check_open()
+        self._lora_manager()
+        if users := self._lora_users(lora_id):
+            raise ValueError(f"LoRA adapter {lora_id} is in use by unfinished requests {users[:4]}; abort them first")
+
+    def _lora_users(self, lora_id: int) -> list[str]:
+        return [r.request_id for r in self.scheduler.requests.values() if r.lora_id == lora_id]
 
     def list_loras(self) -> set[int]:
         return self._lora_manager().list()
@@ -237,6 +250,8 @@ class LLMEngine:
         with defer_interrupts():
             try:
                 for child in parent.children:
+                    # (this engine's reading of the adapter: its blocks are keyed by it)
+                    child.lora_version = self.runner.lora.versions[child.lora_id] if child.lora_id else 0
                     self.scheduler.add_request(child)
                 self._parents[parent.request_id] = parent
             except BaseException:

@@ -211,7 +211,7 @@ class InputProcessor:
         return params
 
     def process(self, request_id: str, prompt: Any, params: SamplingParams | None, priority: int = 0, *,
-                add_special_tokens: bool = True, lora_id: int = 0, lora_version: int = 0) -> ParentRequest:
+                add_special_tokens: bool = True, lora_id: int = 0) -> ParentRequest:
         """Validate everything about a request and build its n completions' `Request`s."""
         params = self._check_params(params, priority)
         max_model_len = self.max_model_len
@@ -235,7 +235,7 @@ class InputProcessor:
         request_id = str(request_id)
         first = self.next_arrival
         children = [self._child(request_id, index, first + index, text, token_ids, cache_salt, params, priority,
-                                max_tokens, bad_words, lora_id, lora_version) for index in range(params.n)]
+                                max_tokens, bad_words, lora_id) for index in range(params.n)]
         self.next_arrival = first + params.n  # (only once the request was built: a refused one takes none)
         parent = ParentRequest(request_id, children, params.output_kind)
         if self.digests:
@@ -252,8 +252,7 @@ class InputProcessor:
             self.next_arrival = min(arrivals)
 
     def _child(self, request_id: str, index: int, arrival: int, text, token_ids, cache_salt, params: SamplingParams,
-               priority: int, max_tokens: int, bad_words: list[list[int]], lora_id: int = 0,
-               lora_version: int = 0) -> Request:
+               priority: int, max_tokens: int, bad_words: list[list[int]], lora_id: int = 0) -> Request:
         """Completion `index` of a request: its id, seed, detokenizer and grammar."""
         # Each completion has its own randomness: seed + index, or a seed drawn from the engine's.
         seed = fold_seed(params.seed + index) if params.seed is not None else unseeded(self.config.seed, arrival)
@@ -261,7 +260,7 @@ class InputProcessor:
             request_id if params.n == 1 else f"{index}_{request_id}", token_ids, params, prompt=text,
             priority=priority, max_tokens=max_tokens, eos_token_ids=self.eos_token_ids, arrival_index=arrival,
             seed=seed, cache_salt=cache_salt, vocab_size=self.vocab_size, bad_words_token_ids=bad_words,
-            lora_id=lora_id, lora_version=lora_version,
+            lora_id=lora_id,
         )
         if params.detokenize and self.tokenizer is not None:  # (no tokenizer: empty text)
             child.detokenizer = IncrementalDetokenizer(

@@ -15,6 +15,7 @@ from jaxvllm.chat_utils import CONTENT_FORMATS, detect_content_format, parse_con
 from jaxvllm.config import EngineConfig
 from jaxvllm.engine import LLMEngine
 from jaxvllm.inputs import prompt_list
+from jaxvllm.lora.request import LoRARequest
 from jaxvllm.outputs import RequestOutput
 from jaxvllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -417,6 +418,30 @@ class LLM:
         """A one-shot iterator (a generator of weights) read into a list when several
         replicas read it: the first would otherwise leave the others nothing."""
         return list(value) if len(self.engines) > 1 and isinstance(value, Iterator) else value
+
+    # -- LoRA adapters: LLMEngine's, on every replica (`llm_engine` is replica 0 alone) --------
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """`LLMEngine.add_lora` on every replica: what one refuses, none does."""
+        self._check_open()
+        for e in self.engines:
+            e.check_add_lora(lora_request)
+        return all([e.add_lora(lora_request) for e in self.engines])
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """`LLMEngine.remove_lora` on every replica: what one refuses, none does."""
+        self._check_open()
+        for e in self.engines:
+            e.check_remove_lora(lora_id)
+        return any([e.remove_lora(lora_id) for e in self.engines])
+
+    def pin_lora(self, lora_id: int) -> bool:
+        self._check_open()
+        return all([e.pin_lora(lora_id) for e in self.engines])
+
+    def list_loras(self) -> set[int]:
+        self._check_open()
+        return self.llm_engine.list_loras()
 
     def sleep(self, level: int = 1) -> None:
         """vLLM's sleep mode (`enable_sleep_mode=True`): level 1 moves the weights to host

@@ -48,8 +48,8 @@ from jaxvllm.models.common import logits_params
 from jaxvllm.request import Request, ScheduledBatch, ScheduledRequest
 from jaxvllm.sampler import (COMMON_FEATURES, Logprobs, SamplerFeatures, SamplerState, compute_logprobs, init_state,
                              sample, state_row, write_state_row)
-from jaxvllm.sharding import (FlatParams, FlatTree, as_tree, device_group, kv_cache_sharding, make_mesh, put,
-                              replicated, step_input, structs, to_host)
+from jaxvllm.sharding import (FlatParams, FlatTree, as_tree, device_group, kv_cache_sharding, kv_repeats, make_mesh,
+                              put, replicated, step_input, structs, to_host)
 from jaxvllm.spec_decode.draft_model import DraftModel
 from jaxvllm.spec_decode.eagle import EagleHead
 from jaxvllm.spec_decode.rejection_sampler import sample_with_drafts
@@ -344,7 +344,8 @@ class ModelRunner:
             self.lora = LoRAManager(MODELS[self.cfg.architecture].param_specs(self.cfg), self.cfg,
                                     max_loras=c.max_loras, max_rank=c.max_lora_rank, max_cpu_loras=c.max_cpu_loras,
                                     dtype=self.dtype if c.lora_dtype == "auto" else JNP_DTYPES[c.lora_dtype],
-                                    mesh=self.mesh, device=self.devices[0])
+                                    mesh=self.mesh, device=self.devices[0],
+                                    kv_repeats=kv_repeats(self.checkpoint_config, self.cfg))
         # On a CPU a padding token costs what a real one does: the scheduler fills buckets to their edge.
         self.fill_buckets = tuple(self.builder.buckets) if cpu else None
         # The KV cache's element type, and for an fp8 cache its (k_scale, v_scale) per layer and KV head.
@@ -822,6 +823,11 @@ class ModelRunner:
         _, self.params = self._load()
         self._asleep.discard("weights")
 
+    @property
+    def checkpoint_config(self) -> ModelConfig:
+        """The checkpoint's own config (its KV heads before their repetition over devices)."""
+        return load_config(self.config.model, self.config.hf_overrides)
+
     def _load(self) -> tuple[ModelConfig, dict]:
         """The checkpoint's weights on this replica's devices, and the config they run with."""
         c = self.config
@@ -852,11 +858,11 @@ class ModelRunner:
             self._given |= {id(a) for a in jax.tree.leaves(weights) if isinstance(a, jax.Array)}
             return count
         if self._weight_index is None:
-            original = load_config(self.config.model, self.config.hf_overrides)  # (the KV heads before repetition)
+            original = self.checkpoint_config
             layout = dataclasses.replace(original, stack_layers=self.cfg.stack_layers,
                                          merge_projections=self.cfg.merge_projections)
             self._weight_index = (weight_index(MODELS[self.cfg.architecture].param_specs(layout)),
-                                  self.cfg.num_kv_heads // original.num_kv_heads)
+                                  kv_repeats(original, self.cfg))
         index, repeats = self._weight_index
         skip = frozenset({"lm_head.weight"}) if self.cfg.tie_word_embeddings else frozenset()
         pairs = named_tensors(weights)

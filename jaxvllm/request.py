@@ -56,7 +56,6 @@ class Request:
         vocab_size: int = 0,
         bad_words_token_ids: list[list[int]] = (),
         lora_id: int = 0,
-        lora_version: int = 0,
     ) -> None:
         self.request_id = request_id
         self.parent_id = request_id  # the user's request id (differs for n > 1)
@@ -81,8 +80,9 @@ class Request:
         self.num_cached_tokens: int | None = None  # prefix-cache hit on first admission
         self.cache_salt = cache_salt  # requests with different salts never share cached blocks
         self.lora_id = lora_id  # the LoRA adapter's lora_int_id (0: the base model)
-        # Which reading of that adapter (`LoRAManager.versions`): blocks cached under another never serve it.
-        self.lora_version = lora_version
+        # Which reading of that adapter (`LoRAManager.versions`; the engine that queues the request
+        # sets it): blocks cached under another never serve it.
+        self.lora_version = 0
         # Off for prompt logprobs by default: they need every prompt token computed (as vLLM).
         self.read_prefix_cache = params.reads_prefix_cache
         # Top logprobs per token, -1 (the whole vocabulary) resolved; None: not asked for.

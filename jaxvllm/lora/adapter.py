@@ -82,13 +82,20 @@ class LoRAAdapter:
         return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
 
 
-def read_adapter(request: LoRARequest, targets: list[LoRATarget], max_rank: int) -> LoRAAdapter:
+def read_adapter(request: LoRARequest, targets: list[LoRATarget], max_rank: int, kv_repeats: int = 1) -> LoRAAdapter:
     """Read and check a PEFT folder against the model: every refusal names what is not
-    supported (the tensor and both shapes for one that does not fit)."""
+    supported (the tensor and both shapes for one that does not fit). `kv_repeats`: how
+    many times the model repeats each checkpoint KV head (over devices), which the
+    k_proj / v_proj weights (and their slots) have and the adapter's do not."""
     folder, label = Path(request.lora_path), f"LoRA adapter {request.lora_name!r} ({request.lora_path})"
     if not (folder / CONFIG_FILE).is_file():
         raise ValueError(f"{label}: no {CONFIG_FILE} there (a PEFT adapter folder is expected)")
-    config = json.loads((folder / CONFIG_FILE).read_text())
+    try:
+        config = json.loads((folder / CONFIG_FILE).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{label}: {CONFIG_FILE} is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{label}: {CONFIG_FILE} holds a {type(config).__name__}, not a JSON object")
     _check_config(config, label, max_rank)
     if not (folder / WEIGHTS_FILE).is_file():
         if (folder / "adapter_model.bin").is_file():
@@ -113,7 +120,10 @@ def read_adapter(request: LoRARequest, targets: list[LoRATarget], max_rank: int)
         alpha = _per_module(config, "alpha_pattern", module, config.get("lora_alpha", config["r"]))
         scale = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
         weights[module] = (pair["A"], pair["B"] * np.float32(scale))
-        _check_shapes(module, *weights[module], known[module], rank, label)
+        out, inputs = known[module]
+        if module.endswith(("k_proj", "v_proj")):
+            out //= kv_repeats
+        _check_shapes(module, *weights[module], (out, inputs), rank, label)
     if not weights:
         raise ValueError(f"{label}: {WEIGHTS_FILE} holds no lora_A / lora_B weights")
     return LoRAAdapter(request, weights)
@@ -163,10 +173,7 @@ def _module_of(key: str, label: str) -> tuple[str, str]:
 def _check_shapes(module: str, a: np.ndarray, b: np.ndarray, hf: tuple[int, int], rank: int, label: str) -> None:
     out, inputs = hf
     for which, tensor, want in (("A", a, (rank, inputs)), ("B", b, (out, rank))):
-        # (K/V heads repeated over devices: the adapter's out is the checkpoint's, a divisor)
-        fits = tensor.shape == want or (which == "B" and tensor.ndim == 2 and tensor.shape[1] == rank
-                                        and tensor.shape[0] and out % tensor.shape[0] == 0)
-        if not fits:
+        if tensor.shape != want:
             raise ValueError(f"{label}: {PEFT_PREFIX}{module}.lora_{which}.weight has shape {tuple(tensor.shape)}; "
                              f"the base model's {module} needs {want}")
 

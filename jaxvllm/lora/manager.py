@@ -11,13 +11,15 @@ jitted write with the slot a traced index, so that a swap never recompiles.
 from __future__ import annotations
 
 from collections import OrderedDict
+from pathlib import Path
 from typing import Iterable
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
-from jaxvllm.lora.adapter import LoRAAdapter, LoRATarget, lora_targets, read_adapter, slot_arrays
+from jaxvllm.lora.adapter import (CONFIG_FILE, WEIGHTS_FILE, LoRAAdapter, LoRATarget, lora_targets, read_adapter,
+                                  slot_arrays)
 from jaxvllm.lora.request import LoRARequest
 from jaxvllm.lora.weights import write_slot
 from jaxvllm.model_config import ModelConfig
@@ -30,10 +32,12 @@ class LoRAManager:
     a slot axis after the rows, see `jaxvllm.lora.weights`) is what a step with adapters reads."""
 
     def __init__(self, specs: list[ParamSpec], cfg: ModelConfig, *, max_loras: int, max_rank: int,
-                 max_cpu_loras: int, dtype, mesh: Mesh | None = None, device=None) -> None:
+                 max_cpu_loras: int, dtype, mesh: Mesh | None = None, device=None, kv_repeats: int = 1) -> None:
         self.targets: list[LoRATarget] = lora_targets(specs)
         self.max_loras, self.max_rank, self.max_cpu_loras, self.dtype = max_loras, max_rank, max_cpu_loras, dtype
+        self.kv_repeats = kv_repeats  # (each checkpoint KV head's copies over devices)
         self.requests: dict[int, LoRARequest] = {}  # every adapter added, by id
+        self.stamps: dict[int, tuple] = {}  # each added id's files (mtime, size) when read
         # Each added id's reading, numbered across the engine's life: a prefix cached with one
         # never serves another (an id removed and added again, or replaced, may be new weights).
         self.versions: dict[int, int] = {}
@@ -82,24 +86,34 @@ class LoRAManager:
 
     def add(self, request: LoRARequest, replace: bool = False) -> bool:
         """Read an adapter (checked against the model) unless held; False if it was.
-        `replace`: read it again even so, and rewrite its device slot if it has one (an
-        adapter trained further, under the same id: adapter-only RL)."""
-        known = self.requests.get(request.lora_int_id)
+        `replace`: an id held from another folder, or from files changed since, is read
+        again and replaces the old one, in its device slot too (an adapter trained further,
+        under the same id: adapter-only RL)."""
+        lora_id = request.lora_int_id
+        known = self.requests.get(lora_id)
         if known is not None and known.lora_path != request.lora_path and not replace:
-            raise ValueError(f"lora_int_id {request.lora_int_id} is adapter {known.lora_name!r} ({known.lora_path}); "
+            raise ValueError(f"lora_int_id {lora_id} is adapter {known.lora_name!r} ({known.lora_path}); "
                              f"{request.lora_name!r} ({request.lora_path}) needs an id of its own")
-        if request.lora_int_id in self.host and not replace:
-            self.host.move_to_end(request.lora_int_id)
+        new_reading = known is None or (replace and self.changes(request))
+        if not new_reading and lora_id in self.host:
+            self.host.move_to_end(lora_id)
             return False
-        adapter = read_adapter(request, self.targets, self.max_rank)
-        if known is None or replace:
+        stamp = _stamp(request)  # (before reading: a save that lands meanwhile counts as a change)
+        adapter = read_adapter(request, self.targets, self.max_rank, self.kv_repeats)
+        if new_reading:
             self._readings += 1
-            self.versions[request.lora_int_id] = self._readings
-        self.requests[request.lora_int_id] = request
+            self.versions[lora_id], self.stamps[lora_id] = self._readings, stamp
+        self.requests[lora_id] = request
         self._keep(adapter)
-        if request.lora_int_id in self.slot_ids:
-            self._load(request.lora_int_id, self.slot_ids.index(request.lora_int_id))
+        if new_reading and lora_id in self.slot_ids:
+            self._load(lora_id, self.slot_ids.index(lora_id))
         return known is None
+
+    def changes(self, request: LoRARequest) -> bool:
+        """Whether `request` is new weights for its id: an id not held, another folder,
+        or files written since the id's were read."""
+        known = self.requests.get(request.lora_int_id)
+        return known is None or known.lora_path != request.lora_path or self.stamps[request.lora_int_id] != _stamp(request)
 
     def _keep(self, adapter: LoRAAdapter) -> None:
         self.host[adapter.request.lora_int_id] = adapter
@@ -115,6 +129,7 @@ class LoRAManager:
         if self.requests.pop(lora_id, None) is None:
             return False
         self.versions.pop(lora_id, None)
+        self.stamps.pop(lora_id, None)
         self.host.pop(lora_id, None)
         self.pinned.discard(lora_id)
         self.slot_ids = [None if s == lora_id else s for s in self.slot_ids]
@@ -161,7 +176,7 @@ class LoRAManager:
         if adapter is None:  # dropped from the host cache: read again
             if lora_id not in self.requests:
                 raise ValueError(f"LoRA adapter {lora_id} is not known to the engine (removed?)")
-            adapter = read_adapter(self.requests[lora_id], self.targets, self.max_rank)
+            adapter = read_adapter(self.requests[lora_id], self.targets, self.max_rank, self.kv_repeats)
             self._keep(adapter)
         else:
             self.host.move_to_end(lora_id)
@@ -182,6 +197,18 @@ class LoRAManager:
     def arrays(self) -> list:
         return jax.tree.leaves(self.stacks)
 
+
+
+def _stamp(request: LoRARequest) -> tuple:
+    """The adapter's files as (mtime, size) each: a retrained save changes them."""
+    stamp = []
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        try:
+            st = (Path(request.lora_path) / name).stat()
+            stamp.append((st.st_mtime_ns, st.st_size))
+        except OSError:
+            stamp.append(None)
+    return tuple(stamp)
 
 
 def _is_shape(x) -> bool:

@@ -17,8 +17,10 @@ class LoRARequest:
     base_model_name: str | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.lora_int_id, int) or isinstance(self.lora_int_id, bool) or self.lora_int_id < 1:
-            raise ValueError(f"lora_int_id must be an int >= 1, got {self.lora_int_id!r}")
+        # (the engine keeps ids in int64 arrays)
+        if not isinstance(self.lora_int_id, int) or isinstance(self.lora_int_id, bool) or \
+                not 1 <= self.lora_int_id < 2**63:
+            raise ValueError(f"lora_int_id must be an int from 1 to 2**63 - 1, got {self.lora_int_id!r}")
         if not self.lora_path:
             raise ValueError(f"LoRARequest {self.lora_name!r}: lora_path (the adapter's folder) is required")
         object.__setattr__(self, "lora_path", str(self.lora_path))

@@ -40,6 +40,12 @@ def main(checkpoint: str, *adapters: str) -> None:
             key = f"tp{tp}" if dp == 1 else f"dp{dp}"
             out[key] = [ids[i * len(PROMPTS) : (i + 1) * len(PROMPTS)] for i in range(len(loras))]
             if dp > 1:
+                # id 1 given adapter B's folder on every replica (LLM.add_lora; llm_engine is replica 0)
+                replaced = LoRARequest("adapter-0", 1, adapters[1])
+                llm.add_lora(replaced)
+                outs = llm.generate(batch[: len(PROMPTS)] * 2, sp, lora_request=replaced, use_tqdm=False)
+                out["dp2 replaced"] = [list(o.outputs[0].token_ids) for o in outs]
+                out["dp2 replaced per replica"] = [e.runner.lora.requests[1].lora_path for e in llm.engines]
                 continue
             stacks = llm.llm_engine.runner.lora.stacks
             out[f"specs {key}"] = {name: [_axes(x.sharding.spec) for x in jax.tree.leaves(pair)]

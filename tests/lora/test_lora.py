@@ -313,12 +313,22 @@ def test_refusals(llama_llm, adapter, tiny_checkpoint, tmp_path):
         (make_lora(tiny_checkpoint("llama", intermediate_size=96), tmp_path / "shape", rank=4, targets=("up_proj",)),
          r"base_model.model.model.layers.0.mlp.up_proj.lora_B.weight has shape \(96, 4\); the base model's "
          r"model.layers.0.mlp.up_proj needs \(128, 4\)"),
+        # a smaller model's adapter: B's rows divide the weight's, and were once taken as KV heads repeated
+        (make_lora(tiny_checkpoint("llama", intermediate_size=64), tmp_path / "half", rank=4, targets=("up_proj",)),
+         r"up_proj.lora_B.weight has shape \(64, 4\); the base model's model.layers.0.mlp.up_proj needs \(128, 4\)"),
+        (make_lora(tiny_checkpoint("llama", num_key_value_heads=1), tmp_path / "kv1", rank=4, targets=("v_proj",)),
+         r"v_proj.lora_B.weight has shape \(16, 4\); the base model's model.layers.0.self_attn.v_proj needs "
+         r"\(32, 4\)"),
         (make_lora(tiny_checkpoint("llama", num_hidden_layers=3), tmp_path / "layers", rank=4, targets=("q_proj",)),
          r"target module 'model.layers.2.self_attn.q_proj' is not one the model has an adapter slot for"),
         (make_lora(tiny_checkpoint("llama"), tmp_path / "big", rank=16, targets=("q_proj",)),
          r"rank 16 is above max_lora_rank=8; start the engine with max_lora_rank=16 or more"),
         (tmp_path / "missing", r"no adapter_config.json there"),
     ]
+    for name, text in (("json", "{'r': 8"), ("list", "[8]")):
+        broken = shutil.copytree(good, tmp_path / name)
+        (broken / "adapter_config.json").write_text(text)
+        cases.append((broken, r"adapter_config.json (is not valid JSON|holds a list, not a JSON object)"))
     bin_dir = shutil.copytree(good, tmp_path / "bin")
     (bin_dir / "adapter_model.safetensors").rename(bin_dir / "adapter_model.bin")
     cases.append((bin_dir, r"adapter_model.bin \(a pickled torch file\) is not supported"))
@@ -331,8 +341,9 @@ def test_refusals(llama_llm, adapter, tiny_checkpoint, tmp_path):
     run(llama_llm, [request(good, 0)])  # (id 1 is adapter-0's, whichever tests ran before)
     with pytest.raises(ValueError, match=r"lora_int_id 1 is adapter 'adapter-0'"):
         llama_llm.generate(prompt, lora_request=LoRARequest("other", 1, str(adapter("llama", 1))), use_tqdm=False)
-    with pytest.raises(ValueError, match="lora_int_id must be an int >= 1"):
-        LoRARequest("x", 0, str(good))
+    for bad in (0, 2**63):  # (ids are int64 on the device)
+        with pytest.raises(ValueError, match=r"lora_int_id must be an int from 1 to 2\*\*63 - 1"):
+            LoRARequest("x", bad, str(good))
     with pytest.raises(ValueError, match=r"max_cpu_loras \(1\) must be an int >= max_loras \(2\)"):
         EngineConfig(model="m", enable_lora=True, max_loras=2, max_cpu_loras=1)
     # still serving, adapters and all
@@ -367,6 +378,8 @@ def test_tensor_and_data_parallel(tiny_checkpoint, adapter, peft_reference):
     for key in ("tp2", "tp4", "dp2"):
         for path, got in zip([None] + paths, results[key]):
             assert got == peft_reference(base, path)[0], (key, path)
+    assert results["dp2 replaced"] == peft_reference(base, paths[1])[0] * 2
+    assert results["dp2 replaced per replica"] == [str(paths[1])] * 2
     for key in ("tp2", "tp4"):
         specs = results[f"specs {key}"]
         # A [rows, slots, P R, *in], then B [rows, slots, *part out, R] of each part
@@ -494,21 +507,44 @@ def test_an_adapter_waiting_for_a_slot_is_not_starved(llama_llm, adapter):
     assert first[5] < first[2]  # the base request went ahead
 
 
-def test_add_lora_with_an_existing_id_replaces_it(tiny_checkpoint, adapter, peft_reference, compile_counter):
-    """Adapter-only RL: add_lora under an id in use (and in a device slot) replaces the
-    adapter, slot included, with no recompile; generate's own requests never re-read it."""
+def test_add_lora_with_an_existing_id_replaces_it(tiny_checkpoint, adapter, peft_reference, compile_counter, tmp_path):
+    """Adapter-only RL: add_lora under an id in use (and in a device slot) with another
+    folder, or with its folder saved again, replaces the adapter, slot included, with no
+    recompile. Added again unchanged it is only touched, as vLLM's: no read, and its
+    cached blocks still serve it."""
     base = tiny_checkpoint("llama")
     first, second = adapter("llama", 0), adapter("llama", 4)
+    folder = shutil.copytree(first, tmp_path / "policy")
+    policy = LoRARequest("policy", 7, str(folder))
     with LLM(base, enable_lora=True, max_lora_rank=8, **ENGINE) as llm:
-        engine = llm.llm_engine
+        engine, manager = llm.llm_engine, llm.llm_engine.runner.lora
+        assert [list(o.token_ids) for o in run(llm, [policy])[0]] == peft_reference(base, first)[0]
+        reads, before = manager.host_reads, compile_counter.count
+        assert engine.add_lora(policy) and manager.host_reads == reads  # (unchanged: touched only)
+        outs = run(llm, [policy])[0]
+        assert manager.host_reads == reads and [list(o.token_ids) for o in outs] == peft_reference(base, first)[0]
+        cached = llm.generate({"prompt_token_ids": PROMPTS[2]}, SamplingParams(max_tokens=1), lora_request=policy,
+                              use_tqdm=False)[0].num_cached_tokens
+        assert cached == 32
+        # A base request unfinished does not stop it; one that uses the adapter does.
+        engine.add_request("base", {"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=2))
+        engine.add_request("user", {"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=2),
+                           lora_request=policy)
+        shutil.copytree(second, folder, dirs_exist_ok=True)  # (saved again, trained further)
+        with pytest.raises(RuntimeError, match=r"add_lora would replace adapter 7 while unfinished requests use "
+                                               r"it \['user'\]"):
+            engine.add_lora(policy)
+        engine.abort_request(["user"])
+        assert engine.add_lora(policy) and manager.host_reads == reads + 1
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert [list(o.token_ids) for o in run(llm, [policy])[0]] == peft_reference(base, second)[0]
+        assert llm.generate({"prompt_token_ids": PROMPTS[2]}, SamplingParams(max_tokens=1), lora_request=policy,
+                            use_tqdm=False)[0].num_cached_tokens == 32  # (the new reading's own blocks)
+        # another folder under the same id
+        assert engine.add_lora(LoRARequest("policy", 7, str(first)))
         assert [list(o.token_ids) for o in run(llm, [LoRARequest("policy", 7, str(first))])[0]] == \
             peft_reference(base, first)[0]
-        reads, before = engine.runner.lora.host_reads, compile_counter.count
-        run(llm, [LoRARequest("policy", 7, str(first))])
-        assert engine.runner.lora.host_reads == reads
-        assert engine.add_lora(LoRARequest("policy", 7, str(second)))
-        assert [list(o.token_ids) for o in run(llm, [LoRARequest("policy", 7, str(second))])[0]] == \
-            peft_reference(base, second)[0]
         assert compile_counter.count == before
 
 
