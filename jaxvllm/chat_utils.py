@@ -35,6 +35,31 @@ def detect_content_format(template: Any) -> str:
     return "string"
 
 
+def render_chat(tokenizer: Any, conversations: list[list[dict]], *, chat_template: str | None = None,
+                content_format: str = "auto", add_generation_prompt: bool = True,
+                continue_final_message: bool = False, tools: list[dict] | None = None,
+                chat_template_kwargs: dict[str, Any] | None = None) -> list[str]:
+    """Each conversation as the text the chat template makes of it (`LLM.chat`'s rendering);
+    `continue_final_message` leaves the last (assistant) message open for the model to go on."""
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message=True needs add_generation_prompt=False")
+    if content_format not in CONTENT_FORMATS:
+        raise ValueError(f"chat_template_content_format must be one of {CONTENT_FORMATS}, got {content_format!r}")
+    template = chat_template if chat_template is not None else tokenizer.chat_template
+    if template is None:
+        raise ValueError("the tokenizer has no chat template; pass chat_template=")
+    if content_format == "auto":
+        content_format = detect_content_format(template)
+    return [
+        tokenizer.apply_chat_template(
+            parse_conversation(conv, content_format), chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt, tokenize=False,
+            continue_final_message=continue_final_message, tools=tools, **(chat_template_kwargs or {}),
+        )
+        for conv in conversations
+    ]
+
+
 def parse_conversation(conversation: list[dict], content_format: str) -> list[dict]:
     """The messages as the template should get them (copies): content in `content_format`
     ("string" or "openai"), None as no text, and an assistant's tool-call arguments as

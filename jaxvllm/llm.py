@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator, Sequence
 from tqdm.auto import tqdm
 
 from jaxvllm.beam_search import BeamSearchOutput, beam_search
-from jaxvllm.chat_utils import CONTENT_FORMATS, detect_content_format, parse_conversation
+from jaxvllm.chat_utils import render_chat
 from jaxvllm.config import EngineConfig
 from jaxvllm.engine import LLMEngine
 from jaxvllm.inputs import prompt_list
@@ -231,29 +231,13 @@ class LLM:
     def _chat_prompts(self, messages, chat_template, chat_template_content_format, add_generation_prompt,
                       continue_final_message, tools, chat_template_kwargs) -> list[str]:
         """Each conversation rendered with the chat template."""
-        if continue_final_message and add_generation_prompt:
-            raise ValueError("continue_final_message=True needs add_generation_prompt=False")
-        if chat_template_content_format not in CONTENT_FORMATS:
-            raise ValueError(f"chat_template_content_format must be one of {CONTENT_FORMATS}, "
-                             f"got {chat_template_content_format!r}")
         if not isinstance(messages, (list, tuple)) or not messages:
             raise TypeError("messages must be a non-empty list of message dicts, or a list of such lists")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        tokenizer = self.get_tokenizer()
-        template = chat_template if chat_template is not None else tokenizer.chat_template
-        if template is None:
-            raise ValueError("the tokenizer has no chat template; pass chat_template=")
-        content_format = chat_template_content_format
-        if content_format == "auto":
-            content_format = detect_content_format(template)
-        return [
-            tokenizer.apply_chat_template(
-                parse_conversation(conv, content_format), chat_template=chat_template,
-                add_generation_prompt=add_generation_prompt, tokenize=False,
-                continue_final_message=continue_final_message, tools=tools, **(chat_template_kwargs or {}),
-            )
-            for conv in conversations
-        ]
+        return render_chat(self.get_tokenizer(), conversations, chat_template=chat_template,
+                           content_format=chat_template_content_format, add_generation_prompt=add_generation_prompt,
+                           continue_final_message=continue_final_message, tools=tools,
+                           chat_template_kwargs=chat_template_kwargs)
 
     @staticmethod
     def _per_prompt(value, n: int, name: str, default) -> list:

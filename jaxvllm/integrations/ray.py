@@ -14,11 +14,12 @@ many engine replicas run (`concurrency`) and how many rows each `generate` call 
     ds = processor(ray.data.from_items([{"question": "The capital of France is"}] * 1000))
     ds.show(3)
 
-Rows. Each row carries one of
-- `prompt`: a str,
+Rows. Each row carries
 - `messages`: a chat (a list of {"role", "content"} dicts), rendered with the tokenizer's chat
-  template (or the config's `chat_template`) as `LLM.chat` does,
-- `prompt_token_ids`: a list of token ids,
+  template (or the config's `chat_template`) as `LLM.chat` does; as Ray's chat stage, one that
+  ends in an assistant message (a prefill) is continued (`continue_final_message`), and
+  `messages` wins over a `prompt` the row also has (`{**row, "messages": ...}`),
+- or one of `prompt` (a str) and `prompt_token_ids` (a list of token ids),
 and optionally `sampling_params`: a dict of `SamplingParams` fields (vLLM's names), one per
 row; a row without one takes `LLM.get_default_sampling_params()`. A null field counts as
 absent (Arrow gives every row of a column the same fields, filling the missing ones with
@@ -32,7 +33,12 @@ in `engine_kwargs`: each replica gives each distinct path an adapter id of its o
 Outputs. Every input column is kept (every column `preprocess` returns, when given: as in
 vLLM, its row replaces the input row, so `{**row, ...}` keeps the input's); added are
 `generated_text`, `generated_tokens` (token ids), `finish_reason` ("stop" or "length"),
-`num_input_tokens` and `num_generated_tokens`, then `postprocess` (row -> row) applies.
+`num_input_tokens` and `num_generated_tokens`, and, where asked for, `logprobs` and
+`prompt_logprobs` as Ray's vLLM stage gives them (per token, {token id: {"logprob", "rank",
+"decoded_token"}}); then `postprocess` (row -> row) applies. Rows that `preprocess` and
+`postprocess` return become columns as a Ray Data map makes them (an int-keyed dict, or a
+field of several types, becomes Ray's pickled-object column). A bad row fails the batch, as
+Ray's own stages do by default, with the row named in the error.
 
 Replicas. Each replica is a Ray actor holding one `LLM` (built once, then fed batch after
 batch); the rows of one batch go to ONE `LLM.generate` call, whose scheduler batches them.
@@ -52,7 +58,9 @@ from typing import Any, Callable
 
 import pyarrow as pa
 import ray.data
+from ray.data.block import BlockAccessor
 
+from jaxvllm.chat_utils import render_chat
 from jaxvllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 ACCELERATORS = ("cpu", "gpu", "tpu")
@@ -140,13 +148,18 @@ class JaxvllmPredictor:
         self._loras: dict[str, Any] = {}  # LoRA path -> its LoRARequest
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        rows = batch.to_pylist()
         if self.preprocess is not None:
-            rows = [self.preprocess(row) for row in rows]
-            batch = _table(rows)
-        prompts = [self._prompt(row) for row in rows]
-        params = [self._sampling_params(row) for row in rows]
-        loras = [self._lora_request(row.get("lora_path")) for row in rows]
+            batch = _table([self.preprocess(row) for row in _rows(batch)])
+        rows = _rows(batch)
+        prompts, params, loras = [], [], []
+        for i, row in enumerate(rows):
+            try:
+                prompts.append(self._prompt(row))
+                params.append(self._sampling_params(row))
+                loras.append(self._lora_request(row.get("lora_path")))
+            except (ValueError, TypeError) as e:
+                e.add_note(f"(row {i} of a batch of {len(rows)}: {_abridged(row)})")
+                raise
         outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
         columns = {
             "generated_text": [o.outputs[0].text for o in outputs],
@@ -160,8 +173,18 @@ class JaxvllmPredictor:
         batch = batch.drop_columns([name for name in columns if name in batch.column_names])
         for name, values in columns.items():
             batch = batch.append_column(name, pa.array(values, type=types.get(name, pa.string())))
+        # As Ray's vLLM stage: {token id: {"logprob", "rank", "decoded_token"}} per token, when asked for.
+        asked = {"logprobs": [o.outputs[0].logprobs for o in outputs],
+                 "prompt_logprobs": [o.prompt_logprobs for o in outputs]}
+        asked = {name: [None if lps is None else [_logprob_dict(lp) for lp in lps] for lps in values]
+                 for name, values in asked.items() if any(v is not None for v in values)}
+        if asked:
+            batch = batch.drop_columns([name for name in asked if name in batch.column_names])
+            extra = _table([dict(zip(asked, values)) for values in zip(*asked.values())])
+            for name in asked:
+                batch = batch.append_column(name, extra.column(name))
         if self.postprocess is not None:
-            batch = _table([self.postprocess(row) for row in batch.to_pylist()])
+            batch = _table([self.postprocess(row) for row in _rows(batch)])
         return batch
 
     def _lora_request(self, path: str | None):
@@ -174,23 +197,29 @@ class JaxvllmPredictor:
         return self._loras[path]
 
     def _prompt(self, row: dict) -> Any:
-        given = [key for key in ("prompt", "messages", "prompt_token_ids") if row.get(key) is not None]
+        """A row's prompt. `messages` wins over the other two, as in Ray's vLLM processor (its
+        chat stage writes the rendered text over `prompt`), so `{**row, "messages": ...}` works."""
+        if row.get("messages") is not None:
+            return self._chat_prompt(list(row["messages"]))
+        given = [key for key in ("prompt", "prompt_token_ids") if row.get(key) is not None]
         if len(given) != 1:
-            raise ValueError(f"a row needs exactly one of 'prompt', 'messages' or 'prompt_token_ids'; got {given}")
+            raise ValueError(f"a row needs 'messages', or exactly one of 'prompt' or 'prompt_token_ids'; got {given}")
         if given[0] == "prompt":
             return row["prompt"]
-        if given[0] == "prompt_token_ids":
-            return {"prompt_token_ids": list(row["prompt_token_ids"])}
-        tokenizer = self.llm.get_tokenizer()
-        if self.config.chat_template is None and tokenizer.chat_template is None:
+        return {"prompt_token_ids": list(row["prompt_token_ids"])}
+
+    def _chat_prompt(self, messages: list) -> dict:
+        """`messages` rendered as `LLM.chat` renders them. As Ray's chat stage, a conversation
+        that ends in an assistant message (a prefill) is continued rather than answered."""
+        if self.config.chat_template is None and self.llm.get_tokenizer().chat_template is None:
             raise ValueError("the tokenizer has no chat template; pass chat_template= in the processor config")
-        messages = [_drop_nulls(message) for message in row["messages"]]
-        text = tokenizer.apply_chat_template(
-            messages, chat_template=self.config.chat_template, add_generation_prompt=True, tokenize=False,
-            **(self.config.chat_template_kwargs or {}),
-        )
+        messages = [_drop_nulls(m) if isinstance(m, dict) else m for m in messages]
+        prefill = bool(messages) and isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant"
+        [text] = render_chat(self.llm.get_tokenizer(), [messages], chat_template=self.config.chat_template,
+                             add_generation_prompt=not prefill, continue_final_message=prefill,
+                             chat_template_kwargs=self.config.chat_template_kwargs)
         # As LLM.chat: the template writes any BOS itself, so no special tokens are added.
-        return {"prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
+        return {"prompt_token_ids": self.llm.get_tokenizer()(text, add_special_tokens=False).input_ids}
 
     def _sampling_params(self, row: dict) -> SamplingParams:
         given = row.get("sampling_params")
@@ -235,10 +264,29 @@ def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
+def _rows(batch: pa.Table) -> list[dict]:
+    """A table's rows as Python values (Ray's own columns, of tensors and pickled objects, too)."""
+    return [dict(row) for row in BlockAccessor.for_block(batch).iter_rows(public_row_format=False)]
+
+
 def _table(rows: list[dict]) -> pa.Table:
-    """Rows -> a table with every key of any row (a row without one gets a null there)."""
+    """Rows -> a table with every key of any row (a row without one gets a null there), with
+    Ray's column types for what Arrow lacks (int-keyed dicts, mixed types, n-d arrays), as a
+    Ray Data map would make it."""
     names = dict.fromkeys(name for row in rows for name in row)
-    return pa.Table.from_pydict({name: [row.get(name) for row in rows] for name in names})
+    return BlockAccessor.batch_to_block({name: [row.get(name) for row in rows] for name in names})
+
+
+def _logprob_dict(logprobs: dict | None) -> dict | None:
+    if logprobs is None:
+        return None
+    return {token: {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for token, lp in logprobs.items()}
+
+
+def _abridged(row: dict, width: int = 200) -> str:
+    text = repr(row)
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def _drop_nulls(fields: dict) -> dict:

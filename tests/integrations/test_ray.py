@@ -132,9 +132,49 @@ def test_predictor_batch_in_process(predictor, reference):
     assert re.fullmatch(r"\d{3}", text[0]) and text[1] in ("x", "yz")
 
 
+def test_predictor_takes_the_rows_a_ray_map_takes(predictor):
+    """As in Ray's vLLM processor, whose preprocess / postprocess are Ray Data maps: rows with
+    int-keyed dicts or a field a str in one row and a list in another; `messages` over a
+    `prompt` kept by `{**row, ...}`, rendered as LLM.chat renders them (content parts too); a
+    conversation ending in an assistant message continued; logprobs when asked for."""
+    llm = predictor.llm
+    chat = [{"role": "user", "content": [{"type": "text", "text": "the quick"}, {"type": "text", "text": "fox"}]}]
+    prefill = [{"role": "user", "content": "name a colour"}, {"role": "assistant", "content": "The colour is"}]
+    greedy = {"temperature": 0.0, "max_tokens": 5}
+
+    def preprocess(row):
+        extra = {"messages": {0: chat, 1: prefill}[row["i"]]} if row["i"] < 2 else {}
+        stop = "zz" if row["i"] % 2 else ["zz", "yy"]
+        bias = {9: 100.0} if row["i"] == 3 else {}
+        return {**row, **extra, "sampling_params": {**greedy, "stop": stop, "logit_bias": bias, "logprobs": 2}}
+
+    predictor.preprocess = preprocess
+    predictor.postprocess = lambda row: {**row, "counts": {t: 1 for t in row["generated_tokens"]}}
+    try:
+        out = predictor(pa.Table.from_pylist([{"i": i, "prompt": "a lazy dog"} for i in range(4)])).to_pylist()
+    finally:
+        predictor.preprocess = predictor.postprocess = None
+    sp = SamplingParams(**greedy, logprobs=2)
+    want = [llm.chat(chat, sp, chat_template=TEMPLATE, use_tqdm=False)[0],
+            llm.chat(prefill, sp, chat_template=TEMPLATE, add_generation_prompt=False, continue_final_message=True,
+                     use_tqdm=False)[0],
+            llm.generate("a lazy dog", sp, use_tqdm=False)[0]]
+    assert [row["generated_tokens"] for row in out[:3]] == [list(o.outputs[0].token_ids) for o in want]
+    assert want[1].prompt_token_ids != llm.chat(prefill, sp, chat_template=TEMPLATE, use_tqdm=False)[0].prompt_token_ids
+    assert out[3]["generated_tokens"] == [9] * 5 and out[3]["counts"] == {9: 1}
+    for row, o in zip(out, want):  # Ray's form: {token id: {"logprob", "rank", "decoded_token"}} per token
+        assert [sorted(d) for d in row["logprobs"]] == [sorted(d) for d in o.outputs[0].logprobs]
+        token = o.outputs[0].token_ids[0]
+        assert row["logprobs"][0][token] == pytest.approx(
+            {"logprob": o.outputs[0].logprobs[0][token].logprob, "rank": o.outputs[0].logprobs[0][token].rank,
+             "decoded_token": o.outputs[0].logprobs[0][token].decoded_token})
+    assert "prompt_logprobs" not in out[0]  # (not asked for)
+
+
 def test_predictor_refuses_bad_rows(predictor, config, monkeypatch):
-    with pytest.raises(ValueError, match="exactly one of"):
-        predictor(pa.Table.from_pylist([{"prompt": "a", "prompt_token_ids": [1, 2]}]))
+    with pytest.raises(ValueError, match="exactly one of") as error:
+        predictor(pa.Table.from_pydict({"prompt": ["b", "a"], "prompt_token_ids": [None, [1, 2]]}))
+    assert "(row 1 of a batch of 2: {'prompt': 'a', 'prompt_token_ids': [1, 2]})" in error.value.__notes__
     with pytest.raises(ValueError, match="n must be 1"):
         predictor(pa.Table.from_pylist([{"prompt": "a", "sampling_params": {"n": 2}}]))
     monkeypatch.setattr(predictor, "config", dataclasses.replace(config, chat_template=None))
