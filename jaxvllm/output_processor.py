@@ -59,7 +59,7 @@ class OutputProcessor:
             request.num_detokenized += len(part)
             # vLLM looks for stop strings only once more than min_tokens tokens exist.
             stop = request.detokenizer.update(part, check_stop=request.num_detokenized - skipped
-                                              > request.params.min_tokens)
+                                              > request.min_tokens)
             if stop is not None:
                 dropped = len(parts) - 1 - i + skipped
                 if dropped and request.logprobs is not None:  # (their logprobs, recorded already, go too)

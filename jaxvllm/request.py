@@ -33,7 +33,7 @@ class Request:
 
     __slots__ = (
         "request_id", "parent_id", "prompt", "prompt_token_ids", "token_ids", "params", "priority", "max_tokens",
-        "max_num_tokens", "eos_token_ids", "has_stop_strings", "stop_ids", "arrival_index", "seed",
+        "max_num_tokens", "top_k", "min_tokens", "eos_token_ids", "has_stop_strings", "stop_ids", "arrival_index", "seed",
         "num_computed_tokens", "num_pending", "num_cached_tokens", "cache_salt", "read_prefix_cache", "num_logprobs",
         "num_prompt_logprobs", "bad_words_token_ids", "block_hashes", "uses_sampler_state", "logprobs",
         "cumulative_logprob", "prompt_logprobs", "prompt_logprobs_start", "grammar", "detokenizer", "num_detokenized",
@@ -66,6 +66,10 @@ class Request:
         self.priority = priority
         self.max_tokens = max_tokens
         self.max_num_tokens = len(self.prompt_token_ids) + max_tokens  # prompt + outputs at most
+        # As the sampler's int32 columns hold them: top_k of the vocabulary or more is off (vLLM's
+        # input batch reads it so), and min_tokens past max_tokens means no more than max_tokens.
+        self.top_k = 0 if params.top_k <= 0 or params.top_k >= (vocab_size or 2**31) else params.top_k
+        self.min_tokens = min(params.min_tokens, max_tokens)
         # The model's EOS first (stop_reason None), then its other end ids (stop_reason the id).
         # min_tokens masks them even under ignore_eos, as vLLM's (`_all_stop_token_ids`).
         self.eos_token_ids = eos_token_ids

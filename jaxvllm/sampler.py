@@ -50,7 +50,7 @@ class SamplingTensors:
     (`BatchLayout`) are derived. Padding rows are greedy and use no state."""
 
     temperature: jax.Array = _column(np.float32, 0.0, "params.temperature")  # 0 = greedy
-    top_k: jax.Array = _column(np.int32, 0, "params.top_k")  # <= 0 = off
+    top_k: jax.Array = _column(np.int32, 0, "top_k")  # 0 = off
     top_p: jax.Array = _column(np.float32, 1.0, "params.top_p")
     min_p: jax.Array = _column(np.float32, 0.0, "params.min_p")
     presence_penalty: jax.Array = _column(np.float32, 0.0, "params.presence_penalty")
@@ -58,7 +58,7 @@ class SamplingTensors:
     repetition_penalty: jax.Array = _column(np.float32, 1.0, "params.repetition_penalty")
     seeds: jax.Array = _column(np.uint32, 0, "seed")
     use_state: jax.Array = _column(bool, False, "uses_sampler_state")  # bias / penalties / min_tokens apply
-    min_tokens: jax.Array = _column(np.int32, 0, "params.min_tokens")  # stop ids masked below this output index
+    min_tokens: jax.Array = _column(np.int32, 0, "min_tokens")  # stop ids masked below this output index
     output_index: jax.Array = _column(np.int32)  # tokens generated before this one
     # The request's persistent row (its SamplerState and last_sampled row); a padding row's
     # is 0, with use_state and counts_sample off, so it reads and writes nothing there.

@@ -145,6 +145,8 @@ class SamplingParams:
         self.top_p = check_number("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
         self.top_k = check_int("top_k", self.top_k, low=-1)
         self.min_p = check_number("min_p", self.min_p, low=0.0, high=1.0)
+        if self.temperature == 0:  # greedy: the filters are off, as vLLM sets them
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
         self.presence_penalty = check_number("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
         self.frequency_penalty = check_number("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
         self.repetition_penalty = check_number("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)

@@ -208,3 +208,25 @@ def test_token_ids_beyond_the_vocabulary_are_refused(llm):
                    SamplingParams(logit_bias={9999: 1.0})):
         with pytest.raises(ValueError, match=r"out of range \[0, 512\)"):
             llm.generate("Hello", params, use_tqdm=False)
+
+
+def test_top_k_and_min_tokens_beyond_every_limit(llm):
+    """vLLM takes any top_k >= -1 (the vocabulary or more: off) and any min_tokens up to
+    max_tokens; past the sampler's int32 columns they failed the step, and the request
+    beside them with it."""
+    prompt = {"prompt_token_ids": list(range(100, 110))}
+    beside = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0].outputs[0]
+    huge = [SamplingParams(temperature=0.8, seed=1, top_k=2**31, max_tokens=4),
+            SamplingParams(temperature=0, max_tokens=None, min_tokens=2**31),
+            SamplingParams(temperature=0, max_tokens=4)]
+    outs = llm.generate([prompt] * 3, huge, use_tqdm=False)
+    off = llm.generate(prompt, SamplingParams(temperature=0.8, seed=1, max_tokens=4), use_tqdm=False)[0]
+    assert outs[0].outputs[0].token_ids == off.outputs[0].token_ids
+    assert len(outs[1].outputs[0].token_ids) == 128 - 10 and outs[1].outputs[0].finish_reason == "length"
+    assert outs[2].outputs[0].token_ids == beside.token_ids
+
+
+def test_greedy_turns_the_filters_off():
+    """As vLLM's SamplingParams: temperature 0 sets top_p 1, top_k 0 and min_p 0."""
+    p = SamplingParams(temperature=0, top_k=5, top_p=0.5, min_p=0.2)
+    assert (p.top_p, p.top_k, p.min_p) == (1.0, 0, 0.0)
