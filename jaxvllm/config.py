@@ -151,8 +151,8 @@ class SpeculativeConfig:
 
 
 # Arguments that vLLM's EngineArgs type Optional, None meaning its default: None means ours.
-_NONE_MEANS_DEFAULT = ("seed", "block_size", "max_num_seqs", "enable_prefix_caching", "enable_chunked_prefill",
-                       "async_scheduling")
+_NONE_MEANS_DEFAULT = ("seed", "block_size", "enable_prefix_caching", "enable_chunked_prefill", "async_scheduling")
+DEFAULT_MAX_NUM_SEQS = 256
 
 
 @dataclass
@@ -171,8 +171,10 @@ class EngineConfig:
     # vLLM's: the KV cache's bytes on each device, instead of sizing it from
     # gpu_memory_utilization (nothing is profiled then); num_gpu_blocks_override wins over it.
     kv_cache_memory_bytes: int | None = None
-    max_num_seqs: int = 256
-    # None: chosen for the platform (`for_platform`): 8192, or 2048 on a CPU.
+    # None: 256, or max_num_batched_tokens if smaller, as vLLM's (chosen with it, `for_platform`).
+    max_num_seqs: int | None = None
+    # None: chosen for the platform (`for_platform`): 8192, or 2048 on a CPU; at least
+    # max_model_len without chunked prefill.
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
@@ -258,9 +260,15 @@ class EngineConfig:
     disable_chunked_mm_input: bool = False
     disable_custom_all_reduce: bool = False
     distributed_executor_backend: str | None = None
-    # vLLM features jaxvllm lacks, accepted off only: prompt embeddings, weights offloaded to CPU.
+    allowed_local_media_path: str = ""
+    hf_token: str | bool | None = None  # (nothing is downloaded)
+    # vLLM features jaxvllm lacks, accepted off only: prompt embeddings, weights offloaded to CPU,
+    # a model converted to a pooling one, V1 logits processors classes.
     enable_prompt_embeds: bool = False
     cpu_offload_gb: float = 0
+    convert: str = "auto"
+    pooler_config: Any = None
+    logits_processors: list | None = None
     # vLLM's structured outputs settings: a StructuredOutputsConfig or a dict of its fields.
     structured_outputs_config: StructuredOutputsConfig | dict | None = None
     download_dir: str | None = None  # nothing is ever downloaded
@@ -318,19 +326,27 @@ class EngineConfig:
             logger.info("speculative decoding with %s: steps run synchronously (async_scheduling=False)", spec.method)
             self.async_scheduling = False
 
-    def for_platform(self, platform: str) -> "EngineConfig":
+    def for_platform(self, platform: str, max_model_len: int | None = None) -> "EngineConfig":
         """This config with the arguments left to the platform chosen for `platform` (JAX's
         backend name: "cpu", "gpu", "tpu"): max_num_batched_tokens, smaller on a CPU and at
         least max_num_seqs, so that a full decode batch fits in one step (with token_buckets
-        given: the largest bucket)."""
-        if self.max_num_batched_tokens is not None:
-            return self
-        if self.token_buckets:
+        given: the largest bucket). Without chunked prefill a whole prompt of up to
+        `max_model_len` (the resolved one) must fit one step, as in vLLM."""
+        unchunked = not self.enable_chunked_prefill and max_model_len is not None
+        tokens = self.max_num_batched_tokens
+        if tokens is not None:
+            if unchunked and tokens < max_model_len:  # (vLLM's words)
+                raise ValueError(
+                    f"max_num_batched_tokens ({tokens}) is smaller than max_model_len ({max_model_len}). This "
+                    "effectively limits the maximum sequence length to max_num_batched_tokens and makes vLLM reject "
+                    "longer sequences. Please increase max_num_batched_tokens or decrease max_model_len.")
+        elif self.token_buckets:
             tokens = max(self.token_buckets)
         else:
             default = CPU_MAX_NUM_BATCHED_TOKENS if platform == "cpu" else DEFAULT_MAX_NUM_BATCHED_TOKENS
-            tokens = max(default, self.max_num_seqs)
-        return dataclasses.replace(self, max_num_batched_tokens=tokens)
+            tokens = max(default, self.max_num_seqs or 0, max_model_len if unchunked else 0)
+        seqs = min(DEFAULT_MAX_NUM_SEQS, tokens) if self.max_num_seqs is None else self.max_num_seqs
+        return dataclasses.replace(self, max_num_batched_tokens=tokens, max_num_seqs=seqs)
 
     def _check_lora(self) -> None:
         for name in ("max_loras", "max_lora_rank"):
@@ -356,6 +372,12 @@ class EngineConfig:
         if self.distributed_executor_backend not in (None, "uni", "mp", "ray", "external_launcher"):
             raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r}: choose from None, "
                              "'uni', 'mp', 'ray', 'external_launcher' (one process drives every device either way)")
+        if self.convert not in ("auto", "none") or self.pooler_config is not None:
+            raise ValueError(f"convert={self.convert!r} / pooler_config={self.pooler_config!r}: pooling and embedding "
+                             "models are not supported by jaxvllm")
+        if self.logits_processors:
+            raise ValueError("logits_processors: vLLM's V1 logits processor classes are not supported by jaxvllm "
+                             "(SamplingParams' logit_bias, allowed_token_ids, bad_words and structured outputs are)")
         if self.runner not in ("auto", "generate"):
             raise ValueError(f"runner={self.runner!r}: jaxvllm runs generative models only ('auto' or 'generate'); "
                              "pooling and embedding models are not supported")
@@ -396,9 +418,9 @@ class EngineConfig:
 
     def _check_sizes(self) -> None:
         """Counts, lengths and the memory share; the token buckets."""
-        for name in ("block_size", "max_num_seqs"):
-            _check_positive_int(name, getattr(self, name))
-        for name in ("max_model_len", "num_gpu_blocks_override", "kv_cache_memory_bytes", "max_num_batched_tokens"):
+        _check_positive_int("block_size", self.block_size)
+        for name in ("max_model_len", "max_num_seqs", "num_gpu_blocks_override", "kv_cache_memory_bytes",
+                     "max_num_batched_tokens"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name), " (or None)")
         if not is_int(self.seed):
@@ -408,7 +430,7 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {u!r}")
         if not is_int(self.max_logprobs) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an int >= -1 (-1: the whole vocabulary), got {self.max_logprobs!r}")
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
+        if None not in (self.max_num_batched_tokens, self.max_num_seqs) and self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs}) "
                 "so that a full decode batch fits in one step"

@@ -58,9 +58,10 @@ class LLMEngine:
         model_name = (names if isinstance(names, str) else names[0]) if names else config.model  # as vLLM's
         # A missing folder fails first; dummy:NAME becomes a temporary folder that lives as long as the engine.
         self._model_source = resolve_model(config.model)
-        self.config = config = self._model_source.engine_config(config).for_platform(jax.default_backend())
+        config = self._model_source.engine_config(config)
         # (a bad config.json or max_model_len is refused before the tokenizer or any weight loads)
-        load_config(config.model, config.hf_overrides).checked_max_model_len(config.max_model_len)
+        max_model_len = load_config(config.model, config.hf_overrides).checked_max_model_len(config.max_model_len)
+        self.config = config = config.for_platform(jax.default_backend(), max_model_len)
         self.tokenizer = load_tokenizer(config)
         method = config.speculative_config.method if config.speculative_config is not None else None
         if method == "draft_model":

@@ -24,6 +24,7 @@ from jaxvllm.sampling_params import SamplingParams
 from jaxvllm.structured_output import StructuredOutputManager
 
 _PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
+_MULTIMODAL_KEYS = {"multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids"}
 
 
 def load_tokenizer(config: EngineConfig):
@@ -117,7 +118,12 @@ class InputProcessor:
         both is vLLM's `TokensPrompt` with its text: the ids are the prompt, the text is
         only reported."""
         if isinstance(prompt, dict):
-            unknown = set(prompt) - _PROMPT_KEYS
+            # vLLM ignores empty multimodal fields (an Arrow row or a template may carry them)
+            given = {key for key, value in prompt.items() if key not in _MULTIMODAL_KEYS or value}
+            if given & _MULTIMODAL_KEYS:
+                raise ValueError(f"multimodal inputs ({sorted(given & _MULTIMODAL_KEYS)}) are not supported: jaxvllm's "
+                                 "models read text only")
+            unknown = given - _PROMPT_KEYS
             if unknown:
                 raise ValueError(f"unknown prompt key(s) {sorted(unknown)}; allowed: {sorted(_PROMPT_KEYS)}")
             if "prompt" not in prompt and "prompt_token_ids" not in prompt:
@@ -133,10 +139,9 @@ class InputProcessor:
             return text, self._check_token_ids(prompt["prompt_token_ids"]), salt
         if not isinstance(prompt, str):
             raise TypeError(f"a prompt must be a str or a dict, got {type(prompt).__name__}")
-        if not prompt:
-            raise ValueError("The decoder prompt cannot be empty")  # vLLM's words, here and below
         if self.tokenizer is None:
             raise ValueError("skip_tokenizer_init=True: pass prompt_token_ids, not text")
+        # (as vLLM, an empty text is refused only if it encodes to nothing: a BOS is a prompt)
         token_ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
         if not token_ids:
             raise ValueError(f"The decoder prompt cannot be empty (the text {prompt!r} encodes to no tokens)")

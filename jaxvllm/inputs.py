@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, NotRequired, TypedDict
 
+import numpy as np
+
 
 class TextPrompt(TypedDict):
     prompt: str
@@ -17,8 +19,12 @@ class TokensPrompt(TypedDict):
 
 
 def prompt_list(prompts: Any) -> list | tuple:
-    """One prompt (a str or a dict) or a list of them, as a list."""
-    prompts = [prompts] if isinstance(prompts, (str, dict)) else prompts
-    if not isinstance(prompts, (list, tuple)):
-        raise TypeError(f"prompts must be a str, a dict or a list of them, got {type(prompts).__name__}")
-    return prompts
+    """One prompt (a str or a dict) or a sequence of them (a list, or anything with a length
+    to iterate over, as vLLM takes: a numpy array, a pandas Series, a datasets Column), as a list."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)):
+        return prompts
+    if isinstance(prompts, (bytes, bytearray)) or not (hasattr(prompts, "__len__") and hasattr(prompts, "__iter__")):
+        raise TypeError(f"prompts must be a str, a dict or a sequence of them, got {type(prompts).__name__}")
+    return [p.item() if isinstance(p, np.generic) else p for p in prompts]

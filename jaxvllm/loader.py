@@ -67,8 +67,37 @@ def _override(hf_config, overrides: dict[str, Any]) -> None:
         nested = getattr(hf_config, key, None)
         if isinstance(nested, PretrainedConfig) and isinstance(value, dict):
             _override(nested, value)
+        elif key in ("rope_theta", "rope_scaling", "rope_parameters") and \
+                isinstance(getattr(hf_config, "rope_parameters", None), dict):
+            _override_rope(hf_config, key, value)
         else:
             setattr(hf_config, key, value)
+
+
+def _override_rope(hf_config, key: str, value: Any) -> None:
+    """vLLM's RoPE overrides on a transformers 5 config, which keeps theta and scaling in one
+    `rope_parameters` dict (one per layer type for Gemma 3: the overrides are the global
+    layers'): `rope_theta` sets the theta, and `rope_scaling` / `rope_parameters` replace the
+    scaling and keep the theta unless they give one. (Set as attributes, the first was
+    ignored and the others lost the theta.)"""
+    params = {k: dict(v) if isinstance(v, dict) else v for k, v in hf_config.rope_parameters.items()}
+    per_layer_type = "full_attention" in params or "sliding_attention" in params
+    if per_layer_type and key == "rope_parameters" and isinstance(value, dict) and \
+            ("full_attention" in value or "sliding_attention" in value):
+        for layer_type, given in value.items():
+            params[layer_type] = {"rope_theta": params.get(layer_type, {}).get("rope_theta"), **given}
+        hf_config.rope_parameters = params
+        return
+    target = params.setdefault("full_attention", {}) if per_layer_type else params
+    if key == "rope_theta":
+        target["rope_theta"] = value
+    else:
+        scaling = {"rope_theta": target.get("rope_theta"), **(value or {})}
+        if "rope_type" not in scaling and "type" not in scaling:
+            scaling["rope_type"] = "default"
+        target.clear()
+        target.update(scaling)
+    hf_config.rope_parameters = params
 
 
 def resolve_dtype(dtype: str, cfg: ModelConfig):

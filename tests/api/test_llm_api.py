@@ -2,6 +2,7 @@
 
 import io
 
+import numpy as np
 import pytest
 
 from jaxvllm import LLM, CompletionOutput, RequestOutput, SamplingParams
@@ -43,6 +44,16 @@ def test_prompt_forms_and_outputs(llm):
 
     assert llm.generate(["Hello, world"] * 2, GREEDY, use_tqdm=make_bar)[1].outputs[0].token_ids == out.token_ids
     assert len(bars) == 1 and bars[0].n == 2 and bars[0].total == 2
+    # As vLLM's: any sequence of prompts (numpy, pandas, a datasets Column); empty multimodal
+    # fields are ignored, others refused by name.
+    import pandas as pd
+
+    for prompts in (np.array(["Hello, world"] * 2), pd.Series(["Hello, world"] * 2)):
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == [out.token_ids] * 2
+    empty = {"prompt": "Hello, world", "multi_modal_data": None, "mm_processor_kwargs": {}}
+    assert llm.generate(empty, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == out.token_ids
+    with pytest.raises(ValueError, match=r"multimodal inputs \(\['multi_modal_data'\]\) are not supported"):
+        llm.generate({"prompt": "a", "multi_modal_data": {"image": 1}}, GREEDY, use_tqdm=False)
 
 
 def test_per_prompt_params_stop_ids_and_ignore_eos(llm):
@@ -221,7 +232,8 @@ def test_enqueue_and_wait_for_completion(llm, monkeypatch):
     [
         ("x" * 400, GREEDY, ValueError, "the model's context length is only 128 tokens"),
         ({"prompt_token_ids": list(range(3, 131))}, GREEDY, ValueError, r"^You passed 128 input tokens, and a completion needs at least 1 output token. However, the model's context length is only 128 tokens, resulting in a maximum input length of 127 tokens"),
-        ("", GREEDY, ValueError, "^The decoder prompt cannot be empty\n\\(prompt 0 of 1\\)$"),
+        ("", GREEDY, ValueError, "^The decoder prompt cannot be empty \\(the text '' encodes to no tokens\\)\n"
+                                 "\\(prompt 0 of 1\\)$"),
         ({"prompt_token_ids": []}, GREEDY, ValueError, "^The decoder prompt cannot be empty"),
         ({"prompt_token_ids": [5, 10_000]}, GREEDY, ValueError, r"^Token id 10000 is out of vocabulary"),
         ({"prompt_token_ids": "5 6"}, GREEDY, TypeError, "prompt_token_ids must be a list"),
@@ -269,9 +281,33 @@ def test_engine_arguments_are_checked(tiny_checkpoint):
         LLM(path, max_model_len=4096)
     with pytest.raises(ValueError, match="must be >= max_num_seqs"):
         LLM(path, max_num_seqs=64, max_num_batched_tokens=32)
+    # vLLM's defaults: max_num_seqs at most max_num_batched_tokens; without chunked prefill a
+    # budget that holds a whole prompt of max_model_len, and a smaller one given refused.
+    with LLM(path, max_model_len=128, max_num_batched_tokens=32, enforce_eager=True) as small:
+        assert small.llm_engine.config.max_num_seqs == 32
+    with LLM(path, max_model_len=3000, enable_chunked_prefill=False, enforce_eager=True, hf_overrides={
+            "max_position_embeddings": 4096}) as unchunked:
+        assert unchunked.llm_engine.config.max_num_batched_tokens == 3000
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(64\) is smaller than max_model_len \(128\)"):
+        LLM(path, max_model_len=128, max_num_batched_tokens=64, enable_chunked_prefill=False)
     with pytest.raises(ValueError, match="largest token bucket"):
         LLM(path, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, token_buckets=[16])
     with pytest.raises(ValueError, match="attention_backend 'flash'"):
         LLM(path, max_model_len=128, attention_backend="flash")
     with pytest.raises(TypeError, match="unexpected keyword argument 'max_num_sequences'"):
         LLM(path, max_num_sequences=4)
+
+
+def test_an_empty_text_that_encodes_to_a_bos_is_a_prompt(tiny_checkpoint, tmp_path):
+    """As vLLM: the text is tokenized first, and only an empty token list is refused."""
+    import shutil
+
+    from tokenizers import Tokenizer, processors
+
+    folder = shutil.copytree(tiny_checkpoint("llama"), tmp_path / "bos")
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    with LLM(folder, max_model_len=64, enforce_eager=True) as llm:
+        [out] = llm.generate("", GREEDY, use_tqdm=False)
+        assert out.prompt_token_ids == [1] and len(out.outputs[0].token_ids) == 5

@@ -90,3 +90,37 @@ def test_rope_scaling_extends_the_longest_sequence(tmp_path_factory):
         LLM(path, max_model_len=128, enforce_eager=True)
     with LLM(path, max_model_len=128, enforce_eager=True, hf_overrides={"rope_parameters": dict(YARN)}) as llm:
         assert llm.llm_engine.runner.max_model_len == llm.llm_engine.model_config.max_model_len == 128
+
+
+def test_rope_overrides_keep_what_they_do_not_give(tmp_path_factory):
+    """vLLM's hf_overrides for RoPE on transformers 5's one rope_parameters dict: rope_theta
+    sets the theta (it was ignored), rope_scaling replaces the scaling and keeps the theta
+    (it was lost: a crash), in vLLM 0.11's "type" spelling too; Gemma 3's global layers take
+    them. A checkpoint saved with those values runs the same."""
+    from transformers import AutoConfig
+
+    from jaxvllm import LLM, SamplingParams
+    from jaxvllm.loader import load_config
+
+    folder = tmp_path_factory.mktemp("rope")
+    path = make_tiny("llama", folder / "plain", max_position_embeddings=128)
+    theta = load_config(path).rope.theta
+    assert load_config(path, {"rope_theta": 10.0}).rope.theta == 10.0
+    scaled = load_config(path, {"rope_scaling": {k: v for k, v in YARN.items() if k != "rope_theta"}}).rope
+    assert scaled == load_config(make_tiny("llama", folder / "yarn", max_position_embeddings=128,
+                                           rope_parameters={**YARN, "rope_theta": theta})).rope
+    linear = load_config(path, {"rope_scaling": {"type": "linear", "factor": 2.0}}).rope
+    assert (linear.rope_type, linear.factor, linear.theta) == ("linear", 2.0, theta)
+    gemma = make_tiny("gemma3", folder / "gemma3")
+    plain, given = load_config(gemma), load_config(gemma, {"rope_theta": 10.0})
+    assert given.rope.theta == 10.0 and given.sliding_rope == plain.sliding_rope
+    engine = dict(max_model_len=64, enforce_eager=True)
+    rope = dict(AutoConfig.from_pretrained(path).rope_parameters)  # (the tiny Llama's: Llama 3 scaling)
+    saved = make_tiny("llama", folder / "theta", max_position_embeddings=128, rope_parameters={**rope, "rope_theta": 10.0})
+    prompt, greedy = {"prompt_token_ids": list(range(5, 45))}, SamplingParams(temperature=0, max_tokens=8)
+    with LLM(path, hf_overrides={"rope_theta": 10.0}, **engine) as llm:
+        overridden = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    with LLM(saved, **engine) as llm:
+        assert llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids == overridden
+    with LLM(path, **engine) as llm:
+        assert llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids != overridden
