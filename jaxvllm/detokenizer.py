@@ -122,6 +122,7 @@ class IncrementalDetokenizer:
         self._prefix_text = ""  # the window's text for ids[start:read]
         self._chunks: list[str] = []  # committed text, in pieces (joined lazily)
         self._committed_len = 0
+        self._committed_settled = 0  # committed text's length without its trailing U+FFFD run
         self._tail = ""  # text of the pending ids ids[read:]
         self._text: str | None = ""  # cached `text`; None when stale
         self._searched_to = 0  # text before this was searched for stop strings
@@ -229,13 +230,15 @@ class IncrementalDetokenizer:
         prefix = self._prefix_text
         if window_text.startswith(prefix):
             keep = len(prefix)
+            # (the pending text's start that the new tokens left as it was did not change)
+            changed_from = self._committed_len + len(os.path.commonprefix([self._tail, window_text[keep:]]))
         else:
             # The new tokens changed text of the context (e.g. clean_up_tokenization_spaces
             # turns " ." into "."): take back the committed characters that differ.
             keep = len(os.path.commonprefix([prefix, window_text]))
             self._drop_committed(len(prefix) - keep)
             self._prefix_text = prefix = prefix[:keep]
-        changed_from = self._committed_len
+            changed_from = self._committed_len
         self._tail = window_text[keep:]
 
         if not window_text.endswith(_REPLACEMENT) and not self._is_byte[-1]:
@@ -251,6 +254,9 @@ class IncrementalDetokenizer:
         if new:
             self._chunks.append(new)
             self._committed_len += len(new)
+            settled = new.rstrip(_REPLACEMENT)
+            if settled:
+                self._committed_settled = self._committed_len - (len(new) - len(settled))
         self._tail = self._tail[len(new):]
         self._read = read
         self._prefix_text = read_text
@@ -298,6 +304,13 @@ class IncrementalDetokenizer:
                 self._chunks.append(last[:-count])
                 break
             count -= len(last)
+        if self._committed_settled > self._committed_len:  # (rare: a cleanup took back text)
+            end, self._committed_settled = self._committed_len, 0
+            for chunk in reversed(self._chunks):
+                if chunk.rstrip(_REPLACEMENT):
+                    self._committed_settled = end - (len(chunk) - len(chunk.rstrip(_REPLACEMENT)))
+                    break
+                end -= len(chunk)
 
     def _recent_committed(self, count: int) -> str:
         """The last `count` characters of the committed text (without joining it all)."""
@@ -312,13 +325,8 @@ class IncrementalDetokenizer:
 
     def _settled_len(self) -> int:
         """Length of the text without its trailing U+FFFD run."""
-        end, count = self._committed_len + len(self._tail), 16
-        while True:
-            recent = self._recent_committed(min(count, self._committed_len)) + self._tail
-            settled = len(recent.rstrip(_REPLACEMENT))
-            if settled or len(recent) == end:
-                return end - len(recent) + settled
-            count *= 4
+        tail = self._tail.rstrip(_REPLACEMENT)
+        return self._committed_len + len(tail) if tail else self._committed_settled
 
     def _check_stop(self, changed_from: int) -> str | None:
         """Search the text not searched before or changed since (plus len(longest stop) - 1
@@ -326,11 +334,15 @@ class IncrementalDetokenizer:
         cut the text and finish. As vLLM's (`check_stop_strings`): the first stop string
         in `stop`'s order that occurs there, at its first occurrence, even if another one
         ends before it."""
-        frontier = min(changed_from, self._searched_to)
+        frontier, settled = min(changed_from, self._searched_to), self._settled_len()
+        self._searched_to = settled
+        if settled <= frontier:  # nothing new to search (a run of U+FFFD goes on)
+            return None
         lo = max(0, frontier - (self._max_stop_len - 1))
-        region = self._recent_committed(self._committed_len - lo) + self._tail
-        region = region[:self._settled_len() - lo]
-        self._searched_to = lo + len(region)
+        if lo >= self._committed_len:  # (all in the pending text)
+            region = self._tail[lo - self._committed_len : settled - self._committed_len]
+        else:
+            region = (self._recent_committed(self._committed_len - lo) + self._tail)[: settled - lo]
         found = None
         for s in self._stop:
             # An occurrence must reach past the frontier: older ones were seen before.

@@ -248,11 +248,16 @@ class LLMEngine:
         for rid in (parent.request_id, *(c.request_id for c in parent.children)):
             if self._in_use(rid):
                 raise ValueError(f"request id {rid!r} is already in use")
+        # This engine's reading of the adapter: the request's blocks are keyed by it.
+        versions = self.runner.lora.versions if self.runner.lora is not None else {}
+        for child in parent.children:
+            if child.lora_id and child.lora_id not in versions:
+                raise ValueError(f"LoRA adapter {child.lora_id} is not known to this engine (removed since the "
+                                 f"request was made?)")
         with defer_interrupts():
             try:
                 for child in parent.children:
-                    # (this engine's reading of the adapter: its blocks are keyed by it)
-                    child.lora_version = self.runner.lora.versions[child.lora_id] if child.lora_id else 0
+                    child.lora_version = versions.get(child.lora_id, 0)
                     self.scheduler.add_request(child)
                 self._parents[parent.request_id] = parent
             except BaseException:

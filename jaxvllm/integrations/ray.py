@@ -148,9 +148,9 @@ class JaxvllmPredictor:
         self._loras: dict[str, Any] = {}  # LoRA path -> its LoRARequest
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        if self.preprocess is not None:
-            batch = _table([self.preprocess(row) for row in _rows(batch)])
         rows = _rows(batch)
+        if self.preprocess is not None:
+            rows = [self.preprocess(row) for row in rows]
         prompts, params, loras = [], [], []
         for i, row in enumerate(rows):
             try:
@@ -161,31 +161,23 @@ class JaxvllmPredictor:
                 e.add_note(f"(row {i} of a batch of {len(rows)}: {_abridged(row)})")
                 raise
         outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
-        columns = {
-            "generated_text": [o.outputs[0].text for o in outputs],
-            "generated_tokens": [list(o.outputs[0].token_ids) for o in outputs],
-            "finish_reason": [o.outputs[0].finish_reason for o in outputs],
-            "num_input_tokens": [len(o.prompt_token_ids) for o in outputs],
-            "num_generated_tokens": [len(o.outputs[0].token_ids) for o in outputs],
-        }
-        types = {"generated_tokens": pa.list_(pa.int64()), "num_input_tokens": pa.int64(),
-                 "num_generated_tokens": pa.int64()}
-        batch = batch.drop_columns([name for name in columns if name in batch.column_names])
-        for name, values in columns.items():
-            batch = batch.append_column(name, pa.array(values, type=types.get(name, pa.string())))
         # As Ray's vLLM stage: {token id: {"logprob", "rank", "decoded_token"}} per token, when asked for.
-        asked = {"logprobs": [o.outputs[0].logprobs for o in outputs],
-                 "prompt_logprobs": [o.prompt_logprobs for o in outputs]}
-        asked = {name: [None if lps is None else [_logprob_dict(lp) for lp in lps] for lps in values]
-                 for name, values in asked.items() if any(v is not None for v in values)}
-        if asked:
-            batch = batch.drop_columns([name for name in asked if name in batch.column_names])
-            extra = _table([dict(zip(asked, values)) for values in zip(*asked.values())])
-            for name in asked:
-                batch = batch.append_column(name, extra.column(name))
+        asked = [name for name in ("logprobs", "prompt_logprobs") if any(getattr(p, name) is not None for p in params)]
+        rows = [{**row, **self._output_columns(out, asked)} for row, out in zip(rows, outputs)]
         if self.postprocess is not None:
-            batch = _table([self.postprocess(row) for row in _rows(batch)])
-        return batch
+            rows = [self.postprocess(row) for row in rows]
+        return _table(rows)
+
+    @staticmethod
+    def _output_columns(out, asked: list[str]) -> dict:
+        completion = out.outputs[0]
+        columns = {"generated_text": completion.text, "generated_tokens": list(completion.token_ids),
+                   "finish_reason": completion.finish_reason, "num_input_tokens": len(out.prompt_token_ids),
+                   "num_generated_tokens": len(completion.token_ids)}
+        for name, per_token in (("logprobs", completion.logprobs), ("prompt_logprobs", out.prompt_logprobs)):
+            if name in asked:
+                columns[name] = None if per_token is None else [_logprob_dict(lp) for lp in per_token]
+        return columns
 
     def _lora_request(self, path: str | None):
         from jaxvllm.lora.request import LoRARequest
@@ -270,9 +262,9 @@ def _rows(batch: pa.Table) -> list[dict]:
 
 
 def _table(rows: list[dict]) -> pa.Table:
-    """Rows -> a table with every key of any row (a row without one gets a null there), with
-    Ray's column types for what Arrow lacks (int-keyed dicts, mixed types, n-d arrays), as a
-    Ray Data map would make it."""
+    """Rows -> a block with every key of any row (a row without one gets a null there), as a
+    Ray Data map makes it: Ray's column types for what Arrow lacks (int-keyed dicts, mixed
+    types, n-d arrays), or a pandas block where Ray's object fallback is turned off."""
     names = dict.fromkeys(name for row in rows for name in row)
     return BlockAccessor.batch_to_block({name: [row.get(name) for row in rows] for name in names})
 

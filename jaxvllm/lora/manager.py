@@ -10,6 +10,7 @@ jitted write with the slot a traced index, so that a swap never recompiles.
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from pathlib import Path
 from typing import Iterable
@@ -91,7 +92,7 @@ class LoRAManager:
         under the same id: adapter-only RL)."""
         lora_id = request.lora_int_id
         known = self.requests.get(lora_id)
-        if known is not None and known.lora_path != request.lora_path and not replace:
+        if known is not None and not _same_folder(known, request) and not replace:
             raise ValueError(f"lora_int_id {lora_id} is adapter {known.lora_name!r} ({known.lora_path}); "
                              f"{request.lora_name!r} ({request.lora_path}) needs an id of its own")
         new_reading = known is None or (replace and self.changes(request))
@@ -113,7 +114,7 @@ class LoRAManager:
         """Whether `request` is new weights for its id: an id not held, another folder,
         or files written since the id's were read."""
         known = self.requests.get(request.lora_int_id)
-        return known is None or known.lora_path != request.lora_path or self.stamps[request.lora_int_id] != _stamp(request)
+        return known is None or not _same_folder(known, request) or self.stamps[request.lora_int_id] != _stamp(request)
 
     def _keep(self, adapter: LoRAAdapter) -> None:
         self.host[adapter.request.lora_int_id] = adapter
@@ -197,6 +198,10 @@ class LoRAManager:
     def arrays(self) -> list:
         return jax.tree.leaves(self.stacks)
 
+
+
+def _same_folder(a: LoRARequest, b: LoRARequest) -> bool:
+    return os.path.normpath(a.lora_path) == os.path.normpath(b.lora_path)
 
 
 def _stamp(request: LoRARequest) -> tuple:

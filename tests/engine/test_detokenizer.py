@@ -333,6 +333,35 @@ def test_a_character_split_over_tokens_is_not_a_replacement_char_stop(tokenizers
     assert stop == "\ufffd" and texts[-1] == "Hello\ufffd"
 
 
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_text_below_min_tokens_is_never_searched(tokenizers, name):
+    """vLLM searches only text that came once min_tokens tokens were there: a character
+    complete within them (pending text while its last token is a byte-fallback byte) is not
+    searched later."""
+    tok = tokenizers[name]
+    char, fine = _byte_token_ids(tok, "漢"), _encode(tok, " fine")
+    d = IncrementalDetokenizer(tok, stop=["漢"])
+    for i, tid in enumerate(char + fine):
+        assert d.update([tid], check_stop=i >= len(char)) is None
+    assert d.text == "漢 fine"
+
+
+def test_a_long_run_of_broken_bytes_costs_little_per_token(tokenizers, monkeypatch):
+    """With a stop string, text ending in ever more U+FFFD is not searched again at every
+    token (each update read the whole run)."""
+    tok = tokenizers["tiny"]
+    read: list[int] = []
+    recent = IncrementalDetokenizer._recent_committed
+    monkeypatch.setattr(IncrementalDetokenizer, "_recent_committed",
+                        lambda self, count: (read.append(count), recent(self, count))[1])
+    cont = _byte_token_ids(tok, "漢")[1]  # 0xBC: never valid on its own
+    d = IncrementalDetokenizer(tok, stop=["\ufffdHello", "zz"])
+    for i in range(2000):
+        assert d.update([cont], check_stop=i % 7 != 0) is None
+    assert max(read, default=0) < 20
+    assert d.update(_encode(tok, "Hello")) == "\ufffdHello" and d.text == "\ufffd" * 1999
+
+
 def test_stop_found_only_once_more_text_arrives(tokenizers):
     """A stop string inside a partial UTF-8 character matches once the character is whole."""
     tok = tokenizers["sp"]

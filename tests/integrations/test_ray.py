@@ -171,6 +171,20 @@ def test_predictor_takes_the_rows_a_ray_map_takes(predictor):
     assert "prompt_logprobs" not in out[0]  # (not asked for)
 
 
+def test_predictor_gives_a_pandas_block_where_ray_would(predictor, monkeypatch):
+    """With Ray's object fallback turned off, rows Arrow cannot hold make a pandas block, as
+    Ray's own map makes it (it failed on pyarrow-only methods)."""
+    import pandas as pd
+
+    monkeypatch.setattr(ray.data.DataContext.get_current(), "enable_fallback_to_arrow_object_ext_type", False)
+    stops = ["zz", ["zz", "yy"]]
+    monkeypatch.setattr(predictor, "preprocess", lambda row: {**row, "sampling_params": {
+        "temperature": 0.0, "max_tokens": 3, "stop": stops[row["i"]]}})
+    out = predictor(pa.Table.from_pylist([{"i": 0, "prompt": "a lazy dog"}, {"i": 1, "prompt": "a lazy dog"}]))
+    assert isinstance(out, pd.DataFrame) and list(out["num_generated_tokens"]) == [3, 3]
+    assert list(out["generated_tokens"][0]) == list(out["generated_tokens"][1])
+
+
 def test_predictor_refuses_bad_rows(predictor, config, monkeypatch):
     with pytest.raises(ValueError, match="exactly one of") as error:
         predictor(pa.Table.from_pydict({"prompt": ["b", "a"], "prompt_token_ids": [None, [1, 2]]}))

@@ -521,6 +521,7 @@ def test_add_lora_with_an_existing_id_replaces_it(tiny_checkpoint, adapter, peft
         assert [list(o.token_ids) for o in run(llm, [policy])[0]] == peft_reference(base, first)[0]
         reads, before = manager.host_reads, compile_counter.count
         assert engine.add_lora(policy) and manager.host_reads == reads  # (unchanged: touched only)
+        assert engine.add_lora(LoRARequest("policy", 7, str(folder) + "/")) and manager.host_reads == reads
         outs = run(llm, [policy])[0]
         assert manager.host_reads == reads and [list(o.token_ids) for o in outs] == peft_reference(base, first)[0]
         cached = llm.generate({"prompt_token_ids": PROMPTS[2]}, SamplingParams(max_tokens=1), lora_request=policy,
