@@ -88,7 +88,8 @@ def test_several_bad_prompts_name_the_first_and_count_the_rest(tmp_path, capsys)
     prompts.write_text('"fine"\n{"prompt_token_ids": [999999]}\n""\n{"prompt": "x", "oops": 1}\n')
     assert generate("--prompts-file", str(prompts), "--prompt", "", *GREEDY) == 2
     err = one_line_error(capsys)
-    assert "--prompt 1: The decoder prompt cannot be empty (and 3 more bad prompts)" in err, err
+    assert "--prompt 1: The decoder prompt cannot be empty (the text '' encodes to no tokens) (and 3 more bad prompts)" \
+        in err, err
 
 
 # -- --output is checked before the model loads ------------------------------------------------
