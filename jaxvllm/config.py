@@ -58,13 +58,19 @@ class StructuredOutputsConfig:
     backend: str = "auto"
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
+    # vLLM 0.11's: no other backend to fall back to here; no reasoning parsers (only "").
+    disable_fallback: bool = False
+    reasoning_parser: str = ""
 
     def __post_init__(self) -> None:
         if self.backend not in STRUCTURED_OUTPUTS_BACKENDS:
             raise ValueError(f"structured outputs backend {self.backend!r} is not available in jaxvllm; "
                              f"choose from {STRUCTURED_OUTPUTS_BACKENDS} ('auto' is llguidance)")
-        for name in ("disable_any_whitespace", "disable_additional_properties"):
+        for name in ("disable_any_whitespace", "disable_additional_properties", "disable_fallback"):
             check_bool(f"structured_outputs_config {name}", getattr(self, name))
+        if self.reasoning_parser != "":
+            raise ValueError(f"structured_outputs_config reasoning_parser={self.reasoning_parser!r}: reasoning parsers "
+                             "are not available in jaxvllm")
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")  # vLLM's others are refused by name

@@ -323,6 +323,10 @@ def test_skip_tokenizer_init_refuses_structured_outputs(path):
 def test_unknown_backend_is_refused(path):
     with pytest.raises(ValueError, match="backend 'xgrammar' is not available in jaxvllm"):
         LLM(path, **ENGINE, structured_outputs_config={"backend": "xgrammar"})
+    with pytest.raises(ValueError, match="reasoning_parser='qwen3': reasoning parsers are not available"):
+        StructuredOutputsConfig(reasoning_parser="qwen3")
+    # vLLM 0.11's other fields, at values that mean nothing here
+    assert StructuredOutputsConfig(disable_fallback=True, reasoning_parser="").disable_fallback
 
 
 def test_a_request_whose_grammar_compiles_waits_without_holding_others_back(llm):
