@@ -340,17 +340,16 @@ class EngineConfig:
         `max_model_len` (the resolved one) must fit one step, as in vLLM."""
         unchunked = not self.enable_chunked_prefill and max_model_len is not None
         tokens = self.max_num_batched_tokens
-        if tokens is not None:
-            if unchunked and tokens < max_model_len:  # (vLLM's words)
-                raise ValueError(
-                    f"max_num_batched_tokens ({tokens}) is smaller than max_model_len ({max_model_len}). This "
-                    "effectively limits the maximum sequence length to max_num_batched_tokens and makes vLLM reject "
-                    "longer sequences. Please increase max_num_batched_tokens or decrease max_model_len.")
-        elif self.token_buckets:
+        if tokens is None and self.token_buckets:
             tokens = max(self.token_buckets)
-        else:
+        if tokens is None:
             default = CPU_MAX_NUM_BATCHED_TOKENS if platform == "cpu" else DEFAULT_MAX_NUM_BATCHED_TOKENS
             tokens = max(default, self.max_num_seqs or 0, max_model_len if unchunked else 0)
+        elif unchunked and tokens < max_model_len:  # (vLLM's words)
+            raise ValueError(
+                f"max_num_batched_tokens ({tokens}) is smaller than max_model_len ({max_model_len}). This "
+                "effectively limits the maximum sequence length to max_num_batched_tokens and makes vLLM reject "
+                "longer sequences. Please increase max_num_batched_tokens or decrease max_model_len.")
         seqs = min(DEFAULT_MAX_NUM_SEQS, tokens) if self.max_num_seqs is None else self.max_num_seqs
         return dataclasses.replace(self, max_num_batched_tokens=tokens, max_num_seqs=seqs)
 

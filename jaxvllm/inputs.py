@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NotRequired, TypedDict
 
 import numpy as np
@@ -25,6 +26,8 @@ def prompt_list(prompts: Any) -> list | tuple:
         return [prompts]
     if isinstance(prompts, (list, tuple)):
         return prompts
-    if isinstance(prompts, (bytes, bytearray)) or not (hasattr(prompts, "__len__") and hasattr(prompts, "__iter__")):
+    # (a mapping or a DataFrame would iterate over its keys or column names)
+    if isinstance(prompts, (bytes, bytearray, Mapping)) or hasattr(prompts, "columns") or \
+            not (hasattr(prompts, "__len__") and hasattr(prompts, "__iter__")):
         raise TypeError(f"prompts must be a str, a dict or a sequence of them, got {type(prompts).__name__}")
     return [p.item() if isinstance(p, np.generic) else p for p in prompts]

@@ -90,6 +90,8 @@ def _override_rope(hf_config, key: str, value: Any) -> None:
         return
     target = params.setdefault("full_attention", {}) if per_layer_type else params
     if key == "rope_theta":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ValueError(f"hf_overrides rope_theta must be a positive number, got {value!r}")
         target["rope_theta"] = value
     else:
         scaling = {"rope_theta": target.get("rope_theta"), **(value or {})}

@@ -50,6 +50,8 @@ def test_prompt_forms_and_outputs(llm):
 
     for prompts in (np.array(["Hello, world"] * 2), pd.Series(["Hello, world"] * 2)):
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == [out.token_ids] * 2
+    with pytest.raises(TypeError, match="prompts must be a str, a dict or a sequence of them, got DataFrame"):
+        llm.generate(pd.DataFrame({"prompt": ["Hello, world"]}), GREEDY, use_tqdm=False)  # (not its column names)
     empty = {"prompt": "Hello, world", "multi_modal_data": None, "mm_processor_kwargs": {}}
     assert llm.generate(empty, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == out.token_ids
     with pytest.raises(ValueError, match=r"multimodal inputs \(\['multi_modal_data'\]\) are not supported"):
@@ -288,8 +290,9 @@ def test_engine_arguments_are_checked(tiny_checkpoint):
     with LLM(path, max_model_len=3000, enable_chunked_prefill=False, enforce_eager=True, hf_overrides={
             "max_position_embeddings": 4096}) as unchunked:
         assert unchunked.llm_engine.config.max_num_batched_tokens == 3000
-    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(64\) is smaller than max_model_len \(128\)"):
-        LLM(path, max_model_len=128, max_num_batched_tokens=64, enable_chunked_prefill=False)
+    for budget in (dict(max_num_batched_tokens=64), dict(token_buckets=[16, 64])):
+        with pytest.raises(ValueError, match=r"max_num_batched_tokens \(64\) is smaller than max_model_len \(128\)"):
+            LLM(path, max_model_len=128, enable_chunked_prefill=False, **budget)
     with pytest.raises(ValueError, match="largest token bucket"):
         LLM(path, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, token_buckets=[16])
     with pytest.raises(ValueError, match="attention_backend 'flash'"):
