@@ -147,7 +147,8 @@ class JaxvllmPredictor:
         self.llm = LLM(config.model, **config.engine_kwargs)
         self._loras: dict[str, Any] = {}  # LoRA path -> its LoRARequest
 
-    def __call__(self, batch: pa.Table) -> pa.Table:
+    def __call__(self, batch: pa.Table) -> Any:
+        """The batch's rows with their outputs, as a block of Ray's (`_table`)."""
         rows = _rows(batch)
         if self.preprocess is not None:
             rows = [self.preprocess(row) for row in rows]
@@ -261,7 +262,7 @@ def _rows(batch: pa.Table) -> list[dict]:
     return [dict(row) for row in BlockAccessor.for_block(batch).iter_rows(public_row_format=False)]
 
 
-def _table(rows: list[dict]) -> pa.Table:
+def _table(rows: list[dict]) -> Any:
     """Rows -> a block with every key of any row (a row without one gets a null there), as a
     Ray Data map makes it: Ray's column types for what Arrow lacks (int-keyed dicts, mixed
     types, n-d arrays), or a pandas block where Ray's object fallback is turned off."""
