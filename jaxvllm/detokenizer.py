@@ -254,9 +254,8 @@ class IncrementalDetokenizer:
         if new:
             self._chunks.append(new)
             self._committed_len += len(new)
-            settled = new.rstrip(_REPLACEMENT)
-            if settled:
-                self._committed_settled = self._committed_len - (len(new) - len(settled))
+            if new.rstrip(_REPLACEMENT):
+                self._committed_settled = self._committed_len - _trailing_replacements(new)
         self._tail = self._tail[len(new):]
         self._read = read
         self._prefix_text = read_text
@@ -308,7 +307,7 @@ class IncrementalDetokenizer:
             end, self._committed_settled = self._committed_len, 0
             for chunk in reversed(self._chunks):
                 if chunk.rstrip(_REPLACEMENT):
-                    self._committed_settled = end - (len(chunk) - len(chunk.rstrip(_REPLACEMENT)))
+                    self._committed_settled = end - _trailing_replacements(chunk)
                     break
                 end -= len(chunk)
 
@@ -358,3 +357,8 @@ class IncrementalDetokenizer:
         self._text = text
         self._stopped = True
         return found
+
+
+def _trailing_replacements(text: str) -> int:
+    """How many U+FFFD end `text` (characters a later token may still complete)."""
+    return len(text) - len(text.rstrip(_REPLACEMENT))

@@ -823,7 +823,7 @@ class ModelRunner:
         _, self.params = self._load()
         self._asleep.discard("weights")
 
-    @property
+    @cached_property
     def checkpoint_config(self) -> ModelConfig:
         """The checkpoint's own config (its KV heads before their repetition over devices)."""
         return load_config(self.config.model, self.config.hf_overrides)

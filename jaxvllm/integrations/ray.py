@@ -204,15 +204,16 @@ class JaxvllmPredictor:
     def _chat_prompt(self, messages: list) -> dict:
         """`messages` rendered as `LLM.chat` renders them. As Ray's chat stage, a conversation
         that ends in an assistant message (a prefill) is continued rather than answered."""
-        if self.config.chat_template is None and self.llm.get_tokenizer().chat_template is None:
+        tokenizer = self.llm.get_tokenizer()
+        if self.config.chat_template is None and tokenizer.chat_template is None:  # (naming where to pass one)
             raise ValueError("the tokenizer has no chat template; pass chat_template= in the processor config")
         messages = [_drop_nulls(m) if isinstance(m, dict) else m for m in messages]
         prefill = bool(messages) and isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant"
-        [text] = render_chat(self.llm.get_tokenizer(), [messages], chat_template=self.config.chat_template,
+        [text] = render_chat(tokenizer, [messages], chat_template=self.config.chat_template,
                              add_generation_prompt=not prefill, continue_final_message=prefill,
                              chat_template_kwargs=self.config.chat_template_kwargs)
         # As LLM.chat: the template writes any BOS itself, so no special tokens are added.
-        return {"prompt_token_ids": self.llm.get_tokenizer()(text, add_special_tokens=False).input_ids}
+        return {"prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
 
     def _sampling_params(self, row: dict) -> SamplingParams:
         given = row.get("sampling_params")
