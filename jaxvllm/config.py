@@ -28,7 +28,11 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 # `quantization=`: a full-precision checkpoint's linear weights quantized at load: vLLM's
 # online fp8, or 4-bit as a symmetric GPTQ checkpoint holds them (random 4-bit weights at real
 # shapes with load_format="dummy", for benchmarks; rounded to nearest, not GPTQ's solver).
-QUANTIZATION_METHODS = ("fp8", "gptq-dummy")
+QUANTIZATION_METHODS = ("fp8", "gptq-dummy")  # online: the weights quantized as they load
+# A quantized checkpoint's quant_method -> the names `quantization` may give it (vLLM's:
+# marlin is vLLM's kernel for GPTQ and AWQ); the checkpoint is then read as it is.
+CHECKPOINT_QUANTIZATIONS = {"fp8": ("fp8",), "gptq": ("gptq", "gptq_marlin", "marlin"),
+                            "awq": ("awq", "awq_marlin", "marlin"), "compressed-tensors": ("compressed-tensors",)}
 LORA_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # vLLM's logprobs modes: of the model's logits, or of those the sampler drew from (after
 # bias, bad words, penalties, temperature, min_p / top-k / top-p); logprobs or logits.
@@ -305,9 +309,11 @@ class EngineConfig:
                      "enforce_eager", "disable_log_stats", "trust_remote_code", "calculate_kv_scales",
                      "enable_sleep_mode", "enable_expert_parallel"):
             check_bool(name, getattr(self, name))
-        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+        names = dict.fromkeys(QUANTIZATION_METHODS + sum(CHECKPOINT_QUANTIZATIONS.values(), ()))
+        if self.quantization is not None and self.quantization not in names:
             raise ValueError(f"quantization={self.quantization!r} is not supported by jaxvllm; choose from None, "
-                             + ", ".join(repr(m) for m in QUANTIZATION_METHODS))
+                             + ", ".join(map(repr, names)) + " (those but 'gptq-dummy' name a quantized checkpoint's "
+                             "own method, as its config.json does; 'fp8' and 'gptq-dummy' quantize at load)")
         self._check_profiler()
         self._check_vllm_only()
         check_bool("enable_lora", self.enable_lora)

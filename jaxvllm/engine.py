@@ -592,8 +592,8 @@ class LLMEngine:
             "kv_cache_dtype": runner.kv_spec.dtype_name,  # e.g. "bfloat16", "float8_e4m3fn"
             "weight_bytes_per_device": runner.weight_bytes_per_device(),  # (quantized: values and scales)
             # "fp8" / "gptq-dummy" (online), "<method> (checkpoint)" for a quantized checkpoint, or None
-            "quantization": self.config.quantization or (
-                f"{runner.cfg.quant_method} (checkpoint)" if runner.cfg.quant_method else None),
+            "quantization": (f"{runner.cfg.quant_method} (checkpoint)" if runner.cfg.quant_method
+                             else self.config.quantization),
             "num_free_blocks": kv.num_free_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_compiled_buckets": runner.num_compiled_buckets(),

@@ -49,7 +49,9 @@ _VALUE_FLAGS: dict[str, tuple[Callable[[str], Any], str]] = {
     "dtype": (str, "weights and KV cache dtype ('auto' = the checkpoint's)"),
     "quantization": (str, "'fp8': the linear weights quantized to fp8 at load (per channel) and activations per "
                           "token on the fly, as vLLM's online fp8; 'gptq-dummy': to 4-bit per group of 128 "
-                          "(round to nearest; random 4-bit weights with --load-format dummy)"),
+                          "(round to nearest; random 4-bit weights with --load-format dummy); a quantized "
+                          "checkpoint's own method ('gptq', 'awq', 'compressed-tensors', 'fp8') reads it as it is, "
+                          "as leaving this unset does"),
     "kv-cache-dtype": (str, "KV cache dtype: 'auto' (the model's dtype), 'fp8' / 'fp8_e4m3' (float8_e4m3fn "
                             "with k/v scales from the checkpoint, else 1.0: twice the blocks) or "
                             "'fp8_e5m2'"),

@@ -25,8 +25,8 @@ from jaxvllm.layers import InputMajorWeight
 from jaxvllm.model_config import SIDE_BY_SIDE, ModelConfig
 from jaxvllm.models import MODELS
 from jaxvllm.models.common import ParamSpec, merge_parts, merged
-from jaxvllm.quantization import (EXPERTS, QUANTIZED, CheckpointFormat, QuantizedWeight, check_quantization,
-                                  checkpoint_format, in_axes, quantize_in_place, quantize_params,
+from jaxvllm.quantization import (EXPERTS, QUANTIZED, CheckpointFormat, QuantizedWeight, check_expert_format,
+                                  checkpoint_format, in_axes, online_method, quantize_in_place, quantize_params,
                                   single_device_kernels)
 from jaxvllm.sharding import kv_repeats, param_shardings, replicated, sharded_config
 from jaxvllm.stored_tensors import RAW_DTYPES, RawSlice, RowRepeat, act_order, packed_view, safetensors_header
@@ -138,14 +138,14 @@ def load_model(
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not supported; choose from {LOAD_FORMATS}")
     cfg = load_config(model, hf_overrides)
-    check_quantization(quantization, cfg)
+    quantization = online_method(quantization, cfg)
     fmt = None
     if cfg.quant_method is not None:
         if load_format == "dummy":
             raise ValueError(f"load_format='dummy' of a quantized checkpoint ({model}) is not supported; for random "
                              f"fp8 weights, load a full-precision config with quantization='fp8'")
         fmt = checkpoint_format(json.loads((Path(model) / "config.json").read_text())["quantization_config"], str(model))
-        check_quantization(None, cfg, fmt)
+        check_expert_format(cfg, fmt)
         _check_expert_blocks(cfg, fmt, 1 if mesh is None else mesh.size, expert_parallel)
     target = device or (mesh.devices.flat[0] if mesh is not None else jax.devices()[0])
     stack = stacks_layers(target) if stack_layers is None else stack_layers
@@ -398,9 +398,9 @@ def _param_shardings(cfg: ModelConfig, mesh: Mesh | None, device=None, specs: li
 
 
 def repeated_kv(spec) -> bool:
-    """K/V projections (and their scales) are repeated per KV head when there are fewer KV
-    heads than devices."""
-    return spec.path[-1].removesuffix("_scale") in ("k_proj", "v_proj", "k_bias", "v_bias")
+    """K/V projections (and their scales and zero points) are repeated per KV head when there
+    are fewer KV heads than devices."""
+    return spec.path[-1].removesuffix("_scale").removesuffix("_zero") in ("k_proj", "v_proj", "k_bias", "v_bias")
 
 
 def _sharded_block(tensor_slice, spec, dtype, repeats: int) -> tuple[tuple[int, ...], Callable]:
@@ -505,8 +505,9 @@ def quantized_specs(specs: list[ParamSpec], fmt: CheckpointFormat) -> list[Param
             out.append(spec)
             continue
         if ignored:
-            raise ValueError(f"{spec.path[-1]}: modules_to_not_convert keeps {ignored[0]} full precision but not "
-                             f"every layer's or part's; jaxvllm needs all or none of them")
+            raise ValueError(f"{spec.path[-1]}: the checkpoint's quantization_config keeps {ignored[0]} in full "
+                             f"precision (its ignore list) but not every layer's or part's {spec.path[-1]}; jaxvllm "
+                             f"needs all or none of them")
         size = fmt.block[1]
         if fmt.packing in ("gptq", "gptq_v2", "awq") and size and spec.hf_shape[-1] % size:
             raise ValueError(f"{members[0].hf_name}: group_size {size} does not divide its {spec.hf_shape[-1]} "

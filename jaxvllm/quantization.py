@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxvllm.config import CHECKPOINT_QUANTIZATIONS
 from pallas_kernels.grouped_int4_matmul import grouped_int4_matmul
 from pallas_kernels.int4_matmul import int4_matmul, pack_int4
 
@@ -213,6 +214,10 @@ def _gptq_awq_format(quant_config: dict, model: str) -> CheckpointFormat:
             raise ValueError(f"{model}: GPTQ checkpoint_format {packing!r} is not supported; jaxvllm reads 'gptq' "
                              f"and 'gptq_v2'")
         symmetric = quant_config.get("sym", True)
+        if quant_config.get("dynamic"):  # (GPTQModel's per-module bits / group_size / sym / desc_act)
+            raise ValueError(f"{model}: GPTQ 'dynamic' per-module overrides ({', '.join(quant_config['dynamic'])}) "
+                             f"are not supported; jaxvllm reads one bits, group_size, sym and desc_act for every "
+                             f"module")
         # The lm_head is quantized only with `lm_head: true` (refused); `modules_in_block_to_quantize` lists the rest.
         if quant_config.get("lm_head"):
             raise ValueError(f"{model}: a GPTQ-quantized lm_head is not supported; jaxvllm reads quantized decoder "
@@ -281,15 +286,29 @@ def _pack_quantized_format(weights: dict, inputs: dict | None, ignore: tuple, mo
                             None if symmetric else "weight_zero_point", "compressed-tensors", (".weight_shape",))
 
 
-def check_quantization(quantization: str | None, cfg, fmt: CheckpointFormat | None = None) -> None:
-    """Refuse, before any weight loads, online quantization of a checkpoint that is quantized
-    already, and expert stacks in a format the experts do not read: static activation
-    scales (the grouped matmul quantizes rows per token), and GPTQ's act-order (a permutation
-    of each expert's inputs; Qwen's GPTQ mixtures of experts have none)."""
-    if cfg.quant_method is not None and quantization is not None:
-        raise ValueError(f"quantization={quantization!r}: this checkpoint is quantized already (quant_method "
-                         f"{cfg.quant_method!r} in config.json); leave quantization unset to run it as it is")
-    if any(cfg.moe_layers) and fmt is not None and (fmt.input_scale_name or fmt.act_order):
+def online_method(quantization: str | None, cfg) -> str | None:
+    """The method to quantize the weights with as they load (`ONLINE`), or None. As vLLM's,
+    `quantization` may also name a quantized checkpoint's own method (then it is read as it
+    is); another method for a quantized checkpoint, or a checkpoint's method for a
+    full-precision one, is refused before any weight loads."""
+    method = cfg.quant_method
+    if method is None:
+        if quantization is not None and quantization not in ONLINE:
+            raise ValueError(f"quantization={quantization!r} names a quantized checkpoint's method, but config.json "
+                             f"has no quantization_config; leave it unset, or quantize at load with "
+                             + " or ".join(map(repr, ONLINE)))
+        return quantization
+    if quantization is not None and quantization not in CHECKPOINT_QUANTIZATIONS.get(method, (method,)):
+        raise ValueError(f"quantization={quantization!r} does not match the checkpoint's quant_method {method!r} in "
+                         f"config.json; leave quantization unset to run the checkpoint as it is")
+    return None
+
+
+def check_expert_format(cfg, fmt: CheckpointFormat) -> None:
+    """Refuse expert stacks in a format the experts do not read: static activation scales
+    (the grouped matmul quantizes rows per token), and GPTQ's act-order (a permutation of
+    each expert's inputs; Qwen's GPTQ mixtures of experts have none)."""
+    if any(cfg.moe_layers) and (fmt.input_scale_name or fmt.act_order):
         what = "statically scaled" if fmt.input_scale_name else "GPTQ act-order (desc_act)"
         raise ValueError(f"{cfg.architecture}: {what} expert stacks are not supported yet; jaxvllm reads a mixture "
                          f"of experts' experts in 8-bit checkpoints with dynamic activations, and 4-bit or 8-bit "
@@ -543,7 +562,7 @@ def experts_dequantized(weight: QuantizedWeight, dtype) -> jax.Array:
     matmul of float experts (W4A16 / W8A16 experts: x as it is): the CPU's path, and a
     GPU's where the grouped kernel does not serve (`weight_only_grouped_matmul`). Its cost
     there: each step writes this float copy of the stack (docs/design.md)."""
-    if weight.perm is not None:  # (`check_quantization` refuses act-order expert stacks)
+    if weight.perm is not None:  # (`check_expert_format` refuses act-order expert stacks)
         raise ValueError("act-order (perm) expert stacks are not supported")
     # Each expert as a weight [out, in] (groups along its last axis): `dequantized` of that.
     swap = lambda a: None if a is None else jnp.swapaxes(a, 1, 2)  # noqa: E731

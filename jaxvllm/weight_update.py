@@ -160,12 +160,21 @@ def across_processes(pairs: list[tuple[str, Any]], place: NamedSharding) -> list
     return [(name, placed(a)) for name, a in pairs]
 
 
+# RoPE tables some checkpoints save (older HF saves hold inv_freq): computed, not weights,
+# so accepted and not used, as vLLM's `load_weights` skips them.
+ROPE_BUFFERS = (".rotary_emb.inv_freq", ".rotary_emb.cos_cached", ".rotary_emb.sin_cached")
+
+
+def _skipped(name: str, skip: frozenset) -> bool:
+    return name in skip or name.endswith(ROPE_BUFFERS)
+
+
 def check(pairs: list[tuple[str, Any]], index: dict[str, list[Place]], skip: frozenset) -> None:
-    """Every name known (or in `skip`: accepted, not used) and every shape HF's; raises
-    naming the first bad tensor, before anything changes."""
+    """Every name known (or in `skip`, or a RoPE table: accepted, not used) and every shape
+    HF's; raises naming the first bad tensor, before anything changes."""
     seen = set()
     for name, array in pairs:
-        if name in skip:
+        if _skipped(name, skip):
             continue
         if name not in index:
             raise ValueError(f"update_weights: {name!r} is not a weight of this model")
@@ -192,7 +201,7 @@ def updated_params(params: dict, pairs: list[tuple[str, Any]], index: dict[str, 
     members: dict[tuple, dict[int, jax.Array]] = {}
     count = 0
     for name, array in pairs:
-        if name in skip:
+        if _skipped(name, skip):
             continue
         count += 1
         value = as_jax(array)
@@ -219,14 +228,17 @@ def updated_params(params: dict, pairs: list[tuple[str, Any]], index: dict[str, 
                                  f"every expert of it, not {len(part.rows)} of {part.place.member.stacked}")
             else:  # the given experts into the stack, at once
                 parts[p] = _with_rows(_current_part(part.place, params), part.rows)
-        if quantized and len(parts) < len(member.parts):
-            given = ", ".join(member.parts[p].hf_name for p in sorted(parts))
-            raise ValueError(f"update_weights: {given} is part of a weight quantized as one ({quantization}): give "
-                             f"all of {', '.join(m.hf_name for m in member.parts)}")
-        value = _merged(member, parts, lambda: _member(old, row))
-        if quantized:  # as the loader quantized it
+        if quantized:
             num_in = EXPERT_STACK if path[-1] in EXPERTS else in_axes(member.shape, member.hf_shape)
-            value = quantize_online(value.astype(dtype), num_in, quantization)
+        if quantized and len(parts) < len(member.parts):
+            # (q of q/k/v, say) The online methods scale each output row alone, so a part
+            # quantizes as it would merged; the parts not given keep their quantized values.
+            parts = {p: quantize_online(v.astype(dtype), num_in, quantization) for p, v in parts.items()}
+            value = _merged(member, parts, lambda: _member(old, row))
+        else:
+            value = _merged(member, parts, lambda: _member(old, row))
+            if quantized:  # as the loader quantized it
+                value = quantize_online(value.astype(dtype), num_in, quantization)
         rows.setdefault(path, {})[row] = value
     new = dict(params)  # (shallow: only the replaced arrays differ, the old params stay as they were)
     new["layers"] = dict(params["layers"])
@@ -275,15 +287,21 @@ def _current_part(place: Place, params: dict) -> jax.Array:
     return split_parts(spec_member, member)[place.part] if spec_member.parts else member
 
 
-def _merged(member: ParamSpec, parts: dict[int, jax.Array], old) -> jax.Array:
+def _merged(member: ParamSpec, parts: dict, old):
     """The member's new value: its parts joined as the loader joins them, the parts not
-    given taken from its value now (`old()`)."""
+    given taken from its value now (`old()`). Parts may be `QuantizedWeight`s: each of
+    their arrays (values, scales: output axes first) is split and joined alike."""
     if not member.parts:
         return parts[0]
     if len(parts) < len(member.parts):
-        current = split_parts(member, old())
+        now = old()
+        splits = [split_parts(member, leaf) for leaf in jax.tree.leaves(now)]
+        current = [jax.tree.unflatten(jax.tree.structure(now), [s[p] for s in splits]) for p in range(len(member.parts))]
         parts = {p: parts.get(p, current[p]) for p in range(len(member.parts))}
-    return merge_parts(member.merge, [parts[p] for p in range(len(member.parts))])
+    given = [parts[p] for p in range(len(member.parts))]
+    leaves = [jax.tree.leaves(part) for part in given]
+    return jax.tree.unflatten(jax.tree.structure(given[0]),
+                              [merge_parts(member.merge, list(column)) for column in zip(*leaves)])
 
 
 # Rows by static slices: an index given to the device would be a host-to-device transfer.

@@ -208,19 +208,24 @@ def test_shutdown_leaves_a_trainers_arrays_alive(tiny_checkpoint):
                                                ("qwen3_moe", "gptq-dummy")])
 def test_online_quantized_engine_quantizes_the_update(arch, quantization, tiny_checkpoint):
     """quantization="fp8" or "gptq-dummy" (experts too): the update is quantized as the
-    load quantized it, so the outputs are those of the other checkpoint loaded so; a part
-    of a weight quantized as one is refused."""
+    load quantized it, so the outputs are those of the other checkpoint loaded so. A part
+    of a merged weight (q of q/k/v on a CPU) is quantized alone: both scale each output row
+    alone, so q, then the rest, give the params of the other checkpoint's load exactly (a
+    GPU's unmerged layout took it; a CPU's refused it)."""
     a, b = tiny_checkpoint(arch), tiny_checkpoint(arch, seed=1)
     with LLM(str(b), quantization=quantization, **ENGINE) as llm:
-        want = completions(llm)
+        want, want_leaves = completions(llm), leaves(llm)
     state = hf_state(b)
     with LLM(str(a), quantization=quantization, **ENGINE) as llm:
         llm.update_weights(state.items())
         assert completions(llm) == want
-        with pytest.raises(ValueError, match=r"model.layers.0.self_attn.q_proj.weight is part of a weight quantized "
-                                             r"as one \(" + quantization + r"\): give all of"):
-            llm.update_weights({name: state[name] for name in ["model.layers.0.self_attn.q_proj.weight"]})
-        assert completions(llm) == want
+    with LLM(str(a), quantization=quantization, **ENGINE) as llm:
+        before = completions(llm)
+        q = "model.layers.0.self_attn.q_proj.weight"
+        llm.update_weights({q: state[q]})
+        assert completions(llm) != before
+        llm.update_weights({name: value for name, value in state.items() if name != q})
+        assert all(np.array_equal(x, y) for x, y in zip(leaves(llm), want_leaves))
 
 
 @pytest.mark.parametrize("quantization", ["fp8", "gptq-dummy"])

@@ -229,11 +229,11 @@ def test_act_order_stacked(kind, int4_checkpoint, tiny_checkpoint):
 
 def test_int4_checkpoint_through_the_engine(int4_checkpoint, tiny_checkpoint):
     """Greedy tokens as the oracle's; the format and the smaller weights in `stats()`
-    (int4 values count half a byte)."""
+    (int4 values count half a byte). `quantization` may name the checkpoint's method."""
     path = int4_checkpoint("gptq-asym")
     hf = unpacked_hf(path, tiny_checkpoint("llama"))
     prompts = [random_tokens(np.random.default_rng(seed), n) for seed, n in [(1, 5), (2, 17), (3, 40)]]
-    llm = LLM(path, **ENGINE)
+    llm = LLM(path, quantization="gptq", **ENGINE)  # (the checkpoint's own method, named as vLLM allows)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=8),
                         use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == hf_greedy(hf, prompts, 8)
@@ -313,14 +313,18 @@ print(json.dumps(out))
 """
 
 
-def test_int4_under_tensor_parallelism(int4_checkpoint, tiny_checkpoint):
+def test_int4_under_tensor_parallelism(int4_checkpoint, tiny_checkpoint, tmp_path):
     """2 CPU devices (a process of its own): GPTQ (also act-order, and 8-bit act-order) and AWQ
     checkpoints (zero points, o_proj and down_proj split on their grouped input axis) and
     online 4-bit give one device's tokens; only one device's int4 weights are marked for the
-    Pallas kernel (8-bit ones never are)."""
+    Pallas kernel (8-bit ones never are). With 1 KV head over 2 devices, the k/v projections'
+    zero points are repeated with their values and scales (they once were not: a shape error)."""
+    from weights.make_quantized import make_gptq
+
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    one_kv_head = make_gptq(tiny_checkpoint("llama", num_key_value_heads=1), tmp_path / "gptq-asym-1kv", GROUP, False)
     paths = [str(int4_checkpoint("gptq-asym")), str(int4_checkpoint("awq")), str(int4_checkpoint("gptq-act-order")),
-             str(int4_checkpoint("gptq8-act-order")), str(tiny_checkpoint("llama"))]
+             str(int4_checkpoint("gptq8-act-order")), str(one_kv_head), str(tiny_checkpoint("llama"))]
     proc = subprocess.run([sys.executable, "-c", _TP_SCRIPT, *paths], capture_output=True, text=True, env=env,
                           cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -331,6 +335,7 @@ def test_int4_under_tensor_parallelism(int4_checkpoint, tiny_checkpoint):
         (kernel, dtype), (split_kernel, _) = out[f"kernel {key}"], out[f"kernel {key[:-1]}2"]
         assert kernel == (dtype == "int4") and not split_kernel, key
     assert sum(out[key][1] == "int8" for key in out if key.startswith("kernel")) == 2
+    assert f"{one_kv_head} None 2" in out
 
 
 def test_no_compiles_after_warmup(int4_checkpoint, compile_counter):
@@ -353,6 +358,9 @@ def test_bad_int4_checkpoints_are_refused(int4_checkpoint, tiny_checkpoint, tmp_
         (gptq, dict(bits=3), r"3-bit GPTQ is not supported; jaxvllm reads 4- and 8-bit GPTQ and 4-bit AWQ"),
         (gptq, dict(quant_method="awq", bits=8), r"8-bit AWQ is not supported; jaxvllm reads 4- and 8-bit GPTQ"),
         (gptq, dict(checkpoint_format="marlin"), r"GPTQ checkpoint_format 'marlin' is not supported"),
+        # GPTQModel's per-module overrides (here down_proj asymmetric) were ignored: wrong weights
+        (gptq, dict(sym=True, dynamic={"+:.*down_proj": {"sym": False}}),
+         r"GPTQ 'dynamic' per-module overrides \(\+:\.\*down_proj\) are not supported"),
         (gptq, dict(group_size=48), r"model.layers.0.self_attn.q_proj.weight: group_size 48 does not divide its 64 "
                                     r"inputs, which GPTQ requires"),
         # groups of 32 over 64 inputs: scales [2, out]; groups of 16 imply [4, out]
@@ -394,7 +402,8 @@ def test_bad_int4_checkpoints_are_refused(int4_checkpoint, tiny_checkpoint, tmp_
     with pytest.raises(ValueError, match=r"quantization tensors jaxvllm does not read: "
                                          r"\['model.layers.0.input_layernorm.weight_scale'\]"):
         LLM(stray, **ENGINE)
-    with pytest.raises(ValueError, match=r"quantization='gptq-dummy': this checkpoint is quantized already"):
+    with pytest.raises(ValueError, match=r"quantization='gptq-dummy' does not match the checkpoint's quant_method "
+                                         r"'gptq' in config.json"):
         LLM(gptq, quantization="gptq-dummy", **ENGINE)
     # (expert stacks' refusals: tests/models/test_quantized_moe.py)
     # act-order: a group one input short; q and k (merged on a CPU) in different orders

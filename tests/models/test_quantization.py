@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,7 @@ import torch
 from jaxvllm import LLM, SamplingParams, load_model
 from jaxvllm.kv_cache import allocate_kv_caches
 from jaxvllm.layers import linear
-from jaxvllm.quantization import QuantizedWeight, quantize_fp8
+from jaxvllm.quantization import QuantizedWeight, online_method, quantize_fp8
 from tests.models.paged import Chunk, build_inputs, hf_greedy, hf_logits, jit_forward, random_tokens, rel_err
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -538,9 +539,17 @@ def test_bad_quantization_is_refused(tiny_checkpoint, fp8_checkpoint, tmp_path):
     path, fp8 = tiny_checkpoint("llama"), fp8_checkpoint("llama", (32, 32))
     with pytest.raises(ValueError, match=r"quantization='int3' is not supported by jaxvllm; choose from None, 'fp8'"):
         LLM(path, quantization="int3", **ENGINE)
-    with pytest.raises(ValueError, match=r"quantization='fp8': this checkpoint is quantized already \(quant_method "
-                                         r"'fp8' in config.json\)"):
-        LLM(fp8, quantization="fp8", **ENGINE)
+    with pytest.raises(ValueError, match=r"quantization='awq' does not match the checkpoint's quant_method 'fp8' in "
+                                         r"config.json"):
+        LLM(fp8, quantization="awq", **ENGINE)
+    with pytest.raises(ValueError, match=r"quantization='gptq' names a quantized checkpoint's method, but config.json "
+                                         r"has no quantization_config"):
+        LLM(path, quantization="gptq", **ENGINE)
+    # As vLLM's: a checkpoint's own method (or vLLM's marlin names for it) reads it as it is.
+    assert online_method("fp8", SimpleNamespace(quant_method="fp8")) is None
+    assert online_method("gptq_marlin", SimpleNamespace(quant_method="gptq")) is None
+    assert online_method("compressed-tensors", SimpleNamespace(quant_method="compressed-tensors")) is None
+    assert online_method("fp8", SimpleNamespace(quant_method=None)) == "fp8"
     cases = [
         (dict(quant_method="bitsandbytes"), r"quant_method 'bitsandbytes' in config.json is not supported; jaxvllm "
                                             r"reads fp8 \(quant_method 'fp8': blocks .* GPTQ .* AWQ"),
@@ -551,6 +560,10 @@ def test_bad_quantization_is_refused(tiny_checkpoint, fp8_checkpoint, tmp_path):
         (dict(weight_block_size=[128, 0]), r"weight_block_size must be two positive ints .* got \[128, 0\]"),
         (dict(activation_scheme="static"), r"activation_scheme 'static' with weight_block_size is not supported "
                                            r"\(only 'dynamic'\)"),
+        # one layer's o_proj kept in full precision (vLLM reads such a mix; jaxvllm's layers are alike)
+        (dict(modules_to_not_convert=["model.layers.1.self_attn.o_proj"]),
+         r"o_proj: the checkpoint's quantization_config keeps model.layers.1.self_attn.o_proj.weight in full "
+         r"precision \(its ignore list\) but not every layer's or part's o_proj; jaxvllm needs all or none"),
         # the checkpoint's scales are [2, 2] per layer for blocks of 32 over 64; blocks of 16 imply [4, 4]
         (dict(weight_block_size=[16, 16]), r"tensor model.layers.0.self_attn.q_proj.weight_scale_inv in "
                                            r"model.safetensors has shape \(2, 2\), config.json implies \(4, 4\)"),
