@@ -193,6 +193,7 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
         priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or a
@@ -200,10 +201,11 @@ class LLM:
         vLLM's arguments in vLLM's order. `continue_final_message`, `chat_template_kwargs`
         and `tools` go to the template (transformers' `apply_chat_template`). Content may be
         a string, a list of OpenAI text parts or None; the template gets it as one string or
-        as parts (`chat_template_content_format`: "auto" detects which the template reads)."""
+        as parts (`chat_template_content_format`: "auto" detects which the template reads).
+        `mm_processor_kwargs`: vLLM's, refused unless empty (the models read text only)."""
         self._check_open()
         prompts = self._chat_prompts(messages, chat_template, chat_template_content_format, add_generation_prompt,
-                                     continue_final_message, tools, chat_template_kwargs)
+                                     continue_final_message, tools, chat_template_kwargs, mm_processor_kwargs)
         # The template writes any BOS itself, so the rendered text is tokenized without special tokens.
         return self._run(prompts, sampling_params, priority, use_tqdm, add_special_tokens=False,
                          lora_request=lora_request)
@@ -221,16 +223,20 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[str]:
         """vLLM's: `chat`'s conversations queued as `enqueue` queues prompts; their request ids."""
         self._check_open()
         prompts = self._chat_prompts(messages, chat_template, chat_template_content_format, add_generation_prompt,
-                                     continue_final_message, tools, chat_template_kwargs)
+                                     continue_final_message, tools, chat_template_kwargs, mm_processor_kwargs)
         return self._enqueue(prompts, sampling_params, priority, lora_request, add_special_tokens=False)
 
     def _chat_prompts(self, messages, chat_template, chat_template_content_format, add_generation_prompt,
-                      continue_final_message, tools, chat_template_kwargs) -> list[str]:
+                      continue_final_message, tools, chat_template_kwargs, mm_processor_kwargs) -> list[str]:
         """Each conversation rendered with the chat template."""
+        if mm_processor_kwargs:
+            raise ValueError(f"mm_processor_kwargs {mm_processor_kwargs!r} are not supported: jaxvllm's models read "
+                             "text only")
         if not isinstance(messages, (list, tuple)) or not messages:
             raise TypeError("messages must be a non-empty list of message dicts, or a list of such lists")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)

@@ -167,7 +167,8 @@ def test_vllm_engine_arguments_are_accepted(tiny_checkpoint):
         LLM(path, **ENGINE, pipeline_parallel_size=2)
     with pytest.raises(ValueError, match=r"^kv_cache_dtype='fp8_inc' is not supported; choose from 'auto', 'fp8'"):
         LLM(path, **ENGINE, kv_cache_dtype="fp8_inc")
-    with pytest.raises(ValueError, match=r"^quantization='awq' is not supported"):
+    with pytest.raises(ValueError, match=r"^quantization='awq' names a quantized checkpoint's method, but config.json "
+                                         r"has no quantization_config"):
         LLM(path, **ENGINE, quantization="awq")
     with pytest.raises(ValueError, match="tokenizer_mode must be 'auto' or 'slow'"):
         LLM(path, **ENGINE, tokenizer_mode="mistral")
@@ -236,6 +237,81 @@ def test_chat_content_parts_as_the_template_reads_them(llm):
                  chat_template=string, use_tqdm=False)
     with pytest.raises(ValueError, match="chat_template_content_format must be one of"):
         llm.chat(conversation, params, chat_template=string, chat_template_content_format="json", use_tqdm=False)
+
+
+@pytest.mark.parametrize("template, expected", [
+    ("{% for m in messages %}{% for p in m['content'] | selectattr('type', 'eq', 'text') %}{% endfor %}{% endfor %}",
+     "openai"),
+    ("{% for m in messages[1:] %}{% for p in m.content[0:] %}{% endfor %}{% endfor %}", "openai"),
+    ("{% set msgs = messages | reverse %}{% for m in msgs %}{% for p in m.content %}{% endfor %}{% endfor %}",
+     "openai"),
+    ("{% for m in messages %}{% generation %}{% for p in m.content %}{% endfor %}{% endgeneration %}{% endfor %}",
+     "openai"),
+    ("{% for d in documents %}{% for p in d.content %}{% endfor %}{% endfor %}", "string"),  # not a message's
+    ("{% for m in messages %}{{ m['content'] }}{% endfor %}", "string"),
+    ("{% for m in messages %", "string"),  # (does not parse)
+])
+def test_chat_content_format_detection(template, expected):
+    """vLLM's `_detect_content_format`: a loop over a message's content, through filters,
+    slices and assignments of `messages`, in transformers' environment (its `generation` tag)."""
+    from jaxvllm.chat_utils import detect_content_format
+
+    assert detect_content_format(template) == expected
+
+
+def test_chat_renders_as_vllm(llm):
+    """As vLLM's `LLM.chat`: chat_template_kwargs win over the named arguments; a tokenizer's
+    named templates are chosen by tools; each message reaches the template rebuilt (role,
+    content, name, an assistant's tool calls and reasoning, a tool's call id and its content
+    as a string: nothing else); thinking parts are text, text parts without text skipped; a
+    template's error is a ValueError naming the conversation; mm_processor_kwargs only empty."""
+    from jaxvllm.chat_utils import render_chat
+
+    params = SamplingParams(temperature=0, max_tokens=1)
+    one = "{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
+    other = "other{% for m in messages %}:{{ m.content }}{% endfor %}"
+    user = [{"role": "user", "content": "Hi"}]
+
+    def prompt(messages, template=one, **kwargs):  # (the rendering alone: these prompts outgrow the engine's 64)
+        return render_chat(llm.get_tokenizer(), [messages], chat_template=template, **kwargs)[0]
+
+    [out] = llm.chat(user, params, chat_template=one, chat_template_kwargs={"add_generation_prompt": False},
+                     use_tqdm=False)
+    assert out.prompt == "user:Hi;"  # (a TypeError once)
+    assert prompt(user, chat_template_kwargs={"chat_template": other}) == "other:Hi"
+    tokenizer = llm.get_tokenizer()
+    own = tokenizer.chat_template
+    parts = "{% for m in messages %}{% for p in m.content %}[{{ p.text }}]{% endfor %}{% endfor %}"
+    tokenizer.chat_template = {"default": parts, "tool_use": "tools" + one}
+    try:  # (the named templates' "default" read parts: once taken for strings, each character a part)
+        assert prompt(user, template=None) == "[Hi]"
+        assert prompt(user, template=None, tools=[{"type": "function", "function": {"name": "f"}}]) == "toolsuser:Hi;A:"
+    finally:
+        tokenizer.chat_template = own
+    keys = ("{% for m in messages %}{{ m.role }}({{ 'extra' in m }},{{ 'tool_calls' in m }},{{ 'tool_call_id' in m }},"
+            "{{ m.name }},{{ m.reasoning }}){% endfor %}")
+    messages = [{"role": "user", "content": "q", "name": "ann", "tool_calls": [], "extra": 1},
+                {"role": "assistant", "content": "a", "reasoning": "r", "reasoning_content": "old", "tool_call_id": 3,
+                 "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+                {"role": "tool", "content": [{"type": "text", "text": "x"}, {"type": "text", "text": "y"}],
+                 "tool_call_id": "7", "name": 5}]
+    assert prompt(messages, keys, add_generation_prompt=False) == (
+        "user(False,False,False,ann,)assistant(False,True,False,,r)tool(False,False,True,,)")
+    tool_content = "{% for m in messages %}{% for p in m.content %}{% endfor %}{{ m.content }}{% endfor %}"
+    assert prompt(messages[2:], tool_content, add_generation_prompt=False) == "x\ny"  # (openai format; a tool's a str)
+    thinking = [{"role": "user", "content": [{"type": "thinking", "thinking": "t"}, {"type": "text", "text": None},
+                                             {"type": "text", "text": "u"}]}]
+    assert prompt(thinking, add_generation_prompt=False) == "user:t\nu;"
+    strict = "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools here') }}{% endif %}{% endfor %}"
+    with pytest.raises(ValueError, match="no tools here") as caught:
+        llm.chat([user, messages[2:]], params, chat_template=strict, use_tqdm=False)
+    assert "(conversation 1 of 2)" in caught.value.__notes__
+    for empty in (None, {}):
+        assert llm.chat(user, params, chat_template=one, mm_processor_kwargs=empty, use_tqdm=False)[0].prompt == (
+            "user:Hi;A:")
+    with pytest.raises(ValueError, match=r"mm_processor_kwargs \{'num_crops': 4\} are not supported"):
+        llm.chat(user, params, chat_template=one, mm_processor_kwargs={"num_crops": 4}, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
 
 
 def test_engine_args_from_the_command_line_and_engine_helpers(tiny_checkpoint):
