@@ -228,18 +228,11 @@ def updated_params(params: dict, pairs: list[tuple[str, Any]], index: dict[str, 
                                  f"every expert of it, not {len(part.rows)} of {part.place.member.stacked}")
             else:  # the given experts into the stack, at once
                 parts[p] = _with_rows(_current_part(part.place, params), part.rows)
-        if quantized:
+        if quantized:  # as the loader quantized it: the online methods scale each output row
+            # alone, so each part quantizes as it does merged (and a part not given keeps its values)
             num_in = EXPERT_STACK if path[-1] in EXPERTS else in_axes(member.shape, member.hf_shape)
-        if quantized and len(parts) < len(member.parts):
-            # (q of q/k/v, say) The online methods scale each output row alone, so a part
-            # quantizes as it would merged; the parts not given keep their quantized values.
             parts = {p: quantize_online(v.astype(dtype), num_in, quantization) for p, v in parts.items()}
-            value = _merged(member, parts, lambda: _member(old, row))
-        else:
-            value = _merged(member, parts, lambda: _member(old, row))
-            if quantized:  # as the loader quantized it
-                value = quantize_online(value.astype(dtype), num_in, quantization)
-        rows.setdefault(path, {})[row] = value
+        rows.setdefault(path, {})[row] = _merged(member, parts, lambda: _member(old, row))
     new = dict(params)  # (shallow: only the replaced arrays differ, the old params stay as they were)
     new["layers"] = dict(params["layers"])
     for path, values in rows.items():
