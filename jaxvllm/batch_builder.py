@@ -123,7 +123,10 @@ class BatchBuilder:
         raise ValueError(f"{num_tokens} tokens exceed the largest bucket {self.buckets[-1]}")
 
     def width_for(self, num_blocks: int) -> int:
-        return next(w for w in self.widths if w >= num_blocks)
+        for w in self.widths:
+            if w >= num_blocks:
+                return w
+        raise ValueError(f"{num_blocks} blocks exceed the widest block table {self.widths[-1]} (max_model_len)")
 
     @cached_property
     def decode_only_buckets(self) -> list[int]:

@@ -78,10 +78,20 @@ class StructuredOutputsConfig:
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")  # vLLM's others are refused by name
-_LATER_SPECULATIVE_METHODS = ("medusa", "mlp_speculator", "mtp")
+_LATER_SPECULATIVE_METHODS = ("medusa", "mlp_speculator", "mtp", "deepseek_mtp", "ernie_mtp", "qwen3_next_mtp",
+                              "mimo_mtp", "longcat_flash_mtp", "glm4_moe_mtp")
 MODEL_SPECULATIVE_METHODS = ("draft_model", "eagle", "eagle3")  # (the ones with a model to load)
 # vLLM's prompt lookup window when the config names neither end.
 DEFAULT_PROMPT_LOOKUP = 5
+
+
+def _inferred_method(model: Any) -> str:
+    """vLLM's rule for a speculative_config without a method: by the draft's name (its EAGLE
+    heads ship as "EAGLE-..." and "...eagle3..."), else a draft model."""
+    name = str(model).lower()
+    if name in ("ngram", "[ngram]"):
+        return "ngram"
+    return "eagle" if "eagle-" in name else "eagle3" if "eagle3" in name else "draft_model"
 
 
 @dataclass
@@ -112,7 +122,7 @@ class SpeculativeConfig:
         if method is None:
             if self.model is None:
                 raise ValueError("speculative_config needs a method ('ngram') or a draft model")
-            method = "ngram" if self.model in ("ngram", "[ngram]") else "draft_model"  # as vLLM infers it
+            method = _inferred_method(self.model)
         if method == "[ngram]":
             method = "ngram"
         if method in _LATER_SPECULATIVE_METHODS:

@@ -291,6 +291,7 @@ class LLMEngine:
                         self.metrics.forget(child)  # (a completion that finished before was counted then)
                     self.runner.release(c.request_id for c in running)
                     outputs.append(self.output_processor.output(parent))
+                self._keep_ngram_state()  # (an id aborted may come back before the next step)
             except BaseException:
                 self._recover()  # (the children of a parent popped so far are nobody's: dropped)
                 raise
@@ -449,10 +450,8 @@ class LLMEngine:
             requests.append(request)
             caps.append(room)
         if isinstance(self.proposer, NgramProposer):
-            running = {r.request_id for r in self.scheduler.running}
-            self._contexts.keep(running)
+            self._keep_ngram_state()
             if self._backoff is not None:  # (requests whose drafts keep failing pause)
-                self._backoff.keep(running)
                 kept = [i for i, r in enumerate(requests) if self._backoff.allow(r.request_id)]
                 requests, caps = [requests[i] for i in kept], [caps[i] for i in kept]
             contexts = [self._contexts.get(r.request_id, r.token_ids) for r in requests]
@@ -465,8 +464,11 @@ class LLMEngine:
             in_step = set(map(id, scheduled.requests))
             kept = [i for i, r in enumerate(requests) if id(r) in in_step]
             requests, caps = [requests[i] for i in kept], [caps[i] for i in kept]
-        # The draft model and the head write their K/V for K tokens from the newest on: their slots first.
-        ready = [(r, cap) for r, cap in zip(requests, caps) if kv.allocate_slots(r, k) is not None]
+        # The draft model and the head write their K/V for K tokens from the newest on: their slots
+        # first, only where they lie within max_model_len (as the scheduler's lookahead under async).
+        fits = self.config.max_model_len - k + 1
+        ready = [(r, cap) for r, cap in zip(requests, caps)
+                 if r.num_tokens <= fits and kv.allocate_slots(r, k) is not None]
         blocks = [kv.req_blocks[r.request_id] for r, _ in ready]
         if eagle:  # (every step, drafts or not: the head's K/V of the step's tokens)
             drafts = self.runner.propose_eagle(scheduled, [r for r, _ in ready], blocks)
@@ -477,6 +479,14 @@ class LLMEngine:
             return
         for (request, cap), row in zip(ready, drafts.tolist()):
             self._set_drafts(request, row[:cap])
+
+    def _keep_ngram_state(self) -> None:
+        """The n-gram proposer's state (token arrays, pauses) of running requests only."""
+        if self._contexts is not None:
+            running = {r.request_id for r in self.scheduler.running}
+            self._contexts.keep(running)
+            if self._backoff is not None:
+                self._backoff.keep(running)
 
     def _device_drafts(self) -> None:
         """Under async scheduling with a draft model or EAGLE head: each running request

@@ -584,6 +584,11 @@ class ModelRunner:
             step.logits, step.sampling_rows = logits, sampling_rows
             if not batch.features.grammar:
                 self.sample(step)
+        elif step.proposes and self.eagle is not None:  # prompt chunks only, no sampler: the head's K/V
+            # of them all the same (nothing sampled: zeros placed as the sampler's outputs are)
+            nothing = put(np.zeros(layout.num_rows, np.int32), self.last_sampled.sharding)
+            self._propose_on_device(step, self.last_sampled, self.draft_rows, nothing,
+                                    nothing if layout.spec_tokens else None)
         return step
 
     def sample(self, step: PendingStep, bitmask: np.ndarray | None = None) -> None:
@@ -605,13 +610,15 @@ class ModelRunner:
         if layout.device_drafts:
             self.draft_rows = draft_rows
             if step.proposes:  # (not the memory profile's step)
-                self._propose_on_device(step, *before)
+                self._propose_on_device(step, *before, step.sampled, step.accepted)
 
-    def _propose_on_device(self, step: PendingStep, last_sampled_before, draft_rows_before) -> None:
-        """Device drafts after a step's sampler, for the rows it marked (`HostBatch.proposing`):
-        the draft model's K decode steps over as many rows as a bucket of them has (each row a
-        padded token's cost on a CPU), at the narrowest block-table width that holds them; or
-        the EAGLE head's prefill over the step (every step) and its decode for those rows."""
+    def _propose_on_device(self, step: PendingStep, last_sampled_before, draft_rows_before, sampled, accepted
+                           ) -> None:
+        """Device drafts after a step's sampler (`sampled`, `accepted`: its outputs), for the
+        rows it marked (`HostBatch.proposing`): the draft model's K decode steps over as many
+        rows as a bucket of them has (each row a padded token's cost on a CPU), at the
+        narrowest block-table width that holds them; or the EAGLE head's prefill over the
+        step (every step, one that samples nothing too) and its decode for those rows."""
         b, batch = self.builder, step.batch
         seqs = batch.proposing
         n = len(seqs)
@@ -634,7 +641,7 @@ class ModelRunner:
         padded[:n] = seqs
         self._wait_for_eagle(batch.layout, len(rows) if n else None)
         self.draft_rows = self.eagle.propose_rows(logits_params(self.params), last_sampled_before,
-                                                  draft_rows_before, step.sampled, step.accepted, batch.chunk_next,
+                                                  draft_rows_before, sampled, accepted, batch.chunk_next,
                                                   padded, rows if n else None, live, tables, self.draft_rows,
                                                   self._replicated)
 

@@ -14,6 +14,10 @@ from jaxvllm import LLM, SamplingParams
 ENGINE = dict(max_model_len=160, max_num_seqs=8, max_num_batched_tokens=64, token_buckets=[16, 64], dtype="float32")
 PROMPTS = [{"prompt_token_ids": p} for p in ([1, 2, 3, 4, 5], [7, 8, 9], list(range(20, 60)), [300] * 9)]
 GREEDY = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+# A prompt that decodes into max_model_len: its last drafts' K/V slots would lie past it (a
+# synchronous engine once gave it a block more than the widest table: a StopIteration).
+TO_THE_END = ([{"prompt_token_ids": [300] * (ENGINE["max_model_len"] - 12)}],
+              SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
 
 
 def perturbed_copy(target: Path, out: Path, noise: float = 0.3) -> Path:

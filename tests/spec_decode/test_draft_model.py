@@ -13,7 +13,8 @@ import pytest
 
 from jaxvllm import LLM, SamplingParams, StructuredOutputsParams
 from jaxvllm.utils.compilation_cache import count_compilations
-from tests.spec_decode.common import ENGINE, GREEDY, PROMPTS, check_same_under_pressure, perturbed_copy, token_ids
+from tests.spec_decode.common import (ENGINE, GREEDY, PROMPTS, TO_THE_END, check_same_under_pressure, perturbed_copy,
+                                      token_ids)
 from weights.make_tiny import make_tiny
 
 
@@ -31,10 +32,11 @@ def perturbed(tiny_checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engines(perturbed):
-    """Without drafts; with drafts under async scheduling (on the device); with drafts, synchronous."""
+    """Without drafts; with drafts under async scheduling (on the device); with drafts, synchronous.
+    (K = 4: the last drafts of a request at max_model_len would write past it; 3 would not.)"""
     target, draft = perturbed
-    llms = (LLM(str(target), **ENGINE), LLM(str(target), speculative_config=draft_config(draft), **ENGINE),
-            LLM(str(target), speculative_config=draft_config(draft), async_scheduling=False, **ENGINE))
+    llms = (LLM(str(target), **ENGINE), LLM(str(target), speculative_config=draft_config(draft, 4), **ENGINE),
+            LLM(str(target), speculative_config=draft_config(draft, 4), async_scheduling=False, **ENGINE))
     for llm in llms:
         llm.llm_engine.finish_warmup()  # (the tests count compiles)
     yield llms
@@ -79,6 +81,9 @@ def test_a_perturbed_draft_keeps_greedy_outputs(engines):
     for llm in (spec, sync):
         stats = llm.stats()
         assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+    prompts, params = TO_THE_END
+    want = token_ids(plain, params, prompts)
+    assert len(want[0]) == 12 and token_ids(spec, params, prompts) == want == token_ids(sync, params, prompts)
 
 
 def test_seeded_sampling_repeats_and_nothing_compiles(engines):
@@ -144,17 +149,17 @@ def test_device_draft_executables_do_not_branch(engines):
     b, features = runner.builder, COMMON_FEATURES[-1]
     batch = b.padding_batch(b.buckets[-1], b.widths[-1], features, spec=True)
     layout = dataclasses.replace(batch.layout, dynamic_loops=False)
-    assert layout.device_drafts and layout.spec_tokens == 3
+    assert layout.device_drafts and layout.spec_tokens == 4
     packed, rows = jnp.asarray(batch.packed), runner.draft_rows
     forward = runner._forward.lower(runner.params, runner.kv_caches, packed, runner.last_sampled, None, rows,
                                     layout=layout)
     assert_no_host_sync(forward.compile().as_text(), "forward")
     logits = jax.ShapeDtypeStruct((layout.num_logits, runner.cfg.vocab_size), jnp.float32)
     sampler = runner._sampler.lower(packed[: layout.sampling_size], logits, runner.last_sampled, None, None, rows,
-                                    num_rows=layout.num_rows, features=features, spec_tokens=3, device_drafts=True)
+                                    num_rows=layout.num_rows, features=features, spec_tokens=4, device_drafts=True)
     assert_no_host_sync(sampler.compile().as_text(), "sampler")
     draft, n = runner.draft, layout.num_rows
-    proposer = jit_propose_rows(draft.cfg, runner.backend, None, 3, b.block_size)  # (no CPU loops)
+    proposer = jit_propose_rows(draft.cfg, runner.backend, None, 4, b.block_size)  # (no CPU loops)
     propose = proposer.lower(draft.params, draft.kv_caches, np.zeros(n, np.int32), np.ones(n, bool),
                              np.zeros((n, layout.width), np.int32), runner.last_sampled, rows)
     assert_no_host_sync(propose.compile().as_text(), "draft proposer")

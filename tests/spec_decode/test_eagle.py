@@ -16,10 +16,10 @@ from safetensors.numpy import load_file, save_file
 
 from jaxvllm import LLM, SamplingParams
 from jaxvllm.utils.compilation_cache import count_compilations
-from tests.spec_decode.common import ENGINE, GREEDY, check_same_under_pressure, token_ids
+from tests.spec_decode.common import ENGINE, GREEDY, TO_THE_END, check_same_under_pressure, token_ids
 from tests.spec_decode.eagle_heads import make_head, passing_head, reference_drafts
 
-K = 3
+K = 4  # (at max_model_len, the last drafts' K/V would lie past it: 3 would not)
 AUX = [0, 2, 3]  # the EAGLE-3 head's target layers (of 4)
 
 
@@ -80,7 +80,7 @@ def _spied(llm: LLM) -> list[tuple[list[int], list[int]]]:
 def test_drafts_equal_the_reference_and_greedy_outputs_are_kept(method, async_scheduling, target, heads, plain):
     from transformers import AutoModelForCausalLM
 
-    want = token_ids(plain)
+    want, want_to_the_end = token_ids(plain), token_ids(plain, TO_THE_END[1], TO_THE_END[0])
     with LLM(str(target), speculative_config=eagle_config(method, heads[method]), async_scheduling=async_scheduling,
              **ENGINE) as llm:
         assert llm.llm_engine.runner.device_drafts == async_scheduling  # (async: the drafts stay on the device)
@@ -88,6 +88,9 @@ def test_drafts_equal_the_reference_and_greedy_outputs_are_kept(method, async_sc
         llm.llm_engine.finish_warmup()
         with count_compilations() as counts:
             assert token_ids(llm) == want
+            # (chunks of a prompt that samples nothing: the head's K/V of them written too; to
+            # max_model_len: the last drafts' K/V would lie past it)
+            assert token_ids(llm, TO_THE_END[1], TO_THE_END[0]) == want_to_the_end
         stats = llm.stats()
     assert counts.compilations == 0
     assert stats["spec_decode_num_drafts"] > 0

@@ -168,6 +168,7 @@ def test_no_compilation_after_warmup(engines):
      "prompt_lookup_min=4 must be <= prompt_lookup_max=2"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min=0 must be > 0"),
     ({"method": "mtp", "model": "x", "num_speculative_tokens": 2}, "'mtp' is not supported by jaxvllm yet"),
+    ({"method": "deepseek_mtp", "num_speculative_tokens": 1}, "'deepseek_mtp' is not supported by jaxvllm yet"),
     ({"method": "eagle3", "num_speculative_tokens": 2}, "method 'eagle3' needs the draft's folder as model"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "needs the draft's folder as model"),
     ({"model": "some/draft", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2},
@@ -177,6 +178,38 @@ def test_no_compilation_after_warmup(engines):
 def test_bad_configs_are_refused_before_loading(config, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
         LLM("/nonexistent/model", speculative_config=config)
+
+
+def test_the_method_is_inferred_as_vllm_infers_it():
+    """Without a method: "[ngram]", an EAGLE head by its published names, else a draft model."""
+    from jaxvllm.config import SpeculativeConfig
+
+    for model, method in [("[ngram]", "ngram"), ("yuhuili/EAGLE-LLaMA3.1-Instruct-8B", "eagle"),
+                          ("yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", "eagle3"), ("AngelSlim/Qwen3-8B_eagle3", "eagle3"),
+                          ("/models/Qwen3-0.6B", "draft_model")]:
+        assert SpeculativeConfig(model=model, num_speculative_tokens=2).method == method, model
+
+
+def test_an_id_aborted_and_added_again_drafts_from_its_own_tokens(engines):
+    """The proposer keeps each request's tokens by id from step to step: an id aborted and
+    added again before the next step once drafted from the aborted request's tokens."""
+    import numpy as np
+
+    plain, spec = engines
+    engine, prompt = spec.llm_engine, list(range(200, 245))  # (nothing repeats)
+    first = token_ids(plain, SamplingParams(temperature=0, max_tokens=1), [prompt])[0][0]
+    # the aborted request's tokens: the new one's first output, then tokens it would draft
+    engine.add_request("a", {"prompt_token_ids": [first, 400, 401, 402] * 10}, GREEDY)
+    for _ in range(3):
+        engine.step()
+    engine.abort_request("a")
+    engine.add_request("a", {"prompt_token_ids": prompt}, GREEDY)
+    for _ in range(3):
+        engine.step()
+        request = engine.scheduler.requests["a"]
+        assert request.spec_token_ids == engine.proposer.propose(np.array(request.token_ids)).tolist()
+    engine.abort_request("a")
+    assert not engine.has_unfinished_requests()
 
 
 def test_the_engines_max_model_len_is_taken(tiny_checkpoint):
