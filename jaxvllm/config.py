@@ -197,6 +197,9 @@ class EngineConfig:
     # max_model_len without chunked prefill.
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
+    # vLLM's: a request's chunk at most this many tokens (0: no cap), so that long prompts
+    # take several steps and the requests decoding beside them keep going.
+    long_prefill_token_threshold: int = 0
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     # Schedule and dispatch step N+1 before reading step N's tokens (vLLM's async scheduling).
@@ -456,6 +459,15 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs}) "
                 "so that a full decode batch fits in one step"
             )
+        t = self.long_prefill_token_threshold
+        if not is_int(t) or t < 0:
+            raise ValueError(f"long_prefill_token_threshold must be an int >= 0 (0: no cap), got {t!r}")
+        if t and not self.enable_chunked_prefill:
+            raise ValueError(f"long_prefill_token_threshold={t} cuts prompts into chunks: it needs "
+                             "enable_chunked_prefill=True")
+        if t and self.max_model_len is not None and t > self.max_model_len:  # (vLLM's)
+            raise ValueError(f"long_prefill_token_threshold ({t}) cannot be greater than the max_model_len "
+                             f"({self.max_model_len})")
         if self.token_buckets is None:
             return
         buckets = self.token_buckets

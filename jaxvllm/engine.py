@@ -79,6 +79,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                             max_model_len=max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
+                            long_prefill_token_threshold=config.long_prefill_token_threshold,
                             policy=config.scheduling_policy, fill_buckets=self.runner.fill_buckets,
                             max_loras=config.max_loras if config.enable_lora else 0,
                             lookahead=self.runner.spec_tokens if self.runner.device_drafts else 0),

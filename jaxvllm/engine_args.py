@@ -60,6 +60,8 @@ _VALUE_FLAGS: dict[str, tuple[Callable[[str], Any], str]] = {
     "max-num-seqs": (int, "most sequences in one step"),
     "max-num-batched-tokens": (human_readable_int, "most tokens in one step (also the largest compiled token "
                                                    "bucket)"),
+    "long-prefill-token-threshold": (int, "most tokens of one request in a step (0: no cap), so that a long "
+                                          "prompt takes several steps beside the requests decoding"),
     "block-size": (int, "tokens per KV cache block"),
     "gpu-memory-utilization": (float, "share of device memory for weights, activations and KV cache"),
     "num-gpu-blocks-override": (int, "number of KV cache blocks, instead of sizing them from device memory"),

@@ -191,7 +191,8 @@ class OutputProcessor:
             prompt_token_ids=first.prompt_token_ids,
             outputs=completions,
             finished=parent.finished,
-            num_cached_tokens=first.num_cached_tokens or 0,
+            # (n > 1: the completions' most; vLLM's is the last to finish's, an order it does not fix)
+            num_cached_tokens=max(c.num_cached_tokens or 0 for c in parent.children),
             metrics=first.metrics,
             prompt_logprobs=prompt_logprobs,
             lora_request=parent.lora_request,

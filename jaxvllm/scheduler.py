@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -39,6 +40,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
+    # vLLM's: a request's chunk at most this many tokens; 0: no cap.
+    long_prefill_token_threshold: int = 0
     policy: str = "fcfs"
     # The token buckets steps are padded to, where a padding token costs as much as a real
     # one (a CPU): an admitted prompt's chunk then stops at a bucket's edge rather than
@@ -71,46 +74,51 @@ def bucket_edge(buckets: tuple[int, ...], used: int, num_new: int, step_tokens: 
     return low - used if spill <= step_tokens and high - total > spill + step_tokens else num_new
 
 
+def priority_key(request: Request) -> tuple[int, float, int]:
+    """Order under the priority policy, as vLLM's: priority (lower first), then arrival time
+    (`add_request`'s `arrival_time` when given), then arrival order."""
+    return request.priority, request.metrics.arrival_time, request.arrival_index
+
+
 class WaitingQueue:
     """Requests waiting for (re)admission, in a heap on (priority, arrival).
 
     Under "fcfs" every priority counts as 0, so order is arrival: a preempted request
     (which arrived before every request that has never run) is back at the front.
-    Under "priority" a lower value runs first, ties by arrival, as in vLLM.
+    Under "priority" a lower value runs first, ties by arrival (`priority_key`), as in vLLM.
     """
 
     def __init__(self, policy: str) -> None:
-        self._heap: list[tuple[int, int, Request]] = []
+        self._heap: list[tuple] = []
         self.set_policy(policy)
 
     def set_policy(self, policy: str) -> None:
         if policy not in POLICIES:
             raise ValueError(f"scheduling policy must be one of {POLICIES}, got {policy!r}")
         self.policy = policy
-        self._heap = [self._entry(r) for _, _, r in self._heap]
+        self._heap = [self._entry(e[-1]) for e in self._heap]
         heapq.heapify(self._heap)
 
-    def _entry(self, request: Request) -> tuple[int, int, Request]:
-        priority = request.priority if self.policy == "priority" else 0
-        return (priority, request.arrival_index, request)
+    def _entry(self, request: Request) -> tuple:
+        return (*(priority_key(request) if self.policy == "priority" else (request.arrival_index,)), request)
 
     def __len__(self) -> int:
         return len(self._heap)
 
     def __iter__(self):
-        return (r for _, _, r in sorted(self._heap, key=lambda e: e[:2]))
+        return (e[-1] for e in sorted(self._heap, key=lambda e: e[:-1]))
 
     def add(self, request: Request) -> None:
         heapq.heappush(self._heap, self._entry(request))
 
     def peek(self) -> Request:
-        return self._heap[0][2]
+        return self._heap[0][-1]
 
     def pop(self) -> Request:
-        return heapq.heappop(self._heap)[2]
+        return heapq.heappop(self._heap)[-1]
 
     def remove(self, request: Request) -> None:
-        self._heap = [e for e in self._heap if e[2] is not request]
+        self._heap = [e for e in self._heap if e[-1] is not request]
         heapq.heapify(self._heap)
 
     def clear(self) -> None:
@@ -167,7 +175,7 @@ class Scheduler:
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
                 f"exceeds max_model_len ({c.max_model_len})"
             )
-        need = self.kv.blocks_needed(total)
+        need = self.kv.blocks_needed(total - 1)  # (the last token is sampled, never written)
         if need > self.kv.pool.num_blocks:
             raise ValueError(
                 f"request needs {need} KV blocks but the cache has only {self.kv.pool.num_blocks}; "
@@ -236,6 +244,8 @@ class Scheduler:
         # A request whose last token is on the device has nothing more to compute.
         done = (pending > 0) & (num_tokens >= rows.limits)
         want = np.where(done, 0, num_tokens - rows.computed)
+        if self.config.long_prefill_token_threshold:
+            want = np.minimum(want, self.config.long_prefill_token_threshold)
         if not (done | (want > 0)).all():  # (never: a running request always has a token to compute)
             return None
         if want.sum() <= budget:  # (every decoding step)
@@ -297,7 +307,7 @@ class Scheduler:
             start = request.num_computed_tokens
             # Draft tokens (speculative decoding) are computed after the request's own, as far
             # as the budget goes; the chunk samples once it reaches the last of its own.
-            num_new = min(num_tokens + len(request.spec_token_ids) - start, budget)
+            num_new = min(num_tokens + len(request.spec_token_ids) - start, budget, self._chunk_cap)
             lookahead = self._lookahead(start + num_new >= num_tokens, start + num_new)
             if lookahead and start + num_new + lookahead > len(req_blocks[request.request_id]) * bs:
                 self.kv.allocate_slots(request, num_new + lookahead)  # (if blocks are free: it preempts nobody)
@@ -329,7 +339,7 @@ class Scheduler:
         # adapter would be one more waits. Once one waits, so do the adapter requests behind
         # it (base requests go on): the running adapters drain, and it is next, never starved.
         adapters = {r.lora_id for r in self.running if r.lora_id}
-        for_slot = []
+        for_slot, too_long = [], []
         while len(self.waiting) and len(self.running) < c.max_num_seqs and budget > 0:
             request = self.waiting.peek()
             if request.grammar is not None and not request.grammar.ready:
@@ -344,11 +354,13 @@ class Scheduler:
             computed = kv.get_computed_blocks(request)
             num_cached = len(computed) * kv.block_size
             num_new = request.num_tokens - num_cached
-            # Without chunked prefill a prompt waits for a step with room for all of it; a
-            # preempted request's recompute (prompt + outputs) may exceed any budget, so it is chunked.
+            # Without chunked prefill a prompt waits for a step with room for all of it, and
+            # those behind it go first meanwhile (vLLM's); a preempted request's recompute
+            # (prompt + outputs) may exceed any budget, so it is chunked.
             if not c.enable_chunked_prefill and num_new > budget and request.num_preemptions == 0:
-                break
-            num_new = min(num_new, budget)
+                too_long.append(self.waiting.pop())
+                continue
+            num_new = min(num_new, budget, self._chunk_cap)
             # The last request to join (no other waits, or no row is left) ends the step: on
             # a CPU its chunk may stop at a bucket's edge rather than spill a little past it.
             last = len(self.waiting) == 1 or len(self.running) + 1 >= c.max_num_seqs
@@ -382,7 +394,7 @@ class Scheduler:
             budget -= num_new
             if request.lora_id:
                 adapters.add(request.lora_id)
-        for request in compiling + for_slot:
+        for request in compiling + for_slot + too_long:
             self.waiting.add(request)
         return admitted
 
@@ -403,6 +415,10 @@ class Scheduler:
                 return freed, False
         return freed, True
 
+    @property
+    def _chunk_cap(self) -> int | float:
+        return self.config.long_prefill_token_threshold or math.inf
+
     def _lookahead(self, samples: bool, end: int) -> int:
         """Slots to allocate past a chunk ending at `end` (`SchedulerConfig.lookahead`), when
         blocks are free: without them the request drafts nothing for its next step."""
@@ -411,7 +427,7 @@ class Scheduler:
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":  # lowest priority = largest value; ties: latest arrival
-            return max(self.running, key=lambda r: (r.priority, r.arrival_index))
+            return max(self.running, key=priority_key)
         return self.running[-1]
 
     def _preempt(self, request: Request, preempted: list[Request]) -> None:

@@ -277,6 +277,18 @@ def test_invalid_sampling_params(kwargs, match):
         SamplingParams(**kwargs)
 
 
+def test_long_prefill_token_threshold_keeps_outputs(llm, tiny_checkpoint):
+    """vLLM's `long_prefill_token_threshold`: prompts in chunks of at most 8 tokens, the same
+    greedy outputs."""
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 30, 45)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(tiny_checkpoint("qwen3"), max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
+             token_buckets=[16, 64], long_prefill_token_threshold=8, enforce_eager=True) as capped:
+        assert [o.outputs[0].token_ids for o in capped.generate(prompts, params, use_tqdm=False)] == want
+        assert capped.llm_engine.scheduler.config.long_prefill_token_threshold == 8
+
+
 def test_engine_arguments_are_checked(tiny_checkpoint):
     path = tiny_checkpoint("qwen3")
     with pytest.raises(ValueError, match="max_model_len 4096 exceeds the model's max_position_embeddings"):
@@ -293,6 +305,11 @@ def test_engine_arguments_are_checked(tiny_checkpoint):
     for budget in (dict(max_num_batched_tokens=64), dict(token_buckets=[16, 64])):
         with pytest.raises(ValueError, match=r"max_num_batched_tokens \(64\) is smaller than max_model_len \(128\)"):
             LLM(path, max_model_len=128, enable_chunked_prefill=False, **budget)
+    with pytest.raises(ValueError, match=r"long_prefill_token_threshold=8 cuts prompts into chunks: it needs "
+                                         r"enable_chunked_prefill=True"):
+        LLM(path, max_model_len=128, enable_chunked_prefill=False, long_prefill_token_threshold=8)
+    with pytest.raises(ValueError, match=r"long_prefill_token_threshold must be an int >= 0"):
+        LLM(path, max_model_len=128, long_prefill_token_threshold=-1)
     with pytest.raises(ValueError, match="largest token bucket"):
         LLM(path, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, token_buckets=[16])
     with pytest.raises(ValueError, match="attention_backend 'flash'"):

@@ -258,6 +258,10 @@ def test_outputs_identical_with_and_without_caching(arch, tiny_checkpoint):
     assert [o.outputs[0].token_ids for o in second] == want
     assert sum(o.num_cached_tokens for o in first) > 0
     assert [o.num_cached_tokens for o in second] == [(len(p["prompt_token_ids"]) - 1) // 16 * 16 for p in prompts]
+    # n = 2 of a new prompt: the second completion hits the first's blocks (it was the first's 0)
+    [pair] = warm.generate({"prompt_token_ids": list(range(400, 440))}, SamplingParams(temperature=0, max_tokens=2, n=2),
+                           use_tqdm=False)
+    assert pair.num_cached_tokens == 32
     stats = warm.stats()
     assert stats["num_free_blocks"] == stats["num_gpu_blocks"]
 

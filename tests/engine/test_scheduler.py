@@ -169,6 +169,60 @@ def test_priority_orders_admission():
     assert order == ["a", "b", "c"]
 
 
+def test_priority_ties_by_arrival_time():
+    """As vLLM's priority queue: an `arrival_time` given (here set as the engine sets it) orders
+    requests of equal priority, before the order they were added in."""
+    s = make_scheduler(max_num_batched_tokens=64, max_num_seqs=1, policy="priority")
+    late, early = make_request("late", 4, 1, 0), make_request("early", 4, 1, 1)
+    late.metrics.arrival_time, early.metrics.arrival_time = 100.0, 0.0
+    s.add_request(late)
+    s.add_request(early)
+    assert [run_step(s).scheduled[0].request.request_id for _ in range(2)] == ["early", "late"]
+
+
+def test_without_chunked_prefill_a_prompt_too_long_for_this_step_lets_others_by():
+    """As vLLM's: a prompt that needs more of the budget than this step has left waits at the
+    head of the queue while shorter ones behind it join (they once waited behind it)."""
+    s = make_scheduler(max_model_len=64, max_num_batched_tokens=32, enable_chunked_prefill=False)
+    for rid in "ab":
+        s.add_request(make_request(rid, 4, 8, len(s.requests)))
+    run_step(s)
+    s.add_request(make_request("long", 31, 1, 2))  # 31 > 32 - 2 decoding
+    s.add_request(make_request("c", 4, 8, 3))
+    assert [x.request.request_id for x in run_step(s, lambda out: check_blocks(s)).scheduled] == ["a", "b", "c"]
+    assert s.waiting.peek().request_id == "long"
+    while s.has_unfinished_requests():
+        run_step(s, lambda out: check_blocks(s))
+    assert s.kv.num_free_blocks == 64
+
+
+def test_a_request_that_fills_the_cache_exactly_runs():
+    """Its last token is sampled, never written: 60 prompt tokens + 5 outputs need 64 slots,
+    the 4 blocks of 16 the cache has (it was refused as needing 5)."""
+    s = make_scheduler(num_blocks=4, block_size=16, max_model_len=128, max_num_batched_tokens=64)
+    s.add_request(make_request("a", 60, 5, 0))
+    while s.has_unfinished_requests():
+        run_step(s, lambda out: check_blocks(s))
+    assert s.kv.num_free_blocks == 4
+
+
+def test_long_prefill_token_threshold_caps_each_chunk():
+    """vLLM's `long_prefill_token_threshold`: a long prompt takes chunks of at most that many
+    tokens, so the request decoding beside it gets a token every step."""
+    s = make_scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=8)
+    s.add_request(make_request("a", 4, 20, 0))
+    run_step(s)
+    s.add_request(make_request("long", 40, 1, 1))
+    for _ in range(5):
+        out = run_step(s, lambda out: check_blocks(s))
+        assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("long", 8)]
+    s.vectorized = False  # (the one-at-a-time loop caps alike)
+    s.add_request(make_request("long2", 20, 1, 2))
+    out = run_step(s)
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("long2", 8)]
+    assert [(x.request.request_id, x.num_new_tokens) for x in run_step(s).scheduled] == [("a", 1), ("long2", 8)]
+
+
 def test_requests_that_can_never_fit_are_refused():
     s = make_scheduler(num_blocks=8, block_size=4, max_model_len=64, max_num_batched_tokens=16,
                        enable_chunked_prefill=False)
@@ -263,7 +317,7 @@ def test_random_add_step_abort(ops, num_blocks, budget, max_num_seqs, policy, ch
         if op[0] == "add":
             _, prompt_len, max_tokens, priority = op
             r = make_request(f"r{len(added)}", prompt_len, max_tokens, len(added), priority)
-            too_big = (prompt_len + max_tokens > 64 or -(-(prompt_len + max_tokens) // 4) > num_blocks
+            too_big = (prompt_len + max_tokens > 64 or -(-(prompt_len + max_tokens - 1) // 4) > num_blocks
                        or (not chunked and prompt_len > budget))
             if too_big:
                 with pytest.raises(ValueError):
