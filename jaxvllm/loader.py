@@ -735,17 +735,24 @@ def _put(params: dict, path: tuple, value) -> None:
 _QUANTIZATION_TENSORS = (".weight_scale", ".weight_scale_inv", ".scales", ".qzeros", ".g_idx", ".weight_g_idx",
                          ".weight_zero_point")
 
-# vLLM's names of an fp8 KV cache's per-layer scales in a checkpoint (float32: one value, or
-# one per KV head).
-_KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\.([kv])_scale")
+# The names of an fp8 KV cache's per-layer scales in a checkpoint (float32: one value, or one
+# per KV head), as vLLM reads them: its own, ModelOpt's, a merged qkv_proj's, llm-compressor's
+# and AutoFP8's (the k/v projections' output scales), and the older kv_scale, for both.
+_KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\.(k_scale|v_scale|kv_scale|k_proj\.k_scale|v_proj\.v_scale|"
+                       r"qkv_proj\.k_scale|qkv_proj\.v_scale|k_proj\.output_scale|v_proj\.output_scale)")
+
+
+def _kv_scale_columns(suffix: str) -> tuple[int, ...]:
+    """Which of (k, v) a scale of `_KV_SCALE`'s suffix sets."""
+    return (0, 1) if suffix == "kv_scale" else (0,) if suffix.startswith(("k_", "qkv_proj.k")) else (1,)
 
 
 def load_kv_scales(model: str | Path, run_cfg: ModelConfig) -> tuple[np.ndarray, int]:
     """An fp8 KV cache's scales, float32 [num_layers, num_kv_heads, 2] for the config the
     model runs with (`load_model`'s: KV heads repeated under a mesh with more devices): each
     layer's and KV head's (k_scale, v_scale), from the checkpoint's
-    `model.layers.{i}.self_attn.k_scale` / `v_scale` where it has them, else 1.0 (vLLM's
-    default). A scale holds one value (per tensor) or one per KV head of the checkpoint.
+    `model.layers.{i}.self_attn.k_scale` / `v_scale` (or another name vLLM reads: `_KV_SCALE`)
+    where it has them, else 1.0 (vLLM's default). A scale holds one value (per tensor) or one per KV head of the checkpoint.
     Returns the scales and how many tensors were read from the checkpoint."""
     cfg = load_config(model)
     heads = cfg.num_kv_heads
@@ -754,16 +761,17 @@ def load_kv_scales(model: str | Path, run_cfg: ModelConfig) -> tuple[np.ndarray,
     for name, file in tensor_files(Path(model)).items():
         m = _KV_SCALE.fullmatch(name)
         if m and int(m.group(1)) < run_cfg.num_layers:
-            found.setdefault(file, []).append((name, int(m.group(1)), "kv".index(m.group(2))))
+            found.setdefault(file, []).append((name, int(m.group(1)), _kv_scale_columns(m.group(2))))
     for file, names in found.items():
         with open_safetensors(file) as f:
-            for name, layer, which in names:
+            for name, layer, columns in names:
                 value = np.asarray(f.get_tensor(name), np.float32).reshape(-1)
                 if value.size not in (1, heads):
                     raise ValueError(f"{name} in {file.name} has {value.size} values: a KV cache scale has one, "
                                      f"or one per KV head ({heads})")
                 if not (np.isfinite(value) & (value > 0)).all():
                     raise ValueError(f"{name} in {file.name} is {value.tolist()}: a KV cache scale must be positive")
-                scales[layer, :, which] = value
+                for column in columns:
+                    scales[layer, :, column] = value
     # A repeated KV head keeps its scales (our head h is checkpoint head h // repeats).
     return np.repeat(scales, kv_repeats(cfg, run_cfg), axis=1), sum(map(len, found.values()))

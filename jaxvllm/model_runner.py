@@ -372,6 +372,7 @@ class ModelRunner:
         self._write_row = jax.jit(write_state_row, donate_argnums=(0,))
         self._weight_index = None  # (HF name -> its places in the params, KV repeats): update_weights'
         self._asleep: set[str] = set()
+        self._host_kv_scales = None  # an fp8 cache's scales while it sleeps (calculated once, as vLLM's)
         self._given: set[int] = set()  # ids of arrays update_weights took as they were: the caller's, not deleted
         # The forward layouts and (row count, logits rows, drafts, features) sampler variants compiled so far.
         self._forward_shapes: set[BatchLayout] = set()
@@ -781,6 +782,7 @@ class ModelRunner:
         self._params_struct = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                                            (self.params, own))
         self._host_params = jax.device_get((self.params if level == 1 else None, own))
+        self._host_kv_scales = jax.device_get(self.kv_caches[2]) if len(self.kv_caches) == 3 else None
         freed = jax.tree.leaves((self.kv_caches, own, own_caches))
         # Asleep before anything is deleted: a failure part-way leaves an engine that wakes.
         # The target's weights are let go, not deleted: a JAX trainer's arrays given to
@@ -809,6 +811,10 @@ class ModelRunner:
             self._asleep.discard("weights")
         if "kv_cache" in tags and "kv_cache" in self._asleep:
             self.kv_caches = self._allocate_kv_caches(self.num_blocks)
+            if self._host_kv_scales is not None:  # (the scales as they were: read, or calculated once)
+                k, v, fresh = self.kv_caches
+                self.kv_caches = (k, v, put(self._host_kv_scales, fresh.sharding))
+                self._host_kv_scales = None
             if self.drafter is not None:
                 self.drafter.allocate(self.num_blocks)
             self._asleep.discard("kv_cache")

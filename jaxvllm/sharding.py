@@ -193,7 +193,7 @@ def check_divisible(cfg: ModelConfig, tp: int) -> None:
         raise ValueError(
             f"tensor_parallel_size={tp} and num_key_value_heads={cfg.num_kv_heads}: one must divide the other"
         )
-    if cfg.intermediate_size % tp:
+    if not all(cfg.moe_layers) and cfg.intermediate_size % tp:  # (a dense MLP's: a layer has one)
         raise ValueError(f"tensor_parallel_size={tp} does not divide intermediate_size={cfg.intermediate_size}")
     if not any(cfg.moe_layers):
         return

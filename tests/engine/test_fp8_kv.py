@@ -214,6 +214,16 @@ def test_scales_come_from_the_checkpoint(tiny_checkpoint, tmp_path):
     # Under a mesh with more devices than KV heads each repeated head keeps its head's scales.
     run_cfg = dataclasses.replace(load_config(path), num_kv_heads=4)
     np.testing.assert_allclose(load_kv_scales(path, run_cfg)[0][1, :, 0], [0.1, 0.1, 0.3, 0.3], rtol=1e-6)
+    # The other names vLLM reads: llm-compressor's and AutoFP8's output scales, the older
+    # kv_scale (k and v), ModelOpt's, a merged qkv_proj's (they were ignored, with a warning).
+    one = lambda x: np.asarray(x, np.float32)  # noqa: E731
+    for names, want in [(("k_proj.output_scale", "v_proj.output_scale", "kv_scale"), [(0.04, 0.03), (0.2, 0.2)]),
+                        (("k_proj.k_scale", "v_proj.v_scale", "qkv_proj.k_scale"), [(0.04, 0.03), (0.2, 1.0)])]:
+        save_file({f"model.layers.0.self_attn.{names[0]}": one(0.04), f"model.layers.0.self_attn.{names[1]}": one(0.03),
+                   f"model.layers.1.self_attn.{names[2]}": one(0.2)}, str(path / "kv_scales.safetensors"))
+        scales, found = load_kv_scales(path, load_config(path))
+        np.testing.assert_allclose(scales, np.repeat(np.asarray(want, np.float32)[:, None], 2, axis=1), rtol=1e-6)
+        assert found == 3
     # A scale of any other size is refused, named.
     save_file({"model.layers.0.self_attn.v_scale": np.asarray([0.1, 0.2, 0.3], np.float32)},
               str(path / "kv_scales.safetensors"))
@@ -243,11 +253,12 @@ def test_calculate_kv_scales_takes_the_first_written_batch_once():
 
 def test_engine_calculates_kv_scales_from_the_first_batch(tiny_checkpoint, runs):
     """With calculate_kv_scales the warm-up (padding only) leaves the scales to calculate;
-    the first batch sets every layer's, its largest |K| is then stored as 200, and greedy
-    outputs stay as close to the bf16 cache's as with scales of 1.0."""
+    the first batch sets every layer's, its largest |K| is then stored as 200 (the scales
+    then kept, through sleep too, as vLLM's), and greedy outputs stay as close to the bf16
+    cache's as with scales of 1.0."""
     path = str(tiny_checkpoint("qwen3"))
     llm = LLM(path, kv_cache_dtype="fp8", calculate_kv_scales=True, logprobs_mode="raw_logits", max_logprobs=-1,
-              **ENGINE)
+              enable_sleep_mode=True, **ENGINE)
     runner = llm.llm_engine.runner
     assert (np.asarray(runner.kv_caches[2]) == 1.0).all()  # after the warm-up
     first = min(prompts(), key=len)
@@ -260,6 +271,9 @@ def test_engine_calculates_kv_scales_from_the_first_batch(tiny_checkpoint, runs)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=-1)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
     np.testing.assert_array_equal(np.asarray(runner.kv_caches[2]), scales)  # kept
+    llm.sleep(level=1)
+    llm.wake_up()
+    np.testing.assert_array_equal(np.asarray(runner.kv_caches[2]), scales)  # and through sleep (they were lost)
     llm.shutdown()
     ref = runs["auto"][0]
     same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(ref, outs))

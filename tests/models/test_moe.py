@@ -118,6 +118,12 @@ def test_expert_parallel_config_and_split():
     with pytest.raises(ValueError, match=r"tensor_parallel_size=4 with enable_expert_parallel does not divide the "
                                          r"6 experts"):
         sharded_config(six, 4, expert_parallel=True)
+    # The dense MLP's intermediate size counts only where a layer has one (it was refused all the same).
+    odd = dict(architectures=["Qwen3MoeForCausalLM"], num_experts=8, num_experts_per_tok=2, moe_intermediate_size=8,
+               intermediate_size=130, **common)
+    assert sharded_config(ModelConfig.from_hf(Qwen3MoeConfig(mlp_only_layers=[], **odd)), 4, expert_parallel=True)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 does not divide intermediate_size=130"):
+        sharded_config(ModelConfig.from_hf(Qwen3MoeConfig(mlp_only_layers=[1], **odd)), 4, expert_parallel=True)
     dense = ModelConfig.from_hf(LlamaConfig(architectures=["LlamaForCausalLM"], intermediate_size=128, **common))
     assert not sharded_config(dense, 4, expert_parallel=True).expert_parallel
 
