@@ -462,12 +462,6 @@ class EngineConfig:
         t = self.long_prefill_token_threshold
         if not is_int(t) or t < 0:
             raise ValueError(f"long_prefill_token_threshold must be an int >= 0 (0: no cap), got {t!r}")
-        if t and not self.enable_chunked_prefill:
-            raise ValueError(f"long_prefill_token_threshold={t} cuts prompts into chunks: it needs "
-                             "enable_chunked_prefill=True")
-        if t and self.max_model_len is not None and t > self.max_model_len:  # (vLLM's)
-            raise ValueError(f"long_prefill_token_threshold ({t}) cannot be greater than the max_model_len "
-                             f"({self.max_model_len})")
         if self.token_buckets is None:
             return
         buckets = self.token_buckets

@@ -752,11 +752,13 @@ def load_kv_scales(model: str | Path, run_cfg: ModelConfig) -> tuple[np.ndarray,
     model runs with (`load_model`'s: KV heads repeated under a mesh with more devices): each
     layer's and KV head's (k_scale, v_scale), from the checkpoint's
     `model.layers.{i}.self_attn.k_scale` / `v_scale` (or another name vLLM reads: `_KV_SCALE`)
-    where it has them, else 1.0 (vLLM's default). A scale holds one value (per tensor) or one per KV head of the checkpoint.
-    Returns the scales and how many tensors were read from the checkpoint."""
+    where it has them, else 1.0 (vLLM's default); a layer with only one of them has it for
+    both, as vLLM's quantized checkpoints do. A scale holds one value (per tensor) or one per
+    KV head of the checkpoint. Returns the scales and how many tensors were read."""
     cfg = load_config(model)
     heads = cfg.num_kv_heads
     scales = np.ones((run_cfg.num_layers, heads, 2), np.float32)
+    given = np.zeros((run_cfg.num_layers, 2), bool)
     found = {}
     for name, file in tensor_files(Path(model)).items():
         m = _KV_SCALE.fullmatch(name)
@@ -773,5 +775,8 @@ def load_kv_scales(model: str | Path, run_cfg: ModelConfig) -> tuple[np.ndarray,
                     raise ValueError(f"{name} in {file.name} is {value.tolist()}: a KV cache scale must be positive")
                 for column in columns:
                     scales[layer, :, column] = value
+                    given[layer, column] = True
+    for layer in np.flatnonzero(given.sum(axis=1) == 1).tolist():
+        scales[layer, :, ~given[layer]] = scales[layer, :, given[layer]]
     # A repeated KV head keeps its scales (our head h is checkpoint head h // repeats).
     return np.repeat(scales, kv_repeats(cfg, run_cfg), axis=1), sum(map(len, found.values()))

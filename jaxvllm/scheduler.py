@@ -40,7 +40,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
-    # vLLM's: a request's chunk at most this many tokens; 0: no cap.
+    # vLLM's: a request's chunk at most this many tokens (without chunked prefill too, as
+    # vLLM's: a prompt then takes several steps); 0: no cap.
     long_prefill_token_threshold: int = 0
     policy: str = "fcfs"
     # The token buckets steps are padded to, where a padding token costs as much as a real
@@ -353,14 +354,14 @@ class Scheduler:
             # Fresh and preempted requests start from whatever prefix is cached.
             computed = kv.get_computed_blocks(request)
             num_cached = len(computed) * kv.block_size
-            num_new = request.num_tokens - num_cached
+            num_new = min(request.num_tokens - num_cached, self._chunk_cap)
             # Without chunked prefill a prompt waits for a step with room for all of it, and
             # those behind it go first meanwhile (vLLM's); a preempted request's recompute
             # (prompt + outputs) may exceed any budget, so it is chunked.
             if not c.enable_chunked_prefill and num_new > budget and request.num_preemptions == 0:
                 too_long.append(self.waiting.pop())
                 continue
-            num_new = min(num_new, budget, self._chunk_cap)
+            num_new = min(num_new, budget)
             # The last request to join (no other waits, or no row is left) ends the step: on
             # a CPU its chunk may stop at a bucket's edge rather than spill a little past it.
             last = len(self.waiting) == 1 or len(self.running) + 1 >= c.max_num_seqs

@@ -193,7 +193,8 @@ def check_divisible(cfg: ModelConfig, tp: int) -> None:
         raise ValueError(
             f"tensor_parallel_size={tp} and num_key_value_heads={cfg.num_kv_heads}: one must divide the other"
         )
-    if not all(cfg.moe_layers) and cfg.intermediate_size % tp:  # (a dense MLP's: a layer has one)
+    dense = not all(cfg.moe_layers) or not cfg.moe_layers  # (a layer has a dense MLP, which splits)
+    if dense and cfg.intermediate_size % tp:
         raise ValueError(f"tensor_parallel_size={tp} does not divide intermediate_size={cfg.intermediate_size}")
     if not any(cfg.moe_layers):
         return

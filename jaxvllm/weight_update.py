@@ -194,8 +194,9 @@ def updated_params(params: dict, pairs: list[tuple[str, Any]], index: dict[str, 
     """New params with the given tensors in place (the old ones untouched), and how many
     tensors went in. `repeats`: how many times each checkpoint KV head is repeated.
     `quantization`: the online method (`quantization.ONLINE`) the linear weights were
-    quantized with at load; the new ones are quantized alike, whole weights only, from
-    the engine's `dtype` (as the loader quantizes them: a float32 tensor rounded to it first)."""
+    quantized with at load; the new ones are quantized alike (a part of a merged weight
+    alone: each output row is scaled alone), from the engine's `dtype` (as the loader
+    quantizes them: a float32 tensor rounded to it first)."""
     check(pairs, index, skip)
     # The new values of each member (a param, a stack's row, a list's element), part by part.
     members: dict[tuple, dict[int, jax.Array]] = {}

@@ -305,9 +305,6 @@ def test_engine_arguments_are_checked(tiny_checkpoint):
     for budget in (dict(max_num_batched_tokens=64), dict(token_buckets=[16, 64])):
         with pytest.raises(ValueError, match=r"max_num_batched_tokens \(64\) is smaller than max_model_len \(128\)"):
             LLM(path, max_model_len=128, enable_chunked_prefill=False, **budget)
-    with pytest.raises(ValueError, match=r"long_prefill_token_threshold=8 cuts prompts into chunks: it needs "
-                                         r"enable_chunked_prefill=True"):
-        LLM(path, max_model_len=128, enable_chunked_prefill=False, long_prefill_token_threshold=8)
     with pytest.raises(ValueError, match=r"long_prefill_token_threshold must be an int >= 0"):
         LLM(path, max_model_len=128, long_prefill_token_threshold=-1)
     with pytest.raises(ValueError, match="largest token bucket"):

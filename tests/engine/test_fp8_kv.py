@@ -183,8 +183,8 @@ def test_kv_write_quantizes_with_the_scale_and_clips():
 
 def test_scales_come_from_the_checkpoint(tiny_checkpoint, tmp_path):
     """vLLM's `model.layers.{i}.self_attn.k_scale` / `v_scale` tensors, one value or one per
-    KV head, are read into the cache's scales per KV head (1.0 where absent); the cached
-    values are K / k_scale."""
+    KV head, are read into the cache's scales per KV head (1.0 where a layer has neither;
+    one alone for both, as vLLM's); the cached values are K / k_scale."""
     from safetensors.numpy import save_file
 
     from jaxvllm.loader import load_config, load_kv_scales
@@ -197,7 +197,7 @@ def test_scales_come_from_the_checkpoint(tiny_checkpoint, tmp_path):
               str(path / "kv_scales.safetensors"))
     llm = LLM(str(path), kv_cache_dtype="fp8", **ENGINE, enforce_eager=True)
     runner = llm.llm_engine.runner
-    want = [[[0.05, 0.02], [0.05, 0.02]], [[0.1, 1.0], [0.3, 1.0]]]  # [layer, KV head, (k, v)]
+    want = [[[0.05, 0.02], [0.05, 0.02]], [[0.1, 0.1], [0.3, 0.3]]]  # [layer, KV head, (k, v)]
     np.testing.assert_allclose(runner.kv_scales, want, rtol=1e-6)
     np.testing.assert_allclose(np.asarray(runner.kv_caches[2]).swapaxes(0, 1), want, rtol=1e-6)  # [KV head, layer]
     prompt = prompts()[0]
@@ -218,7 +218,7 @@ def test_scales_come_from_the_checkpoint(tiny_checkpoint, tmp_path):
     # kv_scale (k and v), ModelOpt's, a merged qkv_proj's (they were ignored, with a warning).
     one = lambda x: np.asarray(x, np.float32)  # noqa: E731
     for names, want in [(("k_proj.output_scale", "v_proj.output_scale", "kv_scale"), [(0.04, 0.03), (0.2, 0.2)]),
-                        (("k_proj.k_scale", "v_proj.v_scale", "qkv_proj.k_scale"), [(0.04, 0.03), (0.2, 1.0)])]:
+                        (("k_proj.k_scale", "v_proj.v_scale", "qkv_proj.k_scale"), [(0.04, 0.03), (0.2, 0.2)])]:
         save_file({f"model.layers.0.self_attn.{names[0]}": one(0.04), f"model.layers.0.self_attn.{names[1]}": one(0.03),
                    f"model.layers.1.self_attn.{names[2]}": one(0.2)}, str(path / "kv_scales.safetensors"))
         scales, found = load_kv_scales(path, load_config(path))

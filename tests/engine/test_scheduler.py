@@ -221,6 +221,11 @@ def test_long_prefill_token_threshold_caps_each_chunk():
     out = run_step(s)
     assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("long2", 8)]
     assert [(x.request.request_id, x.num_new_tokens) for x in run_step(s).scheduled] == [("a", 1), ("long2", 8)]
+    # Without chunked prefill too (vLLM's): the cap cuts the prompt, which then runs in chunks.
+    s = make_scheduler(max_model_len=64, max_num_batched_tokens=64, enable_chunked_prefill=False,
+                       long_prefill_token_threshold=8)
+    s.add_request(make_request("long", 40, 2, 0))
+    assert [run_step(s, lambda out: check_blocks(s)).num_tokens for _ in range(6)] == [8, 8, 8, 8, 8, 1]
 
 
 def test_requests_that_can_never_fit_are_refused():

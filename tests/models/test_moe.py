@@ -124,6 +124,9 @@ def test_expert_parallel_config_and_split():
     assert sharded_config(ModelConfig.from_hf(Qwen3MoeConfig(mlp_only_layers=[], **odd)), 4, expert_parallel=True)
     with pytest.raises(ValueError, match=r"tensor_parallel_size=4 does not divide intermediate_size=130"):
         sharded_config(ModelConfig.from_hf(Qwen3MoeConfig(mlp_only_layers=[1], **odd)), 4, expert_parallel=True)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 does not divide intermediate_size=130"):
+        sharded_config(ModelConfig.from_hf(LlamaConfig(architectures=["LlamaForCausalLM"], intermediate_size=130,
+                                                       **common)), 4)
     dense = ModelConfig.from_hf(LlamaConfig(architectures=["LlamaForCausalLM"], intermediate_size=128, **common))
     assert not sharded_config(dense, 4, expert_parallel=True).expert_parallel
 

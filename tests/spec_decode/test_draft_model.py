@@ -86,6 +86,18 @@ def test_a_perturbed_draft_keeps_greedy_outputs(engines):
     assert len(want[0]) == 12 and token_ids(spec, params, prompts) == want == token_ids(sync, params, prompts)
 
 
+def test_max_model_len_left_to_the_checkpoint(perturbed):
+    """A synchronous drafter with max_model_len unset (the checkpoint's 1024): it drafts (the
+    guard on its K slots once read the unset argument: a TypeError after the first step)."""
+    target, draft = perturbed
+    with LLM(str(target), speculative_config=draft_config(draft, 4), async_scheduling=False, max_num_seqs=4,
+             max_num_batched_tokens=64, token_buckets=[16, 64], num_gpu_blocks_override=32, dtype="float32",
+             enforce_eager=True) as llm:
+        assert llm.llm_engine.runner.max_model_len == 1024
+        token_ids(llm, prompts=PROMPTS[:2])
+        assert llm.stats()["spec_decode_num_draft_tokens"] > 0
+
+
 def test_seeded_sampling_repeats_and_nothing_compiles(engines):
     """Seeded outputs repeat, and are those of the synchronous engine and of the engine
     without drafts: each verified position draws what sampling without drafts would."""
