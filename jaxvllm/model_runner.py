@@ -274,6 +274,11 @@ def resolve_backend(backend: str, softcapped: bool = False) -> str:
     return "pallas" if gpu and not softcapped else "reference"
 
 
+# Params that are not weights: kept through sleep(level=2), since no update refills them
+# (`models.common.stack_layers`' row indices).
+KEPT_ASLEEP = ("layer_rows",)
+
+
 class ModelRunner:
     params = FlatParams()  # the model's weights (None while asleep), and `flat_params`: the forward's
 
@@ -781,7 +786,9 @@ class ModelRunner:
         own, own_caches = (self.drafter.params, self.drafter.kv_caches) if self.drafter is not None else (None, None)
         self._params_struct = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                                            (self.params, own))
-        self._host_params = jax.device_get((self.params if level == 1 else None, own))
+        # Level 2 drops the weights, not what no update refills: the stacks' row indices.
+        kept = self.params if level == 1 else {k: v for k, v in self.params.items() if k in KEPT_ASLEEP}
+        self._host_params = jax.device_get((kept, own))
         self._host_kv_scales = jax.device_get(self.kv_caches[2]) if len(self.kv_caches) == 3 else None
         freed = jax.tree.leaves((self.kv_caches, own, own_caches))
         # Asleep before anything is deleted: a failure part-way leaves an engine that wakes.
@@ -803,10 +810,9 @@ class ModelRunner:
         a drafter's too (its weights: the host copy at either level)."""
         if "weights" in tags and "weights" in self._asleep:
             (host, _), (structs, _) = self._host_params, self._params_struct
-            if host is not None:
-                self.params = jax.tree.map(lambda x, s: put(x, s.sharding), host, structs)
-            else:
-                self.params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding), structs)
+            placed = jax.tree.map(lambda x, s: put(x, s.sharding), host, {k: structs[k] for k in host})
+            zeros = lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding)  # noqa: E731
+            self.params = {k: placed[k] if k in placed else jax.tree.map(zeros, s) for k, s in structs.items()}
             self._wake_drafter_weights()
             self._asleep.discard("weights")
         if "kv_cache" in tags and "kv_cache" in self._asleep:

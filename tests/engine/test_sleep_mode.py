@@ -71,12 +71,14 @@ def test_level_2_then_the_rl_sequence(llm, tiny_checkpoint, other, compile_count
     another checkpoint's tensors, wake_up(["kv_cache"]): that checkpoint's outputs."""
     other, want = other
     freed, before = kv_bytes(llm) + weight_bytes(llm), live_bytes()
+    rows = np.array(llm.get_params()["layer_rows"])  # (a copy; not weights: no update refills them)
     llm.sleep(level=2)
     assert before - live_bytes() >= freed
     with pytest.raises(RuntimeError, match=r"update_weights while the weights sleep"):
         llm.update_weights(load_file(str(other / "model.safetensors")))
     assert llm.wake_up(tags=["weights"]) is False
     llm.update_weights(load_file(str(other / "model.safetensors")))
+    np.testing.assert_array_equal(llm.get_params()["layer_rows"], rows)  # (they were zeros: every layer read layer 0's)
     assert llm.wake_up(tags=["kv_cache"]) is True
     compiles = compile_counter.count  # (the update's own array ops trace; the step must not)
     assert completions(llm) == want
