@@ -277,6 +277,18 @@ def test_invalid_sampling_params(kwargs, match):
         SamplingParams(**kwargs)
 
 
+def test_no_step_left_in_flight_after_generate(llm):
+    """Async scheduling dispatches the next step before reading a request's stop token:
+    generate reads that step too before returning, so that the engine has no unfinished
+    requests afterwards, as vLLM's (a test once saw one, by timing)."""
+    prompt = {"prompt_token_ids": [5, 6, 7]}
+    full = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    tokens = full[0].outputs[0].token_ids
+    stop = next(t for i, t in enumerate(tokens) if i >= 2 and t not in tokens[:i])
+    [out] = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[stop]), use_tqdm=False)
+    assert out.outputs[0].finish_reason == "stop" and not llm.llm_engine.has_unfinished_requests()
+
+
 def test_long_prefill_token_threshold_keeps_outputs(llm, tiny_checkpoint):
     """vLLM's `long_prefill_token_threshold`: prompts in chunks of at most 8 tokens, the same
     greedy outputs."""
