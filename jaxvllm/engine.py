@@ -357,6 +357,9 @@ class LLMEngine:
                 result = launched[1].result()  # waits for the device
                 with defer_interrupts():
                     updated = self._process(launched[0], result, launched[1].batch.grammar_rows)
+                    if self._in_flight is not None and not self.scheduler.has_unfinished_requests():
+                        # (async: dispatched before the last requests stopped, as abort_request's case)
+                        self._in_flight = None  # its tokens are for finished requests only: never read
                     self._sample_constrained()
             with defer_interrupts() as held:
                 # (with the completions a failed step finished: their final outputs are still due)

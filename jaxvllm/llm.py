@@ -357,11 +357,6 @@ class LLM:
                             num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
                             bar.update(1)
                 bar.set_postfix_str(f"output {num_output_tokens / (time.perf_counter() - start):.1f} tok/s", refresh=False)
-            # A step dispatched before the last requests stopped (async scheduling) is read
-            # now, when nothing else runs: the engine has no unfinished requests afterwards, as vLLM's.
-            for e in self.engines:
-                while e.has_unfinished_requests() and not e.scheduler.has_unfinished_requests():
-                    self._finished.update((output.request_id, output) for output in e.step())
         finally:
             bar.close()
 

@@ -456,13 +456,17 @@ def test_step_executables_do_not_branch(engines):
 
 
 def test_generate_after_stepping_by_hand_until_the_last_output(engines):
-    """A user who stops stepping once every request has its final output may leave a step
-    in flight (dispatched before the stops were known): generate still works after it."""
+    """The step that returns the last final output drops the step dispatched before the
+    stops were known (its tokens are for finished requests only): the engine is idle at
+    once, as vLLM's, for a user who steps while has_unfinished_requests(); generate works after."""
     llm = engines("qwen3")[True]
     engine = llm.llm_engine
-    engine.add_request("by-hand", "Hello", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    [full] = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    tokens = full.outputs[0].token_ids
+    stop = next(t for i, t in enumerate(tokens) if i >= 2 and t not in tokens[:i])  # (max_tokens is seen ahead)
+    engine.add_request("by-hand", "Hello", SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop]))
     while not any(o.finished for o in engine.step()):
         pass
-    assert not engine.scheduler.has_unfinished_requests()
+    assert not engine.has_unfinished_requests()
     out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3 and not engine.has_unfinished_requests()
