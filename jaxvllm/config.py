@@ -289,6 +289,13 @@ class EngineConfig:
     # a model converted to a pooling one, V1 logits processors classes.
     enable_prompt_embeds: bool = False
     cpu_offload_gb: float = 0
+    # vLLM 0.11's concurrent partial prefills: its V1 engine refuses any value but 1, as here.
+    max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int = 1
+    # vLLM's prefix-cache hash: both of its choices are accepted. jaxvllm's block hash is
+    # already sha256 over a fixed byte encoding of the ids (the same in every process), which
+    # is what "sha256_cbor" adds over "sha256"; no other name is accepted.
+    prefix_caching_hash_algo: str = "sha256"
     convert: str = "auto"
     pooler_config: Any = None
     logits_processors: list | None = None
@@ -402,6 +409,13 @@ class EngineConfig:
         if self.logits_processors:
             raise ValueError("logits_processors: vLLM's V1 logits processor classes are not supported by jaxvllm "
                              "(SamplingParams' logit_bias, allowed_token_ids, bad_words and structured outputs are)")
+        for name in ("max_num_partial_prefills", "max_long_partial_prefills"):
+            if getattr(self, name) != 1:
+                raise ValueError(f"{name}={getattr(self, name)!r}: concurrent partial prefills are not supported "
+                                 "(1 only, as vLLM's V1 engine)")
+        if self.prefix_caching_hash_algo not in ("sha256", "sha256_cbor"):
+            raise ValueError(f"Unknown prefix caching hash algorithm: {self.prefix_caching_hash_algo!r}. Must be one "
+                             "of ('sha256', 'sha256_cbor').")
         if self.runner not in ("auto", "generate"):
             raise ValueError(f"runner={self.runner!r}: jaxvllm runs generative models only ('auto' or 'generate'); "
                              "pooling and embedding models are not supported")

@@ -94,6 +94,10 @@ _VALUE_FLAGS: dict[str, tuple[Callable[[str], Any], str]] = {
     "compilation-config": (str, "accepted for vLLM's scripts; XLA compiles one executable per token bucket"),
     "max-seq-len-to-capture": (int, "accepted for vLLM's scripts (no CUDA graphs)"),
     "swap-space": (float, "accepted for vLLM's scripts (preemption recomputes)"),
+    "max-num-partial-prefills": (int, "1 only, as vLLM's V1 engine (no concurrent partial prefills)"),
+    "max-long-partial-prefills": (int, "1 only, as vLLM's V1 engine"),
+    "prefix-caching-hash-algo": (str, "'sha256' or 'sha256_cbor': both give jaxvllm's one hash, sha256 over "
+                                      "a fixed byte encoding of the ids"),
     "revision": (str, "accepted for vLLM's scripts (local folders have no revisions)"),
     "tokenizer-revision": (str, "accepted for vLLM's scripts"),
     "code-revision": (str, "accepted for vLLM's scripts"),

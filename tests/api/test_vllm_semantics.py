@@ -154,7 +154,8 @@ def test_vllm_engine_arguments_are_accepted(tiny_checkpoint):
               max_parallel_loading_workers=2, runner="generate", limit_mm_per_prompt={"image": 5},
               mm_processor_kwargs={}, disable_chunked_mm_input=True, disable_custom_all_reduce=True,
               distributed_executor_backend="mp", enable_prompt_embeds=False, cpu_offload_gb=0, hf_token=None,
-              convert="auto", logits_processors=None, allowed_local_media_path="", pooler_config=None)
+              convert="auto", logits_processors=None, allowed_local_media_path="", pooler_config=None,
+              max_num_partial_prefills=1, max_long_partial_prefills=1, prefix_caching_hash_algo="sha256_cbor")
     assert {m.labels["model_name"] for m in llm.get_metrics()} == {"tiny"}
     assert llm.llm_engine.config.dtype == "float32"
     assert llm.stats()["warmup_seconds"] == 0 and llm.stats()["num_compiled_buckets"] == 0  # enforce_eager: lazy
