@@ -124,7 +124,7 @@ def parse_conversation(conversation: list[dict], content_format: str) -> list[di
         out = {"role": role, "content": "\n".join(texts) if as_string else [{"type": "text", "text": text}
                                                                             for text in texts]}
         calls = message.get("tool_calls")
-        if role == "assistant" and calls:  # (an empty list would take a template's tool-call path)
+        if role == "assistant" and calls is not None:  # (an empty list kept, as vLLM's)
             out["tool_calls"] = [_with_dict_arguments(call) for call in calls]
         if role == "assistant" and message.get("reasoning") is not None:  # (newer vLLM's, under both names)
             out["reasoning"] = out["reasoning_content"] = message["reasoning"]

@@ -295,17 +295,19 @@ def test_chat_renders_as_vllm(llm):
                 {"role": "assistant", "content": "a", "reasoning": "r", "reasoning_content": "old", "tool_call_id": 3,
                  "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]},
                 {"role": "tool", "content": [{"type": "text", "text": "x"}, {"type": "text", "text": "y"}],
-                 "tool_call_id": "7", "name": 5}]
-    assert prompt(messages, keys, add_generation_prompt=False) == (
-        "user(False,False,False,ann,)assistant(False,True,False,,r)tool(False,False,True,,)")
+                 "tool_call_id": "7", "name": 5},
+                {"role": "assistant", "content": "b", "tool_calls": []}, {"role": "assistant", "tool_calls": None}]
+    assert prompt(messages, keys, add_generation_prompt=False) == (  # (an assistant's [] kept, None not: vLLM's)
+        "user(False,False,False,ann,)assistant(False,True,False,,r)tool(False,False,True,,)"
+        "assistant(False,True,False,,)assistant(False,False,False,,)")
     tool_content = "{% for m in messages %}{% for p in m.content %}{% endfor %}{{ m.content }}{% endfor %}"
-    assert prompt(messages[2:], tool_content, add_generation_prompt=False) == "x\ny"  # (openai format; a tool's a str)
+    assert prompt(messages[2:3], tool_content, add_generation_prompt=False) == "x\ny"  # (openai format; a tool's a str)
     thinking = [{"role": "user", "content": [{"type": "thinking", "thinking": "t"}, {"type": "text", "text": None},
                                              {"type": "text", "text": "u"}]}]
     assert prompt(thinking, add_generation_prompt=False) == "user:t\nu;"
     strict = "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools here') }}{% endif %}{% endfor %}"
     with pytest.raises(ValueError, match="no tools here") as caught:
-        llm.chat([user, messages[2:]], params, chat_template=strict, use_tqdm=False)
+        llm.chat([user, messages[2:3]], params, chat_template=strict, use_tqdm=False)
     assert "(conversation 1 of 2)" in caught.value.__notes__
     for empty in (None, {}):
         assert llm.chat(user, params, chat_template=one, mm_processor_kwargs=empty, use_tqdm=False)[0].prompt == (
