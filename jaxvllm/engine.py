@@ -31,6 +31,7 @@ from jaxvllm.kv_cache_manager import KVCacheManager
 from jaxvllm.loader import checkpoint_tensors, load_config
 from jaxvllm.lora.request import LoRARequest
 from jaxvllm.metrics import Metric, MetricsCollector, spec_decode_rates
+from jaxvllm.model_config import ModelConfig
 from jaxvllm.model_runner import ModelRunner, PendingStep, RunnerOutput
 from jaxvllm.output_processor import OutputProcessor
 from jaxvllm.outputs import RequestOutput
@@ -300,6 +301,14 @@ class LLMEngine:
             if not self.scheduler.has_unfinished_requests():
                 self._in_flight = None  # its tokens are for aborted requests only: never read
         return outputs
+
+    def get_model_config(self) -> ModelConfig:
+        """vLLM's: the model's config as the engine reads it (also `model_config`)."""
+        return self.model_config
+
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        """vLLM's: what the model serves; generation only here (no pooling tasks)."""
+        return ("generate",)
 
     def request_ids(self) -> list[str]:
         """The requests added and not done (their final output not yet returned)."""

@@ -14,7 +14,7 @@ from jaxvllm.beam_search import BeamSearchOutput, beam_search
 from jaxvllm.chat_utils import render_chat
 from jaxvllm.config import EngineConfig
 from jaxvllm.engine import LLMEngine
-from jaxvllm.inputs import prompt_list
+from jaxvllm.inputs import TokensPrompt, prompt_list
 from jaxvllm.lora.request import LoRARequest
 from jaxvllm.outputs import RequestOutput
 from jaxvllm.sampling_params import RequestOutputKind, SamplingParams
@@ -230,6 +230,25 @@ class LLM:
         prompts = self._chat_prompts(messages, chat_template, chat_template_content_format, add_generation_prompt,
                                      continue_final_message, tools, chat_template_kwargs, mm_processor_kwargs)
         return self._enqueue(prompts, sampling_params, priority, lora_request, add_special_tokens=False)
+
+    def preprocess_chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
+    ) -> list[TokensPrompt]:
+        """vLLM's: each conversation as `chat` renders it, tokenized (the template writes
+        any special tokens), for `generate` or other calls to take as they are."""
+        self._check_open()
+        texts = self._chat_prompts(messages, chat_template, chat_template_content_format, add_generation_prompt,
+                                   continue_final_message, tools, chat_template_kwargs, mm_processor_kwargs)
+        tokenizer = self.get_tokenizer()
+        return [TokensPrompt(prompt_token_ids=tokenizer.encode(text, add_special_tokens=False)) for text in texts]
 
     def _chat_prompts(self, messages, chat_template, chat_template_content_format, add_generation_prompt,
                       continue_final_message, tools, chat_template_kwargs, mm_processor_kwargs) -> list[str]:

@@ -198,6 +198,18 @@ def test_prompt_types_priority_lora_and_chat_kwargs(llm):
     [out] = llm.chat(conversation, params, chat_template=template, add_generation_prompt=False,
                      continue_final_message=True, use_tqdm=False)
     assert out.prompt == "user: Hi;assistant: Well"  # the reply goes on from the last message
+    # vLLM's preprocess_chat: chat's prompts as token ids, which generate runs as chat does.
+    prompts = llm.preprocess_chat([user, conversation], chat_template=template, add_generation_prompt=False,
+                                  chat_template_kwargs={"suffix": "!"})
+    texts = ["user: Hi;!", "user: Hi;assistant: Well;!"]
+    assert [p["prompt_token_ids"] for p in prompts] == [llm.get_tokenizer().encode(t, add_special_tokens=False)
+                                                        for t in texts]
+    [by_ids] = llm.generate(prompts[1], params, use_tqdm=False)
+    [by_chat] = llm.chat(conversation, params, chat_template=template, add_generation_prompt=False,
+                         chat_template_kwargs={"suffix": "!"}, use_tqdm=False)
+    assert by_ids.outputs[0].token_ids == by_chat.outputs[0].token_ids
+    assert llm.llm_engine.get_model_config() is llm.llm_engine.model_config
+    assert llm.llm_engine.get_supported_tasks() == ("generate",)
     with pytest.raises(ValueError, match="continue_final_message=True needs add_generation_prompt=False"):
         llm.chat(conversation, params, chat_template=template, continue_final_message=True, use_tqdm=False)
 
