@@ -281,6 +281,8 @@ class LLMEngine:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         outputs = []
         with defer_interrupts():
+            # (outputs a failed step committed go too: a finished request's final output among them)
+            self._carried = [o for o in self._carried if o.request_id not in set(ids)]
             try:
                 for rid in ids:
                     parent = self._parents.pop(rid, None)
@@ -719,6 +721,8 @@ class LLMEngine:
         return bool(self.runner.asleep)
 
     def _check_awake(self, what: str) -> None:
+        if self.runner.weights_gone:
+            raise RuntimeError(f"{what} with no weights: reload_weights() failed part-way; call it again")
         if self.runner.asleep:
             raise RuntimeError(f"{what} while the engine sleeps ({', '.join(sorted(self.runner.asleep))} not "
                                f"awake): call wake_up() first")

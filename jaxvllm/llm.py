@@ -15,6 +15,7 @@ from jaxvllm.chat_utils import render_chat
 from jaxvllm.config import EngineConfig
 from jaxvllm.engine import LLMEngine
 from jaxvllm.inputs import TokensPrompt, prompt_list
+from jaxvllm.interrupts import defer_interrupts
 from jaxvllm.lora.request import LoRARequest
 from jaxvllm.outputs import RequestOutput
 from jaxvllm.sampling_params import RequestOutputKind, SamplingParams
@@ -175,10 +176,17 @@ class LLM:
         self._check_no_requests_by_hand()
         with old_objects_frozen():
             self._step_until(self._enqueued, use_tqdm)
-        outputs = [self._finished[rid] for rid in self._enqueued if rid in self._finished]  # (none if aborted by hand)
-        for rid in self._enqueued:
-            self._finished.pop(rid, None)
-        self._enqueued = []
+        ids = self._enqueued
+        outputs = [self._finished[rid] for rid in ids if rid in self._finished]  # (none if aborted by hand)
+        try:
+            with defer_interrupts():  # (a Ctrl-C meanwhile lands at the end, and is undone below)
+                for rid in ids:
+                    self._finished.pop(rid, None)
+                self._enqueued = []
+        except BaseException:  # the next call returns them
+            self._finished.update((o.request_id, o) for o in outputs)
+            self._enqueued = ids
+            raise
         return outputs
 
     def chat(
@@ -304,8 +312,11 @@ class LLM:
             except BaseException:  # KeyboardInterrupt or a device error: this call's requests are aborted
                 self._abort_generating()
                 raise
+        outputs = [self._finished[r.request_id] for r in requests]
+        for r in requests:  # (interrupted: the next call's _abort_generating drops the rest)
+            self._finished.pop(r.request_id)
         self._generating = []
-        return [self._finished.pop(r.request_id) for r in requests]
+        return outputs
 
     def _queue(self, prompts, sampling_params, priority, lora_request, add_special_tokens: bool = True, *,
                record: list[str], copy_params: bool = False) -> list:
@@ -338,7 +349,7 @@ class LLM:
             for e in self.engines[1:]:  # every replica reads the adapters (replica 0 did, checking the requests)
                 for lora in {lr.lora_int_id: lr for lr in loras if lr is not None}.values():
                     e.lora_id(lora)
-        except Exception:
+        except BaseException:  # (a Ctrl-C as well)
             engine.input_processor.take_back(requests)  # (none is queued: the next call draws as if none came)
             raise
         self._request_counter += len(requests)
@@ -368,8 +379,12 @@ class LLM:
             start, num_output_tokens = time.perf_counter(), 0
             while waiting and (busy := [e for e in self.engines if e.has_unfinished_requests()]):
                 for e in busy:
-                    outputs = e.step()
-                    self._finished.update((output.request_id, output) for output in outputs)  # (kept, whatever comes)
+                    # The outputs a step returns are committed (the caller's): a Ctrl-C during
+                    # the step is held until they are kept here, and lands then. (The step's own
+                    # deferral raised one that came after its commit on the way out: lost outputs.)
+                    with defer_interrupts():
+                        outputs = e.step()
+                        self._finished.update((output.request_id, output) for output in outputs)
                     for output in outputs:
                         if output.request_id in waiting:
                             waiting.discard(output.request_id)

@@ -777,6 +777,11 @@ class ModelRunner:
         """What sleep freed and no wake_up brought back: "weights", "kv_cache"."""
         return self._asleep
 
+    @property
+    def weights_gone(self) -> bool:
+        """Whether the weights are asleep with nothing to wake them from (a failed reload_weights)."""
+        return "weights" in self._asleep and self._host_params is None
+
     def sleep(self, level: int) -> None:
         """vLLM's sleep: the KV cache freed; the weights copied to host memory (level 1) or
         dropped (level 2). Their shapes and placements are kept, so that waking compiles nothing.
@@ -795,12 +800,12 @@ class ModelRunner:
         # The target's weights are let go, not deleted: a JAX trainer's arrays given to
         # update_weights are the params themselves, and stay the trainer's (their memory is
         # freed when nothing else holds them).
+        self._asleep = {"weights", "kv_cache"}
         self.params = self.kv_caches = None
         if self.drafter is not None:
             self.drafter.params = self.drafter.kv_caches = None
         if self.eagle is not None:
             self.eagle.step = None  # (a finished step's hidden states)
-        self._asleep = {"weights", "kv_cache"}
         for array in freed:
             array.delete()
 
@@ -809,12 +814,15 @@ class ModelRunner:
         undefined contents, for `update_weights` or `reload_weights` to fill), "kv_cache" (empty);
         a drafter's too (its weights: the host copy at either level)."""
         if "weights" in tags and "weights" in self._asleep:
+            if self.weights_gone:
+                raise RuntimeError("no weights to wake: reload_weights() failed part-way; call it again")
             (host, _), (structs, _) = self._host_params, self._params_struct
             placed = jax.tree.map(lambda x, s: put(x, s.sharding), host, {k: structs[k] for k in host})
             zeros = lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding)  # noqa: E731
             self.params = {k: placed[k] if k in placed else jax.tree.map(zeros, s) for k, s in structs.items()}
             self._wake_drafter_weights()
             self._asleep.discard("weights")
+            self._host_params = None  # (after: a failure before leaves an engine that wakes)
         if "kv_cache" in tags and "kv_cache" in self._asleep:
             self.kv_caches = self._allocate_kv_caches(self.num_blocks)
             if self._host_kv_scales is not None:  # (the scales as they were: read, or calculated once)
@@ -826,19 +834,22 @@ class ModelRunner:
             self._asleep.discard("kv_cache")
 
     def _wake_drafter_weights(self) -> None:
-        """The drafter's weights from their host copy, placed as before (and the copies let go)."""
+        """The drafter's weights from their host copy, placed as before."""
         (_, host), (_, structs) = self._host_params, self._params_struct
         if self.drafter is not None:
             self.drafter.params = jax.tree.map(lambda x, s: put(x, s.sharding), host, structs)
-        self._host_params = None
 
     def reload_weights(self) -> None:
         """Read the weights from the checkpoint again, onto their devices (vLLM's collective_rpc
         "reload_weights"): what sleep(2) dropped, or weights changed by update_weights. A
         drafter's, which nothing changes, come back from their host copy if asleep."""
         self.params = None  # (let go first, for the memory: see `sleep`)
-        if "weights" in self._asleep:
+        if "weights" in self._asleep and not self.weights_gone:
             self._wake_drafter_weights()
+        # Asleep until the new weights are in: a failed read (a missing file, an I/O error)
+        # leaves an engine that refuses steps by name, for another reload_weights to fill.
+        self._asleep.add("weights")
+        self._host_params = None
         _, self.params = self._load()
         self._asleep.discard("weights")
 

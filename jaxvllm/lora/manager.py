@@ -184,7 +184,12 @@ class LoRAManager:
         arrays = slot_arrays(adapter, self.targets, self.max_rank, self.dtype)
         arrays = jax.tree.map(put, arrays, self._slot_shardings)
         self.slot_ids[slot] = None  # (a failed write leaves the slot empty, never half-written)
-        self.stacks = self._write(self.stacks, np.int32(slot), arrays)
+        try:
+            self.stacks = self._write(self.stacks, np.int32(slot), arrays)
+        except BaseException:  # (the stacks are donated: a failed write may have consumed them)
+            if any(x.is_deleted() for x in jax.tree.leaves(self.stacks)):
+                self.clear_slots()
+            raise
         self.slot_ids[slot] = lora_id
         self.slot_loads += 1
 

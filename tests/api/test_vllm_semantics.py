@@ -142,6 +142,22 @@ def test_request_ids_of_completions_and_refused_calls(llm):
             llm.generate(prompts, [SamplingParams(), SamplingParams(), bad if prompts[2] else SamplingParams()],
                          use_tqdm=False)
         assert engine.input_processor.next_arrival == arrival and not engine._parents
+    # A Ctrl-C while the prompts are checked gives the arrivals back too (it took them before).
+    process, calls = engine.input_processor.process, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return process(*args, **kwargs)
+
+    engine.input_processor.process = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(["Hello", "Hi", "Hey"], SamplingParams(), use_tqdm=False)
+    finally:
+        del engine.input_processor.process
+    assert engine.input_processor.next_arrival == arrival and not engine._parents
 
 
 def test_vllm_engine_arguments_are_accepted(tiny_checkpoint):

@@ -213,6 +213,59 @@ def test_a_failure_after_a_step_committed_its_outputs_loses_none(case, monkeypat
     assert_healthy(llm, want)
 
 
+def test_outputs_a_failed_step_committed_go_with_the_requests_generate_aborts(case, monkeypatch):
+    """A failure after a step committed its outputs, inside generate: its cleanup aborts the
+    requests, and their committed outputs (kept for the next step) go too. Before, the
+    engine kept reporting unfinished requests (sleep refused) and the next step returned
+    final outputs of requests generate had aborted."""
+    from jaxvllm.metrics import MetricsCollector
+
+    llm, want = case
+    fail_once(monkeypatch, MetricsCollector, "record_parent_finished", 1, KeyboardInterrupt)
+    with pytest.raises(KeyboardInterrupt, match="injected"):
+        llm.generate(prompts(), GREEDY, use_tqdm=False)
+    monkeypatch.undo()
+    assert not llm.llm_engine._carried and not llm._finished
+    assert_healthy(llm, want)
+    assert not llm._finished
+
+
+def sigint_in(function, text: str, when=lambda frame: True) -> None:
+    """Send a real SIGINT as the line of `function` holding `text` is about to run, the first
+    time `when(frame)` holds there."""
+    lines, first = inspect.getsourcelines(function)
+    (line,) = [first + i for i, source in enumerate(lines) if text in source]
+
+    def in_function(frame, event, arg):
+        if event == "line" and frame.f_lineno == line and when(frame):
+            sys.settrace(None)
+            signal.raise_signal(signal.SIGINT)
+        return in_function
+
+    sys.settrace(lambda frame, event, arg: in_function if frame.f_code is function.__code__ else None)
+
+
+@pytest.mark.parametrize("where", ["after a step", "handing back"])
+def test_a_ctrl_c_in_wait_for_completion_loses_no_output(case, where):
+    """A SIGINT right after a step returned final outputs, or while wait_for_completion hands
+    them back: the next wait_for_completion returns every request enqueued. Before, the
+    outputs in hand were dropped, silently."""
+    llm, want = case
+    ids = llm.enqueue(prompts(), GREEDY, use_tqdm=False)
+    if where == "after a step":
+        sigint_in(LLM._step_until, "self._finished.update", lambda frame: frame.f_locals["outputs"])
+    else:
+        sigint_in(LLM.wait_for_completion, "self._finished.pop(rid, None)")
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.wait_for_completion(use_tqdm=False)
+    finally:
+        sys.settrace(None)
+    outputs = llm.wait_for_completion(use_tqdm=False)
+    assert [o.request_id for o in outputs] == ids and tokens(outputs) == want
+    assert_healthy(llm, want)
+
+
 def raise_at_line(function, text: str = "", line: int | None = None, hit: int = 1) -> None:
     """Raise RuntimeError("injected") the `hit`-th time the line of `function` that holds
     `text` (or line number `line`) is about to run: an exception where no Ctrl-C can land
@@ -353,11 +406,13 @@ def test_an_exception_at_any_line_of_the_output_bookkeeping(case):
 
 def test_sleep_resets_the_prefix_cache_before_it_frees_the_kv_cache(tiny_checkpoint):
     """A failure part-way through sleep leaves no cached block that names the freed cache
-    (a wake_up would give zeros for it: wrong outputs), and an engine that wakes."""
+    (a wake_up would give zeros for it: wrong outputs), and an engine that wakes; one in
+    wake_up, an engine that wakes; one in reload_weights, an engine that reloads."""
     llm = LLM(tiny_checkpoint("qwen3"), enable_sleep_mode=True, **ENGINE)
     want = tokens(llm.generate(prompts(), GREEDY, use_tqdm=False))
     assert llm.stats()["prefix_cache_hits"] > 0
     for function, text in ((ModelRunner.sleep, "self.params = self.kv_caches = None"),
+                           (ModelRunner.sleep, "if self.eagle is not None"),  # (params gone: asleep before)
                            (ModelRunner.sleep, "array.delete()")):
         raise_at_line(function, text)
         try:
@@ -365,9 +420,29 @@ def test_sleep_resets_the_prefix_cache_before_it_frees_the_kv_cache(tiny_checkpo
                 llm.sleep(1)
         finally:
             sys.settrace(None)
-        assert not llm.llm_engine.kv_cache_manager.pool.cached
+        assert not llm.llm_engine.kv_cache_manager.pool.cached and llm.llm_engine.is_sleeping()
         llm.wake_up()
         assert tokens(llm.generate(prompts(), GREEDY, use_tqdm=False)) == want
+    # A failure in wake_up, after the weights are placed: the next wake_up still has their copy.
+    llm.sleep(1)
+    raise_at_line(ModelRunner.wake_up, 'self._asleep.discard("weights")')
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            llm.wake_up()
+    finally:
+        sys.settrace(None)
+    llm.wake_up()
+    assert tokens(llm.generate(prompts(), GREEDY, use_tqdm=False)) == want
+    # A reload_weights whose read fails (an I/O error): an engine that says so and reloads.
+    with pytest.MonkeyPatch.context() as m:
+        fail_once(m, ModelRunner, "_load", 1, OSError)
+        with pytest.raises(OSError, match="injected"):
+            llm.collective_rpc("reload_weights")
+    for call in (lambda: llm.generate(prompts(), GREEDY, use_tqdm=False), llm.wake_up):
+        with pytest.raises(RuntimeError, match=r"reload_weights\(\) failed part-way; call it again"):
+            call()
+    llm.collective_rpc("reload_weights")
+    assert tokens(llm.generate(prompts(), GREEDY, use_tqdm=False)) == want
     llm.shutdown()
 
 

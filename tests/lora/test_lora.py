@@ -467,6 +467,17 @@ def test_a_failed_slot_load_leaves_the_engine_usable(llama_llm, adapter, peft_re
     base = tiny_checkpoint("llama")
     assert [list(o.token_ids) for o in got[0]] == peft_reference(base, path)[0]
     assert [list(o.token_ids) for o in got[1]] == peft_reference(base, None)[0]
+    # The same in add_lora, which writes a replaced adapter (id 4, from another folder now) into
+    # its slot: the next generate read consumed stacks ("Array has been deleted") before.
+    other = LoRARequest("replaced", 4, str(adapter("llama", 2)))
+    manager._write = failing
+    try:
+        with pytest.raises(RuntimeError, match="injected failure"):
+            llama_llm.add_lora(other)
+    finally:
+        manager._write = write
+    got = run(llama_llm, [other])
+    assert [list(o.token_ids) for o in got[0]] == peft_reference(base, adapter("llama", 2))[0]
 
 
 def test_command_line_and_benchmark(tiny_checkpoint, adapter, peft_reference, tmp_path):
