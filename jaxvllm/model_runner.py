@@ -105,17 +105,20 @@ class PendingStep:
         n, b = self.batch.num_scheduled, self.batch
         spec = self.accepted is not None
         rows = b.layout.num_logits if spec else n
+        # Every array the step returns, copied at once (one blocking read each was a device
+        # round trip each on a GPU: up to 7 a step).
+        host = to_host((self.sampled, self.logprobs, self.prompt_logprobs, self.accepted, self.drafts))
+        sampled, logprobs, prompt_logprobs, accepted, drafts = host
         prompt = None
-        if self.prompt_logprobs:  # the chunks' rows in order, less the last chunk's padding
-            prompt = jax.tree.map(lambda *chunks: np.concatenate([to_host(c) for c in chunks])[: len(b.prompt_rows)],
-                                  *self.prompt_logprobs)
+        if prompt_logprobs:  # the chunks' rows in order, less the last chunk's padding
+            prompt = jax.tree.map(lambda *chunks: np.concatenate(chunks)[: len(b.prompt_rows)], *prompt_logprobs)
         return RunnerOutput(
-            sampled=to_host(self.sampled)[:n] if self.sampled is not None else np.zeros(n, np.int32),
-            logprobs=jax.tree.map(lambda x: to_host(x)[:rows], self.logprobs) if self.logprobs is not None else None,
+            sampled=sampled[:n] if sampled is not None else np.zeros(n, np.int32),
+            logprobs=jax.tree.map(lambda x: x[:rows], logprobs) if logprobs is not None else None,
             prompt_logprobs=prompt,
             prompt_positions=b.prompt_positions,
-            num_accepted=to_host(self.accepted)[:n] if spec else None,
-            draft_ids=to_host(self.drafts)[:n] if spec else None,
+            num_accepted=accepted[:n] if spec else None,
+            draft_ids=drafts[:n] if spec else None,
             logits_start=b.layout.views(b.packed)["logits_start"][:n].copy() if spec else None,
         )
 
@@ -536,7 +539,8 @@ class ModelRunner:
                     f"; buckets {later_buckets} compile now, smallest first" if later_buckets else "")
 
     def _compile_write_row(self) -> None:
-        row = jax.tree.map(lambda x: x[0], self.sampler_state)
+        # (the row as `execute` passes it, host numpy: a device row compiled another executable)
+        row = jax.tree.map(lambda x: np.zeros(x.shape[1:], x.dtype), self.sampler_state)
         self._write_row.lower(self.sampler_state, 0, row).compile()
 
     # -- one step ----------------------------------------------------------------------

@@ -111,10 +111,12 @@ class SamplerFeatures:
         return "+".join(on) or "greedy"
 
 
-# Compiled in the warm-up for every row count: what most batches use.
+# Compiled in the warm-up for every row count: what most batches use (top_p alone is the
+# commonest setting given, and Llama 3's generation_config.json, the default params, sets it).
 COMMON_FEATURES = (
     SamplerFeatures(),
     SamplerFeatures(random=True),
+    SamplerFeatures(random=True, top_p=True),
     SamplerFeatures(random=True, top_k=True, top_p=True),
 )
 

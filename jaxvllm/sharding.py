@@ -165,10 +165,12 @@ def structs(tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
-def to_host(x: jax.Array) -> np.ndarray:
-    """A replicated array's value, from this process's copy (across processes no process
-    can address the whole array, yet each holds all of it)."""
-    return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
+def to_host(tree):
+    """The values of a pytree of replicated arrays, copied together (`jax.device_get`), each
+    from this process's copy (across processes no process can address the whole array, yet
+    each holds all of it)."""
+    local = jax.tree.map(lambda x: x if x.is_fully_addressable else x.addressable_data(0), tree)
+    return jax.tree.map(np.asarray, jax.device_get(local))
 
 
 def gather_over_processes(value: int) -> list[int]:

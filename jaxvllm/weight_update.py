@@ -366,7 +366,9 @@ def replaced_params(params: dict, weights: dict) -> tuple[dict, int]:
 
     def place(old, new):
         new = as_jax(new)
-        if new.dtype == old.dtype and new.sharding == old.sharding:
+        # (uncommitted, as jnp.array's or jax.random's, it would compile every step anew: jit
+        # keys on committedness)
+        if new.dtype == old.dtype and new.sharding == old.sharding and new.committed:
             return new
         return jax.device_put(new.astype(old.dtype), old.sharding)
 

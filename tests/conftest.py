@@ -68,14 +68,16 @@ def hf_model():
 
 
 class CompileCounter:
-    """Counts JAX traces (each new jitted shape or function) via jax.monitoring."""
+    """Counts XLA compilations via jax.monitoring: each new jitted shape or function, and each
+    new placement or committedness of its arguments (which compiles again with no new
+    trace), a persistent-cache hit included."""
 
     def __init__(self) -> None:
         self.count = 0
         jax.monitoring.register_event_duration_secs_listener(self._on_event)
 
     def _on_event(self, name: str, duration: float, **kwargs) -> None:
-        if name == "/jax/core/compile/jaxpr_trace_duration":
+        if name == "/jax/core/compile/backend_compile_duration":
             self.count += 1
 
 

@@ -247,6 +247,7 @@ def test_no_compiles_after_warmup(tiny_checkpoint, compile_counter):
         SamplingParams(temperature=0, max_tokens=6),
         SamplingParams(temperature=0.8, seed=1, max_tokens=6),
         SamplingParams(temperature=0.8, top_k=10, top_p=0.9, seed=2, max_tokens=6),
+        SamplingParams(temperature=0.6, top_p=0.9, seed=4, max_tokens=6),  # (Llama 3's defaults)
     ]
     variants = llm.stats()["num_compiled_sampler_variants"]
     before = compile_counter.count
@@ -259,7 +260,8 @@ def test_no_compiles_after_warmup(tiny_checkpoint, compile_counter):
     rare = SamplingParams(temperature=0.8, presence_penalty=1.0, seed=3, max_tokens=6)
     short = [{"prompt_token_ids": list(range(10, 10 + n))} for n in (3, 1, 2)]  # every step fits bucket 8
     llm.generate(short, rare, use_tqdm=False)
-    assert compile_counter.count > before
+    # (that variant alone: the state row write it needs is warmed, for the host row it is given)
+    assert compile_counter.count == before + 1
     assert llm.stats()["num_compiled_sampler_variants"] == variants + 1
     before = compile_counter.count
     llm.generate(short, rare, use_tqdm=False)

@@ -189,6 +189,18 @@ def test_a_trainers_own_pytree_goes_back(fresh):
     np.testing.assert_allclose(engine, trainer, atol=1e-5)
 
 
+def test_a_pytree_of_uncommitted_arrays_compiles_nothing(fresh, compile_counter):
+    """Arrays a trainer made with jnp.array or jax.random are not committed to a device:
+    taken as they are, every step's forward compiled again (jit keys on committedness)."""
+    completions(fresh)
+    uncommitted = jax.tree.map(lambda x: jnp.array(np.asarray(x)), fresh.get_params())
+    assert not any(x.committed for x in jax.tree.leaves(uncommitted))
+    fresh.update_weights(uncommitted)
+    before = compile_counter.count
+    completions(fresh)
+    assert compile_counter.count == before
+
+
 def test_shutdown_leaves_a_trainers_arrays_alive(tiny_checkpoint):
     """Arrays update_weights took as they were stay the caller's: shutdown deletes the
     engine's own (the KV cache, arrays it made), not them."""
