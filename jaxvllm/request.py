@@ -172,7 +172,8 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         """Add a sampled token and set finish_reason when it ends the completion (a complete
-        structured output ends it too: "stop")."""
+        structured output ends it too: "stop"). As vLLM's `check_stop`, the length cap comes
+        first: a stop token that is also the last allowed one ends it as "length", its text kept."""
         self.token_ids.append(token_id)
         complete = False
         if self.grammar is not None:
@@ -182,13 +183,15 @@ class Request:
                 self.finish_reason = "abort"
                 return
             complete = self.grammar.finished
-        if token_id in self.stop_ids:
+        if len(self.token_ids) >= self.max_num_tokens:
+            self.finish_reason = "length"
+        elif token_id in self.stop_ids:
             self.finish_reason = "stop"
-            self.stop_reason = None if self.eos_token_ids and token_id == self.eos_token_ids[0] else token_id
+            # (the EOS is reported as None, vLLM's; under ignore_eos only a stop id can match it)
+            eos = not self.params.ignore_eos and self.eos_token_ids and token_id == self.eos_token_ids[0]
+            self.stop_reason = None if eos else token_id
         elif complete:
             self.finish_reason = "stop"
-        elif len(self.token_ids) >= self.max_num_tokens:
-            self.finish_reason = "length"
 
 
 @dataclass(slots=True)

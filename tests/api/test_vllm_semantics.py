@@ -450,6 +450,32 @@ def test_generation_config_eos_ids_stop_as_stop_token_ids(llm, tiny_checkpoint, 
         assert (out.token_ids, out.finish_reason, out.stop_reason) == ([eos], "stop", None)
 
 
+def test_the_length_cap_comes_before_a_stop_token(llm):
+    """vLLM's `check_stop` order: a stop id or EOS that is also the last allowed token ends
+    the completion as "length" (its text kept); under ignore_eos an EOS listed in
+    stop_token_ids is that id's stop, reported by id."""
+    prompt = {"prompt_token_ids": [5, 6, 7, 8]}
+    ids = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    k = next(i for i in range(2, 8) if ids[i] not in ids[:i])
+    eos = llm.get_tokenizer().eos_token_id
+    cases = [  # (params, tokens, finish_reason, stop_reason)
+        (SamplingParams(temperature=0, max_tokens=k + 1, stop_token_ids=[ids[k]]), ids[: k + 1], "length", None),
+        (SamplingParams(temperature=0, max_tokens=k + 2, stop_token_ids=[ids[k]]), ids[: k + 1], "stop", ids[k]),
+        (SamplingParams(temperature=0, max_tokens=3, min_tokens=2, logit_bias={eos: 100.0}), ids[:2] + [eos],
+         "length", None),
+        (SamplingParams(temperature=0, max_tokens=8, min_tokens=2, logit_bias={eos: 100.0}), ids[:2] + [eos],
+         "stop", None),
+        (SamplingParams(temperature=0, max_tokens=8, min_tokens=2, ignore_eos=True, stop_token_ids=[eos],
+                        logit_bias={eos: 100.0}), ids[:2] + [eos], "stop", eos),
+    ]
+    for params, tokens, reason, stop_reason in cases:
+        out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        assert (out.token_ids, out.finish_reason, out.stop_reason) == (tokens, reason, stop_reason), params
+        if reason == "length":  # (a stop token's text is left out of a "stop" only)
+            assert out.text == llm.get_tokenizer().decode(tokens, skip_special_tokens=True)
+
+
 # -- SamplingParams fields and engine arguments for logprobs ---------------------------------
 
 
