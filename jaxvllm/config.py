@@ -413,8 +413,8 @@ class EngineConfig:
             if getattr(self, name) != 1:
                 raise ValueError(f"{name}={getattr(self, name)!r}: concurrent partial prefills are not supported "
                                  "(1 only, as vLLM's V1 engine)")
-        if self.prefix_caching_hash_algo not in ("sha256", "sha256_cbor"):
-            raise ValueError(f"Unknown prefix caching hash algorithm: {self.prefix_caching_hash_algo!r}. Must be one "
+        if self.enable_prefix_caching and self.prefix_caching_hash_algo not in ("sha256", "sha256_cbor"):
+            raise ValueError(f"Unknown prefix caching hash algorithm: {self.prefix_caching_hash_algo}. Must be one "
                              "of ('sha256', 'sha256_cbor').")
         if self.runner not in ("auto", "generate"):
             raise ValueError(f"runner={self.runner!r}: jaxvllm runs generative models only ('auto' or 'generate'); "

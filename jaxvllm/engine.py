@@ -282,7 +282,8 @@ class LLMEngine:
         outputs = []
         with defer_interrupts():
             # (outputs a failed step committed go too: a finished request's final output among them)
-            self._carried = [o for o in self._carried if o.request_id not in set(ids)]
+            aborted = set(ids)
+            self._carried = [o for o in self._carried if o.request_id not in aborted]
             try:
                 for rid in ids:
                     parent = self._parents.pop(rid, None)
@@ -336,7 +337,8 @@ class LLMEngine:
 
         A failed or interrupted step changes nothing a later step could notice: the
         bookkeeping runs with Ctrl-C held back (`defer_interrupts`), so an interrupt lands
-        only while the host waits for the device; after any exception, `_recover` puts
+        only while the host waits for the device (`generate` holds it to the step's end as
+        well, until it has the outputs); after any exception, `_recover` puts
         every running request back to be recomputed, then the exception propagates. The
         outputs it would have returned come with a later step: DELTA streams resend what
         it built, and a request it finished gets its final output then; outputs it had
@@ -755,6 +757,8 @@ class LLMEngine:
         self._check_open()
         if self.has_unfinished_requests():
             raise RuntimeError("update_weights while requests are unfinished: finish or abort them first")
+        if self.runner.weights_gone:
+            raise RuntimeError("update_weights with no weights: reload_weights() failed part-way; call it again")
         if "weights" in self.runner.asleep:
             raise RuntimeError("update_weights while the weights sleep: call wake_up(tags=['weights']) first")
         start = time.perf_counter()

@@ -381,6 +381,7 @@ class ModelRunner:
         self._weight_index = None  # (HF name -> its places in the params, KV repeats): update_weights'
         self._asleep: set[str] = set()
         self._host_kv_scales = None  # an fp8 cache's scales while it sleeps (calculated once, as vLLM's)
+        self._host_params = None  # the weights' host copy while they sleep (level 2: what no update refills)
         self._given: set[int] = set()  # ids of arrays update_weights took as they were: the caller's, not deleted
         # The forward layouts and (row count, logits rows, drafts, features) sampler variants compiled so far.
         self._forward_shapes: set[BatchLayout] = set()
@@ -466,7 +467,7 @@ class ModelRunner:
     def warmup(self) -> None:
         """Compile, without running, the forward of every token bucket and block-table width
         and the common sampler variants of every row count (greedy, temperature,
-        temperature + top-k/top-p), so that nothing compiles on first use; rarer sampler
+        temperature + top-p, temperature + top-k/top-p), so that nothing compiles on first use; rarer sampler
         variants compile when first used. Lowering holds the GIL but XLA's compiles do not,
         so they run on threads. Each `lower(...).compile()` fills the same cache a call
         would, and the persistent compilation cache serves a second process.
@@ -851,11 +852,12 @@ class ModelRunner:
         if "weights" in self._asleep and not self.weights_gone:
             self._wake_drafter_weights()
         # Asleep until the new weights are in: a failed read (a missing file, an I/O error)
-        # leaves an engine that refuses steps by name, for another reload_weights to fill.
+        # leaves an engine that refuses steps by name, for another reload_weights to fill
+        # (or, asleep before, one that wakes from the host copy as it was).
         self._asleep.add("weights")
-        self._host_params = None
         _, self.params = self._load()
         self._asleep.discard("weights")
+        self._host_params = None
 
     @cached_property
     def checkpoint_config(self) -> ModelConfig:
@@ -889,7 +891,11 @@ class ModelRunner:
                 pairs = across_processes([(jax.tree_util.keystr(k), a) for k, a in leaves], self._replicated)
                 weights = jax.tree.unflatten(jax.tree.structure(weights), [a for _, a in pairs])
             self.params, count = replaced_params(self.params, weights)
-            self._given |= {id(a) for a in jax.tree.leaves(weights) if isinstance(a, jax.Array)}
+            # The caller's arrays, and what was placed from them (an uncommitted array's
+            # placement shares its buffer): shutdown deletes neither.
+            given = [isinstance(a, jax.Array) for a in jax.tree.leaves(weights)]
+            self._given |= {id(a) for a, g in zip(jax.tree.leaves(weights), given) if g}
+            self._given |= {id(p) for p, g in zip(jax.tree.leaves(self.params), given) if g}
             return count
         if self._weight_index is None:
             original = self.checkpoint_config

@@ -56,7 +56,7 @@ def no_loading(monkeypatch):
     (dict(cpu_offload_gb=4), r"cpu_offload_gb=4: offloading weights to CPU memory is not supported"),
     (dict(max_num_partial_prefills=2), r"max_num_partial_prefills=2: concurrent partial prefills are not supported"),
     (dict(max_long_partial_prefills=0), r"max_long_partial_prefills=0: concurrent partial prefills are not"),
-    (dict(prefix_caching_hash_algo="builtin"), r"Unknown prefix caching hash algorithm: 'builtin'. Must be one of"),
+    (dict(prefix_caching_hash_algo="builtin"), r"Unknown prefix caching hash algorithm: builtin. Must be one of"),
     (dict(distributed_executor_backend="slurm"), r"distributed_executor_backend='slurm': choose from"),
     (dict(max_num_seqs=64, max_num_batched_tokens=32), r"max_num_batched_tokens \(32\) must be >= max_num_seqs \(64\)"),
     (dict(scheduling_policy="lifo"), r"scheduling_policy must be one of \('fcfs', 'priority'\), got 'lifo'"),

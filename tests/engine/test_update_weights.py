@@ -214,6 +214,12 @@ def test_shutdown_leaves_a_trainers_arrays_alive(tiny_checkpoint):
         kv = jax.tree.leaves(llm.llm_engine.runner.kv_caches)
     assert not any(x.is_deleted() for x in jax.tree.leaves(trained) + [norm])
     assert made and all(x.is_deleted() for x in made + kv)
+    # Uncommitted arrays (jnp.array's) are committed to the params' placement, which shares
+    # their buffers: shutdown deleted them through it.
+    with LLM(str(tiny_checkpoint("llama")), **ENGINE) as llm:
+        uncommitted = jax.tree.map(lambda x: jnp.array(np.asarray(x)), llm.get_params())
+        llm.update_weights(uncommitted)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(uncommitted))
 
 
 @pytest.mark.parametrize("arch,quantization", [("llama", "fp8"), ("qwen3_moe", "fp8"), ("qwen3", "gptq-dummy"),
