@@ -876,8 +876,7 @@ class ModelRunner:
         of the params' own structure; the others stay. Returns how many tensors went in.
         Online-quantized weights are quantized as they were at load; a quantized checkpoint's
         are refused."""
-        from jaxvllm.weight_update import (across_processes, named_tensors, replaced_params, same_layout,
-                                           updated_params, weight_index)
+        from jaxvllm.weight_update import across_processes, replaced_params, same_layout
 
         if self.cfg.quant_method:
             raise ValueError(f"update_weights on a quantized checkpoint ({self.cfg.quant_method}) is not supported: "
@@ -894,9 +893,19 @@ class ModelRunner:
             # The caller's arrays, and what was placed from them (an uncommitted array's
             # placement shares its buffer): shutdown deletes neither.
             given = [isinstance(a, jax.Array) for a in jax.tree.leaves(weights)]
-            self._given |= {id(a) for a, g in zip(jax.tree.leaves(weights), given) if g}
-            self._given |= {id(p) for p, g in zip(jax.tree.leaves(self.params), given) if g}
-            return count
+            taken = [a for a, g in zip(jax.tree.leaves(weights), given) if g]
+            taken += [p for p, g in zip(jax.tree.leaves(self.params), given) if g]
+        else:
+            count, taken = self._update_named(weights, multiprocess)
+        # Only the arrays the params hold count: a dead array's id may come back for another
+        # (a KV cache, which shutdown would then not delete), and an RL loop's ids would pile up.
+        self._given = (self._given | {id(a) for a in taken}) & {id(p) for p in jax.tree.leaves(self.params)}
+        return count
+
+    def _update_named(self, weights, multiprocess: bool) -> tuple[int, list]:
+        """update_weights from HF-named tensors; (how many went in, the caller's arrays taken)."""
+        from jaxvllm.weight_update import across_processes, named_tensors, updated_params, weight_index
+
         if self._weight_index is None:
             original = self.checkpoint_config
             layout = dataclasses.replace(original, stack_layers=self.cfg.stack_layers,
@@ -910,8 +919,7 @@ class ModelRunner:
             pairs = across_processes(pairs, self._replicated)
         self.params, count = updated_params(self.params, pairs, index, repeats, skip, self.config.quantization,
                                             self.dtype)
-        self._given |= {id(a) for _, a in pairs if isinstance(a, jax.Array)}
-        return count
+        return count, [a for _, a in pairs if isinstance(a, jax.Array)]
 
     def weight_bytes_per_device(self) -> list[int]:
         """Bytes of the weights held on each of this replica's devices, in device order."""

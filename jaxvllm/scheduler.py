@@ -14,6 +14,7 @@ import bisect
 import heapq
 import math
 import time
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -162,7 +163,9 @@ class Scheduler:
         # request at a time always (the tests check that both give the same steps).
         self.vectorized = True
         self._rows: RunningRows | None = None  # the running requests' counters, while they are exact
-        self._stop_ids: frozenset[int] = frozenset()
+        # The unfinished requests' stop ids, each with how many requests have it: the vectorized
+        # update checks sampled tokens against them (`_stop_token_ids`, sorted).
+        self._stop_counts: Counter[int] = Counter()
         self._stop_token_ids = np.zeros(0, np.int64)
 
     # -- requests in and out ---------------------------------------------------------
@@ -195,9 +198,22 @@ class Scheduler:
         request.metrics.queued_time = time.time()
         self.requests[request.request_id] = request
         self.waiting.add(request)
-        if not request.stop_ids <= self._stop_ids:  # every request's stop ids: tokens the vectorized update checks
-            self._stop_ids |= request.stop_ids
-            self._stop_token_ids = np.array(sorted(self._stop_ids), np.int64)
+        self._count_stop_ids(request, 1)
+
+    def _count_stop_ids(self, request: Request, delta: int) -> None:
+        """Add (1) or take away (-1) a request's stop ids; the array changes only when an id
+        comes or goes (kept to the unfinished requests' ids, or a long job's would pile up
+        to the vocabulary, each compared with every sampled token)."""
+        counts, changed = self._stop_counts, False
+        for token in request.stop_ids:
+            counts[token] += delta
+            if counts[token] == 0:
+                del counts[token]
+                changed = True
+            elif delta > 0 and counts[token] == 1:
+                changed = True
+        if changed:
+            self._stop_token_ids = np.array(sorted(counts), np.int64)
 
     def finish(self, request: Request, reason: str) -> None:
         """End a request (stopped, at its length, or aborted) and release its blocks. It is
@@ -211,6 +227,7 @@ class Scheduler:
         elif status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
         del self.requests[request.request_id]
+        self._count_stop_ids(request, -1)
         self.kv.free(request)
 
     def set_policy(self, policy: str) -> None:
@@ -455,6 +472,7 @@ class Scheduler:
         `preempting`: the running requests count as preempted (a reset of the prefix cache
         preempts them, as vLLM's does; a recovery does not)."""
         self.requests, self.running, self._rows = {}, [], None
+        self._stop_counts, self._stop_token_ids = Counter(), np.zeros(0, np.int64)
         self.waiting.clear()
         for request in unfinished:
             if request.finish_reason is not None:  # (its end was found, not yet carried out)
@@ -469,6 +487,7 @@ class Scheduler:
             request.num_computed_tokens = request.num_pending = 0
             request.spec_token_ids = []
             self.requests[request.request_id] = request
+            self._count_stop_ids(request, 1)
             self.waiting.add(request)
         self.kv.release_all()
 

@@ -254,6 +254,21 @@ def test_stop_tokens_and_abort_free_blocks():
     assert s.kv.num_free_blocks == 64 and not s.has_unfinished_requests()
 
 
+def test_stop_ids_checked_are_the_unfinished_requests():
+    """The vectorized update compares each sampled token with the unfinished requests' stop
+    ids: a finished request's go (they piled up over a long job, up to the vocabulary)."""
+    s = make_scheduler()
+    s.add_request(make_request("a", 5, 50, 0, eos=(7, 9)))
+    s.add_request(make_request("b", 5, 50, 1, eos=(9, 11)))
+    assert s._stop_token_ids.tolist() == [7, 9, 11]
+    s.finish(s.requests["a"], "abort")
+    assert s._stop_token_ids.tolist() == [9, 11]
+    s.recompute_all(list(s.requests.values()))
+    assert s._stop_token_ids.tolist() == [9, 11]
+    s.finish(s.requests["b"], "abort")
+    assert s._stop_token_ids.tolist() == []
+
+
 def test_block_pool_free_order_and_double_free():
     pool = BlockPool(4)
     a = pool.allocate(3)

@@ -199,6 +199,9 @@ def test_a_pytree_of_uncommitted_arrays_compiles_nothing(fresh, compile_counter)
     before = compile_counter.count
     completions(fresh)
     assert compile_counter.count == before
+    # The ids kept from deletion at shutdown are of arrays the params hold, none else (an RL
+    # loop's piled up, and a dead one's id could come back for a KV cache).
+    assert fresh.llm_engine.runner._given <= {id(p) for p in jax.tree.leaves(fresh.get_params())}
 
 
 def test_shutdown_leaves_a_trainers_arrays_alive(tiny_checkpoint):
