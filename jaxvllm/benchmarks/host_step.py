@@ -89,6 +89,7 @@ class StubRunner:
         self.seconds, self.rng, self.free_at = device_ms / 1e3, rng, 0.0
         self.closed = False
         self.asleep: set[str] = set()  # (no sleep mode, no LoRA: the engine's checks find nothing)
+        self.weights_gone = False
         self.lora = None
 
     def execute(self, scheduled: list[ScheduledRequest]) -> StubStep:
