@@ -38,6 +38,8 @@ LORA_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # bias, bad words, penalties, temperature, min_p / top-k / top-p); logprobs or logits.
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 POLICIES = ("fcfs", "priority")
+# vLLM's prefix-cache hash names (jaxvllm's one hash serves both: see `EngineConfig`).
+PREFIX_CACHING_HASH_ALGOS = ("sha256", "sha256_cbor")
 TOKENIZER_MODES = ("auto", "slow")
 # vLLM's default `max_logprobs` engine argument: the most logprobs a request may ask for
 # (up to this many, the top-k arrays on device have this fixed width).
@@ -413,9 +415,9 @@ class EngineConfig:
             if getattr(self, name) != 1:
                 raise ValueError(f"{name}={getattr(self, name)!r}: concurrent partial prefills are not supported "
                                  "(1 only, as vLLM's V1 engine)")
-        if self.enable_prefix_caching and self.prefix_caching_hash_algo not in ("sha256", "sha256_cbor"):
+        if self.enable_prefix_caching and self.prefix_caching_hash_algo not in PREFIX_CACHING_HASH_ALGOS:
             raise ValueError(f"Unknown prefix caching hash algorithm: {self.prefix_caching_hash_algo}. Must be one "
-                             "of ('sha256', 'sha256_cbor').")
+                             f"of {PREFIX_CACHING_HASH_ALGOS}.")
         if self.runner not in ("auto", "generate"):
             raise ValueError(f"runner={self.runner!r}: jaxvllm runs generative models only ('auto' or 'generate'); "
                              "pooling and embedding models are not supported")

@@ -301,8 +301,7 @@ class LLMEngine:
                 self._recover()  # (the children of a parent popped so far are nobody's: dropped)
                 raise
             self.output_processor.commit()
-            if not self.scheduler.has_unfinished_requests():
-                self._in_flight = None  # its tokens are for aborted requests only: never read
+            self._drop_step_of_ended_requests()
         return outputs
 
     def get_model_config(self) -> ModelConfig:
@@ -370,9 +369,7 @@ class LLMEngine:
                 result = launched[1].result()  # waits for the device
                 with defer_interrupts():
                     updated = self._process(launched[0], result, launched[1].batch.grammar_rows)
-                    if self._in_flight is not None and not self.scheduler.has_unfinished_requests():
-                        # (async: dispatched before the last requests stopped, as abort_request's case)
-                        self._in_flight = None  # its tokens are for finished requests only: never read
+                    self._drop_step_of_ended_requests()
                     self._sample_constrained()
             with defer_interrupts() as held:
                 # (with the completions a failed step finished: their final outputs are still due)
@@ -396,6 +393,12 @@ class LLMEngine:
                 if committed is not None:
                     self._carried = committed
             raise
+
+    def _drop_step_of_ended_requests(self) -> None:
+        """Async: once no request is unfinished (the last ones stopped or were aborted after
+        the step in flight was dispatched), that step's tokens are theirs only: it is never read."""
+        if not self.scheduler.has_unfinished_requests():
+            self._in_flight = None
 
     def _sample_constrained(self, launched: tuple[SchedulerOutput, PendingStep] | None = None) -> None:
         """Sample a step with structured-output rows (default: the one in flight), whose

@@ -107,8 +107,8 @@ class PendingStep:
         rows = b.layout.num_logits if spec else n
         # Every array the step returns, copied at once (one blocking read each was a device
         # round trip each on a GPU: up to 7 a step).
-        host = to_host((self.sampled, self.logprobs, self.prompt_logprobs, self.accepted, self.drafts))
-        sampled, logprobs, prompt_logprobs, accepted, drafts = host
+        sampled, logprobs, prompt_logprobs, accepted, drafts = to_host(
+            (self.sampled, self.logprobs, self.prompt_logprobs, self.accepted, self.drafts))
         prompt = None
         if prompt_logprobs:  # the chunks' rows in order, less the last chunk's padding
             prompt = jax.tree.map(lambda *chunks: np.concatenate(chunks)[: len(b.prompt_rows)], *prompt_logprobs)

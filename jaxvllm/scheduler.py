@@ -204,15 +204,12 @@ class Scheduler:
         """Add (1) or take away (-1) a request's stop ids; the array changes only when an id
         comes or goes (kept to the unfinished requests' ids, or a long job's would pile up
         to the vocabulary, each compared with every sampled token)."""
-        counts, changed = self._stop_counts, False
+        counts, before = self._stop_counts, len(self._stop_counts)
         for token in request.stop_ids:
             counts[token] += delta
-            if counts[token] == 0:
+            if not counts[token]:
                 del counts[token]
-                changed = True
-            elif delta > 0 and counts[token] == 1:
-                changed = True
-        if changed:
+        if len(counts) != before:  # (one sign of delta only adds ids, the other only removes them)
             self._stop_token_ids = np.array(sorted(counts), np.int64)
 
     def finish(self, request: Request, reason: str) -> None:

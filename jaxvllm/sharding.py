@@ -169,8 +169,7 @@ def to_host(tree):
     """The values of a pytree of replicated arrays, copied together (`jax.device_get`), each
     from this process's copy (across processes no process can address the whole array, yet
     each holds all of it)."""
-    local = jax.tree.map(lambda x: x if x.is_fully_addressable else x.addressable_data(0), tree)
-    return jax.tree.map(np.asarray, jax.device_get(local))
+    return jax.device_get(jax.tree.map(lambda x: x if x.is_fully_addressable else x.addressable_data(0), tree))
 
 
 def gather_over_processes(value: int) -> list[int]:
