@@ -16,7 +16,7 @@ from itertools import chain
 import numpy as np
 
 from jaxvllm.config import DEFAULT_MAX_LOGPROBS
-from jaxvllm.input_batch import SMALLEST_WIDTH, BatchLayout, InputBatch, block_table_widths
+from jaxvllm.input_batch import ROW_COLUMNS, SMALLEST_WIDTH, BatchLayout, InputBatch, block_table_widths
 from jaxvllm.request import Request, ScheduledBatch, ScheduledRequest
 from jaxvllm.sampler import SamplerFeatures, SamplingTensors
 from jaxvllm.sampling_params import resolve_logprobs
@@ -42,6 +42,15 @@ def sequence_rows(max_num_seqs: int, bucket: int) -> int:
     """Sequence rows of a token bucket's batch (static per bucket): every sequence brings
     at least one token, so a bucket of T tokens never holds more than T sequences."""
     return min(max_num_seqs, bucket)
+
+
+def request_features(request: Request) -> SamplerFeatures:
+    """The sampler variant of a step in which `request` alone samples (no logprobs asked)."""
+    _, views = BatchLayout.rows_only(1).empty()
+    for name, get in ROW_COLUMNS:
+        views[name][0] = get(request)
+    tensors = SamplingTensors(**{name: views[name] for name in SamplingTensors.__dataclass_fields__})
+    return SamplerFeatures.of(tensors, np.ones(1, bool), bad_words=np.array([bool(request.bad_words_token_ids)]))
 
 
 @dataclass

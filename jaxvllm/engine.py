@@ -25,13 +25,13 @@ import jax
 
 from jaxvllm.config import EngineConfig
 from jaxvllm.dummy import resolve_model
-from jaxvllm.input_processor import InputProcessor, eos_token_ids, load_tokenizer, read_generation_config
+from jaxvllm.input_processor import InputProcessor, eos_token_ids, load_tokenizer
 from jaxvllm.interrupts import defer_interrupts
 from jaxvllm.kv_cache_manager import KVCacheManager
 from jaxvllm.loader import checkpoint_tensors, load_config
 from jaxvllm.lora.request import LoRARequest
 from jaxvllm.metrics import Metric, MetricsCollector, spec_decode_rates
-from jaxvllm.model_config import ModelConfig
+from jaxvllm.model_config import ModelConfig, read_generation_config
 from jaxvllm.model_runner import ModelRunner, PendingStep, RunnerOutput
 from jaxvllm.output_processor import OutputProcessor
 from jaxvllm.outputs import RequestOutput

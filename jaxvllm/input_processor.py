@@ -50,20 +50,6 @@ def load_tokenizer(config: EngineConfig):
     return tokenizer
 
 
-def read_generation_config(config: EngineConfig) -> dict[str, Any]:
-    """The fields of the model's generation_config.json that differ from transformers'
-    defaults ({} without one), as vLLM reads them: from the model's folder unless
-    `generation_config` names another ("vllm" still reads the model's, for its EOS ids)."""
-    from transformers import GenerationConfig
-
-    source = config.generation_config
-    try:
-        return GenerationConfig.from_pretrained(config.model if source in ("auto", "vllm") else source,
-                                                local_files_only=True).to_diff_dict()
-    except OSError:
-        return {}
-
-
 def eos_token_ids(config_eos: tuple[int, ...], generation_config: dict[str, Any], tokenizer) -> tuple[int, ...]:
     """Every id that ends a completion unless `ignore_eos`, the model's EOS first: the
     tokenizer's (else config.json's first), whose stop_reason is None as vLLM's. The others

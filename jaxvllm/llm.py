@@ -17,6 +17,7 @@ from jaxvllm.engine import LLMEngine
 from jaxvllm.inputs import TokensPrompt, prompt_list
 from jaxvllm.interrupts import defer_interrupts
 from jaxvllm.lora.request import LoRARequest
+from jaxvllm.model_config import default_sampling_fields
 from jaxvllm.outputs import RequestOutput
 from jaxvllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -77,16 +78,9 @@ class LLM:
         engine's `generation_config` is "vllm"; `override_generation_config` over either.
         `generate` and `chat` use these when given no sampling params, as vLLM's do."""
         if self._default_sampling is None:
-            self._default_sampling = self._read_generation_config()
+            engine = self.llm_engine
+            self._default_sampling = default_sampling_fields(engine.config, engine.generation_config)
         return SamplingParams(**self._default_sampling)
-
-    def _read_generation_config(self) -> dict[str, Any]:
-        config = self.llm_engine.config
-        given = {} if config.generation_config == "vllm" else dict(self.llm_engine.generation_config)
-        given.update(config.override_generation_config or {})
-        names = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                 "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
-        return {ours: given[hf] for hf, ours in names.items() if given.get(hf) is not None}
 
     def get_tokenizer(self):
         """The HF tokenizer; ValueError under skip_tokenizer_init=True (as vLLM), so chat() refuses too."""

@@ -9,7 +9,10 @@ argument of `jax.jit`: one compiled step per (config, shape bucket). The RoPE ma
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jaxvllm.config import EngineConfig
 
 # Every architecture here is a Llama-family decoder; they differ only in the flags below.
 SUPPORTED_ARCHITECTURES = (
@@ -307,3 +310,32 @@ def _sliding_windows_from_hf(hf: Any, arch: str) -> tuple[int | None, ...]:
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM") and window is not None:
         return tuple(window if t == "sliding_attention" else None for t in layer_types)
     return (None,) * n
+
+
+# generation_config.json's sampling fields that vLLM takes as the default sampling params, by
+# their SamplingParams names.
+_GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                        "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def read_generation_config(config: EngineConfig) -> dict[str, Any]:
+    """The fields of the model's generation_config.json that differ from transformers'
+    defaults ({} without one), as vLLM reads them: from the model's folder unless
+    `generation_config` names another ("vllm" still reads the model's, for its EOS ids)."""
+    from transformers import GenerationConfig
+
+    source = config.generation_config
+    try:
+        return GenerationConfig.from_pretrained(config.model if source in ("auto", "vllm") else source,
+                                                local_files_only=True).to_diff_dict()
+    except OSError:
+        return {}
+
+
+def default_sampling_fields(config: EngineConfig, generation_config: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's default SamplingParams fields (`get_diff_sampling_param`): the generation
+    config's sampling settings, none when `generation_config` is "vllm", and
+    `override_generation_config` over either."""
+    given = {} if config.generation_config == "vllm" else dict(generation_config)
+    given.update(config.override_generation_config or {})
+    return {ours: given[hf] for hf, ours in _GENERATION_DEFAULTS.items() if given.get(hf) is not None}

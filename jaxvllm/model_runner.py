@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, SingleDeviceSharding
 
-from jaxvllm.batch_builder import BatchBuilder, HostBatch, default_buckets
+from jaxvllm.batch_builder import BatchBuilder, HostBatch, default_buckets, request_features
 from jaxvllm.config import ATTENTION_BACKENDS, MODEL_SPECULATIVE_METHODS, EngineConfig
 from jaxvllm.input_batch import DRAFTS, NARROW_WIDTH, NEWEST, REJECTED, SMALLEST_WIDTH, BatchLayout
 from jaxvllm.kv_cache import (
@@ -42,10 +42,11 @@ from jaxvllm.kv_cache import (
 )
 from jaxvllm.loader import JNP_DTYPES, load_config, load_model, resolve_dtype
 from jaxvllm.lora.manager import LoRAManager
-from jaxvllm.model_config import ModelConfig
+from jaxvllm.model_config import ModelConfig, default_sampling_fields, read_generation_config
 from jaxvllm.models import MODELS
 from jaxvllm.models.common import logits_params
 from jaxvllm.request import Request, ScheduledBatch, ScheduledRequest
+from jaxvllm.sampling_params import SamplingParams
 from jaxvllm.sampler import (COMMON_FEATURES, Logprobs, SamplerFeatures, SamplerState, compute_logprobs, init_state,
                              sample, state_row, write_state_row)
 from jaxvllm.sharding import (FlatParams, FlatTree, as_tree, device_group, kv_cache_sharding, kv_repeats, make_mesh,
@@ -467,8 +468,9 @@ class ModelRunner:
     def warmup(self) -> None:
         """Compile, without running, the forward of every token bucket and block-table width
         and the common sampler variants of every row count (greedy, temperature,
-        temperature + top-p, temperature + top-k/top-p), so that nothing compiles on first use; rarer sampler
-        variants compile when first used. Lowering holds the GIL but XLA's compiles do not,
+        temperature + top-p, temperature + top-k/top-p, and that of `generate`'s default
+        params), so that nothing compiles on first use; rarer sampler variants compile when
+        first used. Lowering holds the GIL but XLA's compiles do not,
         so they run on threads. Each `lower(...).compile()` fills the same cache a call
         would, and the persistent compilation cache serves a second process.
 
@@ -497,6 +499,7 @@ class ModelRunner:
         now = []
         jobs_of = lambda bucket: later.get(bucket, now)  # noqa: E731  (a bucket's jobs: before ready or after)
         samplers = set()  # (one sampler per row count and, with drafts, logits rows: verifying or not)
+        variants = self._warmed_sampler_variants()
         for batch in sorted(batches + lora_batches, key=lambda batch: batch.layout.num_tokens):
             layout, jobs = batch.layout, jobs_of(batch.layout.num_tokens)
             jobs.append((("forward", layout), partial(lowering.forward, layout, batch.packed)))
@@ -504,7 +507,7 @@ class ModelRunner:
             if sampler not in samplers and not layout.lora:
                 samplers.add(sampler)
                 jobs += [(("sampler", *sampler, features),
-                          partial(lowering.sampler, layout, features)) for features in COMMON_FEATURES]
+                          partial(lowering.sampler, layout, features)) for features in variants]
             # A drafter runs the base model (no adapter, as in vLLM) after each target layout, LoRA's too.
             packed = step_input(batch.packed, self._replicated)
             if self.draft is not None:
@@ -538,6 +541,17 @@ class ModelRunner:
                     sum(key[0] == "sampler" for key, _ in now), self.warmup_seconds, self.compiles.counts.compilations,
                     self.compiles.counts.cache_hits,
                     f"; buckets {later_buckets} compile now, smallest first" if later_buckets else "")
+
+    def _warmed_sampler_variants(self) -> tuple[SamplerFeatures, ...]:
+        """`COMMON_FEATURES`, and the variant of `generate`'s default params if it is another
+        (the checkpoint's recommended settings: Qwen2.5's repetition penalty needs the state)."""
+        fields = default_sampling_fields(self.config, read_generation_config(self.config))
+        try:
+            request = Request("", [0], SamplingParams(**fields), max_tokens=1, vocab_size=self.cfg.vocab_size)
+        except ValueError:  # (LLM.generate refuses them too, with the message)
+            return COMMON_FEATURES
+        default = request_features(request)
+        return COMMON_FEATURES + (() if default in COMMON_FEATURES else (default,))
 
     def _compile_write_row(self) -> None:
         # (the row as `execute` passes it, host numpy: a device row compiled another executable)

@@ -80,6 +80,27 @@ def test_every_block_table_width_is_warmed_up(tiny_checkpoint):
     assert runner.builder.widths == [64, 512] and runner.num_compiled_buckets() == 2  # both widths warmed up
 
 
+def test_the_default_params_sampler_is_warmed_up(tiny_checkpoint, tmp_path, compile_counter, caplog):
+    """generate() without params samples with the generation config's settings; Qwen2.5's
+    repetition penalty needs a variant none of the common ones is: the warm-up compiles it
+    too, so the first default generate compiles nothing."""
+    import json
+
+    path = tmp_path / "repetition-penalty"
+    shutil.copytree(tiny_checkpoint("qwen2"), path)
+    (path / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}))
+    with caplog.at_level("INFO", logger="jaxvllm"):
+        llm = LLM(str(path), **SMALL)
+    assert "and 5 sampler variants" in caplog.text
+    llm.llm_engine.finish_warmup()
+    before = compile_counter.count
+    outputs = llm.generate([{"prompt_token_ids": [5 + i, 6, 7]} for i in range(3)], use_tqdm=False)
+    assert compile_counter.count == before, "the default params compiled a sampler after warm-up"
+    assert all(len(o.outputs[0].token_ids) == 16 or o.outputs[0].finish_reason == "stop" for o in outputs)
+    llm.shutdown()
+
+
 def test_missing_tokenizer_is_a_clear_error(tiny_checkpoint, tmp_path):
     path = tmp_path / "no-tokenizer"
     path.mkdir()
