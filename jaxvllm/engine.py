@@ -101,6 +101,7 @@ class LLMEngine:
         # Outputs a step committed and could not return (an interrupt held during its last
         # statements is raised on its way out): the next `step()` returns them.
         self._carried: list[RequestOutput] = []
+        self._recovering = False  # a recovery failed part way (`_recover`)
         # Across processes (jax.distributed) each one schedules for itself: the requests are
         # compared once they change, before the next step.
         self._multiprocess = jax.process_count() > 1
@@ -256,6 +257,7 @@ class LLMEngine:
             if child.lora_id and child.lora_id not in versions:
                 raise ValueError(f"LoRA adapter {child.lora_id} is not known to this engine (removed since the "
                                  f"request was made?)")
+        self._finish_recovery()
         with defer_interrupts():
             try:
                 for child in parent.children:
@@ -279,6 +281,7 @@ class LLMEngine:
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Stop requests now and free their blocks; unknown or finished ids are ignored."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self._finish_recovery()
         outputs = []
         with defer_interrupts():
             # (outputs a failed step committed go too: a finished request's final output among them)
@@ -349,6 +352,7 @@ class LLMEngine:
             return outputs
         if self._requests_changed:
             self._check_same_requests()
+        self._finish_recovery()
         committed = None
         try:
             with defer_interrupts():
@@ -582,7 +586,10 @@ class LLMEngine:
         each recomputed from its tokens on the host, and donated buffers a failed call
         consumed are made anew (the prefix cache too, if the KV cache was). A step whose
         outputs were not committed gives back the tokens it appended: its bookkeeping may
-        have stopped anywhere (tokens without logprobs, text or finish checks)."""
+        have stopped anywhere (tokens without logprobs, text or finish checks). A failure in
+        here (out of memory making a cache anew) leaves `_recovering` set: the next step
+        recovers again first."""
+        self._recovering = True
         self._metrics_due = []
         if self._processing is not None:
             requests, lengths = self._processing
@@ -596,6 +603,13 @@ class LLMEngine:
                             if child.is_finished and i not in parent.finals_sent]
         if self.runner.recover():
             self._reset_prefix_cache()
+        self._recovering = False
+
+    def _finish_recovery(self) -> None:
+        """Recover again if a recovery failed part way, before anything that changes requests."""
+        if self._recovering:
+            with defer_interrupts():
+                self._recover()
 
     def _recompute_all(self, preempting: bool = False) -> None:
         """Drop the step in flight (its tokens come out the same when recomputed) and the

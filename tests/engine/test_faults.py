@@ -452,6 +452,19 @@ def test_sleep_resets_the_prefix_cache_before_it_frees_the_kv_cache(tiny_checkpo
     llm.shutdown()
 
 
+@pytest.mark.parametrize("owner,name", [(BlockPool, "release_all"), (ModelRunner, "recover")])
+def test_a_failure_inside_the_recovery_is_mended_by_the_next_step(case, monkeypatch, owner, name):
+    """A second fault while the engine recovers from a first (the KV cache could not be made
+    anew: out of memory) leaves its state half mended; the next step mends it first."""
+    llm, want = case
+    fail_once(monkeypatch, PendingStep, "result", 2)
+    fail_once(monkeypatch, owner, name, 1, MemoryError)
+    with pytest.raises(MemoryError, match="injected"):
+        llm.generate(prompts(), GREEDY, use_tqdm=False)
+    monkeypatch.undo()
+    assert_healthy(llm, want)
+
+
 def test_failed_call_that_consumed_the_kv_cache(case, monkeypatch):
     """A jitted step that took the donated caches and then failed: the runner makes new ones
     (and forgets the prefix cache, whose contents went with them)."""
