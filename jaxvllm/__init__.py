@@ -13,6 +13,7 @@ _EXPORTS = {
     "LLM": "jaxvllm.llm",
     "AsyncEngineArgs": "jaxvllm.engine_args",
     "AsyncLLM": "jaxvllm.async_llm",
+    "AsyncLLMEngine": "jaxvllm.async_llm",
     "BeamSearchOutput": "jaxvllm.beam_search",
     "BeamSearchSequence": "jaxvllm.beam_search",
     "BeamSearchParams": "jaxvllm.sampling_params",

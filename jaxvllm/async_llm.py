@@ -17,6 +17,7 @@ import logging
 import queue
 import sys
 import threading
+import time
 import weakref
 from collections.abc import AsyncGenerator, Callable, Iterable
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from typing import Any, Literal
 from jaxvllm.config import EngineConfig
 from jaxvllm.engine import LLMEngine
 from jaxvllm.lora.request import LoRARequest
+from jaxvllm.model_config import ModelConfig
 from jaxvllm.outputs import RequestOutput
 from jaxvllm.sampling_params import SamplingParams
 
@@ -154,10 +156,10 @@ class AsyncLLM:
 
     # -- requests ------------------------------------------------------------------------
 
-    async def generate(self, prompt: Any, sampling_params: SamplingParams | None, request_id: str, *,
-                       prompt_text: str | None = None, lora_request: LoRARequest | None = None,
-                       tokenization_kwargs: dict[str, Any] | None = None, trace_headers: Any = None,
-                       priority: int = 0, data_parallel_rank: int | None = None
+    async def generate(self, prompt: Any, sampling_params: SamplingParams | None, request_id: str,
+                       lora_request: LoRARequest | None = None, trace_headers: Any = None, priority: int = 0,
+                       data_parallel_rank: int | None = None, *, prompt_text: str | None = None,
+                       tokenization_kwargs: dict[str, Any] | None = None
                        ) -> AsyncGenerator[RequestOutput, None]:
         """Add a request and yield its outputs until the finished one. Bad input raises from
         the first `__anext__` (ValueError, TypeError), with nothing added. The params are
@@ -300,12 +302,44 @@ class AsyncLLM:
         """Raises if the engine thread has stopped."""
         self._check_running()
 
-    def get_tokenizer(self):
+    async def get_tokenizer(self):
+        """vLLM's (a coroutine); ValueError under skip_tokenizer_init=True."""
         return self.engine.get_tokenizer()
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """The model's config as the engine reads it (`max_model_len` included), as vLLM's."""
+        return self.engine.model_config
+
+    async def get_model_config(self) -> ModelConfig:
+        return self.engine.model_config
+
+    async def get_supported_tasks(self) -> tuple[str, ...]:
+        return self.engine.get_supported_tasks()
+
+    async def is_tracing_enabled(self) -> bool:
+        """vLLM's: whether OpenTelemetry traces are exported; never here (trace_headers are accepted, unused)."""
+        return False
+
+    async def do_log_stats(self) -> None:
+        """vLLM's: log the engine's stats line now, unless `disable_log_stats`."""
+        await self._on_engine(self.engine.do_log_stats)
+
+    async def reset_mm_cache(self) -> None:
+        await self._on_engine(self.engine.reset_mm_cache)
+
+    async def wait_for_requests_to_drain(self, drain_timeout: float = 300) -> None:
+        """vLLM's: return once no request is unfinished; TimeoutError after `drain_timeout` seconds."""
+        deadline = time.monotonic() + drain_timeout
+        while self.engine.get_num_unfinished_requests():
+            self._check_running()
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"Timeout reached after {drain_timeout} seconds waiting for requests to drain.")
+            await asyncio.sleep(0.05)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -451,3 +485,7 @@ class AsyncLLM:
                 self.engine.shutdown()
             except Exception:
                 logger.exception("AsyncLLM: shutting the engine down failed")
+
+
+# vLLM's name for the same engine (`vllm.AsyncLLMEngine`, V1's alias of AsyncLLM).
+AsyncLLMEngine = AsyncLLM

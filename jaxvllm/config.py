@@ -264,11 +264,13 @@ class EngineConfig:
     # vLLM's: fields set on the model's HF config before it is read (e.g. {"num_hidden_layers":
     # 2}; a dict value updates a nested config), or a function from config to config.
     hf_overrides: dict[str, Any] | Callable | None = None
+    # vLLM's: no stats line logged every 10 s of steps (`metrics.StatLogger`; `LLM` sets it
+    # by default, as vLLM's). get_metrics() counts whatever it says.
+    disable_log_stats: bool = False
     # vLLM's names that mean nothing here, accepted so that vLLM scripts run unchanged:
-    # no stats are logged periodically; only built-in architectures run, never remote code;
+    # only built-in architectures run, never remote code;
     # preemption recomputes instead of swapping to CPU; local folders have no revisions;
     # XLA compiles one executable per shape bucket (`token_buckets` is the knob).
-    disable_log_stats: bool = False
     trust_remote_code: bool = False
     swap_space: float = 4.0
     revision: str | None = None

@@ -30,7 +30,7 @@ from jaxvllm.interrupts import defer_interrupts
 from jaxvllm.kv_cache_manager import KVCacheManager
 from jaxvllm.loader import checkpoint_tensors, load_config
 from jaxvllm.lora.request import LoRARequest
-from jaxvllm.metrics import Metric, MetricsCollector, spec_decode_rates
+from jaxvllm.metrics import Metric, MetricsCollector, StatLogger, spec_decode_rates
 from jaxvllm.model_config import ModelConfig, read_generation_config
 from jaxvllm.model_runner import ModelRunner, PendingStep, RunnerOutput
 from jaxvllm.output_processor import OutputProcessor
@@ -88,6 +88,7 @@ class LLMEngine:
         )
         # for get_metrics(); vLLM labels each data-parallel replica
         self.metrics = MetricsCollector(model_name, max_model_len, engine=str(config.data_parallel_rank))
+        self.stat_logger = StatLogger(self.metrics, config.data_parallel_rank)
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None  # async: the step not yet read
         self.weight_updates, self.weight_update_seconds = 0, 0.0
         self._parents: dict[str, ParentRequest] = {}
@@ -135,9 +136,18 @@ class LLMEngine:
             gc.collect()
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineConfig) -> "LLMEngine":
-        """vLLM's constructor from `EngineArgs` (an `EngineConfig`)."""
+    def from_engine_args(cls, engine_args: EngineConfig, usage_context: Any = None, stat_loggers: list | None = None,
+                         enable_multiprocessing: bool = False) -> "LLMEngine":
+        """vLLM's constructor from `EngineArgs` (an `EngineConfig`). The engine runs in this
+        process whatever `enable_multiprocessing` says; custom `stat_loggers` are not supported."""
+        if stat_loggers:
+            raise ValueError("LLMEngine stat_loggers are not supported; read get_metrics() instead")
         return cls(engine_args)
+
+    @classmethod
+    def validate_outputs(cls, outputs, output_type):
+        """vLLM's: the outputs as they are (they are always `output_type` here)."""
+        return outputs
 
     # -- requests ----------------------------------------------------------------------
 
@@ -311,6 +321,10 @@ class LLMEngine:
         """vLLM's: the model's config as the engine reads it (also `model_config`)."""
         return self.model_config
 
+    def reset_mm_cache(self) -> None:
+        """vLLM's: empty the multi-modal input cache; text models have none here."""
+        self._check_open()
+
     def get_supported_tasks(self) -> tuple[str, ...]:
         """vLLM's: what the model serves; generation only here (no pooling tasks)."""
         return ("generate",)
@@ -390,6 +404,8 @@ class LLMEngine:
                     record()
                 for parent in done:
                     self.metrics.record_parent_finished(parent.children)
+                if not self.config.disable_log_stats and self.stat_logger.due():
+                    self.do_log_stats()
                 return outputs
         except BaseException:
             with defer_interrupts():
@@ -703,6 +719,14 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache=kv.stats,
         )
+
+    def do_log_stats(self) -> None:
+        """vLLM's: log the stats line now (`metrics.StatLogger`), unless `disable_log_stats`."""
+        if self.config.disable_log_stats:
+            return
+        kv = self.kv_cache_manager
+        self.stat_logger.log(len(self.scheduler.running), len(self.scheduler.waiting),
+                             1 - kv.num_free_blocks / kv.pool.num_blocks, kv.stats.hit_rate)
 
     # -- sleep mode and weights (vLLM's names) ------------------------------------------------
 

@@ -124,7 +124,7 @@ _BOOL_FLAGS: dict[str, str] = {
     "enable-sleep-mode": "allow LLM.sleep(level) / wake_up(tags), which free the KV cache and the weights",
     "skip-tokenizer-init": "load no tokenizer: token-id prompts only, no text",
     "trust-remote-code": "accepted for vLLM's scripts (only built-in architectures run, never remote code)",
-    "disable-log-stats": "accepted for vLLM's scripts (no stats are logged periodically)",
+    "disable-log-stats": "no stats line every 10 s of steps (LLM's default, as vLLM's)",
 }
 
 

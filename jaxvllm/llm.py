@@ -58,7 +58,7 @@ class LLM:
     """
 
     def __init__(self, model: str, **kwargs: Any) -> None:
-        config = EngineConfig(model=str(model), **kwargs)
+        config = EngineConfig(model=str(model), **{"disable_log_stats": True, **kwargs})  # (vLLM's LLM default)
         self.engines = [LLMEngine(dataclasses.replace(config, data_parallel_rank=rank))
                         for rank in range(config.data_parallel_size)]
         self.llm_engine = self.engines[0]

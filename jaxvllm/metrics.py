@@ -11,6 +11,7 @@ everything else is counted as requests get tokens and finish.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from bisect import bisect_left
@@ -21,6 +22,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from jaxvllm.kv_cache_manager import PrefixCacheStats
     from jaxvllm.request import Request
+
+logger = logging.getLogger(__name__)
 
 
 def spec_decode_rates(num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int) -> dict[str, float]:
@@ -365,3 +368,35 @@ class MetricsCollector:
         )
         metrics.extend(h.snapshot(name, labels) for name, h in histograms)
         return metrics
+
+
+# vLLM's VLLM_LOG_STATS_INTERVAL default: seconds between two periodic stats lines.
+LOG_STATS_INTERVAL = 10.0
+
+
+class StatLogger:
+    """vLLM's `LoggingStatLogger`: one line of the prompt and generation throughput since
+    the line before, the queues, the KV cache usage and the prefix-cache hit rate. An
+    engine with stats logging on (`disable_log_stats=False`, as vLLM's engines by default
+    and not `LLM`) logs one every `LOG_STATS_INTERVAL` seconds of steps; `do_log_stats()` logs one now."""
+
+    def __init__(self, metrics: MetricsCollector, engine_index: int) -> None:
+        self.metrics, self.engine_index = metrics, engine_index
+        self._last = (time.monotonic(), metrics.prompt_tokens, metrics.generation_tokens)
+        self._last_rates = (0.0, 0.0)
+
+    def due(self) -> bool:
+        return time.monotonic() - self._last[0] >= LOG_STATS_INTERVAL
+
+    def log(self, num_running: int, num_waiting: int, kv_cache_usage: float, prefix_cache_hit_rate: float) -> None:
+        now, m = time.monotonic(), self.metrics
+        then, prompt, generation = self._last
+        seconds = now - then
+        rates = ((m.prompt_tokens - prompt) / seconds, (m.generation_tokens - generation) / seconds) if seconds > 0 \
+            else (0.0, 0.0)
+        # (vLLM's: an idle engine's line, after an idle one, only at debug level)
+        log = logger.info if any(rates + self._last_rates) else logger.debug
+        self._last, self._last_rates = (now, m.prompt_tokens, m.generation_tokens), rates
+        log("Engine %03d: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+            "Running: %d reqs, Waiting: %d reqs, GPU KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
+            self.engine_index, *rates, num_running, num_waiting, 100 * kv_cache_usage, 100 * prefix_cache_hit_rate)

@@ -43,12 +43,41 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
+    """vLLM's, its fields in vLLM's order (positional construction means the same); the
+    encoder and multi-modal ones are always empty here."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = field(repr=False)
     outputs: list[CompletionOutput]
     finished: bool
-    num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = field(default=None, repr=False)
     lora_request: Any = None  # the request's LoRARequest (None: the base model)
+    encoder_prompt: str | None = None
+    encoder_prompt_token_ids: list[int] | None = None
+    num_cached_tokens: int | None = None
+    multi_modal_placeholders: dict = field(default_factory=dict, kw_only=True, repr=False)
+    kv_transfer_params: dict[str, Any] | None = field(default=None, kw_only=True, repr=False)
+
+    def add(self, next_output: RequestOutput, aggregate: bool) -> None:
+        """vLLM's: merge a later output of the same request into this one; `aggregate`
+        appends DELTA completions to theirs, else each replaces its own."""
+        self.finished |= next_output.finished
+        self.kv_transfer_params = next_output.kv_transfer_params
+        for new in next_output.outputs:
+            for i, completion in enumerate(self.outputs):
+                if completion.index != new.index:
+                    continue
+                if aggregate:
+                    completion.text += new.text
+                    completion.token_ids = list(completion.token_ids) + list(new.token_ids)
+                    if new.logprobs:
+                        completion.logprobs.extend(new.logprobs)
+                    completion.cumulative_logprob = new.cumulative_logprob
+                    completion.finish_reason, completion.stop_reason = new.finish_reason, new.stop_reason
+                else:
+                    self.outputs[i] = new
+                break
+            else:
+                self.outputs.append(new)

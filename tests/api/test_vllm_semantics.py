@@ -783,3 +783,23 @@ def test_profiling_writes_a_jax_trace(tiny_checkpoint, tmp_path):
         llm.start_profile()
     with pytest.raises(ValueError, match="profiler_config profiler='torch': jaxvllm's is 'jax'"):
         LLM(path, profiler_config={"profiler": "torch", "torch_profiler_dir": "/tmp"})
+
+
+def test_request_output_positional_fields_and_add():
+    """vLLM's RequestOutput: (request_id, prompt, prompt_token_ids, prompt_logprobs, outputs,
+    finished, ...) positionally, and `add` merging a later output (aggregate: DELTA pieces
+    appended; else each completion replaced; a new index appended)."""
+    from jaxvllm import CompletionOutput, RequestOutput
+
+    first = RequestOutput("r", "hi", [1, 2], None, [CompletionOutput(0, "a", [5], logprobs=[{5: 0.0}])], False)
+    assert (first.prompt_logprobs, first.finished, first.metrics, first.num_cached_tokens) == (None, False, None, None)
+    assert first.encoder_prompt is None and first.multi_modal_placeholders == {} and first.kv_transfer_params is None
+    later = RequestOutput("r", "hi", [1, 2], None, [CompletionOutput(0, "b", [6], -1.5, [{6: -1.5}], "stop", 9),
+                                                    CompletionOutput(1, "c", [7])], True)
+    first.add(later, aggregate=True)
+    assert first.finished and len(first.outputs) == 2
+    done = first.outputs[0]
+    assert (done.text, done.token_ids, done.logprobs, done.cumulative_logprob) == ("ab", [5, 6], [{5: 0.0}, {6: -1.5}], -1.5)
+    assert (done.finish_reason, done.stop_reason, first.outputs[1].text) == ("stop", 9, "c")
+    first.add(RequestOutput("r", "hi", [1, 2], None, [CompletionOutput(1, "cd", [7, 8])], True), aggregate=False)
+    assert first.outputs[1].token_ids == [7, 8] and first.outputs[0].text == "ab"

@@ -274,7 +274,49 @@ def test_engine_calls_run_between_steps(engine, reference):
     reset, rpc, outputs = asyncio.run(main())
     assert reset is True and rpc == [False]
     assert completions(outputs, RequestOutputKind.CUMULATIVE) == reference["long"][1]
-    assert engine.get_tokenizer() is engine.tokenizer is not None
+    assert asyncio.run(engine.get_tokenizer()) is engine.tokenizer is not None
+    assert_idle(engine)
+
+
+def test_vllm_engine_client_calls(engine, reference, caplog):
+    """What vLLM's EngineClient offers and servers and rollout workers call."""
+    import copy
+
+    from jaxvllm import AsyncLLMEngine
+
+    async def main():
+        task = asyncio.create_task(collect(engine, PROMPTS[1], with_kind(LONG, RequestOutputKind.DELTA), "drained"))
+        await asyncio.sleep(0.05)
+        await engine.wait_for_requests_to_drain(drain_timeout=60)
+        assert engine.get_num_unfinished_requests() == 0
+        deltas = await task
+        with pytest.raises(TimeoutError, match="waiting for requests to drain"):
+            waiting = asyncio.create_task(collect(engine, PROMPTS[2], LONG, "not-drained"))
+            await asyncio.sleep(0.05)
+            await engine.wait_for_requests_to_drain(drain_timeout=0)
+        await waiting
+        # vLLM 0.11's positional order: lora_request, trace_headers, priority
+        positional = await collect_positional()
+        with caplog.at_level("INFO", logger="jaxvllm"):
+            await engine.do_log_stats()
+        await engine.reset_mm_cache()
+        return (deltas, positional, await engine.get_tokenizer(), await engine.get_model_config(),
+                await engine.get_supported_tasks(), await engine.is_tracing_enabled())
+
+    async def collect_positional():
+        return [out async for out in engine.generate(PROMPTS[0], GREEDY, "positional", None, None, 0)]
+
+    deltas, positional, tokenizer, config, tasks, tracing = asyncio.run(main())
+    assert AsyncLLMEngine is AsyncLLM
+    assert tokenizer is engine.tokenizer and config is engine.model_config and config.max_model_len == 128
+    assert tasks == ("generate",) and tracing is False
+    assert completions(positional, RequestOutputKind.CUMULATIVE) == reference["greedy"][0]
+    assert "Engine 000: Avg prompt throughput: " in caplog.text  # (AsyncEngineArgs: stats logging on)
+    # RequestOutput.add merges a DELTA stream into what a CUMULATIVE one ends with
+    merged = copy.deepcopy(deltas[0])
+    for out in deltas[1:]:
+        merged.add(out, aggregate=True)
+    assert merged.finished and [(c.token_ids, c.text) for c in merged.outputs] == reference["long"][1]
     assert_idle(engine)
 
 

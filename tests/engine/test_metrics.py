@@ -251,3 +251,30 @@ def test_queue_time_counts_from_when_the_engine_queued_the_request(llm):
     assert changed(before, after, "vllm:time_to_first_token_seconds")[1] >= 100
     count, total, _ = changed(before, after, "vllm:request_queue_time_seconds")
     assert count == 1 and total < 50
+
+
+def test_stats_line_is_logged_as_vllm_engines_log_it(tiny_checkpoint, monkeypatch, caplog):
+    """vLLM's LoggingStatLogger line, every interval of steps on an engine with stats logging
+    on (LLMEngine's default), never under LLM's default (disable_log_stats=True, vLLM's)."""
+    import jaxvllm.metrics
+    from jaxvllm import EngineArgs, LLMEngine
+
+    monkeypatch.setattr(jaxvllm.metrics, "LOG_STATS_INTERVAL", 0.0)
+    line = "Engine 000: Avg prompt throughput: "
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny_checkpoint("qwen3")), **ENGINE),
+                                        usage_context=None, enable_multiprocessing=False)
+    with caplog.at_level("INFO", logger="jaxvllm"):
+        engine.add_request("a", tokens(3, 20), greedy(4))
+        while engine.has_unfinished_requests():
+            assert LLMEngine.validate_outputs(outputs := engine.step(), object) is outputs
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith(line)]
+    assert logged and "Running: 1 reqs, Waiting: 0 reqs" in logged[0] and "GPU KV cache usage: " in logged[0]
+    assert "Running: 0 reqs" in logged[-1] and "Avg generation throughput: 0.0" not in logged[-1]
+    engine.shutdown()
+    caplog.clear()
+    with LLM(tiny_checkpoint("qwen3"), **ENGINE) as quiet, caplog.at_level("INFO", logger="jaxvllm"):
+        quiet.generate([tokens(3, 20)], greedy(4), use_tqdm=False)
+        quiet.llm_engine.do_log_stats()  # (vLLM's: nothing with stats logging off)
+    assert line not in caplog.text
+    with pytest.raises(ValueError, match="stat_loggers are not supported"):
+        LLMEngine.from_engine_args(EngineArgs(model=str(tiny_checkpoint("qwen3")), **ENGINE), stat_loggers=[object])
