@@ -353,7 +353,8 @@ class AsyncLLM:
 
     @property
     def errored(self) -> bool:
-        return self._error is not None
+        """vLLM's: the engine takes no more requests (its thread failed, or it was shut down)."""
+        return self._error is not None or self._stopped
 
     def shutdown(self) -> None:
         """Abort every request (their generators end with the abort output), stop the engine
