@@ -72,7 +72,6 @@ class LLMEngine:
         self.runner = runner_class(config)
         self.model_config = self.runner.cfg
         self.generation_config = read_generation_config(config)
-        self.eos_token_ids = eos_token_ids(self.model_config.eos_token_ids, self.generation_config, self.tokenizer)
         self.kv_cache_manager = KVCacheManager(
             self.runner.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
         )
@@ -107,13 +106,7 @@ class LLMEngine:
         # compared once they change, before the next step.
         self._multiprocess = jax.process_count() > 1
         self._requests_changed = False
-        vocab = self.model_config.vocab_size
-        self.structured_outputs = None if self.tokenizer is None else StructuredOutputManager(
-            self.tokenizer, vocab, config.structured_outputs_config, wait=self._multiprocess)
-        self.input_processor = InputProcessor(config, self.tokenizer, vocab, max_model_len, self.eos_token_ids,
-                                              self.scheduler.check_fits, self.structured_outputs,
-                                              digests=self._multiprocess)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self._use_tokenizer(self.tokenizer)
         # Speculative decoding: drafts proposed on the host after each (synchronous) step, or
         # under async scheduling by the draft model or EAGLE head on the device (`runner.device_drafts`).
         # The scheduler then takes requests one at a time: its vectorized path has no drafts.
@@ -316,6 +309,28 @@ class LLMEngine:
             self.output_processor.commit()
             self._drop_step_of_ended_requests()
         return outputs
+
+    def set_tokenizer(self, tokenizer) -> None:
+        """vLLM's (`LLM.set_tokenizer`): prompts' text, outputs' text, chat templates, the
+        end ids and structured outputs use `tokenizer` from now on. Refused while requests
+        are unfinished (their text is the old tokenizer's)."""
+        self._check_open()
+        if self.has_unfinished_requests():
+            raise RuntimeError("set_tokenizer() while requests are unfinished: finish or abort them first")
+        self._use_tokenizer(tokenizer)
+
+    def _use_tokenizer(self, tokenizer) -> None:
+        """The tokenizer and what is built on it: the end ids, the input, output and
+        structured-output processors."""
+        config, vocab = self.config, self.model_config.vocab_size
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids(self.model_config.eos_token_ids, self.generation_config, tokenizer)
+        self.structured_outputs = None if tokenizer is None else StructuredOutputManager(
+            tokenizer, vocab, config.structured_outputs_config, wait=self._multiprocess)
+        self.input_processor = InputProcessor(config, tokenizer, vocab, self.runner.max_model_len, self.eos_token_ids,
+                                              self.scheduler.check_fits, self.structured_outputs,
+                                              digests=self._multiprocess)
+        self.output_processor = OutputProcessor(tokenizer)
 
     def get_model_config(self) -> ModelConfig:
         """vLLM's: the model's config as the engine reads it (also `model_config`)."""

@@ -86,6 +86,12 @@ class LLM:
         """The HF tokenizer; ValueError under skip_tokenizer_init=True (as vLLM), so chat() refuses too."""
         return self.llm_engine.get_tokenizer()
 
+    def set_tokenizer(self, tokenizer) -> None:
+        """vLLM's: use `tokenizer` (an HF tokenizer) from now on, for text, chat templates and
+        the end ids (`LLMEngine.set_tokenizer`)."""
+        for engine in self.engines:
+            engine.set_tokenizer(tokenizer)
+
     # -- lifecycle -------------------------------------------------------------------------
 
     @property

@@ -340,3 +340,28 @@ def test_an_empty_text_that_encodes_to_a_bos_is_a_prompt(tiny_checkpoint, tmp_pa
     with LLM(folder, max_model_len=64, enforce_eager=True) as llm:
         [out] = llm.generate("", GREEDY, use_tqdm=False)
         assert out.prompt_token_ids == [1] and len(out.outputs[0].token_ids) == 5
+
+
+def test_set_tokenizer(llm):
+    """vLLM's LLM.set_tokenizer: chat templates, text and the end ids come from the new
+    tokenizer; refused while requests are unfinished."""
+    import copy
+
+    old = llm.get_tokenizer()
+    new = copy.deepcopy(old)
+    new.chat_template = "{% for m in messages %}<<{{ m.content }}>>{% endfor %}"
+    new.eos_token = new.convert_ids_to_tokens(7)
+    conversation = [{"role": "user", "content": "Hi"}]
+    try:
+        llm.set_tokenizer(new)
+        assert llm.get_tokenizer() is new and llm.llm_engine.eos_token_ids[0] == 7
+        [out] = llm.chat(conversation, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        assert out.prompt == "<<Hi>>" and out.prompt_token_ids == new.encode("<<Hi>>", add_special_tokens=False)
+        assert out.outputs[0].text == new.decode(out.outputs[0].token_ids, skip_special_tokens=True)
+        llm.enqueue({"prompt_token_ids": [5, 6, 7]}, GREEDY, use_tqdm=False)
+        with pytest.raises(RuntimeError, match="set_tokenizer\\(\\) while requests are unfinished"):
+            llm.set_tokenizer(old)
+        assert len(llm.wait_for_completion(use_tqdm=False)) == 1
+    finally:
+        llm.set_tokenizer(old)
+    assert llm.get_tokenizer() is old and llm.llm_engine.eos_token_ids[0] == old.eos_token_id
