@@ -104,7 +104,9 @@ def _engine_thread(ref: weakref.ref, calls: queue.SimpleQueue) -> None:
             return
         idle = llm._paused or not llm.engine.has_unfinished_requests()
         del llm
-        call = calls.get() if idle else None
+        call = None  # (the call run last may hold the AsyncLLM: not while this thread waits)
+        if idle:
+            call = calls.get()
 
 
 class AsyncLLM:

@@ -430,10 +430,24 @@ def test_params_are_copied_and_outputs_are_snapshots(engine, reference):
     assert_idle(engine)
 
 
-def test_dropping_the_last_reference_shuts_it_down(checkpoint):
+@pytest.mark.parametrize("last_call", ["none", "abort", "break"])
+def test_dropping_the_last_reference_shuts_it_down(checkpoint, last_call):
+    """Also when the call the engine thread ran last (an abort, a stream's own abort) left
+    it idle: that call's closure holds the AsyncLLM, and the waiting thread must not."""
     engine = AsyncLLM(AsyncEngineArgs(model=checkpoint, **ENGINE))
-    outputs = asyncio.run(collect(engine, PROMPTS[0], GREEDY, "once"))
-    assert outputs[-1].finished
+
+    async def main():
+        if last_call == "break":
+            async for out in engine.generate(PROMPTS[0], LONG, "left"):
+                if len(out.outputs[0].token_ids) >= 3:
+                    break
+            return
+        outputs = await collect(engine, PROMPTS[0], GREEDY, "once")
+        assert outputs[-1].finished
+        if last_call == "abort":
+            await engine.abort("no-such-request")
+
+    asyncio.run(main())
     runner, thread = engine.engine.runner, engine._thread
     del engine
     gc.collect()
