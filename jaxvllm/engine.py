@@ -59,6 +59,24 @@ class LLMEngine:
         model_name = (names if isinstance(names, str) else names[0]) if names else config.model  # as vLLM's
         # A missing folder fails first; dummy:NAME becomes a temporary folder that lives as long as the engine.
         self._model_source = resolve_model(config.model)
+        try:
+            self._set_up(config, runner_class, model_name)
+        except BaseException:  # (freed now, not when the traceback goes: a notebook keeps the last one)
+            if self.__dict__.get("runner") is not None:
+                self.runner.close()
+            if self.__dict__.get("structured_outputs") is not None:
+                self.structured_outputs.shutdown()
+            self._model_source.close()
+            raise
+        finally:
+            if importing_torch and "torch" in sys.modules:
+                # transformers imported torch for the first time in this process, and torch.fx leaves
+                # a cycle of frames that holds their callers (the LLM being built) until a full
+                # collection: freed now, once.
+                gc.collect()
+
+    def _set_up(self, config: EngineConfig, runner_class: Callable[[EngineConfig], ModelRunner], model_name: str
+                ) -> None:
         config = self._model_source.engine_config(config)
         # (a bad config.json or max_model_len is refused before the tokenizer or any weight loads)
         max_model_len = load_config(config.model, config.hf_overrides).checked_max_model_len(config.max_model_len)
@@ -69,9 +87,9 @@ class LLMEngine:
             check_draft_model(config, self.tokenizer)  # (before any weights load)
         elif method in ("eagle", "eagle3"):
             check_eagle_head(config)  # (the same)
+        self.generation_config = read_generation_config(config)  # (a bad one is refused before any weight loads)
         self.runner = runner_class(config)
         self.model_config = self.runner.cfg
-        self.generation_config = read_generation_config(config)
         self.kv_cache_manager = KVCacheManager(
             self.runner.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
         )
@@ -122,11 +140,6 @@ class LLMEngine:
         if spec is not None:
             self.scheduler.vectorized = False
             self.metrics.enable_spec_decode(config.speculative_config.num_speculative_tokens)
-        if importing_torch and "torch" in sys.modules:
-            # transformers imported torch for the first time in this process, and torch.fx leaves
-            # a cycle of frames that holds their callers (the LLM being built) until a full
-            # collection: freed now, once.
-            gc.collect()
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineConfig, usage_context: Any = None, stat_loggers: list | None = None,

@@ -326,7 +326,7 @@ def load_safetensors(path: Path, cfg: ModelConfig, dtype, shardings: dict, repea
 
             return shape, read
 
-        try:
+        with _freed_on_failure(params):
             for spec in specs:
                 if spec.init == "rows":
                     rows = np.arange(spec.shape[0], dtype=np.int32)
@@ -342,11 +342,19 @@ def load_safetensors(path: Path, cfg: ModelConfig, dtype, shardings: dict, repea
                     value = _placed(reader(spec), shardings[spec.path])
                 _put(params, spec.path, value)
                 bar.update(1)
-        except BaseException:  # a bad tensor or Ctrl-C: what was placed is freed now, not with the traceback
-            for array in jax.tree.leaves(params):
-                array.delete()
-            raise
     return params
+
+
+@contextlib.contextmanager
+def _freed_on_failure(params: dict):
+    """A bad tensor or a Ctrl-C while `params` fills: what was placed is deleted now, not
+    when the traceback goes (a notebook keeps the last one)."""
+    try:
+        yield
+    except BaseException:
+        for array in jax.tree.leaves(params):
+            array.delete()
+        raise
 
 
 def _placed(reader: tuple, sharding) -> jax.Array:
@@ -693,19 +701,20 @@ def dummy_params(cfg: ModelConfig, dtype, seed: int = 0, shardings: dict | None 
         return by_sharding[sharding](key, cfg.initializer_range, shape=shape, dtype=dtype, init=spec.init,
                                      repeats=repeats if repeated_kv(spec) else 1, parts=parts, merge=spec.merge)
 
-    for i, spec in enumerate(tqdm(specs, desc="Initializing dummy weights", dynamic_ncols=True)):
-        key_i = jax.random.fold_in(key, i)
-        if spec.layers and spec.stack:  # a key per layer
-            keys = jax.vmap(partial(jax.random.fold_in, key_i))(jnp.arange(len(spec.layers)))
-            value = random(keys, spec.layers[0], spec.path, spec.shape[1:])
-        elif spec.layers:
-            value = [random(jax.random.fold_in(key_i, j), m, m.path, m.shape) for j, m in enumerate(spec.layers)]
-            if input_major and spec.path[-1] in QUANTIZED:
-                value = [_moved_inputs_first(w, in_axes(m.shape, m.hf_shape), shardings[m.path])
-                         for w, m in zip(value, spec.layers)]
-        else:
-            value = random(key_i, spec, spec.path, spec.shape)
-        _put(params, spec.path, value)
+    with _freed_on_failure(params):
+        for i, spec in enumerate(tqdm(specs, desc="Initializing dummy weights", dynamic_ncols=True)):
+            key_i = jax.random.fold_in(key, i)
+            if spec.layers and spec.stack:  # a key per layer
+                keys = jax.vmap(partial(jax.random.fold_in, key_i))(jnp.arange(len(spec.layers)))
+                value = random(keys, spec.layers[0], spec.path, spec.shape[1:])
+            elif spec.layers:
+                value = [random(jax.random.fold_in(key_i, j), m, m.path, m.shape) for j, m in enumerate(spec.layers)]
+                if input_major and spec.path[-1] in QUANTIZED:
+                    value = [_moved_inputs_first(w, in_axes(m.shape, m.hf_shape), shardings[m.path])
+                             for w, m in zip(value, spec.layers)]
+            else:
+                value = random(key_i, spec, spec.path, spec.shape)
+            _put(params, spec.path, value)
     return params
 
 

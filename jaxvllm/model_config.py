@@ -325,11 +325,13 @@ def read_generation_config(config: EngineConfig) -> dict[str, Any]:
     from transformers import GenerationConfig
 
     source = config.generation_config
+    folder = config.model if source in ("auto", "vllm") else source
     try:
-        return GenerationConfig.from_pretrained(config.model if source in ("auto", "vllm") else source,
-                                                local_files_only=True).to_diff_dict()
+        return GenerationConfig.from_pretrained(folder, local_files_only=True).to_diff_dict()
     except OSError:
         return {}
+    except ValueError as e:  # (transformers' checks of its values)
+        raise ValueError(f"{folder}/generation_config.json (generation_config={source!r}) is not valid: {e}") from e
 
 
 def default_sampling_fields(config: EngineConfig, generation_config: dict[str, Any]) -> dict[str, Any]:

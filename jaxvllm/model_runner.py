@@ -416,9 +416,11 @@ class ModelRunner:
         with ThreadPoolExecutor(1) as pool:
             caches = pool.submit(self._allocate_kv_caches, self.num_blocks)
             self.kv_caches = self._kv_cache_specs(self.num_blocks) if cpu else caches.result()
-            if not c.enforce_eager:
-                self.warmup()
-            self.kv_caches = caches.result()
+            try:
+                if not c.enforce_eager:
+                    self.warmup()
+            finally:  # (a failed warm-up's caches too: `_free_partial` deletes them)
+                self.kv_caches = caches.result()
         logger.info("start-up: weights loaded in %.1f s, KV cache sized in %.1f s, warm-up compiled in %.1f s",
                     self.load_seconds, self.profile_seconds, self.warmup_seconds)
 

@@ -102,6 +102,13 @@ def test_missing_model_directory(no_loading, model, match):
         LLM(model)
 
 
+def test_bad_generation_config_is_refused_before_loading(tiny_checkpoint, no_loading, tmp_path):
+    (tmp_path / "generation_config.json").write_text('{"max_new_tokens": -1}')
+    with pytest.raises(ValueError, match=r"generation_config.json \(generation_config='.*'\) is not valid: "
+                                         r"`max_new_tokens` must be greater than 0"):
+        LLM(tiny_checkpoint("llama"), **SMALL, generation_config=str(tmp_path))
+
+
 def test_missing_tokenizer_directory(tiny_checkpoint, no_loading, tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer directory .*nope.* does not exist"):
         LLM(tiny_checkpoint("llama"), tokenizer=str(tmp_path / "nope"))

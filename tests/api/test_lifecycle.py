@@ -185,3 +185,45 @@ def test_generate_freezes_older_objects_only_while_it_runs(path):
     finally:
         gc.unfreeze()
     llm.shutdown()
+
+
+@pytest.mark.parametrize("where", ["loading dummy weights", "warm-up", "after the runner"])
+def test_a_failed_start_frees_its_device_memory_at_once(where, monkeypatch):
+    """An LLM(...) that fails part way (here a Ctrl-C) frees what it made before the error
+    reaches the caller, not when its traceback goes (a notebook keeps the last one): the
+    weights loaded so far, the KV cache (on a CPU still being zeroed beside the warm-up),
+    a built runner's arrays and a dummy model's temporary folder."""
+    import glob
+    import os
+    import tempfile
+
+    import jaxvllm.engine
+    import jaxvllm.loader
+    from jaxvllm.model_runner import ModelRunner
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    if where == "loading dummy weights":
+        calls, put = [], jaxvllm.loader._put
+
+        def put_then_interrupt(*args):
+            put(*args)
+            calls.append(1)
+            if len(calls) == 3:
+                raise KeyboardInterrupt
+
+        monkeypatch.setattr(jaxvllm.loader, "_put", put_then_interrupt)
+    elif where == "warm-up":
+        monkeypatch.setattr(ModelRunner, "warmup", interrupt)
+    else:
+        monkeypatch.setattr(jaxvllm.engine, "KVCacheManager", interrupt)
+    folders = set(glob.glob(os.path.join(tempfile.gettempdir(), "jaxvllm-dummy-*")))
+    before = live_device_memory()
+    with pytest.raises(KeyboardInterrupt) as held:  # (the traceback stays alive in `held`)
+        LLM("dummy:tiny", **ENGINE_ARGS, token_buckets=[64])
+    assert held.value.__traceback__ is not None
+    count, size = live_device_memory()
+    # (the interrupted loop's frames keep its PRNG keys: 16 bytes each, no weight)
+    assert size - before[1] <= (48 if where == "loading dummy weights" else 0) and count - before[0] <= 3
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "jaxvllm-dummy-*"))) == folders
