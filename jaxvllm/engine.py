@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 import sys
+import threading
 import time
 from functools import partial
 from typing import Any, Callable, Iterable
@@ -120,6 +121,7 @@ class LLMEngine:
         # statements is raised on its way out): the next `step()` returns them.
         self._carried: list[RequestOutput] = []
         self._recovering = False  # a recovery failed part way (`_recover`)
+        self._lock = threading.Lock()  # held by a step, and by shutdown (from another thread: it waits)
         # Across processes (jax.distributed) each one schedules for itself: the requests are
         # compared once they change, before the next step.
         self._multiprocess = jax.process_count() > 1
@@ -387,7 +389,14 @@ class LLMEngine:
         outputs it would have returned come with a later step: DELTA streams resend what
         it built, and a request it finished gets its final output then; outputs it had
         committed already are what the next step returns.
+
+        The engine is not thread-safe, but `shutdown` from another thread waits for a step
+        under way to end (a later step raises that the engine was shut down).
         """
+        with self._lock:
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         self._check_open()
         if self._carried:
             outputs, self._carried = self._carried, []
@@ -899,9 +908,11 @@ class LLMEngine:
         jax.profiler.stop_trace()
 
     def shutdown(self) -> None:
-        """Abort every request and free the device memory (weights, KV cache, sampler state)."""
-        self.abort_request(list(self._parents))
-        self.runner.close()
-        if self.structured_outputs is not None:
-            self.structured_outputs.shutdown()
-        self._model_source.close()
+        """Abort every request and free the device memory (weights, KV cache, sampler state),
+        once a step under way on another thread has ended."""
+        with self._lock:
+            self.abort_request(list(self._parents))
+            self.runner.close()
+            if self.structured_outputs is not None:
+                self.structured_outputs.shutdown()
+            self._model_source.close()

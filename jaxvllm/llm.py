@@ -391,6 +391,10 @@ class LLM:
                             num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
                             bar.update(1)
                 bar.set_postfix_str(f"output {num_output_tokens / (time.perf_counter() - start):.1f} tok/s", refresh=False)
+            if waiting:  # (no engine runs them any more: shut down, or aborted, from another thread)
+                self._check_open()
+                raise RuntimeError(f"requests {sorted(waiting)[:4]} ended without a final output (aborted by "
+                                   "another thread?)")
         finally:
             bar.close()
 

@@ -227,3 +227,37 @@ def test_a_failed_start_frees_its_device_memory_at_once(where, monkeypatch):
     # (the interrupted loop's frames keep its PRNG keys: 16 bytes each, no weight)
     assert size - before[1] <= (48 if where == "loading dummy weights" else 0) and count - before[0] <= 3
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "jaxvllm-dummy-*"))) == folders
+
+
+def test_shutdown_from_another_thread_while_generate_runs(path):
+    """A notebook's worker thread generating while the user shuts the LLM down: the step
+    under way ends first (its arrays are not deleted under it), and generate raises that
+    the engine was shut down."""
+    import threading
+
+    llm = LLM(path, **ENGINE_ARGS)
+    engine, stepped, errors = llm.llm_engine, threading.Event(), []
+    step = engine.step
+
+    def step_then_signal():
+        outputs = step()
+        stepped.set()
+        return outputs
+
+    engine.step = step_then_signal
+
+    def work():
+        try:
+            llm.generate([{"prompt_token_ids": [5 + i, 6, 7]} for i in range(8)],
+                         SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False)
+        except BaseException as e:
+            errors.append(e)
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    assert stepped.wait(60)
+    llm.shutdown()
+    worker.join(60)
+    assert not worker.is_alive() and len(errors) == 1
+    assert isinstance(errors[0], RuntimeError) and "shut down" in str(errors[0])
+    assert engine.runner.closed

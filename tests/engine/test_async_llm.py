@@ -285,14 +285,12 @@ def test_vllm_engine_client_calls(engine, reference, caplog):
     from jaxvllm import AsyncLLMEngine
 
     async def main():
-        task = asyncio.create_task(collect(engine, PROMPTS[1], with_kind(LONG, RequestOutputKind.DELTA), "drained"))
-        await asyncio.sleep(0.05)
+        task, _ = await started(engine, PROMPTS[1], with_kind(LONG, RequestOutputKind.DELTA), "drained")
         await engine.wait_for_requests_to_drain(drain_timeout=60)
         assert engine.get_num_unfinished_requests() == 0
         deltas = await task
+        waiting, _ = await started(engine, PROMPTS[2], LONG, "not-drained")
         with pytest.raises(TimeoutError, match="waiting for requests to drain"):
-            waiting = asyncio.create_task(collect(engine, PROMPTS[2], LONG, "not-drained"))
-            await asyncio.sleep(0.05)
             await engine.wait_for_requests_to_drain(drain_timeout=0)
         await waiting
         # vLLM 0.11's positional order: lora_request, trace_headers, priority
