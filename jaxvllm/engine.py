@@ -169,7 +169,8 @@ class LLMEngine:
         self._check_awake("a request")
         lora_id = self.lora_id(lora_request)
         parent = self.input_processor.process(request_id, prompt, params, priority,
-                                              add_special_tokens=add_special_tokens, lora_id=lora_id)
+                                              add_special_tokens=add_special_tokens, lora_id=lora_id,
+                                              lora_path=lora_request.lora_path if lora_request is not None else None)
         parent.lora_request = lora_request
         return parent
 

@@ -202,8 +202,9 @@ class InputProcessor:
         return params
 
     def process(self, request_id: str, prompt: Any, params: SamplingParams | None, priority: int = 0, *,
-                add_special_tokens: bool = True, lora_id: int = 0) -> ParentRequest:
-        """Validate everything about a request and build its n completions' `Request`s."""
+                add_special_tokens: bool = True, lora_id: int = 0, lora_path: str | None = None) -> ParentRequest:
+        """Validate everything about a request and build its n completions' `Request`s
+        (`lora_path`: its adapter's folder, which processes compare)."""
         params = self._check_params(params, priority)
         max_model_len = self.max_model_len
         bad_words = self.bad_words_token_ids(params.bad_words) if params.bad_words else []
@@ -231,7 +232,7 @@ class InputProcessor:
         parent = ParentRequest(request_id, children, params.output_kind)
         if self.digests:
             parent.digest = hashlib.blake2b(repr((request_id, token_ids, priority, params, [c.seed for c in children],
-                                                  lora_id))
+                                                  lora_id, lora_path, cache_salt))
                                             .encode(), digest_size=8).digest()
         return parent
 

@@ -174,9 +174,12 @@ def to_host(tree):
 
 def gather_over_processes(value: int) -> list[int]:
     """`value` from every process, in process order (one host collective; only called
-    where all processes reach the same point)."""
+    where all processes reach the same point). The devices' work is waited for first: a
+    step in flight over some of them (a replica's, or one dropped unread) runs collectives
+    of its own, and the processes' collectives must come in the same order in each."""
     if jax.process_count() == 1:
         return [value]
+    jax.block_until_ready(jax.live_arrays())
     with jax.transfer_guard("allow"):  # (8 bytes of control, not data a guard is watching for)
         return [int(v) for v in np.asarray(multihost_utils.process_allgather(np.int64(value)))]
 

@@ -102,6 +102,14 @@ def main(folder: str, port: str, rank: str) -> None:
         with LLM(path, **ENGINE, **kwargs) as llm:
             results[name] = run(llm)
             results[name + "_processes"] = [sorted({d.process_index for d in e.runner.devices}) for e in llm.engines]
+    # TP 2 (2 of the 8 devices): a step left in flight by requests that stopped early must not
+    # overlap the next call's check over all 8.
+    with LLM(path, **ENGINE, tensor_parallel_size=2) as llm:
+        results["after_early_stops"] = []
+        for i in range(4):
+            llm.generate(["abc def"], SamplingParams(temperature=0.8, seed=3 + i, max_tokens=20, stop=["e", "a"]),
+                         use_tqdm=False)
+            results["after_early_stops"].append(run(llm, PROMPTS[:2]))
     # Processes that disagree on the requests get a clear error, not wrong outputs.
     with LLM(path, **ENGINE, tensor_parallel_size=8) as llm:
         mine = PROMPTS[:2] if jax.process_index() == 0 else PROMPTS[1:3]
@@ -110,6 +118,11 @@ def main(folder: str, port: str, rank: str) -> None:
         except RuntimeError as e:
             results["errors"]["differ"] = str(e)
         results["after_error"] = run(llm)
+        salt = {"cache_salt": "mine"} if jax.process_index() == 0 else {}
+        try:
+            llm.generate([{**PROMPTS[0], **salt}], PARAMS[0], use_tqdm=False)
+        except RuntimeError as e:
+            results["errors"]["salt"] = str(e)
     results["sizing"] = sizing(path)
     results["updates"] = updates(path, Path(folder) / "llama-8-heads-seed-1")
     results["lora_tp8"] = with_adapter(path, Path(folder) / "adapter", tensor_parallel_size=8)

@@ -116,8 +116,19 @@ def test_kv_cache_is_sized_from_the_process_with_least_room(results):
 
 
 def test_processes_with_different_requests_get_an_error(results):
+    """Different prompts, or the same prompt with a cache salt in one process only (whose
+    prefix-cache hits would differ)."""
     for r in results:
         assert r["errors"]["differ"].startswith("the 2 processes hold different requests")
+        assert r["errors"]["salt"].startswith("the 2 processes hold different requests")
+
+
+def test_a_step_left_in_flight_does_not_overlap_the_next_check(results, one_device):
+    """TP 2 over one device of each process: requests that stop early leave their engine's
+    last step unread; the next call's check across processes (over all 8 devices) waits
+    for it (the collectives overlapped: gloo aborted both processes)."""
+    for r in results:
+        assert r["after_early_stops"] == [one_device[:2]] * 4
 
 
 def test_an_engine_must_split_evenly_over_the_processes(results):
