@@ -122,6 +122,8 @@ class LLMEngine:
         self._carried: list[RequestOutput] = []
         self._recovering = False  # a recovery failed part way (`_recover`)
         self._lock = threading.Lock()  # held by a step, and by shutdown (from another thread: it waits)
+        self._stepping: int | None = None  # the thread in `step` (a signal handler's shutdown there waits for its end)
+        self._shutdown_requested = False
         # Across processes (jax.distributed) each one schedules for itself: the requests are
         # compared once they change, before the next step.
         self._multiprocess = jax.process_count() > 1
@@ -339,6 +341,7 @@ class LLMEngine:
         """The tokenizer and what is built on it: the end ids, the input, output and
         structured-output processors."""
         config, vocab = self.config, self.model_config.vocab_size
+        old = self.__dict__.get("input_processor"), self.__dict__.get("structured_outputs")
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids(self.model_config.eos_token_ids, self.generation_config, tokenizer)
         self.structured_outputs = None if tokenizer is None else StructuredOutputManager(
@@ -347,6 +350,10 @@ class LLMEngine:
                                               self.scheduler.check_fits, self.structured_outputs,
                                               digests=self._multiprocess)
         self.output_processor = OutputProcessor(tokenizer)
+        if old[0] is not None:  # (unseeded requests' seeds go on from the arrivals so far)
+            self.input_processor.next_arrival = old[0].next_arrival
+        if old[1] is not None:
+            old[1].shutdown()
 
     def get_model_config(self) -> ModelConfig:
         """vLLM's: the model's config as the engine reads it (also `model_config`)."""
@@ -395,7 +402,13 @@ class LLMEngine:
         under way to end (a later step raises that the engine was shut down).
         """
         with self._lock:
-            return self._step()
+            self._stepping = threading.get_ident()
+            try:
+                return self._step()
+            finally:
+                self._stepping = None
+                if self._shutdown_requested:
+                    self._shutdown()
 
     def _step(self) -> list[RequestOutput]:
         self._check_open()
@@ -910,9 +923,19 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Abort every request and free the device memory (weights, KV cache, sampler state),
-        once a step under way on another thread has ended."""
+        once a step under way has ended: on another thread, by waiting for it; on this one
+        (a signal handler that runs inside the step), as the step returns."""
+        if self._stepping == threading.get_ident():
+            self._shutdown_requested = True
+            return
         with self._lock:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        self._recovering = False  # (nothing to mend in what is freed: a failed recovery must not keep it)
+        try:
             self.abort_request(list(self._parents))
+        finally:
             self.runner.close()
             if self.structured_outputs is not None:
                 self.structured_outputs.shutdown()

@@ -89,6 +89,10 @@ class LLM:
     def set_tokenizer(self, tokenizer) -> None:
         """vLLM's: use `tokenizer` (an HF tokenizer) from now on, for text, chat templates and
         the end ids (`LLMEngine.set_tokenizer`)."""
+        for engine in self.engines:  # (all or none: each refuses while it has requests)
+            engine._check_open()
+            if engine.has_unfinished_requests():
+                raise RuntimeError("set_tokenizer() while requests are unfinished: finish or abort them first")
         for engine in self.engines:
             engine.set_tokenizer(tokenizer)
 
@@ -312,6 +316,9 @@ class LLM:
             except BaseException:  # KeyboardInterrupt or a device error: this call's requests are aborted
                 self._abort_generating()
                 raise
+        if missing := [r.request_id for r in requests if r.request_id not in self._finished]:
+            self._abort_generating()
+            raise RuntimeError(f"requests {missing[:4]} ended without a final output (aborted by another thread?)")
         outputs = [self._finished[r.request_id] for r in requests]
         for r in requests:  # (interrupted: the next call's _abort_generating drops the rest)
             self._finished.pop(r.request_id)
@@ -391,10 +398,8 @@ class LLM:
                             num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
                             bar.update(1)
                 bar.set_postfix_str(f"output {num_output_tokens / (time.perf_counter() - start):.1f} tok/s", refresh=False)
-            if waiting:  # (no engine runs them any more: shut down, or aborted, from another thread)
+            if waiting:  # (no engine runs them any more: shut down, or aborted by hand)
                 self._check_open()
-                raise RuntimeError(f"requests {sorted(waiting)[:4]} ended without a final output (aborted by "
-                                   "another thread?)")
         finally:
             bar.close()
 

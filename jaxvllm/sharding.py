@@ -28,6 +28,7 @@ partitioning of the jitted step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -179,7 +180,9 @@ def gather_over_processes(value: int) -> list[int]:
     of its own, and the processes' collectives must come in the same order in each."""
     if jax.process_count() == 1:
         return [value]
-    jax.block_until_ready(jax.live_arrays())
+    for array in jax.live_arrays():
+        with contextlib.suppress(Exception):  # (deleted or donated meanwhile, by another thread: nothing to wait for)
+            array.block_until_ready()
     with jax.transfer_guard("allow"):  # (8 bytes of control, not data a guard is watching for)
         return [int(v) for v in np.asarray(multihost_utils.process_allgather(np.int64(value)))]
 

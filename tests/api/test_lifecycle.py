@@ -261,3 +261,23 @@ def test_shutdown_from_another_thread_while_generate_runs(path):
     assert not worker.is_alive() and len(errors) == 1
     assert isinstance(errors[0], RuntimeError) and "shut down" in str(errors[0])
     assert engine.runner.closed
+
+
+def test_shutdown_inside_a_step_on_the_same_thread(path):
+    """A signal handler (SIGTERM's graceful shutdown, a custom SIGINT handler) runs on the
+    thread that is stepping, inside the step: shutdown then frees the engine as the step
+    returns, instead of waiting for a step that waits for it."""
+    llm = LLM(path, **ENGINE_ARGS)
+    engine = llm.llm_engine
+    step = engine._step
+
+    def step_then_a_handler_shuts_down():
+        outputs = step()
+        llm.shutdown()  # (what a handler does, between two bytecodes of the step)
+        assert not engine.runner.closed  # (not yet: the step is under way)
+        return outputs
+
+    engine._step = step_then_a_handler_shuts_down
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=50), use_tqdm=False)
+    assert engine.runner.closed

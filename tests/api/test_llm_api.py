@@ -352,9 +352,14 @@ def test_set_tokenizer(llm):
     new.chat_template = "{% for m in messages %}<<{{ m.content }}>>{% endfor %}"
     new.eos_token = new.convert_ids_to_tokens(7)
     conversation = [{"role": "user", "content": "Hi"}]
+    llm.generate({"prompt_token_ids": [5, 6]}, GREEDY, use_tqdm=False)
+    arrivals = llm.llm_engine.input_processor.next_arrival
+    assert arrivals > 0
     try:
         llm.set_tokenizer(new)
         assert llm.get_tokenizer() is new and llm.llm_engine.eos_token_ids[0] == 7
+        # (unseeded requests' seeds go on from the arrivals so far: no repeat of the first ones)
+        assert llm.llm_engine.input_processor.next_arrival == arrivals
         [out] = llm.chat(conversation, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
         assert out.prompt == "<<Hi>>" and out.prompt_token_ids == new.encode("<<Hi>>", add_special_tokens=False)
         assert out.outputs[0].text == new.decode(out.outputs[0].token_ids, skip_special_tokens=True)
@@ -365,3 +370,13 @@ def test_set_tokenizer(llm):
     finally:
         llm.set_tokenizer(old)
     assert llm.get_tokenizer() is old and llm.llm_engine.eos_token_ids[0] == old.eos_token_id
+
+
+def test_wait_for_completion_after_a_request_was_aborted_by_hand(llm):
+    """An enqueued request aborted through llm_engine has no output to hand back: the others
+    come back, and later calls work."""
+    ids = llm.enqueue([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9]}], GREEDY, use_tqdm=False)
+    llm.llm_engine.abort_request(ids[0])
+    assert [o.request_id for o in llm.wait_for_completion(use_tqdm=False)] == [ids[1]]
+    assert llm.wait_for_completion(use_tqdm=False) == []
+    assert len(llm.generate({"prompt_token_ids": [5, 6, 7]}, GREEDY, use_tqdm=False)) == 1

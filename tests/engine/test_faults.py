@@ -465,6 +465,18 @@ def test_a_failure_inside_the_recovery_is_mended_by_the_next_step(case, monkeypa
     assert_healthy(llm, want)
 
 
+def test_shutdown_frees_an_engine_whose_recovery_keeps_failing(tiny_checkpoint, monkeypatch):
+    """Out of memory at every attempt to make a consumed cache anew: shutdown still frees
+    what there is (it mends nothing it is about to free)."""
+    llm = LLM(tiny_checkpoint("llama"), **ENGINE)
+    fail_once(monkeypatch, PendingStep, "result", 2)
+    monkeypatch.setattr(ModelRunner, "recover", lambda self: (_ for _ in ()).throw(MemoryError("injected")))
+    with pytest.raises(MemoryError, match="injected"):
+        llm.generate(prompts(), GREEDY, use_tqdm=False)
+    llm.shutdown()
+    assert llm.llm_engine.runner.closed
+
+
 def test_failed_call_that_consumed_the_kv_cache(case, monkeypatch):
     """A jitted step that took the donated caches and then failed: the runner makes new ones
     (and forgets the prefix cache, whose contents went with them)."""
