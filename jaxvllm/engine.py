@@ -332,10 +332,14 @@ class LLMEngine:
         """vLLM's (`LLM.set_tokenizer`): prompts' text, outputs' text, chat templates, the
         end ids and structured outputs use `tokenizer` from now on. Refused while requests
         are unfinished (their text is the old tokenizer's)."""
+        self.check_set_tokenizer()
+        self._use_tokenizer(tokenizer)
+
+    def check_set_tokenizer(self) -> None:
+        """Raise what `set_tokenizer` would refuse, changing nothing."""
         self._check_open()
         if self.has_unfinished_requests():
             raise RuntimeError("set_tokenizer() while requests are unfinished: finish or abort them first")
-        self._use_tokenizer(tokenizer)
 
     def _use_tokenizer(self, tokenizer) -> None:
         """The tokenizer and what is built on it: the end ids, the input, output and
@@ -766,7 +770,7 @@ class LLMEngine:
         return self.metrics.snapshot(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
-            kv_cache_usage=1 - kv.num_free_blocks / kv.pool.num_blocks,
+            kv_cache_usage=kv.usage,
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache=kv.stats,
         )
@@ -776,8 +780,7 @@ class LLMEngine:
         if self.config.disable_log_stats:
             return
         kv = self.kv_cache_manager
-        self.stat_logger.log(len(self.scheduler.running), len(self.scheduler.waiting),
-                             1 - kv.num_free_blocks / kv.pool.num_blocks, kv.stats.hit_rate)
+        self.stat_logger.log(len(self.scheduler.running), len(self.scheduler.waiting), kv.usage, kv.stats.hit_rate)
 
     # -- sleep mode and weights (vLLM's names) ------------------------------------------------
 

@@ -165,6 +165,11 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
+    @property
+    def usage(self) -> float:
+        """The share of blocks in use (vLLM's KV cache usage)."""
+        return 1 - self.pool.num_free_blocks / self.pool.num_blocks
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

@@ -90,9 +90,7 @@ class LLM:
         """vLLM's: use `tokenizer` (an HF tokenizer) from now on, for text, chat templates and
         the end ids (`LLMEngine.set_tokenizer`)."""
         for engine in self.engines:  # (all or none: each refuses while it has requests)
-            engine._check_open()
-            if engine.has_unfinished_requests():
-                raise RuntimeError("set_tokenizer() while requests are unfinished: finish or abort them first")
+            engine.check_set_tokenizer()
         for engine in self.engines:
             engine.set_tokenizer(tokenizer)
 
