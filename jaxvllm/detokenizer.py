@@ -17,7 +17,15 @@ new tokens change text of the context after all (clean_up_tokenization_spaces tu
 " ." into "."), the committed characters that differ are taken back.
 
 The result is exactly `tokenizer.decode(all_ids, skip_special_tokens=...)` after
-every update, for about one decode of at most ~16 tokens per update. The one case
+every update, for about one decode of at most ~16 tokens per update.
+
+A fast tokenizer without the cleanup runs the same scheme in Rust: tokenizers'
+`DecodeStream` (vLLM's `FastIncrementalDetokenizer`) keeps the last committed tokens as
+the context and commits whatever no longer ends in U+FFFD, so a Python call per token
+is most of the cost. The window above mirrors its state, so that pending text can be
+shown, and it takes over for good where the stream cannot keep the text exact: its
+context's text changed (tokenizers' "Invalid prefix"), or U+FFFD stayed pending for
+`_FORCE_AFTER` tokens (the stream would re-decode an ever longer window). The one case
 where the window grows with the output is a run of byte-fallback tokens (`<0xE6>`...):
 the ByteFallback decoder shows the whole run as U+FFFD once any byte of it is
 invalid, so nothing inside a run can be committed before the run ends.
@@ -29,6 +37,8 @@ import os
 import re
 from collections.abc import Sequence
 from typing import Any
+
+from tokenizers.decoders import DecodeStream
 
 # Tokens of left context kept in the window before the commit point. A ByteLevel
 # character is at most 4 bytes, so 4 tokens (>= 1 byte each) always include the lead
@@ -127,6 +137,11 @@ class IncrementalDetokenizer:
         self._text: str | None = ""  # cached `text`; None when stale
         self._searched_to = 0  # text before this was searched for stop strings
         self._stopped = False
+        # tokenizers' incremental decoder while it keeps the text exact, else None (see
+        # the module docstring). Its context is ids[start:read] and its pending ids
+        # ids[read:]; `_prefix_text` is then None until the pending text needs it.
+        self._backend = backend
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens) if self._backend_decode else None
         if prompt_token_ids:
             self._prime(prompt_token_ids)
 
@@ -164,6 +179,25 @@ class IncrementalDetokenizer:
         calls search only their own new text, as vLLM does."""
         if self._stopped:
             raise RuntimeError("a stop string was already found; the completion is over")
+        added = self._append(new_token_ids)
+        if not added:
+            return None  # decode ignores these ids: the text is unchanged
+
+        # Where the text may have changed: everything before is as it was.
+        changed_from = self._stream_extend(added) if self._stream is not None else None
+        if changed_from is None:
+            changed_from = self._extend()
+        self._text = None
+        if self._stop and check_stop:
+            return self._check_stop(changed_from)
+        if self._stop:  # (below min_tokens: this text counts as searched)
+            self._searched_to = self._settled_len()
+        return None
+
+    # -- internals -------------------------------------------------------------------
+
+    def _append(self, new_token_ids: Sequence[int]) -> int:
+        """Append the ids that decode shows; return how many."""
         added = 0
         for tid in new_token_ids:
             tid = int(tid)
@@ -175,19 +209,7 @@ class IncrementalDetokenizer:
             self._ids.append(tid)
             self._is_byte.append(self._byte_fallback and _BYTE_TOKEN.match(token) is not None)
             added += 1
-        if not added:
-            return None  # decode ignores these ids: the text is unchanged
-
-        # Where the text may have changed: everything before is as it was.
-        changed_from = self._extend()
-        self._text = None
-        if self._stop and check_stop:
-            return self._check_stop(changed_from)
-        if self._stop:  # (below min_tokens: this text counts as searched)
-            self._searched_to = self._settled_len()
-        return None
-
-    # -- internals -------------------------------------------------------------------
+        return added
 
     def _prime(self, prompt_token_ids: Sequence[int]) -> None:
         """Start the window with the prompt's last tokens as committed context, as vLLM's
@@ -208,6 +230,27 @@ class IncrementalDetokenizer:
                              for t in context]
             self._read = len(context)
             self._prefix_text = self._decode(context)
+            if self._stream is not None:
+                self._prime_stream(context)
+
+    def _prime_stream(self, context: list[int]) -> None:
+        """Feed the prompt's context to the stream, which commits it in its own groups; the
+        window follows them. Where the stream could not keep the text exact (see `update`),
+        the window alone goes on, from the whole context."""
+        start = read = 0
+        try:
+            for i, tid in enumerate(context):
+                if self._stream.step(self._backend, tid) is not None:
+                    if self._is_byte[i]:
+                        raise ValueError("committed inside a byte-fallback run")
+                    start, read = read, i + 1
+        except Exception as error:  # (tokenizers raises plain Exceptions)
+            if not _stream_gave_up(error):
+                raise
+        if read == len(context):
+            self._start, self._read, self._prefix_text = start, read, None
+        else:  # (it gave up, or the context's text ends pending)
+            self._stream = None
 
     def _decode(self, ids: list[int]) -> str:
         if self._backend_decode is not None:
@@ -221,6 +264,52 @@ class IncrementalDetokenizer:
             return self._tokenizer.convert_ids_to_tokens(tid)
         except (IndexError, KeyError, ValueError, OverflowError):
             return None
+
+    def _stream_extend(self, added: int) -> int | None:
+        """Step the stream over the `added` new ids and commit what it hands out. Returns
+        the offset in `text` from which the text may differ from before, or None after
+        handing the window back to `_extend` (the state as it was before these ids)."""
+        ids, n = self._ids, len(self._ids)
+        before = (len(self._chunks), self._committed_len, self._start, self._read)
+        try:
+            for i in range(n - added, n):
+                piece = self._stream.step(self._backend, ids[i])
+                if piece is not None:
+                    if self._is_byte[i]:  # (a later byte of the run may turn it into U+FFFD)
+                        raise ValueError("committed inside a byte-fallback run")
+                    self._chunks.append(piece)
+                    self._committed_len += len(piece)
+                    self._start, self._read = self._read, i + 1
+            if self._read < n:  # pending ids: their text, from the context's
+                if n - self._read > _FORCE_AFTER:
+                    raise ValueError("U+FFFD pending too long")
+                if self._prefix_text is None or self._read != before[3]:
+                    self._prefix_text = self._decode(ids[self._start:self._read])
+                window_text = self._decode(ids[self._start:n])
+                if not window_text.startswith(self._prefix_text):
+                    raise ValueError("the context's text changed")
+                tail = window_text[len(self._prefix_text):]
+            else:
+                tail, self._prefix_text = "", None
+        except Exception as error:  # (tokenizers raises plain Exceptions)
+            if not _stream_gave_up(error):
+                raise
+            # Back to the state before these ids, and the window decode from there on.
+            del self._chunks[before[0]:]
+            self._committed_len, self._start, self._read = before[1:]
+            self._stream = None
+            self._prefix_text = self._decode(ids[self._start:self._read])
+            return None
+        self._committed_settled = self._committed_len
+        changed_from = before[1]
+        if self._tail:  # (the pending text's start that the new ids left as it was did not change)
+            changed_from += len(os.path.commonprefix([self._tail, "".join(self._chunks[before[0]:]) + tail]))
+        self._tail = tail
+        if self._start >= _TRIM_AT:
+            del self._ids[:self._start], self._is_byte[:self._start]
+            self._read -= self._start
+            self._start = 0
+        return changed_from
 
     def _extend(self) -> int:
         """Decode the window after new ids arrived; commit what is final. Returns the
@@ -313,6 +402,8 @@ class IncrementalDetokenizer:
 
     def _recent_committed(self, count: int) -> str:
         """The last `count` characters of the committed text (without joining it all)."""
+        if count and self._chunks and len(self._chunks[-1]) >= count:
+            return self._chunks[-1][-count:]
         parts, have = [], 0
         for chunk in reversed(self._chunks):
             if have >= count:
@@ -324,6 +415,8 @@ class IncrementalDetokenizer:
 
     def _settled_len(self) -> int:
         """Length of the text without its trailing U+FFFD run."""
+        if not self._tail:
+            return self._committed_settled
         tail = self._tail.rstrip(_REPLACEMENT)
         return self._committed_len + len(tail) if tail else self._committed_settled
 
@@ -362,3 +455,9 @@ class IncrementalDetokenizer:
 def _trailing_replacements(text: str) -> int:
     """How many U+FFFD end `text` (characters a later token may still complete)."""
     return len(text) - len(text.rstrip(_REPLACEMENT))
+
+
+def _stream_gave_up(error: Exception) -> bool:
+    """Whether `error` says the stream cannot keep the text exact: tokenizers' "Invalid
+    prefix" (new tokens changed the context's text), or one of our checks (ValueError)."""
+    return isinstance(error, ValueError) or str(error).startswith("Invalid prefix")

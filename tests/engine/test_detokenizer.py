@@ -1,10 +1,11 @@
 """IncrementalDetokenizer: the text equals a full decode after every token, stop
 strings are found across token boundaries, and the work per token stays bounded.
 
-Two tokenizers, both built here with no download: the project's tiny byte-level BPE
-(GPT-2 / Llama 3 / Qwen style) and a SentencePiece-style Unigram with Metaspace and
-byte fallback (Llama 2 / Mistral style), where characters missing from the
-vocabulary are spelled as <0xNN> byte tokens, so partial UTF-8 shows up.
+Tokenizers built here with no download: the project's tiny byte-level BPE (GPT-2 /
+Llama 3 / Qwen style) and a SentencePiece-style Unigram with byte fallback (Llama 2 /
+Mistral style), where characters missing from the vocabulary are spelled as <0xNN>
+byte tokens, so partial UTF-8 shows up; the latter with a Metaspace decoder ("sp") and
+with Llama 2's Replace / ByteFallback / Fuse / Strip decoder ("llama2").
 """
 
 from __future__ import annotations
@@ -20,18 +21,19 @@ try:
 except ImportError:  # moved: it lives in jaxvllm.dummy
     from jaxvllm.dummy import make_tokenizer
 
-TOKENIZERS = ["tiny", "sp"]
+TOKENIZERS = ["tiny", "sp", "llama2"]
 SENTENCE = "The quick brown fox jumps over the lazy dog."
 # Text for the random streams and the long-run check: CJK and emoji, some of which
 # ("漢", "🙂") the SentencePiece vocabulary lacks, so they become byte tokens there.
 MIXED = "Hello, world! 漢字 and 日本語 🙂 text 🎉, how are you today ? 中文 ✨ fine . I 'm ' s ok"
 
 
-def _sentencepiece_tokenizer(cleanup: bool = False):
+def _sentencepiece_tokenizer(cleanup: bool = False, llama2_decoder: bool = False):
     """A Unigram Metaspace tokenizer with byte fallback and a hand-written vocabulary
     (deterministic, unlike a trained one): <unk> <s> </s>, the 256 byte tokens, then
     pieces. `cleanup`: transformers' clean_up_tokenization_spaces (" ." -> "."), which
-    rewrites text before the newest token."""
+    rewrites text before the newest token. `llama2_decoder`: the decoder of Llama 2's
+    fast tokenizer, whose Strip drops the text's first space."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -46,6 +48,9 @@ def _sentencepiece_tokenizer(cleanup: bool = False):
     tok.add_special_tokens(["<unk>", "<s>", "</s>"])
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace()])
+    if llama2_decoder:
+        tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
                                    clean_up_tokenization_spaces=cleanup)
 
@@ -56,6 +61,7 @@ def tokenizers(tmp_path_factory):
         "tiny": make_tokenizer(tmp_path_factory.mktemp("tok")),
         "sp": _sentencepiece_tokenizer(),
         "sp_cleanup": _sentencepiece_tokenizer(cleanup=True),
+        "llama2": _sentencepiece_tokenizer(llama2_decoder=True),
     }
 
 
@@ -498,3 +504,62 @@ def test_invalid_bytes_do_not_grow_the_window(tokenizers, monkeypatch):
     monkeypatch.undo()
     assert d.text == "\ufffd" * 500 == decode([cont] * 500)
     assert max(lengths) < 20
+
+
+# -- tokenizers' DecodeStream -------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_plain_text_decodes_in_the_stream(tokenizers, name, monkeypatch):
+    """A fast tokenizer without the cleanup decodes text whose characters are whole tokens
+    in tokenizers' DecodeStream: the window's own decodes (Python calls, several times
+    the cost) are then left for the prompt's context alone."""
+    tok = tokenizers[name]
+    calls = []
+    window_decode = IncrementalDetokenizer._decode
+    monkeypatch.setattr(IncrementalDetokenizer, "_decode", lambda self, ids: (calls.append(ids), window_decode(self, ids))[1])
+    prompt, ids = _encode(tok, SENTENCE), _encode(tok, (SENTENCE + " Hello, how are you today? ") * 20)
+    d = IncrementalDetokenizer(tok, stop=["never appears"], prompt_token_ids=prompt)
+    primed = len(calls)
+    for tid in ids:
+        assert d.update([tid]) is None
+    monkeypatch.undo()
+    assert d.text == tok.decode(prompt + ids)[len(tok.decode(prompt)):]
+    assert len(calls) == primed, calls[primed:]
+
+
+class _FailingStream:
+    """tokenizers' DecodeStream that raises its "Invalid prefix" error at step `at` (as it
+    does where new tokens change its context's text)."""
+
+    def __init__(self, stream, at: int):
+        self.stream, self.at, self.steps = stream, at, 0
+
+    def step(self, tokenizer, tid):
+        self.steps += 1
+        if self.steps == self.at:
+            raise Exception("Invalid prefix encountered while decoding stream. Token ID: %d" % tid)
+        return self.stream.step(tokenizer, tid)
+
+
+@pytest.mark.parametrize("at", [1, 2, 5, 9])
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_the_window_takes_over_where_the_stream_gives_up(tokenizers, name, at):
+    """Where the stream raises, the update starts again from before it in the window, and
+    the text and stop strings come out as without the stream."""
+    tok = tokenizers[name]
+    ids = _encode(tok, SENTENCE + " Hello 漢字 world, how are you? " + SENTENCE)
+    expected = [tok.decode(ids[:n], skip_special_tokens=True) for n in range(1, len(ids) + 1)]
+    for stop in ([], ["you?"]):
+        d = IncrementalDetokenizer(tok, stop=stop, include_stop_str_in_output=True)
+        assert d._stream is not None
+        d._stream = failing = _FailingStream(d._stream, at)
+        i, found = 0, None
+        for size in [1, 3, 1, 2] * len(ids):
+            if i >= len(ids) or found:
+                break
+            found = d.update(ids[i:i + size])
+            i = min(i + size, len(ids))
+            assert found or d.text == expected[i - 1]
+        assert failing.steps >= at and d._stream is None  # (the window went on alone)
+        assert d.text == (SENTENCE + " Hello 漢字 world, how are you?" if stop else expected[-1])
