@@ -177,6 +177,16 @@ _NONE_MEANS_DEFAULT = ("seed", "block_size", "enable_prefix_caching", "enable_ch
 DEFAULT_MAX_NUM_SEQS = 256
 
 
+# What the processes of one engine under jax.distributed may set each its own way: where
+# each finds its files and writes its caches and logs, and its memory budget (the KV cache
+# takes the least room any process has). The other arguments decide the collective steps.
+_PER_PROCESS_FIELDS = frozenset({
+    "model", "tokenizer", "download_dir", "compilation_cache_dir", "hf_token", "allowed_local_media_path",
+    "served_model_name", "disable_log_stats", "profiler_config", "max_parallel_loading_workers", "revision",
+    "tokenizer_revision", "code_revision", "gpu_memory_utilization", "swap_space", "cpu_offload_gb",
+})
+
+
 @dataclass
 class EngineConfig:
     """Everything `LLM(...)` takes; the names and defaults of vLLM's engine arguments."""
@@ -361,6 +371,13 @@ class EngineConfig:
             # and an EAGLE head draft on the device.
             logger.info("speculative decoding with %s: steps run synchronously (async_scheduling=False)", spec.method)
             self.async_scheduling = False
+
+    def shared_fields(self) -> dict[str, str]:
+        """The arguments every process of a multi-host engine must give alike, each as text
+        that compares across processes (a function by its name, not its address; the draft
+        model's folder left out, as the model's is)."""
+        return {f.name: _portable(getattr(self, f.name)) for f in dataclasses.fields(self)
+                if f.name not in _PER_PROCESS_FIELDS}
 
     def for_platform(self, platform: str, max_model_len: int | None = None) -> "EngineConfig":
         """This config with the arguments left to the platform chosen for `platform` (JAX's
@@ -611,3 +628,20 @@ def check_bool(name: str, value: Any) -> bool:
 def _check_positive_int(name: str, value: Any, extra: str = "") -> None:
     if not is_int(value) or value < 1:
         raise ValueError(f"{name} must be a positive int{extra}, got {value!r}")
+
+
+def _portable(value: Any) -> str:
+    """`value` as text that is the same in every process given the same value."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+        if isinstance(value, SpeculativeConfig):
+            fields.pop("model")  # (a folder: each process may keep the draft model elsewhere)
+        return type(value).__name__ + _portable(fields)
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_portable(k)}: {_portable(v)}" for k, v in sorted(value.items(), key=repr)) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(map(_portable, value)) + "]"
+    if callable(value) or " at 0x" in repr(value):  # (functions, classes, objects shown by address)
+        named = value if hasattr(value, "__qualname__") else type(value)
+        return f"{named.__module__}.{named.__qualname__}"
+    return repr(value)

@@ -80,7 +80,8 @@ class LLMEngine:
                 ) -> None:
         config = self._model_source.engine_config(config)
         # (a bad config.json or max_model_len is refused before the tokenizer or any weight loads)
-        max_model_len = load_config(config.model, config.hf_overrides).checked_max_model_len(config.max_model_len)
+        model_config = load_config(config.model, config.hf_overrides)
+        max_model_len = model_config.checked_max_model_len(config.max_model_len)
         self.config = config = config.for_platform(jax.default_backend(), max_model_len)
         self.tokenizer = load_tokenizer(config)
         method = config.speculative_config.method if config.speculative_config is not None else None
@@ -89,6 +90,8 @@ class LLMEngine:
         elif method in ("eagle", "eagle3"):
             check_eagle_head(config)  # (the same)
         self.generation_config = read_generation_config(config)  # (a bad one is refused before any weight loads)
+        if jax.process_count() > 1:
+            self._check_same_arguments(model_config)
         self.runner = runner_class(config)
         self.model_config = self.runner.cfg
         self.kv_cache_manager = KVCacheManager(
@@ -633,6 +636,24 @@ class LLMEngine:
             logger.warning("request %s: its grammar allows only token ids past the model's vocabulary (%d) next; "
                            "ended", request.request_id, self.model_config.vocab_size)
         self.scheduler.finish(request, reason)
+
+    def _check_same_arguments(self, model_config: ModelConfig) -> None:
+        """Across processes the steps are collective: processes given different engine
+        arguments, config.json or generation_config.json would compile or schedule different
+        steps and wait on each other for good. So they are compared before anything loads
+        (one host collective; one per argument to name those that differ)."""
+        fields = {**self.config.shared_fields(), "config.json": repr(model_config),
+                  "generation_config.json": repr(sorted(self.generation_config.items()))}
+
+        def differs(text: str) -> bool:
+            digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+            return len(set(gather_over_processes(int.from_bytes(digest, "little", signed=True)))) > 1
+
+        if differs(repr(sorted(fields.items()))):
+            names = [name for name, value in fields.items() if differs(value)]  # (every process asks alike)
+            raise ValueError(f"the {jax.process_count()} processes were given different {', '.join(names)}: under "
+                             "jax.distributed every process must build the engine alike (only paths, logging and "
+                             "gpu_memory_utilization may differ)")
 
     def _check_same_requests(self) -> None:
         """Across processes every process runs this same engine and the steps are collective:

@@ -8,6 +8,7 @@ model asks, and each prints one JSON object of its results.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -110,8 +111,22 @@ def main(folder: str, port: str, rank: str) -> None:
             llm.generate(["abc def"], SamplingParams(temperature=0.8, seed=3 + i, max_tokens=20, stop=["e", "a"]),
                          use_tqdm=False)
             results["after_early_stops"].append(run(llm, PROMPTS[:2]))
+    # Processes given different engine arguments get a clear error before anything loads;
+    # a served model name (or a path, or a memory budget) of their own is fine.
+    own = Path(folder) / f"llama-8-heads-process-{jax.process_index()}"  # (its config.json: another rms_norm_eps)
+    shutil.copytree(path, own)
+    config = json.loads((own / "config.json").read_text())
+    (own / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-5 * (1 + jax.process_index())}))
+    for name, kwargs in (("seed", dict(seed=jax.process_index())),
+                         ("max_model_len", dict(max_model_len=128 + 64 * jax.process_index())),
+                         ("hf_overrides, config.json", dict(hf_overrides={"rms_norm_eps": 1e-5 * (1 + jax.process_index())})),
+                         ("config.json", dict(model=own))):
+        try:
+            LLM(**{"model": path, **ENGINE, **kwargs}, tensor_parallel_size=8)
+        except ValueError as e:
+            results["errors"]["arguments_" + name] = str(e)
     # Processes that disagree on the requests get a clear error, not wrong outputs.
-    with LLM(path, **ENGINE, tensor_parallel_size=8) as llm:
+    with LLM(path, **ENGINE, tensor_parallel_size=8, served_model_name=f"process-{jax.process_index()}") as llm:
         mine = PROMPTS[:2] if jax.process_index() == 0 else PROMPTS[1:3]
         try:
             run(llm, mine)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxvllm import LLM
+from jaxvllm import LLM, EngineConfig
 from tests.distributed.multihost_worker import ENGINE, run, with_adapter
 from weights.make_lora import make_lora
 from weights.make_tiny import make_tiny
@@ -121,6 +121,27 @@ def test_processes_with_different_requests_get_an_error(results):
     for r in results:
         assert r["errors"]["differ"].startswith("the 2 processes hold different requests")
         assert r["errors"]["salt"].startswith("the 2 processes hold different requests")
+
+
+def test_processes_given_different_arguments_get_an_error(results):
+    """A seed, a max_model_len, hf_overrides or a config.json of one process's own is named before
+    anything loads (the steps would differ, and the processes wait on each other for good)."""
+    for r in results:
+        for name in ("seed", "max_model_len", "hf_overrides, config.json", "config.json"):
+            assert r["errors"]["arguments_" + name].startswith(f"the 2 processes were given different {name}: ")
+
+
+def test_what_processes_may_set_each_their_own_way():
+    """Paths (the draft model's too) and the memory budget are each process's own; a
+    function is compared by its name, not its address."""
+    def config(model, draft, budget, seed=0):
+        return EngineConfig(model=model, gpu_memory_utilization=budget, seed=seed, hf_overrides=lambda c: c,
+                            speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 2})
+
+    mine = config("/host0/model", "/host0/draft", 0.5).shared_fields()
+    assert mine == config("/host1/model", "/host1/draft", 0.9).shared_fields()
+    assert mine["hf_overrides"].endswith("_own_way.<locals>.config.<locals>.<lambda>")
+    assert mine != config("/host1/model", "/host1/draft", 0.9, seed=1).shared_fields()
 
 
 def test_a_step_left_in_flight_does_not_overlap_the_next_check(results, one_device):
