@@ -808,7 +808,18 @@ class LLMEngine:
     def sleep(self, level: int = 1) -> None:
         """vLLM's sleep (needs enable_sleep_mode=True): level 1 moves the weights to host
         memory and frees the KV cache; level 2 frees both. The prefix cache starts empty after
-        waking. Refused while requests are unfinished."""
+        waking. Refused while requests are unfinished; asleep already, it warns and returns
+        (as vLLM's executor)."""
+        self.check_sleep(level)
+        if self.is_sleeping():
+            logger.warning("sleep(): the engine is asleep already")
+            return
+        with defer_interrupts():
+            self._reset_prefix_cache()  # (first: no cached block may outlive the cache it names)
+            self.runner.sleep(level)
+
+    def check_sleep(self, level: int = 1) -> None:
+        """Raise as `sleep(level)` refuses; changes nothing (`LLM` asks every replica first)."""
         self._check_open()
         if not self.config.enable_sleep_mode:
             raise ValueError("sleep() needs an engine started with enable_sleep_mode=True")
@@ -816,11 +827,6 @@ class LLMEngine:
             raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
         if self.has_unfinished_requests():
             raise RuntimeError("sleep() while requests are unfinished: finish or abort them first")
-        if self.is_sleeping():
-            raise RuntimeError("the engine is asleep already; wake_up() first")
-        with defer_interrupts():
-            self._reset_prefix_cache()  # (first: no cached block may outlive the cache it names)
-            self.runner.sleep(level)
 
     def wake_up(self, tags: list[str] | None = None) -> bool:
         """Bring back the weights and the KV cache (`tags`: "weights", "kv_cache"; None:
@@ -850,6 +856,17 @@ class LLMEngine:
         """Read the weights again (vLLM's collective_rpc "reload_weights"): from the checkpoint,
         or (as `update_weights`) from `weights_path`, a folder of the model's safetensors (a
         trainer's save), or `weights_iterator`, (HF name, tensor) pairs."""
+        self.check_reload_weights(weights_iterator, weights_path, is_checkpoint_format)
+        if weights_iterator is not None or weights_path is not None:
+            self.update_weights(weights_iterator if weights_path is None else checkpoint_tensors(weights_path))
+            return
+        with defer_interrupts():
+            self._reset_prefix_cache()  # (first: no cached block may outlive the weights that made it)
+            self.runner.reload_weights()
+
+    def check_reload_weights(self, weights_iterator: Any = None, weights_path: str | None = None,
+                             is_checkpoint_format: bool = True) -> None:
+        """Raise as `reload_weights(...)` refuses before it reads anything; changes nothing."""
         self._check_open()
         if not is_checkpoint_format:
             raise ValueError("reload_weights(is_checkpoint_format=False) is not supported: give HF-named tensors, or "
@@ -857,26 +874,16 @@ class LLMEngine:
         if weights_iterator is not None and weights_path is not None:
             raise ValueError("reload_weights takes weights_iterator or weights_path, not both")
         if weights_iterator is not None or weights_path is not None:
-            self.update_weights(weights_iterator if weights_path is None else checkpoint_tensors(weights_path))
-            return
-        if self.has_unfinished_requests():
+            self.check_update_weights()
+        elif self.has_unfinished_requests():
             raise RuntimeError("reload_weights while requests are unfinished: finish or abort them first")
-        with defer_interrupts():
-            self._reset_prefix_cache()  # (first: no cached block may outlive the weights that made it)
-            self.runner.reload_weights()
 
     def update_weights(self, weights) -> int:
         """Replace some or all of the model's weights in place (HF names; see
         `jaxvllm.weight_update`): every name and shape is checked before anything changes.
         Refused while requests are unfinished. The prefix cache is reset (its blocks came
         from the old weights). Returns the number of tensors replaced."""
-        self._check_open()
-        if self.has_unfinished_requests():
-            raise RuntimeError("update_weights while requests are unfinished: finish or abort them first")
-        if self.runner.weights_gone:
-            raise RuntimeError("update_weights with no weights: reload_weights() failed part-way; call it again")
-        if "weights" in self.runner.asleep:
-            raise RuntimeError("update_weights while the weights sleep: call wake_up(tags=['weights']) first")
+        self.check_update_weights()
         start = time.perf_counter()
         with defer_interrupts():
             self._reset_prefix_cache()  # (first: no cached block may outlive the weights that made it)
@@ -885,6 +892,16 @@ class LLMEngine:
         self.weight_updates += 1
         self.weight_update_seconds += time.perf_counter() - start
         return count
+
+    def check_update_weights(self, weights: Any = None) -> None:
+        """Raise as `update_weights` refuses whatever the weights; changes nothing."""
+        self._check_open()
+        if self.has_unfinished_requests():
+            raise RuntimeError("update_weights while requests are unfinished: finish or abort them first")
+        if self.runner.weights_gone:
+            raise RuntimeError("update_weights with no weights: reload_weights() failed part-way; call it again")
+        if "weights" in self.runner.asleep:
+            raise RuntimeError("update_weights while the weights sleep: call wake_up(tags=['weights']) first")
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """vLLM's: forget every cached block. While running requests hold KV blocks it is
@@ -920,12 +937,21 @@ class LLMEngine:
                        kwargs: dict | None = None) -> list:
         """vLLM's: run one of `RPC_METHODS` on this engine's one worker (itself, in this
         process: `timeout` never applies); returns [its result]."""
+        self.check_rpc(method, timeout, args, kwargs)
+        return [getattr(self, method)(*args, **(kwargs or {}))]
+
+    def check_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
+                  kwargs: dict | None = None) -> None:
+        """Raise as `collective_rpc` refuses before the method changes anything (its own
+        `check_` method's refusals too); changes nothing."""
         self._check_open()
         if method not in self.RPC_METHODS:
             raise ValueError(f"collective_rpc method {method!r} is not supported; choose from {self.RPC_METHODS}")
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"collective_rpc timeout must be a positive number of seconds or None, got {timeout!r}")
-        return [getattr(self, method)(*args, **(kwargs or {}))]
+        check = getattr(self, "check_" + method, None)
+        if check is not None:
+            check(*args, **(kwargs or {}))
 
     def _check_open(self) -> None:
         if self.runner.closed:

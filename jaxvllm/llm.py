@@ -440,8 +440,8 @@ class LLM:
         shape and dtype is checked before anything changes; the prefix cache is reset.
         Returns the number of tensors replaced (per replica: each gets them all)."""
         self._check_open()
-        if any(e.has_unfinished_requests() for e in self.engines):
-            raise RuntimeError("update_weights while requests are unfinished: finish or abort them first")
+        for e in self.engines:  # (what one refuses, none does)
+            e.check_update_weights()
         weights = self._for_every_replica(weights)
         return [e.update_weights(weights) for e in self.engines][0]
 
@@ -479,6 +479,8 @@ class LLM:
         memory and frees the KV cache; level 2 frees both (for new weights). `generate` is
         refused until `wake_up`; waking compiles nothing."""
         self._check_open()
+        for e in self.engines:  # (what one refuses, none does)
+            e.check_sleep(level)
         for e in self.engines:
             e.sleep(level)
 
@@ -496,6 +498,8 @@ class LLM:
         self._check_open()
         args = tuple(self._for_every_replica(a) for a in args)
         kwargs = {k: self._for_every_replica(v) for k, v in (kwargs or {}).items()}
+        for e in self.engines:  # (what one refuses, none does)
+            e.check_rpc(method, timeout, args, kwargs)
         return [r for e in self.engines for r in e.collective_rpc(method, timeout, args, kwargs)]
 
     def get_params(self) -> dict:
@@ -503,7 +507,12 @@ class LLM:
         stacked (or one per layer on a CPU, each matrix stored inputs first as a
         `jaxvllm.layers.InputMajorWeight`), heads explicit; see `jaxvllm.models.common`."""
         self._check_open()
-        return self.llm_engine.runner.params
+        runner = self.llm_engine.runner
+        if runner.weights_gone:
+            raise RuntimeError("get_params() with no weights: reload_weights() failed part-way; call it again")
+        if "weights" in runner.asleep:
+            raise RuntimeError("get_params() while the weights sleep: call wake_up(tags=['weights']) first")
+        return runner.params
 
     def start_profile(self, profile_prefix: str | None = None) -> None:
         """vLLM's: trace what runs from here to `stop_profile()` (jax.profiler's trace, host and

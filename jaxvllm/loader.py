@@ -260,7 +260,7 @@ def load_safetensors(path: Path, cfg: ModelConfig, dtype, shardings: dict, repea
     if missing:
         raise ValueError(f"checkpoint {path} is missing tensor(s): {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
     unused = set(files) - {name for s in tensors for name in names[s.path]} - {"lm_head.weight"} - read_elsewhere
-    unused = {name for name in unused if not _KV_SCALE.fullmatch(name)  # an fp8 KV cache's: load_kv_scales
+    unused = {name for name in unused if not KV_SCALE_NAME.fullmatch(name)  # an fp8 KV cache's: load_kv_scales
               and not (fmt is not None and name.endswith(fmt.unused))}  # a format's bookkeeping
     # A scale or index the loader does not read belongs to a weight it reads wrong (a quantized
     # router read as plain values, an act-order it does not apply): refused, not ignored.
@@ -747,12 +747,12 @@ _QUANTIZATION_TENSORS = (".weight_scale", ".weight_scale_inv", ".scales", ".qzer
 # The names of an fp8 KV cache's per-layer scales in a checkpoint (float32: one value, or one
 # per KV head), as vLLM reads them: its own, ModelOpt's, a merged qkv_proj's, llm-compressor's
 # and AutoFP8's (the k/v projections' output scales), and the older kv_scale, for both.
-_KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\.(k_scale|v_scale|kv_scale|k_proj\.k_scale|v_proj\.v_scale|"
+KV_SCALE_NAME = re.compile(r"model\.layers\.(\d+)\.self_attn\.(k_scale|v_scale|kv_scale|k_proj\.k_scale|v_proj\.v_scale|"
                        r"qkv_proj\.k_scale|qkv_proj\.v_scale|k_proj\.output_scale|v_proj\.output_scale)")
 
 
 def _kv_scale_columns(suffix: str) -> tuple[int, ...]:
-    """Which of (k, v) a scale of `_KV_SCALE`'s suffix sets."""
+    """Which of (k, v) a scale of `KV_SCALE_NAME`'s suffix sets."""
     return (0, 1) if suffix == "kv_scale" else (0,) if suffix.startswith(("k_", "qkv_proj.k")) else (1,)
 
 
@@ -760,7 +760,7 @@ def load_kv_scales(model: str | Path, run_cfg: ModelConfig) -> tuple[np.ndarray,
     """An fp8 KV cache's scales, float32 [num_layers, num_kv_heads, 2] for the config the
     model runs with (`load_model`'s: KV heads repeated under a mesh with more devices): each
     layer's and KV head's (k_scale, v_scale), from the checkpoint's
-    `model.layers.{i}.self_attn.k_scale` / `v_scale` (or another name vLLM reads: `_KV_SCALE`)
+    `model.layers.{i}.self_attn.k_scale` / `v_scale` (or another name vLLM reads: `KV_SCALE_NAME`)
     where it has them, else 1.0 (vLLM's default); a layer with only one of them has it for
     both, as vLLM's quantized checkpoints do. A scale holds one value (per tensor) or one per
     KV head of the checkpoint. Returns the scales and how many tensors were read."""
@@ -770,7 +770,7 @@ def load_kv_scales(model: str | Path, run_cfg: ModelConfig) -> tuple[np.ndarray,
     given = np.zeros((run_cfg.num_layers, 2), bool)
     found = {}
     for name, file in tensor_files(Path(model)).items():
-        m = _KV_SCALE.fullmatch(name)
+        m = KV_SCALE_NAME.fullmatch(name)
         if m and int(m.group(1)) < run_cfg.num_layers:
             found.setdefault(file, []).append((name, int(m.group(1)), _kv_scale_columns(m.group(2))))
     for file, names in found.items():

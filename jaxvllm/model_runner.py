@@ -912,14 +912,14 @@ class ModelRunner:
             taken = [a for a, g in zip(jax.tree.leaves(weights), given) if g]
             taken += [p for p, g in zip(jax.tree.leaves(self.params), given) if g]
         else:
-            count, taken = self._update_named(weights, multiprocess)
+            count, taken = self._update_named(weights, multiprocess), []  # (copies: see weight_update)
         # Only the arrays the params hold count: a dead array's id may come back for another
         # (a KV cache, which shutdown would then not delete), and an RL loop's ids would pile up.
         self._given = (self._given | {id(a) for a in taken}) & {id(p) for p in jax.tree.leaves(self.params)}
         return count
 
-    def _update_named(self, weights, multiprocess: bool) -> tuple[int, list]:
-        """update_weights from HF-named tensors; (how many went in, the caller's arrays taken)."""
+    def _update_named(self, weights, multiprocess: bool) -> int:
+        """update_weights from HF-named tensors; how many went in."""
         from jaxvllm.weight_update import across_processes, named_tensors, updated_params, weight_index
 
         if self._weight_index is None:
@@ -935,7 +935,7 @@ class ModelRunner:
             pairs = across_processes(pairs, self._replicated)
         self.params, count = updated_params(self.params, pairs, index, repeats, skip, self.config.quantization,
                                             self.dtype)
-        return count, [a for _, a in pairs if isinstance(a, jax.Array)]
+        return count
 
     def weight_bytes_per_device(self) -> list[int]:
         """Bytes of the weights held on each of this replica's devices, in device order."""

@@ -8,8 +8,11 @@ qkv_proj, gate_up_proj), one expert of a stack. The new value is made with jnp f
 tensor where it already lies (a jax array is never moved through the host): HF's [out,
 in] reshaped to the head-explicit layout, K/V heads repeated as under tensor parallelism,
 experts transposed, merged with the parts not updated, written into its row of the stack,
-cast, and placed on the param's own sharding. Every name and shape is checked before any
-param changes, so a bad one changes nothing.
+cast, and placed on the param's own sharding. A value on other devices than its param is
+moved there first (device to device). The params never share a buffer with the caller's
+arrays (as vLLM's `load_weights` copies into its own): a trainer may donate its arrays to
+its next step. Every name and shape is checked before any param changes, so a bad one
+changes nothing.
 """
 
 from __future__ import annotations
@@ -24,10 +27,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxvllm.layers import InputMajorWeight
-from jaxvllm.loader import repeated_kv
+from jaxvllm.loader import KV_SCALE_NAME, repeated_kv
 from jaxvllm.model_config import KV_GROUPS, SIDE_BY_SIDE
 from jaxvllm.models.common import ParamSpec, merge_parts
 from jaxvllm.quantization import EXPERT_STACK, EXPERTS, QuantizedWeight, in_axes, quantize_online
@@ -161,18 +164,21 @@ def across_processes(pairs: list[tuple[str, Any]], place: NamedSharding) -> list
 
 
 # RoPE tables some checkpoints save (older HF saves hold inv_freq): computed, not weights,
-# so accepted and not used, as vLLM's `load_weights` skips them.
+# so accepted and not used, as vLLM's `load_weights` skips them. So are an fp8 KV cache's
+# scales (`loader.KV_SCALE_NAME`), which a checkpoint folder pushed back may hold: the cache
+# keeps the scales it started with, as vLLM's, which sets them once after loading.
 ROPE_BUFFERS = (".rotary_emb.inv_freq", ".rotary_emb.cos_cached", ".rotary_emb.sin_cached")
 
 
 def _skipped(name: str, skip: frozenset) -> bool:
-    return name in skip or name.endswith(ROPE_BUFFERS)
+    return name in skip or name.endswith(ROPE_BUFFERS) or KV_SCALE_NAME.fullmatch(name) is not None
 
 
 def check(pairs: list[tuple[str, Any]], index: dict[str, list[Place]], skip: frozenset) -> None:
     """Every name known (or in `skip`, or a RoPE table: accepted, not used) and every shape
     HF's; raises naming the first bad tensor, before anything changes."""
     seen = set()
+    filled: dict[tuple, tuple[str, int | None]] = {}  # (param, row, part) -> the first name given for it, its expert
     for name, array in pairs:
         if _skipped(name, skip):
             continue
@@ -181,6 +187,12 @@ def check(pairs: list[tuple[str, Any]], index: dict[str, list[Place]], skip: fro
         if name in seen:
             raise ValueError(f"update_weights: {name!r} is given twice")
         seen.add(name)
+        for place in index[name]:  # (an expert stack under its fused name and its per-expert ones)
+            other, expert = filled.setdefault((place.spec.path, place.row, place.part), (name, place.expert))
+            if other != name and (expert is None or place.expert is None or expert == place.expert):
+                raise ValueError(f"update_weights: {name!r} and {other!r} are the same weight, given twice")
+        if not _is_tensor(array):
+            raise TypeError(f"update_weights: {name} is a {type(array).__name__}, not an array")
         want = index[name][0].hf_shape
         if tuple(array.shape) != want:
             raise ValueError(f"update_weights: {name} has shape {tuple(array.shape)}; the model's is {want}")
@@ -205,7 +217,7 @@ def updated_params(params: dict, pairs: list[tuple[str, Any]], index: dict[str, 
         if _skipped(name, skip):
             continue
         count += 1
-        value = as_jax(array)
+        value = _beside(as_jax(array), jax.tree.leaves(_get(params, index[name][0].spec.path))[0])
         for place in index[name]:
             parts = members.setdefault((place.spec.path, place.row), {})
             if place.expert is not None:  # one expert of a stack: the stack is made once, below
@@ -253,13 +265,24 @@ def updated_params(params: dict, pairs: list[tuple[str, Any]], index: dict[str, 
     return new, count
 
 
+def _beside(value: jax.Array, param: jax.Array) -> jax.Array:
+    """`value` on the devices `param` lies on (replicated over them), moved there if it is
+    elsewhere: it is merged with the param's old parts, which computes where those lie."""
+    if value.sharding.device_set == param.sharding.device_set:
+        return value
+    sharding = param.sharding
+    return jax.device_put(value, NamedSharding(sharding.mesh, P()) if isinstance(sharding, NamedSharding) else sharding)
+
+
 def _placed_as(old, value):
     """`value` (an array or a `QuantizedWeight`) cast and placed as `old` is, with its meta
-    (a weight of an `InputMajorWeight` moved inputs first as it is)."""
+    (a weight of an `InputMajorWeight` moved inputs first as it is); a copy, never the
+    caller's own buffer."""
     if isinstance(old, InputMajorWeight) and not isinstance(value, InputMajorWeight):
         value = InputMajorWeight.of(value, old.num_in)
-    return jax.tree.unflatten(jax.tree.structure(old), [jax.device_put(v.astype(o.dtype), o.sharding)
-                                                        for o, v in zip(jax.tree.leaves(old), jax.tree.leaves(value))])
+    return jax.tree.unflatten(jax.tree.structure(old), [
+        jax.device_put(v.astype(o.dtype), o.sharding, may_alias=False)
+        for o, v in zip(jax.tree.leaves(old), jax.tree.leaves(value))])
 
 
 def _part_value(place: Place, value: jax.Array, repeats: int) -> jax.Array:

@@ -121,6 +121,23 @@ def test_refusals(llm, tiny_checkpoint):
             plain.sleep()
 
 
+def test_sleep_twice_warns_and_get_params_waits_for_the_weights(llm, caplog):
+    """As vLLM's executor, a second sleep() warns and changes nothing; the weights' pytree
+    is refused while they sleep (it is not there), and given once they are awake."""
+    want = completions(llm)
+    llm.sleep(level=2)
+    with caplog.at_level("WARNING", logger="jaxvllm.engine"):
+        llm.sleep(level=1)
+    assert "the engine is asleep already" in caplog.text
+    with pytest.raises(RuntimeError, match=r"get_params\(\) while the weights sleep: call wake_up"):
+        llm.get_params()
+    llm.wake_up(tags=["weights"])
+    assert llm.get_params() is llm.llm_engine.runner.params
+    llm.collective_rpc("reload_weights")
+    llm.wake_up()
+    assert completions(llm) == want
+
+
 def test_sleep_leaves_a_trainers_arrays_alone(llm):
     """update_weights takes a trainer's own-structure pytree as it is; sleep(2) then lets
     go of those arrays without deleting them (they are still the trainer's)."""

@@ -123,6 +123,57 @@ def test_device_arrays_take_no_host_round_trip(fresh, tiny_checkpoint):
         assert completions(fresh) == completions(other)
 
 
+def test_the_params_never_share_the_callers_buffers(fresh, tiny_checkpoint):
+    """HF-named device arrays are copied in (as vLLM's load_weights copies): a trainer that
+    donates them to its next step, or deletes them, leaves the engine serving."""
+    state = hf_state(tiny_checkpoint("llama", seed=1))
+    given = {name: jax.device_put(t.numpy(), jax.devices()[0]) for name, t in state.items()}
+    fresh.update_weights(given)
+    with LLM(str(tiny_checkpoint("llama", seed=1)), **ENGINE) as other:
+        want = completions(other)
+    jax.jit(lambda t: jax.tree.map(lambda x: x + 1, t), donate_argnums=0)(given)  # (a trainer's step)
+    assert all(x.is_deleted() for x in given.values())
+    assert completions(fresh) == want
+
+
+def test_kv_cache_scales_and_bad_values(fresh, tiny_checkpoint, tmp_path):
+    """A folder saved with an fp8 KV cache's scales goes back in (the scales are accepted and
+    not used, as vLLM's live loads skip them); a value that is not an array, or one weight
+    under two names, is refused by name."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    folder = tmp_path / "with-scales"
+    shutil.copytree(tiny_checkpoint("llama", seed=1), folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors.update({f"model.layers.{i}.self_attn.{kv}_scale": np.array(0.5, np.float32) for i in range(2) for kv in "kv"})
+    save_file(tensors, str(folder / "model.safetensors"))
+    fresh.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
+    with LLM(str(tiny_checkpoint("llama", seed=1)), **ENGINE) as other:
+        assert completions(fresh) == completions(other)
+    with pytest.raises(TypeError, match=r"update_weights: model.norm.weight is a list, not an array"):
+        fresh.update_weights({"model.norm.weight": [1.0] * 64})
+
+
+def test_one_weight_under_two_names_is_refused(tiny_checkpoint):
+    """An expert stack under transformers 5's fused name and under a per-expert name: the
+    same weight twice, whichever comes first."""
+    from jaxvllm.loader import load_config
+    from jaxvllm.models import MODELS
+    from jaxvllm.weight_update import check, weight_index
+
+    cfg = load_config(tiny_checkpoint("qwen3_moe"))
+    index = weight_index(MODELS[cfg.architecture].param_specs(cfg))
+    fused = next(name for name, places in index.items() if places[0].fused and places[0].member.stacked)
+    expert = next(name for name, places in index.items() if places[0].expert == 1 and
+                  (places[0].spec.path, places[0].row) == (index[fused][0].spec.path, index[fused][0].row))
+    pairs = [(name, np.zeros(index[name][0].hf_shape, np.float32)) for name in (fused, expert)]
+    for given in (pairs, pairs[::-1]):
+        with pytest.raises(ValueError, match=r"are the same weight, given twice"):
+            check(given, index, frozenset())
+
+
 def test_refused_while_requests_are_unfinished(fresh):
     engine = fresh.llm_engine
     engine.add_request("r", {"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=2))
@@ -300,7 +351,12 @@ def test_tensor_and_expert_parallel(tiny_checkpoint):
                            *map(str, paths)], cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-5000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert results == {case: {"equal": True, "changed": True} for case in ("tp2", "tp2_moe", "ep2_moe", "dp2")}
+    assert {case: results.pop(case) for case in ("tp2", "tp2_moe", "ep2_moe", "dp2")} == \
+        {case: {"equal": True, "changed": True} for case in ("tp2", "tp2_moe", "ep2_moe", "dp2")}
+    # Arrays on a device the engine does not use (it raised "incompatible devices", after
+    # replica 0 had taken the update); what one replica refuses, none does.
+    assert results == {"elsewhere": {"one": True, "dp2": True, "tp2": True},
+                       "refused_by_one_replica": {"refused": True, "asleep": [False, False], "unchanged": True}}
 
 
 def test_fp8_kv_cache(tiny_checkpoint):

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import sys
 
+import jax
+import numpy as np
 from safetensors.numpy import load_file
 
 from jaxvllm import LLM, SamplingParams
@@ -35,7 +37,50 @@ def main(a: str, b: str, a_moe: str, b_moe: str) -> None:
             before = ids(llm)
             llm.update_weights(load_file(f"{dst}/model.safetensors"))
             out[name] = {"equal": ids(llm) == want, "changed": before != want}
+    out["elsewhere"] = elsewhere(a, b)
+    out["refused_by_one_replica"] = refused_by_one_replica(a, b)
     print(json.dumps(out))
+
+
+def elsewhere(a: str, b: str) -> dict:
+    """Tensors on a device the engine does not use (part of a merged q/k/v, one layer's
+    row of a stack): moved there, the same as from numpy."""
+    tensors = load_file(f"{b}/model.safetensors")
+    names = ["model.layers.1.self_attn.q_proj.weight", "model.layers.0.input_layernorm.weight"]
+    out = {}
+    for case, kwargs, device in (("one", {}, 1), ("dp2", {"data_parallel_size": 2}, 0),
+                                 ("tp2", {"tensor_parallel_size": 2}, 0)):
+        with LLM(a, **kwargs, **ENGINE) as llm:
+            llm.update_weights({n: tensors[n] for n in names})
+            want = ids(llm), params(llm)
+        with LLM(a, **kwargs, **ENGINE) as llm:
+            llm.update_weights({n: jax.device_put(tensors[n], jax.devices()[device]) for n in names})
+            out[case] = ids(llm) == want[0] and params(llm) == want[1]
+    return out
+
+
+def refused_by_one_replica(a: str, b: str) -> dict:
+    """2 replicas, one with a request unfinished: sleep and collective_rpc's update are
+    refused by it, so neither replica sleeps or changes."""
+    with LLM(a, data_parallel_size=2, enable_sleep_mode=True, **ENGINE) as llm:
+        before = params(llm)
+        llm.engines[1].add_request("r", PROMPTS[0], SamplingParams(max_tokens=2))
+        out = {}
+        for call in (lambda: llm.sleep(1),
+                     lambda: llm.collective_rpc("update_weights", args=(load_file(f"{b}/model.safetensors"),))):
+            try:
+                call()
+                out["refused"] = False
+            except RuntimeError:
+                out["refused"] = out.get("refused", True)
+        out["asleep"] = [e.is_sleeping() for e in llm.engines]
+        out["unchanged"] = params(llm) == before
+    return out
+
+
+def params(llm: LLM) -> list:
+    """Every replica's params, as nested lists."""
+    return [[np.asarray(x).tolist() for x in jax.tree.leaves(e.runner.params)] for e in llm.engines]
 
 
 if __name__ == "__main__":
