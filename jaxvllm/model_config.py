@@ -174,7 +174,9 @@ class ModelConfig:
                 f"unsupported architecture {archs or '(none in config.json)'}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        act = getattr(hf, "hidden_act", None) or getattr(hf, "hidden_activation", None) or "silu"
+        # (Gemma 3's MLP reads `hidden_activation`; a Gemma 1/2-style config may also hold `hidden_act`)
+        names = ("hidden_activation", "hidden_act") if arch == "Gemma3ForCausalLM" else ("hidden_act",)
+        act = next((getattr(hf, name) for name in names if getattr(hf, name, None)), "silu")
         acts = _GEMMA3_ACTIVATIONS if arch == "Gemma3ForCausalLM" else ("silu",)
         if act not in acts:
             raise ValueError(f"{arch}: hidden_act {act!r} is not supported (only {', '.join(map(repr, acts))})")
@@ -182,7 +184,8 @@ class ModelConfig:
         eos = getattr(hf, "eos_token_id", None)
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or "float32"
-        attention_bias = bool(getattr(hf, "attention_bias", False))
+        # The bias flags that HF's modeling code of the architecture reads (Mistral's and Mixtral's none).
+        attention_bias = arch in _ATTENTION_BIAS_ARCHITECTURES and bool(getattr(hf, "attention_bias", False))
         return cls(
             architecture=arch,
             vocab_size=hf.vocab_size,
@@ -196,10 +199,10 @@ class ModelConfig:
             rope=_rope_from_hf(hf, arch),
             max_position_embeddings=hf.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v bias and no o bias; Llama and Qwen3 follow `attention_bias`.
+            # Qwen2 always has q/k/v bias and no o bias.
             qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
             o_bias=arch != "Qwen2ForCausalLM" and attention_bias,
-            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+            mlp_bias=arch == "LlamaForCausalLM" and bool(getattr(hf, "mlp_bias", False)),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             sliding_windows=_sliding_windows_from_hf(hf, arch),
             dtype=str(dtype).removeprefix("torch."),
@@ -210,6 +213,9 @@ class ModelConfig:
             **_moe_from_hf(hf, arch),
             **_gemma3_from_hf(hf, arch, act),
         )
+
+
+_ATTENTION_BIAS_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
 
 
 def _quant_method(hf: Any) -> str | None:
@@ -262,7 +268,8 @@ def _rope_from_hf(hf: Any, arch: str, layer_type: str = "full_attention") -> Rop
     # transformers 5 folds theta and scaling into `rope_parameters`; 4.x has them apart.
     # Models with per-layer-type RoPE (Gemma 3) nest one dict per layer type.
     top = dict(getattr(hf, "rope_parameters", None) or {})
-    params = dict(top.get(layer_type) or {}) if "sliding_attention" in top or "full_attention" in top else top
+    nested = "sliding_attention" in top or "full_attention" in top
+    params = dict(top.get(layer_type) or {}) if nested else top
     if not params:
         params = dict(getattr(hf, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(hf, "rope_theta", 10000.0))
@@ -274,6 +281,9 @@ def _rope_from_hf(hf: Any, arch: str, layer_type: str = "full_attention") -> Rop
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError(f"{arch}: partial_rotary_factor != 1 is not supported")
     original = params.get("original_max_position_embeddings", hf.max_position_embeddings)
+    if not nested and rope_type in ("llama3", "yarn") and getattr(hf, "original_max_position_embeddings", None):
+        # HF's `standardize_rope_params`: a top-level value wins over rope_parameters' (Phi-3 saves it there)
+        original = hf.original_max_position_embeddings
     if rope_type == "yarn":
         return RopeConfig(
             theta=float(params["rope_theta"]),
@@ -293,9 +303,7 @@ def _rope_from_hf(hf: Any, arch: str, layer_type: str = "full_attention") -> Rop
         "factor": params.get("factor", 1.0),
         "low_freq_factor": params.get("low_freq_factor", 1.0),
         "high_freq_factor": params.get("high_freq_factor", 4.0),
-        "original_max_position_embeddings": params.get(
-            "original_max_position_embeddings", hf.max_position_embeddings
-        ),
+        "original_max_position_embeddings": original,
     }
     return RopeConfig(theta=float(params["rope_theta"]), rope_type=rope_type, **fields)
 
@@ -303,12 +311,13 @@ def _rope_from_hf(hf: Any, arch: str, layer_type: str = "full_attention") -> Rop
 def _sliding_windows_from_hf(hf: Any, arch: str) -> tuple[int | None, ...]:
     n = hf.num_hidden_layers
     window = getattr(hf, "sliding_window", None)
-    if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"):
+    layer_types = getattr(hf, "layer_types", None)
+    if arch in ("MixtralForCausalLM", "Qwen3MoeForCausalLM") or (arch == "MistralForCausalLM" and not layer_types):
         return (window,) * n  # every layer (Qwen3-MoE's config drops it without `use_sliding_window`)
-    # Qwen2/Qwen3 say per layer which layers slide (transformers sets `layer_types`).
-    layer_types = getattr(hf, "layer_types", None) or ["full_attention"] * n
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM") and window is not None:
-        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    # Qwen2, Qwen3, Gemma 3 and Ministral (a Mistral config with `layer_types`, which transformers
+    # reads as Ministral's) say per layer which layers slide.
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM", "MistralForCausalLM") and window is not None:
+        return tuple(window if t == "sliding_attention" else None for t in layer_types or ["full_attention"] * n)
     return (None,) * n
 
 
