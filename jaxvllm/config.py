@@ -376,8 +376,10 @@ class EngineConfig:
         """The arguments every process of a multi-host engine must give alike, each as text
         that compares across processes (a function by its name, not its address; the draft
         model's folder left out, as the model's is)."""
-        return {f.name: _portable(getattr(self, f.name)) for f in dataclasses.fields(self)
-                if f.name not in _PER_PROCESS_FIELDS}
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _PER_PROCESS_FIELDS}
+        if fields["generation_config"] not in ("auto", "vllm"):  # (a folder: its file is compared as read)
+            fields["generation_config"] = "a folder"
+        return {name: _portable(value) for name, value in fields.items()}
 
     def for_platform(self, platform: str, max_model_len: int | None = None) -> "EngineConfig":
         """This config with the arguments left to the platform chosen for `platform` (JAX's

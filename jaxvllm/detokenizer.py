@@ -24,8 +24,8 @@ A fast tokenizer without the cleanup runs the same scheme in Rust: tokenizers'
 the context and commits whatever no longer ends in U+FFFD, so a Python call per token
 is most of the cost. The window above mirrors its state, so that pending text can be
 shown, and it takes over for good where the stream cannot keep the text exact: its
-context's text changed (tokenizers' "Invalid prefix"), or U+FFFD stayed pending for
-`_FORCE_AFTER` tokens (the stream would re-decode an ever longer window). The one case
+context's text changed (tokenizers' "Invalid prefix"), or U+FFFD stayed pending for more
+than `_FORCE_AFTER` tokens (the stream would re-decode an ever longer window). The one case
 where the window grows with the output is a run of byte-fallback tokens (`<0xE6>`...):
 the ByteFallback decoder shows the whole run as U+FFFD once any byte of it is
 invalid, so nothing inside a run can be committed before the run ends.
@@ -36,6 +36,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from tokenizers.decoders import DecodeStream
@@ -67,6 +68,24 @@ _BYTE_TOKEN = re.compile(r"<0x[+0-9A-Fa-f][0-9A-Fa-f]>\Z")
 _REPLACEMENT = "\ufffd"
 
 
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """What every detokenizer of one tokenizer reads from it: made once per tokenizer (the
+    added tokens, thousands in some vocabularies, took milliseconds a request)."""
+
+    special_ids: frozenset[int]  # the ids skip_special_tokens drops
+    byte_fallback: bool  # its decoder spells missing characters as <0xNN> byte tokens
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> "TokenizerInfo":
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:  # a slow (Python) tokenizer: be conservative about byte fallback
+            return cls(frozenset(tokenizer.all_special_ids), True)
+        decoder = backend.decoder
+        return cls(frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special),
+                   decoder is not None and b"ByteFallback" in decoder.__getstate__())
+
+
 class IncrementalDetokenizer:
     """The text of one completion, updated token by token, with vLLM stop strings.
 
@@ -87,6 +106,7 @@ class IncrementalDetokenizer:
         include_stop_str_in_output: bool = False,
         spaces_between_special_tokens: bool = True,
         prompt_token_ids: Sequence[int] = (),
+        info: "TokenizerInfo | None" = None,
     ) -> None:
         stop = (stop,) if isinstance(stop, str) else tuple(stop or ())  # vLLM also takes one string
         for s in stop:
@@ -95,7 +115,7 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._options = dict(skip_special_tokens=skip_special_tokens, stop=stop,
                              include_stop_str_in_output=include_stop_str_in_output,
-                             spaces_between_special_tokens=spaces_between_special_tokens)
+                             spaces_between_special_tokens=spaces_between_special_tokens, info=info)
         self._skip_special_tokens = skip_special_tokens
         # transformers' decode option (slow tokenizers honour it; fast ones never add the spaces).
         self._spaces = spaces_between_special_tokens
@@ -105,25 +125,17 @@ class IncrementalDetokenizer:
         # transformers may skip the cleanup for some models; a longer context is harmless.
         self._cleanup = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
 
+        info = info or TokenizerInfo.of(tokenizer)
         # Ids that decode to nothing wherever they are (skipped specials, ids past the
         # vocabulary) are dropped on arrival: they would otherwise leave a window
         # without real left context, and a long run of them would widen it.
+        self._hidden = info.special_ids if skip_special_tokens else frozenset()
+        self._byte_fallback = info.byte_fallback
         backend = getattr(tokenizer, "backend_tokenizer", None)
         # Without the cleanup, a fast tokenizer's decode is its backend's: call that
         # directly (transformers' wrapper costs several times the decode itself).
         self._backend_decode = backend.decode if backend is not None and not self._cleanup else None
-        if backend is not None:
-            self._id_to_token = backend.id_to_token
-            self._hidden: frozenset[int] = (
-                frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
-                if skip_special_tokens else frozenset()
-            )
-            decoder = backend.decoder
-            self._byte_fallback = decoder is not None and b"ByteFallback" in decoder.__getstate__()
-        else:  # a slow (Python) tokenizer: be conservative about byte fallback
-            self._id_to_token = self._slow_id_to_token
-            self._hidden = frozenset(tokenizer.all_special_ids) if skip_special_tokens else frozenset()
-            self._byte_fallback = True
+        self._id_to_token = backend.id_to_token if backend is not None else self._slow_id_to_token
 
         self._ids: list[int] = []  # decoder-visible output ids (older ones trimmed)
         self._is_byte: list[bool] = []  # per id: a ByteFallback byte token
@@ -133,6 +145,7 @@ class IncrementalDetokenizer:
         self._chunks: list[str] = []  # committed text, in pieces (joined lazily)
         self._committed_len = 0
         self._committed_settled = 0  # committed text's length without its trailing U+FFFD run
+        self._settled = 0  # the text's length when it last did not end in U+FFFD (what stops are searched in)
         self._tail = ""  # text of the pending ids ids[read:]
         self._text: str | None = ""  # cached `text`; None when stale
         self._searched_to = 0  # text before this was searched for stop strings
@@ -163,6 +176,14 @@ class IncrementalDetokenizer:
             self._text = committed + self._tail
         return self._text
 
+    def text_since(self, start: int) -> str:
+        """`text[start:]`, without joining the text before it (a DELTA stream's new text)."""
+        if self._text is not None:
+            return self._text[start:]
+        if start >= self._committed_len:
+            return self._tail[start - self._committed_len :]
+        return self._recent_committed(self._committed_len - start) + self._tail
+
     @property
     def stop_buffer(self) -> int:
         """Characters at the end of `text` that could still be the start of a stop string
@@ -188,6 +209,11 @@ class IncrementalDetokenizer:
         if changed_from is None:
             changed_from = self._extend()
         self._text = None
+        # As vLLM's DecodeStream, a token's text counts once the text no longer ends in U+FFFD
+        # (a token of " " and half an emoji adds " " with the emoji's other half).
+        length = self._committed_len + len(self._tail)
+        pending = self._tail.endswith(_REPLACEMENT) if self._tail else self._committed_settled < self._committed_len
+        self._settled = min(self._settled, length) if pending else length
         if self._stop and check_stop:
             return self._check_stop(changed_from)
         if self._stop:  # (below min_tokens: this text counts as searched)
@@ -414,11 +440,7 @@ class IncrementalDetokenizer:
         return joined[len(joined) - count:] if count else ""
 
     def _settled_len(self) -> int:
-        """Length of the text without its trailing U+FFFD run."""
-        if not self._tail:
-            return self._committed_settled
-        tail = self._tail.rstrip(_REPLACEMENT)
-        return self._committed_len + len(tail) if tail else self._committed_settled
+        return self._settled
 
     def _check_stop(self, changed_from: int) -> str | None:
         """Search the text not searched before or changed since (plus len(longest stop) - 1

@@ -113,6 +113,7 @@ class LLMEngine:
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None  # async: the step not yet read
         self.weight_updates, self.weight_update_seconds = 0, 0.0
         self._parents: dict[str, ParentRequest] = {}
+        self._num_by_hand = 0  # of those, not queued by an `LLM`
         self._unreported: list[Request] = []  # finished by a failed step: final outputs still to return
         # The requests of the step being processed and their token counts before it: what a
         # failure before its outputs are committed takes them back to (`Request.roll_back`).
@@ -293,6 +294,7 @@ class LLMEngine:
                 self._recover()  # (the children queued so far are nobody's: dropped)
                 raise
             self._requests_changed = True
+            self._num_by_hand += not parent.queued_by_llm
 
     def _in_use(self, request_id: str) -> bool:
         """A request's id, or a completion's ("{index}_{id}" for n > 1) of a request not yet
@@ -316,13 +318,17 @@ class LLMEngine:
                     parent = self._parents.pop(rid, None)
                     if parent is None:
                         continue
+                    self._num_by_hand -= not parent.queued_by_llm
                     self._requests_changed = True
                     running = [child for child in parent.children if not child.is_finished]
                     for child in running:
                         self.scheduler.finish(child, "abort")
                         self.metrics.forget(child)  # (a completion that finished before was counted then)
                     self.runner.release(c.request_id for c in running)
-                    outputs.append(self.output_processor.output(parent))
+                    # As a step's: a streamed n > 1 request's output per completion aborted (one
+                    # that finished before was reported then), else the request's one output.
+                    outputs += self.output_processor.step_outputs(running or parent.children,
+                                                                  {parent.request_id: parent})[0]
                 self._keep_ngram_state()  # (an id aborted may come back before the next step)
             except BaseException:
                 self._recover()  # (the children of a parent popped so far are nobody's: dropped)
@@ -377,6 +383,10 @@ class LLMEngine:
     def request_ids(self) -> list[str]:
         """The requests added and not done (their final output not yet returned)."""
         return list(self._parents)
+
+    def num_requests_by_hand(self) -> int:
+        """Of those, how many an `LLM` did not queue (it collects the outputs of its own)."""
+        return self._num_by_hand
 
     def get_num_unfinished_requests(self) -> int:
         """Completions added and not yet finished: as vLLM's, a request of n > 1 counts each
@@ -457,6 +467,7 @@ class LLMEngine:
                 self._unreported, self._processing, committed = [], None, outputs
                 for parent in done:  # (all forgotten before a failure in the metrics can stop it)
                     del self._parents[parent.request_id]
+                    self._num_by_hand -= not parent.queued_by_llm
                 due, self._metrics_due = self._metrics_due, []
                 for record in due:
                     record()

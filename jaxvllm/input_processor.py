@@ -17,7 +17,7 @@ from typing import Any, Callable
 import numpy as np
 
 from jaxvllm.config import EngineConfig
-from jaxvllm.detokenizer import IncrementalDetokenizer
+from jaxvllm.detokenizer import IncrementalDetokenizer, TokenizerInfo
 from jaxvllm.request import ParentRequest, Request
 from jaxvllm.sampler import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS
 from jaxvllm.sampling_params import SamplingParams
@@ -94,6 +94,7 @@ class InputProcessor:
                  eos_token_ids: tuple[int, ...], check_fits: Callable[[int, int], None],
                  structured_outputs: StructuredOutputManager | None, digests: bool = False) -> None:
         self.config, self.tokenizer = config, tokenizer
+        self.tokenizer_info = TokenizerInfo.of(tokenizer) if tokenizer is not None else None
         self.vocab_size, self.max_model_len, self.eos_token_ids = vocab_size, max_model_len, eos_token_ids
         self.check_fits, self.structured_outputs, self.digests = check_fits, structured_outputs, digests
         self.next_arrival = 0  # FCFS order, and what unseeded requests' seeds are drawn from
@@ -259,6 +260,7 @@ class InputProcessor:
                 self.tokenizer, skip_special_tokens=params.skip_special_tokens, stop=params.stop_strings,
                 include_stop_str_in_output=params.include_stop_str_in_output,
                 spaces_between_special_tokens=params.spaces_between_special_tokens, prompt_token_ids=token_ids,
+                info=self.tokenizer_info,
             )
         if params.structured_outputs is not None:  # (checked, and compiled once per spec)
             child.grammar = self.structured_outputs.grammar(params.structured_outputs)

@@ -158,8 +158,9 @@ class LLM:
     def _enqueue(self, prompts, sampling_params, priority, lora_request, add_special_tokens: bool = True) -> list[str]:
         self._abort_generating()
         try:  # (queued as generate's are until all are: an interrupt aborts them, or the next call does)
-            self._queue(prompts, sampling_params, priority, lora_request, add_special_tokens, record=self._generating,
-                        copy_params=True)
+            with old_objects_frozen():  # (a full collection walking the requests queued so far: a pause)
+                self._queue(prompts, sampling_params, priority, lora_request, add_special_tokens,
+                            record=self._generating, copy_params=True)
         except BaseException:
             self._abort_generating()
             raise
@@ -298,8 +299,7 @@ class LLM:
     def _check_no_requests_by_hand(self) -> None:
         """Stepping the engines here would take the outputs of requests added through
         `llm_engine` (only `enqueue`'s and this call's are the LLM's to collect)."""
-        ours = set(self._enqueued)
-        if any(set(e.request_ids()) - ours for e in self.engines):
+        if any(e.num_requests_by_hand() for e in self.engines):
             raise RuntimeError("the engine has unfinished requests added by hand (llm_engine.add_request); finish "
                                "or abort them first")
 
@@ -361,13 +361,16 @@ class LLM:
         for e in self.engines:  # (the order of requests queued before stays as it was)
             if priority is not None:
                 e.scheduler.set_policy("priority")
-            elif not e.request_ids():
+            elif not e.has_unfinished_requests():
                 e.scheduler.set_policy(e.config.scheduling_policy)
         record += [r.request_id for r in requests]  # (before the first is queued)
-        # Tokens (prompt + most to generate) each replica holds, the requests queued before too.
-        load = [sum(r.num_prompt_tokens + r.max_tokens for r in e.scheduler.requests.values()) for e in self.engines]
+        # Tokens (prompt + most to generate) each replica holds, the requests queued before too
+        # (one replica: nothing to weigh; a sum over its queue each call made N enqueues O(N^2)).
+        load = [sum(r.num_prompt_tokens + r.max_tokens for r in e.scheduler.requests.values())
+                for e in self.engines] if len(self.engines) > 1 else [0]
         for request in requests:
             request.output_kind = RequestOutputKind.FINAL_ONLY  # the LLM keeps only the final outputs
+            request.queued_by_llm = True
             rank = load.index(min(load))
             self.engines[rank].add_parent(request)
             load[rank] += sum(c.num_prompt_tokens + c.max_tokens for c in request.children)

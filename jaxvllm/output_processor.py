@@ -11,6 +11,8 @@ string it finds is handed back for the engine to finish the request.
 
 from __future__ import annotations
 
+import numpy as np
+
 from jaxvllm.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxvllm.request import ParentRequest, Request, ScheduledRequest
 from jaxvllm.sampling_params import RequestOutputKind
@@ -42,7 +44,7 @@ class OutputProcessor:
     def detokenize(self, request: Request) -> str | None:
         """Bring the text up to date with the tokens. Returns the stop string that ends the
         completion there (the request's finish reason is then "stop"), else None."""
-        new = request.output_token_ids[request.num_detokenized :]
+        new = request.output_token_ids_from(request.num_detokenized)
         if request.detokenizer is None or not new:
             return None
         # As vLLM's, the text leaves out the EOS or stop token id that ended the completion
@@ -77,7 +79,7 @@ class OutputProcessor:
         and fill the prompt logprobs it computed. `appended`: how many tokens each scheduled
         request got (speculative decoding: its accepted drafts too; default one)."""
         if result.logprobs is not None:
-            lp = result.logprobs
+            lp = _as_lists(result.logprobs)
             for i, s in enumerate(scheduled):
                 request = s.request
                 if request.logprobs is None or id(request) not in updated:
@@ -85,29 +87,27 @@ class OutputProcessor:
                 count = 1 if appended is None else appended[i]
                 first = i if result.logits_start is None else int(result.logits_start[i])
                 for row, token in enumerate(request.token_ids[len(request.token_ids) - count :], start=first):
-                    request.logprobs.append(self._logprob_dict(
-                        token, lp.token_logprob[row], lp.token_rank[row], lp.top_ids[row], lp.top_logprobs[row],
-                        request.num_logprobs, request.params.detokenize,
-                    ))
-                    request.cumulative_logprob += float(lp.token_logprob[row])
+                    request.logprobs.append(self._logprob_dict(token, lp, row, request.num_logprobs,
+                                                               request.params.detokenize))
+                    request.cumulative_logprob += lp[0][row]
         if result.prompt_logprobs is not None:
-            lp = result.prompt_logprobs
+            lp = _as_lists(result.prompt_logprobs)
             for row, (i, pos) in enumerate(result.prompt_positions):
                 request = scheduled[i].request
                 request.prompt_logprobs[pos] = self._logprob_dict(
-                    request.prompt_token_ids[pos], lp.token_logprob[row], lp.token_rank[row], lp.top_ids[row],
-                    lp.top_logprobs[row], request.num_prompt_logprobs, request.params.detokenize,
-                )
+                    request.prompt_token_ids[pos], lp, row, request.num_prompt_logprobs, request.params.detokenize)
 
-    def _logprob_dict(self, token, logprob, rank, top_ids, top_logprobs, k, detokenize: bool) -> dict[int, Logprob]:
+    def _logprob_dict(self, token: int, lp: tuple[list, list, np.ndarray, np.ndarray], row: int, k: int,
+                      detokenize: bool) -> dict[int, Logprob]:
         """vLLM's format: the chosen token first, then the top k (rank order); each token's
         text only when the request detokenizes (else None, as vLLM). As vLLM's, a chosen
-        token among the top k takes its place's rank there (they differ only for a tie)."""
+        token among the top k takes its place's rank there (they differ only for a tie).
+        `lp`: the step's logprob arrays, the chosen tokens' as lists (`_as_lists`)."""
         decode = self._token_text if detokenize and self.tokenizer is not None else lambda _: None
-        entry = {int(token): Logprob(float(logprob), int(rank), decode(int(token)))}
-        for j in range(min(k, len(top_ids))):
-            t = int(top_ids[j])
-            entry[t] = Logprob(float(top_logprobs[j]), j + 1, decode(t))
+        token_logprob, token_rank, top_ids, top_logprobs = lp
+        entry = {token: Logprob(token_logprob[row], token_rank[row], decode(token))}
+        for j, (t, value) in enumerate(zip(top_ids[row, :k].tolist(), top_logprobs[row, :k].tolist())):
+            entry[t] = Logprob(value, j + 1, decode(t))
         return entry
 
     def _token_text(self, token_id: int) -> str:
@@ -159,18 +159,21 @@ class OutputProcessor:
         for i in range(len(parent.children)) if only is None else (only,):
             child = parent.children[i]
             self.detokenize(child)
-            text = child.detokenizer.text if child.detokenizer is not None else ""
+            detokenizer, logprobs = child.detokenizer, child.logprobs
+            if delta:  # (what is new alone: nothing before it is copied)
+                sent_tokens, sent_chars = parent.sent[i]
+                tokens = child.output_token_ids_from(sent_tokens)
+                text = detokenizer.text_since(sent_chars) if detokenizer is not None else ""
+            else:
+                tokens = child.output_token_ids
+                text = detokenizer.text if detokenizer is not None else ""
             if not child.is_finished:
                 text = text.rstrip("\ufffd")
-                if child.detokenizer is not None and child.detokenizer.stop_buffer:
-                    text = text[: max(0, len(text) - child.detokenizer.stop_buffer)]
-            tokens, logprobs = child.output_token_ids, child.logprobs
+                if detokenizer is not None and detokenizer.stop_buffer:
+                    text = text[: max(0, len(text) - detokenizer.stop_buffer)]
             if delta:
-                sent_tokens, sent_chars = parent.sent[i]
-                tokens = tokens[sent_tokens:]
                 logprobs = logprobs[sent_tokens:] if logprobs is not None else None
-                self._sending.append((parent, i, (sent_tokens + len(tokens), max(sent_chars, len(text)))))
-                text = text[sent_chars:]
+                self._sending.append((parent, i, (sent_tokens + len(tokens), sent_chars + len(text))))
             elif logprobs is not None:  # (a copy, as the tokens are: the request's own list grows on)
                 logprobs = list(logprobs)
             if child.is_finished:
@@ -191,9 +194,18 @@ class OutputProcessor:
             prompt_token_ids=first.prompt_token_ids,
             outputs=completions,
             finished=parent.finished,
-            # (n > 1: the completions' most; vLLM's is the last to finish's, an order it does not fix)
-            num_cached_tokens=max(c.num_cached_tokens or 0 for c in parent.children),
+            # (one completion: its own, as vLLM's; all n: the most, where vLLM's is the last to
+            # finish's, an order it does not fix)
+            num_cached_tokens=first.num_cached_tokens if only is not None else
+            max(c.num_cached_tokens or 0 for c in parent.children),
             metrics=first.metrics,
             prompt_logprobs=prompt_logprobs,
             lora_request=parent.lora_request,
         )
+
+
+def _as_lists(lp) -> tuple[list, list, np.ndarray, np.ndarray]:
+    """A step's logprob arrays, the chosen tokens' as Python lists: converted at once (numpy's
+    scalars, read one at a time, cost several times more); the top ones are converted a row's
+    first k at a time (a row that asks for the whole vocabulary would make every row's so)."""
+    return lp.token_logprob.tolist(), lp.token_rank.tolist(), lp.top_ids, lp.top_logprobs

@@ -133,6 +133,10 @@ class Request:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
 
+    def output_token_ids_from(self, start: int) -> list[int]:
+        """`output_token_ids[start:]`, without copying the ones before (a step reads its new ones)."""
+        return self.token_ids[self.num_prompt_tokens + start :]
+
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
@@ -313,6 +317,7 @@ class ParentRequest:
     finals_sent: set[int] = field(default_factory=set)  # children whose final output was returned
     digest: bytes = b""  # across processes: what every process must agree on (`LLMEngine._check_same_requests`)
     lora_request: Any = None  # reported on its outputs, as vLLM's
+    queued_by_llm: bool = False  # by an `LLM`, which collects its outputs (not by hand, through its llm_engine)
 
     def __post_init__(self) -> None:
         for child in self.children:

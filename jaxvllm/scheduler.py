@@ -88,43 +88,53 @@ class WaitingQueue:
     Under "fcfs" every priority counts as 0, so order is arrival: a preempted request
     (which arrived before every request that has never run) is back at the front.
     Under "priority" a lower value runs first, ties by arrival (`priority_key`), as in vLLM.
+    Removals are gathered and made in one pass when the queue is next read: aborting k of W
+    queued requests costs O(W), not O(k W).
     """
 
     def __init__(self, policy: str) -> None:
         self._heap: list[tuple] = []
+        self._removed: set[int] = set()  # ids of requests removed, still in the heap
         self.set_policy(policy)
 
     def set_policy(self, policy: str) -> None:
         if policy not in POLICIES:
             raise ValueError(f"scheduling policy must be one of {POLICIES}, got {policy!r}")
         self.policy = policy
-        self._heap = [self._entry(e[-1]) for e in self._heap]
+        self._heap = [self._entry(e[-1]) for e in self._entries()]
         heapq.heapify(self._heap)
 
     def _entry(self, request: Request) -> tuple:
         return (*(priority_key(request) if self.policy == "priority" else (request.arrival_index,)), request)
 
+    def _entries(self) -> list[tuple]:
+        """The heap, without the requests removed since it was last read."""
+        if self._removed:
+            self._heap = [e for e in self._heap if id(e[-1]) not in self._removed]
+            heapq.heapify(self._heap)
+            self._removed.clear()
+        return self._heap
+
     def __len__(self) -> int:
-        return len(self._heap)
+        return len(self._entries())
 
     def __iter__(self):
-        return (e[-1] for e in sorted(self._heap, key=lambda e: e[:-1]))
+        return (e[-1] for e in sorted(self._entries(), key=lambda e: e[:-1]))
 
     def add(self, request: Request) -> None:
-        heapq.heappush(self._heap, self._entry(request))
+        heapq.heappush(self._entries(), self._entry(request))
 
     def peek(self) -> Request:
-        return self._heap[0][-1]
+        return self._entries()[0][-1]
 
     def pop(self) -> Request:
-        return heapq.heappop(self._heap)[-1]
+        return heapq.heappop(self._entries())[-1]
 
     def remove(self, request: Request) -> None:
-        self._heap = [e for e in self._heap if e[-1] is not request]
-        heapq.heapify(self._heap)
+        self._removed.add(id(request))  # (the heap holds the request: its id stays its own until then)
 
     def clear(self) -> None:
-        self._heap = []
+        self._heap, self._removed = [], set()
 
 
 class RunningRows:

@@ -58,6 +58,19 @@ def test_prompt_forms_and_outputs(llm):
         llm.generate({"prompt": "a", "multi_modal_data": {"image": 1}}, GREEDY, use_tqdm=False)
 
 
+def test_what_a_detokenizer_reads_of_the_tokenizer_is_read_once(llm, monkeypatch):
+    """Its special ids and decoder kind, per tokenizer, not per request (a vocabulary with
+    thousands of added tokens took milliseconds a request)."""
+    from jaxvllm.detokenizer import TokenizerInfo
+
+    reads = []
+    real = TokenizerInfo.of
+    monkeypatch.setattr(TokenizerInfo, "of", lambda tokenizer: (reads.append(1), real(tokenizer))[1])
+    outputs = llm.generate(["Hello", "Hi there"], SamplingParams(temperature=0, max_tokens=4, stop=["zz"]),
+                           use_tqdm=False)
+    assert len(outputs) == 2 and reads == []
+
+
 def test_per_prompt_params_stop_ids_and_ignore_eos(llm):
     [ref] = llm.generate("The quick brown fox", GREEDY, use_tqdm=False)
     tokens = ref.outputs[0].token_ids
@@ -206,6 +219,9 @@ def test_enqueue_and_wait_for_completion(llm, monkeypatch):
     with pytest.raises(RuntimeError, match="added by hand"):
         llm.enqueue("Hello", GREEDY)
     engine.abort_request("by-hand")
+    engine.add_request("by-hand", "Hello", GREEDY)  # (finished by hand too: nothing by hand is left)
+    while engine.has_unfinished_requests():
+        engine.step()
 
     # The requests keep copies of their params: one changed and reused before the wait
     # changes only the next request.

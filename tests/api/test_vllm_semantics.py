@@ -746,6 +746,32 @@ def test_streams_hold_back_what_may_start_a_stop_string(llm):
     assert len(texts["DELTA"]) > 2 and all(len(t) <= len(final) for t in texts["CUMULATIVE"])
 
 
+def test_streamed_completions_of_one_request_report_their_own(llm):
+    """n = 2, streamed: each output holds one completion with its own num_cached_tokens (the
+    second reads the first's prompt blocks), and an abort reports the completions still
+    running, each once (one that finished before was reported again, with all n)."""
+    from jaxvllm import RequestOutputKind
+
+    engine, prompt = llm.llm_engine, {"prompt_token_ids": list(range(5, 45))}
+    base = dict(temperature=1.0, seed=7, n=2, max_tokens=12, ignore_eos=True)
+    first, second = (c.token_ids for c in llm.generate(prompt, SamplingParams(**base), use_tqdm=False)[0].outputs)
+    stop = next(t for t in first[2:] if t not in second)  # (ends the first completion only)
+    llm.reset_prefix_cache()
+    engine.add_request("r", prompt, SamplingParams(**base, stop_token_ids=[stop],
+                                                   output_kind=RequestOutputKind.DELTA))
+    outputs = []
+    while not any(c.index == 0 and c.finish_reason for o in outputs for c in o.outputs):
+        outputs += engine.step()
+    outputs += engine.step()
+    aborted = engine.abort_request("r")
+    assert all(len(o.outputs) == 1 for o in outputs + aborted)
+    cached = {o.outputs[0].index: o.num_cached_tokens for o in outputs}
+    assert cached[0] == 0 and cached[1] == 32  # (two full blocks of 16)
+    assert [(o.outputs[0].index, o.outputs[0].finish_reason, o.finished) for o in aborted] == [(1, "abort", True)]
+    assert [c.finish_reason for o in outputs + aborted for c in o.outputs if c.index == 0 and c.finish_reason] == \
+        ["stop"]
+
+
 def test_text_continues_the_prompt(tiny_checkpoint, tmp_path):
     """As vLLM's (and transformers' text-generation pipeline), a completion's text is what it
     adds to the prompt: with a SentencePiece tokenizer (Llama 2, Mistral), a first token

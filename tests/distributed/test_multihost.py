@@ -132,10 +132,11 @@ def test_processes_given_different_arguments_get_an_error(results):
 
 
 def test_what_processes_may_set_each_their_own_way():
-    """Paths (the draft model's too) and the memory budget are each process's own; a
-    function is compared by its name, not its address."""
+    """Paths (the draft model's and the generation config's too) and the memory budget are
+    each process's own; a function is compared by its name, not its address."""
     def config(model, draft, budget, seed=0):
         return EngineConfig(model=model, gpu_memory_utilization=budget, seed=seed, hf_overrides=lambda c: c,
+                            generation_config=model + "-generation",  # (its file is compared as read)
                             speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 2})
 
     mine = config("/host0/model", "/host0/draft", 0.5).shared_fields()

@@ -418,7 +418,7 @@ def test_stop_strings_match_a_search_of_the_full_text(tokenizers, name, data):
     include = data.draw(st.booleans())
     sizes = data.draw(st.lists(st.integers(1, 3), min_size=len(ids), max_size=len(ids)))
     d = IncrementalDetokenizer(tok, stop=stops, include_stop_str_in_output=include)
-    done = 0
+    done = settled_len = 0
     for size in sizes:
         if done >= len(ids):
             break
@@ -426,8 +426,10 @@ def test_stop_strings_match_a_search_of_the_full_text(tokenizers, name, data):
         done += size
         text = tok.decode(ids[:done], skip_special_tokens=True)
         # The first listed among those the text now holds, as vLLM's (none was there before),
-        # up to a trailing U+FFFD (vLLM's text holds complete characters only).
-        settled = text.rstrip("\ufffd")
+        # in the text as of the last update that did not leave it ending in U+FFFD (vLLM's
+        # DecodeStream adds a token's text once the character it starts is complete).
+        settled_len = min(settled_len, len(text)) if text.endswith("\ufffd") else len(text)
+        settled = text[:settled_len]
         hits = [(order, settled.find(s), s) for order, s in enumerate(stops) if s in settled]
         if not hits:
             assert got is None and d.text == text
@@ -563,3 +565,35 @@ def test_the_window_takes_over_where_the_stream_gives_up(tokenizers, name, at):
             assert found or d.text == expected[i - 1]
         assert failing.steps >= at and d._stream is None  # (the window went on alone)
         assert d.text == (SENTENCE + " Hello 漢字 world, how are you?" if stop else expected[-1])
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_text_since_an_offset_is_the_texts_tail(tokenizers, name):
+    """What a DELTA stream reads: text[start:] at every update, read or not in between,
+    without joining the text before it."""
+    tok = tokenizers[name]
+    ids = _encode(tok, (MIXED + " " + SENTENCE + " ") * 4)
+    d = IncrementalDetokenizer(tok)
+    for n, tid in enumerate(ids, 1):
+        d.update([tid])
+        start = (n * 7) % (len(tok.decode(ids[:n], skip_special_tokens=True)) + 2)
+        text = tok.decode(ids[:n], skip_special_tokens=True)
+        assert d.text_since(start) == text[start:]
+        if n % 5 == 0:
+            assert d.text == text
+
+
+def test_a_tokens_text_counts_for_stops_once_its_last_character_is_complete(tokenizers):
+    """As vLLM's DecodeStream: a token of "c" and the first byte of "á" adds "c" only with
+    the token that completes it, so a stop string (or the min_tokens count) sees the "c"
+    at that token (a search up to the U+FFFD stopped a token early, and under min_tokens
+    never stopped)."""
+    tok = tokenizers["tiny"]
+    hello = _encode(tok, "Hello ")
+    c_and_lead = [i for i in range(len(tok)) if tok.decode([i]) == "c\ufffd"][0]
+    completing = next(i for i in range(len(tok)) if tok.decode([c_and_lead, i]) == "cá")
+    ids = hello + [c_and_lead, completing]
+    for check_from in (0, len(hello) + 1):  # (the second: min_tokens covers the "c" token)
+        d = IncrementalDetokenizer(tok, stop=["c"])
+        found = [d.update([t], check_stop=i >= check_from) for i, t in enumerate(ids)]
+        assert found == [None] * (len(ids) - 1) + ["c"] and d.text == "Hello "

@@ -262,17 +262,17 @@ def test_top_k_keeps_exactly_k_beside_a_far_outlier(shift):
 def test_ranks_count_ties_as_above_and_the_top_k_place_wins():
     """vLLM's rank is the count of logits >= the token's (a tie counts as above); in the
     logprob dict a chosen token among the top k takes its place's rank there."""
-    from jaxvllm.output_processor import OutputProcessor
+    from jaxvllm.output_processor import OutputProcessor, _as_lists
     from jaxvllm.sampler import compute_logprobs
 
     logits = jnp.asarray([[1.0, 3.0, 3.0, 2.0]])
     lp = compute_logprobs(logits, jnp.asarray([2]), width=2)
     assert int(lp.token_rank[0]) == 2 and np.asarray(lp.top_ids)[0].tolist() == [1, 2]
-    entry = OutputProcessor(None)._logprob_dict(2, lp.token_logprob[0], lp.token_rank[0], lp.top_ids[0],
-                                                lp.top_logprobs[0], 2, detokenize=False)
+    host = _as_lists(jax.tree.map(np.asarray, lp))  # (as a step's result holds them)
+    entry = OutputProcessor(None)._logprob_dict(2, host, 0, 2, detokenize=False)
     assert list(entry) == [2, 1] and entry[2].rank == 2 and entry[1].rank == 1
-    entry = OutputProcessor(None)._logprob_dict(2, lp.token_logprob[0], lp.token_rank[0], lp.top_ids[0],
-                                                lp.top_logprobs[0], 0, detokenize=False)
+    assert all(type(t) is int and type(e.logprob) is float for t, e in entry.items())
+    entry = OutputProcessor(None)._logprob_dict(2, host, 0, 0, detokenize=False)
     assert entry[2].rank == 2
     assert int(compute_logprobs(logits, jnp.asarray([3]), width=0).token_rank[0]) == 3
 

@@ -43,8 +43,9 @@ def main(a: str, b: str, a_moe: str, b_moe: str) -> None:
 
 
 def elsewhere(a: str, b: str) -> dict:
-    """Tensors on a device the engine does not use (part of a merged q/k/v, one layer's
-    row of a stack): moved there, the same as from numpy."""
+    """Tensors on other devices than their param's (one the engine does not use, or one of
+    its two under TP 2; part of a merged q/k/v, one layer's row of a stack): moved there,
+    the same as from numpy."""
     tensors = load_file(f"{b}/model.safetensors")
     names = ["model.layers.1.self_attn.q_proj.weight", "model.layers.0.input_layernorm.weight"]
     out = {}
