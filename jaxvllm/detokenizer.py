@@ -142,9 +142,8 @@ class IncrementalDetokenizer:
         self._start = 0  # first id of the decode window
         self._read = 0  # ids before this are committed
         self._prefix_text = ""  # the window's text for ids[start:read]
-        self._chunks: list[str] = []  # committed text, in pieces (joined lazily)
+        self._chunks: list[str] = []  # committed text, in pieces (joined lazily; the last one not empty)
         self._committed_len = 0
-        self._committed_settled = 0  # committed text's length without its trailing U+FFFD run
         self._settled = 0  # the text's length when it last did not end in U+FFFD (what stops are searched in)
         self._tail = ""  # text of the pending ids ids[read:]
         self._text: str | None = ""  # cached `text`; None when stale
@@ -212,12 +211,12 @@ class IncrementalDetokenizer:
         # As vLLM's DecodeStream, a token's text counts once the text no longer ends in U+FFFD
         # (a token of " " and half an emoji adds " " with the emoji's other half).
         length = self._committed_len + len(self._tail)
-        pending = self._tail.endswith(_REPLACEMENT) if self._tail else self._committed_settled < self._committed_len
+        pending = (self._tail or (self._chunks[-1] if self._chunks else "")).endswith(_REPLACEMENT)
         self._settled = min(self._settled, length) if pending else length
         if self._stop and check_stop:
             return self._check_stop(changed_from)
         if self._stop:  # (below min_tokens: this text counts as searched)
-            self._searched_to = self._settled_len()
+            self._searched_to = self._settled
         return None
 
     # -- internals -------------------------------------------------------------------
@@ -326,7 +325,6 @@ class IncrementalDetokenizer:
             self._stream = None
             self._prefix_text = self._decode(ids[self._start:self._read])
             return None
-        self._committed_settled = self._committed_len
         changed_from = before[1]
         if self._tail:  # (the pending text's start that the new ids left as it was did not change)
             changed_from += len(os.path.commonprefix([self._tail, "".join(self._chunks[before[0]:]) + tail]))
@@ -369,8 +367,6 @@ class IncrementalDetokenizer:
         if new:
             self._chunks.append(new)
             self._committed_len += len(new)
-            if new.rstrip(_REPLACEMENT):
-                self._committed_settled = self._committed_len - _trailing_replacements(new)
         self._tail = self._tail[len(new):]
         self._read = read
         self._prefix_text = read_text
@@ -418,13 +414,6 @@ class IncrementalDetokenizer:
                 self._chunks.append(last[:-count])
                 break
             count -= len(last)
-        if self._committed_settled > self._committed_len:  # (rare: a cleanup took back text)
-            end, self._committed_settled = self._committed_len, 0
-            for chunk in reversed(self._chunks):
-                if chunk.rstrip(_REPLACEMENT):
-                    self._committed_settled = end - _trailing_replacements(chunk)
-                    break
-                end -= len(chunk)
 
     def _recent_committed(self, count: int) -> str:
         """The last `count` characters of the committed text (without joining it all)."""
@@ -439,16 +428,13 @@ class IncrementalDetokenizer:
         joined = "".join(reversed(parts))
         return joined[len(joined) - count:] if count else ""
 
-    def _settled_len(self) -> int:
-        return self._settled
-
     def _check_stop(self, changed_from: int) -> str | None:
         """Search the text not searched before or changed since (plus len(longest stop) - 1
         characters before it), up to its trailing U+FFFD, for the stop strings; on a match
         cut the text and finish. As vLLM's (`check_stop_strings`): the first stop string
         in `stop`'s order that occurs there, at its first occurrence, even if another one
         ends before it."""
-        frontier, settled = min(changed_from, self._searched_to), self._settled_len()
+        frontier, settled = min(changed_from, self._searched_to), self._settled
         self._searched_to = settled
         if settled <= frontier:  # nothing new to search (a run of U+FFFD goes on)
             return None
@@ -472,11 +458,6 @@ class IncrementalDetokenizer:
         self._text = text
         self._stopped = True
         return found
-
-
-def _trailing_replacements(text: str) -> int:
-    """How many U+FFFD end `text` (characters a later token may still complete)."""
-    return len(text) - len(text.rstrip(_REPLACEMENT))
 
 
 def _stream_gave_up(error: Exception) -> bool:

@@ -909,10 +909,14 @@ class LLMEngine:
         self._check_open()
         if self.has_unfinished_requests():
             raise RuntimeError("update_weights while requests are unfinished: finish or abort them first")
+        self.check_weights("update_weights")
+
+    def check_weights(self, what: str) -> None:
+        """Raise unless the weights are there (the KV cache may sleep); `what` names the call."""
         if self.runner.weights_gone:
-            raise RuntimeError("update_weights with no weights: reload_weights() failed part-way; call it again")
+            raise RuntimeError(f"{what} with no weights: reload_weights() failed part-way; call it again")
         if "weights" in self.runner.asleep:
-            raise RuntimeError("update_weights while the weights sleep: call wake_up(tags=['weights']) first")
+            raise RuntimeError(f"{what} while the weights sleep: call wake_up(tags=['weights']) first")
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """vLLM's: forget every cached block. While running requests hold KV blocks it is

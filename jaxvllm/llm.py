@@ -510,12 +510,8 @@ class LLM:
         stacked (or one per layer on a CPU, each matrix stored inputs first as a
         `jaxvllm.layers.InputMajorWeight`), heads explicit; see `jaxvllm.models.common`."""
         self._check_open()
-        runner = self.llm_engine.runner
-        if runner.weights_gone:
-            raise RuntimeError("get_params() with no weights: reload_weights() failed part-way; call it again")
-        if "weights" in runner.asleep:
-            raise RuntimeError("get_params() while the weights sleep: call wake_up(tags=['weights']) first")
-        return runner.params
+        self.llm_engine.check_weights("get_params()")
+        return self.llm_engine.runner.params
 
     def start_profile(self, profile_prefix: str | None = None) -> None:
         """vLLM's: trace what runs from here to `stop_profile()` (jax.profiler's trace, host and
