@@ -234,7 +234,9 @@ def test_shutdown_from_another_thread_while_generate_runs(path):
     """A notebook's worker thread generating while the user shuts the LLM down: the step
     under way ends first (its arrays are not deleted under it), and generate raises that
     the engine was shut down."""
+    import sys
     import threading
+    import traceback
 
     llm = LLM(path, **ENGINE_ARGS)
     engine, stepped, errors = llm.llm_engine, threading.Event(), []
@@ -259,7 +261,9 @@ def test_shutdown_from_another_thread_while_generate_runs(path):
     deadline = time.monotonic() + 600  # (a step may first wait for its bucket's compile, on a loaded machine)
     while not stepped.wait(1):
         assert worker.is_alive(), f"generate ended before its first step: {errors!r}"
-        assert time.monotonic() < deadline, "no step in 600 s"
+        assert time.monotonic() < deadline, "no step in 600 s; the threads' stacks:\n" + "\n".join(
+            f"{thread.name}:\n{''.join(traceback.format_stack(sys._current_frames()[thread.ident]))}"
+            for thread in threading.enumerate() if thread.ident in sys._current_frames())
     llm.shutdown()
     worker.join(60)
     assert not worker.is_alive() and len(errors) == 1
