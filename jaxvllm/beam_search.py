@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from tqdm.auto import tqdm
 
 from jaxvllm.engine import LLMEngine
 from jaxvllm.inputs import prompt_list
+from jaxvllm.interrupts import ProgressBar
 from jaxvllm.outputs import Logprob
 from jaxvllm.sampling_params import BeamSearchParams, SamplingParams, resolve_logprobs
 
@@ -106,7 +106,7 @@ def beam_search(engine: LLMEngine, generate: Callable[..., list], prompts: Any, 
     # 2 * beam_width candidates per beam, as HF (enough that EOS candidates leave beam_width others).
     step_params = SamplingParams(logprobs=2 * width, max_tokens=1, temperature=params.temperature)
     batches = [instances[i:i + concurrency_limit] for i in range(0, len(instances), concurrency_limit)]
-    with tqdm(total=len(batches) * params.max_tokens, desc="Beam search", unit="token",
+    with ProgressBar(total=len(batches) * params.max_tokens, desc="Beam search", unit="token",
               disable=not use_tqdm, dynamic_ncols=True) as bar:
         for batch in batches:
             for _ in range(params.max_tokens):

@@ -5,6 +5,7 @@ has consumed its donated KV cache but before the runner holds the new one. The e
 runs each step's host bookkeeping inside `defer_interrupts()`: a SIGINT that arrives
 there is held and raised as soon as the block ends, when the engine is consistent again,
 or earlier where the block calls `deliver()` (before a point of no return).
+Progress bars hold it too (`ProgressBar`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+from tqdm.auto import tqdm
 
 
 class HeldInterrupts:
@@ -52,3 +55,37 @@ def defer_interrupts() -> Iterator[HeldInterrupts]:
     finally:
         signal.signal(signal.SIGINT, held.previous)
         held.deliver()
+
+
+class ProgressBar(tqdm):
+    """tqdm.auto's bar (a widget in Jupyter), whose lock a Ctrl-C cannot leave held.
+
+    tqdm takes one process-wide lock to create, draw and close any bar, and draws without a
+    try/finally: a KeyboardInterrupt landing in there left the lock held by the main thread,
+    and every bar of another thread (a notebook's worker thread calling generate, tqdm's
+    monitor) then waited for good. These calls run with SIGINT held.
+    """
+
+    def __new__(cls, *args, **kwargs):
+        with defer_interrupts():
+            return super().__new__(cls, *args, **kwargs)
+
+    def __init__(self, *args, **kwargs) -> None:
+        with defer_interrupts():
+            super().__init__(*args, **kwargs)
+
+    def refresh(self, *args, **kwargs):
+        if self.disable:  # (drawing nothing, it locks nothing: no need to pay for the deferral)
+            return None
+        with defer_interrupts():
+            return super().refresh(*args, **kwargs)
+
+    def clear(self, *args, **kwargs) -> None:
+        with defer_interrupts():
+            super().clear(*args, **kwargs)
+
+    def close(self) -> None:
+        if getattr(self, "disable", True):  # (closed, or never drawn)
+            return
+        with defer_interrupts():
+            super().close()

@@ -15,7 +15,7 @@ from jaxvllm.chat_utils import render_chat
 from jaxvllm.config import EngineConfig
 from jaxvllm.engine import LLMEngine
 from jaxvllm.inputs import TokensPrompt, prompt_list
-from jaxvllm.interrupts import defer_interrupts
+from jaxvllm.interrupts import ProgressBar, defer_interrupts
 from jaxvllm.lora.request import LoRARequest
 from jaxvllm.model_config import default_sampling_fields
 from jaxvllm.outputs import RequestOutput
@@ -380,7 +380,7 @@ class LLM:
         """Step the replicas until each of `request_ids` has its final output in `_finished`
         (with the outputs of the other requests queued here that finish meanwhile)."""
         waiting = set(request_ids) - self._finished.keys()
-        make_bar = use_tqdm if callable(use_tqdm) else tqdm  # (vLLM's: a tqdm-like factory may be given)
+        make_bar = use_tqdm if callable(use_tqdm) else ProgressBar  # (vLLM's: a tqdm-like factory may be given)
         bar = make_bar(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         try:
             bar.update(len(request_ids) - len(waiting))

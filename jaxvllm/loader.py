@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 from safetensors import SafetensorError, safe_open
-from tqdm.auto import tqdm
 
 from jaxvllm.config import DTYPES, LOAD_FORMATS
 from jaxvllm.dummy import missing_model_message
+from jaxvllm.interrupts import ProgressBar
 from jaxvllm.layers import InputMajorWeight
 from jaxvllm.model_config import SIDE_BY_SIDE, ModelConfig
 from jaxvllm.models import MODELS
@@ -271,7 +271,7 @@ def load_safetensors(path: Path, cfg: ModelConfig, dtype, shardings: dict, repea
     if unused:
         logger.warning("ignoring %d tensor(s) not used by %s: %s", len(unused), cfg.architecture, sorted(unused)[:5])
     params: dict = {}
-    with contextlib.ExitStack() as stack, tqdm(total=len(specs), desc="Loading safetensors",
+    with contextlib.ExitStack() as stack, ProgressBar(total=len(specs), desc="Loading safetensors",
                                                dynamic_ncols=True) as bar:
         opened: dict[Path, Any] = {}  # each file opened once, when a tensor in it is first read
         headers: dict[Path, tuple[int, dict]] = {}  # (float8 tensors) each file's header parsed once
@@ -702,7 +702,7 @@ def dummy_params(cfg: ModelConfig, dtype, seed: int = 0, shardings: dict | None 
                                      repeats=repeats if repeated_kv(spec) else 1, parts=parts, merge=spec.merge)
 
     with _freed_on_failure(params):
-        for i, spec in enumerate(tqdm(specs, desc="Initializing dummy weights", dynamic_ncols=True)):
+        for i, spec in enumerate(ProgressBar(specs, desc="Initializing dummy weights", dynamic_ncols=True)):
             key_i = jax.random.fold_in(key, i)
             if spec.layers and spec.stack:  # a key per layer
                 keys = jax.vmap(partial(jax.random.fold_in, key_i))(jnp.arange(len(spec.layers)))

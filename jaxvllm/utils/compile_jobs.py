@@ -10,8 +10,8 @@ from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 
-from tqdm.auto import tqdm
 
+from jaxvllm.interrupts import ProgressBar
 from jaxvllm.utils.compilation_cache import CompileCounts, count_compilations
 
 logger = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ class CompileJobs:
         self._unfinished = {key for key, _ in now + later}
         futures = [self._pool.submit(self._run, key, job, False) for key, job in now]
         try:
-            for future in tqdm(futures, desc=desc, dynamic_ncols=True):
+            for future in ProgressBar(futures, desc=desc, dynamic_ncols=True):
                 future.result()
         except BaseException:
             self._pool.shutdown(cancel_futures=True)

@@ -2,6 +2,7 @@
 same outputs afterwards and no KV block leaked."""
 
 import inspect
+import itertools
 import os
 import random
 import signal
@@ -11,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+from tqdm.std import TqdmDefaultWriteLock, tqdm
 
 import jaxvllm.llm
 from jaxvllm import LLM, SamplingParams
@@ -503,10 +505,37 @@ def test_interrupt_before_the_loop_does_not_lock_the_engine_out(case, monkeypatc
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(jaxvllm.llm, "tqdm", interrupted)
+    monkeypatch.setattr(jaxvllm.llm, "ProgressBar", interrupted)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(prompts(), GREEDY)
     monkeypatch.undo()
+    assert_healthy(llm, want)
+
+
+@pytest.mark.parametrize("use_tqdm,hit", [(False, 1), (True, 1), (True, 4)])
+def test_a_ctrl_c_inside_tqdms_lock_leaves_other_threads_their_bars(case, use_tqdm, hit):
+    """A real SIGINT as generate's progress bar is about to release tqdm's process-wide lock
+    (the `hit`-th release): it lands once the lock is released, and generate from another
+    thread (a notebook's worker) runs. Before, that thread waited for good (the lock stayed
+    held by the main thread): a CI run hung so, after test_sigint_at_random_moments."""
+    llm, want = case
+    releases = itertools.count(1)
+    sigint_in(TqdmDefaultWriteLock.release, "for lock in", lambda frame: next(releases) == hit)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(prompts(), GREEDY, use_tqdm=use_tqdm)
+    finally:
+        sys.settrace(None)
+    got = []
+    worker = threading.Thread(target=lambda: got.append(tokens(llm.generate(prompts(), GREEDY, use_tqdm=False))),
+                              daemon=True)
+    worker.start()
+    worker.join(120)
+    stuck = worker.is_alive()
+    if stuck:  # (let the worker end, so that the tests after this one can run)
+        tqdm.get_lock().release()
+        worker.join()
+    assert not stuck and got == [want]
     assert_healthy(llm, want)
 
 
