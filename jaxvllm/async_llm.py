@@ -28,7 +28,7 @@ from jaxvllm.engine import LLMEngine
 from jaxvllm.lora.request import LoRARequest
 from jaxvllm.model_config import ModelConfig
 from jaxvllm.outputs import RequestOutput
-from jaxvllm.sampling_params import SamplingParams
+from jaxvllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -46,20 +46,44 @@ class EngineDeadError(RuntimeError):
     down (the thread's error, if any, is the `__cause__`)."""
 
 
-@dataclass
 class _Stream:
-    """Where one request's outputs go: a queue read by a coroutine on `loop`."""
+    """Where one request's outputs go, for the coroutine on `loop` that reads them. As in
+    vLLM's RequestOutputCollector, an output that comes before the reader took the last one
+    is merged into it (DELTA completions appended, others replaced): a slow reader gets
+    fewer, larger outputs, and the engine thread wakes the loop once per read, not once
+    per output. An error replaces what was unread."""
 
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    def __init__(self, loop: asyncio.AbstractEventLoop, aggregate: bool) -> None:
+        self.loop = loop
+        self.aggregate = aggregate
+        self._lock = threading.Lock()  # (put runs on the engine thread, get on the loop)
+        self._unread: RequestOutput | BaseException | None = None
+        self._ready = asyncio.Event()
 
     def put(self, item: RequestOutput | BaseException) -> bool:
         """False when the loop is closed: nobody will read this stream again."""
+        with self._lock:
+            wake = self._unread is None or isinstance(item, BaseException)
+            if wake:
+                self._unread = item
+            elif isinstance(self._unread, RequestOutput):
+                self._unread.add(item, aggregate=self.aggregate)
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            if wake:
+                self.loop.call_soon_threadsafe(self._ready.set)
             return True
         except RuntimeError:
             return False
+
+    async def get(self) -> RequestOutput | BaseException:
+        while True:
+            with self._lock:
+                item, self._unread = self._unread, None
+                if item is None:
+                    self._ready.clear()  # (a wake-up for an item taken already: wait for the next)
+            if item is not None:
+                return item
+            await self._ready.wait()
 
 
 @dataclass
@@ -172,7 +196,8 @@ class AsyncLLM:
             raise ValueError(f"data_parallel_rank={data_parallel_rank!r}: this AsyncLLM runs one engine, of rank "
                              f"{self.engine.config.data_parallel_rank}")
         params = sampling_params.clone() if isinstance(sampling_params, SamplingParams) else sampling_params
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop(),
+                         aggregate=getattr(params, "output_kind", None) == RequestOutputKind.DELTA)
 
         def add() -> None:
             if self._rejecting:
@@ -187,7 +212,7 @@ class AsyncLLM:
         try:
             await self._on_engine(add)
             while True:
-                item = await stream.queue.get()
+                item = await stream.get()
                 if isinstance(item, EngineDeadError):
                     raise EngineDeadError(f"request {request_id!r} failed: {item}") from item.__cause__
                 if isinstance(item, BaseException):
@@ -265,8 +290,9 @@ class AsyncLLM:
 
     # -- the engine's other calls, run between steps ---------------------------------------
 
-    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        return await self._on_engine(lambda: self.engine.reset_prefix_cache(reset_running_requests))
+    async def reset_prefix_cache(self, device: Any = None, *, reset_running_requests: bool = False) -> bool:
+        return await self._on_engine(
+            lambda: self.engine.reset_prefix_cache(device, reset_running_requests=reset_running_requests))
 
     async def sleep(self, level: int = 1) -> None:
         await self._on_engine(lambda: self.engine.sleep(level))

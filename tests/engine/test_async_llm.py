@@ -108,7 +108,32 @@ def test_streams_equal_generate(engine, reference, kind):
         if kind is RequestOutputKind.FINAL_ONLY:
             assert len(outputs) == 1
         else:
-            assert len(outputs) >= 10  # a token (or two completions' tokens) a step
+            assert len(outputs) > 1  # (up to one a step: outputs a reader has not taken yet are merged)
+    assert_idle(engine)
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE])
+def test_a_slow_reader_gets_the_outputs_merged(engine, reference, kind):
+    """As vLLM's RequestOutputCollector: what comes while the reader is away is merged into
+    one output (DELTA tokens, text and logprobs appended; CUMULATIVE the latest), so a slow
+    reader gets fewer outputs, and the same completions."""
+    async def main(params, prompt, request_id):
+        outputs = []
+        async for out in engine.generate(prompt, with_kind(params, kind), request_id):
+            outputs.append(out)
+            await asyncio.sleep(0.05)  # (a slow reader: the engine runs a few steps meanwhile)
+        return outputs
+
+    params = SamplingParams(temperature=0, max_tokens=LONG.max_tokens, ignore_eos=True, logprobs=2)
+    outputs = asyncio.run(main(params, PROMPTS[1], f"slow-{kind.name}"))
+    assert outputs[-1].finished and all(not o.finished for o in outputs[:-1])
+    assert completions(outputs, kind) == reference["long"][1]
+    assert 1 < len(outputs) < LONG.max_tokens // 2
+    logprobs = [lp for o in outputs for lp in o.outputs[0].logprobs] if kind is RequestOutputKind.DELTA \
+        else outputs[-1].outputs[0].logprobs
+    assert len(logprobs) == LONG.max_tokens and all(len(lp) >= 2 for lp in logprobs)
+    seeded = asyncio.run(main(SEEDED, PROMPTS[0], f"slow-seeded-{kind.name}"))
+    assert completions(seeded, kind) == reference["seeded"][0]
     assert_idle(engine)
 
 
@@ -198,17 +223,20 @@ def test_ctrl_c_while_streaming_aborts_the_request(engine, reference):
     # pytest-xdist worker or an earlier test left installed)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
 
+    timer = threading.Timer(0.01, os.kill, (os.getpid(), signal.SIGINT))
+
     async def main():
         async for _ in engine.generate(PROMPTS[2], LONG, "interrupted"):
+            if timer.ident is None:
+                timer.start()  # (after the first output: the request is under way, far from its end)
             await asyncio.sleep(0.01)
 
-    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
     try:
         with pytest.raises(KeyboardInterrupt):
             asyncio.run(main())
     finally:
-        timer.join()
+        if timer.ident is not None:
+            timer.join()
         signal.signal(signal.SIGINT, previous)
 
     async def again():
