@@ -213,6 +213,8 @@ def check_prompts(llm, prompts: list, labels: list[str], params) -> list[list[in
     """Every prompt's token ids, checked by the engine's own rules (type, emptiness, token
     ids, keys, length within max_model_len) before any is generated; UsageError naming the
     first bad prompt (and how many more there are)."""
+    from jaxvllm.input_processor import PROMPT_KEYS
+
     engine = llm.llm_engine
     try:
         params.check_vocab(engine.model_config.vocab_size)
@@ -224,6 +226,9 @@ def check_prompts(llm, prompts: list, labels: list[str], params) -> list[list[in
     token_ids: list[list[int]] = []
     errors: list[str] = []
     for i, (prompt, label) in enumerate(zip(prompts, labels)):
+        if isinstance(prompt, dict) and (unknown := set(prompt) - PROMPT_KEYS):  # (the API ignores them, as vLLM's)
+            errors.append(f"{label}: unknown prompt key(s) {sorted(unknown)}; allowed: {sorted(PROMPT_KEYS)}")
+            continue
         try:  # builds the request without queueing it
             parent = engine.make_requests(f"check-{i}", prompt, params)
         except (TypeError, ValueError) as e:

@@ -313,6 +313,18 @@ class EngineConfig:
     convert: str = "auto"
     pooler_config: Any = None
     logits_processors: list | None = None
+    # vLLM's arguments for what jaxvllm has no use for, or lacks: accepted at their values that
+    # change nothing (`_check_vllm_only`). task: vLLM 0.11's deprecated runner choice.
+    task: str | None = None
+    model_impl: str = "auto"
+    kv_transfer_config: Any = None
+    disable_sliding_window: bool = False
+    enable_lora_bias: bool = False
+    reasoning_parser: str = ""
+    worker_extension_cls: str = ""
+    # vLLM 0.11's deprecated name of structured_outputs_config's backend.
+    guided_decoding_backend: str | None = None
+    use_tqdm_on_load: bool = True  # the loader's progress bar
     # vLLM's structured outputs settings: a StructuredOutputsConfig or a dict of its fields.
     structured_outputs_config: StructuredOutputsConfig | dict | None = None
     download_dir: str | None = None  # nothing is ever downloaded
@@ -360,6 +372,9 @@ class EngineConfig:
                 raise ValueError(f"structured_outputs_config {so!r}: {e}") from e
         elif not isinstance(so, StructuredOutputsConfig):
             raise ValueError(f"structured_outputs_config must be a StructuredOutputsConfig or a dict, got {so!r}")
+        if self.guided_decoding_backend is not None:  # (vLLM 0.11 sets the config's backend from it)
+            self.structured_outputs_config = dataclasses.replace(self.structured_outputs_config,
+                                                                 backend=self.guided_decoding_backend)
         self.speculative_config = spec = SpeculativeConfig.of(self.speculative_config)
         if spec is not None and spec.method in MODEL_SPECULATIVE_METHODS and spec.draft_tensor_parallel_size not in (
                 None, self.tensor_parallel_size):
@@ -439,6 +454,18 @@ class EngineConfig:
         if self.enable_prefix_caching and self.prefix_caching_hash_algo not in PREFIX_CACHING_HASH_ALGOS:
             raise ValueError(f"Unknown prefix caching hash algorithm: {self.prefix_caching_hash_algo}. Must be one "
                              f"of {PREFIX_CACHING_HASH_ALGOS}.")
+        if self.task not in (None, "auto", "generate"):
+            raise ValueError(f"task={self.task!r}: jaxvllm runs generative models only ('auto' or 'generate')")
+        if self.model_impl not in ("auto", "vllm"):
+            raise ValueError(f"model_impl={self.model_impl!r}: jaxvllm runs its own models ('auto' or 'vllm')")
+        refused = {"kv_transfer_config": "KV transfer (disaggregated prefill)", "disable_sliding_window":
+                   "turning sliding windows off", "enable_lora_bias": "LoRA bias adapters", "reasoning_parser":
+                   "reasoning parsers", "worker_extension_cls": "worker extensions (collective_rpc takes the "
+                   "engine's own methods)"}
+        for name, what in refused.items():
+            if getattr(self, name):
+                raise ValueError(f"{name}={getattr(self, name)!r}: {what} not supported by jaxvllm")
+        check_bool("use_tqdm_on_load", self.use_tqdm_on_load)
         if self.runner not in ("auto", "generate"):
             raise ValueError(f"runner={self.runner!r}: jaxvllm runs generative models only ('auto' or 'generate'); "
                              "pooling and embedding models are not supported")

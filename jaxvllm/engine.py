@@ -918,10 +918,16 @@ class LLMEngine:
         if "weights" in self.runner.asleep:
             raise RuntimeError(f"{what} while the weights sleep: call wake_up(tags=['weights']) first")
 
-    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+    def reset_prefix_cache(self, device: Any = None, *, reset_running_requests: bool = False) -> bool:
         """vLLM's: forget every cached block. While running requests hold KV blocks it is
-        refused (False, with a warning) unless `reset_running_requests`: then they are
-        preempted and recomputed from their tokens, their outputs unchanged."""
+        refused (False, with a warning) unless `reset_running_requests` (newer vLLM's, by
+        name): then they are preempted and recomputed from their tokens, their outputs
+        unchanged. `device` is vLLM 0.11's first argument: None or its `Device.GPU`, the one
+        KV cache there is (no CPU offload cache)."""
+        if device is not None and str(getattr(device, "name", device)).lower() != "gpu":
+            hint = " (reset_running_requests is passed by name)" if isinstance(device, bool) else ""
+            raise ValueError(f"reset_prefix_cache device={device!r}: only the KV cache in use can be reset (None or "
+                             f"Device.GPU){hint}")
         self._check_open()
         holders = [rid for rid, blocks in self.kv_cache_manager.req_blocks.items() if blocks]
         if holders:
@@ -974,12 +980,14 @@ class LLMEngine:
 
     def start_profile(self, profile_prefix: str | None = None) -> None:
         """vLLM's: start a trace of everything this process runs (jax.profiler's, of the host and
-        the device), into profiler_config's jax_profiler_dir (under `profile_prefix` if given)."""
+        the device), into profiler_config's jax_profiler_dir, else $VLLM_TORCH_PROFILER_DIR
+        (vLLM 0.11's switch), under `profile_prefix` if given."""
         self._check_open()
-        if self.config.profiler_config is None:
+        given = self.config.profiler_config
+        folder = given["jax_profiler_dir"] if given is not None else os.environ.get("VLLM_TORCH_PROFILER_DIR")
+        if not folder:
             raise RuntimeError('profiling is not enabled: start the engine with profiler_config={"profiler": "jax", '
-                               '"jax_profiler_dir": FOLDER}')
-        folder = self.config.profiler_config["jax_profiler_dir"]
+                               '"jax_profiler_dir": FOLDER}, or set VLLM_TORCH_PROFILER_DIR')
         jax.profiler.start_trace(os.path.join(folder, profile_prefix) if profile_prefix else folder)
 
     def stop_profile(self) -> None:

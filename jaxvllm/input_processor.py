@@ -23,7 +23,7 @@ from jaxvllm.sampler import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS
 from jaxvllm.sampling_params import SamplingParams
 from jaxvllm.structured_output import StructuredOutputManager
 
-_PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
+PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}  # (others are ignored, as by vLLM)
 _MULTIMODAL_KEYS = {"multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids"}
 
 
@@ -40,7 +40,9 @@ def load_tokenizer(config: EngineConfig):
                                                                      else "does not exist"))
     advice = "pass tokenizer=PATH to use another folder, or skip_tokenizer_init=True for token-id prompts only"
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, use_fast=config.tokenizer_mode != "slow")
+        # (truncate_prompt_tokens keeps a text's last tokens, and its special ones: vLLM's side)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, use_fast=config.tokenizer_mode != "slow",
+                                                  truncation_side="left")
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot load a tokenizer from {path!r} ({advice}): {e}") from e
     # (transformers makes some tokenizers, Qwen2's, from config.json alone: with no vocabulary)
@@ -99,37 +101,38 @@ class InputProcessor:
         self.check_fits, self.structured_outputs, self.digests = check_fits, structured_outputs, digests
         self.next_arrival = 0  # FCFS order, and what unseeded requests' seeds are drawn from
 
-    def tokenize_prompt(self, prompt: Any, add_special_tokens: bool = True) -> tuple[str | None, list[int], str | None]:
+    def tokenize_prompt(self, prompt: Any, add_special_tokens: bool = True,
+                        truncate: int | None = None) -> tuple[str | None, list[int], str | None]:
         """A str, or a dict with "prompt" (str) or "prompt_token_ids" (list of ints) and an
         optional "cache_salt" -> (text, token ids, salt); raises on bad input. A dict with
         both is vLLM's `TokensPrompt` with its text: the ids are the prompt, the text is
-        only reported."""
+        only reported. `truncate`: keep the last that many tokens, as vLLM does: the
+        tokenizer truncates a text (its BOS stays), ids are cut."""
         if isinstance(prompt, dict):
             # vLLM ignores empty multimodal fields (an Arrow row or a template may carry them)
             given = {key for key, value in prompt.items() if key not in _MULTIMODAL_KEYS or value}
             if given & _MULTIMODAL_KEYS:
                 raise ValueError(f"multimodal inputs ({sorted(given & _MULTIMODAL_KEYS)}) are not supported: jaxvllm's "
                                  "models read text only")
-            unknown = given - _PROMPT_KEYS
-            if unknown:
-                raise ValueError(f"unknown prompt key(s) {sorted(unknown)}; allowed: {sorted(_PROMPT_KEYS)}")
             if "prompt" not in prompt and "prompt_token_ids" not in prompt:
-                raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
+                raise ValueError(f"a prompt dict needs 'prompt' (text) or 'prompt_token_ids' (it has {sorted(prompt)})")
             salt = prompt.get("cache_salt")
             if salt is not None and not isinstance(salt, str):
                 raise TypeError(f"cache_salt must be a str, got {type(salt).__name__}")
             if "prompt_token_ids" not in prompt:
-                return (*self.tokenize_prompt(prompt["prompt"], add_special_tokens)[:2], salt)
+                return (*self.tokenize_prompt(prompt["prompt"], add_special_tokens, truncate)[:2], salt)
             text = prompt.get("prompt")
             if text is not None and not isinstance(text, str):
                 raise TypeError(f"a TokensPrompt's 'prompt' (its text) must be a str, got {type(text).__name__}")
-            return text, self._check_token_ids(prompt["prompt_token_ids"]), salt
+            token_ids = self._check_token_ids(prompt["prompt_token_ids"])
+            return text, token_ids if truncate is None else token_ids[-truncate:], salt
         if not isinstance(prompt, str):
             raise TypeError(f"a prompt must be a str or a dict, got {type(prompt).__name__}")
         if self.tokenizer is None:
             raise ValueError("skip_tokenizer_init=True: pass prompt_token_ids, not text")
         # (as vLLM, an empty text is refused only if it encodes to nothing: a BOS is a prompt)
-        token_ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
+        truncation = {} if truncate is None else {"truncation": True, "max_length": truncate}
+        token_ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens, **truncation).input_ids
         if not token_ids:
             raise ValueError(f"The decoder prompt cannot be empty (the text {prompt!r} encodes to no tokens)")
         if max(token_ids) >= self.vocab_size:  # (a tokenizer may have ids the model lacks)
@@ -209,7 +212,6 @@ class InputProcessor:
         params = self._check_params(params, priority)
         max_model_len = self.max_model_len
         bad_words = self.bad_words_token_ids(params.bad_words) if params.bad_words else []
-        text, token_ids, cache_salt = self.tokenize_prompt(prompt, add_special_tokens)
         keep = params.truncate_prompt_tokens
         if keep is not None:  # vLLM truncates on the left: the last tokens stay
             keep = max_model_len - 1 if keep == -1 else keep
@@ -218,7 +220,7 @@ class InputProcessor:
                     f"truncate_prompt_tokens value ({keep}) is greater than max_model_len ({max_model_len}). "
                     "Please, select a smaller truncation size."
                 )
-            token_ids = token_ids[-keep:]
+        text, token_ids, cache_salt = self.tokenize_prompt(prompt, add_special_tokens, keep)
         self.check_prompt_length(len(token_ids))
         params.check_prompt_logprobs_start(len(token_ids))
         room = max_model_len - len(token_ids)

@@ -521,12 +521,13 @@ class LLM:
     def stop_profile(self) -> None:
         self.llm_engine.stop_profile()
 
-    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+    def reset_prefix_cache(self, device: Any = None, *, reset_running_requests: bool = False) -> bool:
         """Forget all cached prefix blocks (their memory stays with the KV pool). Returns
         False, as vLLM does, while running requests hold blocks, unless
-        `reset_running_requests` (they are preempted and recomputed)."""
+        `reset_running_requests` (they are preempted and recomputed). `device`: vLLM 0.11's
+        (`LLMEngine.reset_prefix_cache`)."""
         self._check_open()
-        return all([e.reset_prefix_cache(reset_running_requests) for e in self.engines])
+        return all([e.reset_prefix_cache(device, reset_running_requests=reset_running_requests) for e in self.engines])
 
     def get_metrics(self) -> list:
         """vLLM's: a snapshot of the engine's metrics since it was created, a list of

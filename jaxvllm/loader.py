@@ -122,6 +122,7 @@ def load_model(
     stack_layers: bool | None = None,
     quantization: str | None = None,
     hf_overrides: dict[str, Any] | Callable | None = None,
+    use_tqdm: bool = True,
 ) -> tuple[ModelConfig, dict]:
     """Return (config, params) with params in `dtype` ("auto" = the checkpoint's dtype),
     split over `mesh` as `jaxvllm.sharding` says (None: all on `device`, default the first); the
@@ -159,16 +160,17 @@ def load_model(
         extra = module_tensors(Path(model), fmt)
         leaves = layer_leaves(specs, extra)
         params = load_safetensors(Path(model), cfg, jdtype, shardings, kv_repeats(cfg, run_cfg), specs, fmt=fmt,
-                                  perms=extra.get("perm"))
+                                  perms=extra.get("perm"), use_tqdm=use_tqdm)
         params = join_quantized(params, specs, fmt, leaves)
         return run_cfg, single_device_kernels(params) if mesh is None else params
     shardings, repeats = _param_shardings(run_cfg, mesh, device), kv_repeats(cfg, run_cfg)
     # The CPU layout's layer matrices inputs first (not those the online quantizer takes).
     input_major = not stack and quantization is None
     if load_format == "dummy":
-        params = dummy_params(cfg, jdtype, seed, shardings, repeats, input_major=input_major)
+        params = dummy_params(cfg, jdtype, seed, shardings, repeats, input_major=input_major, use_tqdm=use_tqdm)
     else:
-        params = load_safetensors(Path(model), cfg, jdtype, shardings, repeats, input_major=input_major)
+        params = load_safetensors(Path(model), cfg, jdtype, shardings, repeats, input_major=input_major,
+                                  use_tqdm=use_tqdm)
     if quantization is not None:
         params = quantize_params(params, MODELS[cfg.architecture].param_specs(cfg),
                                  partial(quantize_in_place, method=quantization))
@@ -241,7 +243,7 @@ def open_safetensors(file: Path):
 def load_safetensors(path: Path, cfg: ModelConfig, dtype, shardings: dict, repeats: int = 1,
                      specs: list | None = None, read_elsewhere: frozenset = frozenset(),
                      fmt: CheckpointFormat | None = None, perms: dict | None = None,
-                     input_major: bool = False) -> dict:
+                     input_major: bool = False, use_tqdm: bool = True) -> dict:
     """Each device reads only its slice of each tensor (safetensors `get_slice`), so no
     tensor is ever whole on one device, nor in host memory when it is split; a stack of
     layers is read layer by layer into each device's block. `specs`: the params to read
@@ -272,7 +274,7 @@ def load_safetensors(path: Path, cfg: ModelConfig, dtype, shardings: dict, repea
         logger.warning("ignoring %d tensor(s) not used by %s: %s", len(unused), cfg.architecture, sorted(unused)[:5])
     params: dict = {}
     with contextlib.ExitStack() as stack, ProgressBar(total=len(specs), desc="Loading safetensors",
-                                               dynamic_ncols=True) as bar:
+                                                      dynamic_ncols=True, disable=not use_tqdm) as bar:
         opened: dict[Path, Any] = {}  # each file opened once, when a tensor in it is first read
         headers: dict[Path, tuple[int, dict]] = {}  # (float8 tensors) each file's header parsed once
 
@@ -682,7 +684,8 @@ def _random_param(key, scale, *, shape, dtype, init: str, repeats: int, parts: t
 
 
 def dummy_params(cfg: ModelConfig, dtype, seed: int = 0, shardings: dict | None = None,
-                 repeats: int = 1, specs: list | None = None, input_major: bool = False) -> dict:
+                 repeats: int = 1, specs: list | None = None, input_major: bool = False,
+                 use_tqdm: bool = True) -> dict:
     """Random weights of the right shapes (`dummy_values` of the config's initializer_range), made
     on their devices as `shardings` places them (default: one device), the same values
     whatever the split or layout (`input_major`: as `load_safetensors`)."""
@@ -702,7 +705,7 @@ def dummy_params(cfg: ModelConfig, dtype, seed: int = 0, shardings: dict | None 
                                      repeats=repeats if repeated_kv(spec) else 1, parts=parts, merge=spec.merge)
 
     with _freed_on_failure(params):
-        for i, spec in enumerate(ProgressBar(specs, desc="Initializing dummy weights", dynamic_ncols=True)):
+        for i, spec in enumerate(ProgressBar(specs, desc="Initializing dummy weights", dynamic_ncols=True, disable=not use_tqdm)):
             key_i = jax.random.fold_in(key, i)
             if spec.layers and spec.stack:  # a key per layer
                 keys = jax.vmap(partial(jax.random.fold_in, key_i))(jnp.arange(len(spec.layers)))

@@ -8,7 +8,9 @@ argument of `jax.jit`: one compiled step per (config, shape bucket). The RoPE ma
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -327,20 +329,34 @@ _GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k":
                         "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
+# transformers 4's GenerationConfig defaults, which vLLM 0.11 (on transformers 4) leaves out of
+# a model's generation config as unchanged: an explicit "top_k": 50 does not sample top-50
+# there. (transformers 5's defaults are None, so its to_diff_dict keeps them.)
+_TRANSFORMERS4_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0}
+
+
 def read_generation_config(config: EngineConfig) -> dict[str, Any]:
     """The fields of the model's generation_config.json that differ from transformers'
-    defaults ({} without one), as vLLM reads them: from the model's folder unless
-    `generation_config` names another ("vllm" still reads the model's, for its EOS ids)."""
+    defaults, as vLLM reads them: from the model's folder unless `generation_config` names
+    another ("vllm" still reads the model's, for its EOS ids). Without the file, the
+    sampling fields config.json holds (vLLM's `GenerationConfig.from_model_config`); {}
+    without either."""
     from transformers import GenerationConfig
 
     source = config.generation_config
     folder = config.model if source in ("auto", "vllm") else source
     try:
-        return GenerationConfig.from_pretrained(folder, local_files_only=True).to_diff_dict()
+        fields = GenerationConfig.from_pretrained(folder, local_files_only=True).to_diff_dict()
     except OSError:
-        return {}
+        try:
+            model_config = json.loads((Path(folder) / "config.json").read_text())
+        except (OSError, ValueError):
+            return {}
+        fields = {key: model_config[key] for key in _GENERATION_DEFAULTS if model_config.get(key) is not None}
     except ValueError as e:  # (transformers' checks of its values)
         raise ValueError(f"{folder}/generation_config.json (generation_config={source!r}) is not valid: {e}") from e
+    return {key: value for key, value in fields.items()
+            if key not in _TRANSFORMERS4_DEFAULTS or value != _TRANSFORMERS4_DEFAULTS[key]}
 
 
 def default_sampling_fields(config: EngineConfig, generation_config: dict[str, Any]) -> dict[str, Any]:

@@ -885,7 +885,7 @@ class ModelRunner:
         c = self.config
         return load_model(c.model, dtype=c.dtype, load_format=c.load_format, seed=c.seed, mesh=self.mesh,
                           device=self.devices[0], expert_parallel=c.enable_expert_parallel,
-                          quantization=c.quantization, hf_overrides=c.hf_overrides)
+                          quantization=c.quantization, hf_overrides=c.hf_overrides, use_tqdm=c.use_tqdm_on_load)
 
     def update_weights(self, weights) -> int:
         """Replace the named weights (see `jaxvllm.weight_update`), or all of them from a pytree

@@ -195,8 +195,8 @@ class OutputProcessor:
             outputs=completions,
             finished=parent.finished,
             # (one completion: its own, as vLLM's; all n: the most, where vLLM's is the last to
-            # finish's, an order it does not fix)
-            num_cached_tokens=first.num_cached_tokens if only is not None else
+            # finish's, an order it does not fix; 0 before the first admission, as vLLM's)
+            num_cached_tokens=(first.num_cached_tokens or 0) if only is not None else
             max(c.num_cached_tokens or 0 for c in parent.children),
             metrics=first.metrics,
             prompt_logprobs=prompt_logprobs,

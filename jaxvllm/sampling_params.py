@@ -6,6 +6,7 @@ import copy
 import enum
 import logging
 import numbers
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -80,6 +81,16 @@ class RequestOutputKind(enum.Enum):
 
 
 @dataclass
+class GuidedDecodingParams(StructuredOutputsParams):
+    """vLLM's deprecated name of `StructuredOutputsParams` (vLLM 0.11 warns, as here)."""
+
+    def __post_init__(self) -> None:
+        warnings.warn("GuidedDecodingParams is deprecated (as in vLLM 0.11); use StructuredOutputsParams instead",
+                      DeprecationWarning, stacklevel=3)
+        super().__post_init__()
+
+
+@dataclass
 class SamplingParams:
     """How to sample a request's completions (vLLM's `SamplingParams`).
 
@@ -131,6 +142,8 @@ class SamplingParams:
     # The completion must match a JSON schema, regex, choice or grammar (llguidance masks
     # the tokens that cannot continue a match).
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's deprecated name of structured_outputs: moved there, with vLLM 0.11's warning.
+    guided_decoding: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Numbers may be Python or numpy scalars (not bools); they are stored as Python int/float.
@@ -188,6 +201,10 @@ class SamplingParams:
             if any(not w for w in words):
                 raise ValueError(f"bad_words cannot contain an empty string. Got bad_words={list(words)}")
             self.bad_words = list(dict.fromkeys(words))
+        if self.guided_decoding is not None:
+            warnings.warn("guided_decoding is deprecated (as in vLLM 0.11); use structured_outputs instead",
+                          DeprecationWarning, stacklevel=3)
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
                              f"{type(self.structured_outputs).__name__}")
@@ -201,7 +218,9 @@ class SamplingParams:
             raise ValueError(f"skip_reading_prefix_cache must be True, False or None, got {self.skip_reading_prefix_cache!r}")
         if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        stop = self.stop_strings
+        self.stop = self.stop_strings  # (a list, as vLLM's: None and a str become one)
+        self.bad_words = self.bad_words or []
+        stop = self.stop
         if not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         if stop and not self.detokenize:

@@ -135,7 +135,8 @@ class DraftModel:
         spec = config.speculative_config
         self.k, self.block_size, self.mesh, self.device = spec.num_speculative_tokens, config.block_size, mesh, device
         self.cfg, self.params = load_model(spec.model, dtype=config.dtype, load_format=config.load_format,
-                                           seed=config.seed, mesh=mesh, device=device)
+                                           seed=config.seed, mesh=mesh, device=device,
+                                           use_tqdm=config.use_tqdm_on_load)
         dtype = resolve_dtype(config.dtype, self.cfg)
         self.cfg = with_cache_storage(self.cfg, dtype, device.platform)
         self.kv_spec = KVCacheSpec(self.cfg, config.block_size, dtype, num_devices)

@@ -171,8 +171,12 @@ def test_vllm_engine_arguments_are_accepted(tiny_checkpoint):
               mm_processor_kwargs={}, disable_chunked_mm_input=True, disable_custom_all_reduce=True,
               distributed_executor_backend="mp", enable_prompt_embeds=False, cpu_offload_gb=0, hf_token=None,
               convert="auto", logits_processors=None, allowed_local_media_path="", pooler_config=None,
-              max_num_partial_prefills=1, max_long_partial_prefills=1, prefix_caching_hash_algo="sha256_cbor")
+              max_num_partial_prefills=1, max_long_partial_prefills=1, prefix_caching_hash_algo="sha256_cbor",
+              task="generate", model_impl="auto", kv_transfer_config=None, disable_sliding_window=False,
+              enable_lora_bias=False, reasoning_parser="", worker_extension_cls="", guided_decoding_backend="guidance",
+              use_tqdm_on_load=False)
     assert {m.labels["model_name"] for m in llm.get_metrics()} == {"tiny"}
+    assert llm.llm_engine.config.structured_outputs_config.backend == "guidance"
     assert llm.llm_engine.config.dtype == "float32"
     assert llm.stats()["warmup_seconds"] == 0 and llm.stats()["num_compiled_buckets"] == 0  # enforce_eager: lazy
     out = llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
@@ -189,6 +193,31 @@ def test_vllm_engine_arguments_are_accepted(tiny_checkpoint):
         LLM(path, **ENGINE, quantization="awq")
     with pytest.raises(ValueError, match="tokenizer_mode must be 'auto' or 'slow'"):
         LLM(path, **ENGINE, tokenizer_mode="mistral")
+    from jaxvllm.config import EngineConfig
+
+    for name, value, message in [("task", "embed", "generative models only"), ("model_impl", "transformers", "own models"),
+                                 ("disable_sliding_window", True, "turning sliding windows off"),
+                                 ("reasoning_parser", "deepseek_r1", "reasoning parsers"),
+                                 ("worker_extension_cls", "my.Ext", "worker extensions"),
+                                 ("guided_decoding_backend", "outlines", "backend 'outlines' is not available")]:
+        with pytest.raises(ValueError, match=message):
+            EngineConfig(model=str(path), **{name: value})
+
+
+def test_vllm_0_11s_deprecated_guided_decoding_names_and_list_fields(llm):
+    """GuidedDecodingParams and SamplingParams(guided_decoding=...) still work, with vLLM
+    0.11's DeprecationWarning; stop and bad_words are lists, as vLLM's."""
+    from jaxvllm.sampling_params import GuidedDecodingParams
+
+    with pytest.warns(DeprecationWarning, match="GuidedDecodingParams is deprecated"):
+        guided = GuidedDecodingParams(choice=["yes", "no"])
+    with pytest.warns(DeprecationWarning, match="guided_decoding is deprecated"):
+        params = SamplingParams(temperature=0, max_tokens=5, guided_decoding=guided)
+    assert params.structured_outputs is guided and params.guided_decoding is None
+    [out] = llm.generate("Hello", params, use_tqdm=False)
+    assert out.outputs[0].text in ("yes", "no")
+    assert (SamplingParams().stop, SamplingParams().bad_words, SamplingParams().stop_token_ids) == ([], [], [])
+    assert SamplingParams(stop="x").stop == ["x"] and SamplingParams(stop=("x", "y")).stop == ["x", "y"]
 
 
 def test_prompt_types_priority_lora_and_chat_kwargs(llm):
@@ -203,6 +232,9 @@ def test_prompt_types_priority_lora_and_chat_kwargs(llm):
     # A TokensPrompt may carry its text: the ids are what runs, the text is reported.
     [c] = llm.generate(TokensPrompt(prompt_token_ids=[5, 6], prompt="five six"), params, use_tqdm=False)
     assert (c.prompt, c.prompt_token_ids, c.outputs[0].token_ids) == ("five six", [5, 6], a.outputs[0].token_ids)
+    # Keys vLLM does not read are ignored, as by vLLM (a dataset row with its answer).
+    [d] = llm.generate({"prompt_token_ids": [5, 6], "answer": "x", "token_type_ids": [0, 0]}, params, use_tqdm=False)
+    assert d.outputs[0].token_ids == a.outputs[0].token_ids
     with pytest.raises(ValueError, match="LoRA adapters need an engine started with enable_lora=True"):
         llm.generate("Hello", params, lora_request=object(), use_tqdm=False)
     template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }};{% endfor %}"
@@ -420,6 +452,26 @@ def test_default_sampling_params_come_from_generation_config(tiny_checkpoint, tm
         LLM(path, **ENGINE, override_generation_config=[("temperature", 0.3)])
 
 
+def test_generation_config_is_read_as_vllm_0_11_reads_it(tiny_checkpoint, tmp_path):
+    """vLLM 0.11 runs on transformers 4, whose defaults a generation config leaves out: an
+    explicit top_k of 50 samples the whole vocabulary there. With no generation_config.json,
+    the sampling fields of config.json count (GenerationConfig.from_model_config)."""
+    import json
+    import shutil
+
+    from jaxvllm.config import EngineConfig
+    from jaxvllm.model_config import read_generation_config
+
+    path = shutil.copytree(tiny_checkpoint("qwen3"), tmp_path / "model")
+    (path / "generation_config.json").unlink(missing_ok=True)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "temperature": 0.7, "top_k": 50, "repetition_penalty": 1.2}))
+    assert read_generation_config(EngineConfig(model=str(path))) == {"temperature": 0.7, "repetition_penalty": 1.2}
+    (path / "generation_config.json").write_text(json.dumps({"top_k": 50, "top_p": 0.8, "temperature": 1.0}))
+    fields = read_generation_config(EngineConfig(model=str(path)))
+    assert fields["top_p"] == 0.8 and "top_k" not in fields and "temperature" not in fields
+
+
 def test_generation_config_eos_ids_stop_as_stop_token_ids(llm, tiny_checkpoint, tmp_path):
     """generation_config.json may list more end ids than the tokenizer's EOS (Qwen and Llama 3
     instruct models do): vLLM (`update_from_generation_config`) adds them to stop_token_ids,
@@ -599,6 +651,32 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
         SamplingParams(truncate_prompt_tokens=0)
 
 
+def test_truncate_prompt_tokens_keeps_a_texts_bos(llm, tiny_checkpoint, tmp_path, monkeypatch):
+    """vLLM truncates a text in its tokenizer (truncation_side "left"): the BOS a tokenizer
+    adds stays, with the text's last tokens (the ids' last ones lost it)."""
+    import shutil
+
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    from jaxvllm.config import EngineConfig
+    from jaxvllm.input_processor import load_tokenizer
+
+    folder = shutil.copytree(tiny_checkpoint("qwen3"), tmp_path / "bos")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer._tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tokenizer.bos_token_id)])
+    tokenizer.save_pretrained(folder)
+    tokenizer = load_tokenizer(EngineConfig(model=str(folder)))
+    text = "the quick brown fox jumps over the lazy dog"
+    ids = tokenizer(text).input_ids
+    assert ids[0] == tokenizer.bos_token_id and len(ids) > 8
+    monkeypatch.setattr(llm.llm_engine.input_processor, "tokenizer", tokenizer)
+    params = SamplingParams(max_tokens=1, truncate_prompt_tokens=5)
+    outputs = llm.generate([text, {"prompt": text}, {"prompt_token_ids": ids}], params, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outputs] == [ids[:1] + ids[-4:]] * 2 + [ids[-5:]]
+
+
 def test_skip_reading_prefix_cache(llm):
     prompt = {"prompt_token_ids": list(range(100, 140))}
     params = SamplingParams(temperature=0, max_tokens=2)
@@ -772,6 +850,20 @@ def test_streamed_completions_of_one_request_report_their_own(llm):
         ["stop"]
 
 
+def test_a_request_aborted_before_it_ran_reports_no_cached_tokens(llm):
+    """vLLM's output counts 0 cached tokens before the request's first admission (not None,
+    which a sum over outputs trips on); streamed n = 2 too."""
+    from jaxvllm import RequestOutputKind
+
+    engine = llm.llm_engine
+    engine.add_request("never-ran", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=2))
+    engine.add_request("never-ran-2", {"prompt_token_ids": [5, 6, 7]},
+                       SamplingParams(n=2, max_tokens=2, output_kind=RequestOutputKind.DELTA))
+    outputs = engine.abort_request(["never-ran", "never-ran-2"])
+    assert [o.num_cached_tokens for o in outputs] == [0, 0, 0]
+    assert all(o.outputs[0].finish_reason == "abort" for o in outputs) and outputs[0].finished and outputs[-1].finished
+
+
 def test_text_continues_the_prompt(tiny_checkpoint, tmp_path):
     """As vLLM's (and transformers' text-generation pipeline), a completion's text is what it
     adds to the prompt: with a SentencePiece tokenizer (Llama 2, Mistral), a first token
@@ -796,17 +888,25 @@ def test_text_continues_the_prompt(tiny_checkpoint, tmp_path):
     assert not tokenizer.decode(out.outputs[0].token_ids).startswith(" ")
 
 
-def test_profiling_writes_a_jax_trace(tiny_checkpoint, tmp_path):
-    """vLLM's start_profile / stop_profile, with profiler_config naming jax.profiler's folder."""
+def test_profiling_writes_a_jax_trace(tiny_checkpoint, tmp_path, monkeypatch):
+    """vLLM's start_profile / stop_profile, with profiler_config naming jax.profiler's folder,
+    or vLLM 0.11's VLLM_TORCH_PROFILER_DIR."""
     path = tiny_checkpoint("qwen3")
+    monkeypatch.delenv("VLLM_TORCH_PROFILER_DIR", raising=False)
     with LLM(path, **ENGINE, enforce_eager=True, profiler_config={"profiler": "jax",
                                                                  "jax_profiler_dir": str(tmp_path)}) as llm:
         llm.start_profile("run1")
         llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
         llm.stop_profile()
     assert list((tmp_path / "run1").rglob("*.xplane.pb"))
-    with LLM(path, **ENGINE, enforce_eager=True) as llm, pytest.raises(RuntimeError, match="profiling is not enabled"):
+    with LLM(path, **ENGINE, enforce_eager=True) as llm:
+        with pytest.raises(RuntimeError, match="profiling is not enabled"):
+            llm.start_profile()
+        monkeypatch.setenv("VLLM_TORCH_PROFILER_DIR", str(tmp_path / "by-env"))
         llm.start_profile()
+        llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+        llm.stop_profile()
+    assert list((tmp_path / "by-env").rglob("*.xplane.pb"))
     with pytest.raises(ValueError, match="profiler_config profiler='torch': jaxvllm's is 'jax'"):
         LLM(path, profiler_config={"profiler": "torch", "torch_profiler_dir": "/tmp"})
 

@@ -1,5 +1,7 @@
 """Automatic prefix caching: block manager units, hit accounting, and outputs equal to uncached runs."""
 
+import enum
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -330,6 +332,11 @@ def test_reset_with_running_requests_is_refused_unless_asked(async_scheduling, t
 
     steps(4)
     assert llm.reset_prefix_cache() is False  # (requests hold blocks: nothing forgotten)
+    gpu = enum.Enum("Device", "GPU CPU")  # (vLLM 0.11's vllm.utils.Device)
+    assert llm.reset_prefix_cache(gpu.GPU) is False  # (vLLM 0.11's first argument: the device)
+    for device in (True, gpu.CPU):  # (True: reset_running_requests is keyword-only)
+        with pytest.raises(ValueError, match="reset_prefix_cache device=.*KV cache in use"):
+            llm.reset_prefix_cache(device)
     assert engine.stats()["prefix_cache_queries"] > 0
     steps(2)
     preemptions, running = engine.stats()["num_preemptions"], len(engine.scheduler.running)
