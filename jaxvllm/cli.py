@@ -30,7 +30,7 @@ from typing import Any
 import jaxvllm
 from jaxvllm.dummy import MODEL_HELP
 from jaxvllm.engine_args import add_engine_args, engine_kwargs
-from jaxvllm.interrupts import defer_interrupts
+from jaxvllm.interrupts import ProgressBar, defer_interrupts
 from jaxvllm.utils.argparse_utils import FlexibleArgumentParser
 
 # flag -> (type, help) of SamplingParams fields, by vLLM's names. Only the flags a user
@@ -339,8 +339,6 @@ def print_record(r: dict[str, Any]) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
     from jaxvllm import LLM
     from jaxvllm.dummy import resolve_model
 
@@ -386,8 +384,8 @@ def run_generate(args: argparse.Namespace) -> int:
                 sink = open(args.output, "w", encoding="utf-8")
         # One chunk: the engine's own progress bar; several: one bar over all of them.
         chunks = [todo[k:k + chunk] for k in range(0, len(todo), chunk)]
-        bar = tqdm(total=len(todo), desc="Processed prompts", dynamic_ncols=True,
-                   disable=args.disable_tqdm or len(chunks) <= 1)
+        bar = ProgressBar(total=len(todo), desc="Processed prompts", dynamic_ncols=True,
+                          disable=args.disable_tqdm or len(chunks) <= 1)
         written = 0
         try:
             for batch in chunks:

@@ -19,8 +19,9 @@ import os
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from functools import partial
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import jax
 
@@ -125,9 +126,13 @@ class LLMEngine:
         # statements is raised on its way out): the next `step()` returns them.
         self._carried: list[RequestOutput] = []
         self._recovering = False  # a recovery failed part way (`_recover`)
-        self._lock = threading.Lock()  # held by a step, and by shutdown (from another thread: it waits)
-        self._stepping: int | None = None  # the thread in `step` (a signal handler's shutdown there waits for its end)
+        # Held by a step and the calls that change device state (`_exclusive`), and by shutdown:
+        # from another thread it waits for them; from a signal handler on the thread inside one
+        # it is done as that call ends; inside this thread's own shutdown it is left to that one.
+        self._lock = threading.RLock()
+        self._busy: int | None = None  # the thread in a step or such a call
         self._shutdown_requested = False
+        self._shutting_down = False
         # Across processes (jax.distributed) each one schedules for itself: the requests are
         # compared once they change, before the next step.
         self._multiprocess = jax.process_count() > 1
@@ -235,10 +240,11 @@ class LLMEngine:
         adapter-only RL), is read again and replaced, in its device slot too (the blocks
         cached under the old one serve it no more: see `LoRAManager.versions`); refused
         while unfinished requests use it."""
-        self.check_add_lora(lora_request)
-        with defer_interrupts():
-            self.runner.lora.add(lora_request, replace=True)
-        return True
+        with self._exclusive():
+            self.check_add_lora(lora_request)
+            with defer_interrupts():
+                self.runner.lora.add(lora_request, replace=True)
+            return True
 
     def check_add_lora(self, lora_request: LoRARequest) -> None:
         """Raise what `add_lora` would refuse, changing nothing."""
@@ -251,9 +257,10 @@ class LLMEngine:
 
     def remove_lora(self, lora_id: int) -> bool:
         """Forget an adapter; refused while an unfinished request uses it."""
-        self.check_remove_lora(lora_id)
-        with defer_interrupts():
-            return self.runner.lora.remove(lora_id)
+        with self._exclusive():
+            self.check_remove_lora(lora_id)
+            with defer_interrupts():
+                return self.runner.lora.remove(lora_id)
 
     def check_remove_lora(self, lora_id: int) -> None:
         """Raise what `remove_lora` would refuse, changing nothing."""
@@ -341,8 +348,9 @@ class LLMEngine:
         """vLLM's (`LLM.set_tokenizer`): prompts' text, outputs' text, chat templates, the
         end ids and structured outputs use `tokenizer` from now on. Refused while requests
         are unfinished (their text is the old tokenizer's)."""
-        self.check_set_tokenizer()
-        self._use_tokenizer(tokenizer)
+        with self._exclusive():
+            self.check_set_tokenizer()
+            self._use_tokenizer(tokenizer)
 
     def check_set_tokenizer(self) -> None:
         """Raise what `set_tokenizer` would refuse, changing nothing."""
@@ -355,16 +363,22 @@ class LLMEngine:
         structured-output processors."""
         config, vocab = self.config, self.model_config.vocab_size
         old = self.__dict__.get("input_processor"), self.__dict__.get("structured_outputs")
-        self.tokenizer = tokenizer
-        self.eos_token_ids = eos_token_ids(self.model_config.eos_token_ids, self.generation_config, tokenizer)
-        self.structured_outputs = None if tokenizer is None else StructuredOutputManager(
+        eos = eos_token_ids(self.model_config.eos_token_ids, self.generation_config, tokenizer)
+        structured = None if tokenizer is None else StructuredOutputManager(
             tokenizer, vocab, config.structured_outputs_config, wait=self._multiprocess)
-        self.input_processor = InputProcessor(config, tokenizer, vocab, self.runner.max_model_len, self.eos_token_ids,
-                                              self.scheduler.check_fits, self.structured_outputs,
-                                              digests=self._multiprocess)
-        self.output_processor = OutputProcessor(tokenizer)
+        try:
+            inputs = InputProcessor(config, tokenizer, vocab, self.runner.max_model_len, eos, self.scheduler.check_fits,
+                                    structured, digests=self._multiprocess)
+            outputs = OutputProcessor(tokenizer)
+        except BaseException:
+            if structured is not None:
+                structured.shutdown()
+            raise
         if old[0] is not None:  # (unseeded requests' seeds go on from the arrivals so far)
-            self.input_processor.next_arrival = old[0].next_arrival
+            inputs.next_arrival = old[0].next_arrival
+        with defer_interrupts():  # (all of them switch, or none: not prompts read by one, outputs by the other)
+            self.tokenizer, self.eos_token_ids, self.structured_outputs = tokenizer, eos, structured
+            self.input_processor, self.output_processor = inputs, outputs
         if old[1] is not None:
             old[1].shutdown()
 
@@ -418,13 +432,21 @@ class LLMEngine:
         The engine is not thread-safe, but `shutdown` from another thread waits for a step
         under way to end (a later step raises that the engine was shut down).
         """
+        with self._exclusive():
+            return self._step()
+
+    @contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """Run a step, or a call that changes device state, under the lock (see `_lock`):
+        shutdown from another thread frees the runner after it, not under it (an update or a
+        wake-up then placed arrays on a closed runner, which nobody deleted)."""
         with self._lock:
-            self._stepping = threading.get_ident()
+            outer, self._busy = self._busy, threading.get_ident()
             try:
-                return self._step()
+                yield
             finally:
-                self._stepping = None
-                if self._shutdown_requested:
+                self._busy = outer
+                if outer is None and self._shutdown_requested:
                     self._shutdown()
 
     def _step(self) -> list[RequestOutput]:
@@ -821,13 +843,14 @@ class LLMEngine:
         memory and frees the KV cache; level 2 frees both. The prefix cache starts empty after
         waking. Refused while requests are unfinished; asleep already, it warns and returns
         (as vLLM's executor)."""
-        self.check_sleep(level)
-        if self.is_sleeping():
-            logger.warning("sleep(): the engine is asleep already")
-            return
-        with defer_interrupts():
-            self._reset_prefix_cache()  # (first: no cached block may outlive the cache it names)
-            self.runner.sleep(level)
+        with self._exclusive():
+            self.check_sleep(level)
+            if self.is_sleeping():
+                logger.warning("sleep(): the engine is asleep already")
+                return
+            with defer_interrupts():
+                self._reset_prefix_cache()  # (first: no cached block may outlive the cache it names)
+                self.runner.sleep(level)
 
     def check_sleep(self, level: int = 1) -> None:
         """Raise as `sleep(level)` refuses; changes nothing (`LLM` asks every replica first)."""
@@ -843,14 +866,15 @@ class LLMEngine:
         """Bring back the weights and the KV cache (`tags`: "weights", "kv_cache"; None:
         both). After sleep(2), the weights come back with undefined contents, for
         update_weights or collective_rpc("reload_weights"). Returns whether fully awake."""
-        self._check_open()
-        tags = ["weights", "kv_cache"] if tags is None else list(tags)
-        unknown = set(tags) - {"weights", "kv_cache"}
-        if unknown:
-            raise ValueError(f"wake_up tags {sorted(unknown)}: choose from 'weights', 'kv_cache'")
-        with defer_interrupts():
-            self.runner.wake_up(tags)
-        return not self.is_sleeping()
+        with self._exclusive():
+            self._check_open()
+            tags = ["weights", "kv_cache"] if tags is None else list(tags)
+            unknown = set(tags) - {"weights", "kv_cache"}
+            if unknown:
+                raise ValueError(f"wake_up tags {sorted(unknown)}: choose from 'weights', 'kv_cache'")
+            with defer_interrupts():
+                self.runner.wake_up(tags)
+            return not self.is_sleeping()
 
     def is_sleeping(self) -> bool:
         return bool(self.runner.asleep)
@@ -871,9 +895,11 @@ class LLMEngine:
         if weights_iterator is not None or weights_path is not None:
             self.update_weights(weights_iterator if weights_path is None else checkpoint_tensors(weights_path))
             return
-        with defer_interrupts():
-            self._reset_prefix_cache()  # (first: no cached block may outlive the weights that made it)
-            self.runner.reload_weights()
+        with self._exclusive():
+            self._check_open()  # (a shutdown from another thread may have come meanwhile)
+            with defer_interrupts():
+                self._reset_prefix_cache()  # (first: no cached block may outlive the weights that made it)
+                self.runner.reload_weights()
 
     def check_reload_weights(self, weights_iterator: Any = None, weights_path: str | None = None,
                              is_checkpoint_format: bool = True) -> None:
@@ -896,13 +922,17 @@ class LLMEngine:
         from the old weights). Returns the number of tensors replaced."""
         self.check_update_weights()
         start = time.perf_counter()
-        with defer_interrupts():
-            self._reset_prefix_cache()  # (first: no cached block may outlive the weights that made it)
-            count = self.runner.update_weights(weights)
-        jax.block_until_ready(self.runner.params)
-        self.weight_updates += 1
-        self.weight_update_seconds += time.perf_counter() - start
-        return count
+        if isinstance(weights, Iterator):  # (read with Ctrl-C let through, and no lock held: a trainer's generator
+            weights = list(weights)  # may block for good; the update holds every tensor before it changes any anyway)
+        with self._exclusive():
+            self.check_update_weights()  # (again: a shutdown from another thread may have come meanwhile)
+            with defer_interrupts():
+                self._reset_prefix_cache()  # (first: no cached block may outlive the weights that made it)
+                count = self.runner.update_weights(weights)
+            jax.block_until_ready(self.runner.params)
+            self.weight_updates += 1
+            self.weight_update_seconds += time.perf_counter() - start
+            return count
 
     def check_update_weights(self, weights: Any = None) -> None:
         """Raise as `update_weights` refuses whatever the weights; changes nothing."""
@@ -924,22 +954,23 @@ class LLMEngine:
         name): then they are preempted and recomputed from their tokens, their outputs
         unchanged. `device` is vLLM 0.11's first argument: None or its `Device.GPU`, the one
         KV cache there is (no CPU offload cache)."""
-        if device is not None and str(getattr(device, "name", device)).lower() != "gpu":
-            hint = " (reset_running_requests is passed by name)" if isinstance(device, bool) else ""
-            raise ValueError(f"reset_prefix_cache device={device!r}: only the KV cache in use can be reset (None or "
-                             f"Device.GPU){hint}")
-        self._check_open()
-        holders = [rid for rid, blocks in self.kv_cache_manager.req_blocks.items() if blocks]
-        if holders:
-            if not reset_running_requests:
-                logger.warning("prefix cache not reset: %d running requests hold KV blocks (finish or abort them, "
-                               "or pass reset_running_requests=True)", len(holders))
-                return False
-            with defer_interrupts():
-                self._recompute_all(preempting=True)
-                self.runner.release(holders)  # (their rows' device state is rebuilt on readmission)
-        self._reset_prefix_cache()
-        return True
+        with self._exclusive():
+            if device is not None and str(getattr(device, "name", device)).lower() != "gpu":
+                hint = " (reset_running_requests is passed by name)" if isinstance(device, bool) else ""
+                raise ValueError(f"reset_prefix_cache device={device!r}: only the KV cache in use can be reset (None or "
+                                 f"Device.GPU){hint}")
+            self._check_open()
+            holders = [rid for rid, blocks in self.kv_cache_manager.req_blocks.items() if blocks]
+            if holders:
+                if not reset_running_requests:
+                    logger.warning("prefix cache not reset: %d running requests hold KV blocks (finish or abort them, "
+                                   "or pass reset_running_requests=True)", len(holders))
+                    return False
+                with defer_interrupts():
+                    self._recompute_all(preempting=True)
+                    self.runner.release(holders)  # (their rows' device state is rebuilt on readmission)
+            self._reset_prefix_cache()
+            return True
 
     def _reset_prefix_cache(self) -> None:
         self.metrics.track_prefix_cache(self.kv_cache_manager.stats)  # (the reset starts new stats)
@@ -998,11 +1029,17 @@ class LLMEngine:
         """Abort every request and free the device memory (weights, KV cache, sampler state),
         once a step under way has ended: on another thread, by waiting for it; on this one
         (a signal handler that runs inside the step), as the step returns."""
-        if self._stepping == threading.get_ident():
+        if self._busy == threading.get_ident():
             self._shutdown_requested = True
             return
         with self._lock:
-            self._shutdown()
+            if self._shutting_down:
+                return
+            self._shutting_down = True
+            try:
+                self._shutdown()
+            finally:
+                self._shutting_down = False
 
     def _shutdown(self) -> None:
         self._recovering = False  # (nothing to mend in what is freed: a failed recovery must not keep it)

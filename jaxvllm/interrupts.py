@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -63,8 +64,15 @@ class ProgressBar(tqdm):
     tqdm takes one process-wide lock to create, draw and close any bar, and draws without a
     try/finally: a KeyboardInterrupt landing in there left the lock held by the main thread,
     and every bar of another thread (a notebook's worker thread calling generate, tqdm's
-    monitor) then waited for good. These calls run with SIGINT held.
+    monitor) then waited for good. These calls run with SIGINT held, and under a lock of
+    this class's own, which a Ctrl-C in the user's own bars cannot leave held. (No monitor
+    thread: a bar draws when it is updated.)
     """
+
+    _lock = threading.RLock()
+    _instances: weakref.WeakSet = weakref.WeakSet()
+    monitor_interval = 0
+    monitor = None
 
     def __new__(cls, *args, **kwargs):
         with defer_interrupts():

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
+import threading
 import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
@@ -40,6 +42,28 @@ def old_objects_frozen() -> Iterator[None]:
         gc.unfreeze()
 
 
+def _one_thread_at_a_time(method: Callable) -> Callable:
+    """An LLM call that steps the engines: refused while another thread is in one (the LLM
+    is not thread-safe, as vLLM's is not; that call's start aborted the first one's
+    requests). The same thread may nest them (beam search calls generate)."""
+    @functools.wraps(method)
+    def call(self: "LLM", *args, **kwargs):
+        me, entered = threading.get_ident(), False
+        try:
+            with self._caller_lock:
+                outer = self._caller
+                if outer not in (None, me):
+                    raise RuntimeError(f"LLM.{method.__name__} while another thread is in a call of this LLM: an LLM "
+                                       "is not thread-safe; use one LLM per thread, or AsyncLLM")
+                entered = True  # (before the next line: restoring `outer`, this thread's or None, is right)
+                self._caller = me
+            return method(self, *args, **kwargs)
+        finally:
+            if entered:
+                self._caller = outer
+    return call
+
+
 class LLM:
     """An engine over a local checkpoint folder, e.g. `LLM("weights/tiny-qwen3")`.
 
@@ -70,6 +94,8 @@ class LLM:
         self._generating: list[str] = []
         self._enqueued: list[str] = []  # queued by `enqueue`, not yet returned by `wait_for_completion`
         self._finished: dict[str, RequestOutput] = {}  # final outputs not yet returned, by request id
+        self._caller: int | None = None  # the thread in a call that steps the engines (`_one_thread_at_a_time`)
+        self._caller_lock = threading.Lock()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: the sampling settings the checkpoint's generation_config.json recommends
@@ -91,8 +117,7 @@ class LLM:
         the end ids (`LLMEngine.set_tokenizer`)."""
         for engine in self.engines:  # (all or none: each refuses while it has requests)
             engine.check_set_tokenizer()
-        for engine in self.engines:
-            engine.set_tokenizer(tokenizer)
+        self._on_every_replica(lambda e: e.set_tokenizer(tokenizer))
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -118,6 +143,7 @@ class LLM:
         if self.is_shutdown:
             raise RuntimeError("this LLM was shut down (LLM.shutdown()); create a new LLM to generate again")
 
+    @_one_thread_at_a_time
     def generate(
         self,
         prompts: Any,
@@ -140,6 +166,7 @@ class LLM:
         self._check_open()
         return self._run(prompt_list(prompts), sampling_params, priority, use_tqdm, lora_request=lora_request)
 
+    @_one_thread_at_a_time
     def enqueue(
         self,
         prompts: Any,
@@ -164,10 +191,12 @@ class LLM:
         except BaseException:
             self._abort_generating()
             raise
-        queued, self._generating = self._generating, []
-        self._enqueued += queued
+        with defer_interrupts():  # (between the two, the queued requests were nobody's)
+            queued, self._generating = self._generating, []
+            self._enqueued += queued
         return queued
 
+    @_one_thread_at_a_time
     def wait_for_completion(self, output_type: Any = None, *, use_tqdm: bool | Callable[..., tqdm] = True
                             ) -> list[RequestOutput]:
         """vLLM's: run what `enqueue` queued until every request has finished; their outputs, in
@@ -192,6 +221,7 @@ class LLM:
             raise
         return outputs
 
+    @_one_thread_at_a_time
     def chat(
         self,
         messages: list[dict] | list[list[dict]],
@@ -221,6 +251,7 @@ class LLM:
         return self._run(prompts, sampling_params, priority, use_tqdm, add_special_tokens=False,
                          lora_request=lora_request)
 
+    @_one_thread_at_a_time
     def enqueue_chat(
         self,
         messages: list[dict] | list[list[dict]],
@@ -404,6 +435,7 @@ class LLM:
         finally:
             bar.close()
 
+    @_one_thread_at_a_time
     def beam_search(
         self,
         prompts: Any,
@@ -446,7 +478,15 @@ class LLM:
         for e in self.engines:  # (what one refuses, none does)
             e.check_update_weights()
         weights = self._for_every_replica(weights)
-        return [e.update_weights(weights) for e in self.engines][0]
+        return self._on_every_replica(lambda e: e.update_weights(weights))[0]
+
+    def _on_every_replica(self, call: Callable[[LLMEngine], Any]) -> list:
+        """`call(engine)` on each replica in turn, all of them: a Ctrl-C meanwhile lands after
+        the last (between two, it left them apart: one on new weights, one on the old)."""
+        if len(self.engines) == 1:
+            return [call(self.engines[0])]
+        with defer_interrupts():
+            return [call(e) for e in self.engines]
 
     def _for_every_replica(self, value):
         """A one-shot iterator (a generator of weights) read into a list when several
@@ -460,18 +500,18 @@ class LLM:
         self._check_open()
         for e in self.engines:
             e.check_add_lora(lora_request)
-        return all([e.add_lora(lora_request) for e in self.engines])
+        return all(self._on_every_replica(lambda e: e.add_lora(lora_request)))
 
     def remove_lora(self, lora_id: int) -> bool:
         """`LLMEngine.remove_lora` on every replica: what one refuses, none does."""
         self._check_open()
         for e in self.engines:
             e.check_remove_lora(lora_id)
-        return any([e.remove_lora(lora_id) for e in self.engines])
+        return any(self._on_every_replica(lambda e: e.remove_lora(lora_id)))
 
     def pin_lora(self, lora_id: int) -> bool:
         self._check_open()
-        return all([e.pin_lora(lora_id) for e in self.engines])
+        return all(self._on_every_replica(lambda e: e.pin_lora(lora_id)))
 
     def list_loras(self) -> set[int]:
         self._check_open()
@@ -484,15 +524,14 @@ class LLM:
         self._check_open()
         for e in self.engines:  # (what one refuses, none does)
             e.check_sleep(level)
-        for e in self.engines:
-            e.sleep(level)
+        self._on_every_replica(lambda e: e.sleep(level))
 
     def wake_up(self, tags: list[str] | None = None) -> bool:
         """Bring back "weights" and / or "kv_cache" (None: both); returns whether fully awake.
         The RL sequence after sleep(2): wake_up(["weights"]), update_weights(...),
         wake_up(["kv_cache"])."""
         self._check_open()
-        return all([e.wake_up(tags) for e in self.engines])
+        return all(self._on_every_replica(lambda e: e.wake_up(tags)))
 
     def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
                        kwargs: dict | None = None) -> list:
@@ -503,7 +542,8 @@ class LLM:
         kwargs = {k: self._for_every_replica(v) for k, v in (kwargs or {}).items()}
         for e in self.engines:  # (what one refuses, none does)
             e.check_rpc(method, timeout, args, kwargs)
-        return [r for e in self.engines for r in e.collective_rpc(method, timeout, args, kwargs)]
+        results = self._on_every_replica(lambda e: e.collective_rpc(method, timeout, args, kwargs))
+        return [r for replica in results for r in replica]
 
     def get_params(self) -> dict:
         """The model's params pytree as the engine runs it (replica 0's): the layers' weights

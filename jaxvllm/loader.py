@@ -161,8 +161,9 @@ def load_model(
         leaves = layer_leaves(specs, extra)
         params = load_safetensors(Path(model), cfg, jdtype, shardings, kv_repeats(cfg, run_cfg), specs, fmt=fmt,
                                   perms=extra.get("perm"), use_tqdm=use_tqdm)
-        params = join_quantized(params, specs, fmt, leaves)
-        return run_cfg, single_device_kernels(params) if mesh is None else params
+        with _freed_on_failure(params):
+            params = join_quantized(params, specs, fmt, leaves)
+            return run_cfg, single_device_kernels(params) if mesh is None else params
     shardings, repeats = _param_shardings(run_cfg, mesh, device), kv_repeats(cfg, run_cfg)
     # The CPU layout's layer matrices inputs first (not those the online quantizer takes).
     input_major = not stack and quantization is None
@@ -172,9 +173,10 @@ def load_model(
         params = load_safetensors(Path(model), cfg, jdtype, shardings, repeats, input_major=input_major,
                                   use_tqdm=use_tqdm)
     if quantization is not None:
-        params = quantize_params(params, MODELS[cfg.architecture].param_specs(cfg),
-                                 partial(quantize_in_place, method=quantization))
-        params = single_device_kernels(params) if mesh is None else params
+        with _freed_on_failure(params):  # (the dict is quantized in place: what it holds at the failure goes)
+            params = quantize_params(params, MODELS[cfg.architecture].param_specs(cfg),
+                                     partial(quantize_in_place, method=quantization))
+            params = single_device_kernels(params) if mesh is None else params
     return run_cfg, params
 
 

@@ -30,6 +30,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from jaxvllm.batch_builder import BatchBuilder, HostBatch, default_buckets, request_features
 from jaxvllm.config import ATTENTION_BACKENDS, MODEL_SPECULATIVE_METHODS, EngineConfig
 from jaxvllm.input_batch import DRAFTS, NARROW_WIDTH, NEWEST, REJECTED, SMALLEST_WIDTH, BatchLayout
+from jaxvllm.interrupts import defer_interrupts
 from jaxvllm.kv_cache import (
     CACHE_STEP_COMPILER_OPTIONS,
     KVCacheSpec,
@@ -413,14 +414,21 @@ class ModelRunner:
         # On a CPU the cache's zero-fill (page faults: up to seconds for gigabytes) runs beside
         # the warm-up, which compiles against the caches' shapes; a GPU allocates first, so
         # that the compiles' autotuning cannot take the cache's room.
+        # (A Ctrl-C while the caches are made waits until the runner holds them: `_free_partial`
+        # deletes them then, where a local future would keep them as long as the traceback.)
         with ThreadPoolExecutor(1) as pool:
             caches = pool.submit(self._allocate_kv_caches, self.num_blocks)
-            self.kv_caches = self._kv_cache_specs(self.num_blocks) if cpu else caches.result()
+            if not cpu:
+                with defer_interrupts():
+                    self.kv_caches = caches.result()
+            else:
+                self.kv_caches = self._kv_cache_specs(self.num_blocks)
             try:
                 if not c.enforce_eager:
                     self.warmup()
             finally:  # (a failed warm-up's caches too: `_free_partial` deletes them)
-                self.kv_caches = caches.result()
+                with defer_interrupts():
+                    self.kv_caches = caches.result()
         logger.info("start-up: weights loaded in %.1f s, KV cache sized in %.1f s, warm-up compiled in %.1f s",
                     self.load_seconds, self.profile_seconds, self.warmup_seconds)
 
@@ -968,10 +976,11 @@ class ModelRunner:
         if self.closed:
             return
         self.compiles.cancel()
-        draft = self.drafter.arrays() if self.drafter is not None else []
-        draft += self.lora.arrays() if self.lora is not None else []
-        self._delete_arrays(self.params, self.kv_caches, self.sampler_state, self.last_sampled, draft)
-        self.params = self.kv_caches = self.sampler_state = self.last_sampled = self._host_params = None
-        self._forward = self._sampler = self._prompt_logprobs = self._write_row = None
-        self.draft = self.eagle = self.drafter = self.lora = None
-        self.builder = None
+        with defer_interrupts():  # (a Ctrl-C in here left a runner open over deleted arrays)
+            draft = self.drafter.arrays() if self.drafter is not None else []
+            draft += self.lora.arrays() if self.lora is not None else []
+            self._delete_arrays(self.params, self.kv_caches, self.sampler_state, self.last_sampled, draft)
+            self.params = self.kv_caches = self.sampler_state = self.last_sampled = self._host_params = None
+            self._forward = self._sampler = self._prompt_logprobs = self._write_row = None
+            self.draft = self.eagle = self.drafter = self.lora = None
+            self.builder = None

@@ -7,6 +7,8 @@ on the device: the count and total bytes of `jax.live_arrays()`.
 """
 
 import gc
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -188,7 +190,8 @@ def test_generate_freezes_older_objects_only_while_it_runs(path):
     llm.shutdown()
 
 
-@pytest.mark.parametrize("where", ["loading dummy weights", "warm-up", "after the runner"])
+@pytest.mark.parametrize("where", ["loading dummy weights", "quantizing", "making the KV cache", "warm-up",
+                                   "after the runner"])
 def test_a_failed_start_frees_its_device_memory_at_once(where, monkeypatch):
     """An LLM(...) that fails part way (here a Ctrl-C) frees what it made before the error
     reaches the caller, not when its traceback goes (a notebook keeps the last one): the
@@ -205,6 +208,7 @@ def test_a_failed_start_frees_its_device_memory_at_once(where, monkeypatch):
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
 
+    extra = {}
     if where == "loading dummy weights":
         calls, put = [], jaxvllm.loader._put
 
@@ -215,14 +219,40 @@ def test_a_failed_start_frees_its_device_memory_at_once(where, monkeypatch):
                 raise KeyboardInterrupt
 
         monkeypatch.setattr(jaxvllm.loader, "_put", put_then_interrupt)
+    elif where == "quantizing":  # (online fp8: the weights loaded, two of them quantized)
+        calls, quantize = [], jaxvllm.loader.quantize_in_place
+
+        def interrupt_the_third(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 3:
+                raise KeyboardInterrupt
+            return quantize(*args, **kwargs)
+
+        monkeypatch.setattr(jaxvllm.loader, "quantize_in_place", interrupt_the_third)
+        extra = dict(quantization="fp8")
+    elif where == "making the KV cache":  # (a real Ctrl-C while LLM(...) waits for it: on a CPU, its zero-fill)
+        allocate = ModelRunner._allocate_kv_caches
+
+        def allocate_then_ctrl_c(self, num_blocks):
+            caches = allocate(self, num_blocks)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.5)  # (the main thread waits for the caches meanwhile)
+            return caches
+
+        monkeypatch.setattr(ModelRunner, "_allocate_kv_caches", allocate_then_ctrl_c)
+        extra = dict(enforce_eager=True)
     elif where == "warm-up":
         monkeypatch.setattr(ModelRunner, "warmup", interrupt)
     else:
         monkeypatch.setattr(jaxvllm.engine, "KVCacheManager", interrupt)
     folders = set(glob.glob(os.path.join(tempfile.gettempdir(), "jaxvllm-dummy-*")))
     before = live_device_memory()
-    with pytest.raises(KeyboardInterrupt) as held:  # (the traceback stays alive in `held`)
-        LLM("dummy:tiny", **ENGINE_ARGS, token_buckets=[64])
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # (a Python main process's)
+    try:
+        with pytest.raises(KeyboardInterrupt) as held:  # (the traceback stays alive in `held`)
+            LLM("dummy:tiny", **ENGINE_ARGS, token_buckets=[64], **extra)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert held.value.__traceback__ is not None
     count, size = live_device_memory()
     # (the interrupted loop's frames keep its PRNG keys: 16 bytes each, no weight)
@@ -289,3 +319,125 @@ def test_shutdown_inside_a_step_on_the_same_thread(path):
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=50), use_tqdm=False)
     assert engine.runner.closed
+
+
+def test_shutdown_inside_a_shutdown_on_the_same_thread(path):
+    """A signal handler that shuts down (SIGTERM's) runs while this thread is already in
+    shutdown, waiting for the warm-up's compiles: it returns, and the first shutdown frees
+    everything. Before, it waited for good on the lock its own thread held."""
+    import threading
+
+    llm = LLM(path, **ENGINE_ARGS)
+    engine = llm.llm_engine
+    close, nested = engine.runner.close, []
+
+    def close_after_a_handler_shuts_down():
+        engine.shutdown()  # (what the handler does, between two bytecodes of the shutdown)
+        nested.append(engine.runner.closed)
+        close()
+
+    engine.runner.close = close_after_a_handler_shuts_down
+    worker = threading.Thread(target=llm.shutdown, daemon=True)  # (so that a deadlock fails, not hangs, the test)
+    worker.start()
+    worker.join(60)
+    assert not worker.is_alive() and nested == [False] and engine.runner.closed
+
+
+def test_a_second_thread_is_refused_while_one_generates(path):
+    """An LLM is not thread-safe (nor is vLLM's): a second thread's generate, chat, enqueue,
+    wait_for_completion or beam_search while one runs raises, and the first one's outputs
+    are as they would be. Before, the second call's start aborted the first one's requests."""
+    import threading
+
+    from jaxvllm import BeamSearchParams
+
+    llm = LLM(path, **ENGINE_ARGS)
+    engine, stepped, results = llm.llm_engine, threading.Event(), []
+    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = token_ids(llm.generate(PROMPTS, long, use_tqdm=False))
+    step, release = engine.step, threading.Event()
+
+    def step_then_wait():
+        outputs = step()
+        stepped.set()
+        release.wait(30)  # (the other thread tries meanwhile)
+        return outputs
+
+    engine.step = step_then_wait
+    worker = threading.Thread(target=lambda: results.append(token_ids(llm.generate(PROMPTS, long, use_tqdm=False))))
+    worker.start()
+    assert stepped.wait(60)
+    calls = [lambda: llm.generate(PROMPTS, long, use_tqdm=False), lambda: llm.enqueue(PROMPTS, long),
+             lambda: llm.wait_for_completion(use_tqdm=False),
+             lambda: llm.chat([{"role": "user", "content": "Hi"}], long, use_tqdm=False),
+             lambda: llm.beam_search(["Hi"], BeamSearchParams(beam_width=2, max_tokens=2))]
+    for call in calls:
+        with pytest.raises(RuntimeError, match="another thread is in a call of this LLM: an LLM is not thread-safe"):
+            call()
+    release.set()
+    worker.join(60)
+    engine.step = step
+    assert results == [want]
+    assert token_ids(llm.generate(PROMPTS, long, use_tqdm=False)) == want  # (and this thread's turn now)
+    llm.shutdown()
+
+
+def test_a_ctrl_c_while_shutdown_deletes_the_arrays_leaves_it_shut_down(path):
+    """A real SIGINT as shutdown deletes the device arrays lands once the runner is marked
+    closed: the LLM refuses work (before, it said it was open, over deleted arrays), and a
+    second shutdown ends the rest."""
+    from jaxvllm.model_runner import ModelRunner
+    from tests.engine.test_faults import sigint_in
+
+    llm = LLM(path, **ENGINE_ARGS)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    sigint_in(ModelRunner.close, "self._delete_arrays(")
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.shutdown()
+    finally:
+        sys.settrace(None)
+        signal.signal(signal.SIGINT, previous)
+    assert llm.llm_engine.runner.closed
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("call", ["update_weights", "wake_up"])
+def test_shutdown_from_another_thread_waits_for_a_weight_call(path, call):
+    """shutdown while another thread's update_weights or wake_up runs frees the runner after
+    it, so what that call placed is freed too. Before, it freed the runner under the call,
+    which then placed arrays that nobody deleted (held until the LLM itself was dropped)."""
+    import threading
+
+    from safetensors.numpy import load_file
+
+    before = live_device_memory()
+    llm = LLM(path, **ENGINE_ARGS, enable_sleep_mode=True)
+    runner, started, errors = llm.llm_engine.runner, threading.Event(), []
+    weights = load_file(f"{path}/model.safetensors")
+    if call == "wake_up":
+        llm.sleep(1)
+    real = getattr(runner, call)
+
+    def slow(*args):
+        started.set()
+        time.sleep(0.5)  # (the other thread shuts down meanwhile)
+        return real(*args)
+
+    setattr(runner, call, slow)
+
+    def work():
+        try:
+            llm.update_weights(weights) if call == "update_weights" else llm.wake_up()
+        except RuntimeError as e:
+            errors.append(e)
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    assert started.wait(60)
+    llm.shutdown()
+    worker.join(60)
+    assert not worker.is_alive() and not errors and runner.closed
+    assert live_device_memory()[1] <= before[1]

@@ -1,6 +1,7 @@
 """The vLLM-compatible surface: prompt forms, outputs, step-by-step engine use, bad input."""
 
 import io
+import sys
 
 import numpy as np
 import pytest
@@ -386,6 +387,33 @@ def test_set_tokenizer(llm):
     finally:
         llm.set_tokenizer(old)
     assert llm.get_tokenizer() is old and llm.llm_engine.eos_token_ids[0] == old.eos_token_id
+
+
+
+def test_a_ctrl_c_in_set_tokenizer_switches_everything_or_nothing(llm):
+    """A real SIGINT as the engine swaps its tokenizer and what is built on it lands after
+    the swap: never prompts read with one tokenizer and outputs with another."""
+    import copy
+    import signal
+
+    from jaxvllm.engine import LLMEngine
+    from tests.engine.test_faults import sigint_in
+
+    engine, old = llm.llm_engine, llm.get_tokenizer()
+    new, structured = copy.deepcopy(old), engine.structured_outputs
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    sigint_in(LLMEngine._use_tokenizer, "self.tokenizer, self.eos_token_ids, self.structured_outputs =")
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.set_tokenizer(new)
+    finally:
+        sys.settrace(None)
+        signal.signal(signal.SIGINT, previous)
+    try:
+        assert engine.tokenizer is new and engine.input_processor.tokenizer is new
+        assert engine.output_processor.tokenizer is new and engine.structured_outputs is not structured
+    finally:
+        llm.set_tokenizer(old)
 
 
 def test_wait_for_completion_after_a_request_was_aborted_by_hand(llm):

@@ -105,6 +105,30 @@ def test_a_bad_tensor_changes_nothing(fresh, tiny_checkpoint):
     assert completions(fresh) == outputs
 
 
+def test_a_ctrl_c_while_a_generator_yields_lands_at_once(fresh, tiny_checkpoint):
+    """A trainer's generator of weights is read with Ctrl-C let through (it may block for
+    good): a SIGINT while it yields interrupts the update there, and nothing changed.
+    Before, it was held until the whole update had gone in."""
+    import signal
+
+    pairs = list(hf_state(tiny_checkpoint("llama", seed=1)).items())
+    before, outputs = leaves(fresh), completions(fresh)
+
+    def weights():
+        yield from pairs[:3]
+        signal.raise_signal(signal.SIGINT)  # (a Ctrl-C while the trainer makes the rest)
+        yield from pairs[3:]
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            fresh.update_weights(weights())
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert all(np.array_equal(x, y) for x, y in zip(before, leaves(fresh)))
+    assert completions(fresh) == outputs
+
+
 def test_device_arrays_take_no_host_round_trip(fresh, tiny_checkpoint):
     """jax arrays already on the device (a pytree of nested dicts, as a trainer holds
     them): no transfer to or from the host during the update."""
@@ -356,7 +380,8 @@ def test_tensor_and_expert_parallel(tiny_checkpoint):
     # Arrays on a device the engine does not use (it raised "incompatible devices", after
     # replica 0 had taken the update); what one replica refuses, none does.
     assert results == {"elsewhere": {"one": True, "dp2": True, "tp2": True},
-                       "refused_by_one_replica": {"refused": True, "asleep": [False, False], "unchanged": True}}
+                       "refused_by_one_replica": {"refused": True, "asleep": [False, False], "unchanged": True},
+                       "ctrl_c_between_replicas": {"interrupted": True, "both_updated": True}}
 
 
 def test_fp8_kv_cache(tiny_checkpoint):

@@ -39,6 +39,7 @@ def main(a: str, b: str, a_moe: str, b_moe: str) -> None:
             out[name] = {"equal": ids(llm) == want, "changed": before != want}
     out["elsewhere"] = elsewhere(a, b)
     out["refused_by_one_replica"] = refused_by_one_replica(a, b)
+    out["ctrl_c_between_replicas"] = ctrl_c_between_replicas(a, b)
     print(json.dumps(out))
 
 
@@ -77,6 +78,30 @@ def refused_by_one_replica(a: str, b: str) -> dict:
         out["asleep"] = [e.is_sleeping() for e in llm.engines]
         out["unchanged"] = params(llm) == before
     return out
+
+
+def ctrl_c_between_replicas(a: str, b: str) -> dict:
+    """A Ctrl-C during replica 0's update lands once replica 1 has it too (it landed between
+    them: the replicas answered from two models)."""
+    import signal
+
+    with LLM(b, data_parallel_size=2, **ENGINE) as llm:
+        want = params(llm)[0]
+    with LLM(a, data_parallel_size=2, **ENGINE) as llm:
+        first, update = llm.engines[0], llm.engines[0].update_weights
+
+        def update_then_ctrl_c(weights):
+            count = update(weights)
+            signal.raise_signal(signal.SIGINT)
+            return count
+
+        first.update_weights = update_then_ctrl_c
+        try:
+            llm.update_weights(load_file(f"{b}/model.safetensors"))
+            interrupted = False
+        except KeyboardInterrupt:
+            interrupted = True
+        return {"interrupted": interrupted, "both_updated": params(llm) == [want, want]}
 
 
 def params(llm: LLM) -> list:

@@ -377,7 +377,7 @@ def test_bos_chat_templates_and_special_stops_as_lm_eval_hf(tiny_checkpoint, tmp
     ours.shutdown()
 
 
-def test_reasoning_model_options(tiny_checkpoint, tmp_path):
+def test_reasoning_model_options(tiny_checkpoint, tmp_path, monkeypatch):
     """lm-eval's options for reasoning models, as its vllm model takes them: enable_thinking
     and chat_template_args reach the chat template; with think_end_token the answer is what
     follows it, the task's stop sequences cut only that (they stop nothing while it thinks)."""
@@ -400,6 +400,15 @@ def test_reasoning_model_options(tiny_checkpoint, tmp_path):
         integration.JaxvllmLM(pretrained=str(path), truncation_side="right")
     with pytest.raises(ValueError, match="max_length=1000000 needs max_model_len 1000002 .* at most 2 below"):
         integration.JaxvllmLM(pretrained=str(path), max_length=10**6)
+    # A check failing after the engine is built shuts it down (its memory was kept by the traceback).
+    from jaxvllm import LLM
+
+    shut, real = [], LLM.shutdown
+    monkeypatch.setattr(LLM, "shutdown", lambda self: (shut.append(self), real(self))[1])
+    with pytest.raises(ValueError, match=r"max_length 100 must be in \[1, max_model_len - 2 = 62\]"):
+        integration.JaxvllmLM(pretrained=str(path), max_model_len=64, max_length=100)
+    assert len(shut) == 1 and shut[0].llm_engine.runner.closed
+    monkeypatch.undo()
 
     plain = integration.JaxvllmLM(pretrained=str(path), dtype="float32", max_model_len=64,
                                   chat_template_args={"style": "terse"})

@@ -148,30 +148,35 @@ class JaxvllmLM(TemplateLM):
         if self._lora is not None and llm is None:
             engine_kwargs.setdefault("enable_lora", True)
         self._dummy_dir: tempfile.TemporaryDirectory | None = None
-        if llm is not None:
-            if pretrained is not None or engine_kwargs:
-                raise ValueError("give either llm= (an existing LLM) or pretrained= with engine arguments, not both")
-            self.llm, self._owns_llm = llm, False
-        else:
-            self.llm, self._owns_llm = self._make_llm(pretrained, max_length, engine_kwargs), True
-        self.tokenizer = self.llm.get_tokenizer()
-        if add_bos_token is not None:  # (lm-eval's models load their tokenizer with it: a BOS, or none)
-            self.tokenizer = copy.deepcopy(self.tokenizer)
-            self.tokenizer.add_bos_token = add_bos_token
-        self.max_model_len = self.llm.llm_engine.runner.max_model_len
-        self._max_length = max_length if max_length is not None else self.max_model_len - 2
-        if not 1 <= self._max_length <= self.max_model_len - 2:
-            raise ValueError(
-                f"max_length {self._max_length} must be in [1, max_model_len - 2 = {self.max_model_len - 2}] "
-                "(a scored window of max_length tokens is a prompt of max_length + 1 tokens plus one generated)"
-            )
-        self._max_gen_toks = int(max_gen_toks)
-        self.add_bos_token = add_bos_token
-        self.custom_prefix_token_id = prefix_token_id
-        if isinstance(think_end_token, int) or str(think_end_token).isdigit():  # (a token id, as lm-eval's hf)
-            think_end_token = self.tokenizer.decode([int(think_end_token)], skip_special_tokens=False)
-        self.think_end_token = think_end_token
-        self._device = device
+        self.llm, self._owns_llm = llm, False
+        try:  # (a failed set-up frees the engine it built now, not when its traceback goes)
+            if llm is not None:
+                if pretrained is not None or engine_kwargs:
+                    raise ValueError("give either llm= (an existing LLM) or pretrained= with engine arguments, "
+                                     "not both")
+            else:
+                self.llm, self._owns_llm = self._make_llm(pretrained, max_length, engine_kwargs), True
+            self.tokenizer = self.llm.get_tokenizer()
+            if add_bos_token is not None:  # (lm-eval's models load their tokenizer with it: a BOS, or none)
+                self.tokenizer = copy.deepcopy(self.tokenizer)
+                self.tokenizer.add_bos_token = add_bos_token
+            self.max_model_len = self.llm.llm_engine.runner.max_model_len
+            self._max_length = max_length if max_length is not None else self.max_model_len - 2
+            if not 1 <= self._max_length <= self.max_model_len - 2:
+                raise ValueError(
+                    f"max_length {self._max_length} must be in [1, max_model_len - 2 = {self.max_model_len - 2}] "
+                    "(a scored window of max_length tokens is a prompt of max_length + 1 tokens plus one generated)"
+                )
+            self._max_gen_toks = int(max_gen_toks)
+            self.add_bos_token = add_bos_token
+            self.custom_prefix_token_id = prefix_token_id
+            if isinstance(think_end_token, int) or str(think_end_token).isdigit():  # (a token id, as lm-eval's hf)
+                think_end_token = self.tokenizer.decode([int(think_end_token)], skip_special_tokens=False)
+            self.think_end_token = think_end_token
+            self._device = device
+        except BaseException:
+            self.shutdown()
+            raise
 
     def _make_llm(self, pretrained: str | None, max_length: int | None, engine_kwargs: dict[str, Any]) -> LLM:
         if pretrained is None:
