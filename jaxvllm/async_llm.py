@@ -68,9 +68,10 @@ class _Stream:
                 self._unread = item
             elif isinstance(self._unread, RequestOutput):
                 self._unread.add(item, aggregate=self.aggregate)
+        if not wake:
+            return not self.loop.is_closed()  # (a reader that left with an output unread: its request ends)
         try:
-            if wake:
-                self.loop.call_soon_threadsafe(self._ready.set)
+            self.loop.call_soon_threadsafe(self._ready.set)
             return True
         except RuntimeError:
             return False

@@ -213,7 +213,7 @@ def check_prompts(llm, prompts: list, labels: list[str], params) -> list[list[in
     """Every prompt's token ids, checked by the engine's own rules (type, emptiness, token
     ids, keys, length within max_model_len) before any is generated; UsageError naming the
     first bad prompt (and how many more there are)."""
-    from jaxvllm.input_processor import PROMPT_KEYS
+    from jaxvllm.input_processor import MULTIMODAL_KEYS, PROMPT_KEYS
 
     engine = llm.llm_engine
     try:
@@ -226,7 +226,8 @@ def check_prompts(llm, prompts: list, labels: list[str], params) -> list[list[in
     token_ids: list[list[int]] = []
     errors: list[str] = []
     for i, (prompt, label) in enumerate(zip(prompts, labels)):
-        if isinstance(prompt, dict) and (unknown := set(prompt) - PROMPT_KEYS):  # (the API ignores them, as vLLM's)
+        # (the API ignores them, as vLLM's; multimodal ones the engine names)
+        if isinstance(prompt, dict) and (unknown := set(prompt) - PROMPT_KEYS - MULTIMODAL_KEYS):
             errors.append(f"{label}: unknown prompt key(s) {sorted(unknown)}; allowed: {sorted(PROMPT_KEYS)}")
             continue
         try:  # builds the request without queueing it

@@ -322,8 +322,11 @@ class EngineConfig:
     enable_lora_bias: bool = False
     reasoning_parser: str = ""
     worker_extension_cls: str = ""
-    # vLLM 0.11's deprecated name of structured_outputs_config's backend.
+    # vLLM 0.11's deprecated names of structured_outputs_config's fields (None: as it says).
     guided_decoding_backend: str | None = None
+    guided_decoding_disable_fallback: bool | None = None
+    guided_decoding_disable_any_whitespace: bool | None = None
+    guided_decoding_disable_additional_properties: bool | None = None
     use_tqdm_on_load: bool = True  # the loader's progress bar
     # vLLM's structured outputs settings: a StructuredOutputsConfig or a dict of its fields.
     structured_outputs_config: StructuredOutputsConfig | dict | None = None
@@ -372,9 +375,10 @@ class EngineConfig:
                 raise ValueError(f"structured_outputs_config {so!r}: {e}") from e
         elif not isinstance(so, StructuredOutputsConfig):
             raise ValueError(f"structured_outputs_config must be a StructuredOutputsConfig or a dict, got {so!r}")
-        if self.guided_decoding_backend is not None:  # (vLLM 0.11 sets the config's backend from it)
-            self.structured_outputs_config = dataclasses.replace(self.structured_outputs_config,
-                                                                 backend=self.guided_decoding_backend)
+        deprecated = {name: getattr(self, f"guided_decoding_{name}") for name in
+                      ("backend", "disable_fallback", "disable_any_whitespace", "disable_additional_properties")}
+        if given := {name: value for name, value in deprecated.items() if value is not None}:  # (vLLM 0.11's)
+            self.structured_outputs_config = dataclasses.replace(self.structured_outputs_config, **given)
         self.speculative_config = spec = SpeculativeConfig.of(self.speculative_config)
         if spec is not None and spec.method in MODEL_SPECULATIVE_METHODS and spec.draft_tensor_parallel_size not in (
                 None, self.tensor_parallel_size):

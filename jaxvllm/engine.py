@@ -376,11 +376,13 @@ class LLMEngine:
             raise
         if old[0] is not None:  # (unseeded requests' seeds go on from the arrivals so far)
             inputs.next_arrival = old[0].next_arrival
-        with defer_interrupts():  # (all of them switch, or none: not prompts read by one, outputs by the other)
-            self.tokenizer, self.eos_token_ids, self.structured_outputs = tokenizer, eos, structured
-            self.input_processor, self.output_processor = inputs, outputs
-        if old[1] is not None:
-            old[1].shutdown()
+        try:
+            with defer_interrupts():  # (all of them switch, or none: not prompts read by one, outputs by the other)
+                self.tokenizer, self.eos_token_ids, self.structured_outputs = tokenizer, eos, structured
+                self.input_processor, self.output_processor = inputs, outputs
+        finally:  # (a Ctrl-C held during the swap lands after it: the old compiler pool ends all the same)
+            if old[1] is not None and self.structured_outputs is not old[1]:
+                old[1].shutdown()
 
     def get_model_config(self) -> ModelConfig:
         """vLLM's: the model's config as the engine reads it (also `model_config`)."""
@@ -447,7 +449,7 @@ class LLMEngine:
             finally:
                 self._busy = outer
                 if outer is None and self._shutdown_requested:
-                    self._shutdown()
+                    self._shutdown_once()
 
     def _step(self) -> list[RequestOutput]:
         self._check_open()
@@ -1033,13 +1035,18 @@ class LLMEngine:
             self._shutdown_requested = True
             return
         with self._lock:
-            if self._shutting_down:
-                return
-            self._shutting_down = True
-            try:
-                self._shutdown()
-            finally:
-                self._shutting_down = False
+            self._shutdown_once()
+
+    def _shutdown_once(self) -> None:
+        """`_shutdown`, unless this thread is in it already (a signal handler's shutdown
+        inside it: that one finishes it)."""
+        if self._shutting_down:
+            return
+        self._shutting_down, self._shutdown_requested = True, False
+        try:
+            self._shutdown()
+        finally:
+            self._shutting_down = False
 
     def _shutdown(self) -> None:
         self._recovering = False  # (nothing to mend in what is freed: a failed recovery must not keep it)

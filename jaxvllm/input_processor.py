@@ -24,7 +24,7 @@ from jaxvllm.sampling_params import SamplingParams
 from jaxvllm.structured_output import StructuredOutputManager
 
 PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}  # (others are ignored, as by vLLM)
-_MULTIMODAL_KEYS = {"multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids"}
+MULTIMODAL_KEYS = {"multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids"}
 
 
 def load_tokenizer(config: EngineConfig):
@@ -110,10 +110,13 @@ class InputProcessor:
         tokenizer truncates a text (its BOS stays), ids are cut."""
         if isinstance(prompt, dict):
             # vLLM ignores empty multimodal fields (an Arrow row or a template may carry them)
-            given = {key for key, value in prompt.items() if key not in _MULTIMODAL_KEYS or value}
-            if given & _MULTIMODAL_KEYS:
-                raise ValueError(f"multimodal inputs ({sorted(given & _MULTIMODAL_KEYS)}) are not supported: jaxvllm's "
+            given = {key for key, value in prompt.items() if key not in MULTIMODAL_KEYS or value}
+            if given & MULTIMODAL_KEYS:
+                raise ValueError(f"multimodal inputs ({sorted(given & MULTIMODAL_KEYS)}) are not supported: jaxvllm's "
                                  "models read text only")
+            if "prompt_embeds" in prompt:  # (vLLM reads it first, and refuses it without enable_prompt_embeds)
+                raise ValueError("prompt_embeds: prompt embeddings are not supported by jaxvllm (enable_prompt_embeds "
+                                 "is off)")
             if "prompt" not in prompt and "prompt_token_ids" not in prompt:
                 raise ValueError(f"a prompt dict needs 'prompt' (text) or 'prompt_token_ids' (it has {sorted(prompt)})")
             salt = prompt.get("cache_salt")

@@ -74,6 +74,17 @@ class ProgressBar(tqdm):
     monitor_interval = 0
     monitor = None
 
+    @classmethod
+    def _get_free_pos(cls, instance=None) -> int:
+        """The first line no bar holds, the user's bars too (tqdm counts its own under its
+        lock): generate's bar inside a user's loop over a bar goes below it."""
+        try:
+            theirs = list(tqdm._instances)
+        except RuntimeError:  # (changed by another thread meanwhile)
+            theirs = []
+        taken = {abs(bar.pos) for bar in [*cls._instances, *theirs] if bar is not instance and hasattr(bar, "pos")}
+        return min(set(range(len(taken) + 1)) - taken)
+
     def __new__(cls, *args, **kwargs):
         with defer_interrupts():
             return super().__new__(cls, *args, **kwargs)

@@ -130,8 +130,7 @@ class LLM:
         added by hand. The LLM cannot generate afterwards (RuntimeError); the memory is freed
         even where other references to this object remain (a notebook's output history, a
         traceback). Calling it twice is harmless."""
-        for engine in self.engines:
-            engine.shutdown()
+        self._on_every_replica(lambda e: e.shutdown())
 
     def __enter__(self) -> "LLM":
         return self

@@ -299,6 +299,9 @@ class ModelRunner:
         compiles = self.__dict__.get("compiles")
         if compiles is not None:
             compiles.cancel()
+        allocation = self.__dict__.get("_kv_allocation")
+        if allocation is not None and allocation.exception() is None:  # (waits for it: a zero-fill at most)
+            self.kv_caches = allocation.result()
         drafter = self.__dict__.get("drafter")
         self._delete_arrays([self.__dict__.get(name) for name in ("_params", "kv_caches", "sampler_state",
                                                                   "last_sampled", "draft_rows")],
@@ -414,21 +417,16 @@ class ModelRunner:
         # On a CPU the cache's zero-fill (page faults: up to seconds for gigabytes) runs beside
         # the warm-up, which compiles against the caches' shapes; a GPU allocates first, so
         # that the compiles' autotuning cannot take the cache's room.
-        # (A Ctrl-C while the caches are made waits until the runner holds them: `_free_partial`
-        # deletes them then, where a local future would keep them as long as the traceback.)
+        # (The future is the runner's until the caches are: a failure or Ctrl-C while they are
+        # made leaves `_free_partial` the caches to delete, not a traceback to keep them.)
         with ThreadPoolExecutor(1) as pool:
-            caches = pool.submit(self._allocate_kv_caches, self.num_blocks)
-            if not cpu:
-                with defer_interrupts():
-                    self.kv_caches = caches.result()
-            else:
-                self.kv_caches = self._kv_cache_specs(self.num_blocks)
-            try:
-                if not c.enforce_eager:
-                    self.warmup()
-            finally:  # (a failed warm-up's caches too: `_free_partial` deletes them)
-                with defer_interrupts():
-                    self.kv_caches = caches.result()
+            with defer_interrupts():  # (held until the runner holds the future)
+                self._kv_allocation = pool.submit(self._allocate_kv_caches, self.num_blocks)
+            self.kv_caches = self._kv_cache_specs(self.num_blocks) if cpu else self._kv_allocation.result()
+            if not c.enforce_eager:
+                self.warmup()
+            self.kv_caches = self._kv_allocation.result()
+            self._kv_allocation = None
         logger.info("start-up: weights loaded in %.1f s, KV cache sized in %.1f s, warm-up compiled in %.1f s",
                     self.load_seconds, self.profile_seconds, self.warmup_seconds)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 
@@ -14,9 +15,18 @@ class LoRARequest:
     lora_name: str
     lora_int_id: int
     lora_path: str = ""
+    lora_local_path: str | None = None  # vLLM's deprecated name of lora_path (its 4th field)
+    long_lora_max_len: int | None = None  # vLLM's; only None
     base_model_name: str | None = None
 
     def __post_init__(self) -> None:
+        if self.lora_local_path:
+            warnings.warn("LoRARequest's lora_local_path is deprecated (as in vLLM 0.11); use lora_path",
+                          DeprecationWarning, stacklevel=3)
+            object.__setattr__(self, "lora_path", self.lora_path or self.lora_local_path)
+        if self.long_lora_max_len is not None:
+            raise ValueError(f"LoRARequest long_lora_max_len={self.long_lora_max_len!r}: long-context LoRA is not "
+                             "supported by jaxvllm")
         # (the engine keeps ids in int64 arrays)
         if not isinstance(self.lora_int_id, int) or isinstance(self.lora_int_id, bool) or \
                 not 1 <= self.lora_int_id < 2**63:

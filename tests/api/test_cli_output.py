@@ -92,6 +92,17 @@ def test_several_bad_prompts_name_the_first_and_count_the_rest(tmp_path, capsys)
         in err, err
 
 
+def test_empty_multimodal_fields_in_a_prompts_file_are_read_as_the_api_reads_them(tmp_path, capsys):
+    """Empty multimodal fields pass, as the engine (and vLLM) ignores them; filled ones get
+    the engine's message, not "unknown prompt key"."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hello", "multi_modal_data": null}\n')
+    assert generate("--prompts-file", str(prompts), *GREEDY) == 0
+    prompts.write_text('{"prompt": "hello", "multi_modal_data": {"image": "x.png"}}\n')
+    assert generate("--prompts-file", str(prompts), *GREEDY) == 2
+    assert "multimodal inputs (['multi_modal_data']) are not supported" in one_line_error(capsys)
+
+
 # -- --output is checked before the model loads ------------------------------------------------
 
 

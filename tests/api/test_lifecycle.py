@@ -235,6 +235,7 @@ def test_a_failed_start_frees_its_device_memory_at_once(where, monkeypatch):
 
         def allocate_then_ctrl_c(self, num_blocks):
             caches = allocate(self, num_blocks)
+            time.sleep(0.2)  # (the main thread is waiting for the caches by now)
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.5)  # (the main thread waits for the caches meanwhile)
             return caches
@@ -441,3 +442,35 @@ def test_shutdown_from_another_thread_waits_for_a_weight_call(path, call):
     worker.join(60)
     assert not worker.is_alive() and not errors and runner.closed
     assert live_device_memory()[1] <= before[1]
+
+
+def test_a_second_shutdown_signal_inside_a_deferred_shutdown_returns(path):
+    """A SIGTERM handler's shutdown inside a step is done as the step ends; a second one
+    landing inside that shutdown returns, where it ran a whole shutdown inside the first."""
+    llm = LLM(path, **ENGINE_ARGS)
+    engine = llm.llm_engine
+    depth, deepest = [0], [0]
+    real_shutdown, real_abort, real_step = engine._shutdown, engine.abort_request, engine._step
+
+    def counted_shutdown():
+        depth[0] += 1
+        deepest[0] = max(deepest[0], depth[0])
+        try:
+            return real_shutdown()
+        finally:
+            depth[0] -= 1
+
+    def abort_after_a_second_handler(ids):
+        engine.shutdown()  # (the second handler, inside the shutdown)
+        return real_abort(ids)
+
+    def step_then_a_handler_shuts_down():
+        outputs = real_step()
+        engine.shutdown()  # (the first handler, inside the step: deferred to its end)
+        return outputs
+
+    engine._shutdown, engine.abort_request, engine._step = (counted_shutdown, abort_after_a_second_handler,
+                                                            step_then_a_handler_shuts_down)
+    engine.add_request("a", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=20))
+    engine.step()
+    assert deepest == [1] and engine.runner.closed and not engine._shutdown_requested

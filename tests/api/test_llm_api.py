@@ -257,6 +257,8 @@ def test_enqueue_and_wait_for_completion(llm, monkeypatch):
         ({"prompt_token_ids": [5, 10_000]}, GREEDY, ValueError, r"^Token id 10000 is out of vocabulary"),
         ({"prompt_token_ids": "5 6"}, GREEDY, TypeError, "prompt_token_ids must be a list"),
         ({"text": "hi"}, GREEDY, ValueError, r"needs 'prompt' \(text\) or 'prompt_token_ids' \(it has \['text'\]\)"),
+        ({"prompt": "hi", "prompt_embeds": [[0.0]]}, GREEDY, ValueError, "prompt_embeds: prompt embeddings are not "
+                                                                         "supported"),
         ({"prompt": 5, "prompt_token_ids": [4]}, GREEDY, TypeError, "TokensPrompt's 'prompt' .* must be a str"),
         ({"cache_salt": "s"}, GREEDY, ValueError, "needs 'prompt' \\(text\\) or 'prompt_token_ids'"),
         (123, GREEDY, TypeError, "prompts must be a str"),

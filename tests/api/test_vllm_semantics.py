@@ -174,9 +174,11 @@ def test_vllm_engine_arguments_are_accepted(tiny_checkpoint):
               max_num_partial_prefills=1, max_long_partial_prefills=1, prefix_caching_hash_algo="sha256_cbor",
               task="generate", model_impl="auto", kv_transfer_config=None, disable_sliding_window=False,
               enable_lora_bias=False, reasoning_parser="", worker_extension_cls="", guided_decoding_backend="guidance",
+              guided_decoding_disable_any_whitespace=True, guided_decoding_disable_fallback=None,
               use_tqdm_on_load=False)
     assert {m.labels["model_name"] for m in llm.get_metrics()} == {"tiny"}
-    assert llm.llm_engine.config.structured_outputs_config.backend == "guidance"
+    structured = llm.llm_engine.config.structured_outputs_config
+    assert structured.backend == "guidance" and structured.disable_any_whitespace
     assert llm.llm_engine.config.dtype == "float32"
     assert llm.stats()["warmup_seconds"] == 0 and llm.stats()["num_compiled_buckets"] == 0  # enforce_eager: lazy
     out = llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)

@@ -137,6 +137,25 @@ def test_a_slow_reader_gets_the_outputs_merged(engine, reference, kind):
     assert_idle(engine)
 
 
+def test_a_request_whose_loop_closed_with_an_output_unread_is_aborted(engine):
+    """A reader that stops, its event loop closed while an output waits unread: the
+    request ends at its next output, its blocks freed (it ran on to max_tokens)."""
+    def generated() -> float:
+        return next(m.value for m in engine.engine.get_metrics() if m.name == "vllm:generation_tokens")
+
+    before, loop = generated(), asyncio.new_event_loop()
+    stream = engine.generate(PROMPTS[0], LONG, "closed-loop")
+    loop.run_until_complete(stream.__anext__())
+    time.sleep(0.05)  # (the engine runs on: an output waits unread)
+    loop.close()
+    deadline = time.monotonic() + 60
+    while engine.get_num_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not engine.get_num_unfinished_requests() and generated() - before < LONG.max_tokens
+    asyncio.run(settle(engine))
+    assert_idle(engine)
+
+
 def test_leaving_a_stream_early_aborts_its_request(engine, reference):
     async def main():
         other = asyncio.create_task(collect(engine, PROMPTS[1], LONG, "stays"))

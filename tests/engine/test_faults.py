@@ -571,6 +571,17 @@ def test_tqdms_lock_held_by_another_bar_leaves_generates_bars_alone(case):
     assert not stuck and got == [want]
 
 
+def test_generates_bar_goes_below_a_users_bar():
+    """Its own lock apart, generate's bar takes the first line no bar holds, the user's
+    too: inside a loop over a bar of theirs, it goes below it, as vLLM's does."""
+    import io
+
+    from jaxvllm.interrupts import ProgressBar
+
+    with std_tqdm(total=2, file=io.StringIO()) as outer, ProgressBar(total=2, file=io.StringIO()) as inner:
+        assert (outer.pos, inner.pos) == (0, 1)
+
+
 def test_interrupt_right_after_a_request_is_queued_does_not_lock_generate_out(case, monkeypatch):
     """A Ctrl-C held back while a request is queued lands just after: before, `generate`'s
     cleanup did not know that request, and every later call refused ("unfinished requests

@@ -85,6 +85,7 @@ def ctrl_c_between_replicas(a: str, b: str) -> dict:
     them: the replicas answered from two models)."""
     import signal
 
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # (a pytest-xdist parent left it ignored)
     with LLM(b, data_parallel_size=2, **ENGINE) as llm:
         want = params(llm)[0]
     with LLM(a, data_parallel_size=2, **ENGINE) as llm:

@@ -363,6 +363,17 @@ def test_engine_from_config_takes_lora_request(tiny_checkpoint, adapter):
     engine.shutdown()
 
 
+def test_lora_request_takes_vllm_0_11s_fields(adapter):
+    """vLLM 0.11's LoRARequest fields in its order: lora_local_path (deprecated, warned, the
+    path when lora_path is not given), long_lora_max_len (refused: not supported here)."""
+    path = str(adapter("llama", 0))
+    with pytest.warns(DeprecationWarning, match="lora_local_path is deprecated"):
+        old, positional = LoRARequest("old", 1, lora_local_path=path), LoRARequest("positional", 2, "", path)
+    assert old.lora_path == path == positional.path
+    with pytest.raises(ValueError, match="long_lora_max_len=4096: long-context LoRA is not supported"):
+        LoRARequest("long", 3, path, long_lora_max_len=4096)
+
+
 def test_tensor_and_data_parallel(tiny_checkpoint, adapter, peft_reference):
     """TP 2 and 4 (KV heads repeated) and 2 replicas in a process of 4 CPU devices: PEFT's
     ids, with B split where the weight's outputs are (q/k/v, gate/up) and A where its inputs
