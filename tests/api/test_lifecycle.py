@@ -192,13 +192,11 @@ def test_generate_freezes_older_objects_only_while_it_runs(path):
 
 @pytest.mark.parametrize("where", ["loading dummy weights", "quantizing", "making the KV cache", "warm-up",
                                    "after the runner"])
-def test_a_failed_start_frees_its_device_memory_at_once(where, monkeypatch):
+def test_a_failed_start_frees_its_device_memory_at_once(where, monkeypatch, tmp_path):
     """An LLM(...) that fails part way (here a Ctrl-C) frees what it made before the error
     reaches the caller, not when its traceback goes (a notebook keeps the last one): the
     weights loaded so far, the KV cache (on a CPU still being zeroed beside the warm-up),
     a built runner's arrays and a dummy model's temporary folder."""
-    import glob
-    import os
     import tempfile
 
     import jaxvllm.engine
@@ -246,7 +244,7 @@ def test_a_failed_start_frees_its_device_memory_at_once(where, monkeypatch):
         monkeypatch.setattr(ModelRunner, "warmup", interrupt)
     else:
         monkeypatch.setattr(jaxvllm.engine, "KVCacheManager", interrupt)
-    folders = set(glob.glob(os.path.join(tempfile.gettempdir(), "jaxvllm-dummy-*")))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # (its own: the other pytest worker makes dummy folders too)
     before = live_device_memory()
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # (a Python main process's)
     try:
@@ -258,7 +256,7 @@ def test_a_failed_start_frees_its_device_memory_at_once(where, monkeypatch):
     count, size = live_device_memory()
     # (the interrupted loop's frames keep its PRNG keys: 16 bytes each, no weight)
     assert size - before[1] <= (48 if where == "loading dummy weights" else 0) and count - before[0] <= 3
-    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "jaxvllm-dummy-*"))) == folders
+    assert not list(tmp_path.glob("jaxvllm-dummy-*"))
 
 
 def test_shutdown_from_another_thread_while_generate_runs(path):
