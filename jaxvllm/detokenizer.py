@@ -23,9 +23,11 @@ A fast tokenizer without the cleanup runs the same scheme in Rust: tokenizers'
 `DecodeStream` (vLLM's `FastIncrementalDetokenizer`) keeps the last committed tokens as
 the context and commits whatever no longer ends in U+FFFD, so a Python call per token
 is most of the cost. The window above mirrors its state, so that pending text can be
-shown, and it takes over for good where the stream cannot keep the text exact: its
-context's text changed (tokenizers' "Invalid prefix"), or U+FFFD stayed pending for more
-than `_FORCE_AFTER` tokens (the stream would re-decode an ever longer window). The one case
+shown, and it takes over where the stream cannot keep the text exact: its context's text
+changed (tokenizers' "Invalid prefix"), a character was spelled in byte-fallback tokens,
+or U+FFFD stayed pending for more than `_FORCE_AFTER` tokens (the stream would re-decode
+an ever longer window). A new stream starts from the window's context when the window
+next slides past such tokens. The one case
 where the window grows with the output is a run of byte-fallback tokens (`<0xE6>`...):
 the ByteFallback decoder shows the whole run as U+FFFD once any byte of it is
 invalid, so nothing inside a run can be committed before the run ends.
@@ -153,9 +155,11 @@ class IncrementalDetokenizer:
         # the module docstring). Its context is ids[start:read] and its pending ids
         # ids[read:]; `_prefix_text` is then None until the pending text needs it.
         self._backend = backend
-        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens) if self._backend_decode else None
+        self._stream: DecodeStream | None = None
         if prompt_token_ids:
             self._prime(prompt_token_ids)
+        if self._backend_decode is not None:
+            self._start_stream()
 
     # -- public ----------------------------------------------------------------------
 
@@ -255,27 +259,27 @@ class IncrementalDetokenizer:
                              for t in context]
             self._read = len(context)
             self._prefix_text = self._decode(context)
-            if self._stream is not None:
-                self._prime_stream(context)
 
-    def _prime_stream(self, context: list[int]) -> None:
-        """Feed the prompt's context to the stream, which commits it in its own groups; the
-        window follows them. Where the stream could not keep the text exact (see `update`),
-        the window alone goes on, from the whole context."""
-        start = read = 0
+    def _start_stream(self) -> bool:
+        """Feed the committed ids ids[start:read] to a new stream, which commits them in its
+        own groups; the window follows them. Returns False, the window unchanged, where the
+        stream could not keep the text exact (see `update`) or its text ends pending."""
+        stream = DecodeStream(skip_special_tokens=self._skip_special_tokens)
+        start = read = self._start
         try:
-            for i, tid in enumerate(context):
-                if self._stream.step(self._backend, tid) is not None:
+            for i in range(self._start, self._read):
+                if stream.step(self._backend, self._ids[i]) is not None:
                     if self._is_byte[i]:
                         raise ValueError("committed inside a byte-fallback run")
                     start, read = read, i + 1
         except Exception as error:  # (tokenizers raises plain Exceptions)
             if not _stream_gave_up(error):
                 raise
-        if read == len(context):
-            self._start, self._read, self._prefix_text = start, read, None
-        else:  # (it gave up, or the context's text ends pending)
-            self._stream = None
+            return False
+        if read != self._read:
+            return False
+        self._stream, self._start, self._prefix_text = stream, start, None
+        return True
 
     def _decode(self, ids: list[int]) -> str:
         if self._backend_decode is not None:
@@ -385,6 +389,11 @@ class IncrementalDetokenizer:
                 del self._ids[:self._start], self._is_byte[:self._start]
                 self._read -= self._start
                 self._start = 0
+            # Where the stream gave up (a byte-fallback character, say), it takes over
+            # again from a context that no byte run crosses.
+            if (self._backend_decode is not None and self._read == len(self._ids)
+                    and not any(self._is_byte[self._start:self._read])):
+                self._start_stream()
 
     def _force_commit(self, window_text: str) -> None:
         """The text has ended in U+FFFD for a while (invalid bytes): commit up to a

@@ -530,6 +530,27 @@ def test_plain_text_decodes_in_the_stream(tokenizers, name, monkeypatch):
     assert len(calls) == primed, calls[primed:]
 
 
+@pytest.mark.parametrize("name", ["sp", "llama2"])
+def test_the_stream_takes_over_again_after_a_byte_fallback_character(tokenizers, name, monkeypatch):
+    """A character spelled in byte tokens is decoded in the window; once the window slides
+    past it, a new stream decodes the plain text after it, so one emoji early in a long
+    completion does not leave the rest of it on the window's Python decodes."""
+    tok = tokenizers[name]
+    ids = _encode(tok, "Hello 🙂 " + (SENTENCE + " Hello, how are you today? ") * 10)
+    assert any(tok.convert_ids_to_tokens(t).startswith("<0x") for t in ids[:8])
+    calls = []
+    window_decode = IncrementalDetokenizer._decode
+    monkeypatch.setattr(IncrementalDetokenizer, "_decode", lambda self, ids: (calls.append(ids), window_decode(self, ids))[1])
+    d = IncrementalDetokenizer(tok, stop=["never appears"])
+    for n, tid in enumerate(ids, 1):
+        assert d.update([tid]) is None
+        assert d.text == tok.decode(ids[:n], skip_special_tokens=True)
+        if n == 30:
+            assert d._stream is not None
+            calls.clear()
+    assert calls == []
+
+
 class _FailingStream:
     """tokenizers' DecodeStream that raises its "Invalid prefix" error at step `at` (as it
     does where new tokens change its context's text)."""
@@ -563,7 +584,8 @@ def test_the_window_takes_over_where_the_stream_gives_up(tokenizers, name, at):
             found = d.update(ids[i:i + size])
             i = min(i + size, len(ids))
             assert found or d.text == expected[i - 1]
-        assert failing.steps >= at and d._stream is None  # (the window went on alone)
+        # (the window went on alone, then a new stream from its context when it slid)
+        assert failing.steps >= at and d._stream is not failing
         assert d.text == (SENTENCE + " Hello 漢字 world, how are you?" if stop else expected[-1])
 
 
