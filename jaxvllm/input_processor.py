@@ -201,6 +201,11 @@ class InputProcessor:
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
         params.check_supported(self.config.max_logprobs, self.vocab_size)
         params.check_vocab(self.vocab_size)
+        if self.tokenizer is not None and params.allowed_token_ids is not None:  # (vLLM's check)
+            size = len(self.tokenizer)
+            if outside := [t for t in params.allowed_token_ids if t >= size]:
+                raise ValueError(f"allowed_token_ids contains out-of-vocab token id {outside[0]}: the tokenizer "
+                                 f"has {size} tokens")
         params.check_satisfiable(self.eos_token_ids)
         if self.tokenizer is None and params.stop_strings:
             raise ValueError("skip_tokenizer_init=True: stop strings need a tokenizer; use stop_token_ids")

@@ -80,6 +80,14 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2  # one output, when the request finishes
 
 
+class SamplingType(enum.IntEnum):
+    """vLLM's: how a request's tokens are drawn (`SamplingParams.sampling_type`)."""
+
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
 @dataclass
 class GuidedDecodingParams(StructuredOutputsParams):
     """vLLM's deprecated name of `StructuredOutputsParams` (vLLM 0.11 warns, as here)."""
@@ -237,6 +245,18 @@ class SamplingParams:
             biases = [check_number("logit_bias values", v) for v in self.logit_bias.values()]  # (vLLM: any finite bias)
             self.logit_bias = dict(zip(keys, biases))
 
+    @staticmethod
+    def from_optional(**fields) -> SamplingParams:
+        """vLLM's constructor for API servers, which pass every field: None means the
+        default for n, the penalties, temperature and top_p, and logit_bias may have string
+        keys, its biases clamped to OpenAI's [-100, 100]."""
+        for name in ("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p"):
+            if name in fields and fields[name] is None:
+                del fields[name]
+        if fields.get("logit_bias") is not None:
+            fields["logit_bias"] = {int(t): min(100.0, max(-100.0, b)) for t, b in fields["logit_bias"].items()}
+        return SamplingParams(**fields)
+
     def clone(self) -> SamplingParams:
         """vLLM's: a deep copy, whose fields a caller may change (output_kind, seed) without
         touching the original; as vLLM's, logits processors are shared, not copied."""
@@ -281,6 +301,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.greedy:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
 
     @property
     def uses_penalties(self) -> bool:

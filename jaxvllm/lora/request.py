@@ -6,11 +6,12 @@ import warnings
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class LoRARequest:
     """An adapter by name, a positive id the engine knows it by, and its PEFT folder
-    (`adapter_config.json` and `adapter_model.safetensors`). Two requests with the same
-    id are the same adapter."""
+    (`adapter_config.json` and `adapter_model.safetensors`). The engine knows an adapter
+    by its id; two requests compare and hash by name, as vLLM's, so that sets and dicts
+    of them hold one per adapter name."""
 
     lora_name: str
     lora_int_id: int
@@ -34,6 +35,12 @@ class LoRARequest:
         if not self.lora_path:
             raise ValueError(f"LoRARequest {self.lora_name!r}: lora_path (the adapter's folder) is required")
         object.__setattr__(self, "lora_path", str(self.lora_path))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, type(self)) and self.lora_name == other.lora_name
+
+    def __hash__(self) -> int:
+        return hash(self.lora_name)
 
     @property
     def adapter_id(self) -> int:

@@ -931,3 +931,45 @@ def test_request_output_positional_fields_and_add():
     assert (done.finish_reason, done.stop_reason, first.outputs[1].text) == ("stop", 9, "c")
     first.add(RequestOutput("r", "hi", [1, 2], None, [CompletionOutput(1, "cd", [7, 8])], True), aggregate=False)
     assert first.outputs[1].token_ids == [7, 8] and first.outputs[0].text == "ab"
+
+
+def test_allowed_token_ids_past_the_tokenizer_are_refused(llm):
+    """vLLM checks allowed_token_ids against the tokenizer (the tiny checkpoint's 384 tokens
+    in a vocabulary of 512): ids past it decode to nothing."""
+    size = len(llm.get_tokenizer())
+    assert size < llm.llm_engine.model_config.vocab_size
+    with pytest.raises(ValueError, match=f"allowed_token_ids contains out-of-vocab token id {size}"):
+        llm.generate("Hello", SamplingParams(max_tokens=2, allowed_token_ids=[5, size]), use_tqdm=False)
+    out = llm.generate("Hello", SamplingParams(max_tokens=2, allowed_token_ids=[5, size - 1]), use_tqdm=False)
+    assert set(out[0].outputs[0].token_ids) <= {5, size - 1}
+    assert llm.stats()["num_free_blocks"] == llm.stats()["num_gpu_blocks"]
+
+
+def test_sampling_params_from_optional_sampling_type_and_random_uuid():
+    """vLLM 0.11's helpers: `SamplingParams.from_optional` (None is the default; logit_bias
+    keys may be strings, biases clamped to [-100, 100]), `sampling_type`, and
+    `vllm.utils.random_uuid` for request ids."""
+    from jaxvllm.sampling_params import SamplingType
+    from jaxvllm.utils import random_uuid
+
+    params = SamplingParams.from_optional(n=None, temperature=None, top_p=None, presence_penalty=None,
+                                          frequency_penalty=None, repetition_penalty=None, max_tokens=5,
+                                          logit_bias={"7": 250, 3: -1000.0, 4: 0.5})
+    assert (params.n, params.temperature, params.top_p, params.max_tokens) == (1, 1.0, 1.0, 5)
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert params.logit_bias == {7: 100.0, 3: -100.0, 4: 0.5}
+    with pytest.raises(TypeError):
+        SamplingParams.from_optional(no_such_field=1)
+    assert SamplingParams(temperature=0).sampling_type is SamplingType.GREEDY
+    assert SamplingParams().sampling_type is SamplingType.RANDOM
+    assert SamplingParams(seed=3).sampling_type == SamplingType.RANDOM_SEED == 2
+    ids = {random_uuid() for _ in range(100)}
+    assert len(ids) == 100 and all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
+
+
+def test_lora_requests_compare_and_hash_by_name():
+    """vLLM's LoRARequest: equal, and one entry in a set, when the names are equal."""
+    from jaxvllm.lora.request import LoRARequest
+
+    a, b, c = LoRARequest("sql", 1, "/a"), LoRARequest("sql", 2, "/b"), LoRARequest("chat", 1, "/a")
+    assert a == b and hash(a) == hash(b) and len({a, b, c}) == 2 and a != c and a != "sql"
