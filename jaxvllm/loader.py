@@ -626,7 +626,9 @@ def join_quantized(params: dict, specs: list[ParamSpec], fmt: CheckpointFormat, 
         name = spec.path[-1].removesuffix("_scale")
         if spec.path[0] != "layers" or name == spec.path[-1]:
             continue
-        value, scale, zero = layers[name], layers.pop(spec.path[-1]), layers.pop(f"{name}_zero", None)
+        # (the scales leave `layers` only once the joined weight holds them: a Ctrl-C in a
+        # device_put here leaves them where the caller's `_freed_on_failure` deletes them)
+        value, scale, zero = layers[name], layers[spec.path[-1]], layers.get(f"{name}_zero")
         join = partial(QuantizedWeight, group_size=fmt.block[1], weight_only=fmt.weight_only)
         more = leaves.get(name, {})
         if isinstance(value, list):
@@ -638,6 +640,8 @@ def join_quantized(params: dict, specs: list[ParamSpec], fmt: CheckpointFormat, 
             placed = {kind: jax.device_put(np.stack(per_layer) if spec.layers else per_layer[0], _replicated(value))
                       for kind, per_layer in more.items()}
             layers[name] = join(value, scale, zero=zero, **placed)
+        del layers[spec.path[-1]]
+        layers.pop(f"{name}_zero", None)
     return params
 
 

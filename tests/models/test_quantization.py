@@ -534,6 +534,27 @@ def _with_config(path: Path, out: Path, **changes) -> Path:
     return out
 
 
+def test_a_ctrl_c_while_scales_join_their_weights_leaves_nothing_placed(fp8_checkpoint, monkeypatch):
+    """A Ctrl-C as the loader joins a weight with its scales (placing its extra leaves):
+    the scales not yet joined are deleted with everything else placed."""
+    import jaxvllm.loader
+
+    path, real, calls = fp8_checkpoint("llama", (32, 32)), jaxvllm.loader.QuantizedWeight, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt("injected")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(jaxvllm.loader, "QuantizedWeight", interrupted)
+    live = len(jax.live_arrays())
+    with pytest.raises(KeyboardInterrupt, match="injected") as caught:
+        LLM(path, **ENGINE)
+    # (while the traceback is kept, as Jupyter keeps the last one)
+    assert len(calls) == 3 and len(jax.live_arrays()) == live, caught.tb
+
+
 def test_bad_quantization_is_refused(tiny_checkpoint, fp8_checkpoint, tmp_path):
     """Each refused before any weight loads, or (tensors) while loading, naming the problem."""
     path, fp8 = tiny_checkpoint("llama"), fp8_checkpoint("llama", (32, 32))
