@@ -106,8 +106,9 @@ class InputProcessor:
         """A str, or a dict with "prompt" (str) or "prompt_token_ids" (list of ints) and an
         optional "cache_salt" -> (text, token ids, salt); raises on bad input. A dict with
         both is vLLM's `TokensPrompt` with its text: the ids are the prompt, the text is
-        only reported. `truncate`: keep the last that many tokens, as vLLM does: the
-        tokenizer truncates a text (its BOS stays), ids are cut."""
+        only reported. `truncate`: keep that many tokens, as vLLM does: the tokenizer
+        truncates a text (its BOS stays), ids are cut on its `truncation_side` (the last
+        ones, as the engine loads it)."""
         if isinstance(prompt, dict):
             # vLLM ignores empty multimodal fields (an Arrow row or a template may carry them)
             given = {key for key, value in prompt.items() if key not in MULTIMODAL_KEYS or value}
@@ -128,7 +129,10 @@ class InputProcessor:
             if text is not None and not isinstance(text, str):
                 raise TypeError(f"a TokensPrompt's 'prompt' (its text) must be a str, got {type(text).__name__}")
             token_ids = self._check_token_ids(prompt["prompt_token_ids"])
-            return text, token_ids if truncate is None else token_ids[-truncate:], salt
+            if truncate is not None:  # (on the tokenizer's side, as vLLM's; left without one)
+                right = self.tokenizer is not None and self.tokenizer.truncation_side == "right"
+                token_ids = token_ids[:truncate] if right else token_ids[-truncate:]
+            return text, token_ids, salt
         if not isinstance(prompt, str):
             raise TypeError(f"a prompt must be a str or a dict, got {type(prompt).__name__}")
         if self.tokenizer is None:

@@ -677,6 +677,10 @@ def test_truncate_prompt_tokens_keeps_a_texts_bos(llm, tiny_checkpoint, tmp_path
     params = SamplingParams(max_tokens=1, truncate_prompt_tokens=5)
     outputs = llm.generate([text, {"prompt": text}, {"prompt_token_ids": ids}], params, use_tqdm=False)
     assert [o.prompt_token_ids for o in outputs] == [ids[:1] + ids[-4:]] * 2 + [ids[-5:]]
+    # A tokenizer set to truncate on the right cuts both kinds there (vLLM's _truncate_inputs)
+    tokenizer.truncation_side = "right"
+    outputs = llm.generate([text, {"prompt_token_ids": ids}], params, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outputs] == [ids[:5]] * 2
 
 
 def test_skip_reading_prefix_cache(llm):
