@@ -175,9 +175,10 @@ class Request:
                 and self.token_ids[-1] in self.stop_ids)
 
     def append_token(self, token_id: int) -> None:
-        """Add a sampled token and set finish_reason when it ends the completion (a complete
-        structured output ends it too: "stop"). As vLLM's `check_stop`, the length cap comes
-        first: a stop token that is also the last allowed one ends it as "length", its text kept."""
+        """Add a sampled token and set finish_reason when it ends the completion. As vLLM's
+        `check_stop`, the length cap comes first: a stop token that is also the last allowed
+        one ends it as "length", its text kept. A complete structured output goes on to the
+        EOS its mask leaves (vLLM's), unless min_tokens masks that EOS: it ends as "stop" then."""
         self.token_ids.append(token_id)
         complete = False
         if self.grammar is not None:
@@ -186,7 +187,7 @@ class Request:
                              self.grammar.error)
                 self.finish_reason = "abort"
                 return
-            complete = self.grammar.finished
+            complete = self.grammar.stopped and self.num_output_tokens < self.params.min_tokens
         if len(self.token_ids) >= self.max_num_tokens:
             self.finish_reason = "length"
         elif token_id in self.stop_ids:

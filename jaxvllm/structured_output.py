@@ -173,8 +173,9 @@ class Grammar:
         return self._matcher
 
     def valid_prefix(self, tokens: list[int]) -> int:
-        """How many leading `tokens` the grammar accepts from here (drafts past them are dropped)."""
-        return 0 if self.finished else self.matcher.validate_tokens(tokens)
+        """How many leading `tokens` the grammar accepts from here (drafts past them are dropped;
+        after a complete match, all: its EOS is sampled, not drafted)."""
+        return 0 if self.stopped or self.failed else self.matcher.validate_tokens(tokens)
 
     def replay(self, token_ids: list[int]) -> None:
         """Start again and advance past `token_ids`: a failed step's tokens were taken back
@@ -189,9 +190,17 @@ class Grammar:
         return self.matcher.consume_token(token_id)
 
     @property
-    def finished(self) -> bool:
-        """Nothing more may be generated: the match is complete (or the matcher failed)."""
-        return self.matcher.is_stopped() or self.matcher.is_error()
+    def stopped(self) -> bool:
+        """The match is complete: only EOS may follow. As vLLM's, its mask then allows only
+        EOS (llguidance's mask of a stopped matcher), the model samples it, and the EOS ends
+        the request (under ignore_eos, EOS follows EOS up to max_tokens)."""
+        return self.matcher.is_stopped()
+
+    @property
+    def failed(self) -> bool:
+        """The matcher is in error (its grammar failed to compile): the request ends aborted at
+        its first token, which the matcher refuses."""
+        return self.matcher.is_error()
 
     @property
     def error(self) -> str:
@@ -264,7 +273,7 @@ class StructuredOutputManager:
         """int32 [num_rows, ceil(vocab / 32)] over the model's vocabulary, every bit set but in
         the rows of each (row, grammar, drafts): the grammar's allowed next tokens at `row`,
         and in a speculative step, after each of its drafts at the rows that follow (the
-        matcher advances over the drafts, then rolls back). A finished grammar's rows keep
+        matcher advances over the drafts, then rolls back). A failed grammar's rows keep
         every bit (their tokens are dropped). So does a row at a dead end: its grammar is
         marked (`Grammar.dead_end` at `row`, `Grammar.dead_end_at` after a draft)."""
         llguidance = _llguidance()
@@ -274,7 +283,7 @@ class StructuredOutputManager:
         # past the model's vocabulary.
         extra = self.tokenizer.vocab_size > vocab
         mask = np.full((num_rows, bitmask_words(self.tokenizer.vocab_size)), -1, np.int32)
-        live = [(g, row) for row, g, _ in rows if not (g.finished or g.dead_end)]
+        live = [(g, row) for row, g, _ in rows if not (g.failed or g.dead_end)]
         matchers = [(g.matcher, row) for g, row in live]
         if len(matchers) == 1:
             llguidance.numpy.fill_next_token_bitmask(matchers[0][0], mask, matchers[0][1])
@@ -285,7 +294,7 @@ class StructuredOutputManager:
         after_drafts = []  # (grammar, row, position) filled past a draft
         for row, g, drafts in rows:
             g.dead_end_at = None
-            if g.finished or g.dead_end or not drafts:
+            if g.stopped or g.failed or g.dead_end or not drafts:
                 continue
             matcher = g.matcher
             consumed = 0
@@ -293,10 +302,10 @@ class StructuredOutputManager:
                 if not matcher.consume_token(token):
                     break
                 consumed = position
-                if matcher.is_stopped():  # (no row after a stop is read)
-                    break
                 llguidance.numpy.fill_next_token_bitmask(matcher, mask, row + position)
                 after_drafts.append((g, row + position, position))
+                if matcher.is_stopped():  # (EOS only at the row after; no draft follows a stop)
+                    break
             matcher.rollback(consumed)
         if extra:
             mask = np.ascontiguousarray(mask[:, :words])

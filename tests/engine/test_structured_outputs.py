@@ -215,14 +215,39 @@ def test_property_order_is_kept(llm):
     assert [list(json.loads(o.outputs[0].text)) for o in outputs] == [["name", "age"], ["age", "name"]]
 
 
+@pytest.mark.parametrize("engine", ["llm", "sync_llm"])
+def test_a_complete_match_ends_with_the_eos_its_mask_leaves(request, engine):
+    """vLLM's rule: once the match is complete, the mask allows only EOS, which the model
+    samples and which ends the request (its id in token_ids, stop_reason None); under
+    ignore_eos, EOS follows EOS up to max_tokens; where min_tokens masks that EOS, the
+    request ends at the match."""
+    llm = request.getfixturevalue(engine)
+    eos = llm.get_tokenizer().eos_token_id
+    spec = dict(choice=["alpha", "beta"])
+    plain, ignoring, short = llm.generate(
+        ["Pick:"] * 3, [constrained(max_tokens=12, **spec), SamplingParams(
+            temperature=0, max_tokens=12, ignore_eos=True, structured_outputs=StructuredOutputsParams(**spec)),
+            SamplingParams(temperature=0, max_tokens=12, min_tokens=11, structured_outputs=StructuredOutputsParams(**spec))],
+        use_tqdm=False)
+    done = plain.outputs[0]
+    assert done.text in spec["choice"] and done.token_ids[-1] == eos and eos not in done.token_ids[:-1]
+    assert (done.finish_reason, done.stop_reason) == ("stop", None)
+    word = done.token_ids[:-1]
+    assert ignoring.outputs[0].token_ids == word + [eos] * (12 - len(word))
+    assert (ignoring.outputs[0].finish_reason, ignoring.outputs[0].text) == ("length", done.text)
+    assert short.outputs[0].token_ids == word and short.outputs[0].finish_reason == "stop"
+    assert llm.stats()["num_free_blocks"] == llm.stats()["num_gpu_blocks"]
+
+
 def hf_masked_greedy(hf, tokenizer, vocab_size, spec: StructuredOutputsParams, prompt_ids, max_tokens, eos):
-    """The oracle: HF transformers' logits, the same grammar's mask applied, argmax, step by step."""
+    """The oracle: HF transformers' logits, the same grammar's mask applied, argmax, step by
+    step, to the EOS (vLLM's rule: a complete match's mask allows only EOS)."""
     matcher = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size),
                                    grammar_text(spec, StructuredOutputsConfig()))
     mask = llguidance.numpy.allocate_token_bitmask(1, vocab_size)
     ids, out = list(prompt_ids), []
     with torch.no_grad():
-        while len(out) < max_tokens and not matcher.is_stopped():
+        while len(out) < max_tokens:
             logits = hf(torch.tensor([ids])).logits[0, -1].numpy().astype(np.float32)
             llguidance.numpy.fill_next_token_bitmask(matcher, mask, 0)
             llguidance.numpy.apply_token_bitmask_inplace(logits[None], mask)
@@ -479,7 +504,7 @@ def test_a_complete_match_that_only_an_eos_past_the_vocabulary_could_follow_stop
     assert mask.shape == (3, bitmask_words(vocab))
     assert np.flatnonzero(np.unpackbits(mask[1].view(np.uint8), bitorder="little")).tolist() == a
     assert (mask[[0, 2]] == -1).all() and not grammar.dead_end
-    assert grammar.accept(a[0]) and grammar.matcher.is_accepting() and not grammar.finished
+    assert grammar.accept(a[0]) and grammar.matcher.is_accepting() and not grammar.stopped
     mask = manager.bitmask([(1, grammar, [])], 3)  # only <|extra_0|> (EOS, or the grammar's) may follow
     assert grammar.dead_end and grammar.dead_end_reason == "stop" and (mask == -1).all()
     manager.shutdown()

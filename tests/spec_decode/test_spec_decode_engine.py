@@ -312,11 +312,12 @@ def test_structured_outputs_get_drafts(engines):
     for structured, valid in zip(cases, [lambda text: re.fullmatch(regex, text),
                                          lambda text: len(json.loads(text)) == 8]):
         params = SamplingParams(temperature=0, max_tokens=80, structured_outputs=structured)
-        want = [o.outputs[0].text for o in plain.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
-                                                            use_tqdm=False)]
-        got, proposed, passed = drafted(spec, lambda: [o.outputs[0].text for o in spec.generate(
+        completion = lambda o: (o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason)  # noqa: E731
+        want = [completion(o) for o in plain.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
+                                                      use_tqdm=False)]
+        got, proposed, passed = drafted(spec, lambda: [completion(o) for o in spec.generate(
             [{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)])
-        assert got == want and all(valid(text) for text in got)
+        assert got == want and all(valid(text) for text, _, _ in got)
         assert 0 < passed < proposed, (structured, proposed, passed)
 
 
