@@ -51,6 +51,10 @@ class BlockPool:
     pops the oldest free block, freeing appends at the end, and a cached free block that
     is hit again is taken out of the middle in O(1). A freed block keeps its hash and
     contents until it is popped for reuse.
+
+    Several blocks may hold the same contents (a full prompt hit recomputes its last
+    block; two requests fill the same prefix at once). As vLLM's, each is registered: a
+    lookup finds the first, and when it is evicted the next copy takes its place.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -59,7 +63,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
         self.block_hashes: list[bytes | None] = [None] * num_blocks
-        self.cached: dict[bytes, int] = {}  # hash -> the block holding those contents
+        self.cached: dict[bytes, int] = {}  # hash -> the block a lookup finds
+        self.copies: dict[bytes, dict[int, None]] = {}  # hash -> the other blocks with those contents, in order
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
 
     @property
@@ -81,9 +86,19 @@ class BlockPool:
 
     def _evict(self, block: int) -> None:
         h = self.block_hashes[block]
-        if h is not None:
+        if h is None:
+            return
+        self.block_hashes[block] = None
+        copies = self.copies.get(h)
+        if self.cached[h] != block:  # (a copy)
+            del copies[block]
+        elif copies:  # the next copy is found from now on
+            self.cached[h] = next(iter(copies))
+            del copies[self.cached[h]]
+        else:
             del self.cached[h]
-            self.block_hashes[block] = None
+        if copies is not None and not copies:
+            del self.copies[h]
 
     def touch(self, blocks: Sequence[int]) -> None:
         """Take a reference on cached blocks; a free one leaves the free queue in O(1)."""
@@ -103,12 +118,15 @@ class BlockPool:
 
     def cache(self, block: int, block_hash: bytes) -> bool:
         """Register a full block's contents; the first block with given contents stays the one
-        found. Returns whether this block was registered."""
-        if block_hash not in self.cached and self.block_hashes[block] is None:
+        found, later ones are its copies. Returns whether this block was registered."""
+        if self.block_hashes[block] is not None:
+            return False
+        self.block_hashes[block] = block_hash
+        if block_hash in self.cached:
+            self.copies.setdefault(block_hash, {})[block] = None
+        else:
             self.cached[block_hash] = block
-            self.block_hashes[block] = block_hash
-            return True
-        return False
+        return True
 
     def uncache(self, block: int) -> None:
         """Forget a block's contents (they were never written)."""
@@ -116,6 +134,7 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> None:
         self.cached = {}  # (first: from here on no lookup finds a block)
+        self.copies = {}
         self.block_hashes = [None] * self.num_blocks
 
     def release_all(self) -> None:
@@ -124,11 +143,15 @@ class BlockPool:
         Free blocks keep their eviction order, then the others follow; cached ones stay cached."""
         self.ref_counts = [0] * self.num_blocks
         hashes: list[bytes | None] = [None] * self.num_blocks
-        for block_hash, block in list(self.cached.items()):
-            if hashes[block] is None and self.block_hashes[block] == block_hash:
+        entries = [(h, b) for h, b in self.cached.items()] + [(h, b) for h, c in self.copies.items() for b in c]
+        self.cached, self.copies = {}, {}
+        for block_hash, block in entries:
+            if hashes[block] is None and self.block_hashes[block] == block_hash:  # (else half made: forgotten)
                 hashes[block] = block_hash
-            else:  # (a half-made entry: forgotten)
-                del self.cached[block_hash]
+                if block_hash in self.cached:
+                    self.copies.setdefault(block_hash, {})[block] = None
+                else:
+                    self.cached[block_hash] = block
         self.block_hashes = hashes
         order = list(self._free)
         self._free = OrderedDict.fromkeys(order + sorted(set(range(self.num_blocks)).difference(order)))

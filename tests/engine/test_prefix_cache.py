@@ -45,6 +45,41 @@ def test_hash_chains_on_parent_and_salt():
     assert hash_block(None, [1, 2, 3, 4], b"x") not in (a, hash_block(None, [1, 2, 3, 4], b"y"))
 
 
+def test_copies_of_a_block_stay_findable_once_the_first_is_reused():
+    """Two blocks with the same contents (a full prompt hit recomputes its last block): both
+    are registered, as vLLM's; a lookup finds the first, and once it is reused, the copy."""
+    kv = KVCacheManager(7, BS)
+    tokens = list(range(100, 108))  # exactly 2 blocks
+    a, b = request_with("a", tokens), request_with("b", tokens, arrival=1)
+    admit(kv, a)
+    assert admit(kv, b) == 4
+    h, first, copy = kv.block_hashes(a)[1], kv.get_block_ids("a")[1], kv.get_block_ids("b")[1]
+    assert first != copy and kv.pool.cached[h] == first and list(kv.pool.copies[h]) == [copy]
+    kv.free(a)
+    kv.free(b)  # (b's copy after a's first in the free queue)
+    c = request_with("c", range(200, 220), arrival=2)
+    assert admit(kv, c) == 0  # the 4 unused blocks, then a's, not b's
+    kv.free(c)
+    assert kv.pool.block_hashes[first] != h and kv.pool.cached[h] == copy and h not in kv.pool.copies
+    assert admit(kv, request_with("d", tokens + [9], arrival=3)) == 8
+    kv.release_all()  # (made anew from the cache map: the copy is still found)
+    assert kv.pool.cached[h] == copy and kv.pool.block_hashes[copy] == h
+
+
+def test_a_copy_registered_for_a_step_that_failed_is_forgotten_alone():
+    kv = KVCacheManager(8, BS)
+    tokens = list(range(100, 108))
+    admit(kv, request_with("a", tokens))
+    kv.commit()
+    h, first = kv.block_hashes(request_with("x", tokens))[1], kv.get_block_ids("a")[1]
+    b = request_with("b", tokens, arrival=1)
+    admit(kv, b)
+    copy = kv.get_block_ids("b")[1]
+    assert list(kv.pool.copies[h]) == [copy]
+    kv.rollback()  # (b's step was never dispatched)
+    assert kv.pool.cached[h] == first and h not in kv.pool.copies and kv.pool.block_hashes[copy] is None
+
+
 def test_identical_prompt_hits_all_but_last_token():
     kv = KVCacheManager(16, BS)
     tokens = list(range(100, 112))  # exactly 3 blocks

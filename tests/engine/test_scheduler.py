@@ -56,6 +56,9 @@ def check_blocks(scheduler: Scheduler):
         assert kv.pool.ref_counts[b] == len(owners.get(b, [])), f"block {b} ref count != owners"
     for h, b in kv.pool.cached.items():
         assert kv.pool.block_hashes[b] == h
+    for h, copies in kv.pool.copies.items():  # (a copy is registered once, beside the block found)
+        assert copies and all(kv.pool.block_hashes[b] == h and kv.pool.cached[h] != b for b in copies)
+    assert sum(h is not None for h in kv.pool.block_hashes) == len(kv.pool.cached) + sum(map(len, kv.pool.copies.values()))
     for r in scheduler.running:
         assert len(kv.get_block_ids(r.request_id)) * kv.block_size >= r.num_computed_tokens
 
