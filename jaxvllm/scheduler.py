@@ -379,10 +379,10 @@ class Scheduler:
             computed = kv.get_computed_blocks(request)
             num_cached = len(computed) * kv.block_size
             num_new = min(request.num_tokens - num_cached, self._chunk_cap)
-            # Without chunked prefill a prompt waits for a step with room for all of it, and
-            # those behind it go first meanwhile (vLLM's); a preempted request's recompute
-            # (prompt + outputs) may exceed any budget, so it is chunked.
-            if not c.enable_chunked_prefill and num_new > budget and request.num_preemptions == 0:
+            # Without chunked prefill a prompt, or a preempted request's recompute, waits for a
+            # step with room for all of it, and those behind it go first meanwhile (vLLM's;
+            # max_num_batched_tokens is then at least max_model_len, so a step has room).
+            if not c.enable_chunked_prefill and num_new > budget:
                 too_long.append(self.waiting.pop())
                 continue
             num_new = min(num_new, budget)

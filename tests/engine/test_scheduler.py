@@ -199,6 +199,25 @@ def test_without_chunked_prefill_a_prompt_too_long_for_this_step_lets_others_by(
     assert s.kv.num_free_blocks == 64
 
 
+def test_without_chunked_prefill_a_preempted_request_is_recomputed_whole():
+    """As vLLM's: a preempted request's recompute (prompt + outputs) is no chunk either; it
+    waits for a step with room for all of it (max_num_batched_tokens >= max_model_len)."""
+    s = make_scheduler(num_blocks=12, block_size=4, max_model_len=16, max_num_batched_tokens=16, max_num_seqs=6,
+                       enable_chunked_prefill=False)
+    for i, n in enumerate([1, 5, 8, 7, 5, 8]):
+        s.add_request(make_request(f"r{i}", n, 16 - n, i))
+
+    def whole(out):
+        for x in out.scheduled:
+            assert x.start + x.num_new_tokens == x.request.num_tokens, (x.request.request_id, x.start, x.num_new_tokens)
+
+    preempted = 0
+    while s.has_unfinished_requests():
+        preempted += len(run_step(s, whole).preempted)
+        check_blocks(s)
+    assert preempted and s.kv.num_free_blocks == 12
+
+
 def test_a_request_that_fills_the_cache_exactly_runs():
     """Its last token is sampled, never written: 60 prompt tokens + 5 outputs need 64 slots,
     the 4 blocks of 16 the cache has (it was refused as needing 5)."""
