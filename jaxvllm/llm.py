@@ -313,7 +313,9 @@ class LLM:
         if not isinstance(value, (list, tuple)):
             return [value] * n
         if len(value) != n:
-            raise ValueError(f"{name} must have one entry per prompt ({n})")
+            kind = "params" if name == "sampling_params" else name
+            raise ValueError(f"The lengths of prompts and {kind} must be the same. ({name} must have one entry per "
+                             f"prompt ({n}), got {len(value)})")
         return list(value)
 
     def _abort_generating(self) -> None:

@@ -81,7 +81,7 @@ def test_per_prompt_params_stop_ids_and_ignore_eos(llm):
     assert a.outputs[0].token_ids == tokens[: tokens.index(tokens[2]) + 1]
     assert a.outputs[0].finish_reason == "stop" and a.outputs[0].stop_reason == tokens[2]
     assert b.outputs[0].token_ids[:5] == tokens and len(b.outputs[0].token_ids) == 9
-    with pytest.raises(ValueError, match="one entry per prompt"):
+    with pytest.raises(ValueError, match="The lengths of prompts and .* must be the same.*one entry per prompt"):
         llm.generate(["a", "b"], [GREEDY], use_tqdm=False)
 
 
@@ -133,7 +133,7 @@ def test_priority_generate(llm):
     fcfs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert sorted(range(4), key=lambda i: fcfs[i].metrics.first_scheduled_time) == [0, 1, 2, 3]
     assert [o.outputs[0].token_ids for o in fcfs] == [o.outputs[0].token_ids for o in outs]
-    with pytest.raises(ValueError, match="one entry per prompt"):
+    with pytest.raises(ValueError, match="The lengths of prompts and .* must be the same.*one entry per prompt"):
         llm.generate(["a", "b"], GREEDY, priority=[1], use_tqdm=False)
 
 
