@@ -465,7 +465,20 @@ class AsyncLLM:
                 for stream in streams.values():
                     stream.put(e)
             return
+        self._deliver_all(outputs)
+
+    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+        """One put per request: the outputs of a request's n completions in one step (or one
+        abort) reach its reader as one output, as vLLM's output handler puts a whole step
+        before its loop runs again (a reader here could take them apart between puts)."""
+        merged: dict[str, RequestOutput] = {}
         for output in outputs:
+            first, stream = merged.get(output.request_id), self._streams.get(output.request_id)
+            if first is None:
+                merged[output.request_id] = output
+            elif stream is not None:
+                first.add(output, aggregate=stream.aggregate)
+        for output in merged.values():
             self._deliver(output)
 
     def _deliver(self, output: RequestOutput) -> None:
@@ -482,8 +495,7 @@ class AsyncLLM:
     def _abort(self, request_ids: list[str]) -> None:
         if self._log_requests:
             logger.info("Aborted request(s) %s.", ",".join(request_ids))
-        for output in self.engine.abort_request(request_ids):
-            self._deliver(output)
+        self._deliver_all(self.engine.abort_request(request_ids))
         for rid in request_ids:
             self._streams.pop(rid, None)
 

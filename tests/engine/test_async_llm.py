@@ -188,6 +188,33 @@ def test_abort_ends_the_stream_with_an_abort_output(engine):
     assert_idle(engine)
 
 
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE])
+def test_a_step_of_n_completions_and_their_abort_come_as_one_output(engine, kind):
+    """As vLLM's output handler (a whole step put before its loop runs again): each output
+    of a reader that keeps up holds every completion of an n > 1 request that moved that
+    step, and an abort is one final output holding all n "abort" completions."""
+    params = with_kind(SamplingParams(temperature=0.8, seed=1, n=3, max_tokens=6, ignore_eos=True), kind)
+
+    async def main():
+        done = await collect(engine, PROMPTS[0], params, f"n3-{kind.name}")
+        long = with_kind(SamplingParams(temperature=0.8, seed=1, n=3, max_tokens=120, ignore_eos=True), kind)
+        task, seen = await started(engine, PROMPTS[0], long, f"n3-aborted-{kind.name}")
+        while len(seen) < 3:
+            await asyncio.sleep(0.001)
+        before = len(seen)
+        await engine.abort(f"n3-aborted-{kind.name}")
+        return done, (await task)[before:]
+
+    for _ in range(3):  # (the race showed in every run)
+        done, after_abort = asyncio.run(main())
+        # (a reader slower than a step gets two merged: fewer outputs, each whole still)
+        assert 1 < len(done) <= 6 and all(sorted(c.index for c in o.outputs) == [0, 1, 2] for o in done)
+        aborted = [o for o in after_abort if any(c.finish_reason == "abort" for c in o.outputs)]
+        assert len(aborted) == 1 and aborted[0] is after_abort[-1] and aborted[0].finished
+        assert sorted((c.index, c.finish_reason) for c in aborted[0].outputs) == [(i, "abort") for i in range(3)]
+    assert_idle(engine)
+
+
 def test_bad_input_is_refused_and_others_go_on(engine, reference):
     async def main():
         task = asyncio.create_task(collect(engine, PROMPTS[1], LONG, "good"))
