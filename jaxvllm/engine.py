@@ -153,6 +153,9 @@ class LLMEngine:
         if spec is not None:
             self.scheduler.vectorized = False
             self.metrics.enable_spec_decode(config.speculative_config.num_speculative_tokens)
+        if not config.disable_log_stats:  # (vLLM's `log_engine_initialized`)
+            logger.info("Engine %03d: vllm cache_config_info with initialization after num_gpu_blocks is: %d",
+                        config.data_parallel_rank, self.kv_cache_manager.pool.num_blocks)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineConfig, usage_context: Any = None, stat_loggers: list | None = None,
@@ -829,7 +832,20 @@ class LLMEngine:
             kv_cache_usage=kv.usage,
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache=kv.stats,
+            cache_config=self._cache_config_info(),
         )
+
+    def _cache_config_info(self) -> dict[str, str]:
+        """vLLM's CacheConfig fields that jaxvllm has, as `vllm:cache_config_info` labels them."""
+        c = self.config
+        fields = dict(block_size=c.block_size, gpu_memory_utilization=c.gpu_memory_utilization, swap_space=c.swap_space,
+                      cache_dtype=c.kv_cache_dtype, is_attention_free=False,
+                      num_gpu_blocks_override=c.num_gpu_blocks_override, sliding_window=None,
+                      enable_prefix_caching=c.enable_prefix_caching, prefix_caching_hash_algo=c.prefix_caching_hash_algo,
+                      cpu_offload_gb=c.cpu_offload_gb, calculate_kv_scales=c.calculate_kv_scales,
+                      num_gpu_blocks=self.kv_cache_manager.pool.num_blocks, num_cpu_blocks=None,
+                      kv_cache_memory_bytes=c.kv_cache_memory_bytes)
+        return {key: str(value) for key, value in fields.items()}
 
     def do_log_stats(self) -> None:
         """vLLM's: log the stats line now (`metrics.StatLogger`), unless `disable_log_stats`."""

@@ -310,10 +310,11 @@ class MetricsCollector:
 
     def snapshot(
         self, *, num_running: int, num_waiting: int, kv_cache_usage: float, num_preemptions: int,
-        prefix_cache: PrefixCacheStats,
+        prefix_cache: PrefixCacheStats, cache_config: dict[str, str] | None = None,
     ) -> list[Metric]:
         """Every metric now, in vLLM's order: gauges (from the scheduler's state passed
-        in), counters, then histograms."""
+        in), counters, histograms, then vLLM's `vllm:cache_config_info` (a gauge of 1 whose
+        labels are `cache_config`'s fields, as strings, and the engine's index)."""
         self.track_prefix_cache(prefix_cache)
         labels = self.labels
 
@@ -357,6 +358,8 @@ class MetricsCollector:
             ("vllm:request_params_n", self.request_params_n),
             ("vllm:request_params_max_tokens", self.request_params_max_tokens),
             ("vllm:time_to_first_token_seconds", self.time_to_first_token),
+            # (vLLM 0.11's deprecated name of the inter-token latency, still registered)
+            ("vllm:time_per_output_token_seconds", self.inter_token_latency),
             ("vllm:inter_token_latency_seconds", self.inter_token_latency),
             ("vllm:request_time_per_output_token_seconds", self.request_time_per_output_token),
             ("vllm:e2e_request_latency_seconds", self.e2e_request_latency),
@@ -367,6 +370,8 @@ class MetricsCollector:
             ("vllm:request_prefill_kv_computed_tokens", self.request_prefill_kv_computed_tokens),
         )
         metrics.extend(h.snapshot(name, labels) for name, h in histograms)
+        if cache_config is not None:
+            metrics.append(Gauge("vllm:cache_config_info", {**cache_config, "engine": labels["engine"]}, 1.0))
         return metrics
 
 
@@ -384,6 +389,7 @@ class StatLogger:
         self.metrics, self.engine_index = metrics, engine_index
         self._last = (time.monotonic(), metrics.prompt_tokens, metrics.generation_tokens)
         self._last_rates = (0.0, 0.0)
+        self._last_spec: tuple[int, ...] = ()  # the speculative decoding counts at the line before
 
     def due(self) -> bool:
         return time.monotonic() - self._last[0] >= LOG_STATS_INTERVAL
@@ -400,3 +406,20 @@ class StatLogger:
         log("Engine %03d: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
             "Running: %d reqs, Waiting: %d reqs, GPU KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
             self.engine_index, *rates, num_running, num_waiting, 100 * kv_cache_usage, 100 * prefix_cache_hit_rate)
+        if m.spec_accepted_per_pos is not None:
+            self._log_spec_decoding(log, seconds)
+
+    def _log_spec_decoding(self, log, seconds: float) -> None:
+        """vLLM's `SpecDecodingLogging` line, of the drafts since the line before (none: no line)."""
+        m = self.metrics
+        counts = (m.spec_num_drafts, m.spec_num_draft_tokens, m.spec_num_accepted_tokens, *m.spec_accepted_per_pos)
+        drafts, drafted, accepted, *per_pos = (now - before for now, before in
+                                               zip(counts, self._last_spec or (0,) * len(counts)))
+        self._last_spec = counts
+        if not drafts:
+            return
+        log("SpecDecoding metrics: Mean acceptance length: %.2f, Accepted throughput: %.2f tokens/s, Drafted "
+            "throughput: %.2f tokens/s, Accepted: %d tokens, Drafted: %d tokens, Per-position acceptance rate: %s, "
+            "Avg Draft acceptance rate: %.1f%%", 1 + accepted / drafts, accepted / seconds if seconds > 0 else 0,
+            drafted / seconds if seconds > 0 else 0, accepted, drafted, ", ".join(f"{n / drafts:.3f}" for n in per_pos),
+            100 * accepted / drafted if drafted else math.nan)

@@ -26,7 +26,7 @@ COUNTERS = (
 HISTOGRAMS = (
     "vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:iteration_tokens_total",
     "vllm:request_max_num_generation_tokens", "vllm:request_params_n", "vllm:request_params_max_tokens",
-    "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+    "vllm:time_to_first_token_seconds", "vllm:time_per_output_token_seconds", "vllm:inter_token_latency_seconds",
     "vllm:request_time_per_output_token_seconds", "vllm:e2e_request_latency_seconds",
     "vllm:request_queue_time_seconds", "vllm:request_inference_time_seconds", "vllm:request_prefill_time_seconds",
     "vllm:request_decode_time_seconds", "vllm:request_prefill_kv_computed_tokens",
@@ -71,6 +71,13 @@ def test_names_types_labels_and_buckets(llm):
     llm.generate(tokens(20, 5), greedy(3), use_tqdm=False)
     metrics = llm.get_metrics()
     types = {}
+    # vLLM 0.11's info gauge, last: 1, labelled by the cache config's fields and the engine only
+    info = metrics.pop()
+    assert (info.name, type(info), info.value, info.labels["engine"]) == ("vllm:cache_config_info", Gauge, 1.0, "0")
+    assert {k: info.labels[k] for k in ("block_size", "cache_dtype", "enable_prefix_caching", "num_gpu_blocks")} == {
+        "block_size": str(llm.llm_engine.config.block_size), "cache_dtype": "auto", "enable_prefix_caching": "True",
+        "num_gpu_blocks": str(llm.stats()["num_gpu_blocks"])}
+    assert "model_name" not in info.labels and all(isinstance(v, str) for v in info.labels.values())
     for m in metrics:
         types.setdefault(m.name, set()).add(type(m))
         assert {k: m.labels[k] for k in ("model_name", "engine")} == {
@@ -92,6 +99,8 @@ def test_names_types_labels_and_buckets(llm):
     assert list(m["vllm:time_to_first_token_seconds"].buckets) == [*map(repr, TTFT_BUCKETS), "+Inf"]
     assert TTFT_BUCKETS[:3] == (0.001, 0.005, 0.01) and TTFT_BUCKETS[-1] == 2560.0
     assert list(m["vllm:inter_token_latency_seconds"].buckets) == [*map(repr, TOKEN_LATENCY_BUCKETS), "+Inf"]
+    # (vLLM 0.11's deprecated name of the same histogram)
+    assert m["vllm:time_per_output_token_seconds"].buckets == m["vllm:inter_token_latency_seconds"].buckets
     assert list(m["vllm:e2e_request_latency_seconds"].buckets)[:3] == ["0.3", "0.5", "0.8"]
     assert len(REQUEST_LATENCY_BUCKETS) == 21 and len(TOKEN_LATENCY_BUCKETS) == 19 and len(TTFT_BUCKETS) == 22
     assert list(m["vllm:request_prompt_tokens"].buckets) == ["1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "+Inf"]
@@ -261,6 +270,7 @@ def test_stats_line_is_logged_as_vllm_engines_log_it(tiny_checkpoint, monkeypatc
 
     monkeypatch.setattr(jaxvllm.metrics, "LOG_STATS_INTERVAL", 0.0)
     line = "Engine 000: Avg prompt throughput: "
+    caplog.set_level("INFO", logger="jaxvllm")
     engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny_checkpoint("qwen3")), **ENGINE),
                                         usage_context=None, enable_multiprocessing=False)
     with caplog.at_level("INFO", logger="jaxvllm"):
@@ -269,6 +279,8 @@ def test_stats_line_is_logged_as_vllm_engines_log_it(tiny_checkpoint, monkeypatc
             assert LLMEngine.validate_outputs(outputs := engine.step(), object) is outputs
     logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith(line)]
     assert logged and "Running: 1 reqs, Waiting: 0 reqs" in logged[0] and "GPU KV cache usage: " in logged[0]
+    assert f"Engine 000: vllm cache_config_info with initialization after num_gpu_blocks is: " \
+           f"{engine.stats()['num_gpu_blocks']}" in caplog.text
     assert "Running: 0 reqs" in logged[-1] and "Avg generation throughput: 0.0" not in logged[-1]
     engine.shutdown()
     caplog.clear()
@@ -278,3 +290,26 @@ def test_stats_line_is_logged_as_vllm_engines_log_it(tiny_checkpoint, monkeypatc
     assert line not in caplog.text
     with pytest.raises(ValueError, match="stat_loggers are not supported"):
         LLMEngine.from_engine_args(EngineArgs(model=str(tiny_checkpoint("qwen3")), **ENGINE), stat_loggers=[object])
+
+
+def test_spec_decoding_line_follows_the_stats_line(caplog):
+    """vLLM's SpecDecodingLogging line, of the drafts since the line before: mean acceptance
+    length (the bonus token included), counts, per-position and mean acceptance rates; no
+    line when nothing was drafted since."""
+    from jaxvllm.metrics import MetricsCollector, StatLogger
+
+    metrics = MetricsCollector("m", 64)
+    metrics.enable_spec_decode(3)
+    stats = StatLogger(metrics, 0)
+    metrics.spec_num_drafts, metrics.spec_num_draft_tokens, metrics.spec_num_accepted_tokens = 4, 12, 6
+    metrics.spec_accepted_per_pos[:] = [4, 2, 0]
+    metrics.generation_tokens = 10
+    with caplog.at_level("INFO", logger="jaxvllm"):
+        stats.log(1, 0, 0.5, 0.0)
+        metrics.generation_tokens = 20
+        stats.log(1, 0, 0.5, 0.0)  # (no drafts since)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("SpecDecoding metrics: ")]
+    assert len(lines) == 1
+    assert lines[0].startswith("SpecDecoding metrics: Mean acceptance length: 2.50, Accepted throughput: ")
+    assert "Accepted: 6 tokens, Drafted: 12 tokens, Per-position acceptance rate: 1.000, 0.500, 0.000, " \
+           "Avg Draft acceptance rate: 50.0%" in lines[0]
