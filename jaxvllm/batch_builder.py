@@ -97,7 +97,8 @@ class BatchBuilder:
     `spec_tokens`: speculative decoding's K; a step with drafts takes a layout with room
     for K per row (`BatchLayout.spec_tokens`). `device_drafts`: the drafts are the draft
     model's on the device (async scheduling; `BatchLayout.device_drafts`), a request's given
-    as -1s in its `spec_token_ids`.
+    as -1s in its `spec_token_ids`; `draft_max_model_len`: no drafts for a row whose K draft
+    positions would reach it (vLLM's speculative `max_model_len`; default `max_model_len`).
     `lora`: LoRA is on; a step with an adapter's tokens takes a layout that carries each
     token's slot (`BatchLayout.lora`), a step without one the layout of an engine without LoRA;
     `lora_kernel`: their delta as grouped matmuls (`ModelInputs.lora_kernel`).
@@ -106,11 +107,13 @@ class BatchBuilder:
     def __init__(self, *, max_num_seqs: int, max_model_len: int, block_size: int, buckets: list[int],
                  vocab_size: int, max_logprobs: int = DEFAULT_MAX_LOGPROBS, decode_only: bool = False,
                  smallest_width: int = SMALLEST_WIDTH, dynamic_loops: bool = False, spec_tokens: int = 0,
-                 device_drafts: bool = False, lora: bool = False, lora_kernel: bool = False) -> None:
+                 device_drafts: bool = False, draft_max_model_len: int | None = None, lora: bool = False,
+                 lora_kernel: bool = False) -> None:
         self.max_num_seqs, self.block_size, self.vocab_size = max_num_seqs, block_size, vocab_size
         self.max_logprobs, self.decode_only, self.dynamic_loops = max_logprobs, decode_only, dynamic_loops
         self.spec_tokens, self.lora, self.lora_kernel = spec_tokens, lora, lora_kernel
         self.device_drafts = device_drafts
+        self.draft_max_model_len = draft_max_model_len or max_model_len
         self.buckets = sorted(set(buckets))
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.widths = block_table_widths(self.max_blocks_per_seq, smallest_width)
@@ -300,7 +303,7 @@ class BatchBuilder:
         v["shifted"][pending] = 1
         v["shift_seq"][: len(seq_of_token)] = np.where(np.isin(seq_of_token, pending), seq_of_token, -1)
         v["next_pos"][:n] = ends
-        propose = samples & (num_blocks * self.block_size >= ends + k)
+        propose = samples & (num_blocks * self.block_size >= ends + k) & (ends + k <= self.draft_max_model_len)
         self.input_batch.drafted[rows] = propose
         return np.flatnonzero(propose)
 

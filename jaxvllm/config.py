@@ -116,8 +116,20 @@ class SpeculativeConfig:
     draft_tensor_parallel_size: int | None = None
     # No drafts in a step while more requests than this run (drafts pay in small batches).
     disable_by_batch_size: int | None = None
-    # vLLM's: the draft's longest sequence; here only the engine's own (no request stops drafting).
+    # vLLM's: a drafter's longest sequence, at most the engine's: no drafts whose positions
+    # reach it (the n-gram proposer ignores it, as vLLM's).
     max_model_len: int | None = None
+    # vLLM 0.11's other fields, which change nothing here: logprobs are as SamplingParams ask
+    # (disable_logprobs), a drafter is compiled like the target (enforce_eager), its batch
+    # is padded whatever disable_padded_drafter_batch says, and local folders have no
+    # revisions. A quantized draft and a token tree are refused when given.
+    disable_logprobs: bool = True
+    enforce_eager: bool | None = None
+    disable_padded_drafter_batch: bool = False
+    revision: str | None = None
+    code_revision: str | None = None
+    quantization: str | None = None
+    speculative_token_tree: str | None = None
 
     def __post_init__(self) -> None:
         method = self.method
@@ -136,6 +148,11 @@ class SpeculativeConfig:
         if self.num_speculative_tokens is None:
             raise ValueError("speculative_config needs num_speculative_tokens (the tokens proposed per step)")
         self.num_speculative_tokens = check_int("num_speculative_tokens", self.num_speculative_tokens, low=1)
+        if self.quantization is not None:
+            raise ValueError(f"speculative_config quantization={self.quantization!r}: a quantized draft is not "
+                             "supported by jaxvllm (a draft checkpoint's own quantization_config is read)")
+        if self.speculative_token_tree is not None:
+            raise ValueError("speculative_config speculative_token_tree: tree drafts are not supported by jaxvllm")
         if self.disable_by_batch_size is not None and (not is_int(self.disable_by_batch_size)
                                                        or self.disable_by_batch_size < 2):
             raise ValueError("Expect the batch size threshold of disabling speculative decoding is > 1, but got "
@@ -145,9 +162,6 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config method {method!r} needs the draft's folder as model, "
                                  f"got {self.model!r}")
             return
-        if self.draft_tensor_parallel_size not in (None, 1):
-            raise ValueError(f"draft_tensor_parallel_size={self.draft_tensor_parallel_size!r}: the n-gram "
-                             "proposer runs on the host and has no model to split")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if lo is None and hi is None:
             lo = hi = DEFAULT_PROMPT_LOOKUP

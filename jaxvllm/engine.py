@@ -601,8 +601,9 @@ class LLMEngine:
             kept = [i for i, r in enumerate(requests) if id(r) in in_step]
             requests, caps = [requests[i] for i in kept], [caps[i] for i in kept]
         # The draft model and the head write their K/V for K tokens from the newest on: their slots
-        # first, only where they lie within max_model_len (as the scheduler's lookahead under async).
-        fits = self.runner.max_model_len - k + 1
+        # first, only where they lie within the draft's max_model_len (as the scheduler's lookahead
+        # under async: within the engine's).
+        fits = self.runner.draft_max_model_len - k + 1
         ready = [(r, cap) for r, cap in zip(requests, caps)
                  if r.num_tokens <= fits and kv.allocate_slots(r, k) is not None]
         blocks = [kv.req_blocks[r.request_id] for r, _ in ready]

@@ -38,6 +38,13 @@ JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.f
 _INDEX_FILE = "model.safetensors.index.json"
 
 
+# vLLM reads EAGLE heads in the `speculators` library's format (config.json's speculators_config;
+# RedHatAI's *-speculator.eagle3), also given as the model itself; jaxvllm does not yet.
+SPECULATORS_FORMAT = ("{!r} is an EAGLE head in the speculators format (config.json has speculators_config), which "
+                      "jaxvllm does not read: give the target as the model and a head in the EAGLE authors' layout as "
+                      "speculative_config={{'method': 'eagle3', 'model': ...}}")
+
+
 def load_config(model: str | Path, hf_overrides: dict[str, Any] | Callable | None = None) -> ModelConfig:
     """Read `config.json` with transformers' AutoConfig; never touches the network.
     `hf_overrides` (vLLM's): fields set on the HF config (a dict value updates a nested
@@ -49,6 +56,8 @@ def load_config(model: str | Path, hf_overrides: dict[str, Any] | Callable | Non
         raise FileNotFoundError(missing_model_message(str(path)))
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in {str(path)!r}")
+    if b'"speculators_config"' in (path / "config.json").read_bytes():
+        raise ValueError(SPECULATORS_FORMAT.format(str(path)))
     try:
         hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     except Exception as e:  # transformers raises several types for a bad or unknown config

@@ -329,9 +329,15 @@ class ModelRunner:
         self.dtype = resolve_dtype(c.dtype, self.cfg)
         self.cfg = dataclasses.replace(self.cfg, max_model_len=self.cfg.checked_max_model_len(c.max_model_len))
         spec = c.speculative_config
-        if spec is not None and spec.max_model_len not in (None, self.max_model_len):
-            raise ValueError(f"speculative_config max_model_len={spec.max_model_len!r}: only the engine's "
-                             f"max_model_len ({self.max_model_len}) is supported (drafts never stop before it)")
+        # vLLM's draft max_model_len: a drafter drafts only where the K draft positions lie
+        # below it (the n-gram proposer, with no model, goes by the engine's).
+        self.draft_max_model_len = self.max_model_len
+        if spec is not None and spec.max_model_len is not None:
+            if spec.max_model_len > self.max_model_len:  # (vLLM's words)
+                raise ValueError(f"speculative_max_model_len={spec.max_model_len} cannot be larger than "
+                                 f"target_max_model_len={self.max_model_len}")
+            if spec.method in MODEL_SPECULATIVE_METHODS:
+                self.draft_max_model_len = spec.max_model_len
         self.backend = resolve_backend(c.attention_backend, softcapped=self.cfg.attn_logit_softcapping is not None)
         # Speculative decoding's K: steps with drafts take layouts and samplers with room for K a row.
         self.spec_tokens = c.speculative_config.num_speculative_tokens if c.speculative_config else 0
@@ -348,6 +354,7 @@ class ModelRunner:
             max_logprobs=c.max_logprobs, decode_only=self.backend == "pallas",
             smallest_width=NARROW_WIDTH if self.backend == "reference" and not dynamic_loops else SMALLEST_WIDTH,
             dynamic_loops=dynamic_loops, spec_tokens=self.spec_tokens, device_drafts=self.device_drafts,
+            draft_max_model_len=self.draft_max_model_len,
             lora=c.enable_lora,
             # (as the MoE experts: the Pallas grouped matmul with the Pallas kernels, on one device)
             lora_kernel=self.backend == "pallas" and self.mesh is None,

@@ -53,7 +53,8 @@ from jaxvllm.config import EngineConfig
 from jaxvllm.input_batch import NEWEST, BatchLayout, store_drafts
 from jaxvllm.kv_cache import CACHE_STEP_COMPILER_OPTIONS, KVCacheSpec, allocate_kv_caches, with_cache_storage
 from jaxvllm.layers import linear, rms_norm
-from jaxvllm.loader import _param_shardings, dummy_params, load_safetensors, resolve_dtype, tensor_files
+from jaxvllm.loader import (SPECULATORS_FORMAT, _param_shardings, dummy_params, load_safetensors, resolve_dtype,
+                            tensor_files)
 from jaxvllm.model_config import ModelConfig
 from jaxvllm.models import MODELS
 from jaxvllm.models.common import ParamSpec, attention, attention_specs, mlp, mlp_specs
@@ -94,6 +95,8 @@ def load_eagle_config(model: str, method: str, target: ModelConfig) -> EagleConf
         raise ValueError(f"cannot read {path}: {e}") from e
     if raw.get("add_para_norm"):
         raise ValueError(f"the {method} head {model!r} is a HASS head (add_para_norm), not supported by jaxvllm yet")
+    if "speculators_config" in raw:
+        raise ValueError(SPECULATORS_FORMAT.format(model))
     hf = LlamaConfig.from_dict({k: v for k, v in raw.items() if k not in ("architectures", "model_type")})
     hf.architectures = ["LlamaForCausalLM"]  # the head's layers are Llama layers, whatever it drafts for
     cfg = ModelConfig.from_hf(hf)

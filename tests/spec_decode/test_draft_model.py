@@ -72,6 +72,22 @@ def test_the_real_model_as_its_own_draft_accepts_everything(smollm2_path):
     assert stats["spec_decode_num_draft_tokens"] > 0 and stats["spec_decode_acceptance_rate"] == 1.0
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_drafts_stop_at_the_speculative_max_model_len(tiny_checkpoint, async_scheduling):
+    """vLLM's speculative max_model_len (below the engine's): the drafter drafts only where
+    its K positions lie below it, and the outputs are the same."""
+    path, params = tiny_checkpoint("llama"), SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    drafted = {}
+    for limit in (None, 40):
+        spec = {**draft_config(path), **({"max_model_len": limit} if limit else {})}
+        with LLM(str(path), speculative_config=spec, async_scheduling=async_scheduling, **ENGINE) as llm:
+            drafted[limit] = (token_ids(llm, params, PROMPTS[:1]), llm.stats()["spec_decode_num_draft_tokens"])
+    (full, unlimited), (same, limited) = drafted[None], drafted[40]
+    assert same == full and len(full[0]) == 60
+    # (prompt 5, K = 3: drafts while the sequence is at most 37 tokens, about 9 verifies of 4)
+    assert 0 < limited < unlimited and limited <= 3 * (40 - 5) // 4 + 3
+
+
 def test_a_perturbed_draft_keeps_greedy_outputs(engines):
     plain, spec, sync = engines
     assert spec.llm_engine.runner.device_drafts and not sync.llm_engine.runner.device_drafts

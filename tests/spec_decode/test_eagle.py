@@ -158,10 +158,15 @@ def test_heads_that_do_not_fit_are_refused_before_loading(target, heads, tmp_pat
         (edited("layers", eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 4]}), "eagle3",
          r"reads target layers \[0, 1, 4\]: it needs three of the target's 4 layers"),
         (edited("hass", add_para_norm=True), "eagle", "HASS head"),
+        (edited("speculators", speculators_config={"algorithm": "eagle3"}), "eagle3",
+         "an EAGLE head in the speculators format"),
     ]
     for folder, method, message in cases:
         with pytest.raises(ValueError, match=message):
             LLM(str(target), speculative_config=eagle_config(method, folder), **ENGINE)
+    # (vLLM also runs such a head given as the model: its verifier, with the head's drafts)
+    with pytest.raises(ValueError, match="speculators.* which jaxvllm does not read"):
+        LLM(str(tmp_path / "speculators"), **ENGINE)
     with pytest.raises(FileNotFoundError, match="has no config.json"):
         LLM(str(target), speculative_config=eagle_config("eagle", tmp_path), **ENGINE)
     for name in ("d2t", "lm_head.weight"):  # (a draft vocabulary needs both; refused before loading)

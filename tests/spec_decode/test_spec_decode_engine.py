@@ -174,10 +174,26 @@ def test_no_compilation_after_warmup(engines):
     ({"model": "some/draft", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2},
      "draft_tensor_parallel_size=2: the draft model is split as the target is"),
     ({"method": "ngram", "num_speculative_tokens": 2, "typo": 1}, "unknown or unsupported key"),
+    ({"model": "some/draft", "num_speculative_tokens": 2, "quantization": "fp8"},
+     "quantization='fp8': a quantized draft is not supported"),
+    ({"method": "eagle", "model": "x", "num_speculative_tokens": 2, "speculative_token_tree": "[(0,)]"},
+     "speculative_token_tree: tree drafts are not supported"),
 ])
 def test_bad_configs_are_refused_before_loading(config, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
         LLM("/nonexistent/model", speculative_config=config)
+
+
+def test_vllm_0_11s_other_fields_are_taken():
+    """Fields of vLLM 0.11's SpeculativeConfig that change nothing here are accepted (a config
+    copied from vLLM runs), and draft_tensor_parallel_size is not read for n-gram drafts."""
+    from jaxvllm.config import SpeculativeConfig
+
+    config = SpeculativeConfig.of({"method": "ngram", "num_speculative_tokens": 2, "disable_logprobs": False,
+                                   "enforce_eager": True, "disable_padded_drafter_batch": True, "revision": "main",
+                                   "code_revision": None, "quantization": None, "speculative_token_tree": None,
+                                   "draft_tensor_parallel_size": 4})
+    assert (config.method, config.prompt_lookup_min, config.prompt_lookup_max) == ("ngram", 5, 5)
 
 
 def test_the_method_is_inferred_as_vllm_infers_it():
@@ -212,13 +228,15 @@ def test_an_id_aborted_and_added_again_drafts_from_its_own_tokens(engines):
     assert not engine.has_unfinished_requests()
 
 
-def test_the_engines_max_model_len_is_taken(tiny_checkpoint):
-    """vLLM's examples pass speculative_config's max_model_len (the draft's) equal to the engine's."""
+def test_speculative_max_model_len(tiny_checkpoint):
+    """vLLM's speculative max_model_len: at most the engine's (vLLM's words), and ignored by
+    the n-gram proposer, which has no model (a drafter's is tested with the draft model)."""
     path = str(tiny_checkpoint("llama"))
-    with LLM(path, max_model_len=64, enforce_eager=True, speculative_config={**SPEC, "max_model_len": 64}) as llm:
-        assert llm.llm_engine.config.speculative_config.max_model_len == 64
-    with pytest.raises(ValueError, match=r"speculative_config max_model_len=32: only the engine's max_model_len \(64\)"):
-        LLM(path, max_model_len=64, enforce_eager=True, speculative_config={**SPEC, "max_model_len": 32})
+    with LLM(path, max_model_len=64, enforce_eager=True, speculative_config={**SPEC, "max_model_len": 32}) as llm:
+        assert llm.llm_engine.config.speculative_config.max_model_len == 32
+        assert llm.llm_engine.runner.draft_max_model_len == 64
+    with pytest.raises(ValueError, match=r"speculative_max_model_len=65 cannot be larger than target_max_model_len=64"):
+        LLM(path, max_model_len=64, enforce_eager=True, speculative_config={**SPEC, "max_model_len": 65})
 
 
 def test_logprobs_of_every_emitted_token(engines):
@@ -283,8 +301,8 @@ def test_requests_with_sampler_state_get_drafts(engines):
     cases = [
         SamplingParams(repetition_penalty=1.2, ignore_eos=True, **common),
         SamplingParams(frequency_penalty=0.2, presence_penalty=0.3, ignore_eos=True, **common),
-        SamplingParams(logit_bias={looped[2][5]: 1.5}, allowed_token_ids=sorted({t for s in looped for t in s}),
-                       ignore_eos=True, **common),
+        SamplingParams(logit_bias={looped[2][5]: 1.5}, allowed_token_ids=sorted(  # (ids the tokenizer has)
+            {t for s in looped for t in s if t < len(plain.get_tokenizer())}), ignore_eos=True, **common),
         SamplingParams(bad_words=[word], ignore_eos=True, **common),
         SamplingParams(stop_token_ids=[looped[0][2], looped[1][2]], min_tokens=25, **common),
     ]
