@@ -273,6 +273,12 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     lora_dtype: str = "auto"
+    # vLLM's, which change nothing here: how adapters split over devices (fully_sharded_loras:
+    # outputs are the same either way), room for adapters' added tokens (embedding adapters
+    # are refused), and multimodal default adapters (None only).
+    fully_sharded_loras: bool = False
+    lora_extra_vocab_size: int = 256
+    default_mm_loras: dict | None = None
     # The most logprobs a request may ask for (-1: the whole vocabulary), as vLLM's.
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     # What Logprob.logprob holds: vLLM's "raw_logprobs" (of the model's logits),
@@ -436,12 +442,22 @@ class EngineConfig:
         return dataclasses.replace(self, max_num_batched_tokens=tokens, max_num_seqs=seqs)
 
     def _check_lora(self) -> None:
+        """The LoRA arguments, as vLLM reads them: only with enable_lora (they are ignored
+        otherwise), max_cpu_loras of 0 or less meaning max_loras, lora_dtype a name or a
+        torch dtype."""
+        if self.default_mm_loras:
+            raise ValueError("default_mm_loras: multimodal models are not supported by jaxvllm")
+        if not self.enable_lora:
+            return
         for name in ("max_loras", "max_lora_rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.max_cpu_loras is None:
+        check_bool("fully_sharded_loras", self.fully_sharded_loras)
+        if self.max_cpu_loras is None or (is_int(self.max_cpu_loras) and self.max_cpu_loras <= 0):
             self.max_cpu_loras = self.max_loras
+        if type(self.lora_dtype).__module__ == "torch":  # (vLLM takes a torch.dtype too)
+            self.lora_dtype = str(self.lora_dtype).removeprefix("torch.")
         if (not isinstance(self.max_cpu_loras, int) or isinstance(self.max_cpu_loras, bool)
                 or self.max_cpu_loras < self.max_loras):
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras!r}) must be an int >= max_loras ({self.max_loras})")

@@ -259,18 +259,17 @@ class LLMEngine:
                                f"{users[:4]}: let them finish or abort them first")
 
     def remove_lora(self, lora_id: int) -> bool:
-        """Forget an adapter; refused while an unfinished request uses it."""
+        """vLLM's: forget an adapter held (False if none is). Unfinished requests that use it
+        go on, as in vLLM: it is read again from its folder when they next need it."""
         with self._exclusive():
             self.check_remove_lora(lora_id)
             with defer_interrupts():
-                return self.runner.lora.remove(lora_id)
+                return self.runner.lora.remove(lora_id, in_use=bool(self._lora_users(lora_id)))
 
     def check_remove_lora(self, lora_id: int) -> None:
         """Raise what `remove_lora` would refuse, changing nothing."""
         self._check_open()
         self._lora_manager()
-        if users := self._lora_users(lora_id):
-            raise ValueError(f"LoRA adapter {lora_id} is in use by unfinished requests {users[:4]}; abort them first")
 
     def _lora_users(self, lora_id: int) -> list[str]:
         return [r.request_id for r in self.scheduler.requests.values() if r.lora_id == lora_id]

@@ -117,7 +117,7 @@ def read_adapter(request: LoRARequest, targets: list[LoRATarget], max_rank: int,
         if missing:
             raise ValueError(f"{label}: module {module!r} has no lora_{missing.pop()}.weight")
         rank = _per_module(config, "rank_pattern", module, config["r"])
-        alpha = _per_module(config, "alpha_pattern", module, config.get("lora_alpha", config["r"]))
+        alpha = _per_module(config, "alpha_pattern", module, config["lora_alpha"])
         scale = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
         weights[module] = (pair["A"], pair["B"] * np.float32(scale))
         out, inputs = known[module]
@@ -130,6 +130,10 @@ def read_adapter(request: LoRARequest, targets: list[LoRATarget], max_rank: int,
 
 
 def _check_config(config: dict, label: str, max_rank: int) -> None:
+    # (vLLM's PEFTHelper needs these three; a missing lora_alpha is PEFT's 8, not r)
+    if missing := [key for key in ("r", "lora_alpha", "target_modules") if key not in config]:
+        raise ValueError(f"{label}: {CONFIG_FILE} lacks {missing}: vLLM's required fields are r, lora_alpha and "
+                         "target_modules (Missing required configuration fields)")
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{label}: peft_type {config['peft_type']!r} is not supported (LoRA only)")
     if config.get("use_dora"):

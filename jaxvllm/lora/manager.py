@@ -125,28 +125,35 @@ class LoRAManager:
             if lora_id not in self.pinned and lora_id != adapter.request.lora_int_id:
                 del self.host[lora_id]
 
-    def remove(self, lora_id: int) -> bool:
-        """Forget an adapter (host and device); False if unknown."""
-        if self.requests.pop(lora_id, None) is None:
+    def remove(self, lora_id: int, in_use: bool = False) -> bool:
+        """Forget an adapter held on the host (and its device slot); False if none is, as
+        vLLM's (whose registered adapters are its host cache). `in_use`: unfinished requests
+        run with it; as in vLLM, they go on, the adapter read again from its folder when
+        next loaded."""
+        if lora_id not in self.host:
             return False
-        self.versions.pop(lora_id, None)
-        self.stamps.pop(lora_id, None)
-        self.host.pop(lora_id, None)
+        self.host.pop(lora_id)
         self.pinned.discard(lora_id)
         self.slot_ids = [None if s == lora_id else s for s in self.slot_ids]
+        if not in_use:
+            del self.requests[lora_id]
+            self.versions.pop(lora_id, None)
+            self.stamps.pop(lora_id, None)
         return True
 
     def pin(self, lora_id: int) -> bool:
-        """Keep an added adapter read on the host and, once loaded, on the device."""
-        if lora_id not in self.requests:
-            raise ValueError(f"LoRA adapter {lora_id} was never added; nothing to pin")
+        """Keep an adapter held on the host there and, once loaded, on the device."""
+        if lora_id not in self.host:  # (vLLM's words)
+            raise ValueError(f"Pinning failed. LoRA {lora_id} is not registered.")
         if lora_id not in self.pinned and len(self.pinned) >= self.max_loras:
             raise ValueError(f"already {len(self.pinned)} adapters pinned, as many as max_loras={self.max_loras}")
         self.pinned.add(lora_id)
         return True
 
     def list(self) -> set[int]:
-        return set(self.requests)
+        """The adapters held on the host (`max_cpu_loras` at most, least recently used ones
+        dropped), as vLLM's `list_loras`; an adapter dropped is read again when a request uses it."""
+        return set(self.host)
 
     # -- device slots ----------------------------------------------------------------------
 

@@ -259,14 +259,17 @@ def test_adapter_api(llama_llm, adapter, tiny_checkpoint):
     assert engine.add_lora(a) and engine.add_lora(b)
     assert {1, 2} <= engine.list_loras()
     assert engine.pin_lora(1)
-    engine.add_request("r", {"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=3, temperature=0),
-                       lora_request=b)
-    with pytest.raises(ValueError, match=r"LoRA adapter 2 is in use by unfinished requests \['r'\]"):
-        engine.remove_lora(2)
+    greedy = SamplingParams(max_tokens=3, temperature=0)
+    want = llama_llm.generate({"prompt_token_ids": PROMPTS[0]}, greedy, lora_request=b, use_tqdm=False)
+    engine.add_request("r", {"prompt_token_ids": PROMPTS[0]}, greedy, lora_request=b)
+    engine.step()
+    # As vLLM's: removed while a request uses it, it is read again for the request, which goes on
+    assert engine.remove_lora(2) and 2 not in engine.list_loras()
     done = []
     while engine.has_unfinished_requests():
         done += engine.step()
-    assert done[-1].finished and len(done[-1].outputs[0].token_ids) == 3
+    assert done[-1].finished and done[-1].outputs[0].token_ids == want[0].outputs[0].token_ids
+    assert 2 in engine.list_loras()
     assert engine.remove_lora(2) and 2 not in engine.list_loras() and not engine.remove_lora(2)
     beams = llama_llm.beam_search([{"prompt_token_ids": PROMPTS[0]}], BeamSearchParams(beam_width=2, max_tokens=3),
                                   lora_request=a)
@@ -281,6 +284,40 @@ def test_adapter_api(llama_llm, adapter, tiny_checkpoint):
     assert with_lora[0].outputs[0].token_ids != without[0].outputs[0].token_ids
     assert with_lora[0].lora_request is a and with_lora[0].outputs[0].lora_request is a  # (vLLM's fields)
     assert without[0].lora_request is None and without[0].outputs[0].lora_request is None
+
+
+def test_list_loras_is_the_host_cache(tiny_checkpoint, adapter):
+    """As vLLM's (its tests/lora/test_lora_functions.py): list_loras is the max_cpu_loras
+    adapters held on the host, least recently used dropped but pinned kept; removing or
+    pinning one dropped is refused as vLLM refuses it, and a request reads it again."""
+    path = adapter("llama", 0)
+    with LLM(tiny_checkpoint("llama"), enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=3,
+             **ENGINE) as llm:
+        engine = llm.llm_engine
+        mk = lambda i: LoRARequest(f"{i}", i, str(path))  # noqa: E731
+        assert engine.add_lora(mk(1)) and engine.add_lora(mk(2)) and engine.pin_lora(1)
+        for i in (3, 4, 5):
+            engine.add_lora(mk(i))
+        assert engine.list_loras() == {1, 4, 5}
+        assert not engine.remove_lora(2)
+        with pytest.raises(ValueError, match="Pinning failed. LoRA 3 is not registered."):
+            engine.pin_lora(3)
+        assert engine.remove_lora(1) and engine.list_loras() == {4, 5}
+        llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=2), lora_request=mk(2),
+                     use_tqdm=False)
+        assert engine.list_loras() == {2, 4, 5}
+
+
+def test_lora_engine_arguments_as_vllm_reads_them():
+    """vLLM 0.11's LoRA arguments: max_cpu_loras 0 means max_loras, lora_dtype may be a torch
+    dtype, fully_sharded_loras and lora_extra_vocab_size are taken (nothing changes here),
+    and without enable_lora none is read; multimodal default adapters are refused."""
+    config = EngineConfig(model="m", enable_lora=True, max_loras=2, max_cpu_loras=0, fully_sharded_loras=True,
+                          lora_extra_vocab_size=512, lora_dtype=torch.bfloat16)
+    assert (config.max_cpu_loras, config.lora_dtype, config.fully_sharded_loras) == (2, "bfloat16", True)
+    assert EngineConfig(model="m", max_loras=0, lora_dtype="int8").max_loras == 0
+    with pytest.raises(ValueError, match="default_mm_loras: multimodal models are not supported"):
+        EngineConfig(model="m", default_mm_loras={"image": "/adapters/vision"})
 
 
 def _edit_config(src: Path, out: Path, **changes) -> Path:
@@ -329,6 +366,12 @@ def test_refusals(llama_llm, adapter, tiny_checkpoint, tmp_path):
         broken = shutil.copytree(good, tmp_path / name)
         (broken / "adapter_config.json").write_text(text)
         cases.append((broken, r"adapter_config.json (is not valid JSON|holds a list, not a JSON object)"))
+    # (a missing lora_alpha is PEFT's 8, not r: vLLM refuses the file, as here)
+    no_alpha = shutil.copytree(good, tmp_path / "no-alpha")
+    config = json.loads((no_alpha / "adapter_config.json").read_text())
+    del config["lora_alpha"], config["target_modules"]
+    (no_alpha / "adapter_config.json").write_text(json.dumps(config))
+    cases.append((no_alpha, r"adapter_config.json lacks \['lora_alpha', 'target_modules'\]: vLLM's required fields"))
     bin_dir = shutil.copytree(good, tmp_path / "bin")
     (bin_dir / "adapter_model.safetensors").rename(bin_dir / "adapter_model.bin")
     cases.append((bin_dir, r"adapter_model.bin \(a pickled torch file\) is not supported"))
@@ -370,6 +413,10 @@ def test_lora_request_takes_vllm_0_11s_fields(adapter):
     with pytest.warns(DeprecationWarning, match="lora_local_path is deprecated"):
         old, positional = LoRARequest("old", 1, lora_local_path=path), LoRARequest("positional", 2, "", path)
     assert old.lora_path == path == positional.path
+    # (vLLM's get_adapter_absolute_path: "~" expanded, a relative folder made absolute)
+    home = LoRARequest("home", 4, "~/adapters/x")
+    assert home.lora_path == os.path.join(os.path.expanduser("~"), "adapters", "x")
+    assert LoRARequest("relative", 5, "adapters/x").lora_path == os.path.join(os.getcwd(), "adapters", "x")
     with pytest.raises(ValueError, match="long_lora_max_len=4096: long-context LoRA is not supported"):
         LoRARequest("long", 3, path, long_lora_max_len=4096)
 
