@@ -54,6 +54,7 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 CPU_MAX_NUM_BATCHED_TOKENS = 2048
 
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "guidance")  # "auto" is llguidance
+_OTHER_STRUCTURED_OUTPUTS_BACKENDS = ("xgrammar", "outlines", "lm-format-enforcer")  # vLLM's others
 
 
 @dataclass
@@ -64,15 +65,18 @@ class StructuredOutputsConfig:
     backend: str = "auto"
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
-    # vLLM 0.11's: no other backend to fall back to here; no reasoning parsers (only "").
+    # vLLM 0.11's: no other backend to fall back to here; no reasoning parsers (only ""), so
+    # enable_in_reasoning changes nothing.
     disable_fallback: bool = False
     reasoning_parser: str = ""
+    enable_in_reasoning: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in STRUCTURED_OUTPUTS_BACKENDS:
             raise ValueError(f"structured outputs backend {self.backend!r} is not available in jaxvllm; "
                              f"choose from {STRUCTURED_OUTPUTS_BACKENDS} ('auto' is llguidance)")
-        for name in ("disable_any_whitespace", "disable_additional_properties", "disable_fallback"):
+        for name in ("disable_any_whitespace", "disable_additional_properties", "disable_fallback",
+                     "enable_in_reasoning"):
             check_bool(f"structured_outputs_config {name}", getattr(self, name))
         if self.reasoning_parser != "":
             raise ValueError(f"structured_outputs_config reasoning_parser={self.reasoning_parser!r}: reasoning parsers "
@@ -397,6 +401,11 @@ class EngineConfig:
             raise ValueError(f"structured_outputs_config must be a StructuredOutputsConfig or a dict, got {so!r}")
         deprecated = {name: getattr(self, f"guided_decoding_{name}") for name in
                       ("backend", "disable_fallback", "disable_any_whitespace", "disable_additional_properties")}
+        if deprecated["backend"] in _OTHER_STRUCTURED_OUTPUTS_BACKENDS:
+            # (vLLM 0.11 sets it where nothing reads it: scripts that pass it run on "auto" there)
+            logger.warning("guided_decoding_backend=%r is not available in jaxvllm; llguidance ('guidance') "
+                           "is used", deprecated["backend"])
+            deprecated["backend"] = None
         if given := {name: value for name, value in deprecated.items() if value is not None}:  # (vLLM 0.11's)
             self.structured_outputs_config = dataclasses.replace(self.structured_outputs_config, **given)
         self.speculative_config = spec = SpeculativeConfig.of(self.speculative_config)

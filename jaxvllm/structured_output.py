@@ -151,9 +151,13 @@ def spec_key(spec: StructuredOutputsParams) -> str:
 class Grammar:
     """One request's matcher: which tokens may come next, advanced on each token it gets."""
 
-    def __init__(self, compiled: Future) -> None:
+    def __init__(self, compiled: Future, eos: int | None = None) -> None:
         self._compiled = compiled
+        self._eos = eos  # llguidance's EOS id (the tokenizer's)
         self._matcher = None  # the request's own copy, made when first needed
+        # vLLM's `terminated`: the EOS was accepted. Under ignore_eos the request goes on, its
+        # tokens no longer constrained (every bit of its mask rows set), as in vLLM.
+        self.terminated = False
         # Set when filling a mask: no id of the model's vocabulary may come next (only ids
         # that the tokenizer alone has); the engine ends the request, dropping that row's token.
         self.dead_end = False
@@ -181,19 +185,23 @@ class Grammar:
         """Start again and advance past `token_ids`: a failed step's tokens were taken back
         after the matcher had consumed some of them."""
         self._matcher = None
-        self.dead_end, self.dead_end_at = False, None
+        self.dead_end, self.dead_end_at, self.terminated = False, None, False
         for token_id in token_ids:
-            self.matcher.consume_token(token_id)
+            self.accept(token_id)
 
     def accept(self, token_id: int) -> bool:
         """Advance past a sampled token; False if the grammar refuses it."""
-        return self.matcher.consume_token(token_id)
+        if self.terminated:
+            return True
+        accepted = self.matcher.consume_token(token_id)
+        self.terminated = accepted and token_id == self._eos
+        return accepted
 
     @property
     def stopped(self) -> bool:
         """The match is complete: only EOS may follow. As vLLM's, its mask then allows only
         EOS (llguidance's mask of a stopped matcher), the model samples it, and the EOS ends
-        the request (under ignore_eos, EOS follows EOS up to max_tokens)."""
+        the request (under ignore_eos, the tokens after it are not constrained: `terminated`)."""
         return self.matcher.is_stopped()
 
     @property
@@ -259,7 +267,7 @@ class StructuredOutputManager:
                 del self._compiled[next(iter(self._compiled))]
         if self.wait:
             compiled.result()
-        return Grammar(compiled)
+        return Grammar(compiled, self.tokenizer.eos_token)
 
     def _compile(self, text: str):
         """A matcher in its start state, which requests copy. (A grammar that fails here,
@@ -274,7 +282,8 @@ class StructuredOutputManager:
         the rows of each (row, grammar, drafts): the grammar's allowed next tokens at `row`,
         and in a speculative step, after each of its drafts at the rows that follow (the
         matcher advances over the drafts, then rolls back). A failed grammar's rows keep
-        every bit (their tokens are dropped). So does a row at a dead end: its grammar is
+        every bit (their tokens are dropped), and so do a terminated one's (past its EOS,
+        under ignore_eos: unconstrained, as vLLM's). So does a row at a dead end: its grammar is
         marked (`Grammar.dead_end` at `row`, `Grammar.dead_end_at` after a draft)."""
         llguidance = _llguidance()
         start = time.perf_counter()
@@ -283,7 +292,7 @@ class StructuredOutputManager:
         # past the model's vocabulary.
         extra = self.tokenizer.vocab_size > vocab
         mask = np.full((num_rows, bitmask_words(self.tokenizer.vocab_size)), -1, np.int32)
-        live = [(g, row) for row, g, _ in rows if not (g.failed or g.dead_end)]
+        live = [(g, row) for row, g, _ in rows if not (g.failed or g.dead_end or g.terminated)]
         matchers = [(g.matcher, row) for g, row in live]
         if len(matchers) == 1:
             llguidance.numpy.fill_next_token_bitmask(matchers[0][0], mask, matchers[0][1])

@@ -201,9 +201,16 @@ def test_vllm_engine_arguments_are_accepted(tiny_checkpoint):
                                  ("disable_sliding_window", True, "turning sliding windows off"),
                                  ("reasoning_parser", "deepseek_r1", "reasoning parsers"),
                                  ("worker_extension_cls", "my.Ext", "worker extensions"),
-                                 ("guided_decoding_backend", "outlines", "backend 'outlines' is not available")]:
+                                 ("guided_decoding_backend", "nonsense", "backend 'nonsense' is not available"),
+                                 ("structured_outputs_config", {"backend": "outlines"},
+                                  "backend 'outlines' is not available")]:
         with pytest.raises(ValueError, match=message):
             EngineConfig(model=str(path), **{name: value})
+    # vLLM 0.11 sets its deprecated guided_decoding_backend where nothing reads it: scripts that name
+    # another backend there run (on llguidance here, with a warning); enable_in_reasoning is taken
+    config = EngineConfig(model=str(path), guided_decoding_backend="xgrammar",
+                          structured_outputs_config={"enable_in_reasoning": True})
+    assert config.structured_outputs_config.backend == "auto"
 
 
 def test_vllm_0_11s_deprecated_guided_decoding_names_and_list_fields(llm):
