@@ -113,7 +113,7 @@ class BatchBuilder:
         self.max_logprobs, self.decode_only, self.dynamic_loops = max_logprobs, decode_only, dynamic_loops
         self.spec_tokens, self.lora, self.lora_kernel = spec_tokens, lora, lora_kernel
         self.device_drafts = device_drafts
-        self.draft_max_model_len = draft_max_model_len or max_model_len
+        self.draft_max_model_len = max_model_len if draft_max_model_len is None else draft_max_model_len
         self.buckets = sorted(set(buckets))
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.widths = block_table_widths(self.max_blocks_per_seq, smallest_width)

@@ -152,6 +152,8 @@ class SpeculativeConfig:
         if self.num_speculative_tokens is None:
             raise ValueError("speculative_config needs num_speculative_tokens (the tokens proposed per step)")
         self.num_speculative_tokens = check_int("num_speculative_tokens", self.num_speculative_tokens, low=1)
+        if self.max_model_len is not None:
+            self.max_model_len = check_int("speculative_config max_model_len", self.max_model_len, low=1)
         if self.quantization is not None:
             raise ValueError(f"speculative_config quantization={self.quantization!r}: a quantized draft is not "
                              "supported by jaxvllm (a draft checkpoint's own quantization_config is read)")
@@ -707,7 +709,8 @@ def _portable(value: Any) -> str:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
         if isinstance(value, SpeculativeConfig):
-            fields.pop("model")  # (a folder: each process may keep the draft model elsewhere)
+            for name in ("model", "revision", "code_revision"):  # (each process may keep the draft elsewhere)
+                fields.pop(name)
         return type(value).__name__ + _portable(fields)
     if isinstance(value, dict):
         return "{" + ", ".join(f"{_portable(k)}: {_portable(v)}" for k, v in sorted(value.items(), key=repr)) + "}"

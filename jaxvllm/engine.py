@@ -85,7 +85,11 @@ class LLMEngine:
         max_model_len = model_config.checked_max_model_len(config.max_model_len)
         self.config = config = config.for_platform(jax.default_backend(), max_model_len)
         self.tokenizer = load_tokenizer(config)
-        method = config.speculative_config.method if config.speculative_config is not None else None
+        spec = config.speculative_config
+        method = spec.method if spec is not None else None
+        if spec is not None and spec.max_model_len is not None and spec.max_model_len > max_model_len:  # (vLLM's words)
+            raise ValueError(f"speculative_max_model_len={spec.max_model_len} cannot be larger than "
+                             f"target_max_model_len={max_model_len}")
         if method == "draft_model":
             check_draft_model(config, self.tokenizer)  # (before any weights load)
         elif method in ("eagle", "eagle3"):
@@ -226,8 +230,14 @@ class LLMEngine:
             return 0
         manager = self._lora_manager(lora_request)  # (an engine without LoRA refuses any, first)
         with defer_interrupts():
+            self._forget_removed(lora_request.lora_int_id)
             manager.add(lora_request)  # (read once: held ones are not read again)
         return lora_request.lora_int_id
+
+    def _forget_removed(self, lora_id: int) -> None:
+        """An id removed while requests used it is the old adapter's only until they end."""
+        if lora_id in self.runner.lora.removed and not self._lora_users(lora_id):
+            self.runner.lora.forget(lora_id)
 
     def _lora_manager(self, lora_request: Any = None):
         if self.runner.lora is None:
@@ -246,6 +256,7 @@ class LLMEngine:
         with self._exclusive():
             self.check_add_lora(lora_request)
             with defer_interrupts():
+                self._forget_removed(lora_request.lora_int_id)
                 self.runner.lora.add(lora_request, replace=True)
             return True
 

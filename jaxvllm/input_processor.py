@@ -21,7 +21,7 @@ from jaxvllm.detokenizer import IncrementalDetokenizer, TokenizerInfo
 from jaxvllm.request import ParentRequest, Request
 from jaxvllm.sampler import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS
 from jaxvllm.sampling_params import SamplingParams
-from jaxvllm.structured_output import StructuredOutputManager
+from jaxvllm.structured_output import StructuredOutputManager, tokenizer_size
 
 PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}  # (others are ignored, as by vLLM)
 MULTIMODAL_KEYS = {"multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids"}
@@ -206,7 +206,7 @@ class InputProcessor:
         params.check_supported(self.config.max_logprobs, self.vocab_size)
         params.check_vocab(self.vocab_size)
         if self.tokenizer is not None and params.allowed_token_ids is not None:  # (vLLM's check)
-            size = len(self.tokenizer)
+            size = tokenizer_size(self.tokenizer)
             if outside := [t for t in params.allowed_token_ids if t >= size]:
                 raise ValueError(f"allowed_token_ids contains out-of-vocab token id {outside[0]}: the tokenizer "
                                  f"has {size} tokens")
@@ -225,7 +225,7 @@ class InputProcessor:
         max_model_len = self.max_model_len
         bad_words = self.bad_words_token_ids(params.bad_words) if params.bad_words else []
         keep = params.truncate_prompt_tokens
-        if keep is not None:  # vLLM truncates on the left: the last tokens stay
+        if keep is not None:  # (on the tokenizer's truncation_side, the left as loaded: the last tokens stay)
             keep = max_model_len - 1 if keep == -1 else keep
             if keep > max_model_len:
                 raise ValueError(

@@ -635,21 +635,26 @@ def join_quantized(params: dict, specs: list[ParamSpec], fmt: CheckpointFormat, 
         name = spec.path[-1].removesuffix("_scale")
         if spec.path[0] != "layers" or name == spec.path[-1]:
             continue
-        # (the scales leave `layers` only once the joined weight holds them: a Ctrl-C in a
-        # device_put here leaves them where the caller's `_freed_on_failure` deletes them)
+        # (the scales leave `layers` only once the joined weight holds them, and what is placed
+        # for the join waits in `layers` too: a Ctrl-C in a device_put here leaves them all
+        # where the caller's `_freed_on_failure` deletes them)
         value, scale, zero = layers[name], layers[spec.path[-1]], layers.get(f"{name}_zero")
         join = partial(QuantizedWeight, group_size=fmt.block[1], weight_only=fmt.weight_only)
-        more = leaves.get(name, {})
+        more, placing = leaves.get(name, {}), layers.setdefault(f"{name}_placing", [])
+
+        def place(x, like):
+            placing.append(jax.device_put(x, _replicated(like)))
+            return placing[-1]
+
         if isinstance(value, list):
             zero = zero or [None] * len(value)
-            layers[name] = [join(v, s, zero=z, **{kind: jax.device_put(per_layer[i], _replicated(v))
-                                                  for kind, per_layer in more.items()})
+            layers[name] = [join(v, s, zero=z, **{kind: place(per_layer[i], v) for kind, per_layer in more.items()})
                             for i, (v, s, z) in enumerate(zip(value, scale, zero))]
         else:
-            placed = {kind: jax.device_put(np.stack(per_layer) if spec.layers else per_layer[0], _replicated(value))
+            placed = {kind: place(np.stack(per_layer) if spec.layers else per_layer[0], value)
                       for kind, per_layer in more.items()}
             layers[name] = join(value, scale, zero=zero, **placed)
-        del layers[spec.path[-1]]
+        del layers[spec.path[-1]], layers[f"{name}_placing"]
         layers.pop(f"{name}_zero", None)
     return params
 

@@ -331,13 +331,10 @@ class ModelRunner:
         spec = c.speculative_config
         # vLLM's draft max_model_len: a drafter drafts only where the K draft positions lie
         # below it (the n-gram proposer, with no model, goes by the engine's).
+        # (at most the engine's: LLMEngine refuses more before any weight loads)
         self.draft_max_model_len = self.max_model_len
-        if spec is not None and spec.max_model_len is not None:
-            if spec.max_model_len > self.max_model_len:  # (vLLM's words)
-                raise ValueError(f"speculative_max_model_len={spec.max_model_len} cannot be larger than "
-                                 f"target_max_model_len={self.max_model_len}")
-            if spec.method in MODEL_SPECULATIVE_METHODS:
-                self.draft_max_model_len = spec.max_model_len
+        if spec is not None and spec.max_model_len is not None and spec.method in MODEL_SPECULATIVE_METHODS:
+            self.draft_max_model_len = min(spec.max_model_len, self.max_model_len)
         self.backend = resolve_backend(c.attention_backend, softcapped=self.cfg.attn_logit_softcapping is not None)
         # Speculative decoding's K: steps with drafts take layouts and samplers with room for K a row.
         self.spec_tokens = c.speculative_config.num_speculative_tokens if c.speculative_config else 0

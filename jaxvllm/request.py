@@ -178,7 +178,8 @@ class Request:
         """Add a sampled token and set finish_reason when it ends the completion. As vLLM's
         `check_stop`, the length cap comes first: a stop token that is also the last allowed
         one ends it as "length", its text kept. A complete structured output goes on to the
-        EOS its mask leaves (vLLM's), unless min_tokens masks that EOS: it ends as "stop" then."""
+        EOS its mask leaves (vLLM's), unless min_tokens or allowed_token_ids mask that EOS: it
+        ends as "stop" then (vLLM samples a masked row's id 0 there)."""
         self.token_ids.append(token_id)
         complete = False
         if self.grammar is not None:
@@ -187,7 +188,7 @@ class Request:
                              self.grammar.error)
                 self.finish_reason = "abort"
                 return
-            complete = self.grammar.stopped and self.num_output_tokens < self.params.min_tokens
+            complete = self.grammar.stopped and not self._eos_may_follow()
         if len(self.token_ids) >= self.max_num_tokens:
             self.finish_reason = "length"
         elif token_id in self.stop_ids:
@@ -197,6 +198,13 @@ class Request:
             self.stop_reason = None if eos else token_id
         elif complete:
             self.finish_reason = "stop"
+
+    def _eos_may_follow(self) -> bool:
+        """Whether the sampler may draw the EOS next: min_tokens and allowed_token_ids may mask it."""
+        if self.num_output_tokens < self.params.min_tokens:
+            return False
+        allowed = self.params.allowed_token_ids
+        return allowed is None or not self.eos_token_ids or self.eos_token_ids[0] in allowed
 
 
 @dataclass(slots=True)

@@ -7,8 +7,8 @@ without holding the others back), and each request gets its own matcher: a copy 
 compiled one. Per step, each constrained row's matcher fills its row of a packed int32
 bitmask [rows, ceil(vocab / 32)] on the host (bit v % 32 of word v // 32: token v may
 come next); the jitted sampler masks the logits with it. The matcher advances on every
-token the request gets (`Request.append_token`), and the request ends when the grammar
-is complete (finish reason "stop").
+token the request gets (`Request.append_token`). Once the match is complete, its mask
+allows only EOS, as vLLM's: the request ends on that EOS (finish reason "stop").
 
 The tokenizer may have more ids than the model's vocabulary (added special tokens the
 model never learned: transformers 5 gives Qwen2's tokenizer an extra <|endoftext|>), or
@@ -191,8 +191,8 @@ class Grammar:
 
     def accept(self, token_id: int) -> bool:
         """Advance past a sampled token; False if the grammar refuses it."""
-        if self.terminated:
-            return True
+        if self.terminated or (token_id != self._eos and self.matcher.is_stopped()):
+            return True  # (vLLM's: past the match only EOS is consumed; what else comes is not judged)
         accepted = self.matcher.consume_token(token_id)
         self.terminated = accepted and token_id == self._eos
         return accepted

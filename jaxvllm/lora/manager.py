@@ -45,6 +45,8 @@ class LoRAManager:
         self._readings = 0
         self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # read ones, least recently used first
         self.pinned: set[int] = set()
+        # Removed while requests used them, not read again since: forgotten once unused (`forget`).
+        self.removed: set[int] = set()
         self.slot_loads = self.host_reads = 0
         shardings = {t.name: self._shardings(t, cfg, mesh, device) for t in self.targets}
         self._stack_shardings = {name: stack for name, (stack, _) in shardings.items()}
@@ -118,6 +120,7 @@ class LoRAManager:
 
     def _keep(self, adapter: LoRAAdapter) -> None:
         self.host[adapter.request.lora_int_id] = adapter
+        self.removed.discard(adapter.request.lora_int_id)  # (read again for its requests: held, as vLLM's)
         self.host_reads += 1
         for lora_id in list(self.host):
             if len(self.host) <= self.max_cpu_loras:
@@ -135,11 +138,19 @@ class LoRAManager:
         self.host.pop(lora_id)
         self.pinned.discard(lora_id)
         self.slot_ids = [None if s == lora_id else s for s in self.slot_ids]
-        if not in_use:
-            del self.requests[lora_id]
-            self.versions.pop(lora_id, None)
-            self.stamps.pop(lora_id, None)
+        if in_use:
+            self.removed.add(lora_id)
+        else:
+            self.forget(lora_id)
         return True
+
+    def forget(self, lora_id: int) -> None:
+        """Drop an id's folder and reading (an adapter removed, or removed while in use and
+        unused since): the id may name any folder next, read as new weights."""
+        self.requests.pop(lora_id, None)
+        self.versions.pop(lora_id, None)
+        self.stamps.pop(lora_id, None)
+        self.removed.discard(lora_id)
 
     def pin(self, lora_id: int) -> bool:
         """Keep an adapter held on the host there and, once loaded, on the device."""
@@ -213,7 +224,7 @@ class LoRAManager:
 
 
 def _same_folder(a: LoRARequest, b: LoRARequest) -> bool:
-    return os.path.normpath(a.lora_path) == os.path.normpath(b.lora_path)
+    return os.path.abspath(a.lora_path) == os.path.abspath(b.lora_path)
 
 
 def _stamp(request: LoRARequest) -> tuple:

@@ -35,8 +35,9 @@ class LoRARequest:
             raise ValueError(f"lora_int_id must be an int from 1 to 2**63 - 1, got {self.lora_int_id!r}")
         if not self.lora_path:
             raise ValueError(f"LoRARequest {self.lora_name!r}: lora_path (the adapter's folder) is required")
-        # (vLLM's get_adapter_absolute_path: "~" expanded, a relative folder made absolute)
-        object.__setattr__(self, "lora_path", os.path.abspath(os.path.expanduser(str(self.lora_path))))
+        # ("~" expanded, as vLLM's get_adapter_absolute_path; a relative folder is read from the
+        # working directory, and kept as given, as processes of a multi-host engine compare it)
+        object.__setattr__(self, "lora_path", os.path.expanduser(str(self.lora_path)))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, type(self)) and self.lora_name == other.lora_name

@@ -220,8 +220,8 @@ def test_a_complete_match_ends_with_the_eos_its_mask_leaves(request, engine):
     """vLLM's rule: once the match is complete, the mask allows only EOS, which the model
     samples and which ends the request (its id in token_ids, stop_reason None); under
     ignore_eos, the tokens after that EOS are not constrained (vLLM's terminated grammar):
-    the model's own continuation; where min_tokens masks that EOS, the request ends at the
-    match."""
+    the model's own continuation; where min_tokens or allowed_token_ids mask that EOS, the
+    request ends at the match."""
     llm = request.getfixturevalue(engine)
     eos = llm.get_tokenizer().eos_token_id
     spec = dict(choice=["alpha", "beta"])
@@ -240,6 +240,12 @@ def test_a_complete_match_ends_with_the_eos_its_mask_leaves(request, engine):
     assert ignoring.outputs[0].token_ids == word + [eos] + rest and rest != [eos] * len(rest)
     assert ignoring.outputs[0].finish_reason == "length" and ignoring.outputs[0].text.startswith(done.text)
     assert short.outputs[0].token_ids == word and short.outputs[0].finish_reason == "stop"
+    # (allowed_token_ids that leave the EOS out: it ends at the match too, not aborted)
+    no_eos = [i for i in range(len(llm.get_tokenizer())) if i != eos]
+    masked = llm.generate("Pick:", SamplingParams(temperature=0, max_tokens=12, allowed_token_ids=no_eos,
+                                                  structured_outputs=StructuredOutputsParams(**spec)),
+                          use_tqdm=False)[0].outputs[0]
+    assert (masked.token_ids, masked.finish_reason) == (word, "stop")
     assert llm.stats()["num_free_blocks"] == llm.stats()["num_gpu_blocks"]
 
 

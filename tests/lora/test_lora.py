@@ -286,6 +286,21 @@ def test_adapter_api(llama_llm, adapter, tiny_checkpoint):
     assert without[0].lora_request is None and without[0].outputs[0].lora_request is None
 
 
+def test_an_id_removed_while_in_use_is_free_once_unused(llama_llm, adapter):
+    """remove_lora while a request uses the id: once that request ends without reading the
+    adapter again (aborted), the id may name another folder, read as new weights."""
+    engine, prompt = llama_llm.llm_engine, {"prompt_token_ids": PROMPTS[0]}
+    first, second = LoRARequest("first", 7, str(adapter("llama", 0))), LoRARequest("second", 7, str(adapter("llama", 1)))
+    engine.add_request("waiting", prompt, SamplingParams(max_tokens=3), lora_request=first)
+    assert engine.remove_lora(7) and 7 not in engine.list_loras()
+    engine.abort_request("waiting")
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    got = llama_llm.generate(prompt, greedy, lora_request=second, use_tqdm=False)[0].outputs[0].token_ids
+    want = llama_llm.generate(prompt, greedy, lora_request=LoRARequest("second-again", 8, second.lora_path),
+                              use_tqdm=False)[0].outputs[0].token_ids
+    assert got == want and engine.remove_lora(7) and engine.remove_lora(8)
+
+
 def test_list_loras_is_the_host_cache(tiny_checkpoint, adapter):
     """As vLLM's (its tests/lora/test_lora_functions.py): list_loras is the max_cpu_loras
     adapters held on the host, least recently used dropped but pinned kept; removing or
@@ -413,10 +428,13 @@ def test_lora_request_takes_vllm_0_11s_fields(adapter):
     with pytest.warns(DeprecationWarning, match="lora_local_path is deprecated"):
         old, positional = LoRARequest("old", 1, lora_local_path=path), LoRARequest("positional", 2, "", path)
     assert old.lora_path == path == positional.path
-    # (vLLM's get_adapter_absolute_path: "~" expanded, a relative folder made absolute)
+    # (vLLM's get_adapter_absolute_path expands "~"; one folder named relative and absolute is one)
     home = LoRARequest("home", 4, "~/adapters/x")
     assert home.lora_path == os.path.join(os.path.expanduser("~"), "adapters", "x")
-    assert LoRARequest("relative", 5, "adapters/x").lora_path == os.path.join(os.getcwd(), "adapters", "x")
+    from jaxvllm.lora.manager import _same_folder
+
+    relative = LoRARequest("relative", 5, os.path.relpath(path))
+    assert relative.lora_path == os.path.relpath(path) and _same_folder(relative, old)
     with pytest.raises(ValueError, match="long_lora_max_len=4096: long-context LoRA is not supported"):
         LoRARequest("long", 3, path, long_lora_max_len=4096)
 

@@ -421,3 +421,24 @@ def test_bad_int4_checkpoints_are_refused(int4_checkpoint, tiny_checkpoint, tmp_
         save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
         with pytest.raises(ValueError, match=match):
             LLM(broken, **ENGINE)
+
+
+def test_a_ctrl_c_while_act_order_weights_join_leaves_nothing_placed(int4_checkpoint, monkeypatch):
+    """A Ctrl-C as the loader joins an act-order weight (its permutation placed beside it
+    first): the permutations placed for the join are deleted with everything else."""
+    import jaxvllm.loader
+
+    path, real, calls = int4_checkpoint("gptq-act-order"), jaxvllm.loader.QuantizedWeight, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("injected")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(jaxvllm.loader, "QuantizedWeight", interrupted)
+    live = len(jax.live_arrays())
+    with pytest.raises(KeyboardInterrupt, match="injected") as caught:
+        LLM(path, **ENGINE)
+    # (while the traceback is kept, as Jupyter keeps the last one)
+    assert len(calls) == 2 and len(jax.live_arrays()) == live, caught.tb

@@ -174,6 +174,7 @@ def test_no_compilation_after_warmup(engines):
     ({"model": "some/draft", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2},
      "draft_tensor_parallel_size=2: the draft model is split as the target is"),
     ({"method": "ngram", "num_speculative_tokens": 2, "typo": 1}, "unknown or unsupported key"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "max_model_len": 0}, "max_model_len must be"),
     ({"model": "some/draft", "num_speculative_tokens": 2, "quantization": "fp8"},
      "quantization='fp8': a quantized draft is not supported"),
     ({"method": "eagle", "model": "x", "num_speculative_tokens": 2, "speculative_token_tree": "[(0,)]"},
