@@ -26,7 +26,7 @@ from jaxvllm import LLM, SamplingParams, load_model
 from jaxvllm.kv_cache import allocate_kv_caches
 from jaxvllm.quantization import QuantizedWeight, quantize_int4
 from tests.models.paged import Chunk, build_inputs, hf_greedy, hf_logits, jit_forward, random_tokens, rel_err
-from tests.models.test_quantization import _with_config
+from tests.models.test_quantization import _with_config, assert_a_ctrl_c_in_the_join_leaves_nothing_placed
 
 ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-5  # the same weights as the oracle's; sums in another order
@@ -424,21 +424,5 @@ def test_bad_int4_checkpoints_are_refused(int4_checkpoint, tiny_checkpoint, tmp_
 
 
 def test_a_ctrl_c_while_act_order_weights_join_leaves_nothing_placed(int4_checkpoint, monkeypatch):
-    """A Ctrl-C as the loader joins an act-order weight (its permutation placed beside it
-    first): the permutations placed for the join are deleted with everything else."""
-    import jaxvllm.loader
-
-    path, real, calls = int4_checkpoint("gptq-act-order"), jaxvllm.loader.QuantizedWeight, []
-
-    def interrupted(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt("injected")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(jaxvllm.loader, "QuantizedWeight", interrupted)
-    live = len(jax.live_arrays())
-    with pytest.raises(KeyboardInterrupt, match="injected") as caught:
-        LLM(path, **ENGINE)
-    # (while the traceback is kept, as Jupyter keeps the last one)
-    assert len(calls) == 2 and len(jax.live_arrays()) == live, caught.tb
+    """The permutations placed beside act-order weights for their join are deleted too."""
+    assert_a_ctrl_c_in_the_join_leaves_nothing_placed(int4_checkpoint("gptq-act-order"), monkeypatch, at=2)

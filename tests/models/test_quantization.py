@@ -534,16 +534,17 @@ def _with_config(path: Path, out: Path, **changes) -> Path:
     return out
 
 
-def test_a_ctrl_c_while_scales_join_their_weights_leaves_nothing_placed(fp8_checkpoint, monkeypatch):
-    """A Ctrl-C as the loader joins a weight with its scales (placing its extra leaves):
-    the scales not yet joined are deleted with everything else placed."""
+def assert_a_ctrl_c_in_the_join_leaves_nothing_placed(path, monkeypatch, at: int) -> None:
+    """A Ctrl-C as the loader joins the `at`-th quantized weight with its scales (and the
+    leaves placed beside it): everything placed is deleted, while the traceback is kept (as
+    Jupyter keeps the last one)."""
     import jaxvllm.loader
 
-    path, real, calls = fp8_checkpoint("llama", (32, 32)), jaxvllm.loader.QuantizedWeight, []
+    real, calls = jaxvllm.loader.QuantizedWeight, []
 
     def interrupted(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 3:
+        if len(calls) == at:
             raise KeyboardInterrupt("injected")
         return real(*args, **kwargs)
 
@@ -551,8 +552,12 @@ def test_a_ctrl_c_while_scales_join_their_weights_leaves_nothing_placed(fp8_chec
     live = len(jax.live_arrays())
     with pytest.raises(KeyboardInterrupt, match="injected") as caught:
         LLM(path, **ENGINE)
-    # (while the traceback is kept, as Jupyter keeps the last one)
-    assert len(calls) == 3 and len(jax.live_arrays()) == live, caught.tb
+    assert len(calls) == at and len(jax.live_arrays()) == live, caught.tb
+
+
+def test_a_ctrl_c_while_scales_join_their_weights_leaves_nothing_placed(fp8_checkpoint, monkeypatch):
+    """The scales not yet joined (block fp8) are deleted with everything else placed."""
+    assert_a_ctrl_c_in_the_join_leaves_nothing_placed(fp8_checkpoint("llama", (32, 32)), monkeypatch, at=3)
 
 
 def test_bad_quantization_is_refused(tiny_checkpoint, fp8_checkpoint, tmp_path):
