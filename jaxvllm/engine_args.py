@@ -107,10 +107,22 @@ _VALUE_FLAGS: dict[str, tuple[Callable[[str], Any], str]] = {
     "profiler-config": (json_object, 'for LLM.start_profile: \'{"profiler": "jax", "jax_profiler_dir": FOLDER}\''),
     "served-model-name": (str, "the name(s) the metrics' model_name label shows (default: the model's path)"),
 }
+_VALUE_FLAGS.update({
+    "token-buckets": (int, "the token counts a step is compiled for (default: powers of two up to "
+                           "max-num-batched-tokens)"),
+    "compilation-cache-dir": (str, "where compiled steps are kept between runs ('' for none)"),
+})
+# vLLM's flags for what jaxvllm takes and leaves unused, or at its default only (README: "Switching from vLLM").
+_VALUE_FLAGS.update({flag: (kind, "accepted for vLLM's scripts") for flag, kind in {
+    "distributed-executor-backend": str, "task": str, "model-impl": str, "convert": str, "reasoning-parser": str,
+    "worker-extension-cls": str, "hf-token": str, "allowed-local-media-path": str, "guided-decoding-backend": str,
+    "cpu-offload-gb": float, "lora-extra-vocab-size": int, "data-parallel-rank": int, "logits-processors": str,
+    "limit-mm-per-prompt": json_object, "mm-processor-kwargs": json_object, "kv-transfer-config": json_object,
+    "pooler-config": json_object, "default-mm-loras": json_object}.items()})
 # Flags with more names (vLLM's short ones) or that take several values.
 _ALIASES = {"tensor-parallel-size": ["-tp"], "pipeline-parallel-size": ["-pp"], "data-parallel-size": ["-dp"],
             "quantization": ["-q"], "compilation-config": ["-O"]}
-_NARGS = {"served-model-name": "+"}
+_NARGS = {"served-model-name": "+", "token-buckets": "+", "logits-processors": "+"}
 _BOOL_FLAGS: dict[str, str] = {
     "enable-chunked-prefill": "cut long prompts into chunks that share steps with decoding requests",
     "enable-prefix-caching": "reuse the KV cache blocks of prompt prefixes seen before",
@@ -126,6 +138,11 @@ _BOOL_FLAGS: dict[str, str] = {
     "trust-remote-code": "accepted for vLLM's scripts (only built-in architectures run, never remote code)",
     "disable-log-stats": "no stats line every 10 s of steps (LLM's default, as vLLM's)",
 }
+_BOOL_FLAGS.update(dict.fromkeys([
+    "disable-custom-all-reduce", "disable-sliding-window", "enable-lora-bias", "enable-prompt-embeds",
+    "fully-sharded-loras", "use-tqdm-on-load", "disable-chunked-mm-input", "guided-decoding-disable-fallback",
+    "guided-decoding-disable-any-whitespace", "guided-decoding-disable-additional-properties"],
+    "accepted for vLLM's scripts"))
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

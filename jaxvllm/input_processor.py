@@ -54,12 +54,13 @@ def load_tokenizer(config: EngineConfig):
 
 def eos_token_ids(config_eos: tuple[int, ...], generation_config: dict[str, Any], tokenizer) -> tuple[int, ...]:
     """Every id that ends a completion unless `ignore_eos`, the model's EOS first: the
-    tokenizer's (else config.json's first), whose stop_reason is None as vLLM's. The others
-    (config.json's and generation_config.json's: Llama 3 and Qwen instruct models list
-    several) stop as vLLM adds them to `stop_token_ids`, with their id as stop_reason."""
+    tokenizer's (else config.json's first), whose stop_reason is None as vLLM's. The others,
+    the generation config's (Llama 3 and Qwen instruct models list several; config.json's
+    only where there is no generation_config.json, as vLLM reads them), stop as vLLM adds
+    them to `stop_token_ids`, with their id as stop_reason."""
     listed = generation_config.get("eos_token_id")
-    listed = [*config_eos, *([listed] if isinstance(listed, int) else listed or ())]
-    first = None if tokenizer is None else tokenizer.eos_token_id
+    listed = [listed] if isinstance(listed, int) else list(listed or ())
+    first = config_eos[0] if tokenizer is None and config_eos else getattr(tokenizer, "eos_token_id", None)
     return tuple(dict.fromkeys(t for t in (first, *listed) if t is not None))
 
 
@@ -119,7 +120,8 @@ class InputProcessor:
                 raise ValueError("prompt_embeds: prompt embeddings are not supported by jaxvllm (enable_prompt_embeds "
                                  "is off)")
             if "prompt" not in prompt and "prompt_token_ids" not in prompt:
-                raise ValueError(f"a prompt dict needs 'prompt' (text) or 'prompt_token_ids' (it has {sorted(prompt)})")
+                raise TypeError(f"inputs must be a string, TextPrompt, TokensPrompt, or EmbedsPrompt: a prompt dict "
+                                f"needs 'prompt' (text) or 'prompt_token_ids' (it has {sorted(prompt)})")
             salt = prompt.get("cache_salt")
             if salt is not None and not isinstance(salt, str):
                 raise TypeError(f"cache_salt must be a str, got {type(salt).__name__}")

@@ -297,8 +297,10 @@ class LLM:
         if mm_processor_kwargs:
             raise ValueError(f"mm_processor_kwargs {mm_processor_kwargs!r} are not supported: jaxvllm's models read "
                              "text only")
-        if not isinstance(messages, (list, tuple)) or not messages:
-            raise TypeError("messages must be a non-empty list of message dicts, or a list of such lists")
+        if not isinstance(messages, (list, tuple)):
+            raise TypeError("messages must be a list of message dicts, or a list of such lists")
+        if not messages:  # (no conversations, as vLLM's: no outputs)
+            return []
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         return render_chat(self.get_tokenizer(), conversations, chat_template=chat_template,
                            content_format=chat_template_content_format, add_generation_prompt=add_generation_prompt,
@@ -412,8 +414,10 @@ class LLM:
         """Step the replicas until each of `request_ids` has its final output in `_finished`
         (with the outputs of the other requests queued here that finish meanwhile)."""
         waiting = set(request_ids) - self._finished.keys()
-        make_bar = use_tqdm if callable(use_tqdm) else ProgressBar  # (vLLM's: a tqdm-like factory may be given)
-        bar = make_bar(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        if callable(use_tqdm):  # (vLLM's: a tqdm-like factory, called with the arguments vLLM gives it)
+            bar = use_tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
+        else:
+            bar = ProgressBar(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         try:
             bar.update(len(request_ids) - len(waiting))
             start, num_output_tokens = time.perf_counter(), 0

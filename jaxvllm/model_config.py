@@ -339,8 +339,8 @@ def read_generation_config(config: EngineConfig) -> dict[str, Any]:
     """The fields of the model's generation_config.json that differ from transformers'
     defaults, as vLLM reads them: from the model's folder unless `generation_config` names
     another ("vllm" still reads the model's, for its EOS ids). Without the file, the
-    sampling fields config.json holds (vLLM's `GenerationConfig.from_model_config`); {}
-    without either."""
+    sampling fields and end ids config.json holds (vLLM's `GenerationConfig.from_model_config`);
+    {} without either."""
     from transformers import GenerationConfig
 
     source = config.generation_config
@@ -352,7 +352,8 @@ def read_generation_config(config: EngineConfig) -> dict[str, Any]:
             model_config = json.loads((Path(folder) / "config.json").read_text())
         except (OSError, ValueError):
             return {}
-        fields = {key: model_config[key] for key in _GENERATION_DEFAULTS if model_config.get(key) is not None}
+        fields = {key: model_config[key] for key in (*_GENERATION_DEFAULTS, "eos_token_id")
+                  if model_config.get(key) is not None}
     except ValueError as e:  # (transformers' checks of its values)
         raise ValueError(f"{folder}/generation_config.json (generation_config={source!r}) is not valid: {e}") from e
     return {key: value for key, value in fields.items()

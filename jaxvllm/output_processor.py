@@ -144,11 +144,12 @@ class OutputProcessor:
 
     def output(self, parent: ParentRequest, only: int | None = None) -> RequestOutput:
         """The parent's RequestOutput (of completion `only` alone, if given): everything so
-        far, or (DELTA) what is new since the last one. Until a completion finishes its text
-        holds back a trailing U+FFFD (the start of a character the next token may complete)
-        and, with stop strings, as many characters as could start one (vLLM's stop buffer),
-        so that no text is streamed that a stop string later takes back. DELTA sends the
-        prompt logprobs once, with a completion's first output (later ones get [])."""
+        far, or (DELTA) what is new since the last one. Its text never ends in U+FFFD (the
+        start of a character the next token may complete; left out once it finishes, as
+        vLLM's), and until it finishes, with stop strings, it holds back as many characters
+        as could start one (vLLM's stop buffer), so that no text is streamed that a stop
+        string later takes back. DELTA sends the prompt logprobs once, with a completion's
+        first output (later ones get [])."""
         delta = parent.output_kind == RequestOutputKind.DELTA
         lead = 0 if only is None else only  # (the completion whose prompt fields the output reports)
         first = parent.children[lead]
@@ -167,8 +168,8 @@ class OutputProcessor:
             else:
                 tokens = child.output_token_ids
                 text = detokenizer.text if detokenizer is not None else ""
+            text = text.rstrip("\ufffd")  # (once finished too, as vLLM's DecodeStream: no broken tail)
             if not child.is_finished:
-                text = text.rstrip("\ufffd")
                 if detokenizer is not None and detokenizer.stop_buffer:
                     text = text[: max(0, len(text) - detokenizer.stop_buffer)]
             if delta:

@@ -373,9 +373,9 @@ def _first_reaching(cumulative: jax.Array, weights: jax.Array, target: jax.Array
 
 def inverse_cdf_sample(x: jax.Array, u: jax.Array, block: int = 256) -> jax.Array:
     """A token of softmax(x) [S, vocab] per row, by inverse transform sampling: the first
-    whose cumulative probability reaches u [S] in (0, 1]. The cumulative sum runs over block
-    sums, then inside the one block it lands in: XLA makes a cumulative sum over the whole
-    vocabulary a `reduce_window`, which XLA:CPU runs slowly."""
+    whose cumulative probability reaches u [S] in (0, 1] (id 0 where no token has any). The
+    cumulative sum runs over block sums, then inside the one block it lands in: XLA makes a
+    cumulative sum over the whole vocabulary a `reduce_window`, which XLA:CPU runs slowly."""
     rows, vocab = x.shape
     top = jnp.max(x, axis=-1, keepdims=True)
     weights = jnp.exp(x - jnp.where(jnp.isfinite(top), top, 0.0))
@@ -386,7 +386,8 @@ def inverse_cdf_sample(x: jax.Array, u: jax.Array, block: int = 256) -> jax.Arra
     b = _first_reaching(cumulative, sums, target)
     before = jnp.where(b > 0, jnp.take_along_axis(cumulative, jnp.maximum(b - 1, 0)[:, None], axis=1)[:, 0], 0.0)
     inside = jnp.take_along_axis(blocks, b[:, None, None], axis=1)[:, 0]
-    return b * block + _first_reaching(before[:, None] + jnp.cumsum(inside, axis=-1), inside, target)
+    token = b * block + _first_reaching(before[:, None] + jnp.cumsum(inside, axis=-1), inside, target)
+    return jnp.where(cumulative[:, -1] > 0, token, 0)  # (a row with every token masked: id 0, as vLLM's)
 
 
 def draw(logits, t: SamplingTensors, features: SamplerFeatures):

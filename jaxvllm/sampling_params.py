@@ -242,8 +242,9 @@ class SamplingParams:
             if not isinstance(self.logit_bias, dict):
                 raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
             keys = _token_ids("logit_bias keys", list(self.logit_bias))
-            biases = [check_number("logit_bias values", v) for v in self.logit_bias.values()]  # (vLLM: any finite bias)
-            self.logit_bias = dict(zip(keys, biases))
+            # (vLLM adds any value: -inf bans a token; NaN and +inf would leave the row no distribution)
+            biases = [v if _minus_infinity(v) else check_number("logit_bias values", v) for v in self.logit_bias.values()]
+            self.logit_bias = dict(zip(keys, map(float, biases)))
 
     @staticmethod
     def from_optional(**fields) -> SamplingParams:
@@ -395,3 +396,7 @@ class BeamSearchParams:
         self.length_penalty = check_number("length_penalty", self.length_penalty)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             check_bool(name, getattr(self, name))
+
+
+def _minus_infinity(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and float(value) == float("-inf")

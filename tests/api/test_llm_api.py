@@ -29,7 +29,8 @@ def test_prompt_forms_and_outputs(llm):
     assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
     out = a.outputs[0]
     assert isinstance(out, CompletionOutput) and out.index == 0 and len(out.token_ids) == 5
-    assert out.text == tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    # (HF's decode, less an incomplete character at the end: vLLM's DecodeStream adds none)
+    assert out.text == tokenizer.decode(out.token_ids, skip_special_tokens=True).rstrip("\ufffd")
     assert out.finish_reason == "length" and out.stop_reason is None
     m = a.metrics
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
@@ -37,10 +38,10 @@ def test_prompt_forms_and_outputs(llm):
     assert len(single) == 1 and single[0].outputs[0].token_ids == out.token_ids
     bars = []
 
-    def make_bar(**kwargs):  # vLLM's use_tqdm may be a tqdm-like factory
+    def make_bar(*, total, desc, dynamic_ncols):  # vLLM's use_tqdm may be a tqdm-like factory, given these
         from tqdm import tqdm
 
-        bars.append(tqdm(**kwargs, file=io.StringIO()))
+        bars.append(tqdm(total=total, desc=desc, dynamic_ncols=dynamic_ncols, file=io.StringIO()))
         return bars[-1]
 
     assert llm.generate(["Hello, world"] * 2, GREEDY, use_tqdm=make_bar)[1].outputs[0].token_ids == out.token_ids
@@ -86,9 +87,9 @@ def test_per_prompt_params_stop_ids_and_ignore_eos(llm):
 
 
 def test_eos_stops_unless_ignored(llm, tiny_checkpoint, tmp_path):
-    """A checkpoint whose config names, as EOS, a token the greedy completion reaches. The
-    tokenizer's EOS (2) is the model's; the other stops as vLLM's extra EOS ids do: as a
-    stop token id, its id the stop_reason."""
+    """A checkpoint whose config.json (and no generation_config.json) names, as EOS, a token the
+    greedy completion reaches. The tokenizer's EOS (2) is the model's; the other stops as
+    vLLM's extra EOS ids do: as a stop token id, its id the stop_reason."""
     import json
     import shutil
 
@@ -98,6 +99,7 @@ def test_eos_stops_unless_ignored(llm, tiny_checkpoint, tmp_path):
     path = shutil.copytree(tiny_checkpoint("qwen3"), tmp_path / "eos")
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "eos_token_id": [2, eos]}))
+    (path / "generation_config.json").unlink(missing_ok=True)  # (which vLLM reads instead, where there is one)
     other = LLM(path, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, token_buckets=[16, 64])
     assert other.llm_engine.eos_token_ids == (2, eos)
     [out] = other.generate("The quick brown fox", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
@@ -256,11 +258,14 @@ def test_enqueue_and_wait_for_completion(llm, monkeypatch):
         ({"prompt_token_ids": []}, GREEDY, ValueError, "^The decoder prompt cannot be empty"),
         ({"prompt_token_ids": [5, 10_000]}, GREEDY, ValueError, r"^Token id 10000 is out of vocabulary"),
         ({"prompt_token_ids": "5 6"}, GREEDY, TypeError, "prompt_token_ids must be a list"),
-        ({"text": "hi"}, GREEDY, ValueError, r"needs 'prompt' \(text\) or 'prompt_token_ids' \(it has \['text'\]\)"),
+        # (vLLM's TypeError and words, then what was missing)
+        ({"text": "hi"}, GREEDY, TypeError, r"^inputs must be a string, TextPrompt, TokensPrompt, or EmbedsPrompt: a "
+                                            r"prompt dict needs 'prompt' \(text\) or 'prompt_token_ids' \(it has "
+                                            r"\['text'\]\)"),
         ({"prompt": "hi", "prompt_embeds": [[0.0]]}, GREEDY, ValueError, "prompt_embeds: prompt embeddings are not "
                                                                          "supported"),
         ({"prompt": 5, "prompt_token_ids": [4]}, GREEDY, TypeError, "TokensPrompt's 'prompt' .* must be a str"),
-        ({"cache_salt": "s"}, GREEDY, ValueError, "needs 'prompt' \\(text\\) or 'prompt_token_ids'"),
+        ({"cache_salt": "s"}, GREEDY, TypeError, "needs 'prompt' \\(text\\) or 'prompt_token_ids'"),
         (123, GREEDY, TypeError, "prompts must be a str"),
         (["ok", 5], GREEDY, TypeError, "a prompt must be a str or a dict, got int"),
         ("ok", "greedy", TypeError, "sampling params must be SamplingParams"),
@@ -381,7 +386,7 @@ def test_set_tokenizer(llm):
         assert llm.llm_engine.input_processor.next_arrival == arrivals
         [out] = llm.chat(conversation, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
         assert out.prompt == "<<Hi>>" and out.prompt_token_ids == new.encode("<<Hi>>", add_special_tokens=False)
-        assert out.outputs[0].text == new.decode(out.outputs[0].token_ids, skip_special_tokens=True)
+        assert out.outputs[0].text == new.decode(out.outputs[0].token_ids, skip_special_tokens=True).rstrip("\ufffd")
         llm.enqueue({"prompt_token_ids": [5, 6, 7]}, GREEDY, use_tqdm=False)
         with pytest.raises(RuntimeError, match="set_tokenizer\\(\\) while requests are unfinished"):
             llm.set_tokenizer(old)

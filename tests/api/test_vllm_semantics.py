@@ -409,8 +409,9 @@ def test_engine_args_from_the_command_line_and_engine_helpers(tiny_checkpoint):
 
 
 def test_vllm_script_flags_and_none_defaults():
-    """The flags vLLM's example scripts pass (`--seed`, `--trust-remote-code`, `-tp`, `-O3`, ...),
-    through `from jaxvllm.utils import FlexibleArgumentParser` (vLLM's path up to 0.10); and
+    """The flags vLLM's example scripts pass (`--seed`, `--trust-remote-code`, `-tp`, `-O3`, a JSON
+    flag's keys one at a time, ...), through `from jaxvllm.utils import FlexibleArgumentParser`
+    (vLLM's path up to 0.10); and
     None for the arguments vLLM types Optional means the default."""
     from jaxvllm import EngineArgs
     from jaxvllm.config import EngineConfig
@@ -423,6 +424,20 @@ def test_vllm_script_flags_and_none_defaults():
     config = EngineArgs.from_cli_args(args)
     assert (config.seed, config.trust_remote_code, config.tensor_parallel_size, config.served_model_name,
             config.scheduling_policy) == (42, True, 1, ["a", "b"], "priority")
+    # A JSON flag one key at a time, merged (vLLM's parser); vLLM's flags for what jaxvllm leaves unused.
+    args = parser.parse_args(["--model", "dummy:tiny", "--hf-overrides.num_hidden_layers", "2",
+                              "--hf_overrides.rope_scaling.factor=2.0", "--hf-overrides.rope_scaling.rope_type", "linear",
+                              "--speculative-config.method", "ngram", "--speculative-config.num_speculative_tokens", "3",
+                              "-O.level", "3", "--served-model-name", "a", "--distributed-executor-backend", "mp",
+                              "--disable-custom-all-reduce", "--limit-mm-per-prompt", '{"image": 0}', "--task", "generate",
+                              "--token-buckets", "16", "64"])
+    config = EngineArgs.from_cli_args(args)
+    assert config.hf_overrides == {"num_hidden_layers": 2, "rope_scaling": {"factor": 2.0, "rope_type": "linear"}}
+    assert (args.speculative_config, args.compilation_config) == ({"method": "ngram", "num_speculative_tokens": 3},
+                                                                  '{"level": 3}')
+    assert (config.distributed_executor_backend, config.disable_custom_all_reduce, config.limit_mm_per_prompt,
+            config.task, config.token_buckets) == ("mp", True, {"image": 0}, "generate", [16, 64])
+    assert parser.parse_args(["--model", "dummy:tiny", "--gpu-memory-utilization", "-0.5"]).gpu_memory_utilization == -0.5
     defaults = EngineConfig(model="dummy:tiny")
     nones = EngineConfig(model="dummy:tiny", seed=None, block_size=None, max_num_seqs=None,
                          enable_prefix_caching=None, enable_chunked_prefill=None, async_scheduling=None)
@@ -464,7 +479,7 @@ def test_default_sampling_params_come_from_generation_config(tiny_checkpoint, tm
 def test_generation_config_is_read_as_vllm_0_11_reads_it(tiny_checkpoint, tmp_path):
     """vLLM 0.11 runs on transformers 4, whose defaults a generation config leaves out: an
     explicit top_k of 50 samples the whole vocabulary there. With no generation_config.json,
-    the sampling fields of config.json count (GenerationConfig.from_model_config)."""
+    the sampling fields and end ids of config.json count (GenerationConfig.from_model_config)."""
     import json
     import shutil
 
@@ -475,7 +490,8 @@ def test_generation_config_is_read_as_vllm_0_11_reads_it(tiny_checkpoint, tmp_pa
     (path / "generation_config.json").unlink(missing_ok=True)
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "temperature": 0.7, "top_k": 50, "repetition_penalty": 1.2}))
-    assert read_generation_config(EngineConfig(model=str(path))) == {"temperature": 0.7, "repetition_penalty": 1.2}
+    assert read_generation_config(EngineConfig(model=str(path))) == {"temperature": 0.7, "repetition_penalty": 1.2,
+                                                                     "eos_token_id": config["eos_token_id"]}
     (path / "generation_config.json").write_text(json.dumps({"top_k": 50, "top_p": 0.8, "temperature": 1.0}))
     fields = read_generation_config(EngineConfig(model=str(path)))
     assert fields["top_p"] == 0.8 and "top_k" not in fields and "temperature" not in fields
@@ -509,6 +525,28 @@ def test_generation_config_eos_ids_stop_as_stop_token_ids(llm, tiny_checkpoint, 
         params = SamplingParams(temperature=0, max_tokens=8, allowed_token_ids=[eos])
         out = two.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
         assert (out.token_ids, out.finish_reason, out.stop_reason) == ([eos], "stop", None)
+    # config.json's end ids count only where there is no generation_config.json (vLLM reads
+    # the file, else `GenerationConfig.from_model_config`).
+    from transformers import AutoConfig
+
+    from jaxvllm.config import EngineConfig
+    from jaxvllm.input_processor import eos_token_ids
+    from jaxvllm.model_config import ModelConfig, read_generation_config
+
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "eos_token_id": [eos, extra]}))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+
+    def ends():
+        engine_config = EngineConfig(model=str(path))
+        config_eos = ModelConfig.from_hf(AutoConfig.from_pretrained(path)).eos_token_ids
+        return eos_token_ids(config_eos, read_generation_config(engine_config), llm.get_tokenizer())
+
+    assert ends() == (eos,)
+    with LLM(path, **ENGINE, enforce_eager=True) as one:
+        assert one.generate({"prompt_token_ids": prompt}, greedy_8, use_tqdm=False)[0].outputs[0].token_ids == base
+    (path / "generation_config.json").unlink()
+    assert ends() == (eos, extra)
 
 
 def test_the_length_cap_comes_before_a_stop_token(llm):
@@ -534,7 +572,7 @@ def test_the_length_cap_comes_before_a_stop_token(llm):
         out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
         assert (out.token_ids, out.finish_reason, out.stop_reason) == (tokens, reason, stop_reason), params
         if reason == "length":  # (a stop token's text is left out of a "stop" only)
-            assert out.text == llm.get_tokenizer().decode(tokens, skip_special_tokens=True)
+            assert out.text == llm.get_tokenizer().decode(tokens, skip_special_tokens=True).rstrip("\ufffd")
 
 
 # -- SamplingParams fields and engine arguments for logprobs ---------------------------------
@@ -602,6 +640,17 @@ def test_logprobs_modes(llm, tiny_checkpoint):
                     assert len(finite) == params.top_k and np.isclose(np.sum(np.exp(finite)), 1.0, atol=1e-4)
 
 
+
+def test_a_logit_bias_of_minus_infinity_bans_a_token(llm):
+    """vLLM adds a logit_bias as given: -inf bans the token, greedy or sampled (NaN and +inf,
+    which leave a row no distribution, are refused)."""
+    prompt = {"prompt_token_ids": [5, 6, 7]}
+    first = greedy(llm, prompt, max_tokens=1).token_ids[0]
+    assert greedy(llm, prompt, max_tokens=1, logit_bias={first: float("-inf")}).token_ids[0] != first
+    params = SamplingParams(temperature=1.0, top_k=2, max_tokens=1, seed=0, n=16, logit_bias={first: -np.inf})
+    [out] = llm.generate(prompt, params, use_tqdm=False)
+    assert all(c.token_ids[0] != first for c in out.outputs)
+    assert params.logit_bias == {first: float("-inf")}
 
 def test_bad_words_ban_their_last_token_after_the_rest(llm):
     """vLLM's rule: the last token of a bad word's token sequence is banned when the output
@@ -768,7 +817,7 @@ def test_special_token_text_options(llm):
                                     skip_special_tokens=skip, spaces_between_special_tokens=spaces)
             out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
             assert out.text == tokenizer.decode(out.token_ids, skip_special_tokens=skip,
-                                                spaces_between_special_tokens=spaces)
+                                                spaces_between_special_tokens=spaces).rstrip("\ufffd")
 
 
 # -- output text: stop tokens, streams and the prompt's context ------------------------------
@@ -794,6 +843,31 @@ def test_stop_token_text_is_left_out(llm):
     out = greedy(llm, prompt, **params)
     assert out.token_ids[-1] == eos and out.stop_reason is None
     assert out.text == tokenizer.decode(out.token_ids[:-1], skip_special_tokens=False)
+
+
+def test_a_completion_cut_inside_a_character_ends_before_it(llm):
+    """As vLLM's DecodeStream: a completion that ends in the middle of a multi-byte
+    character (here its max_tokens) has no U+FFFD at the end of its text, which HF's decode
+    shows (every output of a stream too)."""
+    from jaxvllm.sampling_params import RequestOutputKind
+
+    tokenizer = llm.get_tokenizer()
+    lead = tokenizer.encode("\U0001F600", add_special_tokens=False)[0]  # (the emoji's first byte alone)
+    assert tokenizer.decode([lead]) == "\ufffd"
+    prompt = {"prompt_token_ids": [5, 6, 7]}
+    for n in (1, 2):
+        out = greedy(llm, prompt, max_tokens=n, allowed_token_ids=[lead])
+        assert out.token_ids == [lead] * n and tokenizer.decode(out.token_ids).endswith("\ufffd")
+        assert out.text == tokenizer.decode(out.token_ids).rstrip("\ufffd") == ""
+    for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA):
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, allowed_token_ids=[lead],
+                                output_kind=kind)
+        llm.llm_engine.add_request("cut", prompt, params)
+        texts = []
+        while llm.llm_engine.has_unfinished_requests():
+            texts += [o.outputs[0].text for o in llm.llm_engine.step() if o.request_id == "cut"]
+        assert texts == [""] * 3
+    assert llm.chat([], SamplingParams(), use_tqdm=False) == [] == llm.preprocess_chat([])  # (vLLM's: no outputs)
 
 
 def test_min_tokens_masks_eos_even_when_ignored(llm):

@@ -129,6 +129,10 @@ def test_inverse_cdf_sample_over_blocks(vocab, block):
     assert np.abs(np.bincount(tokens, minlength=vocab) / N - p).max() <= 2 / N
     ends = np.asarray(inverse_cdf_sample(jnp.asarray(np.stack([x, x])), jnp.asarray([1.0, 1e-30]), block=block))
     assert ends.tolist() == [np.flatnonzero(p)[-1], np.flatnonzero(p)[0]]
+    # A row with every token masked (bans that cover each other): id 0, as vLLM's, never one
+    # past the vocabulary (the padding of a partial last block).
+    masked = np.full((2, vocab), -np.inf, np.float32)
+    assert np.asarray(inverse_cdf_sample(jnp.asarray(masked), jnp.asarray([1.0, 0.5]), block=block)).tolist() == [0, 0]
 
 
 def test_greedy_top_k_1_and_seeds():

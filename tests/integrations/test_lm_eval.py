@@ -237,7 +237,9 @@ def test_rolling_loglikelihoods_match_hf(runs):
 @pytest.mark.slow
 def test_generations_match_hf(runs):
     ours, ref = responses(runs["jaxvllm"], "local_gen"), responses(runs["hf"], "local_gen")
-    assert ours == ref and len(ours) == 10
+    # (as lm-eval's vllm model: a generation cut inside a character has no U+FFFD at its end,
+    # where the hf model's decode shows the broken bytes)
+    assert ours == [[text.rstrip("\ufffd") for text in r] for r in ref] and len(ours) == 10
     assert all("\n" not in text and "." not in text for (text,) in ours)  # cut at the stop sequences
 
 

@@ -51,7 +51,9 @@ PROMPT_TOKENS_PER_CALL prompt tokens):
   stop=until + [EOS text])`, the text then cut at the first stop sequence as lm-eval does.
   Special tokens are left out of the text, as lm-eval's `hf` model decodes (its `vllm`
   model keeps them, `skip_special_tokens=False`, unless a task's gen_kwargs say otherwise);
-  a stop sequence that is one special token stops as that token's id.
+  a stop sequence that is one special token stops as that token's id. A generation cut
+  inside a character ends before it, as the `vllm` model's (the `hf` model's decode ends in
+  U+FFFD there).
 """
 
 from __future__ import annotations
