@@ -188,6 +188,15 @@ class IncrementalDetokenizer:
         return self._recent_committed(self._committed_len - start) + self._tail
 
     @property
+    def settled(self) -> int:
+        """How much of `text` vLLM's DecodeStream would show: the text as of the last update
+        that left it not ending in U+FFFD (a token's text counts once the character it
+        starts is complete; of several tokens at once, all but the U+FFFDs at the end), all
+        of it once a stop string cut it."""
+        length = self._committed_len + len(self._tail)
+        return length if self._stopped else min(self._settled, length)
+
+    @property
     def stop_buffer(self) -> int:
         """Characters at the end of `text` that could still be the start of a stop string
         left out of the text: a stream holds them back until the completion ends (vLLM's
@@ -216,7 +225,12 @@ class IncrementalDetokenizer:
         # (a token of " " and half an emoji adds " " with the emoji's other half).
         length = self._committed_len + len(self._tail)
         pending = (self._tail or (self._chunks[-1] if self._chunks else "")).endswith(_REPLACEMENT)
-        self._settled = min(self._settled, length) if pending else length
+        if not pending:
+            self._settled = length
+        elif added > 1:  # (as one at a time, but for a token of a character and a lead byte: its character counts)
+            self._settled = len(self.text.rstrip(_REPLACEMENT))
+        else:
+            self._settled = min(self._settled, length)
         if self._stop and check_stop:
             return self._check_stop(changed_from)
         if self._stop:  # (below min_tokens: this text counts as searched)

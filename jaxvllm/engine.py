@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import jax
 
-from jaxvllm.config import EngineConfig
+from jaxvllm.config import EngineConfig, check_int
 from jaxvllm.dummy import resolve_model
 from jaxvllm.input_processor import InputProcessor, eos_token_ids, load_tokenizer
 from jaxvllm.interrupts import defer_interrupts
@@ -197,17 +197,23 @@ class LLMEngine:
                     tokenization_kwargs: dict[str, Any] | None = None, trace_headers: Any = None,
                     priority: int = 0) -> None:
         """vLLM's signature. `arrival_time` (time.time()'s clock) replaces now as the
-        request's arrival in its metrics; `tokenization_kwargs` may say `add_special_tokens`;
-        `trace_headers` is accepted (jaxvllm does no tracing). As vLLM's, the request keeps a
-        copy of `params`: the caller may change or reuse them for the next request (the
-        engine reads some fields only when the request is first scheduled)."""
+        request's arrival in its metrics; `tokenization_kwargs` may say `add_special_tokens`,
+        and `truncation` with a `max_length` (vLLM's form of `truncate_prompt_tokens`, which
+        it takes precedence over); `trace_headers` is accepted (jaxvllm does no tracing). As
+        vLLM's, the request keeps a copy of `params`: the caller may change or reuse them for
+        the next request (the engine reads some fields only when the request is first scheduled)."""
+        tokenization_kwargs = dict(tokenization_kwargs or {})
+        unknown = sorted(set(tokenization_kwargs) - {"add_special_tokens", "truncation", "max_length"})
+        if unknown:
+            raise ValueError(f"tokenization_kwargs {unknown} are not supported; only 'add_special_tokens', "
+                             "'truncation' and 'max_length' are")
+        add_special_tokens = tokenization_kwargs.get("add_special_tokens", True)
         if isinstance(params, SamplingParams):
             params = params.clone()
-        unknown = sorted(set(tokenization_kwargs or {}) - {"add_special_tokens"})
-        if unknown:
-            raise ValueError(f"tokenization_kwargs {unknown} are not supported; only 'add_special_tokens' is "
-                             "(truncate with SamplingParams(truncate_prompt_tokens=...))")
-        add_special_tokens = (tokenization_kwargs or {}).get("add_special_tokens", True)
+        if tokenization_kwargs.get("truncation") and tokenization_kwargs.get("max_length") is not None:
+            params = params if params is not None else SamplingParams()
+            params.truncate_prompt_tokens = check_int("tokenization_kwargs max_length",
+                                                      tokenization_kwargs["max_length"], low=1)
         if arrival_time is not None:
             arrival_time = float(arrival_time)  # (a bad one fails before the request takes an arrival number)
         parent = self.make_requests(request_id, prompt, params, priority, add_special_tokens=add_special_tokens,

@@ -122,7 +122,7 @@ _VALUE_FLAGS.update({flag: (kind, "accepted for vLLM's scripts") for flag, kind 
 # Flags with more names (vLLM's short ones) or that take several values.
 _ALIASES = {"tensor-parallel-size": ["-tp"], "pipeline-parallel-size": ["-pp"], "data-parallel-size": ["-dp"],
             "quantization": ["-q"], "compilation-config": ["-O"]}
-_NARGS = {"served-model-name": "+", "token-buckets": "+", "logits-processors": "+"}
+_NARGS = {"served-model-name": "+", "token-buckets": "+", "logits-processors": "+", "hf-token": "?"}
 _BOOL_FLAGS: dict[str, str] = {
     "enable-chunked-prefill": "cut long prompts into chunks that share steps with decoding requests",
     "enable-prefix-caching": "reuse the KV cache blocks of prompt prefixes seen before",
@@ -153,6 +153,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             extra = {"choices": list(KV_CACHE_DTYPES)}
         if kind is json_object:
             extra = {"metavar": "JSON"}
+        if flag == "hf-token":  # (vLLM's: alone, the token of `huggingface-cli login`)
+            extra = {"const": True}
         group.add_argument(f"--{flag}", *_ALIASES.get(flag, []), type=kind, default=None, help=help_text,
                            nargs=_NARGS.get(flag), **extra)
     for flag, help_text in _BOOL_FLAGS.items():

@@ -54,13 +54,16 @@ def load_tokenizer(config: EngineConfig):
 
 def eos_token_ids(config_eos: tuple[int, ...], generation_config: dict[str, Any], tokenizer) -> tuple[int, ...]:
     """Every id that ends a completion unless `ignore_eos`, the model's EOS first: the
-    tokenizer's (else config.json's first), whose stop_reason is None as vLLM's. The others,
-    the generation config's (Llama 3 and Qwen instruct models list several; config.json's
-    only where there is no generation_config.json, as vLLM reads them), stop as vLLM adds
-    them to `stop_token_ids`, with their id as stop_reason."""
+    tokenizer's (without one, the first end id listed), whose stop_reason is None as
+    vLLM's. The others, the generation config's (Llama 3 and Qwen instruct models list
+    several; config.json's only where there is no generation_config.json, as vLLM reads
+    them), stop as vLLM adds them to `stop_token_ids`, with their id as stop_reason."""
     listed = generation_config.get("eos_token_id")
     listed = [listed] if isinstance(listed, int) else list(listed or ())
-    first = config_eos[0] if tokenizer is None and config_eos else getattr(tokenizer, "eos_token_id", None)
+    if tokenizer is not None:
+        first = tokenizer.eos_token_id
+    else:
+        first = next(iter([*listed, *config_eos]), None)
     return tuple(dict.fromkeys(t for t in (first, *listed) if t is not None))
 
 

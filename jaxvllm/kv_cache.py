@@ -163,7 +163,8 @@ def num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, devices: list, max_mo
         if num_blocks < max_blocks_per_seq:
             raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds {num_blocks} KV blocks "
                              f"of {int(per_device)} bytes a device; one sequence of "
-                             f"max_model_len={max_model_len} needs {max_blocks_per_seq}")
+                             f"max_model_len={max_model_len} needs {max_blocks_per_seq}. "
+                             f"{_estimate(num_blocks, spec.block_size, 'kv_cache_memory_bytes')}")
         return spec.addressable(num_blocks)
     mine = local_devices(devices)  # (across processes, each profiles its own devices)
     stats = device_memory_stats(mine[0])
@@ -195,7 +196,8 @@ def num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, devices: list, max_mo
         raise ValueError(
             f"only {max(num_blocks, 0)} KV blocks fit in gpu_memory_utilization={config.gpu_memory_utilization} "
             f"on {device} (peak use {peak / 2**30:.2f} GiB of {budget / 2**30:.2f} GiB); one sequence of "
-            f"max_model_len={max_model_len} needs {max_blocks_per_seq}"
+            f"max_model_len={max_model_len} needs {max_blocks_per_seq}. "
+            f"{_estimate(num_blocks, spec.block_size, 'gpu_memory_utilization')}"
         )
     return spec.addressable(num_blocks)
 
@@ -240,3 +242,10 @@ def allocate_kv_caches(
     if calculate_scales:
         scales = np.concatenate([scales, np.ones_like(scales[..., :1])], axis=-1)
     return (*caches, put(np.ascontiguousarray(scales.swapaxes(0, 1)), place))  # split on KV heads as the cache
+
+
+def _estimate(num_blocks: int, block_size: int, knob: str) -> str:
+    """vLLM's advice when one sequence of max_model_len does not fit."""
+    estimate = max(num_blocks, 0) * block_size
+    known = f"Based on the available memory, the estimated maximum model length is {estimate}. " if estimate else ""
+    return f"{known}Try increasing `{knob}` or decreasing `max_model_len` when initializing the engine."

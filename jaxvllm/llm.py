@@ -414,10 +414,13 @@ class LLM:
         """Step the replicas until each of `request_ids` has its final output in `_finished`
         (with the outputs of the other requests queued here that finish meanwhile)."""
         waiting = set(request_ids) - self._finished.keys()
+        speed = "output {:.1f} tok/s"
         if callable(use_tqdm):  # (vLLM's: a tqdm-like factory, called with the arguments vLLM gives it)
-            bar = use_tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
+            bar = use_tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True,
+                           postfix=speed.format(0))
         else:
-            bar = ProgressBar(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+            bar = ProgressBar(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True,
+                              postfix=speed.format(0))
         try:
             bar.update(len(request_ids) - len(waiting))
             start, num_output_tokens = time.perf_counter(), 0
@@ -434,7 +437,7 @@ class LLM:
                             waiting.discard(output.request_id)
                             num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
                             bar.update(1)
-                bar.set_postfix_str(f"output {num_output_tokens / (time.perf_counter() - start):.1f} tok/s", refresh=False)
+                bar.postfix = speed.format(num_output_tokens / (time.perf_counter() - start))  # (as vLLM sets it)
             if waiting:  # (no engine runs them any more: shut down, or aborted by hand)
                 self._check_open()
         finally:

@@ -144,12 +144,13 @@ class OutputProcessor:
 
     def output(self, parent: ParentRequest, only: int | None = None) -> RequestOutput:
         """The parent's RequestOutput (of completion `only` alone, if given): everything so
-        far, or (DELTA) what is new since the last one. Its text never ends in U+FFFD (the
-        start of a character the next token may complete; left out once it finishes, as
-        vLLM's), and until it finishes, with stop strings, it holds back as many characters
-        as could start one (vLLM's stop buffer), so that no text is streamed that a stop
-        string later takes back. DELTA sends the prompt logprobs once, with a completion's
-        first output (later ones get [])."""
+        far, or (DELTA) what is new since the last one. Its text is what vLLM's DecodeStream
+        shows (`IncrementalDetokenizer.settled`: a token that ends in part of a character
+        adds its text once a later token completes it, and never if none does), and until
+        it finishes, with stop strings, it holds back as many characters as could start one
+        (vLLM's stop buffer), so that no text is streamed that a stop string later takes
+        back. DELTA sends the prompt logprobs once, with a completion's first output (later
+        ones get [])."""
         delta = parent.output_kind == RequestOutputKind.DELTA
         lead = 0 if only is None else only  # (the completion whose prompt fields the output reports)
         first = parent.children[lead]
@@ -161,17 +162,14 @@ class OutputProcessor:
             child = parent.children[i]
             self.detokenize(child)
             detokenizer, logprobs = child.detokenizer, child.logprobs
-            if delta:  # (what is new alone: nothing before it is copied)
-                sent_tokens, sent_chars = parent.sent[i]
-                tokens = child.output_token_ids_from(sent_tokens)
-                text = detokenizer.text_since(sent_chars) if detokenizer is not None else ""
-            else:
-                tokens = child.output_token_ids
-                text = detokenizer.text if detokenizer is not None else ""
-            text = text.rstrip("\ufffd")  # (once finished too, as vLLM's DecodeStream: no broken tail)
-            if not child.is_finished:
-                if detokenizer is not None and detokenizer.stop_buffer:
-                    text = text[: max(0, len(text) - detokenizer.stop_buffer)]
+            sent_tokens, sent_chars = parent.sent[i] if delta else (0, 0)
+            tokens = child.output_token_ids_from(sent_tokens) if delta else child.output_token_ids
+            text = ""
+            if detokenizer is not None:
+                end = detokenizer.settled - (0 if child.is_finished else detokenizer.stop_buffer)
+                # (DELTA: what is new alone, nothing before it copied)
+                text = detokenizer.text_since(sent_chars) if delta else detokenizer.text
+                text = text[: max(0, end - sent_chars)]
             if delta:
                 logprobs = logprobs[sent_tokens:] if logprobs is not None else None
                 self._sending.append((parent, i, (sent_tokens + len(tokens), sent_chars + len(text))))

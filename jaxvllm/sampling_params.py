@@ -339,9 +339,10 @@ class SamplingParams:
             for t in getattr(self, name) or ():
                 if t >= vocab_size:
                     raise ValueError(f"{name}: token id {t} is out of range [0, {vocab_size})")
-        for t in self.logit_bias or {}:
-            if t >= vocab_size:
-                raise ValueError(f"logit_bias: token id {t} is out of range [0, {vocab_size})")
+        invalid = [t for t in self.logit_bias or {} if t >= vocab_size]
+        if invalid:  # (vLLM's words)
+            raise ValueError(f"token_id(s) {invalid} in logit_bias contain out-of-vocab token ids. Vocabulary size: "
+                             f"{vocab_size}")
 
     def check_satisfiable(self, eos_token_ids: Sequence[int]) -> None:
         """Refuse parameters that contradict each other for this model: checked when a request is added.
@@ -399,4 +400,7 @@ class BeamSearchParams:
 
 
 def _minus_infinity(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and float(value) == float("-inf")
+    try:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool) and float(value) == float("-inf")
+    except OverflowError:  # (an int past float's range: check_number names it)
+        return False

@@ -24,17 +24,20 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
         return super().parse_known_args(self._merge_dotted([_dashed(a) for a in args]), namespace)
 
     def _merge_dotted(self, args: list[str]) -> list[str]:
-        """The dotted keys of each JSON flag as one `--flag JSON` at the end, as vLLM's (which
-        a whole `--flag JSON` given before them therefore loses to)."""
+        """The dotted keys of each of this parser's JSON flags as one `--flag JSON`, after the
+        other options, as vLLM's (which a whole `--flag JSON` given before them loses to).
+        Anything else, and everything after `--`, is left as it is."""
         kept: list[str] = []
         merged: dict[str, dict[str, Any]] = {}
+        rest: list[str] = []
         i = 0
         while i < len(args):
             arg = args[i]
             if arg == "--":  # (what follows is positional)
-                kept += args[i:]
+                rest = args[i:]
                 break
-            if not _DOTTED.match(arg):
+            dotted = _DOTTED.match(arg)
+            if not dotted or dotted.group(1) not in self._option_string_actions:  # (a value, or not this parser's)
                 kept.append(arg)
                 i += 1
                 continue
@@ -57,7 +60,7 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
             _update(merged.setdefault(flag, {}), value)
         for flag, value in merged.items():
             kept += [flag, json.dumps(value)]
-        return kept
+        return kept + rest
 
 
 def _update(into: dict[str, Any], update: dict[str, Any]) -> None:

@@ -38,10 +38,10 @@ def test_prompt_forms_and_outputs(llm):
     assert len(single) == 1 and single[0].outputs[0].token_ids == out.token_ids
     bars = []
 
-    def make_bar(*, total, desc, dynamic_ncols):  # vLLM's use_tqdm may be a tqdm-like factory, given these
+    def make_bar(*, total, desc, dynamic_ncols, postfix):  # vLLM's use_tqdm may be a tqdm-like factory, given these
         from tqdm import tqdm
 
-        bars.append(tqdm(total=total, desc=desc, dynamic_ncols=dynamic_ncols, file=io.StringIO()))
+        bars.append(tqdm(total=total, desc=desc, dynamic_ncols=dynamic_ncols, postfix=postfix, file=io.StringIO()))
         return bars[-1]
 
     assert llm.generate(["Hello, world"] * 2, GREEDY, use_tqdm=make_bar)[1].outputs[0].token_ids == out.token_ids
@@ -167,8 +167,15 @@ def test_engine_step_by_step_and_abort(llm):
         outs += engine.step()
     assert outs[-1].metrics.arrival_time == 1234.5
     assert outs[-1].prompt_token_ids == tokenizer.encode("Hello", add_special_tokens=False)
-    with pytest.raises(ValueError, match=r"tokenization_kwargs \['truncation'\] are not supported"):
-        engine.add_request("v", "Hello", GREEDY, tokenization_kwargs={"truncation": True})
+    # vLLM's LLM passes truncate_prompt_tokens to its engine as tokenization_kwargs.
+    engine.add_request("t", {"prompt_token_ids": [5, 6, 7, 8]}, SamplingParams(temperature=0, max_tokens=1),
+                       tokenization_kwargs={"truncation": True, "max_length": 2})
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert outs[-1].prompt_token_ids == [7, 8]
+    with pytest.raises(ValueError, match=r"tokenization_kwargs \['padding'\] are not supported"):
+        engine.add_request("v", "Hello", GREEDY, tokenization_kwargs={"truncation": True, "padding": True})
 
 
 def test_generate_refuses_while_requests_added_by_hand(llm):

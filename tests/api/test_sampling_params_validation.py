@@ -25,6 +25,7 @@ FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_
         (dict(repetition_penalty=1e300), r"^repetition_penalty must be a finite number within float32 range"),
         (dict(logit_bias={3: NAN}), r"^logit_bias values must be a finite number, got nan$"),
         (dict(logit_bias={3: np.float32("inf")}), r"^logit_bias values must be a finite number, got inf$"),
+        (dict(logit_bias={3: -(10**400)}), r"^logit_bias values must be a finite number, got -1000"),
         # Ranges still hold, for numpy scalars too.
         (dict(temperature=np.float32(-1)), r"^temperature must be non-negative, got -1.0.$"),
         (dict(top_p=np.float64(0.0)), r"^top_p must be in \(0, 1\], got 0.0.$"),

@@ -413,6 +413,8 @@ def test_vllm_script_flags_and_none_defaults():
     flag's keys one at a time, ...), through `from jaxvllm.utils import FlexibleArgumentParser`
     (vLLM's path up to 0.10); and
     None for the arguments vLLM types Optional means the default."""
+    import json
+
     from jaxvllm import EngineArgs
     from jaxvllm.config import EngineConfig
     from jaxvllm.utils import FlexibleArgumentParser
@@ -438,6 +440,17 @@ def test_vllm_script_flags_and_none_defaults():
     assert (config.distributed_executor_backend, config.disable_custom_all_reduce, config.limit_mm_per_prompt,
             config.task, config.token_buckets) == ("mp", True, {"image": 0}, "generate", [16, 64])
     assert parser.parse_args(["--model", "dummy:tiny", "--gpu-memory-utilization", "-0.5"]).gpu_memory_utilization == -0.5
+    assert parser.parse_args(["--model", "dummy:tiny", "--hf-token"]).hf_token is True  # (vLLM's: the login's token)
+    # Only this parser's own flags take keys; lists with key+; nothing moves past `--`.
+    mine = FlexibleArgumentParser()
+    mine.add_argument("--config-json", type=json.loads)
+    mine.add_argument("--prompt")
+    mine.add_argument("files", nargs="*")
+    args = mine.parse_args(["--config-json.a+", "x,y", "--prompt", "--note. read this", "--config-json.a+=z",
+                            "--config-json.c.d=2", "--", "--config-json.e", "3"])
+    assert (args.config_json, args.prompt, args.files) == ({"a": ["x", "y", "z"], "c": {"d": 2}}, "--note. read this",
+                                                           ["--config-json.e", "3"])
+    assert parser.parse_known_args(["--model", "dummy:tiny", "--other.b=1"])[1] == ["--other.b=1"]  # (left as given)
     defaults = EngineConfig(model="dummy:tiny")
     nones = EngineConfig(model="dummy:tiny", seed=None, block_size=None, max_num_seqs=None,
                          enable_prefix_caching=None, enable_chunked_prefill=None, async_scheduling=None)
@@ -847,8 +860,8 @@ def test_stop_token_text_is_left_out(llm):
 
 def test_a_completion_cut_inside_a_character_ends_before_it(llm):
     """As vLLM's DecodeStream: a completion that ends in the middle of a multi-byte
-    character (here its max_tokens) has no U+FFFD at the end of its text, which HF's decode
-    shows (every output of a stream too)."""
+    character (here its max_tokens) leaves out the tokens that started it, where HF's
+    decode shows U+FFFD (every output of a stream too)."""
     from jaxvllm.sampling_params import RequestOutputKind
 
     tokenizer = llm.get_tokenizer()
@@ -859,6 +872,11 @@ def test_a_completion_cut_inside_a_character_ends_before_it(llm):
         out = greedy(llm, prompt, max_tokens=n, allowed_token_ids=[lead])
         assert out.token_ids == [lead] * n and tokenizer.decode(out.token_ids).endswith("\ufffd")
         assert out.text == tokenizer.decode(out.token_ids).rstrip("\ufffd") == ""
+    # A token of a character and the first byte of another ("c" + a lead byte): vLLM's stream
+    # adds its text only with the token that completes the character, so none here.
+    both = next(i for i in range(len(tokenizer)) if len(text := tokenizer.decode([i])) > 1
+                and text.endswith("\ufffd") and text[0] != "\ufffd")
+    assert greedy(llm, prompt, max_tokens=1, allowed_token_ids=[both]).text == ""
     for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA):
         params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, allowed_token_ids=[lead],
                                 output_kind=kind)
@@ -1027,6 +1045,11 @@ def test_allowed_token_ids_past_the_tokenizer_are_refused(llm):
         llm.generate("Hello", SamplingParams(max_tokens=2, allowed_token_ids=[5, size]), use_tqdm=False)
     out = llm.generate("Hello", SamplingParams(max_tokens=2, allowed_token_ids=[5, size - 1]), use_tqdm=False)
     assert set(out[0].outputs[0].token_ids) <= {5, size - 1}
+    vocab = llm.llm_engine.model_config.vocab_size  # (a logit_bias against the model's, with vLLM's words)
+    with pytest.raises(ValueError, match=rf"^token_id\(s\) \[{vocab}, {vocab + 1}\] in logit_bias contain out-of-vocab "
+                                         rf"token ids. Vocabulary size: {vocab}\n"):
+        llm.generate("Hello", SamplingParams(max_tokens=2, logit_bias={5: 1.0, vocab: 1.0, vocab + 1: 2.0}),
+                     use_tqdm=False)
     assert llm.stats()["num_free_blocks"] == llm.stats()["num_gpu_blocks"]
 
 

@@ -423,20 +423,26 @@ def test_stop_strings_match_a_search_of_the_full_text(tokenizers, name, data):
         if done >= len(ids):
             break
         got = d.update(ids[done:done + size])
-        done += size
-        text = tok.decode(ids[:done], skip_special_tokens=True)
         # The first listed among those the text now holds, as vLLM's (none was there before),
         # in the text as of the last update that did not leave it ending in U+FFFD (vLLM's
-        # DecodeStream adds a token's text once the character it starts is complete).
-        settled_len = min(settled_len, len(text)) if text.endswith("\ufffd") else len(text)
+        # DecodeStream adds a token's text once the character it starts is complete; of
+        # several tokens at once, all but the U+FFFDs at the end).
+        done += size
+        text = tok.decode(ids[:done], skip_special_tokens=True)
+        if not text.endswith("\ufffd"):
+            settled_len = len(text)
+        elif len([t for t in ids[done - size:done] if t not in tok.all_special_ids]) > 1:  # (several at once)
+            settled_len = len(text.rstrip("\ufffd"))
+        else:
+            settled_len = min(settled_len, len(text))
         settled = text[:settled_len]
         hits = [(order, settled.find(s), s) for order, s in enumerate(stops) if s in settled]
         if not hits:
-            assert got is None and d.text == text
+            assert got is None and d.text == text and d.settled == settled_len  # (what an output shows)
             continue
         _, at, expected = min(hits)
         assert got == expected
-        assert d.text == text[:at + (len(expected) if include else 0)]
+        assert d.text == text[:at + (len(expected) if include else 0)] and d.settled == len(d.text)
         break
 
 
@@ -619,3 +625,13 @@ def test_a_tokens_text_counts_for_stops_once_its_last_character_is_complete(toke
         d = IncrementalDetokenizer(tok, stop=["c"])
         found = [d.update([t], check_stop=i >= check_from) for i, t in enumerate(ids)]
         assert found == [None] * (len(ids) - 1) + ["c"] and d.text == "Hello "
+    # What an output shows (`settled`): not the "c" while the "á" is partial; and a U+FFFD
+    # that later text left behind stays, when a stop string cuts the text right after it.
+    d = _feed(tok, hello + [c_and_lead])[0]
+    assert d.text == "Hello c\ufffd" and d.settled == len("Hello ")
+    d = _feed(tok, hello + [c_and_lead], [len(hello) - 1, 2])[0]  # (tokens fed at once: all but the U+FFFD)
+    assert d.text == "Hello c\ufffd" and d.settled == len("Hello c")
+    lead = _encode(tok, "\U0001F600")[0]
+    d = IncrementalDetokenizer(tok, stop=["ST"])
+    assert [d.update([t]) for t in [lead, *_encode(tok, "S"), *_encode(tok, "T")]] == [None, None, "ST"]
+    assert d.text == "\ufffd" and d.settled == 1

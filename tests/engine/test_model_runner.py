@@ -69,7 +69,10 @@ def test_kv_cache_cpu_default_and_override(tiny_checkpoint, caplog):
     assert ModelRunner(EngineConfig(model=path, kv_cache_memory_bytes=9 * per_block + 5, **SMALL)).num_blocks == 9
     assert ModelRunner(EngineConfig(model=path, kv_cache_memory_bytes=9 * per_block, num_gpu_blocks_override=7,
                                     **SMALL)).num_blocks == 7
-    with pytest.raises(ValueError, match=rf"kv_cache_memory_bytes={per_block} holds 1 KV blocks .* needs 4"):
+    # (with vLLM's advice: the longest max_model_len that fits)
+    with pytest.raises(ValueError, match=rf"kv_cache_memory_bytes={per_block} holds 1 KV blocks .* needs 4. Based on "
+                                         rf"the available memory, the estimated maximum model length is 16. Try "
+                                         rf"increasing `kv_cache_memory_bytes`"):
         ModelRunner(EngineConfig(model=path, kv_cache_memory_bytes=per_block, **SMALL))
 
 

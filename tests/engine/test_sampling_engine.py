@@ -204,9 +204,10 @@ def test_invalid_values_name_the_field(kwargs, match):
 
 
 def test_token_ids_beyond_the_vocabulary_are_refused(llm):
-    for params in (SamplingParams(stop_token_ids=[512]), SamplingParams(allowed_token_ids=[1, 600]),
-                   SamplingParams(logit_bias={9999: 1.0})):
-        with pytest.raises(ValueError, match=r"out of range \[0, 512\)"):
+    for params, match in ((SamplingParams(stop_token_ids=[512]), r"out of range \[0, 512\)"),
+                          (SamplingParams(allowed_token_ids=[1, 600]), r"out of range \[0, 512\)"),
+                          (SamplingParams(logit_bias={9999: 1.0}), r"\[9999\] .* Vocabulary size: 512")):
+        with pytest.raises(ValueError, match=match):
             llm.generate("Hello", params, use_tqdm=False)
 
 
