@@ -106,12 +106,10 @@ _VALUE_FLAGS: dict[str, tuple[Callable[[str], Any], str]] = {
     "runner": (str, "'auto' or 'generate' (generative models only)"),
     "profiler-config": (json_object, 'for LLM.start_profile: \'{"profiler": "jax", "jax_profiler_dir": FOLDER}\''),
     "served-model-name": (str, "the name(s) the metrics' model_name label shows (default: the model's path)"),
-}
-_VALUE_FLAGS.update({
     "token-buckets": (int, "the token counts a step is compiled for (default: powers of two up to "
                            "max-num-batched-tokens)"),
     "compilation-cache-dir": (str, "where compiled steps are kept between runs ('' for none)"),
-})
+}
 # vLLM's flags for what jaxvllm takes and leaves unused, or at its default only (README: "Switching from vLLM").
 _VALUE_FLAGS.update({flag: (kind, "accepted for vLLM's scripts") for flag, kind in {
     "distributed-executor-backend": str, "task": str, "model-impl": str, "convert": str, "reasoning-parser": str,

@@ -415,12 +415,9 @@ class LLM:
         (with the outputs of the other requests queued here that finish meanwhile)."""
         waiting = set(request_ids) - self._finished.keys()
         speed = "output {:.1f} tok/s"
-        if callable(use_tqdm):  # (vLLM's: a tqdm-like factory, called with the arguments vLLM gives it)
-            bar = use_tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True,
-                           postfix=speed.format(0))
-        else:
-            bar = ProgressBar(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True,
-                              postfix=speed.format(0))
+        # (vLLM's: a tqdm-like factory may be given, called with the arguments vLLM gives it)
+        make_bar = use_tqdm if callable(use_tqdm) else functools.partial(ProgressBar, disable=not use_tqdm)
+        bar = make_bar(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True, postfix=speed.format(0))
         try:
             bar.update(len(request_ids) - len(waiting))
             start, num_output_tokens = time.perf_counter(), 0
