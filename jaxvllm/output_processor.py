@@ -144,13 +144,10 @@ class OutputProcessor:
 
     def output(self, parent: ParentRequest, only: int | None = None) -> RequestOutput:
         """The parent's RequestOutput (of completion `only` alone, if given): everything so
-        far, or (DELTA) what is new since the last one. Its text is what vLLM's DecodeStream
-        shows (`IncrementalDetokenizer.settled`: a token that ends in part of a character
-        adds its text once a later token completes it, and never if none does), and until
-        it finishes, with stop strings, it holds back as many characters as could start one
-        (vLLM's stop buffer), so that no text is streamed that a stop string later takes
-        back. DELTA sends the prompt logprobs once, with a completion's first output (later
-        ones get [])."""
+        far, or (DELTA) what is new since the last one. Until it finishes, with stop
+        strings, its text holds back as many characters as could start one (vLLM's stop
+        buffer), so that no text is streamed that a stop string later takes back. DELTA
+        sends the prompt logprobs once, with a completion's first output (later ones get [])."""
         delta = parent.output_kind == RequestOutputKind.DELTA
         lead = 0 if only is None else only  # (the completion whose prompt fields the output reports)
         first = parent.children[lead]
@@ -166,7 +163,7 @@ class OutputProcessor:
             tokens = child.output_token_ids_from(sent_tokens) if delta else child.output_token_ids
             text = ""
             if detokenizer is not None:
-                end = detokenizer.settled - (0 if child.is_finished else detokenizer.stop_buffer)
+                end = detokenizer.length - (0 if child.is_finished else detokenizer.stop_buffer)
                 # (DELTA: what is new alone, nothing before it copied)
                 text = detokenizer.text_since(sent_chars) if delta else detokenizer.text
                 text = text[: max(0, end - sent_chars)]

@@ -1,5 +1,6 @@
-"""IncrementalDetokenizer: the text equals a full decode after every token, stop
-strings are found across token boundaries, and the work per token stays bounded.
+"""IncrementalDetokenizer: the text is vLLM's after every token (tokenizers' DecodeStream,
+restated here with `decode` as the reference, `_vllm_texts`), whole characters show as HF's
+decode shows them, and stop strings are found across token boundaries.
 
 Tokenizers built here with no download: the project's tiny byte-level BPE (GPT-2 /
 Llama 3 / Qwen style) and a SentencePiece-style Unigram with byte fallback (Llama 2 /
@@ -14,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from jaxvllm.detokenizer import IncrementalDetokenizer
+from jaxvllm.detokenizer import IncrementalDetokenizer, TokenizerInfo
 
 try:
     from weights.make_tiny import make_tokenizer
@@ -100,38 +101,117 @@ def _feed(tok, ids, chunks=None, **kwargs):
     return d, texts, None
 
 
-# -- text equals a full decode ------------------------------------------------------
+def _vllm_texts(tok, ids, prompt=(), skip=True):
+    """The text after each of `ids`, fed one at a time, as vLLM 0.11's detokenizer builds it:
+    tokenizers' DecodeStream, restated with `decode` (the ids since the text last handed out,
+    after the context before them, are decoded with it, and what they add is handed out
+    once it does not end in U+FFFD; where the context's text changed, a new stream starts
+    from the new id), primed with the prompt's shortest suffix of 4 to 23 ids whose text has
+    no U+FFFD (the whole prompt if none)."""
+    backend = tok.backend_tokenizer
+    state = dict(ids=[], prefix="", index=0)
+
+    def step(t):
+        state["ids"].append(t)
+        text = backend.decode(state["ids"], skip_special_tokens=skip)
+        if len(text) <= len(state["prefix"]) or text.endswith("\ufffd"):
+            return ""
+        if not text.startswith(state["prefix"]):
+            state.update(ids=[], prefix="", index=0)
+            return step(t)
+        new, index = text[len(state["prefix"]):], len(state["ids"]) - state["index"]
+        state["ids"] = state["ids"][state["index"]:]
+        state["prefix"], state["index"] = backend.decode(state["ids"], skip_special_tokens=skip), index
+        return new
+
+    prime = list(prompt)
+    for size in range(4, min(len(prime) + 1, 24)) if len(prime) > 4 else ():
+        if "\ufffd" not in backend.decode(prime[-size:]):
+            prime = prime[-size:]
+            break
+    for t in prime:
+        step(t)
+    texts, text = [], ""
+    for t in ids:
+        text += step(t)
+        texts.append(text)
+    return texts
+
+
+def _random_ids(tok, rng, n):
+    """Text, byte soup (lead and continuation bytes: partial and invalid UTF-8), special
+    tokens and ids past the vocabulary."""
+    leads = [_byte_token_ids(tok, c)[0] for c in "é漢🙂"]
+    conts = sorted({i for c in "漢🙂" for i in _byte_token_ids(tok, c)[1:]})
+    text_ids = _encode(tok, MIXED)
+    ids: list[int] = []
+    while len(ids) < n:
+        r = rng.random()
+        if r < 0.4:
+            ids += rng.choices(leads + conts * 2, k=rng.randrange(1, 8))
+        elif r < 0.5:
+            ids += [rng.choice(sorted(tok.all_special_ids))] * rng.randrange(1, 4)
+        elif r < 0.55:
+            ids.append(len(tok) + rng.randrange(100))
+        else:
+            i = rng.randrange(len(text_ids))
+            ids += text_ids[i:i + rng.randrange(1, 8)]
+    return ids[:n]
+
+
+def _whole_characters(tok, words) -> list[list[int]]:
+    """Each word's ids: " word" encoded, or each character of it spelled in byte tokens
+    where the tokenizer has them (a byte-fallback run of several characters)."""
+    return [_encode(tok, " " + w) for w in words] + [[i for c in w for i in _byte_token_ids(tok, c)] for w in words]
+
+
+# -- the text -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", [*TOKENIZERS, "sp_cleanup"])
+def test_text_is_vllms_after_every_update(tokenizers, name):
+    """Random streams (byte soup, special tokens, ids past the vocabulary), after a random
+    prompt or none, fed in chunks of 1 to 3: the text after each update is vLLM's."""
+    import random
+
+    tok = tokenizers[name]
+    for seed in range(40):
+        rng = random.Random(seed)
+        prompt, ids = _random_ids(tok, rng, rng.randrange(0, 30)), _random_ids(tok, rng, 60)
+        for skip in (True, False):
+            want = _vllm_texts(tok, ids, prompt, skip)
+            d = IncrementalDetokenizer(tok, skip_special_tokens=skip, prompt_token_ids=prompt)
+            i = 0
+            while i < len(ids):
+                size = rng.choice([1, 1, 2, 3])
+                d.update(ids[i:i + size])
+                i = min(i + size, len(ids))
+                assert d.text == want[i - 1] and d.length == len(d.text), (seed, skip, prompt, ids[:i])
 
 
 @pytest.mark.parametrize("skip", [True, False])
 @pytest.mark.parametrize("name", [*TOKENIZERS, "sp_cleanup"])
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_text_equals_full_decode_after_every_update(tokenizers, name, skip, data):
+def test_whole_characters_show_as_hf_decodes_them(tokenizers, name, skip, data):
+    """Wherever the tokens so far spell whole characters, the text is HF's decode of them
+    (without clean_up_tokenization_spaces, which vLLM's stream never applies), also inside a
+    run of byte-fallback tokens that spells several characters, which HF's decode shows as
+    U+FFFDs until its last character is complete; between those points it only grows."""
     tok = tokenizers[name]
-    vocab = len(tok)
-    text_ids = _encode(tok, MIXED)
-    byte_ids = sorted({i for c in "漢🙂é\x80\x7f" for i in _byte_token_ids(tok, c)})
-    piece = st.one_of(
-        st.lists(st.integers(0, vocab - 1), min_size=1, max_size=3),  # anything
-        st.lists(st.sampled_from(sorted(tok.all_special_ids)), min_size=1, max_size=3),
-        st.lists(st.sampled_from(byte_ids), min_size=1, max_size=5),  # partial or invalid UTF-8
-        st.integers(vocab, vocab + 100).map(lambda i: [i]),  # past the vocabulary: decodes to nothing
-        st.tuples(st.integers(0, len(text_ids) - 1), st.integers(1, 8)).map(lambda ab: text_ids[ab[0]:ab[0] + ab[1]]),
-    )
-    ids = [i for p in data.draw(st.lists(piece, min_size=1, max_size=40)) for i in p]
-    chunks, left = [], len(ids)
-    for size in data.draw(st.lists(st.integers(1, 3), min_size=len(ids), max_size=len(ids))):
-        if left <= 0:
-            break
-        chunks.append(min(size, left))
-        left -= size
-    d, texts, stop = _feed(tok, ids, chunks, skip_special_tokens=skip)
-    assert stop is None
-    done = 0
-    for size, text in zip(chunks, texts):
-        done += size
-        assert text == tok.decode(ids[:done], skip_special_tokens=skip), tok.convert_ids_to_tokens(ids[:done])
+    words = ["Hello", "world", "漢🙂漢", "日本語", "🙂", "é", "fine", "."]
+    piece = st.one_of(st.sampled_from(_whole_characters(tok, words)),
+                      st.sampled_from(sorted(tok.all_special_ids)).map(lambda i: [i]),
+                      st.integers(len(tok), len(tok) + 100).map(lambda i: [i]))
+    ids = [i for p in data.draw(st.lists(piece, min_size=1, max_size=12)) for i in p]
+    d, texts, _ = _feed(tok, ids, skip_special_tokens=skip)
+    before = ""
+    for n, text in enumerate(texts, 1):
+        full = tok.decode(ids[:n], skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+        if "\ufffd" not in full:
+            assert text == full, tok.convert_ids_to_tokens(ids[:n])
+        assert text.startswith(before)
+        before = text
 
 
 @pytest.mark.parametrize("name", TOKENIZERS)
@@ -143,14 +223,16 @@ def test_long_realistic_stream(tokenizers, name):
         ids += _encode(tok, (MIXED + " " + SENTENCE + " ") * (1 + k % 2)) + [tok.eos_token_id, tok.bos_token_id]
     for skip in (True, False):
         d, texts, _ = _feed(tok, ids, skip_special_tokens=skip)
-        for n in range(1, len(ids) + 1, 7):
-            assert texts[n - 1] == tok.decode(ids[:n], skip_special_tokens=skip)
+        for n in range(1, len(ids) + 1):
+            full = tok.decode(ids[:n], skip_special_tokens=skip)
+            if "\ufffd" not in full:
+                assert texts[n - 1] == full
         assert d.text == tok.decode(ids, skip_special_tokens=skip)
 
 
 @pytest.mark.parametrize("char", ["漢", "🙂"])
 @pytest.mark.parametrize("name", TOKENIZERS)
-def test_partial_utf8_shows_replacement_char_until_complete(tokenizers, name, char):
+def test_a_partial_character_adds_nothing_until_complete(tokenizers, name, char):
     tok = tokenizers[name]
     prefix = _encode(tok, "Hello")
     d = IncrementalDetokenizer(tok)
@@ -158,25 +240,71 @@ def test_partial_utf8_shows_replacement_char_until_complete(tokenizers, name, ch
     assert d.text == "Hello"
     byte_ids = _byte_token_ids(tok, char)
     assert len(byte_ids) == len(char.encode()) >= 3
-    for i, tid in enumerate(byte_ids):
-        assert d.update([tid]) is None
-        expected = tok.decode(prefix + byte_ids[:i + 1], skip_special_tokens=True)
-        assert d.text == expected
-        if i < len(byte_ids) - 1:
-            assert d.text.startswith("Hello") and d.text.endswith("\ufffd")
+    for tid in byte_ids[:-1]:
+        assert d.update([tid]) is None and d.text == "Hello"
+    d.update(byte_ids[-1:])
     assert d.text == "Hello" + char
-    # More text after the completed character.
     more = _encode(tok, " fine")
     d.update(more)
     assert d.text == tok.decode(prefix + byte_ids + more) == "Hello" + char + " fine"
+
+
+@pytest.mark.parametrize("name", ["sp", "llama2"])
+def test_a_byte_fallback_run_keeps_its_whole_characters(tokenizers, name):
+    """A run of byte tokens shows each character once it is complete (HF's decode shows the
+    whole run as U+FFFD while its last character is partial): a completion cut inside its
+    last character keeps the others, and stop=["\ufffd"] does not fire on them."""
+    tok = tokenizers[name]
+    hello, run = _encode(tok, "Hello"), [i for c in "漢🙂漢" for i in _byte_token_ids(tok, c)]
+    assert tok.decode(hello + run[:-1]).endswith("\ufffd" * (len(run) - 1))
+    d, texts, stop = _feed(tok, hello + run[:-1], stop=["\ufffd"])
+    assert stop is None and d.text == "Hello漢🙂"
+    assert texts[len(hello) + 2] == "Hello漢" and texts[len(hello) + 6] == "Hello漢🙂"
+    # A later byte that turns the run invalid takes back nothing: the stream starts anew.
+    ids = hello + run[:7] + run[:1] + _encode(tok, " fine")
+    d, texts, stop = _feed(tok, ids, stop=["zz"])
+    assert texts[len(hello) + 6] == "Hello漢🙂" and d.text.startswith("Hello漢🙂")
+    assert d.text == _vllm_texts(tok, ids)[-1]
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_text_after_a_prompt_is_what_it_adds(tokenizers, name, data):
+    """Given the prompt's ids, the text is what the output adds to the prompt (vLLM's):
+    decode(prompt + output)[len(decode(prompt)):] wherever both are whole characters, also
+    where the prompt ends inside a run of byte tokens that the output goes on with."""
+    tok = tokenizers[name]
+    ids = _encode(tok, SENTENCE + " " + MIXED + " 漢🙂漢 " + SENTENCE)
+    cut = data.draw(st.integers(1, len(ids) - 2))
+    prompt, output = ids[:cut], ids[cut:cut + 25]
+    head = tok.decode(prompt)
+    assume(not head.endswith("\ufffd"))  # (a prompt that ends inside a character has no whole text)
+    d = IncrementalDetokenizer(tok, prompt_token_ids=prompt)
+    done = 0
+    while done < len(output):
+        size = data.draw(st.integers(1, 3))
+        d.update(output[done:done + size])
+        done = min(done + size, len(output))
+        full = tok.decode(prompt + output[:done])
+        if "\ufffd" not in full:
+            assert d.text == full[len(head):]
+
+
+def test_a_prompt_that_ends_in_a_byte_spelled_character(tokenizers):
+    """An output that goes on with the prompt's run of byte tokens shows its own characters
+    only (the prompt's were shown as the output's: "漢🙂" instead of "🙂")."""
+    tok = tokenizers["sp"]
+    prompt = _encode(tok, "Say it: ") + _byte_token_ids(tok, "漢")
+    d, _, _ = _feed(tok, _byte_token_ids(tok, "🙂") + _encode(tok, " fine"), prompt_token_ids=prompt, stop=["zz"])
+    assert d.text == "🙂 fine"
 
 
 @pytest.mark.parametrize("name", TOKENIZERS)
 def test_special_tokens_and_unknown_ids(tokenizers, name):
     tok = tokenizers[name]
     hello = _encode(tok, "Hello world")
-    # Long runs of ids that decode to nothing: with skip_special_tokens they must not
-    # become the window's only left context (Metaspace would drop " world"'s space).
+    # Long runs of ids that decode to nothing, between text.
     hidden = [tok.eos_token_id, len(tok) + 7, tok.bos_token_id] * 4
     ids = [tok.bos_token_id] * 3 + hello + hidden + hello + hidden + hello[-1:]
     for skip in (True, False):
@@ -185,65 +313,27 @@ def test_special_tokens_and_unknown_ids(tokenizers, name):
     assert IncrementalDetokenizer(tok).text == ""
 
 
-def test_byte_fallback_run_turns_invalid(tokenizers):
-    """The ByteFallback decoder shows a whole run of byte tokens as U+FFFD (one per
-    byte) once any byte in it is invalid: committed characters of the run change."""
+def test_special_tokens_without_spaces_between_them(tokenizers):
+    """vLLM's spaces_between_special_tokens=False (with skip_special_tokens=False): a special
+    token right after another adds its own text, not what the stream makes of it."""
     tok = tokenizers["sp"]
-    prefix = _encode(tok, "Hello")
-    run = _byte_token_ids(tok, "漢") * 8 + _byte_token_ids(tok, "🙂") * 2
-    lead = _byte_token_ids(tok, "漢")[:1]
-    ids = prefix + run + lead + _encode(tok, " fine") + run[:5]
-    d, texts, _ = _feed(tok, ids)
-    assert texts == [tok.decode(ids[:n], skip_special_tokens=True) for n in range(1, len(ids) + 1)]
-    assert texts[len(prefix) + len(run) - 1] == "Hello" + "漢" * 8 + "🙂" * 2
-    assert texts[len(prefix) + len(run)] == "Hello" + "\ufffd" * (len(run) + 1)
+    hello = _encode(tok, "Hello")
+    ids = hello + [tok.bos_token_id, tok.eos_token_id, tok.eos_token_id] + _encode(tok, " fine")
+    texts = _vllm_texts(tok, ids, skip=False)
+    added = [after[len(before):] for before, after in zip([""] + texts, texts)]
+    added[len(hello) + 1] = added[len(hello) + 2] = "</s>"
+    d, _, _ = _feed(tok, ids, skip_special_tokens=False, spaces_between_special_tokens=False)
+    assert d.text == "".join(added)
+    assert _feed(tok, ids, skip_special_tokens=False)[0].text == texts[-1]
 
 
-@pytest.mark.parametrize("name", [*TOKENIZERS, "sp_cleanup"])
-def test_seeded_random_streams(tokenizers, name):
-    """Byte soup (lead, continuation and ASCII bytes), text, special tokens: long enough
-    streams that the window moves and commits are forced, checked at every update."""
-    import random
-
-    tok = tokenizers[name]
-    leads = [_byte_token_ids(tok, c)[0] for c in "é漢🙂"]
-    conts = sorted({i for c in "漢🙂" for i in _byte_token_ids(tok, c)[1:]})
-    ascii_ = _byte_token_ids(tok, "A") + _byte_token_ids(tok, " ")
-    text_ids = _encode(tok, MIXED)
-    for seed in range(40):
-        rng = random.Random(seed)
-        ids: list[int] = []
-        while len(ids) < 100:
-            r = rng.random()
-            if r < 0.5:
-                ids += rng.choices(leads + conts * 2 + ascii_, k=rng.randrange(1, 12))
-            elif r < 0.6:
-                ids += [rng.choice(sorted(tok.all_special_ids))] * rng.randrange(1, 6)
-            else:
-                i = rng.randrange(len(text_ids))
-                ids += text_ids[i:i + rng.randrange(1, 8)]
-        for skip in (True, False):
-            d = IncrementalDetokenizer(tok, skip_special_tokens=skip)
-            i = 0
-            while i < len(ids):
-                size = rng.choice([1, 1, 2, 3])
-                d.update(ids[i:i + size])
-                i += size
-                assert d.text == tok.decode(ids[:i], skip_special_tokens=skip), (seed, skip, ids[:i])
-
-
-def test_cleanup_of_tokenization_spaces_near_the_window_start(tokenizers):
-    """clean_up_tokenization_spaces rewrites " ' s" as "'s" (through two replaces):
-    with one-character tokens the left context must still hold enough characters."""
-    import random
-
+def test_clean_up_tokenization_spaces_is_not_applied(tokenizers):
+    """As vLLM's stream: a fast tokenizer's text is never cleaned up (" ." stays " .")."""
     tok = tokenizers["sp_cleanup"]
-    pieces = [tok.convert_tokens_to_ids(p) for p in ["▁", "▁", "▁", "'", "'", "s", "m", ".", ",", "▁you"]]
-    for seed in range(30):
-        rng = random.Random(seed)
-        ids = rng.choices(pieces, k=80)
-        _, texts, _ = _feed(tok, ids)
-        assert texts == [tok.decode(ids[:n], skip_special_tokens=True) for n in range(1, len(ids) + 1)], seed
+    ids = _encode(tok, "Hello , world . how are you ' s")
+    d, _, stop = _feed(tok, ids, stop=[" ,"])
+    assert stop == " ," and d.text == "Hello"
+    assert _feed(tok, ids)[0].text == tok.decode(ids, clean_up_tokenization_spaces=False) != tok.decode(ids)
 
 
 # -- stop strings -------------------------------------------------------------------
@@ -334,7 +424,7 @@ def test_a_character_split_over_tokens_is_not_a_replacement_char_stop(tokenizers
     char = _byte_token_ids(tok, "漢")
     _, texts, stop = _feed(tok, hello + char + fine, stop=["\ufffd"])
     assert stop is None and texts[-1] == "Hello漢 fine"
-    assert texts[len(hello)].endswith("\ufffd")  # (shown while the character is partial)
+    assert texts[len(hello)] == "Hello"  # (nothing while the character is partial)
     _, texts, stop = _feed(tok, hello + char[:1] + fine, stop=["\ufffd"], include_stop_str_in_output=True)
     assert stop == "\ufffd" and texts[-1] == "Hello\ufffd"
 
@@ -352,22 +442,6 @@ def test_text_below_min_tokens_is_never_searched(tokenizers, name):
     assert d.text == "漢 fine"
 
 
-def test_a_long_run_of_broken_bytes_costs_little_per_token(tokenizers, monkeypatch):
-    """With a stop string, text ending in ever more U+FFFD is not searched again at every
-    token (each update read the whole run)."""
-    tok = tokenizers["tiny"]
-    read: list[int] = []
-    recent = IncrementalDetokenizer._recent_committed
-    monkeypatch.setattr(IncrementalDetokenizer, "_recent_committed",
-                        lambda self, count: (read.append(count), recent(self, count))[1])
-    cont = _byte_token_ids(tok, "漢")[1]  # 0xBC: never valid on its own
-    d = IncrementalDetokenizer(tok, stop=["\ufffdHello", "zz"])
-    for i in range(2000):
-        assert d.update([cont], check_stop=i % 7 != 0) is None
-    assert max(read, default=0) < 20
-    assert d.update(_encode(tok, "Hello")) == "\ufffdHello" and d.text == "\ufffd" * 1999
-
-
 def test_stop_found_only_once_more_text_arrives(tokenizers):
     """A stop string inside a partial UTF-8 character matches once the character is whole."""
     tok = tokenizers["sp"]
@@ -377,7 +451,7 @@ def test_stop_found_only_once_more_text_arrives(tokenizers):
     byte_ids = _byte_token_ids(tok, "漢")
     assert d.update(byte_ids[:1]) is None
     assert d.update(byte_ids[1:2]) is None
-    assert d.text == "Hello\ufffd\ufffd"
+    assert d.text == "Hello"
     assert d.update(byte_ids[2:]) == "o漢"
     assert d.text == "Hello漢"
 
@@ -401,11 +475,24 @@ def test_empty_stop_string_is_rejected(tokenizers, bad):
         IncrementalDetokenizer(tokenizers["tiny"], stop=bad)
 
 
+def test_a_long_run_of_broken_bytes(tokenizers):
+    """Lone continuation bytes leave the text ending in U+FFFD at every token: nothing is
+    handed out until a token ends it, then all of it (vLLM's stream); a stop string that
+    spans the run and the text after it is found then."""
+    tok = tokenizers["tiny"]
+    cont = _byte_token_ids(tok, "漢")[1]  # 0xBC: never valid on its own
+    d = IncrementalDetokenizer(tok, stop=["\ufffdHello", "zz"])
+    for i in range(300):
+        assert d.update([cont], check_stop=i % 7 != 0) is None and d.text == ""
+    assert d.update(_encode(tok, "Hello")) == "\ufffdHello" and d.text == "\ufffd" * 299
+
+
 @pytest.mark.parametrize("name", TOKENIZERS)
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_stop_strings_match_a_search_of_the_full_text(tokenizers, name, data):
-    """Reference: decode everything after each update and search all of it."""
+def test_stop_strings_match_a_search_of_the_whole_text(tokenizers, name, data):
+    """Reference: vLLM's text after each update, searched whole: the first listed stop string
+    it holds (none was there before), at its first occurrence."""
     tok = tokenizers[name]
     text_ids = _encode(tok, MIXED + " " + SENTENCE)
     start = data.draw(st.integers(0, len(text_ids) - 1))
@@ -417,182 +504,23 @@ def test_stop_strings_match_a_search_of_the_full_text(tokenizers, name, data):
                                min_size=1, max_size=3))
     include = data.draw(st.booleans())
     sizes = data.draw(st.lists(st.integers(1, 3), min_size=len(ids), max_size=len(ids)))
+    want = _vllm_texts(tok, ids)
     d = IncrementalDetokenizer(tok, stop=stops, include_stop_str_in_output=include)
-    done = settled_len = 0
+    done = 0
     for size in sizes:
         if done >= len(ids):
             break
         got = d.update(ids[done:done + size])
-        # The first listed among those the text now holds, as vLLM's (none was there before),
-        # in the text as of the last update that did not leave it ending in U+FFFD (vLLM's
-        # DecodeStream adds a token's text once the character it starts is complete; of
-        # several tokens at once, all but the U+FFFDs at the end).
-        done += size
-        text = tok.decode(ids[:done], skip_special_tokens=True)
-        if not text.endswith("\ufffd"):
-            settled_len = len(text)
-        elif len([t for t in ids[done - size:done] if t not in tok.all_special_ids]) > 1:  # (several at once)
-            settled_len = len(text.rstrip("\ufffd"))
-        else:
-            settled_len = min(settled_len, len(text))
-        settled = text[:settled_len]
-        hits = [(order, settled.find(s), s) for order, s in enumerate(stops) if s in settled]
+        done = min(done + size, len(ids))
+        text = want[done - 1]
+        hits = [(order, text.find(s), s) for order, s in enumerate(stops) if s in text]
         if not hits:
-            assert got is None and d.text == text and d.settled == settled_len  # (what an output shows)
+            assert got is None and d.text == text
             continue
         _, at, expected = min(hits)
         assert got == expected
-        assert d.text == text[:at + (len(expected) if include else 0)] and d.settled == len(d.text)
+        assert d.text == text[:at + (len(expected) if include else 0)] and d.length == len(d.text)
         break
-
-
-@pytest.mark.parametrize("name", TOKENIZERS)
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(data=st.data())
-def test_text_after_a_prompt_is_what_it_adds(tokenizers, name, data):
-    """Given the prompt's ids, the text after every update is what the output adds to the
-    prompt (vLLM's): decode(prompt + output)[len(decode(prompt)):]."""
-    tok = tokenizers[name]
-    ids = _encode(tok, SENTENCE + " " + MIXED + " " + SENTENCE)
-    cut = data.draw(st.integers(1, len(ids) - 2))
-    prompt, output = ids[:cut], ids[cut:cut + 25]
-    head = tok.decode(prompt)
-    assume(not head.endswith("\ufffd"))  # (a prompt that ends inside a character has no whole text)
-    d = IncrementalDetokenizer(tok, prompt_token_ids=prompt)
-    done = 0
-    while done < len(output):
-        size = data.draw(st.integers(1, 3))
-        d.update(output[done:done + size])
-        done += size
-        assert d.text == tok.decode(prompt + output[:done])[len(head):]
-
-
-# -- bounded work -------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("name", TOKENIZERS)
-def test_work_per_update_is_bounded(tokenizers, name, monkeypatch):
-    """2000 tokens one at a time: every decode call sees a short window, and there is
-    about one call per update (no full re-decode)."""
-    tok = tokenizers[name]
-    lengths: list[int] = []
-    decode = tok.decode
-    window_decode = IncrementalDetokenizer._decode
-
-    def recording_decode(self, ids):
-        lengths.append(len(ids))
-        return window_decode(self, ids)
-
-    stream = []
-    while len(stream) < 2000:
-        stream += _encode(tok, MIXED + " " + SENTENCE) + [tok.eos_token_id]
-    stream = stream[:2000]
-    expected = decode(stream, skip_special_tokens=True)
-    monkeypatch.setattr(IncrementalDetokenizer, "_decode", recording_decode)
-    d = IncrementalDetokenizer(tok, stop=["never appears"])
-    for tid in stream:
-        d.update([tid])
-    monkeypatch.undo()
-    assert d.text == expected
-    assert max(lengths) < 20
-    assert len(lengths) < 1.5 * len(stream)
-
-
-def test_invalid_bytes_do_not_grow_the_window(tokenizers, monkeypatch):
-    """A byte-level stream of lone continuation bytes ends in U+FFFD at every step;
-    the detokenizer still commits text (a few tokens back), so windows stay short."""
-    tok = tokenizers["tiny"]
-    lengths: list[int] = []
-    decode, window_decode = tok.decode, IncrementalDetokenizer._decode
-    monkeypatch.setattr(IncrementalDetokenizer, "_decode", lambda self, ids: (lengths.append(len(ids)), window_decode(self, ids))[1])
-    cont = _byte_token_ids(tok, "漢")[1]  # 0xBC: never valid on its own
-    d = IncrementalDetokenizer(tok)
-    for _ in range(500):
-        d.update([cont])
-    monkeypatch.undo()
-    assert d.text == "\ufffd" * 500 == decode([cont] * 500)
-    assert max(lengths) < 20
-
-
-# -- tokenizers' DecodeStream -------------------------------------------------------
-
-
-@pytest.mark.parametrize("name", TOKENIZERS)
-def test_plain_text_decodes_in_the_stream(tokenizers, name, monkeypatch):
-    """A fast tokenizer without the cleanup decodes text whose characters are whole tokens
-    in tokenizers' DecodeStream: the window's own decodes (Python calls, several times
-    the cost) are then left for the prompt's context alone."""
-    tok = tokenizers[name]
-    calls = []
-    window_decode = IncrementalDetokenizer._decode
-    monkeypatch.setattr(IncrementalDetokenizer, "_decode", lambda self, ids: (calls.append(ids), window_decode(self, ids))[1])
-    prompt, ids = _encode(tok, SENTENCE), _encode(tok, (SENTENCE + " Hello, how are you today? ") * 20)
-    d = IncrementalDetokenizer(tok, stop=["never appears"], prompt_token_ids=prompt)
-    primed = len(calls)
-    for tid in ids:
-        assert d.update([tid]) is None
-    monkeypatch.undo()
-    assert d.text == tok.decode(prompt + ids)[len(tok.decode(prompt)):]
-    assert len(calls) == primed, calls[primed:]
-
-
-@pytest.mark.parametrize("name", ["sp", "llama2"])
-def test_the_stream_takes_over_again_after_a_byte_fallback_character(tokenizers, name, monkeypatch):
-    """A character spelled in byte tokens is decoded in the window; once the window slides
-    past it, a new stream decodes the plain text after it, so one emoji early in a long
-    completion does not leave the rest of it on the window's Python decodes."""
-    tok = tokenizers[name]
-    ids = _encode(tok, "Hello 🙂 " + (SENTENCE + " Hello, how are you today? ") * 10)
-    assert any(tok.convert_ids_to_tokens(t).startswith("<0x") for t in ids[:8])
-    calls = []
-    window_decode = IncrementalDetokenizer._decode
-    monkeypatch.setattr(IncrementalDetokenizer, "_decode", lambda self, ids: (calls.append(ids), window_decode(self, ids))[1])
-    d = IncrementalDetokenizer(tok, stop=["never appears"])
-    for n, tid in enumerate(ids, 1):
-        assert d.update([tid]) is None
-        assert d.text == tok.decode(ids[:n], skip_special_tokens=True)
-        if n == 30:
-            assert d._stream is not None
-            calls.clear()
-    assert calls == []
-
-
-class _FailingStream:
-    """tokenizers' DecodeStream that raises its "Invalid prefix" error at step `at` (as it
-    does where new tokens change its context's text)."""
-
-    def __init__(self, stream, at: int):
-        self.stream, self.at, self.steps = stream, at, 0
-
-    def step(self, tokenizer, tid):
-        self.steps += 1
-        if self.steps == self.at:
-            raise Exception("Invalid prefix encountered while decoding stream. Token ID: %d" % tid)
-        return self.stream.step(tokenizer, tid)
-
-
-@pytest.mark.parametrize("at", [1, 2, 5, 9])
-@pytest.mark.parametrize("name", TOKENIZERS)
-def test_the_window_takes_over_where_the_stream_gives_up(tokenizers, name, at):
-    """Where the stream raises, the update starts again from before it in the window, and
-    the text and stop strings come out as without the stream."""
-    tok = tokenizers[name]
-    ids = _encode(tok, SENTENCE + " Hello 漢字 world, how are you? " + SENTENCE)
-    expected = [tok.decode(ids[:n], skip_special_tokens=True) for n in range(1, len(ids) + 1)]
-    for stop in ([], ["you?"]):
-        d = IncrementalDetokenizer(tok, stop=stop, include_stop_str_in_output=True)
-        assert d._stream is not None
-        d._stream = failing = _FailingStream(d._stream, at)
-        i, found = 0, None
-        for size in [1, 3, 1, 2] * len(ids):
-            if i >= len(ids) or found:
-                break
-            found = d.update(ids[i:i + size])
-            i = min(i + size, len(ids))
-            assert found or d.text == expected[i - 1]
-        # (the window went on alone, then a new stream from its context when it slid)
-        assert failing.steps >= at and d._stream is not failing
-        assert d.text == (SENTENCE + " Hello 漢字 world, how are you?" if stop else expected[-1])
 
 
 @pytest.mark.parametrize("name", TOKENIZERS)
@@ -601,21 +529,21 @@ def test_text_since_an_offset_is_the_texts_tail(tokenizers, name):
     without joining the text before it."""
     tok = tokenizers[name]
     ids = _encode(tok, (MIXED + " " + SENTENCE + " ") * 4)
+    want = _vllm_texts(tok, ids)
     d = IncrementalDetokenizer(tok)
     for n, tid in enumerate(ids, 1):
         d.update([tid])
-        start = (n * 7) % (len(tok.decode(ids[:n], skip_special_tokens=True)) + 2)
-        text = tok.decode(ids[:n], skip_special_tokens=True)
-        assert d.text_since(start) == text[start:]
+        start = (n * 7) % (len(want[n - 1]) + 2)
+        assert d.text_since(start) == want[n - 1][start:]
         if n % 5 == 0:
-            assert d.text == text
+            assert d.text == want[n - 1]
 
 
-def test_a_tokens_text_counts_for_stops_once_its_last_character_is_complete(tokenizers):
+def test_a_tokens_text_counts_once_its_last_character_is_complete(tokenizers):
     """As vLLM's DecodeStream: a token of "c" and the first byte of "á" adds "c" only with
     the token that completes it, so a stop string (or the min_tokens count) sees the "c"
-    at that token (a search up to the U+FFFD stopped a token early, and under min_tokens
-    never stopped)."""
+    at that token, also when the tokens come several at once; a U+FFFD that later text
+    left behind stays, when a stop string cuts the text right after it."""
     tok = tokenizers["tiny"]
     hello = _encode(tok, "Hello ")
     c_and_lead = [i for i in range(len(tok)) if tok.decode([i]) == "c\ufffd"][0]
@@ -625,13 +553,61 @@ def test_a_tokens_text_counts_for_stops_once_its_last_character_is_complete(toke
         d = IncrementalDetokenizer(tok, stop=["c"])
         found = [d.update([t], check_stop=i >= check_from) for i, t in enumerate(ids)]
         assert found == [None] * (len(ids) - 1) + ["c"] and d.text == "Hello "
-    # What an output shows (`settled`): not the "c" while the "á" is partial; and a U+FFFD
-    # that later text left behind stays, when a stop string cuts the text right after it.
-    d = _feed(tok, hello + [c_and_lead])[0]
-    assert d.text == "Hello c\ufffd" and d.settled == len("Hello ")
-    d = _feed(tok, hello + [c_and_lead], [len(hello) - 1, 2])[0]  # (tokens fed at once: all but the U+FFFD)
-    assert d.text == "Hello c\ufffd" and d.settled == len("Hello c")
+    assert _feed(tok, hello + [c_and_lead])[0].text == "Hello "
+    assert _feed(tok, hello + [c_and_lead], [len(hello) - 1, 2])[0].text == "Hello "
     lead = _encode(tok, "\U0001F600")[0]
     d = IncrementalDetokenizer(tok, stop=["ST"])
     assert [d.update([t]) for t in [lead, *_encode(tok, "S"), *_encode(tok, "T")]] == [None, None, "ST"]
-    assert d.text == "\ufffd" and d.settled == 1
+    assert d.text == "\ufffd" and d.length == 1
+
+
+# -- a slow (Python) tokenizer ------------------------------------------------------
+
+
+def _char_tokenizer():
+    """A Python tokenizer of single characters (no `backend_tokenizer`), with <s> and </s>."""
+    from transformers import PythonBackend
+
+    class CharTokenizer(PythonBackend):
+        chars = "abcdefghijklmnopqrstuvwxyz ,.!?'漢"
+
+        def __init__(self, **kwargs):
+            super().__init__(bos_token="<s>", eos_token="</s>", **kwargs)
+
+        @property
+        def vocab_size(self):
+            return len(self.chars)
+
+        def get_vocab(self):
+            return {c: i for i, c in enumerate(self.chars)} | self.added_tokens_encoder
+
+        def _tokenize(self, text, **kwargs):
+            return list(text)
+
+        def _convert_token_to_id(self, token):
+            return self.chars.index(token)
+
+        def _convert_id_to_token(self, index):
+            return self.chars[index]
+
+        def convert_tokens_to_string(self, tokens):
+            return "".join(tokens)
+
+    return CharTokenizer()
+
+
+def test_a_slow_tokenizer_decodes_a_window_of_tokens():
+    """Without tokenizers' backend the text is vLLM's `detokenize_incrementally`: here
+    HF's decode of the tokens after the prompt, special tokens skipped or shown (joined to
+    the text by a space, as transformers' slow decode joins them), and stop strings found."""
+    tok = _char_tokenizer()
+    assert getattr(tok, "backend_tokenizer", None) is None
+    prompt, ids = tok.encode("well, ", add_special_tokens=False), tok.encode("hello there. fine!", add_special_tokens=False)
+    d, texts, _ = _feed(tok, ids, prompt_token_ids=prompt)
+    assert texts == [tok.decode(ids[:n]) for n in range(1, len(ids) + 1)]
+    d, _, _ = _feed(tok, ids[:5] + [tok.eos_token_id] + ids[5:], skip_special_tokens=False)
+    assert d.text == "hello </s>  there. fine!"  # ("hello", "</s>" and " there. fine!", joined by spaces)
+    d, _, _ = _feed(tok, ids + [len(tok) + 3], skip_special_tokens=True, info=TokenizerInfo.of(tok))
+    assert d.text == "hello there. fine!"
+    d, _, stop = _feed(tok, ids, stop=["e. f"], include_stop_str_in_output=True)
+    assert (stop, d.text) == ("e. f", "hello there. f")
