@@ -417,6 +417,8 @@ class ModelRunner:
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.3f GiB (%s)", self.num_blocks, c.block_size,
                     self.num_blocks * c.block_size, self.num_blocks * self.kv_spec.bytes_per_block / 2**30,
                     self.kv_spec.dtype_name)
+        logger.info("Maximum concurrency for %s tokens per request: %.2fx", f"{self.max_model_len:,}",
+                    self.num_blocks / self.builder.max_blocks_per_seq)  # (vLLM's line)
         self.warmup_seconds = 0.0
         # On a CPU the cache's zero-fill (page faults: up to seconds for gigabytes) runs beside
         # the warm-up, which compiles against the caches' shapes; a GPU allocates first, so

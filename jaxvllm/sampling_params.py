@@ -110,48 +110,49 @@ class SamplingParams:
     raw model logits, as vLLM's.
     """
 
+    # (in vLLM's order, so that positional arguments mean what they do there: n, then best_of)
     n: int = 1
+    # vLLM V1's rules: best_of > 1 and per-request logits processors are refused when the
+    # request is added (ValueError), with V1's messages.
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
     min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     max_tokens: int | None = 16  # None: up to max_model_len
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
-    logit_bias: dict[int, float] | None = None
-    allowed_token_ids: list[int] | None = None
+    detokenize: bool = True
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    detokenize: bool = True
-    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    # Words whose token sequence may not be generated: its last token is masked when the
-    # output so far ends with the rest of it (vLLM's rule, with and without a leading space).
-    bad_words: list[str] | None = None
+    logits_processors: list | None = None
+    include_stop_str_in_output: bool = False
     # Keep only the last k prompt tokens (-1: the last max_model_len - 1).
     truncate_prompt_tokens: int | None = None
-    # None: skip reading the prefix cache only when prompt_logprobs are asked for (as vLLM).
-    skip_reading_prefix_cache: bool | None = None
-    # Passed through untouched, for code of the user's that reads the params back, except
-    # jaxvllm's one key: "prompt_logprobs_start" (`PROMPT_LOGPROBS_START`).
-    extra_args: dict | None = None
-    # vLLM V1's rules: best_of > 1 and per-request logits processors are refused when the
-    # request is added (ValueError), with V1's messages.
-    best_of: int | None = None
-    logits_processors: list | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # The completion must match a JSON schema, regex, choice or grammar (llguidance masks
     # the tokens that cannot continue a match).
     structured_outputs: StructuredOutputsParams | None = None
     # vLLM's deprecated name of structured_outputs: moved there, with vLLM 0.11's warning.
     guided_decoding: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    # Passed through untouched, for code of the user's that reads the params back, except
+    # jaxvllm's one key: "prompt_logprobs_start" (`PROMPT_LOGPROBS_START`).
+    extra_args: dict | None = None
+    # Words whose token sequence may not be generated: its last token is masked when the
+    # output so far ends with the rest of it (vLLM's rule, with and without a leading space).
+    bad_words: list[str] | None = None
+    # None: skip reading the prefix cache only when prompt_logprobs are asked for (as vLLM).
+    skip_reading_prefix_cache: bool | None = None
 
     def __post_init__(self) -> None:
         # Numbers may be Python or numpy scalars (not bools); they are stored as Python int/float.

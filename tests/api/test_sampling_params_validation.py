@@ -162,3 +162,10 @@ def test_clone_is_a_deep_copy():
     q.seed = 6
     assert q == SamplingParams(stop=["a", "b"], logit_bias={3: 1.0, 4: 2.0}, seed=6)
     assert p == SamplingParams(stop=["a"], logit_bias={3: 1.0}, seed=5)
+
+
+def test_positional_arguments_are_vllms():
+    """vLLM's SamplingParams takes n, then best_of, by position (its later fields begin with
+    a private one, so nothing past those two is passed positionally)."""
+    params = SamplingParams(2, 3)
+    assert (params.n, params.best_of) == (2, 3)

@@ -62,6 +62,7 @@ def test_kv_cache_cpu_default_and_override(tiny_checkpoint, caplog):
         runner = ModelRunner(EngineConfig(model=path, **SMALL))
     assert runner.num_blocks == 4 * 4  # every sequence at max_model_len: 4 seqs x 4 blocks
     assert "KV cache: 16 blocks x 16 tokens = 256 tokens" in caplog.text
+    assert "Maximum concurrency for 64 tokens per request: 4.00x" in caplog.text  # (vLLM's line)
     assert "warm-up: compiled token buckets [32] x 1 block-table widths [4] and 4 sampler variants" in caplog.text
     assert ModelRunner(EngineConfig(model=path, num_gpu_blocks_override=7, **SMALL)).num_blocks == 7
     # vLLM's kv_cache_memory_bytes: a device's bytes, no profile; the override wins over it.
