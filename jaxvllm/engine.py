@@ -419,6 +419,10 @@ class LLMEngine:
         """The requests added and not done (their final output not yet returned)."""
         return list(self._parents)
 
+    def num_completions(self, request_ids: Iterable[str]) -> dict[str, int]:
+        """n of each of these requests that was added and is not done."""
+        return {rid: len(self._parents[rid].children) for rid in request_ids if rid in self._parents}
+
     def num_requests_by_hand(self) -> int:
         """Of those, how many an `LLM` did not queue (it collects the outputs of its own)."""
         return self._num_by_hand

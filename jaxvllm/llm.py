@@ -414,13 +414,16 @@ class LLM:
         """Step the replicas until each of `request_ids` has its final output in `_finished`
         (with the outputs of the other requests queued here that finish meanwhile)."""
         waiting = set(request_ids) - self._finished.keys()
-        speed = "output {:.1f} tok/s"
+        # As vLLM's, the bar counts completions (n of each request) and shows the token speeds.
+        done = {rid: len(self._finished[rid].outputs) for rid in set(request_ids) - waiting}
+        total = sum(done.values()) + sum(sum(e.num_completions(waiting).values()) for e in self.engines)
+        speed = "est. speed input: {:.2f} toks/s, output: {:.2f} toks/s"
         # (vLLM's: a tqdm-like factory may be given, called with the arguments vLLM gives it)
         make_bar = use_tqdm if callable(use_tqdm) else functools.partial(ProgressBar, disable=not use_tqdm)
-        bar = make_bar(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True, postfix=speed.format(0))
+        bar = make_bar(total=total, desc="Processed prompts", dynamic_ncols=True, postfix=speed.format(0, 0))
         try:
-            bar.update(len(request_ids) - len(waiting))
-            start, num_output_tokens = time.perf_counter(), 0
+            bar.update(sum(done.values()))
+            start, num_input_tokens, num_output_tokens = time.perf_counter(), 0, 0
             while waiting and (busy := [e for e in self.engines if e.has_unfinished_requests()]):
                 for e in busy:
                     # The outputs a step returns are committed (the caller's): a Ctrl-C during
@@ -432,9 +435,11 @@ class LLM:
                     for output in outputs:
                         if output.request_id in waiting:
                             waiting.discard(output.request_id)
+                            num_input_tokens += len(output.prompt_token_ids) * len(output.outputs)
                             num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
-                            bar.update(1)
-                bar.postfix = speed.format(num_output_tokens / (time.perf_counter() - start))  # (as vLLM sets it)
+                            bar.update(len(output.outputs))
+                elapsed = time.perf_counter() - start
+                bar.postfix = speed.format(num_input_tokens / elapsed, num_output_tokens / elapsed)  # (as vLLM sets it)
             if waiting:  # (no engine runs them any more: shut down, or aborted by hand)
                 self._check_open()
         finally:

@@ -46,6 +46,10 @@ def test_prompt_forms_and_outputs(llm):
 
     assert llm.generate(["Hello, world"] * 2, GREEDY, use_tqdm=make_bar)[1].outputs[0].token_ids == out.token_ids
     assert len(bars) == 1 and bars[0].n == 2 and bars[0].total == 2
+    # As vLLM's, it counts completions, and shows the input and output speeds.
+    llm.generate(["Hello, world"] * 2, SamplingParams(n=3, max_tokens=2), use_tqdm=make_bar)
+    assert bars[1].n == bars[1].total == 6 and "est. speed input: " in str(bars[1].postfix)
+    assert " toks/s, output: " in str(bars[1].postfix)
     # As vLLM's: any sequence of prompts (numpy, pandas, a datasets Column); empty multimodal
     # fields are ignored, others refused by name.
     import pandas as pd
