@@ -15,8 +15,12 @@ text is handed out once and never taken back:
   add to the window's first tokens, once it does not end in U+FFFD.
 
 Either way the decoder starts from the prompt's last tokens, so the first output token
-decodes as it follows the prompt (a SentencePiece "▁Paris" keeps its space). Each token
-costs one short decode, however long the completion.
+decodes as it follows the prompt (a SentencePiece "▁Paris" keeps its space). A token
+costs one short decode, except in a run of tokens whose text keeps ending in U+FFFD
+(invalid bytes): the stream decodes the whole run again with each token until it ends,
+as vLLM's does. Tokens that decode to nothing (skipped special tokens, ids past the
+vocabulary) never reach the stream, so a long run of them (an EOS repeated under
+`ignore_eos`) costs nothing.
 
 Stop strings are vLLM's `check_stop_strings`: the new text (and the characters before
 it that a stop string could start in) is searched for each stop string in turn.
@@ -31,9 +35,12 @@ from typing import Any
 from tokenizers.decoders import DecodeStream
 
 # The prompt tokens a fast tokenizer's stream starts from: the shortest suffix of at least
-# this many whose text is whole (no U+FFFD), up to _PRIME_MAX - 1; the whole prompt if none is.
+# this many whose text is whole (no U+FFFD), up to _PRIME_MAX - 1. If none is, vLLM's takes
+# the whole prompt; here its last _PRIME_ALL tokens (the same text unless more of them end
+# unfinished: a stream primed with a run of broken bytes costs the square of its length).
 _PRIME_MIN = 4
 _PRIME_MAX = 24
+_PRIME_ALL = 256
 # A slow tokenizer's window: the prompt's last tokens read as context, of which the text
 # before the last _SLOW_CONTEXT is not part of the window.
 _SLOW_PROMPT = 7
@@ -47,16 +54,18 @@ class TokenizerInfo:
     added tokens, thousands in some vocabularies, took milliseconds a request)."""
 
     added_tokens: dict[int, str]  # an added token's id -> its text (a fast tokenizer's)
+    special_ids: frozenset[int]  # the ids of its special ones (what skip_special_tokens drops)
     added_vocab: frozenset[str]  # a slow tokenizer's added tokens
-    special_tokens: frozenset[str]  # and its special ones (what skip_special_tokens drops)
+    special_tokens: frozenset[str]  # and its special ones
 
     @classmethod
     def of(cls, tokenizer: Any) -> "TokenizerInfo":
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is not None:
-            added = {i: t.content for i, t in backend.get_added_tokens_decoder().items()}
-            return cls(added, frozenset(), frozenset())
-        return cls({}, frozenset(tokenizer.get_added_vocab()), frozenset(tokenizer.all_special_tokens))
+            added = backend.get_added_tokens_decoder()
+            return cls({i: t.content for i, t in added.items()}, frozenset(i for i, t in added.items() if t.special),
+                       frozenset(), frozenset())
+        return cls({}, frozenset(), frozenset(tokenizer.get_added_vocab()), frozenset(tokenizer.all_special_tokens))
 
 
 class _StreamDecoder:
@@ -66,14 +75,17 @@ class _StreamDecoder:
                  spaces_between_special_tokens: bool) -> None:
         self._backend = backend
         self._skip = skip_special_tokens
+        self._hidden = info.special_ids if skip_special_tokens else frozenset()
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-        prime = list(prompt_token_ids)
-        for size in range(_PRIME_MIN, min(len(prime) + 1, _PRIME_MAX)) if len(prime) > _PRIME_MIN else ():
-            if _REPLACEMENT not in backend.decode(prime[-size:]):
-                prime = prime[-size:]
-                break
+        prime = prompt_token_ids
+        if len(prompt_token_ids) > _PRIME_MIN:
+            for size in range(_PRIME_MIN, min(len(prompt_token_ids) + 1, _PRIME_MAX)):
+                if _REPLACEMENT not in backend.decode(prompt_token_ids[-size:]):
+                    prime = prompt_token_ids[-size:]
+                    break
         for token_id in prime:
-            self._step(token_id)
+            if not self._silent(token_id):
+                self._step(token_id)
         # Without spaces between special tokens, a special token right after another shows
         # as itself, not as the stream decodes the pair.
         raw = not (skip_special_tokens or spaces_between_special_tokens) and info.added_tokens
@@ -81,7 +93,7 @@ class _StreamDecoder:
         self._last_special = False
 
     def next(self, token_id: int) -> str:
-        text = self._step(token_id)
+        text = None if self._silent(token_id) else self._step(token_id)
         if self._raw_specials is not None:
             special = self._raw_specials.get(token_id)
             if special is not None and self._last_special:
@@ -89,11 +101,17 @@ class _StreamDecoder:
             self._last_special = special is not None
         return text or ""
 
+    def _silent(self, token_id: int) -> bool:
+        """Whether the id decodes to nothing wherever it is: the stream would keep it among
+        the ids it decodes again with each later token, until it hands out text."""
+        try:
+            return token_id in self._hidden or self._backend.id_to_token(token_id) is None
+        except OverflowError:  # (an id past what tokenizers takes)
+            return True
+
     def _step(self, token_id: int) -> str | None:
         try:
             return self._stream.step(self._backend, token_id)
-        except OverflowError:  # (an id past what tokenizers takes)
-            return None
         except Exception as error:  # (tokenizers raises plain Exceptions)
             if not str(error).startswith("Invalid prefix"):
                 raise
@@ -114,7 +132,7 @@ class _WindowDecoder:
         self._info = info
         self._skip = skip_special_tokens
         self._spaces = spaces_between_special_tokens
-        tail = list(prompt_token_ids)[-_SLOW_PROMPT:]
+        tail = prompt_token_ids[-_SLOW_PROMPT:]
         self._tokens = [t or "" for t in tokenizer.convert_ids_to_tokens(tail, skip_special_tokens=skip_special_tokens)]
         self._read = len(self._tokens)
         self._prefix = max(self._read - _SLOW_CONTEXT, 0)
@@ -177,6 +195,7 @@ class IncrementalDetokenizer:
         for s in stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+        info = info or TokenizerInfo.of(tokenizer)
         self._tokenizer = tokenizer
         self._options = dict(skip_special_tokens=skip_special_tokens, stop=stop,
                              include_stop_str_in_output=include_stop_str_in_output,
@@ -184,20 +203,20 @@ class IncrementalDetokenizer:
         self._stop = stop
         self._max_stop_len = max((len(s) for s in stop), default=0)
         self._include_stop = include_stop_str_in_output
-        info = info or TokenizerInfo.of(tokenizer)
+        prompt = [int(t) for t in prompt_token_ids[-_PRIME_ALL:]]  # (all either decoder reads of it)
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        decoder = (_StreamDecoder, backend) if backend is not None else (_WindowDecoder, tokenizer)
-        self._decoder = decoder[0](decoder[1], info, [int(t) for t in prompt_token_ids], skip_special_tokens,
-                                   spaces_between_special_tokens)
+        if backend is not None:
+            self._decoder = _StreamDecoder(backend, info, prompt, skip_special_tokens, spaces_between_special_tokens)
+        else:
+            self._decoder = _WindowDecoder(tokenizer, info, prompt, skip_special_tokens, spaces_between_special_tokens)
         self._chunks: list[str] = []  # the text, in pieces (joined lazily)
         self._length = 0
         self._text: str | None = ""  # cached `text`; None when stale
-        self._searched_to = 0  # text before this was searched for stop strings
         self._stopped = False
 
     # -- public ----------------------------------------------------------------------
 
-    def restarted(self, prompt_token_ids: Sequence[int] = ()) -> "IncrementalDetokenizer":
+    def restarted(self, prompt_token_ids: Sequence[int]) -> "IncrementalDetokenizer":
         """A detokenizer with the same options that has seen no output yet: a failed step's
         tokens were taken back, and the tokens before them are fed again."""
         return IncrementalDetokenizer(self._tokenizer, prompt_token_ids=prompt_token_ids, **self._options)
@@ -245,12 +264,9 @@ class IncrementalDetokenizer:
                 self._chunks.append(piece)
                 self._length += len(piece)
                 self._text = None
-        if not self._stop:
+        if not self._stop or not check_stop:
             return None
-        if not check_stop:
-            self._searched_to = self._length
-            return None
-        return self._check_stop(min(before, self._searched_to))
+        return self._check_stop(before)
 
     # -- internals -------------------------------------------------------------------
 
@@ -274,7 +290,6 @@ class IncrementalDetokenizer:
         it) for the stop strings; on a match cut the text and finish. As vLLM's
         `check_stop_strings`: the first stop string in `stop`'s order that occurs there, at
         its first occurrence, even if another one ends before it."""
-        self._searched_to = self._length
         if self._length <= frontier:
             return None
         lo = max(0, frontier - (self._max_stop_len - 1))

@@ -437,9 +437,9 @@ class LLM:
                             waiting.discard(output.request_id)
                             num_input_tokens += len(output.prompt_token_ids) * len(output.outputs)
                             num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
+                            elapsed = time.perf_counter() - start
+                            bar.postfix = speed.format(num_input_tokens / elapsed, num_output_tokens / elapsed)
                             bar.update(len(output.outputs))
-                elapsed = time.perf_counter() - start
-                bar.postfix = speed.format(num_input_tokens / elapsed, num_output_tokens / elapsed)  # (as vLLM sets it)
             if waiting:  # (no engine runs them any more: shut down, or aborted by hand)
                 self._check_open()
         finally:

@@ -8,7 +8,7 @@ import logging
 import numbers
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 from jaxvllm.config import check_bool, check_int, check_number
 
@@ -110,11 +110,13 @@ class SamplingParams:
     raw model logits, as vLLM's.
     """
 
-    # (in vLLM's order, so that positional arguments mean what they do there: n, then best_of)
+    # (in vLLM's order: n and best_of may be passed by position, the rest by name only, since
+    # vLLM's third field is a private one)
     n: int = 1
     # vLLM V1's rules: best_of > 1 and per-request logits processors are refused when the
     # request is added (ValueError), with V1's messages.
     best_of: int | None = None
+    _: KW_ONLY
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0

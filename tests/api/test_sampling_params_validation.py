@@ -165,7 +165,9 @@ def test_clone_is_a_deep_copy():
 
 
 def test_positional_arguments_are_vllms():
-    """vLLM's SamplingParams takes n, then best_of, by position (its later fields begin with
-    a private one, so nothing past those two is passed positionally)."""
+    """vLLM's SamplingParams takes n, then best_of, by position; its third field is a private
+    one, so the others are taken by name only."""
     params = SamplingParams(2, 3)
     assert (params.n, params.best_of) == (2, 3)
+    with pytest.raises(TypeError):
+        SamplingParams(1, None, 0.5)

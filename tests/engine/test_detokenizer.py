@@ -114,7 +114,7 @@ def _vllm_texts(tok, ids, prompt=(), skip=True):
     def step(t):
         state["ids"].append(t)
         text = backend.decode(state["ids"], skip_special_tokens=skip)
-        if len(text) <= len(state["prefix"]) or text.endswith("\ufffd"):
+        if len(text.encode()) <= len(state["prefix"].encode()) or text.endswith("\ufffd"):  # (Rust's lengths: bytes)
             return ""
         if not text.startswith(state["prefix"]):
             state.update(ids=[], prefix="", index=0)
@@ -325,6 +325,46 @@ def test_special_tokens_without_spaces_between_them(tokenizers):
     d, _, _ = _feed(tok, ids, skip_special_tokens=False, spaces_between_special_tokens=False)
     assert d.text == "".join(added)
     assert _feed(tok, ids, skip_special_tokens=False)[0].text == texts[-1]
+
+
+def test_ids_that_decode_to_nothing_never_reach_the_stream(tokenizers, monkeypatch):
+    """Skipped special tokens and ids past the vocabulary add no text anywhere: the stream
+    never sees them (it would decode a run of them again with each later token: an EOS
+    repeated under ignore_eos cost the square of its count), and the text is the same."""
+    from jaxvllm.detokenizer import _StreamDecoder
+
+    tok = tokenizers["sp"]
+    steps = []
+    step = _StreamDecoder._step
+    monkeypatch.setattr(_StreamDecoder, "_step", lambda self, t: (steps.append(t), step(self, t))[1])
+    hello = _encode(tok, "Hello world")
+    ids = hello + [tok.eos_token_id] * 1000 + [len(tok) + 5, -1, 2**40] * 100 + hello
+    d, _, _ = _feed(tok, ids)
+    assert d.text == tok.decode(hello + hello) and steps == hello + hello
+    steps.clear()
+    d, _, _ = _feed(tok, ids[:len(hello) + 3], skip_special_tokens=False)  # (shown: they count)
+    assert steps == ids[:len(hello) + 3]
+
+
+def test_priming_reads_at_most_the_prompts_last_256_tokens(tokenizers, monkeypatch):
+    """Where no suffix of 4 to 23 prompt tokens decodes whole (a prompt ending in broken
+    bytes), the stream starts from the prompt's last 256 tokens, not all of it (vLLM's):
+    primed with a run of broken bytes, its steps cost the square of the run's length."""
+    from jaxvllm.detokenizer import _StreamDecoder
+
+    tok = tokenizers["tiny"]
+    steps = []
+    step = _StreamDecoder._step
+    monkeypatch.setattr(_StreamDecoder, "_step", lambda self, t: (steps.append(t), step(self, t))[1])
+    cont = _byte_token_ids(tok, "漢")[1]  # 0xBC: never valid on its own
+    fine = _encode(tok, " fine")
+    for run in (30, 4000):
+        steps.clear()
+        prompt = _encode(tok, "Hello") + [cont] * run
+        d, _, _ = _feed(tok, fine, prompt_token_ids=prompt)
+        assert len(steps) == min(len(prompt), 256) + len(fine)
+        assert d.text == _vllm_texts(tok, fine, prompt[-256:])[-1]
+    assert d.text == "\ufffd" * 256 + " fine"
 
 
 def test_clean_up_tokenization_spaces_is_not_applied(tokenizers):
@@ -611,3 +651,17 @@ def test_a_slow_tokenizer_decodes_a_window_of_tokens():
     assert d.text == "hello there. fine!"
     d, _, stop = _feed(tok, ids, stop=["e. f"], include_stop_str_in_output=True)
     assert (stop, d.text) == ("e. f", "hello there. f")
+
+
+def test_a_slow_tokenizers_added_tokens_are_their_own_text():
+    """vLLM's rule for a slow tokenizer with added tokens: the text between them is converted
+    in runs, and the pieces are joined by a space (spaces_between_special_tokens) or not."""
+    tok = _char_tokenizer()
+    tok.add_tokens(["<tool>"])
+    tool = tok.convert_tokens_to_ids("<tool>")
+    ids = tok.encode("hi", add_special_tokens=False) + [tool] + tok.encode("yo", add_special_tokens=False)
+    assert _feed(tok, ids)[0].text == "hi <tool> yo"
+    assert _feed(tok, ids, spaces_between_special_tokens=False)[0].text == "hi<tool>yo"
+    with_eos = ids + [tok.eos_token_id] + tok.encode("ok", add_special_tokens=False)
+    assert _feed(tok, with_eos)[0].text == "hi <tool> yook"
+    assert _feed(tok, with_eos, skip_special_tokens=False)[0].text == "hi <tool> yo </s> ok"
