@@ -15,7 +15,7 @@ from typing import Any, Callable
 from jaxvllm.engine import LLMEngine
 from jaxvllm.inputs import prompt_list
 from jaxvllm.interrupts import ProgressBar
-from jaxvllm.outputs import Logprob
+from jaxvllm.logprobs import Logprob
 from jaxvllm.sampling_params import BeamSearchParams, SamplingParams, resolve_logprobs
 
 

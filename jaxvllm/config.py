@@ -9,10 +9,12 @@ sampler, scheduler) import its allowed names from here.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import numbers
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -300,6 +302,10 @@ class EngineConfig:
     # vLLM's: fields set on the model's HF config before it is read (e.g. {"num_hidden_layers":
     # 2}; a dict value updates a nested config), or a function from config to config.
     hf_overrides: dict[str, Any] | Callable | None = None
+    # vLLM's deprecated spellings of hf_overrides={"rope_scaling": ...} / {"rope_theta": ...}:
+    # moved there, with vLLM's warning.
+    rope_scaling: dict[str, Any] | None = None
+    rope_theta: float | None = None
     # vLLM's: no stats line logged every 10 s of steps (`metrics.StatLogger`; `LLM` sets it
     # by default, as vLLM's). get_metrics() counts whatever it says.
     disable_log_stats: bool = False
@@ -538,6 +544,19 @@ class EngineConfig:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
         if not (self.hf_overrides is None or isinstance(self.hf_overrides, dict) or callable(self.hf_overrides)):
             raise ValueError(f"hf_overrides must be a dict of config fields or a function, got {self.hf_overrides!r}")
+        for name in ("rope_scaling", "rope_theta"):
+            value = getattr(self, name)
+            if value is None or value == {}:
+                continue
+            if name == "rope_scaling" and not isinstance(value, dict):
+                raise ValueError(f"rope_scaling must be a dict of RoPE scaling fields, got {value!r}")
+            if callable(self.hf_overrides):
+                raise ValueError(f"{name} with a function as hf_overrides: set {name} in the function")
+            self.hf_overrides = {**(self.hf_overrides or {}), name: value}
+            setattr(self, name, None)
+            warnings.warn(f"`--{name.replace('_', '-')}` will be removed in a future release. Please instead use "
+                          f"`--hf-overrides '{json.dumps(self.hf_overrides)}'` (as in vLLM 0.11)", DeprecationWarning,
+                          stacklevel=4)
         overrides = self.override_generation_config
         if overrides is not None and (not isinstance(overrides, dict) or not all(isinstance(k, str) for k in overrides)):
             raise ValueError(f"override_generation_config must be a dict of generation config fields, got {overrides!r}")

@@ -77,6 +77,8 @@ _VALUE_FLAGS: dict[str, tuple[Callable[[str], Any], str]] = {
     "generation-config": (str, "default sampling params from: 'auto' (the model's), 'vllm' or a folder"),
     "hf-overrides": (json_object, 'fields set on the model\'s HF config, as a JSON object, e.g. '
                                   '\'{"num_hidden_layers": 2}\''),
+    "rope-scaling": (json_object, "vLLM's deprecated form of hf-overrides' rope_scaling"),
+    "rope-theta": (float, "vLLM's deprecated form of hf-overrides' rope_theta"),
     "override-generation-config": (json_object, 'default sampling params over the generation config\'s, as a '
                                                 'JSON object of its fields, e.g. \'{"temperature": 0.5}\''),
     "speculative-config": (json_object, 'speculative decoding, as a JSON object, e.g. \'{"method": "ngram", '

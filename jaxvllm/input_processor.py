@@ -22,6 +22,7 @@ from jaxvllm.request import ParentRequest, Request
 from jaxvllm.sampler import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS
 from jaxvllm.sampling_params import SamplingParams
 from jaxvllm.structured_output import StructuredOutputManager, tokenizer_size
+from jaxvllm.transformers_utils.tokenizer import get_tokenizer
 
 PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}  # (others are ignored, as by vLLM)
 MULTIMODAL_KEYS = {"multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids"}
@@ -30,8 +31,6 @@ MULTIMODAL_KEYS = {"multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids
 def load_tokenizer(config: EngineConfig):
     """The engine's HF tokenizer (from `tokenizer`, else the model's folder), or None under
     skip_tokenizer_init; never downloads."""
-    from transformers import AutoTokenizer
-
     if config.skip_tokenizer_init:
         return None  # token-id prompts only; outputs have empty text
     path = config.tokenizer or config.model
@@ -40,9 +39,7 @@ def load_tokenizer(config: EngineConfig):
                                                                      else "does not exist"))
     advice = "pass tokenizer=PATH to use another folder, or skip_tokenizer_init=True for token-id prompts only"
     try:
-        # (truncate_prompt_tokens keeps a text's last tokens, and its special ones: vLLM's side)
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, use_fast=config.tokenizer_mode != "slow",
-                                                  truncation_side="left")
+        tokenizer = get_tokenizer(path, tokenizer_mode=config.tokenizer_mode)
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot load a tokenizer from {path!r} ({advice}): {e}") from e
     # (transformers makes some tokenizers, Qwen2's, from config.json alone: with no vocabulary)

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxvllm.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxvllm.logprobs import Logprob
+from jaxvllm.outputs import CompletionOutput, RequestOutput
 from jaxvllm.request import ParentRequest, Request, ScheduledRequest
 from jaxvllm.sampling_params import RequestOutputKind
 

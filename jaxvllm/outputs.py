@@ -5,14 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-
-@dataclass
-class Logprob:
-    """vLLM's Logprob: a token's log-probability, its rank (1 = most likely) and its text."""
-
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
+from jaxvllm.logprobs import Logprob
 
 
 @dataclass

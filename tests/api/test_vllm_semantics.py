@@ -435,6 +435,16 @@ def test_vllm_script_flags_and_none_defaults():
                               "--token-buckets", "16", "64"])
     config = EngineArgs.from_cli_args(args)
     assert config.hf_overrides == {"num_hidden_layers": 2, "rope_scaling": {"factor": 2.0, "rope_type": "linear"}}
+    # vLLM's deprecated --rope-scaling / --rope-theta: moved into hf_overrides, with vLLM's warning.
+    with pytest.warns(DeprecationWarning, match="`--rope-theta` will be removed in a future release"):
+        rope = EngineArgs.from_cli_args(parser.parse_args([
+            "--model", "dummy:tiny", "--hf-overrides", '{"num_hidden_layers": 2}', "--rope-scaling",
+            '{"rope_type": "linear", "factor": 2.0}', "--rope-theta", "20000"]))
+    assert rope.hf_overrides == {"num_hidden_layers": 2, "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+                                   "rope_theta": 20000.0}
+    assert (rope.rope_scaling, rope.rope_theta) == (None, None)
+    with pytest.raises(ValueError, match="rope_scaling must be a dict"):
+        EngineArgs(model="dummy:tiny", rope_scaling=2.0)
     assert (args.speculative_config, args.compilation_config) == ({"method": "ngram", "num_speculative_tokens": 3},
                                                                   '{"level": 3}')
     assert (config.distributed_executor_backend, config.disable_custom_all_reduce, config.limit_mm_per_prompt,
@@ -1081,3 +1091,27 @@ def test_lora_requests_compare_and_hash_by_name():
 
     a, b, c = LoRARequest("sql", 1, "/a"), LoRARequest("sql", 2, "/b"), LoRARequest("chat", 1, "/a")
     assert a == b and hash(a) == hash(b) and len({a, b, c}) == 2 and a != c and a != "sql"
+
+
+def test_vllms_tokenizer_loader_and_logprob_module(tiny_checkpoint):
+    """`from vllm.transformers_utils.tokenizer import get_tokenizer` and `from vllm.logprobs
+    import Logprob`, as vLLM scripts import them: the engine's tokenizer is the one
+    get_tokenizer loads (left truncation, fast unless "slow"), and outputs' logprobs are
+    jaxvllm.logprobs.Logprob."""
+    from jaxvllm.logprobs import Logprob, SampleLogprobs
+    from jaxvllm.transformers_utils.tokenizer import get_tokenizer
+
+    path = tiny_checkpoint("llama")
+    tokenizer = get_tokenizer(path)
+    assert tokenizer.truncation_side == "left" and tokenizer.is_fast
+    assert get_tokenizer(str(path), truncation_side="right").truncation_side == "right"
+    with pytest.raises(ValueError, match="Cannot use the fast tokenizer in slow tokenizer mode."):
+        get_tokenizer(path, tokenizer_mode="slow", use_fast=True)
+    with pytest.raises(ValueError, match="tokenizer_mode must be 'auto' or 'slow', got 'mistral'"):
+        get_tokenizer(path, tokenizer_mode="mistral")
+    with LLM(path, max_model_len=64, enforce_eager=True) as llm:
+        assert type(llm.get_tokenizer()) is type(tokenizer)
+        assert llm.get_tokenizer().encode("Hello there") == tokenizer.encode("Hello there")
+        [out] = llm.generate("Hello", SamplingParams(max_tokens=2, logprobs=1), use_tqdm=False)
+    logprobs: SampleLogprobs = out.outputs[0].logprobs
+    assert all(isinstance(v, Logprob) for entry in logprobs for v in entry.values())
