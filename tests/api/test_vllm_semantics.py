@@ -436,13 +436,14 @@ def test_vllm_script_flags_and_none_defaults():
     config = EngineArgs.from_cli_args(args)
     assert config.hf_overrides == {"num_hidden_layers": 2, "rope_scaling": {"factor": 2.0, "rope_type": "linear"}}
     # vLLM's deprecated --rope-scaling / --rope-theta: moved into hf_overrides, with vLLM's warning.
-    with pytest.warns(DeprecationWarning, match="`--rope-theta` will be removed in a future release"):
+    with pytest.warns(DeprecationWarning) as warned:
         rope = EngineArgs.from_cli_args(parser.parse_args([
             "--model", "dummy:tiny", "--hf-overrides", '{"num_hidden_layers": 2}', "--rope-scaling",
             '{"rope_type": "linear", "factor": 2.0}', "--rope-theta", "20000"]))
     assert rope.hf_overrides == {"num_hidden_layers": 2, "rope_scaling": {"rope_type": "linear", "factor": 2.0},
                                    "rope_theta": 20000.0}
     assert (rope.rope_scaling, rope.rope_theta) == (None, None)
+    assert [str(w.message).split(" will")[0] for w in warned] == ["`--rope-scaling`", "`--rope-theta`"]
     with pytest.raises(ValueError, match="rope_scaling must be a dict"):
         EngineArgs(model="dummy:tiny", rope_scaling=2.0)
     assert (args.speculative_config, args.compilation_config) == ({"method": "ngram", "num_speculative_tokens": 3},
