@@ -414,6 +414,7 @@ def test_reasoning_model_options(tiny_checkpoint, tmp_path, monkeypatch):
 
     plain = integration.JaxvllmLM(pretrained=str(path), dtype="float32", max_model_len=64,
                                   chat_template_args={"style": "terse"})
+    assert plain.llm.llm_engine.config.seed == 1234  # (lm-eval's vllm model's engine seed)
     assert plain.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi[terse]"
     prompt = "hello time paged world once keys brown stores"
     request = [Instance("generate_until", {}, (prompt, {"until": [], "max_gen_toks": 16, "do_sample": False}), 0)]

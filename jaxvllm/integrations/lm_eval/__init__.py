@@ -22,7 +22,8 @@ of lm-eval's `vllm` and `hf` models (`enable_thinking`, `chat_template_args`, pa
 template, and `think_end_token`: a generation's text is what follows it, the task's stop
 sequences applied to that answer only), and any `LLM(...)` engine
 argument (`dtype`, `max_model_len`, `max_num_seqs`, `max_num_batched_tokens`,
-`gpu_memory_utilization`, `attention_backend`, ...). lm-eval's `batch_size` is not a knob here:
+`gpu_memory_utilization`, `attention_backend`, ...; `seed` defaults to 1234, as lm-eval's
+`vllm` model gives vLLM's engine). lm-eval's `batch_size` is not a knob here:
 every request of a call goes to the engine at once, and its scheduler batches them
 (continuous batching within `max_num_seqs` / `max_num_batched_tokens`, the engine arguments
 that bound a step). So `batch_size` 1 (lm-eval's command-line default) and "auto" are
@@ -110,6 +111,11 @@ def check_batch_size(batch_size: Any, max_batch_size: Any) -> None:
     )
 
 
+# The engine seed lm-eval's vllm model gives vLLM's LLM unless model_args name another, so
+# that sampled generations without a per-request seed come out as there.
+LM_EVAL_SEED = 1234
+
+
 @register_model("jaxvllm")
 class JaxvllmLM(TemplateLM):
     """lm-eval's model interface over a jaxvllm `LLM` (see the module docstring)."""
@@ -157,6 +163,7 @@ class JaxvllmLM(TemplateLM):
                     raise ValueError("give either llm= (an existing LLM) or pretrained= with engine arguments, "
                                      "not both")
             else:
+                engine_kwargs.setdefault("seed", LM_EVAL_SEED)
                 self.llm, self._owns_llm = self._make_llm(pretrained, max_length, engine_kwargs), True
             self.tokenizer = self.llm.get_tokenizer()
             if add_bos_token is not None:  # (lm-eval's models load their tokenizer with it: a BOS, or none)
