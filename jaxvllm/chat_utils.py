@@ -140,7 +140,7 @@ def _texts(content: Any, i: int) -> list[str]:
     if content is None:
         return []
     if isinstance(content, str):
-        return [content]
+        return [content] if content else []
     if not isinstance(content, (list, tuple)):
         raise TypeError(f"message {i}: content must be a str, a list of content parts or None, got {content!r}")
     texts = []
@@ -156,7 +156,7 @@ def _texts(content: Any, i: int) -> list[str]:
             raise ValueError(f"message {i}: content part {part!r} is not supported: jaxvllm's models read text "
                              f"parts only ({', '.join(_TEXT_PARTS)})")
         texts.append(part[_TEXT_PARTS[kind]])
-    return texts
+    return [text for text in texts if text]  # (vLLM drops empty parts: "a", "", "b" is "a\nb")
 
 
 def _with_dict_arguments(call: Any) -> Any:

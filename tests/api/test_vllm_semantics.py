@@ -292,6 +292,12 @@ def test_chat_content_parts_as_the_template_reads_them(llm):
 
     assert prompt(string) == "system: Be brief.;user: What is\n2 + 2?;assistant: ;"
     assert prompt(parts) == "system: <Be brief.>;user: <What is> <2 + 2?>;assistant:;"
+    # Empty parts are dropped, as vLLM drops them: no extra newline, no empty part.
+    conversation[1]["content"].insert(1, {"type": "text", "text": ""})
+    conversation.append({"role": "user", "content": ""})
+    assert prompt(string) == "system: Be brief.;user: What is\n2 + 2?;assistant: ;user: ;"
+    assert prompt(parts) == "system: <Be brief.>;user: <What is> <2 + 2?>;assistant:;user:;"
+    del conversation[1]["content"][1], conversation[-1]
     [forced] = llm.chat([{"role": "user", "content": "Hi"}], params, chat_template=string, use_tqdm=False,
                         add_generation_prompt=False, chat_template_content_format="openai")  # (as asked)
     assert forced.prompt == "user: [{'type': 'text', 'text': 'Hi'}];"
