@@ -426,6 +426,10 @@ def snapshot(s: Scheduler, out=None):
 @example(ops=[("add", 5, 16, 0, False)] * 6 + [("step", 3), ("abort", 2), ("add", 9, 9, 1, True), ("step", 6)],
          num_blocks=20, budget=8, max_num_seqs=6, policy="fcfs", chunked=True, async_scheduling=True,
          prefix_caching=True)
+# Without chunked prefill, a preempted request whose prompt and outputs exceed the budget
+# waited forever (a state the engine's budget >= max_model_len rules out: the test skips it).
+@example(ops=[("add", 1, 1, 0, False)] * 3 + [("add", 10, 8, 0, False), ("add", 7, 7, 0, False)], num_blocks=8,
+         budget=10, max_num_seqs=3, policy="fcfs", chunked=False, async_scheduling=False, prefix_caching=False)
 # Running requests that use up the budget exactly, ahead of others.
 @example(ops=[("add", 7, 4, 0, False), ("add", 3, 4, 0, False), ("add", 9, 4, 0, False), ("step", 6)],
          num_blocks=30, budget=4, max_num_seqs=3, policy="fcfs", chunked=True, async_scheduling=False,
@@ -459,8 +463,10 @@ def test_vectorized_steps_equal_one_by_one(ops, num_blocks, budget, max_num_seqs
     for op in ops:
         if op[0] == "add":
             _, prompt_len, max_tokens, priority, shared = op
+            # (without chunked prefill the engine keeps the budget >= max_model_len, so that a
+            # preempted request's recompute, its prompt and outputs, fits one step)
             if prompt_len + max_tokens > 64 or -(-(prompt_len + max_tokens) // 4) > num_blocks or (
-                    not chunked and prompt_len > budget):
+                    not chunked and prompt_len + max_tokens > budget):
                 continue
             for run in pair:
                 rid = f"r{len(run['added'])}"
