@@ -140,7 +140,7 @@ def _texts(content: Any, i: int) -> list[str]:
     if content is None:
         return []
     if isinstance(content, str):
-        return [content] if content else []
+        content = [content]
     if not isinstance(content, (list, tuple)):
         raise TypeError(f"message {i}: content must be a str, a list of content parts or None, got {content!r}")
     texts = []

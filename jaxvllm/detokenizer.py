@@ -132,6 +132,7 @@ class _WindowDecoder:
         self._info = info
         self._skip = skip_special_tokens
         self._spaces = spaces_between_special_tokens
+        self._vocab_size = len(tokenizer)  # (a Python tokenizer's len() counts its vocabulary each call)
         tail = prompt_token_ids[-_SLOW_PROMPT:]
         self._tokens = [t or "" for t in tokenizer.convert_ids_to_tokens(tail, skip_special_tokens=skip_special_tokens)]
         self._read = len(self._tokens)
@@ -139,7 +140,7 @@ class _WindowDecoder:
 
     def next(self, token_id: int) -> str:
         new = [""]
-        if 0 <= token_id < len(self._tokenizer):
+        if 0 <= token_id < self._vocab_size:
             new = self._tokenizer.convert_ids_to_tokens([token_id], skip_special_tokens=self._skip)
             new = [new] if isinstance(new, str) else new
         self._tokens.extend(new)

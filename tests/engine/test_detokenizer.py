@@ -327,42 +327,43 @@ def test_special_tokens_without_spaces_between_them(tokenizers):
     assert _feed(tok, ids, skip_special_tokens=False)[0].text == texts[-1]
 
 
-def test_ids_that_decode_to_nothing_never_reach_the_stream(tokenizers, monkeypatch):
+@pytest.fixture
+def stream_steps(monkeypatch):
+    """The ids fed to the fast tokenizer's DecodeStream (`_StreamDecoder._step`), in order."""
+    from jaxvllm.detokenizer import _StreamDecoder
+
+    steps = []
+    step = _StreamDecoder._step
+    monkeypatch.setattr(_StreamDecoder, "_step", lambda self, t: (steps.append(t), step(self, t))[1])
+    return steps
+
+
+def test_ids_that_decode_to_nothing_never_reach_the_stream(tokenizers, stream_steps):
     """Skipped special tokens and ids past the vocabulary add no text anywhere: the stream
     never sees them (it would decode a run of them again with each later token: an EOS
     repeated under ignore_eos cost the square of its count), and the text is the same."""
-    from jaxvllm.detokenizer import _StreamDecoder
-
     tok = tokenizers["sp"]
-    steps = []
-    step = _StreamDecoder._step
-    monkeypatch.setattr(_StreamDecoder, "_step", lambda self, t: (steps.append(t), step(self, t))[1])
     hello = _encode(tok, "Hello world")
     ids = hello + [tok.eos_token_id] * 1000 + [len(tok) + 5, -1, 2**40] * 100 + hello
     d, _, _ = _feed(tok, ids)
-    assert d.text == tok.decode(hello + hello) and steps == hello + hello
-    steps.clear()
+    assert d.text == tok.decode(hello + hello) and stream_steps == hello + hello
+    stream_steps.clear()
     d, _, _ = _feed(tok, ids[:len(hello) + 3], skip_special_tokens=False)  # (shown: they count)
-    assert steps == ids[:len(hello) + 3]
+    assert stream_steps == ids[:len(hello) + 3]
 
 
-def test_priming_reads_at_most_the_prompts_last_256_tokens(tokenizers, monkeypatch):
+def test_priming_reads_at_most_the_prompts_last_256_tokens(tokenizers, stream_steps):
     """Where no suffix of 4 to 23 prompt tokens decodes whole (a prompt ending in broken
     bytes), the stream starts from the prompt's last 256 tokens, not all of it (vLLM's):
     primed with a run of broken bytes, its steps cost the square of the run's length."""
-    from jaxvllm.detokenizer import _StreamDecoder
-
     tok = tokenizers["tiny"]
-    steps = []
-    step = _StreamDecoder._step
-    monkeypatch.setattr(_StreamDecoder, "_step", lambda self, t: (steps.append(t), step(self, t))[1])
     cont = _byte_token_ids(tok, "漢")[1]  # 0xBC: never valid on its own
     fine = _encode(tok, " fine")
     for run in (30, 4000):
-        steps.clear()
+        stream_steps.clear()
         prompt = _encode(tok, "Hello") + [cont] * run
         d, _, _ = _feed(tok, fine, prompt_token_ids=prompt)
-        assert len(steps) == min(len(prompt), 256) + len(fine)
+        assert len(stream_steps) == min(len(prompt), 256) + len(fine)
         assert d.text == _vllm_texts(tok, fine, prompt[-256:])[-1]
     assert d.text == "\ufffd" * 256 + " fine"
 
