@@ -206,6 +206,7 @@ _PER_PROCESS_FIELDS = frozenset({
     "model", "tokenizer", "download_dir", "compilation_cache_dir", "hf_token", "allowed_local_media_path",
     "served_model_name", "disable_log_stats", "profiler_config", "max_parallel_loading_workers", "revision",
     "tokenizer_revision", "code_revision", "gpu_memory_utilization", "swap_space", "cpu_offload_gb",
+    "safetensors_load_strategy", "ignore_patterns", "pt_load_map_location", "model_loader_extra_config",
 })
 
 
@@ -374,6 +375,68 @@ class EngineConfig:
     # vLLM's profiler settings, for LLM.start_profile / stop_profile: here {"profiler": "jax",
     # "jax_profiler_dir": FOLDER} (jax.profiler traces: TensorBoard's or Perfetto's viewer).
     profiler_config: dict | None = None
+    # The rest of vLLM 0.11's engine arguments, with its defaults. These take any value, as
+    # nothing here reads them: vLLM's GPU tuning (cascade attention, CUDA graph sizes,
+    # dual-batch overlap, expert load balancing and placement, lookahead slots, its hybrid KV
+    # cache manager), multimodal settings (a text model has no use for them), how weight files
+    # are read or downloaded, hidden metrics, platform plugins' extras and its API servers' count.
+    disable_cascade_attn: bool = False
+    cuda_graph_sizes: list[int] = field(default_factory=list)
+    enable_dbo: bool = False
+    dbo_decode_token_threshold: int = 32
+    dbo_prefill_token_threshold: int = 512
+    enable_eplb: bool = False
+    eplb_config: Any = None
+    num_redundant_experts: int = 0
+    eplb_window_size: int = 1000
+    eplb_step_interval: int = 3000
+    eplb_log_balancedness: bool = False
+    expert_placement_strategy: str = "linear"
+    num_lookahead_slots: int = 0
+    disable_hybrid_kv_cache_manager: bool = False
+    kv_sharing_fast_prefill: bool = False
+    ray_workers_use_nsight: bool = False
+    interleave_mm_strings: bool = False
+    media_io_kwargs: dict = field(default_factory=dict)
+    disable_mm_preprocessor_cache: bool = False
+    mm_processor_cache_gb: float = 4
+    mm_processor_cache_type: str = "lru"
+    mm_shm_cache_max_object_size_mb: int = 128
+    mm_encoder_tp_mode: str = "weights"
+    skip_mm_profiling: bool = False
+    video_pruning_rate: float | None = None
+    enable_multimodal_encoder_data_parallel: bool = False
+    allowed_media_domains: list[str] | None = None
+    mamba_cache_dtype: str = "auto"
+    mamba_ssm_cache_dtype: str = "auto"
+    safetensors_load_strategy: str = "lazy"
+    ignore_patterns: str | list[str] | None = None  # (vLLM's apply to downloads only)
+    pt_load_map_location: str | dict = "cpu"
+    model_loader_extra_config: dict = field(default_factory=dict)  # vLLM's keys for load_format "auto" only
+    logits_processor_pattern: str | None = None
+    show_hidden_metrics_for_version: str | None = None
+    additional_config: dict = field(default_factory=dict)
+    _api_process_count: int = 1
+    _api_process_rank: int = 0
+    # vLLM 0.11's arguments for what jaxvllm lacks: accepted at their defaults only
+    # (`_check_vllm_only` refuses the others by name).
+    hf_config_path: str | None = None
+    config_format: str = "auto"
+    decode_context_parallel_size: int = 1
+    data_parallel_start_rank: int | None = None
+    data_parallel_size_local: int | None = None
+    data_parallel_address: str | None = None
+    data_parallel_rpc_port: int | None = None
+    data_parallel_hybrid_lb: bool = False
+    data_parallel_backend: str = "mp"
+    otlp_traces_endpoint: str | None = None
+    collect_detailed_traces: list[str] | None = None
+    scheduler_cls: Any = "vllm.core.scheduler.Scheduler"
+    worker_cls: str = "auto"
+    kv_events_config: Any = None
+    override_attention_dtype: str | None = None
+    override_pooler_config: Any = None
+    io_processor_plugin: str | None = None
 
     def __post_init__(self) -> None:
         """Check every argument's type and range here, so that `LLM(...)` and the command
@@ -509,13 +572,36 @@ class EngineConfig:
             raise ValueError(f"task={self.task!r}: jaxvllm runs generative models only ('auto' or 'generate')")
         if self.model_impl not in ("auto", "vllm"):
             raise ValueError(f"model_impl={self.model_impl!r}: jaxvllm runs its own models ('auto' or 'vllm')")
+        multi_node_dp = "vLLM's multi-node data parallelism (jax.distributed is jaxvllm's)"
         refused = {"kv_transfer_config": "KV transfer (disaggregated prefill)", "disable_sliding_window":
                    "turning sliding windows off", "enable_lora_bias": "LoRA bias adapters", "reasoning_parser":
                    "reasoning parsers", "worker_extension_cls": "worker extensions (collective_rpc takes the "
-                   "engine's own methods)"}
-        for name, what in refused.items():
-            if getattr(self, name):
+                   "engine's own methods)", "hf_config_path": "a config.json from another folder than the model's",
+                   "decode_context_parallel_size": "decode context parallelism", "data_parallel_start_rank":
+                   multi_node_dp, "data_parallel_address": multi_node_dp, "data_parallel_rpc_port": multi_node_dp,
+                   "data_parallel_hybrid_lb": "vLLM's hybrid data-parallel load balancing", "otlp_traces_endpoint":
+                   "OpenTelemetry tracing", "collect_detailed_traces": "OpenTelemetry tracing", "worker_cls":
+                   "other worker classes", "kv_events_config": "KV cache events", "override_attention_dtype":
+                   "another attention dtype than the model's", "override_pooler_config": "pooling models",
+                   "io_processor_plugin": "IO processor plugins"}
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name, what in refused.items():  # (None, False and "" mean "off" for each)
+            if getattr(self, name) not in (defaults[name], None, False, ""):
                 raise ValueError(f"{name}={getattr(self, name)!r}: {what} not supported by jaxvllm")
+        if self.data_parallel_size_local not in (None, self.data_parallel_size):
+            raise ValueError(f"data_parallel_size_local={self.data_parallel_size_local!r}: {multi_node_dp} is not "
+                             "supported by jaxvllm")
+        if self.data_parallel_backend not in ("mp", "ray"):  # (vLLM's words)
+            raise ValueError(f"data_parallel_backend can only be ray or mp, got {self.data_parallel_backend}")
+        if self.config_format not in ("auto", "hf"):
+            raise ValueError(f"config_format={self.config_format!r}: jaxvllm reads HF configs only ('auto' or 'hf')")
+        if self.scheduler_cls not in ("vllm.core.scheduler.Scheduler", "vllm.v1.core.sched.scheduler.Scheduler"):
+            raise ValueError(f"scheduler_cls={self.scheduler_cls!r}: scheduler classes other than vLLM's own are not "
+                             "supported by jaxvllm")
+        extra = self.model_loader_extra_config
+        unexpected = set(extra) - {"enable_multithread_load", "num_threads"} if isinstance(extra, dict) else extra
+        if unexpected:  # (vLLM's words, for its default loader)
+            raise ValueError(f"Unexpected extra config keys for load format {self.load_format}: {unexpected}")
         check_bool("use_tqdm_on_load", self.use_tqdm_on_load)
         if self.runner not in ("auto", "generate"):
             raise ValueError(f"runner={self.runner!r}: jaxvllm runs generative models only ('auto' or 'generate'); "

@@ -118,11 +118,29 @@ _VALUE_FLAGS.update({flag: (kind, "accepted for vLLM's scripts") for flag, kind 
     "worker-extension-cls": str, "hf-token": str, "allowed-local-media-path": str, "guided-decoding-backend": str,
     "cpu-offload-gb": float, "lora-extra-vocab-size": int, "data-parallel-rank": int, "logits-processors": str,
     "limit-mm-per-prompt": json_object, "mm-processor-kwargs": json_object, "kv-transfer-config": json_object,
-    "pooler-config": json_object, "default-mm-loras": json_object}.items()})
+    "pooler-config": json_object, "default-mm-loras": json_object, "cuda-graph-sizes": int,
+    "dbo-decode-token-threshold": int, "dbo-prefill-token-threshold": int, "eplb-config": json_object,
+    "num-redundant-experts": int, "eplb-window-size": int, "eplb-step-interval": int,
+    "expert-placement-strategy": str, "num-lookahead-slots": int, "media-io-kwargs": json_object,
+    "mm-processor-cache-gb": float, "mm-processor-cache-type": str, "mm-shm-cache-max-object-size-mb": int,
+    "mm-encoder-tp-mode": str, "video-pruning-rate": float, "allowed-media-domains": str, "mamba-cache-dtype": str,
+    "mamba-ssm-cache-dtype": str, "safetensors-load-strategy": str, "ignore-patterns": str,
+    "pt-load-map-location": str, "model-loader-extra-config": json_object, "logits-processor-pattern": str,
+    "show-hidden-metrics-for-version": str, "additional-config": json_object}.items()})
+# vLLM's flags for features jaxvllm lacks: refused by name away from their defaults.
+_VALUE_FLAGS.update({flag: (kind, "not supported by jaxvllm (its default only)") for flag, kind in {
+    "hf-config-path": str, "config-format": str, "decode-context-parallel-size": int, "data-parallel-start-rank": int,
+    "data-parallel-size-local": int, "data-parallel-address": str, "data-parallel-rpc-port": int,
+    "data-parallel-backend": str, "otlp-traces-endpoint": str, "collect-detailed-traces": str, "scheduler-cls": str,
+    "worker-cls": str, "kv-events-config": json_object, "override-attention-dtype": str,
+    "override-pooler-config": json_object, "io-processor-plugin": str}.items()})
 # Flags with more names (vLLM's short ones) or that take several values.
 _ALIASES = {"tensor-parallel-size": ["-tp"], "pipeline-parallel-size": ["-pp"], "data-parallel-size": ["-dp"],
-            "quantization": ["-q"], "compilation-config": ["-O"]}
-_NARGS = {"served-model-name": "+", "token-buckets": "+", "logits-processors": "+", "hf-token": "?"}
+            "quantization": ["-q"], "compilation-config": ["-O"], "decode-context-parallel-size": ["-dcp"],
+            "data-parallel-start-rank": ["-dpr"], "data-parallel-size-local": ["-dpl"],
+            "data-parallel-address": ["-dpa"], "data-parallel-rpc-port": ["-dpp"], "data-parallel-backend": ["-dpb"]}
+_NARGS = {"served-model-name": "+", "token-buckets": "+", "logits-processors": "+", "hf-token": "?",
+          "cuda-graph-sizes": "+", "allowed-media-domains": "+", "ignore-patterns": "+", "collect-detailed-traces": "+"}
 _BOOL_FLAGS: dict[str, str] = {
     "enable-chunked-prefill": "cut long prompts into chunks that share steps with decoding requests",
     "enable-prefix-caching": "reuse the KV cache blocks of prompt prefixes seen before",
@@ -141,8 +159,12 @@ _BOOL_FLAGS: dict[str, str] = {
 _BOOL_FLAGS.update(dict.fromkeys([
     "disable-custom-all-reduce", "disable-sliding-window", "enable-lora-bias", "enable-prompt-embeds",
     "fully-sharded-loras", "use-tqdm-on-load", "disable-chunked-mm-input", "guided-decoding-disable-fallback",
-    "guided-decoding-disable-any-whitespace", "guided-decoding-disable-additional-properties"],
+    "guided-decoding-disable-any-whitespace", "guided-decoding-disable-additional-properties",
+    "disable-cascade-attn", "enable-dbo", "enable-eplb", "eplb-log-balancedness", "disable-hybrid-kv-cache-manager",
+    "kv-sharing-fast-prefill", "ray-workers-use-nsight", "interleave-mm-strings", "disable-mm-preprocessor-cache",
+    "skip-mm-profiling", "enable-multimodal-encoder-data-parallel"],
     "accepted for vLLM's scripts"))
+_BOOL_FLAGS["data-parallel-hybrid-lb"] = "not supported by jaxvllm (its default only)"
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

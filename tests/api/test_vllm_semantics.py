@@ -1,9 +1,12 @@
 """vLLM's semantics at the edges (the bugs listed first in the API-parity issue)."""
 
+import argparse
+import dataclasses
+
 import numpy as np
 import pytest
 
-from jaxvllm import LLM, SamplingParams
+from jaxvllm import LLM, EngineArgs, SamplingParams
 
 ENGINE = dict(max_model_len=64, max_num_seqs=8, max_num_batched_tokens=64, token_buckets=[64])
 
@@ -160,6 +163,48 @@ def test_request_ids_of_completions_and_refused_calls(llm):
     assert engine.input_processor.next_arrival == arrival and not engine._parents
 
 
+# vLLM 0.11's EngineArgs fields, in its order (vllm/engine/arg_utils.py).
+VLLM_ENGINE_ARGS = """
+model served_model_name tokenizer hf_config_path runner convert task skip_tokenizer_init enable_prompt_embeds
+tokenizer_mode trust_remote_code allowed_local_media_path allowed_media_domains download_dir
+safetensors_load_strategy load_format config_format dtype kv_cache_dtype seed max_model_len cuda_graph_sizes
+distributed_executor_backend pipeline_parallel_size tensor_parallel_size decode_context_parallel_size
+data_parallel_size data_parallel_rank data_parallel_start_rank data_parallel_size_local data_parallel_address
+data_parallel_rpc_port data_parallel_hybrid_lb data_parallel_backend enable_expert_parallel enable_dbo
+dbo_decode_token_threshold dbo_prefill_token_threshold eplb_config enable_eplb expert_placement_strategy
+_api_process_count _api_process_rank num_redundant_experts eplb_window_size eplb_step_interval
+eplb_log_balancedness max_parallel_loading_workers block_size enable_prefix_caching prefix_caching_hash_algo
+disable_sliding_window disable_cascade_attn swap_space cpu_offload_gb gpu_memory_utilization
+kv_cache_memory_bytes max_num_batched_tokens max_num_partial_prefills max_long_partial_prefills
+long_prefill_token_threshold max_num_seqs max_logprobs logprobs_mode disable_log_stats revision code_revision
+rope_scaling rope_theta hf_token hf_overrides tokenizer_revision quantization enforce_eager
+disable_custom_all_reduce limit_mm_per_prompt interleave_mm_strings media_io_kwargs mm_processor_kwargs
+disable_mm_preprocessor_cache mm_processor_cache_gb mm_processor_cache_type mm_shm_cache_max_object_size_mb
+mm_encoder_tp_mode io_processor_plugin skip_mm_profiling video_pruning_rate enable_lora enable_lora_bias
+max_loras max_lora_rank default_mm_loras fully_sharded_loras max_cpu_loras lora_dtype lora_extra_vocab_size
+ray_workers_use_nsight num_gpu_blocks_override num_lookahead_slots model_loader_extra_config ignore_patterns
+enable_chunked_prefill disable_chunked_mm_input disable_hybrid_kv_cache_manager structured_outputs_config
+reasoning_parser guided_decoding_backend guided_decoding_disable_fallback
+guided_decoding_disable_any_whitespace guided_decoding_disable_additional_properties logits_processor_pattern
+speculative_config show_hidden_metrics_for_version otlp_traces_endpoint collect_detailed_traces
+scheduling_policy scheduler_cls pooler_config override_pooler_config compilation_config worker_cls
+worker_extension_cls kv_transfer_config kv_events_config generation_config enable_sleep_mode
+override_generation_config model_impl override_attention_dtype calculate_kv_scales mamba_cache_dtype
+mamba_ssm_cache_dtype additional_config use_tqdm_on_load pt_load_map_location
+enable_multimodal_encoder_data_parallel logits_processors async_scheduling kv_sharing_fast_prefill""".split()
+
+
+def test_every_vllm_engine_argument_is_taken():
+    """A vLLM script's engine arguments are LLM(...)'s, each with a command-line flag: none
+    is an unexpected keyword (those for features jaxvllm lacks are refused by name, below
+    and in tests/api/test_bad_engine_args.py)."""
+    names = {f.name for f in dataclasses.fields(EngineArgs)}
+    assert [name for name in VLLM_ENGINE_ARGS if name not in names] == []
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    flags = {action.dest for action in parser._actions}
+    assert [name for name in VLLM_ENGINE_ARGS if name not in flags and not name.startswith("_")] == []
+
+
 def test_vllm_engine_arguments_are_accepted(tiny_checkpoint):
     path = tiny_checkpoint("qwen3")
     llm = LLM(path, **ENGINE, dtype="float", enforce_eager=True, disable_log_stats=True, trust_remote_code=True,
@@ -175,7 +220,13 @@ def test_vllm_engine_arguments_are_accepted(tiny_checkpoint):
               task="generate", model_impl="auto", kv_transfer_config=None, disable_sliding_window=False,
               enable_lora_bias=False, reasoning_parser="", worker_extension_cls="", guided_decoding_backend="guidance",
               guided_decoding_disable_any_whitespace=True, guided_decoding_disable_fallback=None,
-              use_tqdm_on_load=False)
+              use_tqdm_on_load=False, disable_cascade_attn=True, cuda_graph_sizes=[1, 8], enable_dbo=True,
+              enable_eplb=True, num_redundant_experts=2, expert_placement_strategy="round_robin",
+              num_lookahead_slots=4, disable_hybrid_kv_cache_manager=True, kv_sharing_fast_prefill=True,
+              mm_processor_cache_gb=0, media_io_kwargs={"video": {"num_frames": 8}}, ignore_patterns=["original/**"],
+              safetensors_load_strategy="eager", model_loader_extra_config={"enable_multithread_load": True},
+              additional_config={"x": 1}, config_format="hf", data_parallel_backend="ray", data_parallel_size_local=1,
+              scheduler_cls="vllm.v1.core.sched.scheduler.Scheduler", worker_cls="auto", _api_process_count=1)
     assert {m.labels["model_name"] for m in llm.get_metrics() if m.name != "vllm:cache_config_info"} == {"tiny"}
     structured = llm.llm_engine.config.structured_outputs_config
     assert structured.backend == "guidance" and structured.disable_any_whitespace
