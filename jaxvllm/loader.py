@@ -157,6 +157,8 @@ def load_model(
         fmt = checkpoint_format(json.loads((Path(model) / "config.json").read_text())["quantization_config"], str(model))
         check_expert_format(cfg, fmt)
         _check_expert_blocks(cfg, fmt, 1 if mesh is None else mesh.size, expert_parallel)
+        if fmt.value_name == "qweight":
+            fmt = _stored_unquantized(fmt, tensor_files(Path(model)), model)
     target = device or (mesh.devices.flat[0] if mesh is not None else jax.devices()[0])
     stack = stacks_layers(target) if stack_layers is None else stack_layers
     cfg = dataclasses.replace(cfg, stack_layers=stack, merge_projections=not stack)  # (the CPU layout: both)
@@ -187,6 +189,20 @@ def load_model(
                                      partial(quantize_in_place, method=quantization))
             params = single_device_kernels(params) if mesh is None else params
     return run_cfg, params
+
+
+def _stored_unquantized(fmt: CheckpointFormat, files: dict[str, Path], model: str | Path) -> CheckpointFormat:
+    """GPTQ and AWQ: the modules a checkpoint stores as a plain `weight` (no `qweight`) stay
+    full precision, the others are read quantized: the files decide, as vLLM decides GPTQ's
+    from their dtypes (optimum's modules_in_block_to_quantize, GPTQModel's skipped modules),
+    whatever AWQ's modules_to_not_convert says (its writer and vLLM match it as a part of the
+    name: "gate" is also every gate_proj). A checkpoint with no `qweight` at all is refused."""
+    if not any(name.endswith(".qweight") for name in files):
+        raise ValueError(f"{model}: config.json's quantization_config is {fmt.method.upper()}, but the checkpoint holds "
+                         f"no quantized weight (no *.qweight tensor)")
+    return dataclasses.replace(fmt, unquantized=frozenset(
+        name.removesuffix(".weight") for name in files
+        if name.endswith(".weight") and name.removesuffix(".weight") + ".qweight" not in files))
 
 
 def _check_expert_blocks(cfg: ModelConfig, fmt: CheckpointFormat, tp: int, expert_parallel: bool) -> None:
@@ -270,6 +286,12 @@ def load_safetensors(path: Path, cfg: ModelConfig, dtype, shardings: dict, repea
     fused = {s.path for s in tensors if s.fused_name in files and s.hf_names()[0] not in files}
     names = {s.path: [s.fused_name] if s.path in fused else s.hf_names() for s in tensors}
     missing = [name for s in tensors for name in names[s.path] if name not in files]
+    quantized = [n for n in missing if fmt is not None and n.endswith(".weight")
+                 and n.removesuffix(".weight") + f".{fmt.value_name}" in files]
+    if quantized:  # (AutoAWQ's Qwen3-MoE router, say)
+        raise ValueError(f"{path}: {quantized[0].removesuffix('.weight')} is quantized in the checkpoint, which jaxvllm "
+                         f"does not read for that weight ({len(quantized)} such tensor(s)); it reads quantized linear "
+                         f"layers and expert stacks")
     if missing:
         raise ValueError(f"checkpoint {path} is missing tensor(s): {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
     unused = set(files) - {name for s in tensors for name in names[s.path]} - {"lm_head.weight"} - read_elsewhere
@@ -522,13 +544,15 @@ def quantized_specs(specs: list[ParamSpec], fmt: CheckpointFormat) -> list[Param
     for spec in specs:
         members = [p for m in (spec.layers or (spec,)) for p in (m.parts or (m,))]
         ignored = [m.hf_name for m in members if fmt.ignores(m.hf_name)]
-        if spec.path[0] != "layers" or spec.path[-1] not in QUANTIZED + EXPERTS or len(ignored) == len(members):
+        router = spec.path[-1] == "router" and fmt.value_name == "qweight"  # (AutoAWQ's Qwen3-MoE: stored so)
+        if (spec.path[0] != "layers" or (spec.path[-1] not in QUANTIZED + EXPERTS and not router)
+                or len(ignored) == len(members)):
             out.append(spec)
             continue
         if ignored:
-            raise ValueError(f"{spec.path[-1]}: the checkpoint's quantization_config keeps {ignored[0]} in full "
-                             f"precision (its ignore list) but not every layer's or part's {spec.path[-1]}; jaxvllm "
-                             f"needs all or none of them")
+            raise ValueError(f"{spec.path[-1]}: the checkpoint keeps {ignored[0]} in full precision (its "
+                             f"quantization_config's ignore list, or its tensors) but not every layer's or part's "
+                             f"{spec.path[-1]}; jaxvllm needs all or none of them")
         size = fmt.block[1]
         if fmt.packing in ("gptq", "gptq_v2", "awq") and size and spec.hf_shape[-1] % size:
             raise ValueError(f"{members[0].hf_name}: group_size {size} does not divide its {spec.hf_shape[-1]} "

@@ -27,7 +27,7 @@ import math
 import re
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -107,8 +107,10 @@ class QuantizedWeight:
                 return jnp.repeat(a, size, axis=-1)[..., :n]
             weight = (value if self.zero is None else value - per_input(self.zero)) * per_input(self.scale)
         weight = weight.reshape(*out, n)
-        if self.perm is not None:  # back in the weight's input order
-            weight = jnp.zeros_like(weight).at[..., self.perm].set(weight)
+        if self.perm is not None:  # back in the weight's input order (a stack's: each layer's own)
+            inverse = jnp.argsort(self.perm, axis=-1)
+            inverse = inverse.reshape(*inverse.shape[:-1], *(1,) * (weight.ndim - inverse.ndim), n)
+            weight = jnp.take_along_axis(weight, jnp.broadcast_to(inverse, weight.shape), axis=-1)
         return weight.reshape(self.value.shape).astype(dtype)
 
 
@@ -150,12 +152,28 @@ class CheckpointFormat:
     act_order: bool = False  # GPTQ's desc_act: `g_idx` [in] gives each input's group
     input_scale_name: str | None = None  # static activations: `{module}.input_scale`, one a tensor
     weight_only: bool = False  # int8 values, activations as they are (W8A16)
+    # GPTQ and AWQ: the modules the checkpoint stores as a plain `weight`, which decide instead
+    # of `ignore` (`loader.load_model` finds them)
+    unquantized: frozenset[str] = frozenset()
 
     def ignores(self, hf_name: str) -> bool:
-        """Whether the weight `hf_name` stays full precision (its module, or one above it, is ignored)."""
+        """Whether the weight `hf_name` stays full precision. GPTQ and AWQ: its module is
+        stored so. Otherwise the ignore list names it by the writer's and vLLM's rule: "re:"
+        entries are regexes from the name's start, compressed-tensors' others name a module,
+        transformers' fp8 ones a module, one above it or the name's last parts."""
         module = hf_name.removesuffix(".weight")
-        return any(re.match(m[3:], module) if m.startswith("re:") else  # (compressed-tensors' and vLLM's match)
-                   module == m or module.startswith(m + ".") or module.endswith("." + m) for m in self.ignore)
+        if self.value_name == "qweight":
+            return module in self.unquantized
+        for m in self.ignore:
+            if m.startswith("re:"):
+                hit = re.match(m[3:], module) is not None
+            elif self.method == "compressed-tensors":
+                hit = module == m
+            else:
+                hit = module == m or module.startswith(m + ".") or module.endswith("." + m)
+            if hit:
+                return True
+        return False
 
 
 SUPPORTED_CHECKPOINTS = ("fp8 (quant_method 'fp8': blocks (weight_block_size) with dynamic activations, or "
@@ -177,7 +195,7 @@ def checkpoint_format(quant_config: dict, model: str) -> CheckpointFormat:
         raise ValueError(f"{model}: quant_method {method!r} in config.json is not supported; jaxvllm reads "
                          f"{SUPPORTED_CHECKPOINTS}")
     block = quant_config.get("weight_block_size")
-    scheme = quant_config.get("activation_scheme", "dynamic")
+    scheme = _required(quant_config, ("activation_scheme",), model)
     ignore = tuple(quant_config.get("modules_to_not_convert") or quant_config.get("ignored_layers") or ())
     if block is None:  # per tensor (vLLM's and AutoFP8's fp8): `weight_scale`, and `input_scale` when static
         if scheme not in ("dynamic", "static"):
@@ -195,44 +213,53 @@ def checkpoint_format(quant_config: dict, model: str) -> CheckpointFormat:
     return CheckpointFormat("fp8", (block[0], block[1]), ignore=ignore)
 
 
+def _required(quant_config: dict, keys: tuple[str, ...], model: str) -> Any:
+    """The value of the first of `keys` in `quant_config`, which vLLM's reader requires too (its words)."""
+    for key in keys:
+        if key in quant_config:
+            return quant_config[key]
+    raise ValueError(f"{model}: Cannot find any of {list(keys)} in the model's quantization config.")
+
+
 def _gptq_awq_format(quant_config: dict, model: str) -> CheckpointFormat:
     """GPTQ (4- or 8-bit) and AWQ (4-bit): packed `qweight` with `scales` and `qzeros` per
     group of inputs; weight-only (8 bits: int8 values marked `weight_only`)."""
-    method, bits = quant_config["quant_method"], quant_config.get("bits", quant_config.get("w_bit"))
+    method = quant_config["quant_method"]
+    bits = _required(quant_config, ("bits",) if method == "gptq" else ("w_bit", "bits"), model)
     if bits not in ((4, 8) if method == "gptq" else (4,)):
         raise ValueError(f"{model}: {bits}-bit {method.upper()} is not supported; jaxvllm reads 4- and 8-bit GPTQ "
                          f"and 4-bit AWQ")
-    group = quant_config.get("group_size", quant_config.get("q_group_size", -1))
+    group = _required(quant_config, ("group_size",) if method == "gptq" else ("q_group_size", "group_size"), model)
     if not isinstance(group, int) or not (group > 0 or group == -1):
         raise ValueError(f"{model}: {method.upper()} group_size {group!r} must be a positive int or -1 (whole rows)")
     if method == "gptq":
-        act_order = bool(quant_config.get("desc_act"))
+        act_order = bool(_required(quant_config, ("desc_act",), model))
         if act_order and group == -1:
             act_order = False  # (one group: the order changes nothing)
         packing = quant_config.get("checkpoint_format", "gptq")
         if packing not in ("gptq", "gptq_v2"):
             raise ValueError(f"{model}: GPTQ checkpoint_format {packing!r} is not supported; jaxvllm reads 'gptq' "
                              f"and 'gptq_v2'")
-        symmetric = quant_config.get("sym", True)
+        # Without `sym` the zero points are read: right either way, as vLLM's GPTQ kernel reads them.
+        symmetric = quant_config.get("sym") is True
         if quant_config.get("dynamic"):  # (GPTQModel's per-module bits / group_size / sym / desc_act)
             raise ValueError(f"{model}: GPTQ 'dynamic' per-module overrides ({', '.join(quant_config['dynamic'])}) "
                              f"are not supported; jaxvllm reads one bits, group_size, sym and desc_act for every "
                              f"module")
-        # The lm_head is quantized only with `lm_head: true` (refused); `modules_in_block_to_quantize` lists the rest.
+        # The lm_head is quantized only with `lm_head: true` (refused). The files say which modules are
+        # quantized (`CheckpointFormat.unquantized`), not modules_in_block_to_quantize / modules_to_not_convert.
         if quant_config.get("lm_head"):
             raise ValueError(f"{model}: a GPTQ-quantized lm_head is not supported; jaxvllm reads quantized decoder "
                              f"layers only")
-        ignore = ()
     else:
         version = str(quant_config.get("version", "gemm")).lower()
         if version != "gemm":
             raise ValueError(f"{model}: AWQ version {version!r} is not supported; jaxvllm reads AutoAWQ's 'gemm'")
-        packing, symmetric, act_order = "awq", not quant_config.get("zero_point", True), False
+        packing, symmetric, act_order = "awq", not _required(quant_config, ("zero_point",), model), False
         if symmetric:
             raise ValueError(f"{model}: AWQ without zero points is not supported; jaxvllm reads zero_point true")
-        ignore = tuple(quant_config.get("modules_to_not_convert") or ())
     unused = ((".qzeros",) if symmetric else ()) + (".g_idx",)  # (act-order's: `loader.module_tensors` reads them)
-    return CheckpointFormat(method, (1, max(group, 0)), "int4" if bits == 4 else "int8", "scales", ignore, "qweight",
+    return CheckpointFormat(method, (1, max(group, 0)), "int4" if bits == 4 else "int8", "scales", (), "qweight",
                             None if symmetric else "qzeros", packing, unused, act_order, weight_only=bits == 8)
 
 

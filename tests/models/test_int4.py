@@ -118,6 +118,8 @@ def unpacked_hf(path: Path, src: Path):
     hf = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
 
     def weight(module: str) -> torch.Tensor:
+        if f"{module}.weight" in tensors:  # (a module the checkpoint keeps in full precision)
+            return tensors[f"{module}.weight"].float()
         if config["quant_method"] == "gptq":
             return gptq_weight(tensors, module, config.get("checkpoint_format", "gptq") == "gptq", config["bits"])
         if config["quant_method"] == "awq":
@@ -129,6 +131,8 @@ def unpacked_hf(path: Path, src: Path):
             if name.rsplit(".", 1)[-1] in LINEAR:
                 module.weight.copy_(weight(f"model.layers.{name}"))
         for i, layer in enumerate(hf.model.layers):
+            if f"model.layers.{i}.mlp.gate.qweight" in tensors:  # (a quantized router)
+                layer.mlp.gate.weight.copy_(weight(f"model.layers.{i}.mlp.gate"))
             experts = getattr(getattr(layer, "mlp", None), "experts", None)
             if experts is None:
                 continue
@@ -213,6 +217,58 @@ def test_int4_formats_match_their_unpacking(kind, arch, group, int4_checkpoint, 
     assert rel_err(_logits(params, cfg, tokens), hf_logits(hf, tokens)) <= TOL
 
 
+def _kept_full_precision(path: Path, src: Path, out: Path, modules: tuple[str, ...], **changes) -> Path:
+    """A copy of GPTQ / AWQ checkpoint `path` whose linears ending in one of `modules` are
+    stored in full precision (`src`'s float16 weights, as optimum and AutoAWQ keep the
+    modules they skip), with quantization_config `changes`."""
+    from safetensors.torch import load_file, save_file
+
+    out = _with_config(path, out, **changes)
+    tensors = load_file(str(out / "model.safetensors"))
+    full = load_file(str(src / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(".qweight") and n.removesuffix(".qweight").endswith(modules)]:
+        module = name.removesuffix(".qweight")
+        for part in ("qweight", "qzeros", "scales", "g_idx"):
+            tensors.pop(f"{module}.{part}", None)
+        tensors[f"{module}.weight"] = full[f"{module}.weight"].half()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("kind, modules, changes", [
+    # optimum's modules_in_block_to_quantize (down_proj left out), and the same without the list:
+    # vLLM reads which modules are quantized from the files then
+    ("gptq-asym", ("down_proj",), dict(modules_in_block_to_quantize=[["self_attn.q_proj", "self_attn.k_proj",
+                                      "self_attn.v_proj", "self_attn.o_proj"], ["mlp.gate_proj", "mlp.up_proj"]])),
+    ("gptq-act-order", ("down_proj", "o_proj"), {}),
+    # AutoAWQ's and vLLM's modules_to_not_convert match any part of a module's name
+    ("awq", ("q_proj", "k_proj", "v_proj", "o_proj"), dict(modules_to_not_convert=["self_attn"])),
+])
+def test_modules_kept_in_full_precision(kind, modules, changes, int4_checkpoint, tiny_checkpoint, tmp_path):
+    """GPTQ and AWQ checkpoints that keep some linears in full precision load them so, the
+    others quantized, against the oracle (which takes those as stored)."""
+    path = _kept_full_precision(int4_checkpoint(kind), tiny_checkpoint("llama"), tmp_path / "kept", modules,
+                                **changes)
+    hf = unpacked_hf(path, tiny_checkpoint("llama"))
+    for stack in (False, True):
+        cfg, params = load_model(path, stack_layers=stack)
+        kept = [name for name, w in params["layers"].items() if name.endswith("proj")
+                and not isinstance(w if stack else w[0], QuantizedWeight)]
+        assert kept and all(name.endswith(modules) or name in ("qkv_proj", "gate_up_proj") for name in kept)
+        tokens = random_tokens(np.random.default_rng(4), 24)
+        assert rel_err(_logits(params, cfg, tokens), hf_logits(hf, tokens)) <= TOL
+
+
+def test_gptq_without_sym_reads_the_zero_points(int4_checkpoint, tiny_checkpoint, tmp_path):
+    """A GPTQ config without `sym` (older writers): the zero points are read, as vLLM's GPTQ
+    kernel reads them, so an asymmetric checkpoint loads right (it loaded as symmetric)."""
+    path = _with_config(int4_checkpoint("gptq-asym"), tmp_path / "no-sym", sym=None)
+    hf = unpacked_hf(path, tiny_checkpoint("llama"))
+    cfg, params = load_model(path)
+    tokens = random_tokens(np.random.default_rng(5), 24)
+    assert rel_err(_logits(params, cfg, tokens), hf_logits(hf, tokens)) <= TOL
+
+
 @pytest.mark.parametrize("kind", ["gptq-act-order", "gptq8-act-order"])
 def test_act_order_stacked(kind, int4_checkpoint, tiny_checkpoint):
     """GPTQ act-order (4- and 8-bit) with stacked layers (the GPU layout: each layer's
@@ -223,6 +279,11 @@ def test_act_order_stacked(kind, int4_checkpoint, tiny_checkpoint):
     cfg, params = load_model(path, stack_layers=True)
     perm = np.asarray(params["layers"]["q_proj"].perm)
     assert perm.shape == (cfg.num_layers, cfg.hidden_size) and (perm != np.arange(cfg.hidden_size)).any()
+    # a stack dequantizes each layer in its own input order, as that layer alone does
+    _, alone = load_model(path, stack_layers=False)
+    for name in ("o_proj", "down_proj"):  # (those a CPU's per-layer load keeps apart)
+        np.testing.assert_array_equal(np.asarray(params["layers"][name].dequantized()),
+                                      np.stack([np.asarray(w.dequantized()) for w in alone["layers"][name]]))
     tokens = random_tokens(np.random.default_rng(3), 24)
     assert rel_err(_logits(params, cfg, tokens), hf_logits(hf, tokens)) <= TOL
 
@@ -383,11 +444,26 @@ def test_bad_int4_checkpoints_are_refused(int4_checkpoint, tiny_checkpoint, tmp_
             LLM(_with_config(path, tmp_path / str(i), **changes), **ENGINE)
         assert len(jax.live_arrays()) == live, caught.value
     unpacked = _with_config(tiny_checkpoint("llama"), tmp_path / "unpacked", quant_method="gptq", bits=4,
-                            group_size=32, sym=True)
-    with pytest.raises(ValueError, match=r"missing tensor\(s\): model.layers.0.self_attn.q_proj.qweight"):
+                            group_size=32, sym=True, desc_act=False)
+    with pytest.raises(ValueError, match=r"quantization_config is GPTQ, but the checkpoint holds no quantized weight "
+                                         r"\(no \*.qweight tensor\)"):
         LLM(unpacked, **ENGINE)
+    # A quantized lm_head whose config does not say so (GPTQModel's `lm_head: true` is refused by the config)
     from safetensors.torch import load_file, save_file
 
+    head = _with_config(gptq, tmp_path / "head")
+    tensors = load_file(str(head / "model.safetensors"))
+    weight = tensors.pop("lm_head.weight")
+    tensors["lm_head.qweight"] = torch.zeros(weight.shape[1] // 8, weight.shape[0], dtype=torch.int32)
+    save_file(tensors, str(head / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"lm_head is quantized in the checkpoint, which jaxvllm does not read for that "
+                                         r"weight"):
+        LLM(head, **ENGINE)
+    # Keys vLLM's readers require, refused with its words rather than read with a default
+    for i, (path, key) in enumerate([(gptq, "desc_act"), (gptq, "group_size"), (gptq, "bits"),
+                                     (int4_checkpoint("awq"), "zero_point")]):
+        with pytest.raises(ValueError, match=rf"Cannot find any of \[.*'{key}'\] in the model's quantization config"):
+            LLM(_with_config(path, tmp_path / f"no-{key}-{i}", **{key: None}), **ENGINE)
     no_scale = _with_config(w4a16, tmp_path / "no-scale")
     tensors = load_file(str(no_scale / "model.safetensors"))
     del tensors["model.layers.1.mlp.down_proj.weight_scale"]

@@ -307,15 +307,27 @@ def test_fp8_checkpoint_through_the_engine(fp8_checkpoint, tiny_checkpoint):
     full.shutdown()
 
 
-def test_ignore_entries_match_as_compressed_tensors_and_vllm_match_them():
+def test_ignore_entries_match_as_their_writers_and_vllm_match_them():
     """"re:" entries match from the module name's start (re.match), as compressed-tensors' and
-    vLLM's do; plain ones name a module or one above it."""
+    vLLM's do; otherwise compressed-tensors' name a module exactly (a bare "down_proj" names
+    none: llm-compressor quantized those), transformers' fp8 ones a module, one above it or
+    its last parts. GPTQ's and AWQ's modules are full precision where stored so, whatever
+    modules_to_not_convert says."""
     from jaxvllm.quantization import CheckpointFormat
 
-    fmt = CheckpointFormat("compressed-tensors", (1, 0), ignore=("lm_head", "re:.*self_attn", "re:model.layers.1."))
+    fmt = CheckpointFormat("compressed-tensors", (1, 0), ignore=("lm_head", "re:.*self_attn", "re:model.layers.1.",
+                                                                 "down_proj"))
     assert fmt.ignores("model.layers.0.self_attn.q_proj.weight") and fmt.ignores("lm_head.weight")
     assert fmt.ignores("model.layers.1.mlp.down_proj.weight")
     assert not fmt.ignores("model.layers.0.mlp.down_proj.weight")
+    fp8 = CheckpointFormat("fp8", (32, 32), ignore=("down_proj", "model.layers.1"))
+    assert fp8.ignores("model.layers.0.mlp.down_proj.weight") and fp8.ignores("model.layers.1.mlp.up_proj.weight")
+    assert not fp8.ignores("model.layers.0.mlp.up_proj.weight")
+    # GPTQ / AWQ: the module stored unquantized, by its exact name (not `mlp.gate_proj` for the router
+    # `mlp.gate`); the list means nothing
+    stored = CheckpointFormat("awq", (1, 32), ignore=("gate",), value_name="qweight",
+                              unquantized=frozenset({"model.layers.0.mlp.gate"}))
+    assert stored.ignores("model.layers.0.mlp.gate.weight") and not stored.ignores("model.layers.0.mlp.gate_proj.weight")
 
 
 def test_quantize_fp8_scales_each_output_row():
@@ -588,8 +600,9 @@ def test_bad_quantization_is_refused(tiny_checkpoint, fp8_checkpoint, tmp_path):
                                            r"\(only 'dynamic'\)"),
         # one layer's o_proj kept in full precision (vLLM reads such a mix; jaxvllm's layers are alike)
         (dict(modules_to_not_convert=["model.layers.1.self_attn.o_proj"]),
-         r"o_proj: the checkpoint's quantization_config keeps model.layers.1.self_attn.o_proj.weight in full "
-         r"precision \(its ignore list\) but not every layer's or part's o_proj; jaxvllm needs all or none"),
+         r"o_proj: the checkpoint keeps model.layers.1.self_attn.o_proj.weight in full precision \(its "
+         r"quantization_config's ignore list, or its tensors\) but not every layer's or part's o_proj; jaxvllm needs "
+         r"all or none"),
         # the checkpoint's scales are [2, 2] per layer for blocks of 32 over 64; blocks of 16 imply [4, 4]
         (dict(weight_block_size=[16, 16]), r"tensor model.layers.0.self_attn.q_proj.weight_scale_inv in "
                                            r"model.safetensors has shape \(2, 2\), config.json implies \(4, 4\)"),
@@ -601,7 +614,8 @@ def test_bad_quantization_is_refused(tiny_checkpoint, fp8_checkpoint, tmp_path):
         # Nothing placed stays on the device while the error is kept (as Jupyter keeps the last
         # one): the wrong scales come after the embeddings and layer 0's values.
         assert len(jax.live_arrays()) == live, caught.value
-    no_scales = _with_config(path, tmp_path / "no-scales", quant_method="fp8", weight_block_size=[32, 32])
+    no_scales = _with_config(path, tmp_path / "no-scales", quant_method="fp8", weight_block_size=[32, 32],
+                             activation_scheme="dynamic")
     with pytest.raises(ValueError, match=r"missing tensor\(s\): model.layers.0.self_attn.q_proj.weight_scale_inv"):
         LLM(no_scales, **ENGINE)
     with pytest.raises(ValueError, match=r"load_format='dummy' of a quantized checkpoint"):

@@ -230,6 +230,33 @@ def test_quantized_experts_refusals(tiny_checkpoint, tmp_path):
         LLM(act_order, **ENGINE)
 
 
+def test_a_quantized_router(int4_checkpoint, tiny_checkpoint, tmp_path):
+    """AutoAWQ quantizes Qwen3-MoE's router (`mlp.gate`) unless told not to, and vLLM reads it
+    so: logits as transformers' holding the router that AutoAWQ's unpacking gives, in both
+    layouts (it was refused)."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.models.test_quantization import _with_config
+    from weights.make_quantized import AWQ_ORDER, pack_words, quantize_groups
+
+    path = _with_config(int4_checkpoint("awq", "qwen3_moe", 16), tmp_path / "router")
+    tensors = load_file(str(path / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith("mlp.gate.weight")]:
+        module = name.removesuffix(".weight")
+        value, scale, zero = quantize_groups(tensors.pop(name).float(), 16, symmetric=False)
+        tensors.update({f"{module}.qweight": torch.from_numpy(pack_words(value.T.numpy(), AWQ_ORDER)),
+                        f"{module}.qzeros": torch.from_numpy(pack_words(zero.T.numpy(), AWQ_ORDER)),
+                        f"{module}.scales": scale.T.contiguous()})
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    hf = unpacked_hf(path, tiny_checkpoint("qwen3_moe"))
+    tokens = random_tokens(np.random.default_rng(1), 24)
+    for stack in (False, True):
+        cfg, params = load_model(path, stack_layers=stack)
+        router = params["layers"]["router"]
+        assert isinstance(router if stack else router[0], QuantizedWeight)
+        assert rel_err(_logits(params, cfg, tokens, "reference"), hf_logits(hf, tokens)) <= 1e-5
+
+
 # Weight-only expert stacks: (writer, group) of each kind; groups of 16 and 32 over the experts'
 # 64 (gate/up) and 32 (down) inputs, 0: one group a row (compressed-tensors' channel strategy).
 WEIGHT_ONLY = {"gptq": ("gptq", 16), "gptq-asym": ("gptq-asym", 16), "awq": ("awq", 16),
