@@ -178,10 +178,10 @@ class ModelConfig:
             )
         # (Gemma 3's MLP reads `hidden_activation`; a Gemma 1/2-style config may also hold `hidden_act`)
         names = ("hidden_activation", "hidden_act") if arch == "Gemma3ForCausalLM" else ("hidden_act",)
-        act = next((getattr(hf, name) for name in names if getattr(hf, name, None)), "silu")
+        name, act = next(((name, getattr(hf, name)) for name in names if getattr(hf, name, None)), ("", "silu"))
         acts = _GEMMA3_ACTIVATIONS if arch == "Gemma3ForCausalLM" else ("silu",)
         if act not in acts:
-            raise ValueError(f"{arch}: hidden_act {act!r} is not supported (only {', '.join(map(repr, acts))})")
+            raise ValueError(f"{arch}: {name} {act!r} is not supported (only {', '.join(map(repr, acts))})")
         num_heads = hf.num_attention_heads
         eos = getattr(hf, "eos_token_id", None)
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))

@@ -132,6 +132,10 @@ def test_unsupported_rope_and_activation(tiny_checkpoint, tmp_path):
     edit_config(path, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, hidden_act="gelu")
     with pytest.raises(ValueError, match="hidden_act 'gelu'"):
         load_model(path)
+    gemma = copy_checkpoint(tiny_checkpoint("gemma3"), tmp_path / "gemma-silu")
+    edit_config(gemma, hidden_activation="silu")  # (named as its config names it)
+    with pytest.raises(ValueError, match=r"Gemma3ForCausalLM: hidden_activation 'silu' is not supported \(only"):
+        load_model(gemma)
 
 
 def test_missing_tensor_is_named(tiny_checkpoint, tmp_path):
