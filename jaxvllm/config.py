@@ -585,8 +585,16 @@ class EngineConfig:
                    "another attention dtype than the model's", "override_pooler_config": "pooling models",
                    "io_processor_plugin": "IO processor plugins"}
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        for name, what in refused.items():  # (None, False and "" mean "off" for each)
-            if getattr(self, name) not in (defaults[name], None, False, ""):
+
+        def off(name: str) -> bool:
+            """None, False, "" and the default (of its type: not 0 for 1) mean "off" for each."""
+            value, default = getattr(self, name), defaults[name]
+            if name == "hf_config_path" and value:  # (the model's own folder is no other)
+                return os.path.realpath(value) == os.path.realpath(self.model)
+            return value is None or value is False or value == "" or (type(value) is type(default) and value == default)
+
+        for name, what in refused.items():
+            if not off(name):
                 raise ValueError(f"{name}={getattr(self, name)!r}: {what} not supported by jaxvllm")
         if self.data_parallel_size_local not in (None, self.data_parallel_size):
             raise ValueError(f"data_parallel_size_local={self.data_parallel_size_local!r}: {multi_node_dp} is not "

@@ -137,7 +137,7 @@ _VALUE_FLAGS.update({flag: (kind, "not supported by jaxvllm (its default only)")
 # Flags with more names (vLLM's short ones) or that take several values.
 _ALIASES = {"tensor-parallel-size": ["-tp"], "pipeline-parallel-size": ["-pp"], "data-parallel-size": ["-dp"],
             "quantization": ["-q"], "compilation-config": ["-O"], "decode-context-parallel-size": ["-dcp"],
-            "data-parallel-start-rank": ["-dpr"], "data-parallel-size-local": ["-dpl"],
+            "data-parallel-rank": ["-dpn"], "data-parallel-start-rank": ["-dpr"], "data-parallel-size-local": ["-dpl"],
             "data-parallel-address": ["-dpa"], "data-parallel-rpc-port": ["-dpp"], "data-parallel-backend": ["-dpb"]}
 _NARGS = {"served-model-name": "+", "token-buckets": "+", "logits-processors": "+", "hf-token": "?",
           "cuda-graph-sizes": "+", "allowed-media-domains": "+", "ignore-patterns": "+", "collect-detailed-traces": "+"}
@@ -212,8 +212,9 @@ class EngineArgs(EngineConfig):
         # (jaxvllm's own commands take --seed for the prompts' sampling; vLLM's scripts for the engine)
         parser.add_argument("--seed", type=int, default=None, help="the engine's seed (sampling without one)")
         names = {flag.replace("-", "_") for flag in (*_VALUE_FLAGS, *_BOOL_FLAGS, "seed")}
-        parser.set_defaults(**{f.name: f.default for f in dataclasses.fields(EngineConfig)
-                               if f.name in names and f.default is not dataclasses.MISSING})
+        parser.set_defaults(**{f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
+                               for f in dataclasses.fields(EngineConfig) if f.name in names
+                               and (f.default, f.default_factory) != (dataclasses.MISSING, dataclasses.MISSING)})
         return parser
 
     @classmethod

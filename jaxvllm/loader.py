@@ -288,7 +288,7 @@ def load_safetensors(path: Path, cfg: ModelConfig, dtype, shardings: dict, repea
     missing = [name for s in tensors for name in names[s.path] if name not in files]
     quantized = [n for n in missing if fmt is not None and n.endswith(".weight")
                  and n.removesuffix(".weight") + f".{fmt.value_name}" in files]
-    if quantized:  # (AutoAWQ's Qwen3-MoE router, say)
+    if quantized:  # (a GPTQ lm_head whose config does not say so, say)
         raise ValueError(f"{path}: {quantized[0].removesuffix('.weight')} is quantized in the checkpoint, which jaxvllm "
                          f"does not read for that weight ({len(quantized)} such tensor(s)); it reads quantized linear "
                          f"layers and expert stacks")
@@ -536,22 +536,23 @@ def _fused_block(tensor_slice, spec, dtype) -> Callable:
 
 
 def quantized_specs(specs: list[ParamSpec], fmt: CheckpointFormat) -> list[ParamSpec]:
-    """The params of a quantized checkpoint: each linear weight of the layers (`QUANTIZED`,
-    unless `fmt` ignores it) read as its quantized type, and beside it its scales
-    (`{name}_scale`) and zero points (`{name}_zero`, asymmetric formats) in the weight's
-    layout; `join_quantized` pairs them once loaded."""
+    """The params of a quantized checkpoint: each linear weight of the layers (`QUANTIZED`, and
+    a GPTQ / AWQ router stored quantized), unless `fmt` ignores it, read as its quantized
+    type, and beside it its scales (`{name}_scale`) and zero points (`{name}_zero`,
+    asymmetric formats) in the weight's layout; `join_quantized` pairs them once loaded."""
     out = []
     for spec in specs:
         members = [p for m in (spec.layers or (spec,)) for p in (m.parts or (m,))]
-        ignored = [m.hf_name for m in members if fmt.ignores(m.hf_name)]
+        names = [name for m in members for name in m.hf_names()]  # (an expert stack's: each expert's)
+        ignored = [name for name in names if fmt.ignores(name)]
         router = spec.path[-1] == "router" and fmt.value_name == "qweight"  # (AutoAWQ's Qwen3-MoE: stored so)
         if (spec.path[0] != "layers" or (spec.path[-1] not in QUANTIZED + EXPERTS and not router)
-                or len(ignored) == len(members)):
+                or len(ignored) == len(names)):
             out.append(spec)
             continue
         if ignored:
             raise ValueError(f"{spec.path[-1]}: the checkpoint keeps {ignored[0]} in full precision (its "
-                             f"quantization_config's ignore list, or its tensors) but not every layer's or part's "
+                             f"quantization_config's ignore list, or its tensors) but not every layer's, part's or expert's "
                              f"{spec.path[-1]}; jaxvllm needs all or none of them")
         size = fmt.block[1]
         if fmt.packing in ("gptq", "gptq_v2", "awq") and size and spec.hf_shape[-1] % size:

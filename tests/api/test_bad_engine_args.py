@@ -60,6 +60,7 @@ def no_loading(monkeypatch):
     (dict(distributed_executor_backend="slurm"), r"distributed_executor_backend='slurm': choose from"),
     (dict(hf_config_path="/elsewhere"), r"hf_config_path='/elsewhere': a config.json from another folder than the"),
     (dict(decode_context_parallel_size=2), r"decode_context_parallel_size=2: decode context parallelism not supported"),
+    (dict(decode_context_parallel_size=0), r"decode_context_parallel_size=0: decode context parallelism not supported"),
     (dict(data_parallel_address="10.0.0.1"), r"data_parallel_address='10.0.0.1': vLLM's multi-node data parallelism"),
     (dict(data_parallel_size_local=2), r"data_parallel_size_local=2: vLLM's multi-node data parallelism"),
     (dict(data_parallel_backend="slurm"), r"^data_parallel_backend can only be ray or mp, got slurm$"),

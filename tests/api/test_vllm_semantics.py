@@ -203,6 +203,17 @@ def test_every_vllm_engine_argument_is_taken():
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     flags = {action.dest for action in parser._actions}
     assert [name for name in VLLM_ENGINE_ARGS if name not in flags and not name.startswith("_")] == []
+    aliases = {"-tp": 2, "-pp": 1, "-dp": 2, "-dpn": 1, "-dpr": 0, "-dpl": 2, "-dpa": "10.0.0.1", "-dpp": 5,
+               "-dpb": "ray", "-dcp": 1, "-q": "fp8", "-O": "3"}  # (vLLM's short flags)
+    args = vars(parser.parse_args(["--model", "m", *[str(x) for pair in aliases.items() for x in pair]]))
+    assert [args[name] for name in ("tensor_parallel_size", "data_parallel_rank", "data_parallel_address",
+                                    "decode_context_parallel_size", "compilation_config")] == [2, 1, "10.0.0.1", 1, "3"]
+    # The flags' defaults are LLM(...)'s, lists and dicts too: the same config either way
+    from jaxvllm.config import EngineConfig
+
+    cli = EngineArgs(**{k: v for k, v in vars(parser.parse_args(["--model", "m"])).items() if v is not None})
+    assert cli.shared_fields() == EngineConfig(model="m").shared_fields()
+    assert EngineConfig(model="m", hf_config_path="m").hf_config_path == "m"  # (the model's own folder)
 
 
 def test_vllm_engine_arguments_are_accepted(tiny_checkpoint):

@@ -217,10 +217,10 @@ def test_int4_formats_match_their_unpacking(kind, arch, group, int4_checkpoint, 
     assert rel_err(_logits(params, cfg, tokens), hf_logits(hf, tokens)) <= TOL
 
 
-def _kept_full_precision(path: Path, src: Path, out: Path, modules: tuple[str, ...], **changes) -> Path:
-    """A copy of GPTQ / AWQ checkpoint `path` whose linears ending in one of `modules` are
-    stored in full precision (`src`'s float16 weights, as optimum and AutoAWQ keep the
-    modules they skip), with quantization_config `changes`."""
+def kept_full_precision(path: Path, src: Path, out: Path, modules: tuple[str, ...], **changes) -> Path:
+    """A copy of GPTQ / AWQ checkpoint `path` whose linears ending in one of `modules` (names
+    from after "model.layers.") are stored in full precision (`src`'s float16 weights, as
+    optimum and AutoAWQ keep the modules they skip), with quantization_config `changes`."""
     from safetensors.torch import load_file, save_file
 
     out = _with_config(path, out, **changes)
@@ -247,7 +247,7 @@ def _kept_full_precision(path: Path, src: Path, out: Path, modules: tuple[str, .
 def test_modules_kept_in_full_precision(kind, modules, changes, int4_checkpoint, tiny_checkpoint, tmp_path):
     """GPTQ and AWQ checkpoints that keep some linears in full precision load them so, the
     others quantized, against the oracle (which takes those as stored)."""
-    path = _kept_full_precision(int4_checkpoint(kind), tiny_checkpoint("llama"), tmp_path / "kept", modules,
+    path = kept_full_precision(int4_checkpoint(kind), tiny_checkpoint("llama"), tmp_path / "kept", modules,
                                 **changes)
     hf = unpacked_hf(path, tiny_checkpoint("llama"))
     for stack in (False, True):

@@ -601,8 +601,8 @@ def test_bad_quantization_is_refused(tiny_checkpoint, fp8_checkpoint, tmp_path):
         # one layer's o_proj kept in full precision (vLLM reads such a mix; jaxvllm's layers are alike)
         (dict(modules_to_not_convert=["model.layers.1.self_attn.o_proj"]),
          r"o_proj: the checkpoint keeps model.layers.1.self_attn.o_proj.weight in full precision \(its "
-         r"quantization_config's ignore list, or its tensors\) but not every layer's or part's o_proj; jaxvllm needs "
-         r"all or none"),
+         r"quantization_config's ignore list, or its tensors\) but not every layer's, part's or expert's o_proj; "
+         r"jaxvllm needs all or none"),
         # the checkpoint's scales are [2, 2] per layer for blocks of 32 over 64; blocks of 16 imply [4, 4]
         (dict(weight_block_size=[16, 16]), r"tensor model.layers.0.self_attn.q_proj.weight_scale_inv in "
                                            r"model.safetensors has shape \(2, 2\), config.json implies \(4, 4\)"),

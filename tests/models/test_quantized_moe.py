@@ -29,7 +29,7 @@ from jaxvllm.quantization import QuantizedWeight, experts_dequantized, quantize_
 from tests.models.paged import (Chunk, build_inputs, greedy_decode, hf_greedy, hf_logits, jit_forward, random_tokens,
                                  rel_err)
 from tests.models.test_quantization import block_dequantized, fp8_round, near_ties, tie_free_tokens, w8a8_oracle
-from tests.models.test_int4 import LINEAR, int4_checkpoint, unpacked_hf  # noqa: F401 (a fixture)
+from tests.models.test_int4 import LINEAR, int4_checkpoint, kept_full_precision, unpacked_hf  # noqa: F401 (a fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-4
@@ -254,6 +254,22 @@ def test_a_quantized_router(int4_checkpoint, tiny_checkpoint, tmp_path):
         cfg, params = load_model(path, stack_layers=stack)
         router = params["layers"]["router"]
         assert isinstance(router if stack else router[0], QuantizedWeight)
+        assert rel_err(_logits(params, cfg, tokens, "reference"), hf_logits(hf, tokens)) <= 1e-5
+
+
+def test_expert_stacks_kept_in_full_precision(int4_checkpoint, tiny_checkpoint, tmp_path):
+    """A GPTQ mixture of experts whose experts are stored in full precision (the rest 4-bit):
+    the experts read as stored, in both layouts, against the oracle (they were refused: an
+    expert stack's name is a template, which matched no module stored so)."""
+    path = kept_full_precision(int4_checkpoint("gptq-asym", "qwen3_moe", 16), tiny_checkpoint("qwen3_moe"),
+                               tmp_path / "kept", tuple(f"experts.{e}.{name}" for e in range(8)
+                                                        for name in ("gate_proj", "up_proj", "down_proj")))
+    hf = unpacked_hf(path, tiny_checkpoint("qwen3_moe"))
+    tokens = random_tokens(np.random.default_rng(1), 24)
+    for stack in (False, True):
+        cfg, params = load_model(path, stack_layers=stack)
+        experts, o = params["layers"]["experts_gate"][0], params["layers"]["o_proj"]
+        assert not isinstance(experts, QuantizedWeight) and isinstance(o if stack else o[0], QuantizedWeight)
         assert rel_err(_logits(params, cfg, tokens, "reference"), hf_logits(hf, tokens)) <= 1e-5
 
 
