@@ -62,11 +62,36 @@ def load_config(model: str | Path, hf_overrides: dict[str, Any] | Callable | Non
         hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     except Exception as e:  # transformers raises several types for a bad or unknown config
         raise ValueError(f"cannot read {path / 'config.json'}: {e}") from e
+    if getattr(hf_config, "quantization_config", None) is None and (quant := quantization_config(path)) is not None:
+        hf_config.quantization_config = quant
     if callable(hf_overrides):
         hf_config = hf_overrides(hf_config)
     elif hf_overrides:
         _override(hf_config, hf_overrides)
     return ModelConfig.from_hf(hf_config)
+
+
+def quantization_config(path: Path) -> dict | None:
+    """A checkpoint's quantization config: config.json's `quantization_config`, else the file
+    that older AutoGPTQ (quantize_config.json) and AutoAWQ (quant_config.json) uploads keep
+    it in, which vLLM reads too; its method, where the file does not say it, is its writer's
+    (AutoAWQ's names its fields w_bit, q_group_size, zero_point)."""
+    quant = json.loads((path / "config.json").read_text()).get("quantization_config")
+    if quant is not None:
+        return quant
+    for name in ("quantize_config.json", "quant_config.json"):
+        if (path / name).is_file():
+            try:
+                quant = json.loads((path / name).read_text())
+            except ValueError as e:
+                raise ValueError(f"{path / name} is not valid JSON: {e}") from e
+            if not isinstance(quant, dict):
+                raise ValueError(f"{path / name} must hold a JSON object, got {quant!r}")
+            if "quant_method" not in quant:
+                awq = name == "quant_config.json" or {"w_bit", "q_group_size", "zero_point"} & set(quant)
+                quant = {**quant, "quant_method": "awq" if awq else "gptq"}
+            return quant
+    return None
 
 
 def _override(hf_config, overrides: dict[str, Any]) -> None:
@@ -154,7 +179,7 @@ def load_model(
         if load_format == "dummy":
             raise ValueError(f"load_format='dummy' of a quantized checkpoint ({model}) is not supported; for random "
                              f"fp8 weights, load a full-precision config with quantization='fp8'")
-        fmt = checkpoint_format(json.loads((Path(model) / "config.json").read_text())["quantization_config"], str(model))
+        fmt = checkpoint_format(quantization_config(Path(model)), str(model))
         check_expert_format(cfg, fmt)
         _check_expert_blocks(cfg, fmt, 1 if mesh is None else mesh.size, expert_parallel)
         if fmt.value_name == "qweight":

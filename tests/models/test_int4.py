@@ -259,6 +259,27 @@ def test_modules_kept_in_full_precision(kind, modules, changes, int4_checkpoint,
         assert rel_err(_logits(params, cfg, tokens), hf_logits(hf, tokens)) <= TOL
 
 
+@pytest.mark.parametrize("kind, name, drop", [("gptq-act-order", "quantize_config.json", ()),
+                                              ("awq", "quant_config.json", ("quant_method",))])
+def test_quantization_config_in_its_own_file(kind, name, drop, int4_checkpoint, tiny_checkpoint, tmp_path):
+    """Older AutoGPTQ and AutoAWQ uploads keep the quantization config in a file of its own
+    (AutoAWQ's with its own field names, no quant_method), as vLLM reads them: read as if in
+    config.json."""
+    path = _with_config(int4_checkpoint(kind), tmp_path / "own-file")
+    config = json.loads((path / "config.json").read_text())
+    quant = {k: v for k, v in config.pop("quantization_config").items() if k not in drop}
+    if kind == "awq":
+        quant = {"zero_point": quant["zero_point"], "q_group_size": quant["group_size"], "w_bit": quant["bits"],
+                 "version": "GEMM"}
+    (path / "config.json").write_text(json.dumps(config))
+    (path / name).write_text(json.dumps(quant))
+    hf = unpacked_hf(int4_checkpoint(kind), tiny_checkpoint("llama"))
+    cfg, params = load_model(path)
+    assert cfg.quant_method == kind.split("-")[0]
+    tokens = random_tokens(np.random.default_rng(6), 24)
+    assert rel_err(_logits(params, cfg, tokens), hf_logits(hf, tokens)) <= TOL
+
+
 def test_gptq_without_sym_reads_the_zero_points(int4_checkpoint, tiny_checkpoint, tmp_path):
     """A GPTQ config without `sym` (older writers): the zero points are read, as vLLM's GPTQ
     kernel reads them, so an asymmetric checkpoint loads right (it loaded as symmetric)."""
