@@ -242,10 +242,14 @@ def _gptq_awq_format(quant_config: dict, model: str) -> CheckpointFormat:
                              f"and 'gptq_v2'")
         # Without `sym` the zero points are read: right either way, as vLLM's GPTQ kernel reads them.
         symmetric = quant_config.get("sym") is True
-        if quant_config.get("dynamic"):  # (GPTQModel's per-module bits / group_size / sym / desc_act)
-            raise ValueError(f"{model}: GPTQ 'dynamic' per-module overrides ({', '.join(quant_config['dynamic'])}) "
-                             f"are not supported; jaxvllm reads one bits, group_size, sym and desc_act for every "
-                             f"module")
+        # GPTQModel's per-module rules: "-:" ones skip modules (stored in full precision, which the files
+        # show), the others change bits / group_size / sym / desc_act, refused where they do.
+        changing = [rule for rule, values in (quant_config.get("dynamic") or {}).items() if not rule.startswith("-:")
+                    and any(quant_config.get(key) != value for key, value in (values or {}).items())]
+        if changing:
+            raise ValueError(f"{model}: GPTQ 'dynamic' per-module overrides ({', '.join(changing)}) are not supported; "
+                             f"jaxvllm reads one bits, group_size, sym and desc_act for every module (rules that skip "
+                             f"modules, '-:...', are read)")
         # The lm_head is quantized only with `lm_head: true` (refused). The files say which modules are
         # quantized (`CheckpointFormat.unquantized`), not modules_in_block_to_quantize / modules_to_not_convert.
         if quant_config.get("lm_head"):

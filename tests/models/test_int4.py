@@ -241,6 +241,8 @@ def kept_full_precision(path: Path, src: Path, out: Path, modules: tuple[str, ..
     ("gptq-asym", ("down_proj",), dict(modules_in_block_to_quantize=[["self_attn.q_proj", "self_attn.k_proj",
                                       "self_attn.v_proj", "self_attn.o_proj"], ["mlp.gate_proj", "mlp.up_proj"]])),
     ("gptq-act-order", ("down_proj", "o_proj"), {}),
+    # GPTQModel's rules: "-:" skips modules; a "+:" rule that changes nothing is read too
+    ("gptq-asym", ("down_proj",), dict(dynamic={r"-:.*down_proj": {}, r"+:.*q_proj": {"bits": 4, "sym": False}})),
     # AutoAWQ's and vLLM's modules_to_not_convert match any part of a module's name
     ("awq", ("q_proj", "k_proj", "v_proj", "o_proj"), dict(modules_to_not_convert=["self_attn"])),
 ])
