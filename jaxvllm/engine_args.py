@@ -212,9 +212,9 @@ class EngineArgs(EngineConfig):
         # (jaxvllm's own commands take --seed for the prompts' sampling; vLLM's scripts for the engine)
         parser.add_argument("--seed", type=int, default=None, help="the engine's seed (sampling without one)")
         names = {flag.replace("-", "_") for flag in (*_VALUE_FLAGS, *_BOOL_FLAGS, "seed")}
-        parser.set_defaults(**{f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
-                               for f in dataclasses.fields(EngineConfig) if f.name in names
-                               and (f.default, f.default_factory) != (dataclasses.MISSING, dataclasses.MISSING)})
+        defaults = {f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+                    for f in dataclasses.fields(EngineConfig) if f.name in names}
+        parser.set_defaults(**{k: v for k, v in defaults.items() if v is not dataclasses.MISSING})
         return parser
 
     @classmethod

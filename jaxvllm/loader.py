@@ -223,7 +223,7 @@ def _stored_unquantized(fmt: CheckpointFormat, files: dict[str, Path], model: st
     whatever AWQ's modules_to_not_convert says (its writer and vLLM match it as a part of the
     name: "gate" is also every gate_proj). A checkpoint with no `qweight` at all is refused."""
     if not any(name.endswith(".qweight") for name in files):
-        raise ValueError(f"{model}: config.json's quantization_config is {fmt.method.upper()}, but the checkpoint holds "
+        raise ValueError(f"{model}: the checkpoint's quantization config is {fmt.method.upper()}, but it holds "
                          f"no quantized weight (no *.qweight tensor)")
     return dataclasses.replace(fmt, unquantized=frozenset(
         name.removesuffix(".weight") for name in files

@@ -468,7 +468,7 @@ def test_bad_int4_checkpoints_are_refused(int4_checkpoint, tiny_checkpoint, tmp_
         assert len(jax.live_arrays()) == live, caught.value
     unpacked = _with_config(tiny_checkpoint("llama"), tmp_path / "unpacked", quant_method="gptq", bits=4,
                             group_size=32, sym=True, desc_act=False)
-    with pytest.raises(ValueError, match=r"quantization_config is GPTQ, but the checkpoint holds no quantized weight "
+    with pytest.raises(ValueError, match=r"the checkpoint.s quantization config is GPTQ, but it holds no quantized weight "
                                          r"\(no \*.qweight tensor\)"):
         LLM(unpacked, **ENGINE)
     # A quantized lm_head whose config does not say so (GPTQModel's `lm_head: true` is refused by the config)
