@@ -275,6 +275,13 @@ def _compressed_tensors_format(quant_config: dict, model: str) -> CheckpointForm
     groups = list((quant_config.get("config_groups") or {}).values())
     if len(groups) != 1:
         raise ValueError(f"{model}: compressed-tensors with {len(groups)} config_groups; jaxvllm reads one")
+    kv = quant_config.get("kv_cache_scheme")  # (its scales are read by name with the cache's: `load_kv_scales`)
+    if kv and (kv.get("type", "float") != "float" or kv.get("num_bits", 8) != 8 or kv.get("symmetric", True) is not True):
+        raise ValueError(f"{model}: compressed-tensors kv_cache_scheme {kv} is not supported; jaxvllm reads symmetric "
+                         f"8-bit float (fp8) KV cache scales")
+    if ((quant_config.get("transform_config") or {}).get("config_groups") or {}):  # (the weights hold their inverse)
+        raise ValueError(f"{model}: compressed-tensors transform_config (QuIP / Hadamard transforms applied online "
+                         f"to the layers' inputs) is not supported by jaxvllm")
     weights, inputs = groups[0].get("weights") or {}, groups[0].get("input_activations")
     ignore = tuple(quant_config.get("ignore") or ())
     if fmt == "pack-quantized":
@@ -287,10 +294,12 @@ def _compressed_tensors_format(quant_config: dict, model: str) -> CheckpointForm
     inputs = inputs or {}
     dynamic = inputs.get("strategy") == "token" and inputs.get("dynamic") is True
     static = inputs.get("strategy") == "tensor" and inputs.get("dynamic") is False
-    if inputs.get("num_bits") != 8 or not (dynamic or static) or inputs.get("symmetric", True) is not True:
+    if (inputs.get("num_bits") != 8 or not (dynamic or static) or inputs.get("symmetric", True) is not True
+            or inputs.get("type", kind) != kind):
         raise ValueError(f"{model}: compressed-tensors input_activations {inputs or None} are not supported; jaxvllm "
-                         f"reads symmetric 8-bit activations quantized dynamically per token (strategy 'token', "
-                         f"dynamic true) or statically per tensor (strategy 'tensor', dynamic false: `input_scale`)")
+                         f"reads symmetric 8-bit activations of the weights' type ({kind!r}) quantized dynamically "
+                         f"per token (strategy 'token', dynamic true) or statically per tensor (strategy 'tensor', "
+                         f"dynamic false: `input_scale`)")
     return CheckpointFormat("compressed-tensors", (1 if got["strategy"] == "channel" else 0, 0),
                             "float8_e4m3fn" if kind == "float" else "int8", "weight_scale", ignore,
                             unused=(".input_scale",) if static else (),
@@ -309,9 +318,10 @@ def _pack_quantized_format(weights: dict, inputs: dict | None, ignore: tuple, mo
     group = weights.get("group_size") if got["strategy"] == "group" else 0
     if got["strategy"] == "group" and not (isinstance(group, int) and group > 0):
         raise ValueError(f"{model}: compressed-tensors group_size {group!r} must be a positive int")
-    if weights.get("actorder") not in (None, False, "weight"):  # ("weight": the order quantized in; no g_idx)
+    # "weight" (and its alias "static", llm-compressor's GPTQ default): the order quantized in; no g_idx
+    if weights.get("actorder") not in (None, False, "weight", "static"):
         raise ValueError(f"{model}: compressed-tensors actorder {weights['actorder']!r} (weight_g_idx) is not "
-                         f"supported; jaxvllm reads actorder null or 'weight'")
+                         f"supported; jaxvllm reads actorder null, 'weight' or 'static'")
     symmetric = weights.get("symmetric", True)
     return CheckpointFormat("compressed-tensors", (1, group), "int4", "weight_scale", ignore, "weight_packed",
                             None if symmetric else "weight_zero_point", "compressed-tensors", (".weight_shape",))

@@ -282,6 +282,18 @@ def test_quantization_config_in_its_own_file(kind, name, drop, int4_checkpoint, 
     assert rel_err(_logits(params, cfg, tokens), hf_logits(hf, tokens)) <= TOL
 
 
+def test_compressed_tensors_static_actorder_is_read_as_weight(int4_checkpoint, tmp_path):
+    """llm-compressor 0.14's GPTQ writes actorder "static", compressed-tensors' alias of
+    "weight" (the order quantized in; no weight_g_idx): read as "weight" (it was refused)."""
+    path = int4_checkpoint("w4a16")
+    groups = json.loads((path / "config.json").read_text())["quantization_config"]["config_groups"]
+    groups["group_0"]["weights"]["actorder"] = "static"
+    cfg, params = load_model(_with_config(path, tmp_path / "static", config_groups=groups))
+    _, want = load_model(path)
+    tokens = random_tokens(np.random.default_rng(7), 24)
+    np.testing.assert_array_equal(np.asarray(_logits(params, cfg, tokens)), np.asarray(_logits(want, cfg, tokens)))
+
+
 def test_gptq_without_sym_reads_the_zero_points(int4_checkpoint, tiny_checkpoint, tmp_path):
     """A GPTQ config without `sym` (older writers): the zero points are read, as vLLM's GPTQ
     kernel reads them, so an asymmetric checkpoint loads right (it loaded as symmetric)."""

@@ -638,9 +638,22 @@ def test_bad_compressed_tensors_checkpoints_are_refused(compressed_checkpoint, t
         (dict(config_groups=scheme(weights={"strategy": "block"})), r"compressed-tensors weights .*'strategy': "
                                                                     r"'block'.* are not supported"),
         (dict(config_groups=scheme(inputs={"strategy": "token"})),
-         r"input_activations .* are not supported; jaxvllm reads symmetric 8-bit activations quantized dynamically"),
+         r"input_activations .* are not supported; jaxvllm reads symmetric 8-bit activations of the weights' type "
+         r"\('float'\) quantized dynamically"),
         (dict(config_groups=scheme(inputs={"symmetric": False})),
          r"input_activations .*'symmetric': False.* are not supported; jaxvllm reads symmetric 8-bit"),
+        # int8 activations beside fp8 weights were quantized to fp8 (llm-compressor writes such a custom scheme)
+        (dict(config_groups=scheme(inputs={"type": "int"})),
+         r"input_activations .*'type': 'int'.* are not supported; jaxvllm reads symmetric 8-bit activations of the "
+         r"weights' type \('float'\)"),
+        # an asymmetric KV cache scheme's zero points were left unread
+        (dict(kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": False}),
+         r"compressed-tensors kv_cache_scheme .* is not supported; jaxvllm reads symmetric 8-bit float \(fp8\) KV"),
+        # llm-compressor's QuIP / Hadamard transforms: the stored weights hold the inverse; they ran without it
+        (dict(transform_config={"config_groups": {"v": {"type": "hadamard", "apply": [
+            {"location": "input", "inverse": False, "targets": ["Linear"], "ignore": ["lm_head"]}]}}}),
+         r"compressed-tensors transform_config \(QuIP / Hadamard transforms applied online to the layers' inputs\) "
+         r"is not supported"),
     ]
     for i, (changes, match) in enumerate(cases):
         with pytest.raises(ValueError, match=match):
