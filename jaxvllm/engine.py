@@ -1044,6 +1044,12 @@ class LLMEngine:
         if check is not None:
             check(*args, **(kwargs or {}))
 
+    @property
+    def is_shut_down(self) -> bool:
+        """Shut down, or being shut down (on another thread: its requests may be aborted
+        already, while the runner is not closed yet)."""
+        return self._shutting_down or self.runner.closed
+
     def _check_open(self) -> None:
         if self.runner.closed:
             raise RuntimeError("this engine was shut down; create a new LLM")

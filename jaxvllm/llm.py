@@ -123,7 +123,7 @@ class LLM:
 
     @property
     def is_shutdown(self) -> bool:
-        return self.llm_engine.runner.closed
+        return self.llm_engine.is_shut_down
 
     def shutdown(self) -> None:
         """Free the device memory now (weights, KV cache, sampler state) and abort any request

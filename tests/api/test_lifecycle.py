@@ -300,6 +300,35 @@ def test_shutdown_from_another_thread_while_generate_runs(path):
     assert engine.runner.closed
 
 
+def test_is_shutdown_from_the_start_of_shutdown(path):
+    """A shutdown on another thread aborts the requests before it closes the runner: from its
+    start the LLM says it is shut down, so a generate that finds its requests gone reports
+    the shutdown (it raised "ended without a final output" in that window, a CI flake)."""
+    import threading
+
+    llm = LLM(path, **ENGINE_ARGS)
+    runner, entered, release = llm.llm_engine.runner, threading.Event(), threading.Event()
+    close = runner.close
+
+    def slow_close():
+        entered.set()
+        release.wait(60)
+        close()
+
+    runner.close = slow_close
+    closer = threading.Thread(target=llm.shutdown)
+    closer.start()
+    try:
+        assert entered.wait(60) and not runner.closed
+        assert llm.is_shutdown
+        with pytest.raises(RuntimeError, match="this LLM was shut down"):
+            llm._check_open()
+    finally:
+        release.set()
+        closer.join(60)
+    assert runner.closed and llm.is_shutdown
+
+
 def test_shutdown_inside_a_step_on_the_same_thread(path):
     """A signal handler (SIGTERM's graceful shutdown, a custom SIGINT handler) runs on the
     thread that is stepping, inside the step: shutdown then frees the engine as the step
