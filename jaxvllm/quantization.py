@@ -134,7 +134,9 @@ class CheckpointFormat:
       W8A8 int8): float8_e4m3fn or int8, `weight_scale` per channel (block (1, 0)),
       activations per token, or (W8A8 int8 static) with a static `input_scale`;
       llm-compressor's FP8 (static): `weight_scale` per tensor (block (0, 0)) and a static
-      `input_scale`; `pack-quantized` (W4A16): int4 `weight_packed` per group.
+      `input_scale`; its FP8_BLOCK: `weight_scale` per `block_structure` block, activations
+      per token and group, as HF fp8's; `pack-quantized` (W4A16, W8A16): int4 or int8
+      `weight_packed` per group.
     - GPTQ (AutoGPTQ / GPTQModel, 4- or 8-bit) and AWQ (AutoAWQ's GEMM, 4-bit): `qweight`
       (int4, or int8 weight-only), `scales` and `qzeros` per group of inputs; GPTQ's
       act-order (desc_act) groups inputs by `g_idx`, read as a permutation that makes each
@@ -179,8 +181,9 @@ class CheckpointFormat:
 SUPPORTED_CHECKPOINTS = ("fp8 (quant_method 'fp8': blocks (weight_block_size) with dynamic activations, or "
                          "per tensor with dynamic or static activations), "
                          "compressed-tensors float-quantized / int-quantized (8-bit, weights per channel or "
-                         "tensor, activations dynamic per token or static per tensor) and pack-quantized "
-                         "(4-bit weights per group or channel, activations unquantized), GPTQ (4- or 8-bit weights, "
+                         "tensor, activations dynamic per token or static per tensor; fp8 weights per block, "
+                         "activations dynamic per token and group) and pack-quantized "
+                         "(4- or 8-bit weights per group or channel, activations unquantized), GPTQ (4- or 8-bit weights, "
                          "activations unquantized; v1 or v2 checkpoint format, act-order) and AWQ (4-bit GEMM)")
 
 
@@ -287,11 +290,14 @@ def _compressed_tensors_format(quant_config: dict, model: str) -> CheckpointForm
     if fmt == "pack-quantized":
         return _pack_quantized_format(weights, inputs, ignore, model)
     kind = "float" if fmt == "float-quantized" else "int"
-    want = {"num_bits": 8, "type": kind, "strategy": "channel or tensor", "symmetric": True}
+    strategies = ("channel", "tensor", "block") if kind == "float" else ("channel", "tensor")
+    want = {"num_bits": 8, "type": kind, "strategy": " or ".join(strategies), "symmetric": True}
     got = {key: weights.get(key) for key in want}
-    if got != dict(want, strategy=got["strategy"]) or got["strategy"] not in ("channel", "tensor"):
+    if got != dict(want, strategy=got["strategy"]) or got["strategy"] not in strategies:
         raise ValueError(f"{model}: compressed-tensors weights {got} are not supported; jaxvllm reads {want}")
     inputs = inputs or {}
+    if got["strategy"] == "block":  # llm-compressor's FP8_BLOCK
+        return _fp8_block_format(weights.get("block_structure"), inputs, ignore, model)
     dynamic = inputs.get("strategy") == "token" and inputs.get("dynamic") is True
     static = inputs.get("strategy") == "tensor" and inputs.get("dynamic") is False
     if (inputs.get("num_bits") != 8 or not (dynamic or static) or inputs.get("symmetric", True) is not True
@@ -306,15 +312,30 @@ def _compressed_tensors_format(quant_config: dict, model: str) -> CheckpointForm
                             input_scale_name="input_scale" if static else None)
 
 
+def _fp8_block_format(block: Any, inputs: dict, ignore: tuple, model: str) -> CheckpointFormat:
+    """compressed-tensors fp8 weights per block of (rows, inputs) (`weight_scale` per block),
+    activations quantized dynamically per token and group of the block's inputs, as vLLM
+    computes them (its block GEMM's only form)."""
+    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ValueError(f"{model}: compressed-tensors block_structure {block!r} of 'block' weights must be two "
+                         f"positive ints [rows, inputs]")
+    want = {"num_bits": 8, "type": "float", "strategy": "group", "group_size": block[1], "dynamic": True,
+            "symmetric": True}
+    if {key: inputs.get(key, True if key == "symmetric" else None) for key in want} != want:
+        raise ValueError(f"{model}: compressed-tensors input_activations {inputs or None} beside block weights are "
+                         f"not supported; jaxvllm reads {want} (dynamic per token and group of the block's inputs)")
+    return CheckpointFormat("compressed-tensors", (block[0], block[1]), scale_name="weight_scale", ignore=ignore)
+
+
 def _pack_quantized_format(weights: dict, inputs: dict | None, ignore: tuple, model: str) -> CheckpointFormat:
-    """compressed-tensors W4A16 (llm-compressor's W4A16 and W4A16_ASYM schemes)."""
+    """compressed-tensors W4A16 and W8A16 (llm-compressor's W4A16, W4A16_ASYM and W8A16 schemes)."""
     got = {key: weights.get(key) for key in ("num_bits", "type", "strategy")}
-    if got["num_bits"] != 4 or got["type"] != "int" or got["strategy"] not in ("group", "channel"):
+    if got["num_bits"] not in (4, 8) or got["type"] != "int" or got["strategy"] not in ("group", "channel"):
         raise ValueError(f"{model}: compressed-tensors pack-quantized weights {got} are not supported; jaxvllm "
-                         f"reads 4-bit int weights per group or channel")
+                         f"reads 4- or 8-bit int weights per group or channel")
     if inputs:
         raise ValueError(f"{model}: compressed-tensors pack-quantized with input_activations {inputs} is not "
-                         f"supported; jaxvllm reads weight-only (W4A16) schemes")
+                         f"supported; jaxvllm reads weight-only (W4A16, W8A16) schemes")
     group = weights.get("group_size") if got["strategy"] == "group" else 0
     if got["strategy"] == "group" and not (isinstance(group, int) and group > 0):
         raise ValueError(f"{model}: compressed-tensors group_size {group!r} must be a positive int")
@@ -322,9 +343,10 @@ def _pack_quantized_format(weights: dict, inputs: dict | None, ignore: tuple, mo
     if weights.get("actorder") not in (None, False, "weight", "static"):
         raise ValueError(f"{model}: compressed-tensors actorder {weights['actorder']!r} (weight_g_idx) is not "
                          f"supported; jaxvllm reads actorder null, 'weight' or 'static'")
-    symmetric = weights.get("symmetric", True)
-    return CheckpointFormat("compressed-tensors", (1, group), "int4", "weight_scale", ignore, "weight_packed",
-                            None if symmetric else "weight_zero_point", "compressed-tensors", (".weight_shape",))
+    symmetric, bits = weights.get("symmetric", True), got["num_bits"]
+    return CheckpointFormat("compressed-tensors", (1, group), f"int{bits}", "weight_scale", ignore, "weight_packed",
+                            None if symmetric else "weight_zero_point", "compressed-tensors", (".weight_shape",),
+                            weight_only=bits == 8)
 
 
 def online_method(quantization: str | None, cfg) -> str | None:

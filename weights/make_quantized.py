@@ -98,14 +98,16 @@ def per_tensor_fp8(name: str, tensor, input_amax: float | None, scale_shape: tup
     return out
 
 
-def make_compressed(src: str | Path, out: str | Path, kind: str = "fp8") -> Path:
-    """`src` as llm-compressor writes its FP8_DYNAMIC ("fp8"), W8A8 int8 ("int8", "int8-static")
-    and FP8 ("fp8-static") schemes in the compressed-tensors format: every decoder linear
-    weight per channel (`weight`, `weight_scale` [out, 1]) with activations dynamic per token,
-    or ("int8-static") with a static `input_scale` [1] per module, or ("fp8-static") per
-    tensor (`weight_scale` [1]) with a static `input_scale` [1]; static scales calibrated on
-    random tokens (the largest input magnitude over them, to 448 or 127.5); the lm_head
-    ignored."""
+def make_compressed(src: str | Path, out: str | Path, kind: str = "fp8", block: tuple[int, int] = (128, 128)) -> Path:
+    """`src` as llm-compressor writes its FP8_DYNAMIC ("fp8"), W8A8 int8 ("int8", "int8-static"),
+    FP8 ("fp8-static") and FP8_BLOCK ("fp8-block") schemes in the compressed-tensors format:
+    every decoder linear weight per channel (`weight`, `weight_scale` [out, 1]) with
+    activations dynamic per token, or ("int8-static") with a static `input_scale` [1] per
+    module, or ("fp8-static") per tensor (`weight_scale` [1]) with a static `input_scale` [1],
+    or ("fp8-block") per `block` of (rows, inputs) (`weight_scale` [ceil(out / rows),
+    ceil(in / inputs)], the last block of an axis may be partial) with activations dynamic
+    per token and group of `inputs`; static scales calibrated on random tokens (the largest
+    input magnitude over them, to 448 or 127.5); the lm_head ignored."""
     import torch
 
     static = kind.endswith("-static")
@@ -115,6 +117,9 @@ def make_compressed(src: str | Path, out: str | Path, kind: str = "fp8") -> Path
         module = name.removesuffix(".weight")
         if kind == "fp8-static":
             return per_tensor_fp8(name, tensor, input_amax[module], (1,))
+        if kind == "fp8-block":
+            value, scale = quantize_blocks(tensor, block)
+            return {name: value, f"{module}.weight_scale": scale}
         value, scale = quantize_rows(tensor, kind.removesuffix("-static"))
         out = {name: value, f"{module}.weight_scale": scale}
         if static:  # (int8: compressed-tensors' symmetric range, 127.5 a side)
@@ -124,11 +129,14 @@ def make_compressed(src: str | Path, out: str | Path, kind: str = "fp8") -> Path
     kind_name = "int" if kind.startswith("int8") else "float"
     scheme = {"num_bits": 8, "type": kind_name, "symmetric": True}
     inputs = {"strategy": "tensor", "dynamic": False} if static else {"strategy": "token", "dynamic": True}
+    weights = {"strategy": "tensor" if kind == "fp8-static" else "channel"}
+    if kind == "fp8-block":
+        weights = {"strategy": "block", "block_structure": list(block)}
+        inputs = {"strategy": "group", "group_size": block[1], "dynamic": True}
     return _write_quantized(src, out, quantize, lambda: {
         "quant_method": "compressed-tensors", "format": f"{kind_name}-quantized", "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-            **scheme, "strategy": "tensor" if kind == "fp8-static" else "channel", "dynamic": False},
-            "input_activations": {**scheme, **inputs}}},
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {**scheme, **weights, "dynamic": False},
+                                      "input_activations": {**scheme, **inputs}}},
         "ignore": ["lm_head"]})
 
 
@@ -245,29 +253,32 @@ def make_awq(src: str | Path, out: str | Path, group: int = 128) -> Path:
         "quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"})
 
 
-def make_w4a16(src: str | Path, out: str | Path, group: int = 128, symmetric: bool = True) -> Path:
-    """`src` as llm-compressor writes its W4A16 (`symmetric`) and W4A16_ASYM schemes in the
-    compressed-tensors pack-quantized format, packed by the compressed-tensors library itself:
-    `weight_packed` int32 [out, in / 8], `weight_scale` [out, groups], `weight_zero_point`
-    int32 [out / 8, groups] when asymmetric, `weight_shape`; the lm_head ignored."""
+def make_w4a16(src: str | Path, out: str | Path, group: int = 128, symmetric: bool = True, bits: int = 4) -> Path:
+    """`src` as llm-compressor writes its W4A16 (`symmetric`), W4A16_ASYM and (`bits` 8) W8A16
+    schemes in the compressed-tensors pack-quantized format, packed by the compressed-tensors
+    library itself: `weight_packed` int32 [out, in / (32 / bits)], `weight_scale` [out,
+    groups], `weight_zero_point` int32 [out / (32 / bits), groups] when asymmetric,
+    `weight_shape`; the lm_head ignored."""
     import torch
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
+    half = 2 ** (bits - 1)
+
     def quantize(name: str, tensor) -> dict:
-        value, scale, zero = quantize_groups(tensor, group, symmetric)
+        value, scale, zero = quantize_groups(tensor, group, symmetric, bits)
         module = name.removesuffix(".weight")
-        # compressed-tensors' int4 is signed: values and zero points 8 less than the unsigned grid's
-        out = {f"{module}.weight_packed": pack_to_int32((value - 8).to(torch.int8), 4),
+        # compressed-tensors' ints are signed: values and zero points 2^(bits - 1) less than the unsigned grid's
+        out = {f"{module}.weight_packed": pack_to_int32((value - half).to(torch.int8), bits),
                f"{module}.weight_scale": scale.to(tensor.dtype), f"{module}.weight_shape": torch.tensor(tensor.shape)}
         if not symmetric:
-            out[f"{module}.weight_zero_point"] = pack_to_int32((zero - 8).to(torch.int8), 4, packed_dim=0)
+            out[f"{module}.weight_zero_point"] = pack_to_int32((zero - half).to(torch.int8), bits, packed_dim=0)
         return out
 
     strategy = {"strategy": "group", "group_size": group} if group else {"strategy": "channel"}
     return _write_quantized(src, out, quantize, lambda: {
         "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
         "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
-            "num_bits": 4, "type": "int", "symmetric": symmetric, "dynamic": False, **strategy}}},
+            "num_bits": bits, "type": "int", "symmetric": symmetric, "dynamic": False, **strategy}}},
         "ignore": ["lm_head"]})
 
 

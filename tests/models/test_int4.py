@@ -40,11 +40,14 @@ def int4_checkpoint(tiny_checkpoint, tmp_path_factory):
     """int4_checkpoint(kind, arch="llama", group=GROUP) -> a tiny checkpoint, 4-bit: kind
     "w4a16" / "w4a16-asym" (compressed-tensors), "gptq" (symmetric) / "gptq-asym" /
     "gptq_v2" (asymmetric, GPTQModel's v2 zero points) / "gptq-act-order" (desc_act), "awq";
-    8-bit GPTQ: "gptq8", "gptq8-asym", "gptq8_v2", "gptq8-act-order", as the 4-bit ones."""
+    8-bit GPTQ: "gptq8", "gptq8-asym", "gptq8_v2", "gptq8-act-order", as the 4-bit ones;
+    compressed-tensors W8A16: "w8a16", "w8a16-asym"."""
     from weights.make_quantized import make_awq, make_gptq, make_w4a16
 
     writers = {"w4a16": lambda s, o, g: make_w4a16(s, o, g, True),
                "w4a16-asym": lambda s, o, g: make_w4a16(s, o, g, False),
+               "w8a16": lambda s, o, g: make_w4a16(s, o, g, True, bits=8),
+               "w8a16-asym": lambda s, o, g: make_w4a16(s, o, g, False, bits=8),
                "gptq": lambda s, o, g: make_gptq(s, o, g, True),
                "gptq-asym": lambda s, o, g: make_gptq(s, o, g, False),
                "gptq_v2": lambda s, o, g: make_gptq(s, o, g, False, "gptq_v2"),
@@ -175,18 +178,20 @@ def test_grouped_matmul_matches_the_dequantized_weight(bits, zero, dtype):
                                    atol=1e-5 if dtype == jnp.float32 else 2e-2)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind, arch", [("w4a16", "llama"), ("w4a16", "qwen3"), ("w8a16", "llama")])
 @pytest.mark.parametrize("stack", [False, True], ids=["per-layer", "stacked"])
-def test_w4a16_matches_transformers(arch, stack, int4_checkpoint):
-    """compressed-tensors W4A16 (symmetric, groups of 32) against transformers reading it
-    through the compressed-tensors library."""
+def test_w4a16_matches_transformers(kind, arch, stack, int4_checkpoint):
+    """compressed-tensors W4A16 and W8A16 (symmetric, groups of 32) against transformers
+    reading them through the compressed-tensors library; 8 bits as int8 values marked
+    weight-only."""
     from transformers import AutoModelForCausalLM
 
-    path = int4_checkpoint("w4a16", arch)
+    path = int4_checkpoint(kind, arch)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     cfg, params = load_model(path, stack_layers=stack)
     weights = [w if stack else w[0] for name, w in params["layers"].items() if name.endswith("proj")]
-    assert all(isinstance(w, QuantizedWeight) and w.value.dtype == jnp.int4 and w.group_size == GROUP
+    want = (jnp.int8, True) if kind == "w8a16" else (jnp.int4, False)
+    assert all(isinstance(w, QuantizedWeight) and (w.value.dtype, w.weight_only) == want and w.group_size == GROUP
                and w.zero is None for w in weights)
     tokens = random_tokens(np.random.default_rng(0), 24)
     assert rel_err(_logits(params, cfg, tokens), hf_logits(hf, tokens)) <= TOL
@@ -198,7 +203,8 @@ def test_w4a16_matches_transformers(arch, stack, int4_checkpoint):
                                                ("gptq-act-order", "qwen3", 16), ("awq", "qwen2", GROUP),
                                                ("awq", "qwen3", 64), ("gptq8", "llama", GROUP),
                                                ("gptq8-asym", "qwen2", GROUP), ("gptq8_v2", "llama", 0),
-                                               ("gptq8-act-order", "qwen3", 16)])
+                                               ("gptq8-act-order", "qwen3", 16), ("w8a16-asym", "qwen2", GROUP),
+                                               ("w8a16", "llama", 0)])
 def test_int4_formats_match_their_unpacking(kind, arch, group, int4_checkpoint, tiny_checkpoint):
     """Each packing (zero points, group sizes of 16, 32, 64 and whole rows; GPTQ's act-order;
     Qwen2's biases; GPTQ's 8 bits as well)
@@ -206,11 +212,12 @@ def test_int4_formats_match_their_unpacking(kind, arch, group, int4_checkpoint, 
     gives (compressed-tensors' decompression; AutoGPTQ's and AutoAWQ's shifts, masks and
     interleave, reproduced in torch). 8-bit GPTQ is int8 values marked weight-only (W8A16:
     x as it is, which the tolerance checks: quantizing x to 8 bits would move logits by
-    ~1e-2), not for the Pallas kernel (int4 only); 4-bit is int4, for the kernel."""
+    ~1e-2), not for the Pallas kernel (int4 only), and so is compressed-tensors' W8A16 (its
+    zero points packed along out, 4 to a word); 4-bit is int4, for the kernel."""
     path = int4_checkpoint(kind, arch, group)
     hf = unpacked_hf(path, tiny_checkpoint(arch))
     cfg, params = load_model(path)
-    want = (jnp.int8, True, False) if kind.startswith("gptq8") else (jnp.int4, False, True)
+    want = (jnp.int8, True, False) if kind.startswith(("gptq8", "w8a16")) else (jnp.int4, False, True)
     for w in (w[0] if isinstance(w, list) else w for name, w in params["layers"].items() if name.endswith("proj")):
         assert (w.value.dtype, w.weight_only, w.kernel) == want
     tokens = random_tokens(np.random.default_rng(1), 24)
@@ -467,7 +474,11 @@ def test_bad_int4_checkpoints_are_refused(int4_checkpoint, tiny_checkpoint, tmp_
         (w4a16, dict(config_groups={"group_0": {"targets": ["Linear"], "weights": {
             "num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": True},
             "input_activations": {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}}}),
-         r"pack-quantized with input_activations .* is not supported; jaxvllm reads weight-only \(W4A16\)"),
+         r"pack-quantized with input_activations .* is not supported; jaxvllm reads weight-only \(W4A16, W8A16\)"),
+        (w4a16, dict(config_groups={"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 2, "type": "int", "strategy": "group", "group_size": 32, "symmetric": True}}}),
+         r"pack-quantized weights \{'num_bits': 2, 'type': 'int', 'strategy': 'group'\} are not supported; jaxvllm "
+         r"reads 4- or 8-bit int weights"),
         (w4a16, dict(config_groups={"group_0": {"targets": ["Linear"], "weights": {
             "num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": True,
             "actorder": "group"}}}),

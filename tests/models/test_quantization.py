@@ -231,7 +231,7 @@ def dequantized_hf(fp8_path: Path, src: Path):
 
     hf = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
     tensors = load_file(str(fp8_path / "model.safetensors"))
-    block = json.loads((fp8_path / "config.json").read_text())["quantization_config"]["weight_block_size"]
+    block = fp8_block(fp8_path)
     state = hf.state_dict()
     with torch.no_grad():
         for name, value in tensors.items():
@@ -240,11 +240,21 @@ def dequantized_hf(fp8_path: Path, src: Path):
     return hf
 
 
+def fp8_block(path: Path) -> list[int]:
+    """The (rows, inputs) block of a block-fp8 checkpoint, HF's or compressed-tensors'."""
+    config = json.loads((path / "config.json").read_text())["quantization_config"]
+    if config["quant_method"] == "fp8":
+        return config["weight_block_size"]
+    return config["config_groups"]["group_0"]["weights"]["block_structure"]
+
+
 def block_dequantized(tensors: dict, name: str, block) -> torch.Tensor:
-    """Weight `name` of a block-fp8 checkpoint's `tensors`: its values times each
-    `weight_scale_inv` over its block (the last block of an axis may be partial)."""
+    """Weight `name` of a block-fp8 checkpoint's `tensors`: its values times each scale
+    (HF's `weight_scale_inv`, compressed-tensors' `weight_scale`) over its block (the last
+    block of an axis may be partial)."""
     value = tensors[name].float()
-    scale = tensors[f"{name}_scale_inv"].repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    scale = tensors[f"{name}_scale_inv" if f"{name}_scale_inv" in tensors else f"{name}_scale"].float()
+    scale = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
     return value * scale[: value.shape[0], : value.shape[1]]
 
 
@@ -340,31 +350,34 @@ def test_quantize_fp8_scales_each_output_row():
 
 @pytest.fixture(scope="module")
 def compressed_checkpoint(tiny_checkpoint, tmp_path_factory):
-    """compressed_checkpoint(arch, kind) -> a tiny checkpoint as llm-compressor writes FP8_DYNAMIC
-    ("fp8"), W8A8 int8 ("int8") or FP8 ("fp8-static") in the compressed-tensors format."""
+    """compressed_checkpoint(arch, kind, block=(32, 32)) -> a tiny checkpoint as llm-compressor
+    writes FP8_DYNAMIC ("fp8"), W8A8 int8 ("int8"), FP8 ("fp8-static") or FP8_BLOCK
+    ("fp8-block", its blocks `block`) in the compressed-tensors format."""
     from weights.make_quantized import make_compressed
 
     made = {}
 
-    def get(arch: str, kind: str):
-        if (arch, kind) not in made:
-            made[arch, kind] = make_compressed(tiny_checkpoint(arch), tmp_path_factory.mktemp(f"ct-{arch}"), kind)
-        return made[arch, kind]
+    def get(arch: str, kind: str, block: tuple[int, int] = (32, 32)):
+        key = (arch, kind, block if kind == "fp8-block" else None)
+        if key not in made:
+            made[key] = make_compressed(tiny_checkpoint(arch), tmp_path_factory.mktemp(f"ct-{arch}"), kind, block)
+        return made[key]
 
     return get
 
 
-def compressed_tensors_hf(path: Path):
+def compressed_tensors_hf(path: Path, group: int = 0):
     """transformers with the compressed-tensors library reading `path` (the issue's first
     oracle): its Linears compute the format's W8A8 product themselves. `near_ties` counts,
-    as `w8a8_oracle`'s, the fp8 inputs near a rounding jump."""
+    as `w8a8_oracle`'s, the fp8 inputs near a rounding jump (per token, or per token and
+    `group` inputs)."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     hf.near_ties = 0
 
     def count(_, args):
-        hf.near_ties += near_ties(args[0])
+        hf.near_ties += near_ties(args[0], group)
 
     for name, module in hf.model.layers.named_modules():
         if name.rsplit(".", 1)[-1] in QUANTIZED:
@@ -388,6 +401,37 @@ def test_compressed_tensors_fp8_matches_the_library(arch, compressed_checkpoint)
     inputs = build_inputs([Chunk(tokens, 0, list(range(8)))], 4, all_logits=True)
     logits, _ = jit_forward(params, allocate_kv_caches(cfg, 8, 4, jnp.float32), inputs, cfg, "reference")
     assert rel_err(logits, hf_logits(hf, tokens)) <= TOL
+
+
+@pytest.mark.parametrize("arch, stack", [("llama", False), ("qwen3", True)])
+def test_compressed_tensors_fp8_block_matches_the_library(arch, stack, compressed_checkpoint):
+    """compressed-tensors FP8_BLOCK (weights per block of 32 x 32, activations dynamic per
+    token and group of 32) against transformers + compressed-tensors, both layouts."""
+    pytest.importorskip("compressed_tensors")
+    path = compressed_checkpoint(arch, "fp8-block")
+    hf = compressed_tensors_hf(path, group=32)
+    cfg, params = load_model(path, stack_layers=stack)
+    assert all(isinstance(w if stack else w[0], QuantizedWeight) and (w if stack else w[0]).group_size == 32
+               for name, w in params["layers"].items() if name.endswith("proj"))
+    tokens = tie_free_tokens(hf, 24)
+    inputs = build_inputs([Chunk(tokens, 0, list(range(8)))], 4, all_logits=True)
+    logits, _ = jit_forward(params, allocate_kv_caches(cfg, 8, 4, jnp.float32), inputs, cfg, "reference")
+    assert rel_err(logits, hf_logits(hf, tokens)) <= TOL
+
+
+@pytest.mark.parametrize("block", [(128, 128), (24, 40)])
+def test_compressed_tensors_fp8_partial_blocks_through_the_engine(block, compressed_checkpoint, tiny_checkpoint):
+    """FP8_BLOCK's own 128 x 128 blocks over the tiny model's 64 and 128 (partial), and
+    blocks of 24 x 40, which the library's activation groups refuse: against the format's
+    definition dequantized in torch, greedy tokens through the engine."""
+    path = compressed_checkpoint("qwen2", "fp8-block", block)
+    hf = w8a8_oracle(dequantized_hf(path, tiny_checkpoint("qwen2")), group=block[1], round_weights=False)
+    prompts = [tie_free_tokens(hf, n) for n in (5, 17)]
+    llm = LLM(path, **ENGINE)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=8),
+                        use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == hf_greedy(hf, prompts, 8)
+    llm.shutdown()
 
 
 def static_ties(x: torch.Tensor, scale: torch.Tensor) -> int:
@@ -635,8 +679,17 @@ def test_bad_compressed_tensors_checkpoints_are_refused(compressed_checkpoint, t
                                 input_activations={**group["input_activations"], **(inputs or {})})}
 
     cases = [
-        (dict(config_groups=scheme(weights={"strategy": "block"})), r"compressed-tensors weights .*'strategy': "
-                                                                    r"'block'.* are not supported"),
+        (dict(config_groups=scheme(weights={"strategy": "group"})), r"compressed-tensors weights .*'strategy': "
+                                                                    r"'group'.* are not supported"),
+        (dict(config_groups=scheme(weights={"strategy": "block"})), r"compressed-tensors block_structure None of "
+                                                                    r"'block' weights must be two positive ints"),
+        # vLLM's block GEMM quantizes activations per token and group of the block's inputs, and nothing else
+        (dict(config_groups=scheme(weights={"strategy": "block", "block_structure": [32, 32]})),
+         r"input_activations .*'strategy': 'tensor'.* beside block weights are not supported; jaxvllm reads .*"
+         r"'group_size': 32, 'dynamic': True"),
+        (dict(config_groups=scheme(weights={"strategy": "block", "block_structure": [32, 32]},
+                                   inputs={"strategy": "group", "group_size": 64, "dynamic": True})),
+         r"input_activations .*'group_size': 64.* beside block weights are not supported"),
         (dict(config_groups=scheme(inputs={"strategy": "token"})),
          r"input_activations .* are not supported; jaxvllm reads symmetric 8-bit activations of the weights' type "
          r"\('float'\) quantized dynamically"),

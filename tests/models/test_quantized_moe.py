@@ -28,7 +28,8 @@ from jaxvllm.kv_cache import allocate_kv_caches
 from jaxvllm.quantization import QuantizedWeight, experts_dequantized, quantize_int4
 from tests.models.paged import (Chunk, build_inputs, greedy_decode, hf_greedy, hf_logits, jit_forward, random_tokens,
                                  rel_err)
-from tests.models.test_quantization import block_dequantized, fp8_round, near_ties, tie_free_tokens, w8a8_oracle
+from tests.models.test_quantization import (block_dequantized, fp8_block, fp8_round, near_ties, tie_free_tokens,
+                                            w8a8_oracle)
 from tests.models.test_int4 import LINEAR, int4_checkpoint, kept_full_precision, unpacked_hf  # noqa: F401 (a fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,15 +73,15 @@ def w8a8_experts(model, group: int = 0, round_weights: bool = True):
 
 
 def block_fp8_hf(path: Path, src: Path):
-    """The full-precision HF model of `src` holding `path`'s block-fp8 weights, dequantized
-    from the format's definition (each `weight_scale_inv` over its block), experts included."""
+    """The full-precision HF model of `src` holding `path`'s block-fp8 weights (HF's or
+    compressed-tensors'), dequantized from the format's definition (each scale over its
+    block), experts included."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
     tensors = load_file(str(path / "model.safetensors"))
-    block = json.loads((path / "config.json").read_text())["quantization_config"]["weight_block_size"]
-    dequantized = partial(block_dequantized, tensors, block=block)
+    dequantized = partial(block_dequantized, tensors, block=fp8_block(path))
     state = hf.state_dict()
     with torch.no_grad():
         for name in [n for n, t in tensors.items() if t.dtype == torch.float8_e4m3fn]:
@@ -123,16 +124,18 @@ def test_online_fp8_experts_match_the_oracle(arch, backend, tiny_checkpoint):
     assert rel_err(_logits(params, cfg, tokens, backend), hf_logits(hf, tokens)) <= TOL
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch, writer", [("qwen3_moe", "hf"), ("mixtral", "hf"), ("qwen3_moe", "compressed-tensors")])
 @pytest.mark.parametrize("backend", ["reference", "pallas"])
-def test_block_fp8_experts_match_the_oracle(arch, backend, tiny_checkpoint, tmp_path):
+def test_block_fp8_experts_match_the_oracle(arch, writer, backend, tiny_checkpoint, tmp_path):
     """An HF block-fp8 checkpoint whose experts are block-fp8 too (as Qwen3-30B-A3B-FP8
-    ships), blocks of 16: activations per token and block through ragged_dot once per block,
-    or the Pallas grouped matmul once, scaling each block's product in the kernel."""
-    from weights.make_quantized import make_fp8
+    ships), or compressed-tensors' FP8_BLOCK, blocks of 16: activations per token and block
+    through ragged_dot once per block, or the Pallas grouped matmul once, scaling each
+    block's product in the kernel."""
+    from weights.make_quantized import make_compressed, make_fp8
 
     src = tiny_checkpoint(arch)
-    path = make_fp8(src, tmp_path / "fp8", BLOCK)
+    path = (make_fp8(src, tmp_path / "fp8", BLOCK) if writer == "hf" else
+            make_compressed(src, tmp_path / "fp8", "fp8-block", BLOCK))
     hf = w8a8_experts(w8a8_oracle(block_fp8_hf(path, src), group=BLOCK[1], round_weights=False), group=BLOCK[1],
                       round_weights=False)
     cfg, params = load_model(path)
@@ -276,7 +279,7 @@ def test_expert_stacks_kept_in_full_precision(int4_checkpoint, tiny_checkpoint, 
 # Weight-only expert stacks: (writer, group) of each kind; groups of 16 and 32 over the experts'
 # 64 (gate/up) and 32 (down) inputs, 0: one group a row (compressed-tensors' channel strategy).
 WEIGHT_ONLY = {"gptq": ("gptq", 16), "gptq-asym": ("gptq-asym", 16), "awq": ("awq", 16),
-               "w4a16-channel": ("w4a16", 0), "gptq8": ("gptq8", 32)}
+               "w4a16-channel": ("w4a16", 0), "gptq8": ("gptq8", 32), "w8a16-asym": ("w8a16-asym", 16)}
 
 
 def test_experts_dequantized():
@@ -308,14 +311,15 @@ def test_experts_dequantized():
 @pytest.mark.parametrize("kind", list(WEIGHT_ONLY))
 def test_weight_only_experts_match_their_unpacking(kind, int4_checkpoint, tiny_checkpoint):
     """4-bit GPTQ (symmetric, asymmetric), AWQ and compressed-tensors W4A16 expert stacks and
-    8-bit GPTQ ones (W8A16), with the rest of the model in the same format: logits and greedy
+    8-bit GPTQ and compressed-tensors ones (W8A16), with the rest of the model in the same format: logits and greedy
     tokens as transformers' (float32) holding the weights the formats' own unpacking gives."""
     writer, group = WEIGHT_ONLY[kind]
     path = int4_checkpoint(writer, "qwen3_moe", group)
     hf = unpacked_hf(path, tiny_checkpoint("qwen3_moe"))
     cfg, params = load_model(path)
     down = params["layers"]["experts_down"][0]
-    assert down.value.dtype == (jnp.int8 if kind == "gptq8" else jnp.int4) and down.weight_only == (kind == "gptq8")
+    eight = kind in ("gptq8", "w8a16-asym")
+    assert down.value.dtype == (jnp.int8 if eight else jnp.int4) and down.weight_only == eight
     groups = cfg.moe_intermediate_size // group if group else 1
     assert down.scale.shape == (cfg.num_experts, groups, cfg.hidden_size) and not down.kernel
     assert (down.zero is None) == (kind in ("gptq", "w4a16-channel", "gptq8"))

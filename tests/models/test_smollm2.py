@@ -138,11 +138,13 @@ def scored_greedy(llm):
     return greedy, sequences, full
 
 
-@pytest.mark.parametrize("kind, bound", [("online fp8", 0.9), ("block fp8", 0.9), ("int8", 0.85), ("w4a16", 0.65)])
+@pytest.mark.parametrize("kind, bound", [("online fp8", 0.9), ("block fp8", 0.9), ("int8", 0.85), ("w8a16", 0.9),
+                                         ("w4a16", 0.65)])
 def test_quantized_agrees_with_full_precision(kind, bound, scored_greedy, smollm2_path, tmp_path):
     """Quantized, the trained model: online fp8 (`quantization="fp8"`: per channel), an HF
     block-fp8 checkpoint (weights/make_quantized.py: blocks of 128, so SmolLM2's 576 inputs
-    end in a half block), a compressed-tensors W8A8 int8 one and a W4A16 one (4-bit,
+    end in a half block), a compressed-tensors W8A8 int8 one, a W8A16 one (8-bit, symmetric,
+    groups of 64) and a W4A16 one (4-bit,
     asymmetric, groups of 64, rounded to nearest: no GPTQ or AWQ calibration, so its bound
     is the 135M model's round-to-nearest loss, not a goal). The full-precision model's
     greedy completions of 32 prompts, scored by the quantized model, which picks the same
@@ -160,6 +162,8 @@ def test_quantized_agrees_with_full_precision(kind, bound, scored_greedy, smollm
         quantized = LLM(str(make_fp8(smollm2_path, tmp_path / "fp8", (128, 128))), **engine)
     elif kind == "int8":
         quantized = LLM(str(make_compressed(smollm2_path, tmp_path / "int8", "int8")), **engine)
+    elif kind == "w8a16":
+        quantized = LLM(str(make_w4a16(smollm2_path, tmp_path / "w8a16", 64, bits=8)), **engine)
     else:
         quantized = LLM(str(make_w4a16(smollm2_path, tmp_path / "w4a16", 64, symmetric=False)), **engine)
     got = [o.prompt_logprobs for o in quantized.generate(sequences, SCORE, use_tqdm=False)]
