@@ -9,6 +9,7 @@ prompt's KV blocks (and each other's) through the prefix cache.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Collection
 from typing import Any, Callable
 
 
@@ -42,10 +43,13 @@ class BeamSearchOutput:
     sequences: list[BeamSearchSequence]
 
 
-def get_beam_search_score(num_generated_tokens: int, cumulative_logprob: float, length_penalty: float = 1.0) -> float:
-    """vLLM's and HF's score: cumulative logprob over length ** length_penalty, where the
-    length counts the generated tokens, a final EOS included."""
-    return cumulative_logprob / (max(num_generated_tokens, 1) ** length_penalty)
+def get_beam_search_score(tokens: list[int], cumulative_logprob: float, eos_token_id: int | Collection[int],
+                          length_penalty: float = 1.0) -> float:
+    """vLLM's score (from an older HF's): cumulative logprob over length ** length_penalty,
+    where the length counts all of `tokens`, the prompt's included, but a final end id
+    (`eos_token_id`: one, or a collection of them)."""
+    ends = eos_token_id if isinstance(eos_token_id, Collection) else (eos_token_id,)
+    return cumulative_logprob / (max(len(tokens) - (tokens[-1] in ends), 1) ** length_penalty)
 
 
 @dataclass
@@ -97,11 +101,13 @@ def beam_search(engine: LLMEngine, generate: Callable[..., list], prompts: Any, 
         first = BeamSearchSequence(token_ids, lora_request=lora_requests[i] if lora_requests else None)
         instances.append(_Instance([first], cache_salt=salt, priority=priorities[i] if priorities else 0))
 
-    ends = set(engine.eos_token_ids)  # vLLM's: the tokenizer's EOS and generation_config.json's end ids
+    # The end ids generate stops at (the tokenizer's EOS and generation_config.json's), where
+    # vLLM 0.11 ends a beam at the tokenizer's EOS only and extends the others' beams past them.
+    ends = frozenset(engine.eos_token_ids)
     width = params.beam_width
 
     def score(beam: BeamSearchSequence) -> float:
-        return get_beam_search_score(len(beam.logprobs), beam.cum_logprob, params.length_penalty)
+        return get_beam_search_score(beam.tokens, beam.cum_logprob, ends, params.length_penalty)
 
     # 2 * beam_width candidates per beam, as HF (enough that EOS candidates leave beam_width others).
     step_params = SamplingParams(logprobs=2 * width, max_tokens=1, temperature=params.temperature)

@@ -376,13 +376,13 @@ def _token_ids(name: str, ids) -> list[int]:
 @dataclass
 class BeamSearchParams:
     """vLLM's `BeamSearchParams`, for `LLM.beam_search`: keep the `beam_width` best sequences
-    (by cumulative logprob over the number of generated tokens, a final EOS included, to the
-    power `length_penalty`, as HF's) for up to `max_tokens` steps.
+    (by cumulative logprob over the sequence's length, its prompt included and a final end
+    id not, to the power `length_penalty`, as vLLM's) for up to `max_tokens` steps.
 
     `temperature` goes to the per-step requests, whose logprobs (of the raw logits) rank the
     candidates. `include_stop_str_in_output` is accepted for vLLM's signature; like vLLM's
     offline beam search, `LLM.beam_search` always keeps a final EOS in the returned tokens.
-    `skip_special_tokens`: how each sequence's `text` is decoded.
+    `skip_special_tokens`: how each sequence's `text` is decoded (vLLM's decodes them all).
     """
 
     beam_width: int
@@ -391,7 +391,7 @@ class BeamSearchParams:
     temperature: float = 0.0
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    skip_special_tokens: bool = False
 
     def __post_init__(self) -> None:
         self.beam_width = check_int("beam_width", self.beam_width, low=1)

@@ -50,16 +50,16 @@ def hf_logprobs(model, tokens: list[int]) -> torch.Tensor:
         return torch.log_softmax(model(torch.tensor([tokens])).logits[0].float(), dim=-1)
 
 
-def score(num_generated: int, cum_logprob: float, length_penalty: float) -> float:
-    """vLLM's (and HF's) beam score, written out: the length counts the generated tokens, a
-    final EOS included."""
-    return cum_logprob / (max(num_generated, 1) ** length_penalty)
+def score(tokens: list[int], cum_logprob: float, length_penalty: float, ends=()) -> float:
+    """vLLM's beam score, written out: the length counts every token, the prompt's included,
+    but a final end id."""
+    return cum_logprob / ((len(tokens) - (tokens[-1] in ends)) ** length_penalty)
 
 
 def reference_beam_search(model, prompt, width, steps, ends, length_penalty, ignore_eos):
     """vLLM's algorithm over HF's logprobs, the plain way: (tokens, cum_logprob), best first."""
     beams, completed = [(list(prompt), 0.0)], []
-    rank = lambda b: score(len(b[0]) - len(prompt), b[1], length_penalty)  # noqa: E731
+    rank = lambda b: score(b[0], b[1], length_penalty, ends)  # noqa: E731
     for _ in range(steps):
         candidates = []
         for tokens, cum in beams:
@@ -73,14 +73,14 @@ def reference_beam_search(model, prompt, width, steps, ends, length_penalty, ign
 
 def check_sequence(seq: BeamSearchSequence, prompt: list[int], tokenizer) -> None:
     """What every returned sequence satisfies: the prompt leads its tokens, one logprob dict
-    per generated token, cum_logprob is their sum, text decodes all tokens but the special
-    ones (as vLLM's skip_special_tokens default)."""
+    per generated token, cum_logprob is their sum, text decodes all tokens, the special ones
+    included (as vLLM's `tokenizer.decode(beam.tokens)`)."""
     assert isinstance(seq, BeamSearchSequence) and seq.tokens[: len(prompt)] == prompt
     generated = seq.tokens[len(prompt):]
     assert len(seq.logprobs) == len(generated)
     assert all(t in step for t, step in zip(generated, seq.logprobs))
     assert seq.cum_logprob == pytest.approx(sum(step[t].logprob for t, step in zip(generated, seq.logprobs)), abs=1e-5)
-    assert seq.text == tokenizer.decode(seq.tokens, skip_special_tokens=True)
+    assert seq.text == tokenizer.decode(seq.tokens)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -132,8 +132,9 @@ def eos_case(llms, hf_model, tmp_path_factory):
 @pytest.mark.parametrize("length_penalty", [0.0, 1.0, 3.0])
 def test_eos_and_length_penalty_follow_vllm(eos_case, length_penalty):
     """A candidate end id finishes its beam (finish_reason "stop", kept with its end id);
-    finished and live beams are ranked together by cum_logprob / generated ** length_penalty,
-    as the plain re-implementation over HF's logprobs ranks them."""
+    finished and live beams are ranked together by cum_logprob / length ** length_penalty
+    (the prompt's tokens counted, a final end id not), as the plain re-implementation over
+    HF's logprobs ranks them."""
     llm, model, end, ends = eos_case
     width = 2
     [output] = llm.beam_search({"prompt_token_ids": TOKEN_PROMPT},
@@ -141,7 +142,7 @@ def test_eos_and_length_penalty_follow_vllm(eos_case, length_penalty):
     want = reference_beam_search(model, TOKEN_PROMPT, width, MAX_TOKENS, ends, length_penalty, ignore_eos=False)
     assert [s.tokens for s in output.sequences] == [tokens for tokens, _ in want]
     assert [s.cum_logprob for s in output.sequences] == pytest.approx([cum for _, cum in want], abs=1e-3)
-    scores = [score(len(s.logprobs), s.cum_logprob, length_penalty) for s in output.sequences]
+    scores = [score(s.tokens, s.cum_logprob, length_penalty, ends) for s in output.sequences]
     assert scores == sorted(scores, reverse=True)
     for seq in output.sequences:
         check_sequence(seq, TOKEN_PROMPT, llm.get_tokenizer())
@@ -159,14 +160,18 @@ def test_eos_and_length_penalty_follow_vllm(eos_case, length_penalty):
 
 
 def test_ignore_eos_extends_through_eos(eos_case):
-    """ignore_eos=True: an end id is extended like any other token, and the beams are HF's
-    with EOS off, whatever the length penalty (every live beam has as many generated tokens)."""
-    llm, model, end, _ = eos_case
+    """ignore_eos=True: an end id is extended like any other token; the beams are HF's with
+    EOS off where length does not count, and the plain re-implementation's where it does (a
+    live beam that ends in an end id counts one token less, as vLLM's score counts it)."""
+    llm, model, end, ends = eos_case
     for length_penalty in (0.0, 1.0):
         [output] = llm.beam_search([{"prompt_token_ids": TOKEN_PROMPT}],
                                    BeamSearchParams(2, MAX_TOKENS, ignore_eos=True, length_penalty=length_penalty))
-        assert [s.tokens for s in output.sequences] == hf_beam_search(model, TOKEN_PROMPT, 2, MAX_TOKENS)
-        assert all(end in s.tokens[len(TOKEN_PROMPT): -1] for s in output.sequences)  # the end id's path went on
+        want = reference_beam_search(model, TOKEN_PROMPT, 2, MAX_TOKENS, ends, length_penalty, ignore_eos=True)
+        assert [s.tokens for s in output.sequences] == [tokens for tokens, _ in want]
+        if length_penalty == 0.0:
+            assert [s.tokens for s in output.sequences] == hf_beam_search(model, TOKEN_PROMPT, 2, MAX_TOKENS)
+            assert all(end in s.tokens[len(TOKEN_PROMPT): -1] for s in output.sequences)  # the end id's path went on
         for seq in output.sequences:
             check_sequence(seq, TOKEN_PROMPT, llm.get_tokenizer())
             assert seq.finish_reason == "length" and len(seq.tokens) == len(TOKEN_PROMPT) + MAX_TOKENS
@@ -190,15 +195,15 @@ def test_prompt_forms_concurrency_and_prefix_sharing(llms):
     prioritized = llm.beam_search(prompts, params, priority=[2, 0, 1])  # (vLLM's: scheduling only)
     assert [[s.tokens for s in o.sequences] for o in prioritized] == [[s.tokens for s in o.sequences] for o in together]
 
-    # The text skips special tokens unless asked (a prompt holding the EOS shows it).
+    # The text keeps special tokens unless asked (a prompt holding the EOS shows it), as vLLM's.
     special = {"prompt_token_ids": TOKEN_PROMPT + [tokenizer.eos_token_id]}
-    [skipped] = llm.beam_search(special, BeamSearchParams(2, 2, ignore_eos=True))
-    [kept] = llm.beam_search(special, BeamSearchParams(2, 2, ignore_eos=True, skip_special_tokens=False))
+    [skipped] = llm.beam_search(special, BeamSearchParams(2, 2, ignore_eos=True, skip_special_tokens=True))
+    [kept] = llm.beam_search(special, BeamSearchParams(2, 2, ignore_eos=True))
     assert tokenizer.eos_token not in skipped.sequences[0].text and tokenizer.eos_token in kept.sequences[0].text
 
     # temperature > 0 samples each step's chosen token; its logprob joins the candidates too.
     [hot] = llm.beam_search(text, BeamSearchParams(beam_width=2, max_tokens=3, temperature=1.0))
-    scores = [score(len(s.logprobs), s.cum_logprob, 1.0) for s in hot.sequences]
+    scores = [score(s.tokens, s.cum_logprob, 1.0, {tokenizer.eos_token_id}) for s in hot.sequences]
     assert len(hot.sequences) == 2 and scores == sorted(scores, reverse=True)
     for seq in hot.sequences:
         check_sequence(seq, ids, tokenizer)
