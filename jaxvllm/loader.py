@@ -194,7 +194,7 @@ def load_model(
         run_specs = quantized_specs(MODELS[cfg.architecture].param_specs(run_cfg), fmt)
         shardings = _param_shardings(run_cfg, mesh, device, run_specs)
         extra = module_tensors(Path(model), fmt)
-        leaves = layer_leaves(specs, extra)
+        leaves = layer_leaves(specs, extra, fmt)
         params = load_safetensors(Path(model), cfg, jdtype, shardings, kv_repeats(cfg, run_cfg), specs, fmt=fmt,
                                   perms=extra.get("perm"), use_tqdm=use_tqdm)
         with _freed_on_failure(params):
@@ -232,9 +232,10 @@ def _stored_unquantized(fmt: CheckpointFormat, files: dict[str, Path], model: st
 
 def _check_expert_blocks(cfg: ModelConfig, fmt: CheckpointFormat, tp: int, expert_parallel: bool) -> None:
     """Block scales of the experts' down projection, whose inputs each device holds a slice of
-    under tensor parallelism (not expert parallelism), must not straddle two devices' slices."""
-    size = fmt.block[1]
-    if any(cfg.moe_layers) and tp > 1 and not expert_parallel and size and (cfg.moe_intermediate_size // tp) % size:
+    under tensor parallelism (not expert parallelism), must not straddle two devices' slices
+    (in a mixed-precision checkpoint, any of its schemes' blocks)."""
+    size = next((f.block[1] for f in fmt.formats() if f.block[1] and (cfg.moe_intermediate_size // tp) % f.block[1]), 0)
+    if any(cfg.moe_layers) and tp > 1 and not expert_parallel and size:
         raise ValueError(f"experts_down: blocks of {size} inputs straddle the split of moe_intermediate_size "
                          f"{cfg.moe_intermediate_size} over {tp} devices ({cfg.moe_intermediate_size // tp} each); "
                          f"use enable_expert_parallel, or a tensor_parallel_size that splits whole blocks")
@@ -312,7 +313,7 @@ def load_safetensors(path: Path, cfg: ModelConfig, dtype, shardings: dict, repea
     names = {s.path: [s.fused_name] if s.path in fused else s.hf_names() for s in tensors}
     missing = [name for s in tensors for name in names[s.path] if name not in files]
     quantized = [n for n in missing if fmt is not None and n.endswith(".weight")
-                 and n.removesuffix(".weight") + f".{fmt.value_name}" in files]
+                 and any(n.removesuffix(".weight") + f".{f.value_name}" in files for f in fmt.formats())]
     if quantized:  # (a GPTQ lm_head whose config does not say so, say)
         raise ValueError(f"{path}: {quantized[0].removesuffix('.weight')} is quantized in the checkpoint, which jaxvllm "
                          f"does not read for that weight ({len(quantized)} such tensor(s)); it reads quantized linear "
@@ -351,7 +352,7 @@ def load_safetensors(path: Path, cfg: ModelConfig, dtype, shardings: dict, repea
                 raise ValueError(f"cannot read tensor {name} from {file}: {e}") from e
             want = (-(-hf_shape[0] // row_block), *hf_shape[1:]) if row_block else hf_shape
             if fmt is not None:  # (a packed tensor checks its stored shape itself)
-                tensor_slice = packed_view(fmt, name, tensor_slice, want, perms)
+                tensor_slice = packed_view(fmt.of(name.rsplit(".", 1)[0], strict=False), name, tensor_slice, want, perms)
                 shape = tuple(tensor_slice.get_shape())
             if shape != want:
                 raise ValueError(f"tensor {name} in {file.name} has shape {shape}, config.json implies {want}")
@@ -579,14 +580,31 @@ def quantized_specs(specs: list[ParamSpec], fmt: CheckpointFormat) -> list[Param
             raise ValueError(f"{spec.path[-1]}: the checkpoint keeps {ignored[0]} in full precision (its "
                              f"quantization_config's ignore list, or its tensors) but not every layer's, part's or expert's "
                              f"{spec.path[-1]}; jaxvllm needs all or none of them")
-        size = fmt.block[1]
-        if fmt.packing in ("gptq", "gptq_v2", "awq") and size and spec.hf_shape[-1] % size:
+        own = spec_format(spec, fmt)
+        size = own.block[1]
+        if own.packing in ("gptq", "gptq_v2", "awq") and size and spec.hf_shape[-1] % size:
             raise ValueError(f"{members[0].hf_name}: group_size {size} does not divide its {spec.hf_shape[-1]} "
-                             f"inputs, which {fmt.method.upper()} requires")
-        out += [_quantized_values(spec, fmt), _per_group(spec, fmt, "scale", fmt.scale_name)]
-        if fmt.zero_name:
-            out.append(_per_group(spec, fmt, "zero", fmt.zero_name))
+                             f"inputs, which {own.method.upper()} requires")
+        out += [_quantized_values(spec, own), _per_group(spec, own, "scale", own.scale_name)]
+        if own.zero_name:
+            out.append(_per_group(spec, own, "zero", own.zero_name))
     return out
+
+
+def spec_format(spec: ParamSpec, fmt: CheckpointFormat) -> CheckpointFormat:
+    """The format a quantized param's tensors are stored in: its modules' (`CheckpointFormat.of`;
+    in a mixed-precision checkpoint, one for all of its layers, parts and experts)."""
+    if not fmt.groups:
+        return fmt
+    names = [n for m in (spec.layers or (spec,)) for p in (m.parts or (m,)) for n in p.hf_names()]
+    found: dict[CheckpointFormat, str] = {}  # each format, and the first name stored in it
+    for name in names:
+        found.setdefault(fmt.of(name.rsplit(".", 1)[0]), name)
+    if len(found) > 1:
+        first, other = list(found.values())[:2]
+        raise ValueError(f"{spec.path[-1]}: the checkpoint stores {first} and {other} in different quantization "
+                         f"schemes (its config_groups); jaxvllm needs one for every layer, part and expert of a weight")
+    return next(iter(found))
 
 
 def _quantized_values(spec: ParamSpec, fmt: CheckpointFormat) -> ParamSpec:
@@ -624,8 +642,8 @@ def module_tensors(path: Path, fmt: CheckpointFormat) -> dict[str, dict[str, np.
     """A format's small per-module tensors, read whole before the weights, by kind and module
     name: "perm", GPTQ act-order's input permutation (`stored_tensors.act_order`, from
     `g_idx`); "input_scale", a static activation scale ([] float32)."""
-    suffixes = {"perm": ".g_idx" if fmt.act_order else None,
-                "input_scale": f".{fmt.input_scale_name}" if fmt.input_scale_name else None}
+    static = next((f.input_scale_name for f in fmt.formats() if f.input_scale_name), None)
+    suffixes = {"perm": ".g_idx" if fmt.act_order else None, "input_scale": f".{static}" if static else None}
     out: dict[str, dict[str, np.ndarray]] = {kind: {} for kind, suffix in suffixes.items() if suffix}
     wanted: dict[Path, list[tuple[str, str]]] = {}  # file -> (kind, name), so each file opens once
     for name, file in tensor_files(path).items() if out else ():
@@ -647,18 +665,21 @@ def _one_scale(tensor: np.ndarray, name: str) -> np.ndarray:
     return np.float32(tensor.reshape(()))
 
 
-def layer_leaves(specs: list[ParamSpec], extra: dict) -> dict[str, dict[str, list]]:
+def layer_leaves(specs: list[ParamSpec], extra: dict, fmt: CheckpointFormat) -> dict[str, dict[str, list]]:
     """Each quantized weight's act-order permutations and static input scales (`module_tensors`),
-    one per layer, by weight name and kind; checked before any weight loads (a merged
-    weight's parts must share their permutation, as GPTQ gives modules with the same inputs,
-    and take the largest of their input scales, as vLLM does)."""
+    one per layer, by weight name and kind, where its format has them; checked before any
+    weight loads (a merged weight's parts must share their permutation, as GPTQ gives
+    modules with the same inputs, and take the largest of their input scales, as vLLM does)."""
     out: dict[str, dict[str, list]] = {}
     for spec in specs:
         name = spec.path[-1].removesuffix("_scale")
         if spec.path[0] != "layers" or name == spec.path[-1] or not extra:
             continue
+        own = spec_format(spec, fmt)
+        kinds = {kind: table for kind, table in extra.items()
+                 if (kind == "perm" and own.act_order) or (kind == "input_scale" and own.input_scale_name)}
         layers = spec.layers or (spec,)
-        out[name] = {kind: [_layer_leaf(m, kind, table) for m in layers] for kind, table in extra.items()}
+        out[name] = {kind: [_layer_leaf(m, kind, table) for m in layers] for kind, table in kinds.items()}
     return out
 
 
@@ -689,7 +710,8 @@ def join_quantized(params: dict, specs: list[ParamSpec], fmt: CheckpointFormat, 
         # for the join waits in `layers` too: a Ctrl-C in a device_put here leaves them all
         # where the caller's `_freed_on_failure` deletes them)
         value, scale, zero = layers[name], layers[spec.path[-1]], layers.get(f"{name}_zero")
-        join = partial(QuantizedWeight, group_size=fmt.block[1], weight_only=fmt.weight_only)
+        own = spec_format(spec, fmt)
+        join = partial(QuantizedWeight, group_size=own.block[1], weight_only=own.weight_only)
         more, placing = leaves.get(name, {}), layers.setdefault(f"{name}_placing", [])
 
         def place(x, like):

@@ -157,6 +157,30 @@ class CheckpointFormat:
     # GPTQ and AWQ: the modules the checkpoint stores as a plain `weight`, which decide instead
     # of `ignore` (`loader.load_model` finds them)
     unquantized: frozenset[str] = frozenset()
+    # compressed-tensors' mixed precision: (targets, format) of each config group (`of`)
+    groups: tuple[tuple[tuple[str, ...], "CheckpointFormat"], ...] = ()
+
+    def formats(self) -> tuple["CheckpointFormat", ...]:
+        """Every scheme the checkpoint's modules are stored in."""
+        return tuple(f for _, f in self.groups) or (self,)
+
+    def of(self, module: str, strict: bool = True) -> "CheckpointFormat":
+        """The format module `module` (not ignored) is stored in: its config group's, found as
+        vLLM finds it, first by the module's name (a target equal to it or a "re:" regex
+        matching from its start) in the groups' order, then by its class ("Linear"). A
+        module no group targets is an error, or (not `strict`: a tensor that is not a
+        quantized layer's, say the embeddings') stored as this format, which packs nothing."""
+        if not self.groups:
+            return self
+        for targets, fmt in self.groups:
+            if any(t == module or (t.startswith("re:") and re.match(t[3:], module)) for t in targets):
+                return fmt
+        for targets, fmt in self.groups:
+            if any(t.lower() == "linear" for t in targets):
+                return fmt
+        if not strict:
+            return self
+        raise ValueError(f"Unable to find matching target for {module} in the compressed-tensors config.")
 
     def ignores(self, hf_name: str) -> bool:
         """Whether the weight `hf_name` stays full precision. GPTQ and AWQ: its module is
@@ -271,13 +295,14 @@ def _gptq_awq_format(quant_config: dict, model: str) -> CheckpointFormat:
 
 
 def _compressed_tensors_format(quant_config: dict, model: str) -> CheckpointFormat:
-    fmt = quant_config.get("format")
-    if fmt not in ("float-quantized", "int-quantized", "pack-quantized"):
-        raise ValueError(f"{model}: compressed-tensors format {fmt!r} is not supported; jaxvllm reads "
-                         f"{SUPPORTED_CHECKPOINTS}")
+    """compressed-tensors: each config group's scheme, in the group's own format or the
+    config's. Groups of one scheme are one format, whatever their targets (the ignore list
+    names what stays full precision); groups of several (llm-compressor's mixed precision)
+    give each module the scheme of its group (`CheckpointFormat.of`)."""
     groups = list((quant_config.get("config_groups") or {}).values())
-    if len(groups) != 1:
-        raise ValueError(f"{model}: compressed-tensors with {len(groups)} config_groups; jaxvllm reads one")
+    if not groups:
+        raise ValueError(f"{model}: compressed-tensors without config_groups (no quantization scheme) is not "
+                         f"supported; jaxvllm reads {SUPPORTED_CHECKPOINTS}")
     kv = quant_config.get("kv_cache_scheme")  # (its scales are read by name with the cache's: `load_kv_scales`)
     if kv and (kv.get("type", "float") != "float" or kv.get("num_bits", 8) != 8 or kv.get("symmetric", True) is not True):
         raise ValueError(f"{model}: compressed-tensors kv_cache_scheme {kv} is not supported; jaxvllm reads symmetric "
@@ -285,8 +310,22 @@ def _compressed_tensors_format(quant_config: dict, model: str) -> CheckpointForm
     if ((quant_config.get("transform_config") or {}).get("config_groups") or {}):  # (the weights hold their inverse)
         raise ValueError(f"{model}: compressed-tensors transform_config (QuIP / Hadamard transforms applied online "
                          f"to the layers' inputs) is not supported by jaxvllm")
-    weights, inputs = groups[0].get("weights") or {}, groups[0].get("input_activations")
     ignore = tuple(quant_config.get("ignore") or ())
+    formats = [_compressed_tensors_group(group, group.get("format") or quant_config.get("format"), ignore, model)
+               for group in groups]
+    if len(set(formats)) == 1:
+        return formats[0]
+    return CheckpointFormat("compressed-tensors", (1, 0), ignore=ignore,
+                            unused=tuple(sorted({suffix for f in formats for suffix in f.unused})),
+                            groups=tuple((tuple(group.get("targets") or ()), f) for group, f in zip(groups, formats)))
+
+
+def _compressed_tensors_group(group: dict, fmt: str | None, ignore: tuple, model: str) -> CheckpointFormat:
+    """The format of one compressed-tensors config group's scheme, stored in format `fmt`."""
+    if fmt not in ("float-quantized", "int-quantized", "pack-quantized"):
+        raise ValueError(f"{model}: compressed-tensors format {fmt!r} is not supported; jaxvllm reads "
+                         f"{SUPPORTED_CHECKPOINTS}")
+    weights, inputs = group.get("weights") or {}, group.get("input_activations")
     if fmt == "pack-quantized":
         return _pack_quantized_format(weights, inputs, ignore, model)
     kind = "float" if fmt == "float-quantized" else "int"
@@ -370,9 +409,11 @@ def online_method(quantization: str | None, cfg) -> str | None:
 def check_expert_format(cfg, fmt: CheckpointFormat) -> None:
     """Refuse expert stacks in a format the experts do not read: static activation scales
     (the grouped matmul quantizes rows per token), and GPTQ's act-order (a permutation of
-    each expert's inputs; Qwen's GPTQ mixtures of experts have none)."""
-    if any(cfg.moe_layers) and (fmt.input_scale_name or fmt.act_order):
-        what = "statically scaled" if fmt.input_scale_name else "GPTQ act-order (desc_act)"
+    each expert's inputs; Qwen's GPTQ mixtures of experts have none); in a mixed-precision
+    checkpoint, in any of its schemes."""
+    bad = next((f for f in fmt.formats() if f.input_scale_name or f.act_order), None)
+    if any(cfg.moe_layers) and bad is not None:
+        what = "statically scaled" if bad.input_scale_name else "GPTQ act-order (desc_act)"
         raise ValueError(f"{cfg.architecture}: {what} expert stacks are not supported yet; jaxvllm reads a mixture "
                          f"of experts' experts in 8-bit checkpoints with dynamic activations, and 4-bit or 8-bit "
                          f"GPTQ without act-order (desc_act false), or quantizes them at load")

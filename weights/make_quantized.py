@@ -11,8 +11,9 @@ they are. transformers quantizes to this format only on a GPU; on a CPU it reads
 dequantizing, which is how tests use it as the oracle.
 
 `make_compressed` writes the compressed-tensors format as llm-compressor does for its
-FP8_DYNAMIC and W8A8 int8 schemes, and `make_w4a16` its 4-bit pack-quantized ones
-(transformers reads them through the compressed-tensors library, the tests' oracle).
+FP8_DYNAMIC, W8A8 int8, FP8 and FP8_BLOCK schemes, `make_w4a16` its 4- and 8-bit
+pack-quantized ones, and `make_mixed` a mixed-precision recipe of those (transformers reads
+them through the compressed-tensors library, the tests' oracle).
 `make_gptq` and `make_awq` write AutoGPTQ's (4- or 8-bit) and AutoAWQ's 4-bit packings, from weights
 quantized to the nearest grid point (the tests' oracle unpacks them as those libraries
 do). Tests import them all.
@@ -108,6 +109,12 @@ def make_compressed(src: str | Path, out: str | Path, kind: str = "fp8", block: 
     ceil(in / inputs)], the last block of an axis may be partial) with activations dynamic
     per token and group of `inputs`; static scales calibrated on random tokens (the largest
     input magnitude over them, to 448 or 127.5); the lm_head ignored."""
+    quantize, group, fmt = eight_bit_scheme(src, kind, block)
+    return _write_compressed(src, out, quantize, group, fmt)
+
+
+def eight_bit_scheme(src: str | Path, kind: str, block: tuple[int, int] = (128, 128)):
+    """(quantize(name, tensor) -> tensors, config group, format) of `make_compressed`'s `kind`."""
     import torch
 
     static = kind.endswith("-static")
@@ -133,11 +140,43 @@ def make_compressed(src: str | Path, out: str | Path, kind: str = "fp8", block: 
     if kind == "fp8-block":
         weights = {"strategy": "block", "block_structure": list(block)}
         inputs = {"strategy": "group", "group_size": block[1], "dynamic": True}
+    group = {"targets": ["Linear"], "weights": {**scheme, **weights, "dynamic": False},
+             "input_activations": {**scheme, **inputs}}
+    return quantize, group, f"{kind_name}-quantized"
+
+
+def make_mixed(src: str | Path, out: str | Path, schemes: dict[str, tuple]) -> Path:
+    """`src` as llm-compressor writes a mixed-precision recipe ("format": "mixed-precision"):
+    `schemes` maps a regex of module names ("re:" target) to the scheme of the modules it
+    matches, the first that does: ("w4a16" | "w8a16", group, symmetric) as `make_w4a16`
+    writes it, or an 8-bit kind of `make_compressed` ("fp8", "int8", "fp8-block", ...); each
+    config group has its own "format". A module no regex matches is kept as it is (and not
+    listed in `ignore`: a checkpoint vLLM refuses)."""
+    groups, quantizers = {}, []
+    for i, (pattern, scheme) in enumerate(schemes.items()):
+        kind, *args = scheme
+        if kind in ("w4a16", "w8a16"):
+            quantize, group, fmt = packed_scheme(*args, bits=4 if kind == "w4a16" else 8)
+        else:
+            quantize, group, fmt = eight_bit_scheme(src, kind, *args)
+        groups[f"group_{i}"] = {**group, "targets": [f"re:{pattern}"], "format": fmt}
+        quantizers.append((re.compile(pattern), quantize))
+
+    def quantize(name: str, tensor) -> dict:
+        module = name.removesuffix(".weight")
+        own = next((q for pattern, q in quantizers if pattern.match(module)), None)
+        return {name: tensor} if own is None else own(name, tensor)
+
     return _write_quantized(src, out, quantize, lambda: {
-        "quant_method": "compressed-tensors", "format": f"{kind_name}-quantized", "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {**scheme, **weights, "dynamic": False},
-                                      "input_activations": {**scheme, **inputs}}},
-        "ignore": ["lm_head"]})
+        "quant_method": "compressed-tensors", "format": "mixed-precision", "quantization_status": "compressed",
+        "config_groups": groups, "ignore": ["lm_head"]})
+
+
+def _write_compressed(src: str | Path, out: str | Path, quantize, group: dict, fmt: str) -> Path:
+    """`src` written with one compressed-tensors config group (the lm_head ignored)."""
+    return _write_quantized(src, out, quantize, lambda: {
+        "quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+        "config_groups": {"group_0": group}, "ignore": ["lm_head"]})
 
 
 def calibrate_inputs(src: str | Path, num_tokens: int = 256, seed: int = 0) -> dict[str, float]:
@@ -259,6 +298,11 @@ def make_w4a16(src: str | Path, out: str | Path, group: int = 128, symmetric: bo
     library itself: `weight_packed` int32 [out, in / (32 / bits)], `weight_scale` [out,
     groups], `weight_zero_point` int32 [out / (32 / bits), groups] when asymmetric,
     `weight_shape`; the lm_head ignored."""
+    return _write_compressed(src, out, *packed_scheme(group, symmetric, bits))
+
+
+def packed_scheme(group: int = 128, symmetric: bool = True, bits: int = 4):
+    """(quantize(name, tensor) -> tensors, config group, format) of `make_w4a16`'s scheme."""
     import torch
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
@@ -275,11 +319,8 @@ def make_w4a16(src: str | Path, out: str | Path, group: int = 128, symmetric: bo
         return out
 
     strategy = {"strategy": "group", "group_size": group} if group else {"strategy": "channel"}
-    return _write_quantized(src, out, quantize, lambda: {
-        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
-            "num_bits": bits, "type": "int", "symmetric": symmetric, "dynamic": False, **strategy}}},
-        "ignore": ["lm_head"]})
+    return quantize, {"targets": ["Linear"], "input_activations": None, "weights": {
+        "num_bits": bits, "type": "int", "symmetric": symmetric, "dynamic": False, **strategy}}, "pack-quantized"
 
 
 def _write_quantized(src: str | Path, out: str | Path, quantize, quantization_config) -> Path:

@@ -426,12 +426,79 @@ def test_compressed_tensors_fp8_partial_blocks_through_the_engine(block, compres
     definition dequantized in torch, greedy tokens through the engine."""
     path = compressed_checkpoint("qwen2", "fp8-block", block)
     hf = w8a8_oracle(dequantized_hf(path, tiny_checkpoint("qwen2")), group=block[1], round_weights=False)
+    assert_engine_greedy_is_the_oracles(path, hf)
+
+
+def assert_engine_greedy_is_the_oracles(path: Path, hf) -> None:
+    """`path` through the engine: greedy tokens of two tie-free prompts as the oracle `hf`'s."""
     prompts = [tie_free_tokens(hf, n) for n in (5, 17)]
-    llm = LLM(path, **ENGINE)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=8),
-                        use_tqdm=False)
+    with LLM(path, **ENGINE) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=8),
+                            use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == hf_greedy(hf, prompts, 8)
-    llm.shutdown()
+
+
+# llm-compressor's mixed precision: each config group its own scheme and format
+MIXED = {"fp8 attention, w4a16 mlp": {r".*self_attn": ("fp8",), r".*mlp": ("w4a16", 32, True)},
+         "fp8-block, w8a16 down": {r".*mlp\.down_proj": ("w8a16", 32, True),
+                                   r".*(self_attn|mlp\.(gate|up)_proj)": ("fp8-block", (32, 32))}}
+
+
+@pytest.fixture(scope="module")
+def mixed_checkpoint(tiny_checkpoint, tmp_path_factory):
+    """mixed_checkpoint(name) -> the tiny Llama in `MIXED[name]`'s schemes."""
+    from weights.make_quantized import make_mixed
+
+    made = {}
+
+    def get(name: str):
+        if name not in made:
+            made[name] = make_mixed(tiny_checkpoint("llama"), tmp_path_factory.mktemp("mixed"), MIXED[name])
+        return made[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(MIXED))
+@pytest.mark.parametrize("stack", [False, True], ids=["per-layer", "stacked"])
+def test_compressed_tensors_mixed_precision_matches_the_library(name, stack, mixed_checkpoint):
+    """Config groups of different schemes, each module read in its group's (vLLM's matching:
+    the first target naming it): against transformers + compressed-tensors, both layouts."""
+    pytest.importorskip("compressed_tensors")
+    path = mixed_checkpoint(name)
+    hf = compressed_tensors_hf(path)
+    cfg, params = load_model(path, stack_layers=stack)
+    kinds = {n: ((w if stack else w[0]).value.dtype, (w if stack else w[0]).weight_only)
+             for n, w in params["layers"].items() if n.endswith("proj")}
+    attention = (jnp.float8_e4m3fn, False)
+    mlp = (jnp.int4, False) if "w4a16" in name else (jnp.float8_e4m3fn, False)
+    down = (jnp.int8, True) if "w8a16" in name else mlp
+    assert kinds == {"o_proj": attention, "down_proj": down,
+                     **({"q_proj": attention, "k_proj": attention, "v_proj": attention, "gate_proj": mlp,
+                         "up_proj": mlp} if stack else {"qkv_proj": attention, "gate_up_proj": mlp})}
+    tokens = tie_free_tokens(hf, 24)
+    inputs = build_inputs([Chunk(tokens, 0, list(range(8)))], 4, all_logits=True)
+    logits, _ = jit_forward(params, allocate_kv_caches(cfg, 8, 4, jnp.float32), inputs, cfg, "reference")
+    assert rel_err(logits, hf_logits(hf, tokens)) <= TOL
+
+
+def test_compressed_tensors_mixed_precision_through_the_engine(mixed_checkpoint, tiny_checkpoint, tmp_path):
+    """Greedy tokens as the library's; a module no group targets (and not ignored) is refused
+    with vLLM's words, and a weight whose layers differ in scheme by name."""
+    from weights.make_quantized import make_mixed
+
+    path = mixed_checkpoint("fp8 attention, w4a16 mlp")
+    assert_engine_greedy_is_the_oracles(path, compressed_tensors_hf(path))
+    for i, (schemes, match) in enumerate([
+            ({r".*self_attn": ("fp8",), r".*mlp\.(gate|up)_proj": ("w4a16", 32, True)},
+             r"Unable to find matching target for model.layers.0.mlp.down_proj in the compressed-tensors config"),
+            ({r"model\.layers\.0\.": ("fp8",), r"model\.layers\.1\.": ("int8",)},
+             r"the checkpoint stores model.layers.0.self_attn.q_proj.weight and model.layers.1.self_attn.q_proj.weight "
+             r"in different quantization schemes")]):
+        live = len(jax.live_arrays())
+        with pytest.raises(ValueError, match=match) as caught:
+            LLM(make_mixed(tiny_checkpoint("llama"), tmp_path / str(i), schemes), **ENGINE)
+        assert len(jax.live_arrays()) == live, caught.value
 
 
 def static_ties(x: torch.Tensor, scale: torch.Tensor) -> int:
