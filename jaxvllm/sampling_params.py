@@ -68,8 +68,6 @@ class StructuredOutputsParams:
             raise ValueError(f"json must be a JSON schema (a dict or its text), got {type(self.json).__name__}")
         if self.json_object is not None and self.json_object is not True:
             raise ValueError(f"json_object must be True (or None), got {self.json_object!r}")
-        if self.regex is not None and "\x00" in self.regex:
-            raise ValueError("regex must not contain a NUL character ('\\x00')")
 
 
 class RequestOutputKind(enum.Enum):

@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import time
+import urllib.parse
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -71,23 +72,57 @@ _SUBSCHEMAS = ("additionalProperties", "unevaluatedProperties", "propertyNames",
 def _no_additional_properties(schema):
     """vLLM's `disable_additional_properties`: a schema that lists `properties` (or
     `patternProperties`) and says nothing of others gets `additionalProperties: false`.
-    Subschemas are reached through the schema keywords only, so `const` and `enum` values
-    and free-form objects ({"type": "object"} alone) stay as written."""
+    Subschemas are reached through the schema keywords and through local `$ref`s (wherever
+    their targets lie: OpenAPI's `components/schemas`, say), so `const` and `enum` values and
+    free-form objects ({"type": "object"} alone) stay as written."""
+    refs: set[str] = set()
+    root = _closed(schema, refs)
+    done: set[str] = set()
+    while refs - done:
+        ref = min(refs - done)
+        done.add(ref)
+        root = _closed_at(root, _pointer(ref), refs)
+    return root
+
+
+def _closed(schema, refs: set[str]):
+    """`_no_additional_properties` of one schema through its keywords; the local `$ref`s met go into `refs`."""
     if isinstance(schema, list):
-        return [_no_additional_properties(s) for s in schema]
+        return [_closed(s, refs) for s in schema]
     if not isinstance(schema, dict):
         return schema
     schema = dict(schema)
+    if isinstance(schema.get("$ref"), str) and schema["$ref"].startswith("#"):
+        refs.add(schema["$ref"])
     for key in _SCHEMA_MAPS:
         if isinstance(schema.get(key), dict):
-            schema[key] = {name: _no_additional_properties(s) for name, s in schema[key].items()}
+            schema[key] = {name: _closed(s, refs) for name, s in schema[key].items()}
     for key in _SUBSCHEMAS:
         if isinstance(schema.get(key), (dict, list)):
-            schema[key] = _no_additional_properties(schema[key])
+            schema[key] = _closed(schema[key], refs)
     listed = isinstance(schema.get("properties"), dict) or isinstance(schema.get("patternProperties"), dict)
     if listed and "additionalProperties" not in schema:
         schema["additionalProperties"] = False
     return schema
+
+
+def _pointer(ref: str) -> list[str]:
+    """The keys of a local `$ref` ("#/a/b~1c": JSON pointer escapes, URI-encoded)."""
+    path = urllib.parse.unquote(ref[1:])
+    return [part.replace("~1", "/").replace("~0", "~") for part in path.split("/")[1:]] if path else []
+
+
+def _closed_at(node, keys: list[str], refs: set[str]):
+    """`node` with the subschema at `keys` closed (the containers on the way copied; a
+    pointer to nothing changes nothing: the grammar's compiler reports it)."""
+    if not keys:
+        return _closed(node, refs)
+    key, rest = keys[0], keys[1:]
+    if isinstance(node, dict) and key in node:
+        return {**node, key: _closed_at(node[key], rest, refs)}
+    if isinstance(node, list) and key.isdigit() and int(key) < len(node):
+        return [*node[: int(key)], _closed_at(node[int(key)], rest, refs), *node[int(key) + 1:]]
+    return node
 
 
 def grammar_text(spec: StructuredOutputsParams, config: StructuredOutputsConfig) -> str:
@@ -190,8 +225,13 @@ class Grammar:
             self.accept(token_id)
 
     def accept(self, token_id: int) -> bool:
-        """Advance past a sampled token; False if the grammar refuses it."""
-        if self.terminated or (token_id != self._eos and self.matcher.is_stopped()):
+        """Advance past a sampled token; False if the grammar refuses it (a matcher in error
+        refuses every token)."""
+        if self.terminated:
+            return True
+        if self.failed:
+            return False
+        if token_id != self._eos and self.matcher.is_stopped():
             return True  # (vLLM's: past the match only EOS is consumed; what else comes is not judged)
         accepted = self.matcher.consume_token(token_id)
         self.terminated = accepted and token_id == self._eos
@@ -206,8 +246,9 @@ class Grammar:
 
     @property
     def failed(self) -> bool:
-        """The matcher is in error (its grammar failed to compile): the request ends aborted at
-        its first token, which the matcher refuses."""
+        """The matcher is in error (its grammar failed to compile, or a token put it there): the
+        request ends aborted at its next token, which `accept` refuses, rather than going on
+        unconstrained."""
         return self.matcher.is_error()
 
     @property
@@ -280,8 +321,9 @@ class StructuredOutputManager:
     def bitmask(self, rows: list[tuple[int, Grammar, list[int]]], num_rows: int) -> np.ndarray:
         """int32 [num_rows, ceil(vocab / 32)] over the model's vocabulary, every bit set but in
         the rows of each (row, grammar, drafts): the grammar's allowed next tokens at `row`,
-        and in a speculative step, after each of its drafts at the rows that follow (the
-        matcher advances over the drafts, then rolls back). A failed grammar's rows keep
+        and in a speculative step, after each of its drafts at the rows that follow (a copy
+        of the matcher advances over the drafts: llguidance cannot roll back a grammar with
+        a `stop=` or `max_tokens=` lexeme, and costs as much to copy). A failed grammar's rows keep
         every bit (their tokens are dropped), and so do a terminated one's (past its EOS,
         under ignore_eos: unconstrained, as vLLM's). So does a row at a dead end: its grammar is
         marked (`Grammar.dead_end` at `row`, `Grammar.dead_end_at` after a draft)."""
@@ -305,17 +347,14 @@ class StructuredOutputManager:
             g.dead_end_at = None
             if g.stopped or g.failed or g.dead_end or not drafts:
                 continue
-            matcher = g.matcher
-            consumed = 0
+            matcher = g.matcher.deep_copy()
             for position, token in enumerate(drafts, 1):  # (valid: the engine cut them, `Grammar.valid_prefix`)
                 if not matcher.consume_token(token):
                     break
-                consumed = position
                 llguidance.numpy.fill_next_token_bitmask(matcher, mask, row + position)
                 after_drafts.append((g, row + position, position))
                 if matcher.is_stopped():  # (EOS only at the row after; no draft follows a stop)
                     break
-            matcher.rollback(consumed)
         if extra:
             mask = np.ascontiguousarray(mask[:, :words])
             filled = [(g, row, 0) for g, row in live] + after_drafts

@@ -203,6 +203,13 @@ def test_disable_additional_properties_as_vllm(path):
     assert both('{"a": 1, "b": 2}', json=union) == (True, False)
     nested = {"type": "array", "items": {"anyOf": [{"properties": {"a": {"type": "integer"}}}]}}
     assert both('[{"a": 1, "b": 2}]', json=nested) == (True, False)
+    # a $ref's target outside the schema keywords (OpenAPI's components), closed as vLLM closes it
+    pet = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    openapi = {"$ref": "#/components/schemas/Pet", "components": {"schemas": {"Pet": pet}}}
+    assert both('{"name": "a", "x": 1}', json=openapi) == (True, False)
+    assert openapi["components"]["schemas"]["Pet"] == pet  # (the caller's schema is left as it was)
+    # (a NUL in a regex is a character like any other)
+    assert both("a\x00b", regex="a\x00b") == (True, True) and both("ab", regex="a\x00b") == (False, False)
 
 
 def test_property_order_is_kept(llm):
@@ -342,8 +349,6 @@ def test_params_need_exactly_one_constraint():
         StructuredOutputsParams()
     with pytest.raises(ValueError, match="You can only use one kind of structured outputs constraint but multiple"):
         StructuredOutputsParams(regex="a", choice=["a"])
-    with pytest.raises(ValueError, match="regex must not contain a NUL character"):
-        StructuredOutputsParams(regex="a\x00b")
     with pytest.raises(ValueError, match="structured_outputs must be a StructuredOutputsParams"):
         SamplingParams(structured_outputs={"regex": "a"})
 
@@ -522,7 +527,7 @@ def test_a_complete_match_that_only_an_eos_past_the_vocabulary_could_follow_stop
 
 def test_masks_after_drafts_and_a_dead_end_past_them(short_vocab_path):
     """A speculative step's rows: the grammar's next tokens at the first, then after each
-    draft, the matcher rolled back after; a dead end past a draft marks `dead_end_at`."""
+    draft (a copy of the matcher advanced); a dead end past a draft marks `dead_end_at`."""
     tokenizer = AutoTokenizer.from_pretrained(short_vocab_path)
     manager = StructuredOutputManager(tokenizer, SHORT_VOCAB["vocab_size"], StructuredOutputsConfig(), wait=True)
     grammar = manager.grammar(StructuredOutputsParams(grammar='start: "a" "b" <|extra_0|>'))
@@ -539,7 +544,28 @@ def test_masks_after_drafts_and_a_dead_end_past_them(short_vocab_path):
     assert allowed(mask[2]) == allowed(want[0][: mask.shape[1]]) == b
     assert (mask[[0, 3]] == -1).all()  # row 3, after "ab", could only take <|extra_0|>: a dead end
     assert grammar.dead_end_at == 2 and not grammar.dead_end
-    assert grammar.accept(a[0])  # (rolled back: still at the start)
+    assert grammar.accept(a[0])  # (the grammar's own matcher is still at the start)
+    manager.shutdown()
+
+
+def test_drafts_under_a_grammar_that_cannot_roll_back(path):
+    """A Lark grammar with a `stop=` lexeme, which llguidance cannot roll back: the rows after
+    drafts come from a copy of the matcher, which stays as it was (rolling it back put it in
+    error, and its request went on unconstrained); a matcher in error refuses every token, so
+    its request ends ("abort") rather than going on unconstrained."""
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    manager = StructuredOutputManager(tokenizer, tokenizer.vocab_size, StructuredOutputsConfig(), wait=True)
+    spec = StructuredOutputsParams(grammar='start: gen\ngen[stop="!"]: /[ab]*/')
+    grammar, plain = manager.grammar(spec), manager.grammar(spec)
+    a, b = (tokenizer.encode(s, add_special_tokens=False) for s in "ab")
+    mask = manager.bitmask([(0, grammar, a + b)], 3)
+    assert not grammar.failed
+    for row, token in enumerate(a + b, 1):
+        assert plain.accept(token)
+        assert (mask[row] == manager.bitmask([(0, plain, [])], 1)[0]).all()
+    assert grammar.accept(b[0]) and not grammar.failed
+    grammar.matcher.rollback(1)  # (what the draft rows did before)
+    assert grammar.failed and not grammar.accept(a[0])
     manager.shutdown()
 
 
