@@ -8,8 +8,8 @@ prompt's KV blocks (and each other's) through the prefix cache.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from collections.abc import Collection
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 

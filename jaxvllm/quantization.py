@@ -322,6 +322,9 @@ def _compressed_tensors_format(quant_config: dict, model: str) -> CheckpointForm
 
 def _compressed_tensors_group(group: dict, fmt: str | None, ignore: tuple, model: str) -> CheckpointFormat:
     """The format of one compressed-tensors config group's scheme, stored in format `fmt`."""
+    if fmt == "mixed-precision":
+        raise ValueError(f"{model}: a compressed-tensors config group without its own format in a mixed-precision "
+                         f"checkpoint (targets {group.get('targets')})")
     if fmt not in ("float-quantized", "int-quantized", "pack-quantized"):
         raise ValueError(f"{model}: compressed-tensors format {fmt!r} is not supported; jaxvllm reads "
                          f"{SUPPORTED_CHECKPOINTS}")

@@ -484,7 +484,8 @@ def test_compressed_tensors_mixed_precision_matches_the_library(name, stack, mix
 
 def test_compressed_tensors_mixed_precision_through_the_engine(mixed_checkpoint, tiny_checkpoint, tmp_path):
     """Greedy tokens as the library's; a module no group targets (and not ignored) is refused
-    with vLLM's words, and a weight whose layers differ in scheme by name."""
+    with vLLM's words, a weight whose layers differ in scheme by name, and a group without
+    its format."""
     from weights.make_quantized import make_mixed
 
     path = mixed_checkpoint("fp8 attention, w4a16 mlp")
@@ -499,6 +500,11 @@ def test_compressed_tensors_mixed_precision_through_the_engine(mixed_checkpoint,
         with pytest.raises(ValueError, match=match) as caught:
             LLM(make_mixed(tiny_checkpoint("llama"), tmp_path / str(i), schemes), **ENGINE)
         assert len(jax.live_arrays()) == live, caught.value
+    groups = json.loads((path / "config.json").read_text())["quantization_config"]["config_groups"]
+    del groups["group_1"]["format"]
+    with pytest.raises(ValueError, match=r"a compressed-tensors config group without its own format in a "
+                                         r"mixed-precision checkpoint \(targets \['re:\.\*mlp'\]\)"):
+        LLM(_with_config(path, tmp_path / "no-format", config_groups=groups), **ENGINE)
 
 
 def static_ties(x: torch.Tensor, scale: torch.Tensor) -> int:
