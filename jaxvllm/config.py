@@ -477,7 +477,8 @@ class EngineConfig:
             logger.warning("guided_decoding_backend=%r is not available in jaxvllm; llguidance ('guidance') "
                            "is used", deprecated["backend"])
             deprecated["backend"] = None
-        if given := {name: value for name, value in deprecated.items() if value is not None}:  # (vLLM 0.11's)
+        # (vLLM 0.11 copies them onto attributes nothing reads; here they do what their names say)
+        if given := {name: value for name, value in deprecated.items() if value is not None}:
             self.structured_outputs_config = dataclasses.replace(self.structured_outputs_config, **given)
         self.speculative_config = spec = SpeculativeConfig.of(self.speculative_config)
         if spec is not None and spec.method in MODEL_SPECULATIVE_METHODS and spec.draft_tensor_parallel_size not in (

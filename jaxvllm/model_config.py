@@ -340,7 +340,8 @@ def read_generation_config(config: EngineConfig) -> dict[str, Any]:
     defaults, as vLLM reads them: from the model's folder unless `generation_config` names
     another ("vllm" still reads the model's, for its EOS ids). Without the file, the
     sampling fields and end ids config.json holds (vLLM's `GenerationConfig.from_model_config`);
-    {} without either."""
+    {} without either in the model's folder, an error in a folder `generation_config` names
+    (as vLLM's: a mistyped path, or the file's own, is not silently left unread)."""
     from transformers import GenerationConfig
 
     source = config.generation_config
@@ -351,7 +352,10 @@ def read_generation_config(config: EngineConfig) -> dict[str, Any]:
         try:
             model_config = json.loads((Path(folder) / "config.json").read_text())
         except (OSError, ValueError):
-            return {}
+            if folder == config.model:
+                return {}
+            raise ValueError(f"generation_config={source!r} is not a folder holding generation_config.json or "
+                             f"config.json") from None
         fields = {key: model_config[key] for key in (*_GENERATION_DEFAULTS, "eos_token_id")
                   if model_config.get(key) is not None}
     except ValueError as e:  # (transformers' checks of its values)

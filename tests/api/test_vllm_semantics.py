@@ -587,6 +587,13 @@ def test_generation_config_is_read_as_vllm_0_11_reads_it(tiny_checkpoint, tmp_pa
     (path / "generation_config.json").write_text(json.dumps({"top_k": 50, "top_p": 0.8, "temperature": 1.0}))
     fields = read_generation_config(EngineConfig(model=str(path)))
     assert fields["top_p"] == 0.8 and "top_k" not in fields and "temperature" not in fields
+    # A generation_config that names neither kind of folder (a typo, the file's own path) is an
+    # error, as vLLM's (it was left unread: the defaults stayed plain SamplingParams())
+    assert read_generation_config(EngineConfig(model=str(path), generation_config=str(path)))["top_p"] == 0.8
+    for wrong in (tmp_path / "typo", path / "generation_config.json"):
+        with pytest.raises(ValueError, match=rf"generation_config='{wrong}' is not a folder holding "
+                                             rf"generation_config.json or config.json"):
+            read_generation_config(EngineConfig(model=str(path), generation_config=str(wrong)))
 
 
 def test_generation_config_eos_ids_stop_as_stop_token_ids(llm, tiny_checkpoint, tmp_path):
