@@ -20,12 +20,16 @@ class LoRARequest:
     lora_local_path: str | None = None  # vLLM's deprecated name of lora_path (its 4th field)
     long_lora_max_len: int | None = None  # vLLM's; only None
     base_model_name: str | None = None
+    tensorizer_config_dict: dict | None = None  # vLLM's; only None (adapters are PEFT folders here)
 
     def __post_init__(self) -> None:
         if self.lora_local_path:
             warnings.warn("LoRARequest's lora_local_path is deprecated (as in vLLM 0.11); use lora_path",
                           DeprecationWarning, stacklevel=3)
             object.__setattr__(self, "lora_path", self.lora_path or self.lora_local_path)
+        if self.tensorizer_config_dict is not None:
+            raise ValueError(f"LoRARequest {self.lora_name!r}: tensorizer_config_dict (an adapter serialized with "
+                             f"tensorizer) is not supported by jaxvllm; give lora_path a PEFT folder")
         if self.long_lora_max_len is not None:
             raise ValueError(f"LoRARequest long_lora_max_len={self.long_lora_max_len!r}: long-context LoRA is not "
                              "supported by jaxvllm")

@@ -423,7 +423,8 @@ def test_engine_from_config_takes_lora_request(tiny_checkpoint, adapter):
 
 def test_lora_request_takes_vllm_0_11s_fields(adapter):
     """vLLM 0.11's LoRARequest fields in its order: lora_local_path (deprecated, warned, the
-    path when lora_path is not given), long_lora_max_len (refused: not supported here)."""
+    path when lora_path is not given), long_lora_max_len and tensorizer_config_dict (refused:
+    not supported here)."""
     path = str(adapter("llama", 0))
     with pytest.warns(DeprecationWarning, match="lora_local_path is deprecated"):
         old, positional = LoRARequest("old", 1, lora_local_path=path), LoRARequest("positional", 2, "", path)
@@ -437,6 +438,10 @@ def test_lora_request_takes_vllm_0_11s_fields(adapter):
     assert relative.lora_path == os.path.relpath(path) and _same_folder(relative, old)
     with pytest.raises(ValueError, match="long_lora_max_len=4096: long-context LoRA is not supported"):
         LoRARequest("long", 3, path, long_lora_max_len=4096)
+    # its 7th: an adapter serialized with tensorizer (refused), None taken by position too
+    assert LoRARequest("seven", 6, path, None, None, "base", None).base_model_name == "base"
+    with pytest.raises(ValueError, match="tensorizer_config_dict .* is not supported by jaxvllm"):
+        LoRARequest("tensorized", 7, path, tensorizer_config_dict={"tensorizer_dir": "/x"})
 
 
 def test_tensor_and_data_parallel(tiny_checkpoint, adapter, peft_reference):
