@@ -29,11 +29,11 @@ class BeamSearchSequence:
 
     tokens: list[int]
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    lora_request: Any = None
     cum_logprob: float = 0.0
     text: str | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    lora_request: Any = None
 
 
 @dataclass
@@ -132,7 +132,7 @@ def beam_search(engine: LLMEngine, generate: Callable[..., list], prompts: Any, 
                         step_logprobs = next(outputs).outputs[0].logprobs[0]
                         for token, logprob in step_logprobs.items():
                             child = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [step_logprobs],
-                                                       beam.cum_logprob + logprob.logprob, lora_request=beam.lora_request)
+                                                       beam.lora_request, beam.cum_logprob + logprob.logprob)
                             if token in ends and not params.ignore_eos:
                                 child.finish_reason = "stop"
                                 inst.completed.append(child)

@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import json
 import re
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -229,3 +230,26 @@ class AsyncEngineArgs(EngineArgs):
     whether to log each request's arrival, end and abort."""
 
     enable_log_requests: bool = False
+
+    @property
+    def disable_log_requests(self) -> bool:
+        """vLLM's deprecated opposite of `enable_log_requests`."""
+        warnings.warn("disable_log_requests is deprecated (as in vLLM 0.11); use enable_log_requests",
+                      DeprecationWarning, stacklevel=2)
+        return not self.enable_log_requests
+
+    @disable_log_requests.setter
+    def disable_log_requests(self, value: bool) -> None:
+        self.enable_log_requests = not value
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, async_args_only: bool = False) -> argparse.ArgumentParser:
+        """vLLM's: the engine flags (not with `async_args_only`) and --enable-log-requests
+        (--disable-log-requests is vLLM's deprecated flag, which its `from_cli_args` does not read either)."""
+        if not async_args_only:
+            parser = EngineArgs.add_cli_args(parser)
+        parser.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
+                            help="log each request's arrival, end and abort")
+        parser.add_argument("--disable-log-requests", action=argparse.BooleanOptionalAction, default=True,
+                            help="[deprecated] use --enable-log-requests")
+        return parser

@@ -34,10 +34,11 @@ class RequestMetrics:
     finished_time: float | None = None
 
 
-@dataclass
+@dataclass(eq=False)
 class RequestOutput:
     """vLLM's, its fields in vLLM's order (positional construction means the same); the
-    encoder and multi-modal ones are always empty here."""
+    encoder and multi-modal ones are always empty here. Compared and hashed by identity,
+    as vLLM's plain class is (sets and dict keys of outputs work)."""
 
     request_id: str
     prompt: str | None
@@ -64,7 +65,9 @@ class RequestOutput:
                     continue
                 if aggregate:
                     completion.text += new.text
-                    completion.token_ids = list(completion.token_ids) + list(new.token_ids)
+                    if not isinstance(completion.token_ids, list):
+                        completion.token_ids = list(completion.token_ids)
+                    completion.token_ids.extend(new.token_ids)  # (in place, as vLLM's)
                     if new.logprobs:
                         completion.logprobs.extend(new.logprobs)
                     completion.cumulative_logprob = new.cumulative_logprob

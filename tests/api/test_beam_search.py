@@ -71,6 +71,13 @@ def reference_beam_search(model, prompt, width, steps, ends, length_penalty, ign
     return sorted(completed + beams, key=rank, reverse=True)[:width]
 
 
+def test_beam_search_sequence_fields_in_vllms_order():
+    """vLLM's positional order: tokens, logprobs, lora_request, cum_logprob, text, finish_reason, stop_reason."""
+    seq = BeamSearchSequence([1, 2], [], None, -0.5, "txt", "stop", 7)
+    assert (seq.lora_request, seq.cum_logprob, seq.text, seq.finish_reason, seq.stop_reason) == (None, -0.5, "txt",
+                                                                                                "stop", 7)
+
+
 def check_sequence(seq: BeamSearchSequence, prompt: list[int], tokenizer) -> None:
     """What every returned sequence satisfies: the prompt leads its tokens, one logprob dict
     per generated token, cum_logprob is their sum, text decodes all tokens, the special ones

@@ -476,6 +476,27 @@ def test_engine_args_from_the_command_line_and_engine_helpers(tiny_checkpoint):
     engine.shutdown()
 
 
+def test_async_engine_args_flags():
+    """vLLM's AsyncEngineArgs.add_cli_args: the engine flags and --enable-log-requests (its
+    deprecated --disable-log-requests parsed, not read), or those alone (`async_args_only`);
+    the deprecated `disable_log_requests` property."""
+    import argparse
+
+    from jaxvllm import AsyncEngineArgs
+
+    parser = AsyncEngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--model", "dummy:tiny", "--max-model-len", "64", "--enable-log-requests",
+                              "--disable-log-requests"])
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    assert engine_args.enable_log_requests and engine_args.max_model_len == 64
+    assert vars(AsyncEngineArgs.add_cli_args(argparse.ArgumentParser(), async_args_only=True).parse_args([])) == {
+        "enable_log_requests": False, "disable_log_requests": True}
+    with pytest.warns(DeprecationWarning, match="disable_log_requests is deprecated"):
+        assert engine_args.disable_log_requests is False
+    engine_args.disable_log_requests = True
+    assert engine_args.enable_log_requests is False
+
+
 def test_vllm_script_flags_and_none_defaults():
     """The flags vLLM's example scripts pass (`--seed`, `--trust-remote-code`, `-tp`, `-O3`, a JSON
     flag's keys one at a time, ...), through `from jaxvllm.utils import FlexibleArgumentParser`
@@ -1113,9 +1134,14 @@ def test_request_output_positional_fields_and_add():
     assert first.encoder_prompt is None and first.multi_modal_placeholders == {} and first.kv_transfer_params is None
     later = RequestOutput("r", "hi", [1, 2], None, [CompletionOutput(0, "b", [6], -1.5, [{6: -1.5}], "stop", 9),
                                                     CompletionOutput(1, "c", [7])], True)
+    held = first.outputs[0].token_ids
     first.add(later, aggregate=True)
     assert first.finished and len(first.outputs) == 2
     done = first.outputs[0]
+    assert held is done.token_ids  # (extended in place, as vLLM's)
+    # a plain class in vLLM: compared and hashed by identity (sets and dict keys of outputs)
+    twin = RequestOutput("r", "hi", [1, 2], None, [], False)
+    assert twin != RequestOutput("r", "hi", [1, 2], None, [], False) and len({twin, first}) == 2
     assert (done.text, done.token_ids, done.logprobs, done.cumulative_logprob) == ("ab", [5, 6], [{5: 0.0}, {6: -1.5}], -1.5)
     assert (done.finish_reason, done.stop_reason, first.outputs[1].text) == ("stop", 9, "c")
     first.add(RequestOutput("r", "hi", [1, 2], None, [CompletionOutput(1, "cd", [7, 8])], True), aggregate=False)
