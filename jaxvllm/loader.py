@@ -181,7 +181,6 @@ def load_model(
                              f"fp8 weights, load a full-precision config with quantization='fp8'")
         fmt = checkpoint_format(quantization_config(Path(model)), str(model))
         check_expert_format(cfg, fmt)
-        _check_expert_blocks(cfg, fmt, 1 if mesh is None else mesh.size, expert_parallel)
         if fmt.value_name == "qweight":
             fmt = _stored_unquantized(fmt, tensor_files(Path(model)), model)
     target = device or (mesh.devices.flat[0] if mesh is not None else jax.devices()[0])
@@ -191,6 +190,7 @@ def load_model(
     run_cfg = sharded_config(cfg, 1 if mesh is None else mesh.size, expert_parallel)
     if fmt is not None:  # quantized values, their scales (and zero points), joined into QuantizedWeights once placed
         specs = quantized_specs(MODELS[cfg.architecture].param_specs(cfg), fmt)
+        _check_expert_blocks(cfg, specs, fmt, 1 if mesh is None else mesh.size, expert_parallel)
         run_specs = quantized_specs(MODELS[cfg.architecture].param_specs(run_cfg), fmt)
         shardings = _param_shardings(run_cfg, mesh, device, run_specs)
         extra = module_tensors(Path(model), fmt)
@@ -230,12 +230,14 @@ def _stored_unquantized(fmt: CheckpointFormat, files: dict[str, Path], model: st
         if name.endswith(".weight") and name.removesuffix(".weight") + ".qweight" not in files))
 
 
-def _check_expert_blocks(cfg: ModelConfig, fmt: CheckpointFormat, tp: int, expert_parallel: bool) -> None:
-    """Block scales of the experts' down projection, whose inputs each device holds a slice of
-    under tensor parallelism (not expert parallelism), must not straddle two devices' slices
-    (in a mixed-precision checkpoint, any of its schemes' blocks)."""
-    size = next((f.block[1] for f in fmt.formats() if f.block[1] and (cfg.moe_intermediate_size // tp) % f.block[1]), 0)
-    if any(cfg.moe_layers) and tp > 1 and not expert_parallel and size:
+def _check_expert_blocks(cfg: ModelConfig, specs: list[ParamSpec], fmt: CheckpointFormat, tp: int,
+                         expert_parallel: bool) -> None:
+    """Block scales of the experts' down projection (`specs`: the quantized checkpoint's),
+    whose inputs each device holds a slice of under tensor parallelism (not expert
+    parallelism), must not straddle two devices' slices."""
+    down = next((spec for spec in specs if spec.path[-1] == "experts_down_scale"), None)
+    size = 0 if down is None else spec_format(down, fmt).block[1]
+    if tp > 1 and not expert_parallel and size and (cfg.moe_intermediate_size // tp) % size:
         raise ValueError(f"experts_down: blocks of {size} inputs straddle the split of moe_intermediate_size "
                          f"{cfg.moe_intermediate_size} over {tp} devices ({cfg.moe_intermediate_size // tp} each); "
                          f"use enable_expert_parallel, or a tensor_parallel_size that splits whole blocks")

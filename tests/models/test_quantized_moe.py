@@ -233,6 +233,31 @@ def test_quantized_experts_refusals(tiny_checkpoint, tmp_path):
         LLM(act_order, **ENGINE)
 
 
+def test_expert_blocks_are_checked_in_the_experts_own_scheme(tiny_checkpoint, tmp_path):
+    """Under tensor parallelism the experts' down projection's blocks must not straddle a
+    split (32 inputs over 2 devices: 16 each). In a mixed-precision checkpoint the experts'
+    own scheme decides: blocks of 32 in the attention alone leave per-channel experts free
+    (they were refused), and the experts' own blocks of 32 are refused."""
+    from jaxvllm.loader import _check_expert_blocks, load_config, quantization_config, quantized_specs
+    from jaxvllm.models import MODELS
+    from jaxvllm.quantization import checkpoint_format
+    from weights.make_quantized import make_mixed
+
+    src = tiny_checkpoint("qwen3_moe")
+    for name, experts, refused in (("channel", ("w8a16", 0, True), False), ("blocks", ("fp8-block", (32, 32)), True)):
+        path = make_mixed(src, tmp_path / name, {r".*self_attn": ("fp8-block", (32, 32)), r".*mlp": experts})
+        cfg, fmt = load_config(path), checkpoint_format(quantization_config(path), str(path))
+        specs = quantized_specs(MODELS[cfg.architecture].param_specs(cfg), fmt)
+        assert cfg.moe_intermediate_size == 32
+        _check_expert_blocks(cfg, specs, fmt, 2, expert_parallel=True)
+        if refused:
+            with pytest.raises(ValueError, match=r"experts_down: blocks of 32 inputs straddle the split of "
+                                                 r"moe_intermediate_size 32 over 2 devices"):
+                _check_expert_blocks(cfg, specs, fmt, 2, expert_parallel=False)
+        else:
+            _check_expert_blocks(cfg, specs, fmt, 2, expert_parallel=False)
+
+
 def test_a_quantized_router(int4_checkpoint, tiny_checkpoint, tmp_path):
     """AutoAWQ quantizes Qwen3-MoE's router (`mlp.gate`) unless told not to, and vLLM reads it
     so: logits as transformers' holding the router that AutoAWQ's unpacking gives, in both
