@@ -173,7 +173,7 @@ class CheckpointFormat:
         if not self.groups:
             return self
         for targets, fmt in self.groups:
-            if any(t == module or (t.startswith("re:") and re.match(t[3:], module)) for t in targets):
+            if any(_names(t, module) for t in targets):
                 return fmt
         for targets, fmt in self.groups:
             if any(t.lower() == "linear" for t in targets):
@@ -191,15 +191,23 @@ class CheckpointFormat:
         if self.value_name == "qweight":
             return module in self.unquantized
         for m in self.ignore:
-            if m.startswith("re:"):
-                hit = re.match(m[3:], module) is not None
-            elif self.method == "compressed-tensors":
-                hit = module == m
-            else:
-                hit = module == m or module.startswith(m + ".") or module.endswith("." + m)
+            hit = _names(m, module)
+            if not hit and self.method != "compressed-tensors" and not m.startswith("re:"):
+                hit = module.startswith(m + ".") or module.endswith("." + m)
             if hit:
                 return True
         return False
+
+
+def _names(entry: str, module: str) -> bool:
+    """Whether a quantization config's entry (a target or an ignored module) names `module`:
+    equal to it, or a "re:" regex matching from its start."""
+    return re.match(entry[3:], module) is not None if entry.startswith("re:") else entry == module
+
+
+def _is_block(block: Any) -> bool:
+    """A block of weights as configs give it: [rows, inputs], two positive ints."""
+    return isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)
 
 
 SUPPORTED_CHECKPOINTS = ("fp8 (quant_method 'fp8': blocks (weight_block_size) with dynamic activations, or "
@@ -231,7 +239,7 @@ def checkpoint_format(quant_config: dict, model: str) -> CheckpointFormat:
         return CheckpointFormat("fp8", (0, 0), scale_name="weight_scale", ignore=ignore,
                                 unused=(".input_scale",) if static else (),
                                 input_scale_name="input_scale" if static else None)
-    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+    if not _is_block(block):
         raise ValueError(f"{model}: an fp8 checkpoint's weight_block_size must be two positive ints [rows, inputs] "
                          f"(or absent: per-tensor scales), got {block!r}")
     if scheme != "dynamic":
@@ -358,7 +366,7 @@ def _fp8_block_format(block: Any, inputs: dict, ignore: tuple, model: str) -> Ch
     """compressed-tensors fp8 weights per block of (rows, inputs) (`weight_scale` per block),
     activations quantized dynamically per token and group of the block's inputs, as vLLM
     computes them (its block GEMM's only form)."""
-    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+    if not _is_block(block):
         raise ValueError(f"{model}: compressed-tensors block_structure {block!r} of 'block' weights must be two "
                          f"positive ints [rows, inputs]")
     want = {"num_bits": 8, "type": "float", "strategy": "group", "group_size": block[1], "dynamic": True,
